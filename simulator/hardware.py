@@ -1,0 +1,186 @@
+"""Hardware profiles: what a GPU, a node and the fabric can do, as data.
+
+A profile is the cost model's only source of numbers. Bundled presets
+(``simulator/presets/systems/*.yaml``) come from datasheets and published
+microbenchmarks, each number with its source in a comment; a calibrated profile
+(``clustersim calibrate``) has the same schema and records its provenance, so a
+scenario uses either with ``cluster.system: NAME`` or ``cluster.system: path.yaml``.
+
+Achievable efficiency is data too: a piecewise-linear curve over log10(problem
+size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamped
+at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
+latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from simulator.errors import Problem, UserError
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+LinkName = Literal["intra_node", "inter_node"]
+CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
+
+SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EfficiencyCurve(_Frozen):
+    """Achieved / peak as a function of problem size, interpolated in log10(size)."""
+
+    points: tuple[tuple[float, float], ...] = Field(min_length=1)
+
+    @field_validator("points")
+    @classmethod
+    def _check(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        sizes = [x for x, _ in pts]
+        if any(x <= 0 for x in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError("sizes must be positive and strictly increasing")
+        if any(not 0 < e <= 1 for _, e in pts):
+            raise ValueError("efficiencies must lie in (0, 1]")
+        return pts
+
+    def __call__(self, size: float) -> float:
+        pts = self.points
+        if size <= pts[0][0]:
+            return pts[0][1]
+        if size >= pts[-1][0]:
+            return pts[-1][1]
+        lx = math.log10(size)
+        for (x0, e0), (x1, e1) in zip(pts, pts[1:], strict=False):
+            if size <= x1:
+                w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]  # unreachable: size < pts[-1][0] here
+
+
+class GPUSpec(_Frozen):
+    name: str
+    peak_tflops: dict[Dtype, float]  # dense tensor-core peak per dtype, TFLOP/s
+    memory_GB: float = Field(gt=0)  # HBM capacity, 1e9 bytes
+    hbm_bandwidth_GBps: float = Field(gt=0)  # HBM bandwidth, 1e9 bytes/s
+    gemm_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one GEMM
+    attention_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one attention call
+    memory_efficiency: EfficiencyCurve  # achieved/peak HBM bandwidth vs bytes moved
+    kernel_overhead_us: float = Field(default=0.0, ge=0)  # fixed cost per kernel launch
+
+    def peak_flops(self, dtype: Dtype) -> float:
+        if dtype not in self.peak_tflops:
+            raise UserError([Problem("training.dtype", dtype,
+                                     f"GPU {self.name} has no peak for it; profile lists "
+                                     f"{sorted(self.peak_tflops)}")])
+        return self.peak_tflops[dtype] * 1e12
+
+
+class LinkSpec(_Frozen):
+    bandwidth_GBps: float = Field(gt=0)  # per GPU, per direction, line rate
+    latency_us: float = Field(ge=0)  # α: per algorithm step
+    efficiency: float = Field(default=1.0, gt=0, le=1)  # achieved busbw / line rate
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Achievable bandwidth in bytes/s (line rate × efficiency)."""
+        return self.bandwidth_GBps * 1e9 * self.efficiency
+
+    @property
+    def alpha_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+class InterNodeSpec(LinkSpec):
+    nics_per_node: int = Field(gt=0)
+    nic_Gbps: float = Field(gt=0)  # line rate of one NIC, gigabits/s
+    oversubscription: float = Field(default=1.0, ge=1)  # fat-tree core taper (1 = non-blocking)
+
+
+class HostSpec(_Frozen):
+    pcie_bandwidth_GBps: float = Field(gt=0)  # per GPU, per direction (host <-> device)
+    cpu_adam_params_per_s: float = Field(gt=0)  # CPU AdamW throughput per GPU's share of host
+
+
+class AlphaBeta(_Frozen):
+    """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
+
+    alpha_us: float = Field(ge=0)
+    busbw_GBps: float = Field(gt=0)
+    samples: int = 0
+    median_rel_error: float | None = None
+
+
+class HardwareProfile(_Frozen):
+    name: str
+    description: str = ""
+    gpu: GPUSpec
+    gpus_per_node: int = Field(gt=0)
+    intra_node: LinkSpec  # NVSwitch (or NVLink) port of one GPU
+    inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
+    host: HostSpec
+    # calibrated per-collective costs by link class; when present they replace the
+    # link-derived α/β for that collective (see costs.py)
+    collectives: dict[CollectiveName, dict[LinkName, AlphaBeta]] = Field(default_factory=dict)
+    provenance: dict[str, Any] = Field(default_factory=dict)
+
+    def link(self, name: LinkName) -> LinkSpec:
+        return self.intra_node if name == "intra_node" else self.inter_node
+
+
+def preset_system_names() -> list[str]:
+    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.yaml"))
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """Read a YAML file or raise a one-line UserError naming the file and the problem."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError([Problem(what, str(path), f"cannot read it ({exc.strerror})")]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or "not valid YAML"
+        raise UserError([Problem(what, str(path), f"invalid YAML{where}: {reason}")]) from None
+
+
+@lru_cache(maxsize=64)
+def _load_profile_file(path: str, mtime: float) -> HardwareProfile:
+    from pydantic import ValidationError
+
+    data = read_yaml(Path(path), "cluster.system")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise UserError([Problem("cluster.system", path,
+                                 f"not a valid hardware profile: {loc}: {first['msg']}")]) from None
+
+
+def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProfile:
+    """A bundled preset by name, or a profile YAML by path (relative to ``base_dir``)."""
+    if name_or_path in preset_system_names():
+        path = SYSTEMS_DIR / f"{name_or_path}.yaml"
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.suffix.lower() in (".yaml", ".yml") or not path.exists():
+            import difflib
+
+            near = difflib.get_close_matches(name_or_path, preset_system_names(), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise UserError([Problem("cluster.system", name_or_path,
+                                     f"{hint}not a preset ({', '.join(preset_system_names())}) "
+                                     "nor an existing profile .yaml file")])
+    return _load_profile_file(str(path.resolve()), path.stat().st_mtime)

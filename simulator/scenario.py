@@ -1,0 +1,426 @@
+"""The scenario: what a user asks the simulator about, typed and frozen.
+
+YAML is only how a scenario is stored. :func:`load_scenario` reads it, applies
+``--set key.path=value`` overrides, resolves the model preset and the hardware
+system, and returns a :class:`Scenario` or raises :class:`ScenarioError` with one
+line per problem (field, value, fix) — every problem, not just the first.
+
+Keys are the user-facing contract (README "Scenario reference"); unknown keys are
+errors with the closest valid key suggested. Values a later version will simulate
+may be accepted here and refused by ``run`` with a "not implemented yet" error;
+nothing is silently treated as something else.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from simulator.errors import Problem, ScenarioError, UserError
+from simulator.hardware import (
+    Dtype,
+    HardwareProfile,
+    load_system,
+    read_yaml,
+)
+
+MODELS_DIR = Path(__file__).parent / "presets" / "models"
+
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+Recompute = Literal["none", "selective", "full"]
+Fidelity = Literal["folded", "full"]
+Method = Literal["engine", "analytic"]
+Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    """A decoder-only transformer. Defaults describe a GPT (Megatron) block."""
+
+    preset: str | None = None  # the bundled preset these fields started from
+    layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)  # h
+    heads: int = Field(gt=0)  # a, query heads
+    kv_heads: int | None = Field(default=None, gt=0)  # GQA when < heads; default heads
+    ffn_hidden: int | None = Field(default=None, gt=0)  # default 4 × hidden
+    vocab: int = Field(gt=0)  # V
+    seq_len: int = Field(gt=0)  # s
+    activation: Literal["gelu", "swiglu"] = "gelu"  # swiglu has three MLP matrices
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    bias: bool = True  # linear layers carry biases (GPT) or not (LLaMA)
+    tied_embeddings: bool = True  # output projection shares the input embedding
+    position: Literal["learned", "rope"] = "learned"  # learned adds s × h parameters
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("preset") is not None:
+            data = {**_preset_fields(data["preset"]), **data}
+        if isinstance(data.get("heads"), int) and data.get("kv_heads") is None:
+            data = {**data, "kv_heads": data["heads"]}
+        if isinstance(data.get("hidden"), int) and data.get("ffn_hidden") is None:
+            data = {**data, "ffn_hidden": 4 * data["hidden"]}
+        return data
+
+    @property
+    def kv(self) -> int:
+        assert self.kv_heads is not None
+        return self.kv_heads
+
+    @property
+    def ffn(self) -> int:
+        assert self.ffn_hidden is not None
+        return self.ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _preset_fields(name: object) -> dict[str, Any]:
+    if not isinstance(name, str) or not (MODELS_DIR / f"{name}.yaml").exists():
+        near = difflib.get_close_matches(str(name), preset_model_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ValueError(f"unknown model preset; {hint}bundled: {', '.join(preset_model_names())}")
+    base = read_yaml(MODELS_DIR / f"{name}.yaml", "model.preset")
+    assert isinstance(base, dict), f"preset {name} is not a mapping"
+    return base
+
+
+class ClusterSpec(_Frozen):
+    """How many nodes of which system; optional overrides of the system's numbers."""
+
+    system: str  # preset name (`clustersim presets`) or path to a hardware-profile YAML
+    nodes: int = Field(gt=0)
+    gpus_per_node: int | None = Field(default=None, gt=0)
+    intra_node_bandwidth_GBps: float | None = Field(default=None, gt=0)  # per GPU, per direction
+    inter_node_bandwidth_GBps: float | None = Field(default=None, gt=0)  # per GPU (its NIC)
+    link_latency_us: float | None = Field(default=None, ge=0)  # α of both link classes
+    oversubscription: float | None = Field(default=None, ge=1)  # fat-tree taper, 1 = non-blocking
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_system(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("system"), str):
+            return data
+        try:
+            hw = load_system(data["system"])
+        except UserError:
+            return data  # _check_system reports it against cluster.system
+        return {"gpus_per_node": hw.gpus_per_node, **data}
+
+    @field_validator("system")
+    @classmethod
+    def _check_system(cls, name: str) -> str:
+        try:
+            load_system(name)
+        except UserError as exc:
+            first = exc.problems[0]
+            raise ValueError(first.fix if isinstance(first, Problem) else first) from None
+        return name
+
+    @property
+    def gpus(self) -> int:
+        assert self.gpus_per_node is not None
+        return self.nodes * self.gpus_per_node
+
+
+class OverlapSpec(_Frozen):
+    """Which communication runs on its own stream, overlapping compute."""
+
+    dp: bool = True  # DP gradient buckets reduce while backward continues
+    pp: bool = True  # pipeline send/recv on a separate stream
+    zero3_prefetch: bool = True  # ZeRO-3 all-gathers the next unit ahead of use
+
+
+class ParallelSpec(_Frozen):
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = Field(default=1, gt=0)  # chunks per pipeline rank (interleaved)
+    zero: Literal[0, 1, 2, 3] = 0  # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
+    zero_offload: bool = False  # optimizer states and step on the host (ZeRO-Offload)
+    fsdp_prefetch: int = Field(default=1, ge=0)  # ZeRO-3 units gathered ahead
+    reshard_after_forward: bool = True  # ZeRO-3 frees gathered params after forward
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    dp_bucket_MB: float = Field(default=25.0, gt=0)  # DDP gradient bucket size, 1e6 bytes
+    overlap: OverlapSpec = OverlapSpec()
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class TrainingSpec(_Frozen):
+    global_batch: int = Field(gt=0)  # sequences per optimizer step (B)
+    micro_batch: int = Field(default=1, gt=0)  # sequences per micro-batch (b)
+    dtype: Dtype = "bf16"  # training precision; optimizer is mixed-precision AdamW
+    optimizer: Literal["adamw"] = "adamw"
+
+
+class SimulationSpec(_Frozen):
+    method: Method = "engine"  # engine (discrete-event) or analytic (closed form)
+    fidelity: Fidelity = "folded"  # folded: one rank per stage stands for its symmetric peers
+    collective_algorithm: Algorithm = "auto"  # auto picks per collective like NCCL
+    seed: int = 0  # reserved for stragglers/faults; the simulation is deterministic
+
+
+class Scenario(_Frozen):
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: ModelSpec
+    cluster: ClusterSpec
+    parallel: ParallelSpec = ParallelSpec()
+    training: TrainingSpec
+    simulation: SimulationSpec = SimulationSpec()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scenario:
+        problems = consistency_problems(self)
+        if problems:
+            # not a ValueError: pydantic must not wrap it; load_scenario passes it on
+            raise ScenarioError(problems)
+        return self
+
+    @property
+    def microbatches(self) -> int:
+        """m: micro-batches per pipeline per step, B / (b · dp)."""
+        return self.training.global_batch // (self.training.micro_batch * self.parallel.dp)
+
+    @cached_property
+    def hardware(self) -> HardwareProfile:
+        """The system profile with this scenario's cluster overrides applied."""
+        return effective_hardware(self.cluster)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def effective_hardware(cluster: ClusterSpec) -> HardwareProfile:
+    hw = load_system(cluster.system)
+    intra, inter = hw.intra_node, hw.inter_node
+    if cluster.intra_node_bandwidth_GBps is not None:
+        intra = intra.model_copy(update={"bandwidth_GBps": cluster.intra_node_bandwidth_GBps})
+    if cluster.inter_node_bandwidth_GBps is not None:
+        inter = inter.model_copy(update={"bandwidth_GBps": cluster.inter_node_bandwidth_GBps})
+    if cluster.link_latency_us is not None:
+        intra = intra.model_copy(update={"latency_us": cluster.link_latency_us})
+        inter = inter.model_copy(update={"latency_us": cluster.link_latency_us})
+    if cluster.oversubscription is not None:
+        inter = inter.model_copy(update={"oversubscription": cluster.oversubscription})
+    return hw.model_copy(update={"gpus_per_node": cluster.gpus_per_node,
+                                 "intra_node": intra, "inter_node": inter})
+
+
+def _divisors(n: int) -> str:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, divs[:12])) + (", ..." if len(divs) > 12 else "")
+
+
+def consistency_problems(s: Scenario) -> list[Problem]:
+    """Rules across sections; each problem names the field, the value and the fix."""
+    par, mdl, trn = s.parallel, s.model, s.training
+    out: list[Problem] = []
+    if s.cluster.gpus != par.world:
+        out.append(Problem("parallel", f"tp({par.tp}) * pp({par.pp}) * dp({par.dp}) = {par.world}",
+                           f"must equal cluster.nodes({s.cluster.nodes}) * gpus_per_node"
+                           f"({s.cluster.gpus_per_node}) = {s.cluster.gpus}; change the degrees "
+                           "or the cluster size"))
+    if mdl.heads % par.tp:
+        out.append(Problem("parallel.tp", par.tp, f"model.heads ({mdl.heads}) is not divisible by "
+                           f"tp; use one of {_divisors(mdl.heads)}"))
+    elif mdl.kv % par.tp and par.tp % mdl.kv:
+        out.append(Problem("parallel.tp", par.tp, f"model.kv_heads ({mdl.kv}) and tp must divide "
+                           "one another (KV heads are split or replicated across TP ranks)"))
+    if mdl.hidden % mdl.heads:
+        out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
+                           f"({mdl.heads}); head size must be whole"))
+    chunks = par.pp * par.virtual_stages
+    if mdl.layers % chunks:
+        out.append(Problem("model.layers", mdl.layers, f"not divisible by pp({par.pp}) * "
+                           f"virtual_stages({par.virtual_stages}) = {chunks}; choose layers a "
+                           "multiple of it or other degrees"))
+    per_step = trn.micro_batch * par.dp
+    if trn.global_batch % per_step:
+        out.append(Problem("training.global_batch", trn.global_batch, f"not divisible by "
+                           f"micro_batch({trn.micro_batch}) * dp({par.dp}) = {per_step}; use a "
+                           f"multiple of {per_step}"))
+    if par.virtual_stages > 1 and par.schedule != "interleaved":
+        out.append(Problem("parallel.virtual_stages", par.virtual_stages,
+                           f"> 1 only with schedule: interleaved (schedule is {par.schedule}); "
+                           "set virtual_stages: 1 or schedule: interleaved"))
+    if par.schedule == "interleaved" and not trn.global_batch % per_step:
+        m = trn.global_batch // per_step
+        if par.virtual_stages < 2:
+            out.append(Problem("parallel.virtual_stages", par.virtual_stages,
+                               "interleaved needs virtual_stages >= 2"))
+        if m % par.pp:
+            out.append(Problem("training.global_batch", trn.global_batch,
+                               f"interleaving needs micro-batches per pipeline (m = {m}) to be a "
+                               f"multiple of pp({par.pp}); use global_batch a multiple of "
+                               f"{per_step * par.pp}"))
+    if par.sequence_parallel and mdl.seq_len % par.tp:
+        out.append(Problem("parallel.sequence_parallel", True, f"model.seq_len ({mdl.seq_len}) "
+                           f"is not divisible by tp({par.tp}); turn it off or change tp"))
+    if par.zero_offload and par.zero == 0:
+        out.append(Problem("parallel.zero_offload", True,
+                           "ZeRO-Offload shards the optimizer; set zero: 1, 2 or 3"))
+    return out
+
+
+def scenario_warnings(s: Scenario) -> list[str]:
+    """Legal but probably unintended choices."""
+    out = []
+    gpn = s.cluster.gpus_per_node or 1
+    if s.parallel.tp > gpn:
+        out.append(f"warning: parallel.tp = {s.parallel.tp} is larger than a node "
+                   f"({gpn} GPUs): TP collectives cross the inter-node fabric")
+    m = s.microbatches
+    if s.parallel.pp > 1 and s.parallel.schedule in ("gpipe", "1f1b") and m < 4 * s.parallel.pp:
+        bubble = (s.parallel.pp - 1) / (m + s.parallel.pp - 1)
+        out.append(f"warning: m = {m} micro-batches for pp = {s.parallel.pp}: the bubble is "
+                   f"{bubble:.0%} of the step (m >= {4 * s.parallel.pp} keeps it under ~20%)")
+    return out
+
+
+def preset_model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def load_preset_model(name: str) -> ModelSpec:
+    return ModelSpec.model_validate({"preset": name})
+
+
+# ---------------------------------------------------------------- loading
+
+
+def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` strings (value parsed as YAML) to a nested dict copy."""
+    out: dict[str, Any] = _deep_copy(data)
+    problems: list[Problem] = []
+    for text in assignments:
+        key, sep, raw = text.partition("=")
+        if not sep or not key.strip():
+            problems.append(Problem("--set", text, "expected key.path=value, e.g. parallel.tp=4"))
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    if problems:
+        raise ScenarioError(problems)
+    return out
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Read, override, resolve and validate a scenario file."""
+    path = Path(path)
+    data = read_yaml(path, "scenario")
+    if not isinstance(data, dict):
+        raise ScenarioError([Problem("scenario", str(path), "the file must be a YAML mapping "
+                                     "with keys name, model, cluster, parallel, training")])
+    data = apply_overrides(data, overrides or [])
+    cluster = data.get("cluster")
+    if isinstance(cluster, dict) and isinstance(cluster.get("system"), str):
+        system = cluster["system"]
+        candidate = (path.parent / system)
+        if system.endswith((".yaml", ".yml")) and not Path(system).is_absolute() \
+                and candidate.exists():
+            cluster["system"] = str(candidate.resolve())
+    return scenario_from_dict(data)
+
+
+def scenario_from_dict(data: Any) -> Scenario:
+    """Validate a mapping into a Scenario, or raise ScenarioError listing every problem."""
+    if not isinstance(data, dict):
+        raise ScenarioError([Problem("scenario", type(data).__name__, "must be a mapping")])
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError([_problem(err, data) for err in exc.errors()]) from None
+
+
+_FIXES = {
+    "missing": "required; add it",
+    "int_type": "must be a whole number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "dict_type": "must be a mapping of keys",
+    "model_type": "must be a mapping of keys",
+    "model_attributes_type": "must be a mapping of keys",
+}
+
+
+def _problem(err: Any, data: dict[str, Any]) -> Problem:
+    loc = [str(x) for x in err["loc"]]
+    field = ".".join(loc) or "scenario"
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        return Problem(field, value, _unknown_key_fix(loc))
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than_equal": "<="}[kind]
+        bound = next(iter(err.get("ctx", {}).values()), "")
+        return Problem(field, value, f"must be {op} {bound}")
+    if kind in ("literal_error", "enum"):
+        return Problem(field, value, f"must be one of {err['ctx']['expected']}")
+    if kind == "value_error":
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        return Problem(field, value, msg)
+    return Problem(field, value, _FIXES.get(kind, str(err["msg"])))
+
+
+def _section_fields(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = Scenario
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _unknown_key_fix(loc: list[str]) -> str:
+    valid = _section_fields(loc)
+    near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
