@@ -251,6 +251,9 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     elif mdl.kv % par.tp and par.tp % mdl.kv:
         out.append(Problem("parallel.tp", par.tp, f"model.kv_heads ({mdl.kv}) and tp must divide "
                            "one another (KV heads are split or replicated across TP ranks)"))
+    if mdl.kv > mdl.heads or mdl.heads % mdl.kv:
+        out.append(Problem("model.kv_heads", mdl.kv, f"must divide model.heads ({mdl.heads}): "
+                           "each KV head serves a whole group of query heads"))
     if mdl.hidden % mdl.heads:
         out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
                            f"({mdl.heads}); head size must be whole"))

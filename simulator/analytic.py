@@ -1,0 +1,112 @@
+"""Analytic estimate: the closed-form step time.
+
+The oracle the engine is tested against where the closed form is exact, and the
+fast path for sweeps. Per micro-batch and stage, compute comes from the same
+block costs the engine uses (roofline × efficiency); TP collectives add their
+uncontended α-β time on the critical path. The pipeline then takes
+
+- GPipe / 1F1B: (m + p − 1) × t_stage,
+- interleaved: (m + (p − 1)/v) × t_stage (t_stage is the whole stage, all chunks),
+- ZB-H1: m × (t_F + t_B + t_W) + (p − 1)(t_F + t_B − t_W) (when m ≥ p),
+
+with t_stage the slowest stage's. Pipeline transfers on the fill and drain
+(2(p − 1) of them) are exposed; DP gradient all-reduce is exposed beyond what
+the last backward hides (all of it without overlap); then the optimizer step
+and, under ZeRO-1/2, the parameter all-gather. Contention between concurrent
+flows is ignored here — that is the engine's job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from simulator import model as mdl
+from simulator.collectives import GroupShape, estimate, make_plan
+from simulator.costs import CostModel
+from simulator.hardware import CollectiveName
+from simulator.layout import Layout
+from simulator.scenario import Scenario
+from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
+
+
+def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
+                     group: tuple[int, ...]) -> float:
+    if len(group) <= 1 or size <= 0:
+        return 0.0
+    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, s.hardware)
+    return estimate(plan, s.hardware)
+
+
+def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[float, ...]:
+    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
+    par = s.parallel
+    layers = s.model.layers // par.pp
+    tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
+    rec = sum(c.recompute) + (tp_per_pass if par.recompute == "full" else 0.0)
+    f = layers * (sum(c.fwd) + tp_per_pass)
+    b = layers * (sum(c.bwd_input) + tp_per_pass + rec)
+    w = layers * sum(c.bwd_weight)
+    if stage == 0:
+        f, b, w = f + c.embed[0], b + c.embed[1], w + c.embed[2]
+    if stage == par.pp - 1:
+        f, b, w = f + c.head[0], b + c.head[1], w + c.head[2]
+    return f, b, w
+
+
+def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Closed-form pipeline phase for stage times (t_F, t_B, t_W) per micro-batch."""
+    full = f + b + w
+    if schedule == "interleaved":
+        return (m + (p - 1) / v) * full
+    if schedule == "zb-h1":
+        return m * full + (p - 1) * (f + b - min(w, f + b))
+    return (m + p - 1) * full
+
+
+def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str, Any]:
+    par, spec, trn = s.parallel, s.model, s.training
+    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
+    cost = CostModel(s.hardware, trn.dtype)
+    c = costs or block_costs(s, cost)
+    rank0 = 0
+    tp_op: CollectiveName = "all_gather" if par.sequence_parallel else "all_reduce"
+    t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
+                                                                          trn.dtype),
+                            layout.tp_group(rank0))
+    stages = [_stage_times(s, c, t_tp, st) for st in range(par.pp)]
+    f, b, w = max(stages, key=sum)
+    m = s.microbatches
+    t_pipe = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, f, b, w)
+    ideal = m * (f + b + w)
+    # fill and drain transfers on the critical path
+    t_p2p = 0.0
+    if par.pp > 1:
+        src, dst = layout.rank(0, 0, 0), layout.rank(1, 0, 0)
+        same = layout.node(src) == layout.node(dst)
+        link = s.hardware.intra_node if same else s.hardware.inter_node
+        nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
+        t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
+    params = spec.layers // par.pp * mdl.layer_params(spec) + mdl.embedding_params(spec)
+    grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
+    dp_group = layout.dp_group(rank0)
+    dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group)
+    hidden = (b + w) / par.virtual_stages if par.overlap.dp else 0.0
+    exposed_dp = max(0.0, t_dp - hidden)
+    shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
+    t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
+    t_gather = _collective_time(s, layout, "all_gather", grad_bytes, dp_group) \
+        if par.zero >= 1 else 0.0
+    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather
+    tp_exposed = m * (t_tp * (4 if par.sequence_parallel else 2) * 2 * spec.layers / par.pp) \
+        if par.tp > 1 else 0.0
+    return {
+        "step_time_s": step,
+        "bubble_fraction": 1.0 - ideal / t_pipe if t_pipe > 0 else 0.0,
+        "pipeline_phase_s": [0.0, t_pipe],
+        "compute_s": [sum(st) * m for st in stages],
+        "exposed_comm_s": {"tp": tp_exposed, "pp": t_p2p, "dp": exposed_dp + t_gather,
+                           "zero": 0.0},
+        "optimizer_s": t_opt,
+    }

@@ -1,0 +1,69 @@
+"""One call from a scenario to results: Scenario → Layout → Workload → Engine → Report.
+
+``simulate_scenario`` is what ``clustersim run``, sweeps and ``compare`` use;
+``write_outputs`` writes results.json, timeline.csv, trace.json and the PNGs,
+each atomically, so an interrupted run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from simulator import report
+from simulator.analytic import analytic_estimate
+from simulator.engine import simulate
+from simulator.errors import NotImplementedYet, Problem
+from simulator.scenario import Scenario
+from simulator.trace_export import atomic_output, write_chrome_trace, write_timeline_csv
+from simulator.workload import build_workload
+
+
+def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
+                      ) -> tuple[dict[str, Any], pd.DataFrame | None]:
+    """Results dict (the results.json contract) and the span table (engine only)."""
+    method = method or s.simulation.method
+    fidelity = fidelity or s.simulation.fidelity
+    spans = None
+    if method == "analytic":
+        if s.parallel.zero == 3 or s.parallel.zero_offload:
+            raise NotImplementedYet([Problem("parallel.zero", s.parallel.zero,
+                                             "the analytic method covers ZeRO 0-2 without "
+                                             "offload only; use the engine")])
+        out = analytic_estimate(s)
+        out["fidelity"] = None
+    else:
+        workload = build_workload(s, fidelity=fidelity)
+        result = simulate(workload, s.hardware)
+        out = report.engine_metrics(s, result)
+        spans = report.spans_frame(result)
+    out.update(report.common_metrics(s, out["step_time_s"]))
+    out["method"] = method
+    out["scenario"] = s.to_dict()
+    out["hardware"] = s.hardware.model_dump(mode="json")
+    return out, spans
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+
+
+def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | None,
+                  plots: bool = True) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if spans is not None:
+        written.append(write_timeline_csv(out_dir / "timeline.csv", spans))
+        written.append(write_chrome_trace(out_dir / "trace.json", spans, results))
+    # results.json last: its presence means the run's outputs are complete
+    write_results(out_dir / "results.json", results)
+    written.append(out_dir / "results.json")
+    if plots and spans is not None:
+        from simulator.plots import plot_all
+
+        written.extend(plot_all(out_dir))
+    return written

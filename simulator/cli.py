@@ -1,0 +1,191 @@
+"""``clustersim``: one console entry point with subcommands.
+
+Example::
+
+    clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3
+    clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set parallel.zero=2 --method analytic
+
+User errors (a bad scenario, an unknown preset, a bad flag) print one line per
+problem on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from simulator import __version__
+from simulator.errors import UserError
+
+CALIBRATION_COMMANDS: tuple[str, ...] = ()
+
+EXAMPLES = {
+    "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",
+    "run": ("examples:\n  clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3\n"
+            "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
+            "--no-plots\n  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic"),
+    "memory": "example:\n  clustersim memory scenarios/gpt3-175b-1024.yaml --set parallel.zero=1",
+    "presets": "example:\n  clustersim presets",
+    "schema": "example:\n  clustersim schema > scenario.schema.json",
+    "plot": "example:\n  clustersim plot out/gpt3",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clustersim", description="Discrete-event simulator of large-model training "
+        "clusters.", epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"clustersim {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def scenario_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("scenario", type=Path, help="scenario YAML file")
+        q.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY.PATH=VALUE", help="override a scenario key (repeatable)")
+
+    q = add("validate", "check a scenario; exit 0, or 2 with one line per problem")
+    scenario_args(q)
+    q.set_defaults(func=cmd_validate)
+    q = add("run", "simulate one training step and write results.json and the timelines")
+    scenario_args(q)
+    q.add_argument("--out", type=Path, default=None, help="output directory "
+                   "(default out/<scenario name>)")
+    q.add_argument("--method", choices=["engine", "analytic"], default=None,
+                   help="discrete-event engine (default) or closed-form estimate")
+    q.add_argument("--fidelity", choices=["folded", "full"], default=None,
+                   help="folded: one rank per stage stands for its peers (default); full: all")
+    q.add_argument("--no-plots", action="store_true", help="skip the PNGs (faster)")
+    q.set_defaults(func=cmd_run)
+    q = add("memory", "per-rank memory table and out-of-memory verdict")
+    scenario_args(q)
+    q.set_defaults(func=cmd_memory)
+    q = add("presets", "list bundled models and systems")
+    q.set_defaults(func=cmd_presets)
+    q = add("schema", "print the scenario JSON Schema (for editors)")
+    q.set_defaults(func=cmd_schema)
+    q = add("plot", "re-draw timeline.png, breakdown.png and memory.png from a run directory")
+    q.add_argument("run_dir", type=Path)
+    q.set_defaults(func=cmd_plot)
+    _add_optional(sub)
+    return p
+
+
+def _add_optional(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Subcommands from the calibration package (they import torch only when run)."""
+    for module in CALIBRATION_COMMANDS:
+        importlib.import_module(module).add_parser(sub)
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from simulator.scenario import load_scenario, scenario_warnings
+
+    s = load_scenario(args.scenario, args.overrides)
+    for line in scenario_warnings(s):
+        print(line, file=sys.stderr)
+    return s
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    s = _load(args)
+    print(f"{args.scenario}: ok ({s.name}: {s.parallel.world} GPUs, tp {s.parallel.tp} · "
+          f"pp {s.parallel.pp} · dp {s.parallel.dp}, {s.parallel.schedule}, "
+          f"m = {s.microbatches})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from simulator.api import simulate_scenario, write_outputs
+    from simulator.report import summary_lines
+
+    s = _load(args)
+    out = args.out or Path("out") / s.name
+    print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
+    results, spans = simulate_scenario(s, args.method, args.fidelity)
+    written = write_outputs(out, results, spans, plots=not args.no_plots)
+    print("\n".join(summary_lines(results)))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from simulator.memory import memory_report
+
+    s = _load(args)
+    gb = 1e9
+    cols = ("stage", "weights", "grads", "optimizer", "activations", "logits", "buffers",
+            "total", "fits")
+    print(f"{s.name}: per-GPU memory in GB (capacity {s.hardware.gpu.memory_GB:g} GB, "
+          f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {s.parallel.recompute})")
+    print("  ".join(f"{c:>11}" for c in cols))
+    for m in memory_report(s):
+        vals = (m.weights, m.gradients, m.optimizer, m.activations, m.logits, m.comm_buffers,
+                m.total)
+        print("  ".join([f"{m.stage:>11}", *(f"{v / gb:>11.2f}" for v in vals),
+                         f"{'yes' if m.fits else 'NO':>11}"]))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from simulator import model as mdl
+    from simulator.hardware import load_system, preset_system_names
+    from simulator.scenario import load_preset_model, preset_model_names
+
+    print("models:")
+    for name in preset_model_names():
+        spec = load_preset_model(name)
+        print(f"  {name:<14} {mdl.param_count(spec) / 1e9:8.2f} B params  l={spec.layers} "
+              f"h={spec.hidden} a={spec.heads} kv={spec.kv} ffn={spec.ffn} V={spec.vocab} "
+              f"s={spec.seq_len}")
+    print("systems:")
+    for name in preset_system_names():
+        hw = load_system(name)
+        bf16 = hw.gpu.peak_tflops.get("bf16", 0.0)
+        print(f"  {name:<14} {hw.gpus_per_node} x {hw.gpu.name}: {bf16:g} TFLOP/s bf16, "
+              f"{hw.gpu.memory_GB:g} GB, NVLink {hw.intra_node.bandwidth_GBps:g} GB/s, "
+              f"NIC {hw.inter_node.bandwidth_GBps:g} GB/s per GPU")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from simulator.scenario import Scenario
+
+    print(json.dumps(Scenario.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from simulator.errors import Problem
+    from simulator.plots import plot_all
+
+    for name in ("results.json", "timeline.csv"):
+        if not (args.run_dir / name).exists():
+            raise UserError([Problem("run_dir", str(args.run_dir), f"has no {name}; run "
+                                     "`clustersim run SCENARIO --out DIR` first")])
+    for path in plot_all(args.run_dir):
+        print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UserError as exc:
+        for line in exc.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Per-rank memory: model states under ZeRO, activations under a schedule, buffers.
+
+One :class:`MemoryBreakdown` per pipeline stage (every TP and DP rank of a
+stage holds the same amounts). 1 GB = 1e9 bytes throughout.
+
+Model states follow the ZeRO paper's table for mixed-precision AdamW: 2 bytes
+of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
+master weights, momentum, variance) per parameter, sharded over N_d = dp by
+ZeRO stage (1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4
++ 4 + 8 (the weights are the master copy). Parameters are the stage's layers
+plus the embedding on the first stage and the final norm and output projection
+on the last; a tied output projection has its own copy on the last stage when
+pp > 1, as Megatron keeps it. A stage's parameters divide by tp (norms and
+biases replicated across TP ranks, < 0.1 %, are ignored).
+
+Activations follow Korthikanti et al. 2022 (Table 2, 16-bit, dropout masks
+included, attention scores stored unless recomputed), generalised to GQA and
+SwiGLU so that a GPT block gives the table exactly; they are multiplied by the
+layers a stage holds and the schedule's in-flight micro-batches. Full
+recomputation keeps each layer's input (sharded with sequence parallelism).
+The last stage also holds fp32 logits: the saved softmax of every micro-batch
+whose backward has not run yet, plus one more copy for the loss gradient.
+
+Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
+ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers and one
+layer's unsharded gradient before its reduce-scatter. ZeRO-Offload moves the
+optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.model import (
+    RecomputeMode,
+    dtype_bytes,
+    embedding_params,
+    head_params,
+    layer_params,
+)
+from simulator.scenario import ModelSpec, Scenario
+
+ADAMW_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU of pipeline ``stage``."""
+
+    stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    comm_buffers: float
+    capacity: float  # GPU HBM, 1e9 × memory_GB
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.logits + self.comm_buffers)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+# ---------------------------------------------------------------- model states
+
+
+def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {zero}")
+    if n_d < 1:
+        raise ValueError(f"data-parallel degree must be >= 1; got {n_d}")
+    if dtype_bytes(dtype) == 4:
+        weights, grads, optimizer = 4.0, 4.0, 8.0  # fp32: master weights are the weights
+    else:
+        weights, grads, optimizer = 2.0, 2.0, float(ADAMW_K)
+    return (weights / n_d if zero >= 3 else weights,
+            grads / n_d if zero >= 2 else grads,
+            optimizer / n_d if zero >= 1 else optimizer)
+
+
+def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> float:
+    """Model-state bytes per GPU for Ψ parameters (ZeRO paper, Fig. 1 / REFERENCE table)."""
+    return psi * sum(state_bytes_per_param(zero, n_d, dtype))
+
+
+# ---------------------------------------------------------------- activations
+
+
+def activation_bytes_per_layer(  # noqa: PLR0917 (positional, like model.layer_ops)
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    recompute: RecomputeMode = "none", dtype: str = "bf16",
+) -> float:
+    """Stored activations of one layer on one TP rank (Korthikanti et al. 2022, Table 2).
+
+    In 16-bit elements of s·b: 10h replicated over TP ranks (two norm inputs,
+    the QKV and MLP-up inputs, two dropout masks; divided by t with sequence
+    parallelism), Q and the out-proj input (2h), K and V (2·kv·head_dim each),
+    the MLP activation's input and output (gelu 4f, swiglu 6f) divided by t,
+    and 5·a·s/t for the attention scores, softmax and its dropout, which
+    selective recomputation drops. For GPT (kv = a, f = 4h, gelu) this is
+    s·b·h·(10 + 24/t + 5as/(ht)). fp32 scales everything by 2.
+    """
+    s, b, h, t = spec.seq_len, micro_batch, spec.hidden, tp
+    scale = dtype_bytes(dtype) / 2
+    replicated = 1 / t if sequence_parallel else 1.0
+    if recompute == "full":
+        return 2.0 * s * b * h * replicated * scale
+    kv_width = max(spec.kv / t, 1.0) * spec.head_dim  # KV heads replicated when t > kv
+    mlp = (6.0 if spec.activation == "swiglu" else 4.0) * spec.ffn / t
+    linear = s * b * (10 * h * replicated + 4 * h / t + 4 * kv_width + mlp)
+    scores = 0.0 if recompute == "selective" else 5.0 * spec.heads * s * s * b / t
+    return (linear + scores) * scale
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
+    """Peak micro-batches whose activations ``stage`` holds, in full-stage units.
+
+    GPipe: m. 1F1B and ZB-H1 (whose I frees what 1F1B's B frees): min(p - stage, m).
+    Interleaved (Megatron): rank r warms up with 2(p - r - 1) + (v - 1)p chunk
+    forwards and holds one more at the first backward, each chunk 1/v of the
+    stage, so min(2(p - r - 1) + (v - 1)p + 1, m·v) / v; at rank 0 that is
+    p·(1 + (p - 1)/(p·v)).
+    """
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(_SCHEDULES)}")
+    if min(p, m, v) < 1 or not 0 <= stage < p:
+        raise ValueError(f"need p, m, v >= 1 and 0 <= stage < p; got p={p}, m={m}, v={v}, "
+                         f"stage={stage}")
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+    return float(min(p - stage, m))
+
+
+def _held_logits(schedule: str, m: int) -> int:
+    # the last stage runs each micro-batch's backward right after its forward,
+    # except GPipe, which runs all m forwards first
+    return m if schedule == "gpipe" else 1
+
+
+# ---------------------------------------------------------------- per stage
+
+
+def stage_params(spec: ModelSpec, pp: int, stage: int) -> int:
+    """Parameters held by pipeline ``stage`` (before the TP split)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} outside 0..{pp - 1}")
+    total = spec.layers // pp * layer_params(spec)
+    if stage == 0:
+        total += embedding_params(spec)
+    if stage == pp - 1:
+        total += head_params(spec)
+        if spec.tied_embeddings and pp > 1:
+            total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
+    return total
+
+
+def _activations(scenario: Scenario, stage: int) -> float:
+    spec, par, trn = scenario.model, scenario.parallel, scenario.training
+    b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
+    in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
+                                       par.virtual_stages, stage)
+    per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
+    total = per_layer * spec.layers / par.pp
+    tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
+    if stage == 0:
+        total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
+    if stage == par.pp - 1:
+        total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
+    return total * in_flight
+
+
+def _logits(scenario: Scenario, stage: int) -> float:
+    par = scenario.parallel
+    if stage != par.pp - 1:
+        return 0.0
+    fp32 = 4.0 * scenario.training.micro_batch * scenario.model.seq_len \
+        * scenario.model.vocab / par.tp
+    return fp32 * (_held_logits(par.schedule, scenario.microbatches) + 1)
+
+
+def _comm_buffers(scenario: Scenario) -> float:
+    par = scenario.parallel
+    if par.dp == 1:
+        return 0.0
+    if par.zero <= 2:
+        return 2 * par.dp_bucket_MB * 1e6
+    layer = layer_params(scenario.model) / par.tp * dtype_bytes(scenario.training.dtype)
+    return layer * (1 + par.fsdp_prefetch) + layer  # gathered params + one unsharded grad
+
+
+def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
+    """Memory of one GPU of pipeline ``stage``."""
+    par = scenario.parallel
+    psi = stage_params(scenario.model, par.pp, stage) / par.tp
+    w, g, o = state_bytes_per_param(par.zero, par.dp, scenario.training.dtype)
+    gradients, optimizer = psi * g, psi * o
+    if par.zero_offload:
+        optimizer = 0.0
+        if par.zero >= 2:
+            gradients = 0.0
+    return MemoryBreakdown(
+        stage=stage,
+        weights=psi * w,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=_activations(scenario, stage),
+        logits=_logits(scenario, stage),
+        comm_buffers=_comm_buffers(scenario),
+        capacity=scenario.hardware.gpu.memory_GB * 1e9,
+    )
+
+
+def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:
+    """One breakdown per pipeline stage."""
+    return [stage_breakdown(scenario, stage) for stage in range(scenario.parallel.pp)]
+
+
+def peak_memory(scenario: Scenario) -> MemoryBreakdown:
+    """The stage with the largest total (the first such stage on ties)."""
+    return max(memory_report(scenario), key=lambda item: item.total)

@@ -1,0 +1,295 @@
+"""Transformer arithmetic: parameters, per-layer operations, FLOPs per step.
+
+Pure functions over a :class:`~simulator.scenario.ModelSpec`; no SimPy and no
+hardware. The cost model turns an :class:`Op` into time (roofline of ``flops``
+against ``bytes`` with the profile's efficiency curves); this module only says
+how much work there is.
+
+Assumptions (Megatron-LM's, so the closed forms of Narayanan et al. SC'21 come
+out exactly for a GPT block):
+
+- FLOPs count matrix multiplies only, 2·M·N·K per GEMM; bias adds, norms,
+  activations, softmax and residual adds are ``memory`` ops with zero FLOPs,
+  costed by the bytes they read and write. Dropout is not modelled.
+- Tensor parallelism splits QKV and MLP-up by columns and out-proj and
+  MLP-down by rows (Megatron), so every GEMM's FLOPs divide by ``tp``. KV heads
+  are split over TP ranks, or replicated when ``tp > kv_heads``. Fused QKV and,
+  for SwiGLU, fused gate+up are one GEMM each.
+- The attention core (QKᵀ, softmax, AV) is one fused FlashAttention-style call:
+  4·b·s²·h/tp FLOPs forward (the full square, no causal halving, as Megatron
+  counts), twice that backward, all of it in ``bwd_input``; its bytes are Q, K,
+  V, O (and the gradients), never the s×s matrix.
+- Backward is split as zero-bubble schedules need it: ``bwd_input`` holds the
+  input-gradient GEMMs, the attention backward and the memory ops' backward;
+  ``bwd_weight`` holds the weight-gradient GEMMs (and the embedding's scatter-add).
+  Each GEMM's backward halves have its forward FLOPs, so a step is 3 × forward.
+- With sequence parallelism the norms and residual adds work on s/tp tokens;
+  without it every TP rank repeats them on all s tokens.
+- Bytes use the training dtype; the loss keeps its softmax in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from simulator.scenario import ModelSpec
+
+OpKind = Literal["gemm", "attention", "memory"]
+Pass = Literal["fwd", "bwd_input", "bwd_weight"]
+RecomputeMode = Literal["none", "selective", "full"]
+
+PASSES: tuple[Pass, ...] = ("fwd", "bwd_input", "bwd_weight")
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel (group) of one micro-batch on one TP rank."""
+
+    name: str  # "ln1", "qkv", "attn_core", "out_proj", "residual", "logits", ...
+    kind: OpKind  # gemm / attention are FLOP-bound; memory is bandwidth-bound
+    flops: float  # on one TP rank, for one micro-batch
+    bytes: float  # HBM bytes read + written on one TP rank
+    gemm_flops: float  # FLOPs of the single underlying call (efficiency-curve lookup)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element: bf16/fp16 2, fp32 4."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPE_BYTES)}") from None
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _norm_params(spec: ModelSpec) -> int:
+    return 2 * spec.hidden if spec.norm == "layernorm" else spec.hidden
+
+
+def layer_params(spec: ModelSpec) -> int:
+    """One transformer layer: attention (GQA-aware), MLP, biases, two norms."""
+    h, kv_width = spec.hidden, spec.kv * spec.head_dim
+    attention = 2 * h * h + 2 * h * kv_width  # q and out h×h; k and v h×(kv·head_dim)
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    mlp = mlp_matrices * h * spec.ffn
+    biases = 0
+    if spec.bias:
+        biases = (2 * h + 2 * kv_width) + ((mlp_matrices - 1) * spec.ffn + h)
+    return attention + mlp + biases + 2 * _norm_params(spec)
+
+
+def embedding_params(spec: ModelSpec) -> int:
+    """Word embedding V·h, plus s·h learned positions."""
+    positions = spec.seq_len * spec.hidden if spec.position == "learned" else 0
+    return spec.vocab * spec.hidden + positions
+
+
+def head_params(spec: ModelSpec) -> int:
+    """Final norm plus the output projection (none extra when tied to the embedding)."""
+    projection = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
+    return _norm_params(spec) + projection
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Total Ψ (a tied output projection counted once)."""
+    return spec.layers * layer_params(spec) + embedding_params(spec) + head_params(spec)
+
+
+# ---------------------------------------------------------------- operations
+
+
+def _gemm(name: str, m: float, k: float, n: float, dt: int) -> Op:
+    """An (m×k)·(k×n) product; its dgrad and wgrad read/write the same three shapes."""
+    flops = 2.0 * m * k * n
+    return Op(name, "gemm", flops, dt * (m * k + k * n + m * n), flops)
+
+
+def _mem(name: str, elements: float, dt: int) -> Op:
+    return Op(name, "memory", 0.0, dt * elements, 0.0)
+
+
+def _norm_elements(spec: ModelSpec, tokens: float, pass_: Pass) -> float:
+    # forward reads x, writes y; backward reads x and dy, writes dx (stats are tiny)
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * spec.hidden
+
+
+def _act_elements(spec: ModelSpec, tokens: float, tp: int, pass_: Pass) -> float:
+    f = spec.ffn / tp
+    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
+        return (3.0 if pass_ == "fwd" else 5.0) * tokens * f
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * f  # gelu: x -> y; x, dy -> dx
+
+
+def _kv_per_rank(spec: ModelSpec, tp: int) -> float:
+    return max(spec.kv / tp, 1.0)  # replicated when tp > kv_heads
+
+
+def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass) -> Op:
+    tokens, q_width = b * spec.seq_len, spec.hidden / tp
+    kv_width = _kv_per_rank(spec, tp) * spec.head_dim
+    fwd_flops = 4.0 * b * spec.seq_len**2 * q_width  # QKᵀ and AV, a/tp heads
+    if pass_ == "fwd":  # read q, k, v; write o
+        return Op("attn_core", "attention", fwd_flops,
+                  dt * tokens * (2 * q_width + 2 * kv_width), fwd_flops)
+    # read q, k, v, o, do; write dq, dk, dv
+    return Op("attn_core", "attention", 2 * fwd_flops,
+              dt * tokens * (4 * q_width + 4 * kv_width), 2 * fwd_flops)
+
+
+def layer_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd",
+) -> tuple[Op, ...]:
+    """One transformer layer's ops on one TP rank, in execution order."""
+    dt, h = dtype_bytes(dtype), spec.hidden
+    tokens = micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens  # norm/residual tokens per rank
+    mlp_up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
+    gemms = {
+        "qkv": _gemm("qkv", tokens, h, h / tp + 2 * _kv_per_rank(spec, tp) * spec.head_dim, dt),
+        "out_proj": _gemm("out_proj", tokens, h / tp, h, dt),
+        "mlp_up": _gemm("mlp_up", tokens, h, mlp_up, dt),
+        "mlp_down": _gemm("mlp_down", tokens, spec.ffn / tp, h, dt),
+    }
+    if pass_ == "bwd_weight":
+        return tuple(gemms.values())
+    residual = _mem("residual", 3.0 * local * h, dt)  # two reads, one write (either pass)
+    ops = (
+        _mem("ln1", _norm_elements(spec, local, pass_), dt),
+        gemms["qkv"],
+        _attention_core(spec, micro_batch, tp, dt, pass_),
+        gemms["out_proj"],
+        residual,
+        _mem("ln2", _norm_elements(spec, local, pass_), dt),
+        gemms["mlp_up"],
+        _mem("act", _act_elements(spec, tokens, tp, pass_), dt),
+        gemms["mlp_down"],
+        residual,
+    )
+    return ops if pass_ == "fwd" else ops[::-1]
+
+
+def embedding_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd",
+) -> tuple[Op, ...]:
+    """First stage: the vocab-parallel lookup (and learned-position add).
+
+    Every TP rank writes the full b·s·h output (zeros outside its vocabulary
+    slice) before the all-reduce or reduce-scatter, so sequence parallelism does
+    not change the bytes here. The input is token ids, so there is no input
+    gradient: the backward is the scatter-add into the table, a weight gradient.
+    """
+    del sequence_parallel  # see docstring
+    dt, elements = dtype_bytes(dtype), micro_batch * spec.seq_len * spec.hidden
+    per_token = 3.0 if spec.position == "learned" else 0.0  # read word + position, write sum
+    if pass_ == "fwd":
+        return (_mem("embedding", (2.0 + per_token) * elements, dt),)
+    if pass_ == "bwd_weight":  # read dy, read-modify-write the touched rows (and positions)
+        return (_mem("embedding", (3.0 + per_token) * elements, dt),)
+    return ()
+
+
+def head_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd",
+) -> tuple[Op, ...]:
+    """Last stage: final norm, vocab-parallel logits GEMM, softmax + cross-entropy.
+
+    The loss reads the 16-bit logits and keeps the softmax in fp32 for the
+    backward, which reads it and writes the logits' gradient.
+    """
+    dt, tokens = dtype_bytes(dtype), micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens
+    logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt)
+    if pass_ == "bwd_weight":
+        return (logits,)
+    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (dt + 4), 0.0)
+    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), dt), logits, loss)
+    return ops if pass_ == "fwd" else ops[::-1]
+
+
+def layer_recompute_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", recompute: RecomputeMode = "none",
+) -> tuple[Op, ...]:
+    """Forward ops one layer re-runs before its backward.
+
+    ``selective`` recomputes the attention core once (Korthikanti et al. 2022:
+    QKᵀ, softmax, AV); ``full`` re-runs the whole layer forward from its input.
+    """
+    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd")
+    if recompute == "full":
+        return fwd
+    if recompute == "selective":
+        return tuple(op for op in fwd if op.name == "attn_core")
+    return ()
+
+
+def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:
+    return sum(op.flops for op in ops)
+
+
+# ---------------------------------------------------------------- FLOPs per step
+
+
+def _all_passes(builder: Callable[..., tuple[Op, ...]], spec: ModelSpec, batch: int) -> float:
+    return sum(ops_flops(builder(spec, batch, 1, False, "bf16", p)) for p in PASSES)
+
+
+def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
+    """Forward + backward of every layer, the logits and the loss; no recomputation.
+
+    FLOPs are linear in the batch, so the whole batch is one "micro-batch" here.
+    """
+    layers = spec.layers * _all_passes(layer_ops, spec, global_batch)
+    return layers + _all_passes(head_ops, spec, global_batch) \
+        + _all_passes(embedding_ops, spec, global_batch)
+
+
+def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
+                            recompute: RecomputeMode) -> float:
+    """Model FLOPs plus the recomputed forward work (what the GPUs actually execute)."""
+    extra = ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute))
+    return model_flops_per_step(spec, global_batch) + spec.layers * extra
+
+
+def megatron_model_flops(spec: ModelSpec, global_batch: int) -> float:
+    """Narayanan et al. SC'21: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    B, s, L, h, V = global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    return 72.0 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def megatron_hardware_flops(spec: ModelSpec, global_batch: int,
+                            recompute: RecomputeMode) -> float:
+    """REFERENCE.md closed forms: full 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)); selective
+    (as quoted from Korthikanti et al. 2022) 72·B·s·l·h²·(1 + s/(3h) + V/(12lh))."""
+    B, s, L, h, V = global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    if recompute == "full":
+        return 96.0 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    if recompute == "selective":
+        return 72.0 * B * s * L * h**2 * (1 + s / (3 * h) + V / (12 * L * h))
+    return megatron_model_flops(spec, global_batch)
+
+
+def megatron_param_count(spec: ModelSpec) -> float:
+    """Narayanan et al. SC'21: Ψ = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+    L, h, V, s = spec.layers, spec.hidden, spec.vocab, spec.seq_len
+    return 12.0 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
+
+
+# ---------------------------------------------------------------- communication sizes
+
+
+def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
+    """Size of one TP all-reduce (b·s·h): two per layer forward, two backward."""
+    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))
+
+
+def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
+    """One stage-boundary send of activations (or of their gradient): b·s·h."""
+    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))

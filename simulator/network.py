@@ -1,0 +1,119 @@
+"""Flows sharing links, in SimPy.
+
+A transfer is a flow of bytes over a set of links. Concurrent flows share each
+link's capacity fairly: a flow's rate is the smallest fair share among the links
+it crosses, ``min over links of capacity / (sum of weights on the link)``. Rates
+are recomputed whenever a flow starts or ends, for the flows that share a link
+with it, and their completions are rescheduled. Two equal flows on one link
+therefore each take twice as long as one alone.
+
+A flow's ``weight`` is how many identical flows it stands for on *shared* links:
+symmetry folding simulates one representative rank and charges the links that
+ranks share (the fabric core) with the load of all the ranks it represents. On a
+rank's private links (its NVSwitch port, its NIC) a flow always counts once.
+
+The network owns no global state; it lives in the SimPy environment it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import simpy
+
+from simulator.topology import LinkId
+
+
+class Flow:
+    __slots__ = ("done", "gen", "links", "rate", "remaining", "updated", "weight")
+
+    def __init__(self, done: simpy.Event, links: tuple[LinkId, ...], nbytes: float,
+                 weight: float, now: float) -> None:
+        self.done = done
+        self.links = links
+        self.remaining = nbytes
+        self.weight = weight
+        self.rate = 0.0
+        self.updated = now
+        self.gen = 0
+
+
+class FlowNetwork:
+    def __init__(self, env: simpy.Environment, capacity: Callable[[LinkId], float],
+                 shared: Callable[[LinkId], bool] = lambda link: False) -> None:
+        self.env = env
+        self.capacity = capacity
+        self.shared = shared
+        self.flows_on: dict[LinkId, dict[Flow, None]] = {}
+        self.load: dict[LinkId, float] = {}
+        self.busy: dict[LinkId, float] = {}  # seconds each link carried at least one flow
+        self._busy_since: dict[LinkId, float] = {}
+        self.flows_started = 0
+
+    def transfer(self, nbytes: float, links: Sequence[LinkId], weight: float = 1.0) -> simpy.Event:
+        """An event that fires when ``nbytes`` have crossed ``links``."""
+        done = self.env.event()
+        if nbytes <= 0 or not links:
+            done.succeed()
+            return done
+        now = self.env.now
+        flow = Flow(done, tuple(links), float(nbytes), weight, now)
+        affected = self._neighbours(flow.links)
+        self._settle(affected, now)
+        for link in flow.links:
+            on = self.flows_on.setdefault(link, {})
+            if not on:
+                self._busy_since[link] = now
+            on[flow] = None
+            self.load[link] = self.load.get(link, 0.0) + (weight if self.shared(link) else 1.0)
+        affected[flow] = None
+        self._reschedule(affected, now)
+        self.flows_started += 1
+        return done
+
+    def _neighbours(self, links: tuple[LinkId, ...]) -> dict[Flow, None]:
+        out: dict[Flow, None] = {}
+        for link in links:
+            on = self.flows_on.get(link)
+            if on:
+                out.update(on)
+        return out
+
+    def _settle(self, flows: dict[Flow, None], now: float) -> None:
+        for f in flows:
+            f.remaining -= f.rate * (now - f.updated)
+            f.updated = now
+
+    def _reschedule(self, flows: dict[Flow, None], now: float) -> None:
+        for f in flows:
+            rate = min(self.capacity(link) / self.load[link] for link in f.links)
+            if rate == f.rate and f.gen:
+                continue  # unchanged: its pending completion stays valid
+            f.rate = rate
+            f.gen += 1
+            delay = max(f.remaining, 0.0) / rate
+            ev = self.env.timeout(delay)
+            ev.callbacks.append(self._make_finisher(f, f.gen))
+
+    def _make_finisher(self, flow: Flow, gen: int) -> Callable[[Any], None]:
+        def finish(_: Any) -> None:
+            if flow.gen == gen:
+                self._finish(flow)
+        return finish
+
+    def _finish(self, flow: Flow) -> None:
+        now = self.env.now
+        flow.remaining = 0.0
+        flow.gen = -1
+        for link in flow.links:
+            on = self.flows_on[link]
+            del on[flow]
+            self.load[link] -= flow.weight if self.shared(link) else 1.0
+            if not on:
+                self.load[link] = 0.0
+                self.busy[link] = self.busy.get(link, 0.0) + now - self._busy_since.pop(link)
+        affected = self._neighbours(flow.links)
+        self._settle(affected, now)
+        self._reschedule(affected, now)
+        flow.done.succeed()

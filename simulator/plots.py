@@ -1,0 +1,530 @@
+"""Figures drawn from a run's files: timeline, time breakdown and memory.
+
+Plots read a span table (:mod:`simulator.trace_export`'s columns) and a
+``results.json`` dict, never simulation objects, so ``clustersim plot DIR``
+re-draws a finished run. Every figure is a :class:`matplotlib.figure.Figure`
+rendered by the Agg canvas; pyplot is never imported, so no figure outlives its
+function and concurrent runs in one process share no state. ``*_figure``
+functions return the figure (for notebooks and tests); ``plot_*`` save it
+atomically and return the path.
+
+Timeline: one row per pipeline stage, drawn from the stage's lowest rank (all
+ranks of a stage run the same program unless a scenario makes them differ;
+``all_ranks=True`` draws every rank). The compute stream is the main bar; the
+other streams (pp, dp, host, ...) are thinner sub-rows below it, so white gaps
+in the main bar are the pipeline bubble. Bars are one
+:class:`~matplotlib.collections.PolyCollection` per kind, which keeps a
+million-span timeline to a few seconds. Micro-batch numbers are written into
+the compute bars when there are few enough (one label per contiguous run of a
+micro-batch's forward, backward, ... including the TP collectives between its
+layers) and the run is wide enough to hold its label.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.collections import LineCollection, PolyCollection
+from matplotlib.colors import Normalize, to_rgb
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, PathPatch
+from matplotlib.path import Path as Path2D
+from matplotlib.ticker import MaxNLocator
+
+from simulator.trace_export import atomic_output, normalize_spans, read_timeline_csv
+
+#: Bar colour of each span kind (Tableau 10), in legend order.
+KIND_COLOURS: Mapping[str, str] = {
+    "forward": "#4C78A8",
+    "backward": "#F58518",
+    "weight_grad": "#E45756",
+    "recompute": "#72B7B2",
+    "tp": "#B279A2",
+    "pp": "#54A24B",
+    "dp": "#EECA3B",
+    "zero": "#9D755D",
+    "optimizer": "#BAB0AC",
+    "offload": "#FF9DA6",
+}
+_OTHER_COLOUR = "#79706E"
+_BUBBLE_COLOUR = "#E6E6E6"
+_CAPACITY_COLOUR = "#C00000"
+_LABELLED_KINDS = ("forward", "backward", "weight_grad", "recompute")
+_STREAM_ORDER = ("compute", "pp", "dp", "host")
+_MAX_LABELS = 400  # more micro-batch labels than this are unreadable
+_MANY_SPANS = 200_000  # above this, bars lose their edges (faster, and edges would be noise)
+_GIB = float(2**30)
+_DPI = 120
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    """Render ``fig`` to PNG at ``path`` via a temporary file in the same directory."""
+    FigureCanvasAgg(fig)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=_DPI)
+    return Path(path)
+
+
+def _time_unit(t_max: float) -> tuple[float, str]:
+    """Scale factor from seconds and the axis unit for a time span of ``t_max`` s."""
+    if t_max < 2e-3:
+        return 1e6, "µs"
+    if t_max < 2.0:
+        return 1e3, "ms"
+    return 1.0, "s"
+
+
+def _format_seconds(t: float) -> str:
+    scale, unit = _time_unit(t)
+    return f"{t * scale:.3g} {unit}"
+
+
+def _scenario_header(results: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any]]:
+    """The scenario's name and its ``parallel`` section (empty when absent)."""
+    scenario = (results or {}).get("scenario") or {}
+    parallel = scenario.get("parallel") or {}
+    return str(scenario.get("name", "")), parallel
+
+
+# --- timeline ------------------------------------------------------------------------
+
+
+def _timeline_rows(spans: pd.DataFrame, all_ranks: bool) -> pd.DataFrame:
+    """Rows of the Gantt chart: ``rank``, ``row`` (0 at the top) and tick ``label``."""
+    ranks = spans.drop_duplicates("rank").sort_values(["stage", "dp", "tp", "rank"])
+    if not all_ranks:
+        ranks = ranks.drop_duplicates("stage")
+    ranks = ranks.reset_index(drop=True)
+    if all_ranks:
+        labels = [f"rank {r} (stage {s})" for r, s in zip(ranks["rank"], ranks["stage"],
+                                                             strict=True)]
+    else:
+        labels = [f"stage {s}" for s in ranks["stage"]]
+    return pd.DataFrame({"rank": ranks["rank"], "row": ranks.index, "label": labels})
+
+
+def _stream_bands(streams: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """Offset and height of each stream's band inside a row of height 1."""
+    known = [s for s in _STREAM_ORDER if s in streams and s != "compute"]
+    comm = known + sorted(set(streams) - set(_STREAM_ORDER))
+    if not comm:
+        return {"compute": (0.1, 0.8)}
+    bands = {"compute": (0.06, 0.5)}
+    height = 0.34 / len(comm)
+    for i, stream in enumerate(comm):
+        bands[stream] = (0.6 + i * height, height * 0.85)
+    return bands
+
+
+def _bars_path(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, h: np.ndarray) -> Path2D:
+    """All rectangles as one compound path (one artist draws any number of bars)."""
+    verts = np.empty((len(x0), 5, 2))
+    verts[:, 0, 0] = verts[:, 1, 0] = verts[:, 4, 0] = x0
+    verts[:, 2, 0] = verts[:, 3, 0] = x1
+    verts[:, 0, 1] = verts[:, 3, 1] = verts[:, 4, 1] = y0
+    verts[:, 1, 1] = verts[:, 2, 1] = y0 + h
+    codes = np.tile(np.array([Path2D.MOVETO] + [Path2D.LINETO] * 3 + [Path2D.CLOSEPOLY],
+                             dtype=Path2D.code_type), len(x0))
+    return Path2D(verts.reshape(-1, 2), codes)
+
+
+def _draw_bars(ax: Axes, bars: pd.DataFrame, scale: float) -> list[str]:
+    """One compound path per (kind, chunk parity); returns the kinds drawn, legend order."""
+    many = len(bars) >= _MANY_SPANS
+    present = {str(k) for k in bars["kind"].unique()}
+    kinds = [k for k in KIND_COLOURS if k in present] + sorted(present - set(KIND_COLOURS))
+    for (kind, odd), group in bars.groupby(["kind", bars["chunk"] % 2], sort=False):
+        path = _bars_path(group["start"].to_numpy() * scale, group["end"].to_numpy() * scale,
+                          group["y0"].to_numpy(), group["h"].to_numpy())
+        ax.add_patch(PathPatch(
+            path, facecolor=KIND_COLOURS.get(str(kind), _OTHER_COLOUR),
+            alpha=0.6 if odd else 1.0,  # odd virtual chunks are lighter
+            edgecolor="none" if many else "white", linewidth=0 if many else 0.3,
+            antialiased=not many, zorder=2,
+        ))
+    return kinds
+
+
+def _microbatch_runs(bars: pd.DataFrame) -> pd.DataFrame:
+    """Contiguous compute-stream runs of one (micro-batch, kind, chunk) per row.
+
+    TP collectives of the micro-batch inside a run do not break it; another
+    micro-batch's compute does.
+    """
+    compute = bars[(bars["stream"] == "compute") & (bars["microbatch"] >= 0)]
+    compute = compute[compute["kind"].isin(_LABELLED_KINDS) | (compute["kind"] == "tp")]
+    compute = compute.sort_values(["row", "start"])
+    labelled = compute[compute["kind"].isin(_LABELLED_KINDS)].copy()
+    if labelled.empty:
+        return labelled.assign(run=[])
+    key = labelled[["row", "microbatch", "kind", "chunk"]]
+    labelled["run"] = (key != key.shift()).any(axis=1).cumsum()
+    return labelled.groupby("run").agg(
+        row=("row", "first"), microbatch=("microbatch", "first"), kind=("kind", "first"),
+        chunk=("chunk", "first"), start=("start", "min"), end=("end", "max"),
+        y0=("y0", "first"), h=("h", "first"),
+    )
+
+
+def _text_colour(face: str) -> str:
+    r, g, b = to_rgb(face)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
+
+
+def _label_microbatches(ax: Axes, fig: Figure, bars: pd.DataFrame, scale: float) -> int:
+    """Write micro-batch numbers into runs wide enough for them; return the count."""
+    runs = _microbatch_runs(bars)
+    if runs.empty or len(runs) > _MAX_LABELS:
+        return 0
+    engine = fig.get_layout_engine()
+    if engine is not None:  # place the axes now (no rendering) to measure it in pixels
+        FigureCanvasAgg(fig)
+        engine.execute(fig)
+    x_lo, x_hi = ax.get_xlim()
+    axes_px = fig.get_figwidth() * _DPI * ax.get_position().width
+    px_per_unit = axes_px / max(x_hi - x_lo, 1e-30)
+    count = 0
+    columns = (runs[c].tolist() for c in ("microbatch", "kind", "start", "end", "y0", "h"))
+    for mb, kind, start, end, y0, h in zip(*columns, strict=True):
+        text = str(mb)
+        if (end - start) * scale * px_per_unit < 7 * len(text) + 4:
+            continue
+        ax.text((start + end) / 2 * scale, y0 + h / 2, text,
+                ha="center", va="center", fontsize=7, zorder=3, clip_on=True,
+                color=_text_colour(KIND_COLOURS.get(str(kind), _OTHER_COLOUR)))
+        count += 1
+    return count
+
+
+def _timeline_title(spans: pd.DataFrame, results: Mapping[str, Any] | None) -> str:
+    name, parallel = _scenario_header(results)
+    results = results or {}
+    shape = ", ".join(f"{k}={parallel[k]}" for k in ("tp", "pp", "dp") if k in parallel)
+    m = int(spans["microbatch"].max()) + 1 if len(spans) else 0
+    head = " · ".join(p for p in (name, str(parallel.get("schedule", "")), shape,
+                                  f"m={m}" if m > 0 else "") if p)
+    facts = []
+    if "step_time_s" in results:
+        facts.append(f"step {_format_seconds(float(results['step_time_s']))}")
+    if "bubble_fraction" in results:
+        facts.append(f"bubble {float(results['bubble_fraction']):.1%}")
+    return "\n".join(p for p in (head, ", ".join(facts)) if p) or "timeline"
+
+
+def _timeline_axes(ax: Axes, rows: pd.DataFrame, bands: Mapping[str, tuple[float, float]],
+                   t_end: float, unit: str) -> None:
+    """Limits, row ticks (with small stream labels) and row separators."""
+    n = len(rows)
+    ax.set_xlim(0.0, t_end * 1.005 if t_end > 0 else 1.0)
+    ax.set_ylim(n, 0)
+    ax.set_yticks(rows["row"] + bands["compute"][0] + bands["compute"][1] / 2, rows["label"])
+    if len(bands) > 1 and n <= 24:
+        minor = [(r + off + h / 2, s) for r in rows["row"] for s, (off, h) in bands.items()
+                 if s != "compute"]
+        ax.set_yticks([y for y, _ in minor], [s for _, s in minor], minor=True)
+        ax.tick_params(axis="y", which="minor", labelsize=6, length=0, labelcolor="#555555")
+    for r in range(1, n):
+        ax.axhline(r, color="#CCCCCC", linewidth=0.5, zorder=1)
+    ax.tick_params(axis="y", which="major", length=0)
+    ax.set_xlabel(f"time ({unit})")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = None,
+                    all_ranks: bool = False) -> Figure:
+    """Per-stage Gantt chart of a span table (see the module notes)."""
+    spans = normalize_spans(spans)
+    rows = _timeline_rows(spans, all_ranks)
+    bands = _stream_bands(sorted(set(spans["stream"])))
+    bars = spans.merge(rows[["rank", "row"]], on="rank")
+    bars["y0"] = bars["row"] + bars["stream"].map(lambda s: bands[s][0])
+    bars["h"] = bars["stream"].map(lambda s: bands[s][1])
+    t_end = float(spans["end"].max()) if len(spans) else 0.0
+    scale, unit = _time_unit(t_end)
+    fig = Figure(figsize=(14, min(2.2 + 0.55 * max(len(rows), 1), 40)), layout="constrained")
+    ax = fig.add_subplot()
+    kinds = _draw_bars(ax, bars, scale)
+    _timeline_axes(ax, rows, bands, t_end * scale, unit)
+    handles: list[Any] = [Patch(facecolor=KIND_COLOURS.get(k, _OTHER_COLOUR), label=k)
+                          for k in kinds]
+    if (spans["chunk"] % 2 == 1).any():
+        handles.append(Patch(facecolor=KIND_COLOURS["forward"], alpha=0.6,
+                             label="lighter: odd virtual chunk"))
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
+    phase = (results or {}).get("pipeline_phase_s")
+    if phase and len(phase) == 2:
+        for t in phase:
+            ax.axvline(float(t) * scale, color="#555555", linestyle="--", linewidth=0.8)
+        handles.append(Line2D([], [], color="#555555", linestyle="--", label="pipeline phase"))
+    if spans.empty:
+        ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center")
+    ax.set_title(_timeline_title(spans, results), fontsize=11)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 12),
+               fontsize=8, frameon=False)
+    _label_microbatches(ax, fig, bars, scale)
+    return fig
+
+
+def plot_timeline(spans: pd.DataFrame, results: Mapping[str, Any] | None,
+                  path: str | os.PathLike[str], all_ranks: bool = False) -> Path:
+    """Save :func:`timeline_figure` as a PNG at ``path``."""
+    return _save(timeline_figure(spans, results, all_ranks), path)
+
+
+# --- breakdown -----------------------------------------------------------------------
+
+_BREAKDOWN_COLOURS: Mapping[str, str] = {
+    "compute": KIND_COLOURS["forward"],
+    "tp": KIND_COLOURS["tp"],
+    "pp": KIND_COLOURS["pp"],
+    "dp": KIND_COLOURS["dp"],
+    "zero": KIND_COLOURS["zero"],
+    "bubble": _BUBBLE_COLOUR,
+    "other": KIND_COLOURS["optimizer"],
+}
+
+
+def _stage_count(results: Mapping[str, Any]) -> int:
+    for key in ("bubble_fraction_per_stage", "memory", "compute_s"):
+        value = results.get(key)
+        if isinstance(value, list) and value:
+            return len(value)
+    _, parallel = _scenario_header(results)
+    return int(parallel.get("pp", 1))
+
+
+def _per_stage(value: Any, n: int) -> np.ndarray:
+    """A per-stage list as an array; a scalar (or missing value) repeated per stage."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        array = np.asarray(value, dtype=float)
+        if array.shape != (n,):
+            raise ValueError(f"expected {n} per-stage values, got {len(array)}")
+        return array
+    return np.full(n, float(value or 0.0))
+
+
+def breakdown_segments(results: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Seconds per stage of compute, exposed comm per kind, bubble and the rest of the step.
+
+    The bubble is ``bubble_fraction_per_stage × pipeline phase``; "other" is what
+    remains of ``step_time_s`` (optimizer step, gradient-sync tail), never negative.
+    """
+    n = _stage_count(results)
+    segments = {"compute": _per_stage(results.get("compute_s"), n)}
+    exposed = results.get("exposed_comm_s") or {}
+    for kind in ("tp", "pp", "dp", "zero"):
+        segments[kind] = _per_stage(exposed.get(kind), n)
+    phase = results.get("pipeline_phase_s") or [0.0, 0.0]
+    fractions = _per_stage(results.get("bubble_fraction_per_stage",
+                                       results.get("bubble_fraction")), n)
+    segments["bubble"] = fractions * (float(phase[1]) - float(phase[0]))
+    used = np.sum(list(segments.values()), axis=0)
+    segments["other"] = np.maximum(float(results.get("step_time_s", 0.0)) - used, 0.0)
+    return segments
+
+
+def _label_bubbles(ax: Axes, results: Mapping[str, Any], segments: Mapping[str, np.ndarray],
+                   scale: float) -> None:
+    """Write each stage's bubble fraction in the middle of its bubble segment."""
+    fractions = results.get("bubble_fraction_per_stage")
+    if not isinstance(fractions, list) or len(fractions) > 32:
+        return
+    below = sum(segments[k] for k in ("compute", "tp", "pp", "dp", "zero"))
+    middle = (below + segments["bubble"] / 2) * scale
+    for i, fraction in enumerate(fractions):
+        if segments["bubble"][i] > 0:
+            ax.text(i, middle[i], f"bubble\n{float(fraction):.1%}", ha="center", va="center",
+                    fontsize=7, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+
+
+def breakdown_figure(results: Mapping[str, Any]) -> Figure:
+    """Per-stage stacked bars of :func:`breakdown_segments`, with the step time."""
+    segments = breakdown_segments(results)
+    n = len(segments["compute"])
+    step = float(results.get("step_time_s", 0.0))
+    total = np.sum(list(segments.values()), axis=0)
+    scale, unit = _time_unit(max(step, float(total.max(initial=0.0))))
+    fig = Figure(figsize=(min(4 + 0.5 * n, 16), 5), layout="constrained")
+    ax = fig.add_subplot()
+    x = np.arange(n)
+    bottom = np.zeros(n)
+    for label, seconds in segments.items():
+        if not seconds.any():
+            continue
+        ax.bar(x, seconds * scale, bottom=bottom, width=0.7, label=_SEGMENT_LABELS[label],
+               color=_BREAKDOWN_COLOURS[label], edgecolor="#888888", linewidth=0.4,
+               hatch="//" if label == "bubble" else None)
+        bottom += seconds * scale
+    if step > 0:
+        ax.axhline(step * scale, color="black", linestyle="--", linewidth=0.8,
+                   label=f"step time {_format_seconds(step)}")
+    _label_bubbles(ax, results, segments, scale)
+    ax.set_xticks(x, [str(i) for i in x], fontsize=8 if n <= 32 else 6)
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel(f"time per step ({unit})")
+    ax.set_ylim(0, max(float(bottom.max(initial=0.0)), step * scale) * 1.1 or 1.0)
+    name, parallel = _scenario_header(results)
+    ax.set_title(" · ".join(p for p in (name, str(parallel.get("schedule", "")),
+                                        "where each stage's step goes") if p), fontsize=11)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1),
+              fontsize=8, frameon=False)
+    return fig
+
+
+_SEGMENT_LABELS: Mapping[str, str] = {
+    "compute": "compute", "tp": "exposed TP comm", "pp": "exposed PP comm",
+    "dp": "exposed DP comm", "zero": "exposed ZeRO comm", "bubble": "pipeline bubble",
+    "other": "other (optimizer, sync tail)",
+}
+
+
+def plot_breakdown(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Save :func:`breakdown_figure` as a PNG at ``path``."""
+    return _save(breakdown_figure(results), path)
+
+
+# --- memory --------------------------------------------------------------------------
+
+MEMORY_PARTS: Mapping[str, str] = {
+    "weights": "#4C78A8",
+    "gradients": "#F58518",
+    "optimizer": "#54A24B",
+    "activations": "#E45756",
+    "logits": "#B279A2",
+    "comm_buffers": "#9D755D",
+}
+
+
+def _memory_bars(ax: Axes, memory: Sequence[Mapping[str, Any]]) -> None:
+    """Stacked GiB per stage against each stage's capacity (red ticks, "OOM" when over)."""
+    x = np.arange(len(memory))
+    bottom = np.zeros(len(memory))
+    for part, colour in MEMORY_PARTS.items():
+        gib = np.array([float(m.get(part, 0.0)) for m in memory]) / _GIB
+        if gib.any():
+            ax.bar(x, gib, bottom=bottom, width=0.7, color=colour, label=part.replace("_", " "),
+                   edgecolor="white", linewidth=0.4)
+            bottom += gib
+    capacity = np.array([float(m.get("capacity", 0.0)) for m in memory]) / _GIB
+    if capacity.any() and np.ptp(capacity) == 0:
+        ax.axhline(capacity[0], color=_CAPACITY_COLOUR, linewidth=1.6,
+                   label=f"capacity ({capacity[0]:.0f} GiB)")
+    elif capacity.any():
+        ax.hlines(capacity, x - 0.45, x + 0.45, color=_CAPACITY_COLOUR, linewidth=1.6,
+                  label="capacity")
+    totals = np.array([float(m.get("total", b * _GIB)) for m, b in zip(memory, bottom,
+                                                                        strict=True)]) / _GIB
+    for i, (total, cap) in enumerate(zip(totals, capacity, strict=True)):
+        over = cap > 0 and total > cap
+        if over or len(memory) <= 16:
+            ax.text(i, max(bottom[i], cap if over else 0), "OOM" if over else f"{total:.1f}",
+                    ha="center", va="bottom", fontsize=7,
+                    color=_CAPACITY_COLOUR if over else "black")
+    labels = [str(m.get("stage", i)) for i, m in enumerate(memory)]
+    ax.set_xticks(x, labels, fontsize=8 if len(memory) <= 32 else 6)
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_ylim(0, max(float(bottom.max(initial=0.0)), float(capacity.max(initial=0.0)))
+                * 1.12 or 1.0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+
+
+def _memory_curves(ax: Axes, fig: Figure, timeline: Any, capacity: float) -> None:
+    """Each rank's allocated bytes over the step as a step curve (one colour per rank)."""
+    items = sorted(timeline.items()) if isinstance(timeline, Mapping) else enumerate(timeline)
+    curves = [(int(rank), np.asarray(points, dtype=float).reshape(-1, 2))
+              for rank, points in items if len(points)]
+    if not curves:
+        return
+    t_max = max(float(c[:, 0].max()) for _, c in curves)
+    scale, unit = _time_unit(t_max)
+    segments = []
+    for _, c in curves:  # a post-step curve: hold each value until the next point
+        xs = np.repeat(c[:, 0] * scale, 2)[1:]
+        ys = np.repeat(c[:, 1] / _GIB, 2)[:-1]
+        segments.append(np.column_stack([xs, ys]))
+    ranks = [r for r, _ in curves]
+    handles: list[Any] = []
+    if len(ranks) <= 10:  # few ranks: one named colour each
+        colours = [f"C{i}" for i in range(len(ranks))]
+        ax.add_collection(LineCollection(segments, colors=colours, linewidths=1.2))
+        handles = [Line2D([], [], color=c, label=f"rank {r}") for c, r in zip(colours, ranks,
+                                                                            strict=True)]
+    else:  # many ranks: a colour scale
+        norm = Normalize(min(ranks), max(ranks))
+        ax.add_collection(LineCollection(segments, array=np.asarray(ranks, dtype=float),
+                                         cmap="viridis", norm=norm, linewidths=0.8))
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap="viridis"), ax=ax, pad=0.01)
+        bar.set_label("rank")
+        bar.locator = MaxNLocator(integer=True)
+        bar.update_ticks()
+    if capacity > 0:
+        handles.append(ax.axhline(capacity / _GIB, color=_CAPACITY_COLOUR, linewidth=1.6,
+                                  label="capacity"))
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+                  frameon=False)
+    y_max = max(float(s[:, 1].max()) for s in segments)
+    ax.set_xlim(0, t_max * scale * 1.01 or 1.0)
+    ax.set_ylim(0, max(y_max, capacity / _GIB) * 1.08 or 1.0)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("allocated GiB")
+    ax.set_title("allocated memory over the step", fontsize=9)
+
+
+def memory_figure(results: Mapping[str, Any]) -> Figure:
+    """Per-stage memory stack against capacity, and the per-rank curves when recorded."""
+    memory = results.get("memory") or []
+    timeline = results.get("memory_timeline")
+    fig = Figure(figsize=(min(6 + 0.45 * len(memory), 16), 8.5 if timeline else 5),
+                 layout="constrained")
+    axes = fig.subplots(2 if timeline else 1, 1, squeeze=False)[:, 0]
+    _memory_bars(axes[0], memory)
+    capacity = max((float(m.get("capacity", 0.0)) for m in memory), default=0.0)
+    if timeline:
+        _memory_curves(axes[1], fig, timeline, capacity)
+    name, _ = _scenario_header(results)
+    peak = float(results.get("memory_peak_bytes", 0.0)) / _GIB
+    verdict = "fits" if results.get("fits_in_memory", True) else "DOES NOT FIT"
+    title = f"peak {peak:.1f} GiB" + (f" of {capacity / _GIB:.0f} GiB" if capacity else "")
+    axes[0].set_title(" · ".join(p for p in (name, title, verdict) if p), fontsize=11)
+    return fig
+
+
+def plot_memory(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Save :func:`memory_figure` as a PNG at ``path``."""
+    return _save(memory_figure(results), path)
+
+
+# --- a run directory -----------------------------------------------------------------
+
+
+def plot_all(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Re-draw a run's PNGs from ``out_dir/results.json`` and ``out_dir/timeline.csv``.
+
+    Writes ``timeline.png`` (only when ``timeline.csv`` exists: an analytic run has
+    no spans), ``breakdown.png`` and ``memory.png``; returns the paths written.
+    """
+    out = Path(out_dir)
+    results_path = out / "results.json"
+    if not results_path.is_file():
+        raise FileNotFoundError(f"{results_path} not found: is {out} a clustersim run directory?")
+    results = json.loads(results_path.read_text(encoding="utf-8"))
+    written = []
+    if (out / "timeline.csv").is_file():
+        spans = read_timeline_csv(out / "timeline.csv")
+        written.append(plot_timeline(spans, results, out / "timeline.png"))
+    written.append(plot_breakdown(results, out / "breakdown.png"))
+    written.append(plot_memory(results, out / "memory.png"))
+    return written

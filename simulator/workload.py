@@ -1,0 +1,400 @@
+"""Workload: per-rank programs of tasks, built from a scenario and a layout.
+
+A program is, per simulated rank, an ordered list of :class:`Task` per stream
+(``compute``, ``pp``, ``dp``). A task is compute (a fixed duration priced by the
+cost model), a collective over a group (a :class:`~simulator.collectives.Plan`),
+or a point-to-point transfer. Cross-stream and cross-rank dependencies are task
+ids. Everything here is plain data: the engine runs it, tests inspect it.
+
+What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
+
+- Pipeline actions come from :mod:`simulator.schedules`; each F/B/I/W of a
+  virtual stage expands to per-layer blocks (attention, MLP) with the TP
+  collectives between them on the compute stream — two in forward, two in
+  backward per layer (all-reduce, or all-gather + reduce-scatter with sequence
+  parallelism). With tp = 1 a layer is one block.
+- Pipeline activations and gradients (b·s·h/t bytes with Megatron's
+  scatter/gather) go out on the ``pp`` stream as soon as they are produced; the
+  receiver's next compute waits for the transfer. ``overlap.pp: false`` puts the
+  send on the compute stream.
+- DP gradients are bucketed (``dp_bucket_MB``) in the order the last
+  micro-batch's backward produces them, each bucket reduced on the ``dp``
+  stream; the optimizer step waits for all of them. ``overlap.dp: false`` runs
+  them on the compute stream after the backward. ZeRO-1/2 reduce-scatter the
+  buckets (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
+  all-gather the updated parameters after the step.
+- Symmetry folding builds programs for one representative per stage; its
+  collectives carry their full group's plan and its flows stand for every rank
+  of its class on shared links (``Program.weight``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from simulator import model as mdl
+from simulator.collectives import GroupShape, Plan, make_plan
+from simulator.costs import CostModel
+from simulator.errors import NotImplementedYet, Problem
+from simulator.hardware import CollectiveName
+from simulator.layout import Layout
+from simulator.scenario import Scenario
+from simulator.schedules import Action, Schedule, build_schedule
+
+Stream = Literal["compute", "pp", "dp"]
+OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
+
+
+@dataclass(slots=True)
+class Task:
+    id: int
+    rank: int
+    stream: Stream
+    op: str  # "F", "B", "I", "W", "R", "tp.all_reduce", "pp.send", "dp.all_reduce", ...
+    kind: str  # colour class: forward/backward/weight_grad/recompute/tp/pp/dp/zero/optimizer
+    name: str
+    duration: float = 0.0  # compute seconds
+    plan: Plan | None = None  # collective
+    group: tuple[int, ...] = ()  # collective members (all ranks, simulated or not)
+    group_key: tuple[Any, ...] = ()  # identical on every member of one collective
+    dst: int = -1  # p2p destination rank
+    nbytes: float = 0.0
+    microbatch: int = -1
+    layer: int = -1
+    chunk: int = 0
+    deps: list[int] = field(default_factory=list)
+    dependents: int = 0
+
+
+@dataclass
+class Program:
+    rank: int
+    streams: dict[str, list[Task]]
+
+
+@dataclass
+class Workload:
+    programs: dict[int, Program]
+    tasks: list[Task]
+    layout: Layout
+    schedule: Schedule
+    weight: float  # how many ranks one simulated rank stands for on shared links
+    fidelity: str
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds for one layer's blocks on one TP rank, per micro-batch."""
+
+    fwd: tuple[float, float]  # (attention block, MLP block)
+    bwd_input: tuple[float, float]
+    bwd_weight: tuple[float, float]
+    recompute: tuple[float, float]
+    embed: tuple[float, float, float]  # fwd, bwd_input, bwd_weight
+    head: tuple[float, float, float]
+
+
+def _split(ops: tuple[mdl.Op, ...], cost: CostModel, forward_order: bool) -> tuple[float, float]:
+    names = [op.name for op in ops]
+    cut = names.index("ln2") if forward_order else names.index("ln2") + 1
+    first, second = cost.ops_time(ops[:cut]), cost.ops_time(ops[cut:])
+    return (first, second) if forward_order else (second, first)
+
+
+def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
+    spec, b, tp, sp, dt = (s.model, s.training.micro_batch, s.parallel.tp,
+                           s.parallel.sequence_parallel, s.training.dtype)
+    fwd = mdl.layer_ops(spec, b, tp, sp, dt, "fwd")
+    bwd_i = mdl.layer_ops(spec, b, tp, sp, dt, "bwd_input")
+    bwd_w = mdl.layer_ops(spec, b, tp, sp, dt, "bwd_weight")
+    w_names = [op.name for op in bwd_w]
+    w_attn = cost.ops_time([op for op in bwd_w if op.name in ("qkv", "out_proj")])
+    w_mlp = cost.ops_time([op for op in bwd_w if op.name not in ("qkv", "out_proj")])
+    assert "qkv" in w_names
+    rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute)
+    if s.parallel.recompute == "full":
+        rec_t = _split(rec, cost, True)
+    else:
+        rec_t = (cost.ops_time(rec), 0.0)
+
+    def three(fn: Any) -> tuple[float, float, float]:
+        return tuple(cost.ops_time(fn(spec, b, tp, sp, dt, p)) for p in mdl.PASSES)  # type: ignore[return-value]
+
+    return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
+                      rec_t, three(mdl.embedding_ops), three(mdl.head_ops))
+
+
+def check_supported(s: Scenario) -> None:
+    """Values the schema accepts that this version cannot simulate yet."""
+    problems = []
+    if s.parallel.zero == 3:
+        problems.append(Problem("parallel.zero", 3, "ZeRO-3 / FSDP is not implemented yet in "
+                                "the engine; use --method analytic or zero 0-2"))
+    if s.parallel.zero_offload:
+        problems.append(Problem("parallel.zero_offload", True,
+                                "ZeRO-Offload is not implemented yet; set it to false"))
+    if problems:
+        raise NotImplementedYet(problems)
+
+
+class _Builder:
+    def __init__(self, s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
+                 schedule: Schedule, ranks: tuple[int, ...]) -> None:
+        self.s, self.layout, self.cost, self.c, self.sched = s, layout, cost, costs, schedule
+        self.ranks = ranks
+        self.tasks: list[Task] = []
+        self.programs = {r: Program(r, {"compute": [], "pp": [], "dp": []}) for r in ranks}
+        self.seq: dict[tuple[int, ...], int] = defaultdict(int)
+        self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
+        self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
+        self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
+        spec = s.model
+        self.layers_per_chunk = spec.layers // (s.parallel.pp * s.parallel.virtual_stages)
+        self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
+        self.act_bytes = mdl.pp_activation_bytes(spec, s.training.micro_batch, s.training.dtype)
+        self.tp_bytes = mdl.tp_comm_bytes_per_layer(spec, s.training.micro_batch, s.training.dtype)
+        self.algorithm = s.simulation.collective_algorithm
+
+    # ------------------------------------------------------------ primitives
+    def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
+        t = Task(id=len(self.tasks), rank=rank, stream=stream, **kw)
+        self.tasks.append(t)
+        self.programs[rank].streams[stream].append(t)
+        return t
+
+    def compute(self, rank: int, op: str, kind: str, name: str, dur: float,
+                mb: int, layer: int, chunk: int) -> Task:
+        return self.add(rank, "compute", op=op, kind=kind, name=name, duration=dur,
+                        microbatch=mb, layer=layer, chunk=chunk)
+
+    def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
+                   group: tuple[int, ...], size: float, name: str, mb: int = -1,
+                   layer: int = -1, chunk: int = 0) -> Task | None:
+        if len(group) <= 1 or size <= 0:
+            return None
+        plan = self.plans.get((op, size, group))
+        if plan is None:
+            shape = GroupShape(len(group), len(group) // self.layout.nodes_spanned(group))
+            plan = make_plan(op, size, shape, self.algorithm, self.s.hardware)
+            self.plans[(op, size, group)] = plan
+        key = (group, self.seq[group])
+        self.seq[group] += 1
+        prefix = "zero" if kind == "zero" else kind
+        return self.add(rank, stream, op=f"{prefix}.{op}", kind=kind, name=name, plan=plan,
+                        group=group, group_key=key, nbytes=size, microbatch=mb,
+                        layer=layer, chunk=chunk)
+
+    def tp_around(self, rank: int, before: bool, mb: int, layer: int, chunk: int) -> None:
+        """TP collective around a block: all-reduce after it, or with sequence
+        parallelism all-gather before and reduce-scatter after (both directions)."""
+        sp = self.s.parallel.sequence_parallel
+        if before and not sp:
+            return
+        op: CollectiveName = ("all_gather" if before else "reduce_scatter") if sp else "all_reduce"
+        self.collective(rank, "compute", op, "tp", self.layout.tp_group(rank), self.tp_bytes,
+                        f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
+
+    def wait_for(self, task: Task, key: tuple[str, int, int, int]) -> None:
+        self.waits.append((task, key))
+
+    # ------------------------------------------------------------ actions
+    def layers_of(self, stage: int) -> range:
+        first = stage * self.layers_per_chunk
+        return range(first, first + self.layers_per_chunk)
+
+    def forward(self, rank: int, a: Action, chunk: int) -> Task:
+        c, mb, last = self.c, a.microbatch, self.sched.stages * self.sched.virtual_stages - 1
+        head: Task | None = None
+        if a.stage == 0:
+            head = self.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
+        for layer in self.layers_of(a.stage):
+            for blk, label in ((0, "attn"), (1, "mlp")):
+                self.tp_around(rank, True, mb, layer, chunk)
+                t = self.compute(rank, "F", "forward", f"fwd.{label} L{layer} mb{mb}",
+                                 c.fwd[blk], mb, layer, chunk)
+                head = head or t
+                self.tp_around(rank, False, mb, layer, chunk)
+        if a.stage == last:
+            self.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
+        assert head is not None
+        if a.stage > 0:
+            self.wait_for(head, ("act", a.stage - 1, mb, rank))
+        return head
+
+    def backward(self, rank: int, a: Action, chunk: int, weights: bool) -> list[Task]:
+        """B (``weights``) or I: head, layers in reverse, embedding; returns the tasks
+        that finish each layer's weight gradients (for DP buckets)."""
+        c, mb, last = self.c, a.microbatch, self.sched.stages * self.sched.virtual_stages - 1
+        w = 1.0 if weights else 0.0
+        op, kind = ("B", "backward") if weights else ("I", "backward")
+        first: Task | None = None
+        done: list[Task] = []
+        if a.stage == last:
+            first = self.compute(rank, op, kind, f"head.bwd mb{mb}",
+                                 c.head[1] + w * c.head[2], mb, -1, chunk)
+        for layer in reversed(self.layers_of(a.stage)):
+            if self.s.parallel.recompute != "none":
+                t = self.recompute(rank, mb, layer, chunk)
+                first = first or t
+            for blk, label in ((1, "mlp"), (0, "attn")):
+                self.tp_around(rank, True, mb, layer, chunk)
+                t = self.compute(rank, op, kind, f"bwd.{label} L{layer} mb{mb}",
+                                 c.bwd_input[blk] + w * c.bwd_weight[blk], mb, layer, chunk)
+                first = first or t
+                self.tp_around(rank, False, mb, layer, chunk)
+            done.append(t)
+        if a.stage == 0:
+            t = self.compute(rank, op, kind, f"embed.bwd mb{mb}", w * c.embed[2], mb, -1, chunk)
+            first = first or t
+            done.append(t)
+        assert first is not None
+        if a.stage < last:
+            self.wait_for(first, ("grad", a.stage + 1, mb, rank))
+        return done
+
+    def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
+        c = self.c
+        if self.s.parallel.recompute == "selective":
+            return self.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
+                                c.recompute[0], mb, layer, chunk)
+        first = None
+        for blk, label in ((0, "attn"), (1, "mlp")):
+            self.tp_around(rank, True, mb, layer, chunk)
+            t = self.compute(rank, "R", "recompute", f"recompute.{label} L{layer} mb{mb}",
+                             c.recompute[blk], mb, layer, chunk)
+            first = first or t
+            self.tp_around(rank, False, mb, layer, chunk)
+        assert first is not None
+        return first
+
+    def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
+        c, mb, last = self.c, a.microbatch, self.sched.stages * self.sched.virtual_stages - 1
+        done = []
+        if a.stage == last:
+            self.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1, chunk)
+        for layer in reversed(self.layers_of(a.stage)):
+            done.append(self.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
+                                     sum(c.bwd_weight), mb, layer, chunk))
+        if a.stage == 0:
+            done.append(self.compute(rank, "W", "weight_grad", f"embed.wgrad mb{mb}",
+                                     c.embed[2], mb, -1, chunk))
+        return done
+
+    def send(self, rank: int, direction: str, stage: int, mb: int, after: Task,
+             to_stage: int, chunk: int) -> None:
+        coord = self.layout.coord(rank)
+        dst = self.layout.rank(self.sched.rank_of(to_stage), coord.dp, coord.tp)
+        stream: Stream = "pp" if self.s.parallel.overlap.pp else "compute"
+        t = self.add(rank, stream, op="pp.send", kind="pp",
+                     name=f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", dst=dst,
+                     nbytes=self.act_bytes, microbatch=mb, chunk=chunk)
+        t.deps.append(after.id)
+        self.sends[(direction, stage, mb, dst)] = t.id
+
+    # ------------------------------------------------------------ data parallel
+    def grad_bytes(self, stage: int) -> list[float]:
+        """Gradient bytes each 'done' task of a backward completes, in order."""
+        spec, tp, dt = self.s.model, self.s.parallel.tp, self.dt_bytes
+        last = self.sched.stages * self.sched.virtual_stages - 1
+        sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
+        if stage == last:
+            sizes[0] += mdl.head_params(spec) / tp * dt
+        if stage == 0:
+            sizes.append(mdl.embedding_params(spec) / tp * dt)
+        return sizes
+
+    def dp_sync(self, rank: int, stage: int, done: list[Task], chunk: int,
+                pending: list[tuple[float, Task]]) -> None:
+        """Bucket the gradients the last micro-batch's backward completes."""
+        for size, task in zip(self.grad_bytes(stage), done, strict=True):
+            pending.append((size, task))
+            if sum(sz for sz, _ in pending) >= self.s.parallel.dp_bucket_MB * 1e6:
+                self.flush_bucket(rank, pending, chunk)
+
+    def flush_bucket(self, rank: int, pending: list[tuple[float, Task]], chunk: int) -> None:
+        if not pending:
+            return
+        size, after = sum(sz for sz, _ in pending), pending[-1][1]
+        pending.clear()
+        op: CollectiveName = "all_reduce" if self.s.parallel.zero == 0 else "reduce_scatter"
+        stream: Stream = "dp" if self.s.parallel.overlap.dp else "compute"
+        t = self.collective(rank, stream, op, "dp", self.layout.dp_group(rank), size,
+                            f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
+        if t is not None:
+            t.deps.append(after.id)
+
+    def optimizer(self, rank: int) -> None:
+        par, spec = self.s.parallel, self.s.model
+        stages = [st for st in range(self.sched.stages * self.sched.virtual_stages)
+                  if self.sched.rank_of(st) == self.layout.coord(rank).pp]
+        params = sum(sum(self.grad_bytes(st)) for st in stages) / self.dt_bytes
+        shard = params / par.dp if par.zero >= 1 else params
+        step = self.compute(rank, "optimizer", "optimizer", "optimizer step",
+                            self.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
+        step.deps.extend(t.id for t in self.programs[rank].streams["dp"])
+        if par.zero >= 1:
+            self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
+                            params * self.dt_bytes, "dp.all_gather updated params")
+        del spec
+
+    # ------------------------------------------------------------ driver
+    def build_rank(self, rank: int) -> None:
+        pp_rank, last = self.layout.coord(rank).pp, self.sched.stages * self.sched.virtual_stages - 1
+        actions = self.sched.actions[pp_rank]
+        final = {}
+        for i, a in enumerate(actions):
+            if a.kind in ("B", "W"):
+                final[a.stage] = i
+        pending: list[tuple[float, Task]] = []
+        for i, a in enumerate(actions):
+            chunk = self.sched.chunk_of(a.stage)
+            compute = self.programs[rank].streams["compute"]
+            if a.kind == "F":
+                self.forward(rank, a, chunk)
+                if a.stage < last:
+                    self.send(rank, "act", a.stage, a.microbatch, compute[-1], a.stage + 1, chunk)
+                continue
+            if a.kind in ("B", "I"):
+                done = self.backward(rank, a, chunk, weights=a.kind == "B")
+                if a.stage > 0:
+                    self.send(rank, "grad", a.stage, a.microbatch, compute[-1], a.stage - 1,
+                              chunk)
+            else:
+                done = self.weight_grad(rank, a, chunk)
+            if final.get(a.stage) == i and self.s.parallel.dp > 1:
+                self.dp_sync(rank, a.stage, done, chunk, pending)
+        if pending:
+            self.flush_bucket(rank, pending, 0)
+        self.optimizer(rank)
+
+    def resolve(self) -> None:
+        for task, key in self.waits:
+            sid = self.sends.get(key)
+            if sid is not None and self.tasks[sid].rank != task.rank:
+                task.deps.append(sid)
+        for t in self.tasks:
+            for d in t.deps:
+                self.tasks[d].dependents += 1
+
+
+def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
+                   costs: BlockCosts | None = None, fidelity: str | None = None) -> Workload:
+    """Per-rank programs for one training step. ``costs`` may be given to price blocks
+    differently (tests make stages exactly balanced this way)."""
+    check_supported(s)
+    layout = layout or Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp,
+                              s.cluster.gpus_per_node or 1)
+    cost = cost or CostModel(s.hardware, s.training.dtype)
+    costs = costs or block_costs(s, cost)
+    fidelity = fidelity or s.simulation.fidelity
+    schedule = build_schedule(s.parallel.schedule, s.parallel.pp, s.microbatches,
+                              s.parallel.virtual_stages)
+    ranks = layout.representatives() if fidelity == "folded" else tuple(range(layout.world))
+    b = _Builder(s, layout, cost, costs, schedule, ranks)
+    for r in ranks:
+        b.build_rank(r)
+    b.resolve()
+    weight = float(s.parallel.tp * s.parallel.dp) if fidelity == "folded" else 1.0
+    return Workload(b.programs, b.tasks, layout, schedule, weight, fidelity)
