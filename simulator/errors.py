@@ -22,7 +22,13 @@ class Problem:
 
     def __str__(self) -> str:
         value = _short(self.value)
-        return f"{self.field} = {value}: {self.fix}" if self.field else self.fix
+        field = _oneline(self.field)
+        return f"{field} = {value}: {_oneline(self.fix)}" if field else _oneline(self.fix)
+
+
+def _oneline(text: str) -> str:
+    """Escape control characters so that a problem always prints as one line."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _short(value: object, limit: int = 60) -> str:

@@ -1,0 +1,134 @@
+"""CLI behaviour: exit codes, one-line errors, outputs, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulator import api
+from simulator.cli import main
+
+SMALL = """\
+name: small
+model: {preset: tiny-gpt}
+cluster: {system: dgx-a100-80gb, nodes: 1, gpus_per_node: 8}
+parallel: {tp: 2, pp: 2, dp: 2, schedule: 1f1b}
+training: {global_batch: 16, micro_batch: 2, dtype: bf16}
+"""
+KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
+        "hfu", "bubble_fraction", "memory_peak_bytes", "fits_in_memory", "method", "scenario",
+        "exposed_comm_s", "compute_s", "fidelity", "sim_wall_s", "sim_events"}
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    return path
+
+
+def test_validate_ok(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(small)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_validate_broken_one_line_per_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SMALL.replace("tp: 2,", "tp: 3, tpp: 1,").replace("global_batch: 16",
+                                                                     "global_batch: -4"))
+    proc = subprocess.run([sys.executable, "-m", "simulator.cli", "validate", str(bad)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(x.startswith("error: ") for x in lines)
+    assert "Traceback" not in proc.stderr
+    assert any("parallel.tpp" in x and "did you mean 'tp'" in x for x in lines)
+    assert any("training.global_batch = -4" in x for x in lines)
+
+
+def test_not_yaml_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    assert main(["validate", str(bad)]) == 2
+    assert "invalid YAML at line" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+
+
+def test_run_writes_outputs(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["run", str(small), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert KEYS <= results.keys()
+    assert results["method"] == "engine" and results["scenario"]["parallel"]["tp"] == 2
+    for name in ("timeline.csv", "trace.json", "timeline.png", "breakdown.png", "memory.png"):
+        assert (out / name).stat().st_size > 0
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["traceEvents"]
+    assert "step time" in capsys.readouterr().out
+
+
+def test_run_set_goes_through_validation(small: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main(["run", str(small), "--set", "parallel.tp=3", "--out", str(out)]) == 2
+    assert "parallel.tp = 3" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["run", str(small), "--set", "parallel.schedule=gpipe", "--method", "analytic",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["method"] == "analytic" and results["scenario"]["parallel"]["schedule"] == "gpipe"
+
+
+def test_interrupted_run_leaves_no_results(small: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "results.json").write_text('{"old": true}')
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.json, "dumps", boom)
+    assert main(["run", str(small), "--out", str(out), "--no-plots"]) == 130
+    assert json.loads((out / "results.json").read_text()) == {"old": True}
+    assert not list(out.glob(".results.json*"))
+
+
+def test_memory_presets_schema(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["memory", str(small)]) == 0
+    assert "optimizer" in capsys.readouterr().out
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-405b" in out and "dgx-h200" in out
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "parallel" in schema["properties"]
+
+
+def test_plot_redraws(small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert main(["run", str(small), "--out", str(out), "--no-plots"]) == 0
+    assert not (out / "timeline.png").exists()
+    assert main(["plot", str(out)]) == 0
+    assert (out / "timeline.png").exists()
+    assert main(["plot", str(tmp_path / "empty")]) == 2
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in ("run", "validate", "memory", "presets", "schema", "plot"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        assert "example" in capsys.readouterr().out
+
+
+def test_core_imports_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import simulator.cli, simulator.api, simulator.engine, calibration\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert proc.stdout.strip() == "ok", proc.stderr
