@@ -23,6 +23,12 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   them on the compute stream after the backward. ZeRO-1/2 reduce-scatter the
   buckets (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
   all-gather the updated parameters after the step.
+- ZeRO-3 / FSDP: each layer is a unit whose parameters are all-gathered over DP
+  before its forward and, with ``reshard_after_forward``, again before its
+  backward, on the ``zero`` stream ``fsdp_prefetch`` units ahead (on the compute
+  stream without ``overlap.zero3_prefetch``); each unit's gradients are
+  reduce-scattered as the last micro-batch's backward produces them. The
+  embedding and head stay replicated (small next to the layers).
 - Symmetry folding builds programs for one representative per stage; its
   collectives carry their full group's plan and its flows stand for every rank
   of its class on shared links (``Program.weight``).
@@ -43,7 +49,7 @@ from simulator.layout import Layout
 from simulator.scenario import Scenario
 from simulator.schedules import Action, Schedule, build_schedule
 
-Stream = Literal["compute", "pp", "dp"]
+Stream = Literal["compute", "pp", "dp", "zero"]
 OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
 
 
@@ -129,9 +135,6 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
 def check_supported(s: Scenario) -> None:
     """Values the schema accepts that this version cannot simulate yet."""
     problems = []
-    if s.parallel.zero == 3:
-        problems.append(Problem("parallel.zero", 3, "ZeRO-3 / FSDP is not implemented yet in "
-                                "the engine; use --method analytic or zero 0-2"))
     if s.parallel.zero_offload:
         problems.append(Problem("parallel.zero_offload", True,
                                 "ZeRO-Offload is not implemented yet; set it to false"))
@@ -145,7 +148,9 @@ class _Builder:
         self.s, self.layout, self.cost, self.c, self.sched = s, layout, cost, costs, schedule
         self.ranks = ranks
         self.tasks: list[Task] = []
-        self.programs = {r: Program(r, {"compute": [], "pp": [], "dp": []}) for r in ranks}
+        self.programs = {r: Program(r, {"compute": [], "pp": [], "dp": [], "zero": []})
+                         for r in ranks}
+        self.unit_done: dict[int, list[Task]] = {r: [] for r in ranks}
         self.seq: dict[tuple[int, ...], int] = defaultdict(int)
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
         self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
@@ -196,6 +201,26 @@ class _Builder:
         self.collective(rank, "compute", op, "tp", self.layout.tp_group(rank), self.tp_bytes,
                         f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
 
+    def gather_unit(self, rank: int, mb: int, layer: int, chunk: int) -> Task | None:
+        """ZeRO-3: all-gather one layer's parameters before it runs. With prefetch depth
+        k on its own stream, the gather may start once the unit k + 1 back is done."""
+        par = self.s.parallel
+        size = mdl.layer_params(self.s.model) / par.tp * self.dt_bytes
+        stream: Stream = "zero" if par.overlap.zero3_prefetch else "compute"
+        t = self.collective(rank, stream, "all_gather", "zero", self.layout.dp_group(rank), size,
+                            f"zero3.all_gather L{layer} mb{mb}", mb, layer, chunk)
+        done = self.unit_done[rank]
+        if t is not None and stream == "zero" and len(done) > par.fsdp_prefetch:
+            t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        return t
+
+    def unit(self, rank: int, forward: bool, mb: int, layer: int, chunk: int) -> Task | None:
+        """Gather before a layer's forward, and before its backward when resharded."""
+        par = self.s.parallel
+        if par.zero != 3 or par.dp == 1 or (not forward and not par.reshard_after_forward):
+            return None
+        return self.gather_unit(rank, mb, layer, chunk)
+
     def wait_for(self, task: Task, key: tuple[str, int, int, int]) -> None:
         self.waits.append((task, key))
 
@@ -210,12 +235,16 @@ class _Builder:
         if a.stage == 0:
             head = self.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
         for layer in self.layers_of(a.stage):
+            gather = self.unit(rank, True, mb, layer, chunk)
             for blk, label in ((0, "attn"), (1, "mlp")):
                 self.tp_around(rank, True, mb, layer, chunk)
                 t = self.compute(rank, "F", "forward", f"fwd.{label} L{layer} mb{mb}",
                                  c.fwd[blk], mb, layer, chunk)
+                if gather is not None and blk == 0 and gather.stream != "compute":
+                    t.deps.append(gather.id)
                 head = head or t
                 self.tp_around(rank, False, mb, layer, chunk)
+            self.unit_done[rank].append(t)
         if a.stage == last:
             self.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
         assert head is not None
@@ -235,16 +264,23 @@ class _Builder:
             first = self.compute(rank, op, kind, f"head.bwd mb{mb}",
                                  c.head[1] + w * c.head[2], mb, -1, chunk)
         for layer in reversed(self.layers_of(a.stage)):
+            gather = self.unit(rank, False, mb, layer, chunk)
             if self.s.parallel.recompute != "none":
                 t = self.recompute(rank, mb, layer, chunk)
                 first = first or t
+                if gather is not None and gather.stream != "compute":
+                    t.deps.append(gather.id)
+                    gather = None
             for blk, label in ((1, "mlp"), (0, "attn")):
                 self.tp_around(rank, True, mb, layer, chunk)
                 t = self.compute(rank, op, kind, f"bwd.{label} L{layer} mb{mb}",
                                  c.bwd_input[blk] + w * c.bwd_weight[blk], mb, layer, chunk)
+                if gather is not None and blk == 1 and gather.stream != "compute":
+                    t.deps.append(gather.id)
                 first = first or t
                 self.tp_around(rank, False, mb, layer, chunk)
             done.append(t)
+            self.unit_done[rank].append(t)
         if a.stage == 0:
             t = self.compute(rank, op, kind, f"embed.bwd mb{mb}", w * c.embed[2], mb, -1, chunk)
             first = first or t
@@ -310,7 +346,8 @@ class _Builder:
         """Bucket the gradients the last micro-batch's backward completes."""
         for size, task in zip(self.grad_bytes(stage), done, strict=True):
             pending.append((size, task))
-            if sum(sz for sz, _ in pending) >= self.s.parallel.dp_bucket_MB * 1e6:
+            per_unit = self.s.parallel.zero == 3  # FSDP reduce-scatters each unit's gradients
+            if per_unit or sum(sz for sz, _ in pending) >= self.s.parallel.dp_bucket_MB * 1e6:
                 self.flush_bucket(rank, pending, chunk)
 
     def flush_bucket(self, rank: int, pending: list[tuple[float, Task]], chunk: int) -> None:
@@ -334,7 +371,8 @@ class _Builder:
         step = self.compute(rank, "optimizer", "optimizer", "optimizer step",
                             self.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
         step.deps.extend(t.id for t in self.programs[rank].streams["dp"])
-        if par.zero >= 1:
+        step.deps.extend(t.id for t in self.programs[rank].streams["zero"][-1:])
+        if par.zero in (1, 2):
             self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
                             params * self.dt_bytes, "dp.all_gather updated params")
         del spec
