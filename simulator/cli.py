@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_optional(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_optional(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Subcommands from the calibration package (they import torch only when run)."""
     for module in CALIBRATION_COMMANDS:
         importlib.import_module(module).add_parser(sub)

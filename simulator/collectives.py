@@ -118,6 +118,7 @@ def _hierarchical(op: CollectiveName, size: float, shape: GroupShape) -> Plan:
     k, nodes = shape.per_node, shape.nodes
     inter_ar = Phase((Leg("inter_node", 2 * (nodes - 1) / nodes * size / k),), 2 * (nodes - 1))
     intra = Phase((Leg("intra_node", (k - 1) / k * size),), k - 1)
+    phases: tuple[Phase, ...]
     if op == "all_reduce":
         phases = (intra, inter_ar, intra)
     elif op == "all_gather":  # inter-node all-gather of shards, then intra-node
@@ -148,7 +149,7 @@ def make_plan(op: CollectiveName, size: float, shape: GroupShape, algorithm: str
     if algorithm == "auto":
         plans = [make_plan(op, size, shape, a, hw) for a in options]
         return min(plans, key=lambda p: estimate(p, hw))
-    chosen: AlgorithmName = algorithm if algorithm in options else "ring"  # type: ignore[assignment]
+    chosen = algorithm if algorithm in options else "ring"
     if op == "send_recv":
         return Plan(op, "direct", size, shape.n, (Phase((Leg("intra_node", size),), 1),))
     if chosen == "tree":

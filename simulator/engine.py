@@ -94,9 +94,9 @@ class Engine:
         return SimResult(self.w, self.spans, busy, end, self._event_count(), wall)
 
     def _event_count(self) -> int:
-        # SimPy's heap counter: the number of events ever scheduled
-        return int(getattr(self.env, "_eid", lambda: 0).__next__()) \
-            if hasattr(self.env, "_eid") else 0
+        """Events SimPy scheduled: its private heap counter (simpy 4's ``_eid``)."""
+        counter = getattr(self.env, "_eid", None)
+        return int(next(counter)) if counter is not None else 0
 
     # ------------------------------------------------------------ streams
     def stream(self, tasks: list[Task]) -> Generator[simpy.Event, Any, None]:

@@ -14,6 +14,7 @@ latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -57,7 +58,7 @@ class EfficiencyCurve(_Frozen):
         if size >= pts[-1][0]:
             return pts[-1][1]
         lx = math.log10(size)
-        for (x0, e0), (x1, e1) in zip(pts, pts[1:], strict=False):
+        for (x0, e0), (x1, e1) in itertools.pairwise(pts):
             if size <= x1:
                 w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
                 return e0 + w * (e1 - e0)
@@ -175,7 +176,7 @@ def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProf
         path = Path(name_or_path).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        if not path.suffix.lower() in (".yaml", ".yml") or not path.exists():
+        if path.suffix.lower() not in (".yaml", ".yml") or not path.exists():
             import difflib
 
             near = difflib.get_close_matches(name_or_path, preset_system_names(), n=1)

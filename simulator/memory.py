@@ -93,7 +93,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 # ---------------------------------------------------------------- activations
 
 
-def activation_bytes_per_layer(  # noqa: PLR0917 (positional, like model.layer_ops)
+def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16",
 ) -> float:

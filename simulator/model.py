@@ -140,7 +140,7 @@ def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass) -> O
               dt * tokens * (4 * q_width + 4 * kv_width), 2 * fwd_flops)
 
 
-def layer_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+def layer_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", pass_: Pass = "fwd",
 ) -> tuple[Op, ...]:
@@ -173,7 +173,7 @@ def layer_ops(  # noqa: PLR0917 (positional, as the workload calls it)
     return ops if pass_ == "fwd" else ops[::-1]
 
 
-def embedding_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+def embedding_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", pass_: Pass = "fwd",
 ) -> tuple[Op, ...]:
@@ -194,7 +194,7 @@ def embedding_ops(  # noqa: PLR0917 (positional, as the workload calls it)
     return ()
 
 
-def head_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+def head_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", pass_: Pass = "fwd",
 ) -> tuple[Op, ...]:
@@ -213,7 +213,7 @@ def head_ops(  # noqa: PLR0917 (positional, as the workload calls it)
     return ops if pass_ == "fwd" else ops[::-1]
 
 
-def layer_recompute_ops(  # noqa: PLR0917 (positional, as the workload calls it)
+def layer_recompute_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", recompute: RecomputeMode = "none",
 ) -> tuple[Op, ...]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,8 +63,8 @@ _US_PER_S = 1e6
 def normalize_spans(spans: pd.DataFrame) -> pd.DataFrame:
     """Return a copy with every column of :data:`SPAN_COLUMNS`, in order and dtype.
 
-    Missing optional columns get their "none" value (``microbatch = -1``, ...);
-    a missing required column is an error that names it.
+    Missing optional columns, and missing values in them, get their "none" value
+    (``microbatch = -1``, ...); a missing required column is an error that names it.
     """
     missing = [c for c in REQUIRED_COLUMNS if c not in spans.columns]
     if missing:
@@ -75,6 +75,8 @@ def normalize_spans(spans: pd.DataFrame) -> pd.DataFrame:
     for column, dtype in SPAN_COLUMNS.items():
         if column in spans.columns:
             values = pd.Series(spans[column].to_numpy())
+            if column in _DEFAULTS:  # records built from dicts leave NaN where a key was absent
+                values = values.where(values.notna(), _DEFAULTS[column])
         else:
             values = pd.Series(np.full(len(spans), _DEFAULTS[column]))
         columns[column] = values.astype(dtype)
@@ -165,10 +167,9 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
-                                    suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    # a fresh unique name, not mkstemp: mkstemp's file is mode 0600, and the output
+    # should get the usual permissions (umask) like any other file the user writes
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
         yield tmp
         tmp.replace(target)

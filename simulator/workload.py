@@ -120,10 +120,8 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     w_mlp = cost.ops_time([op for op in bwd_w if op.name not in ("qkv", "out_proj")])
     assert "qkv" in w_names
     rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute)
-    if s.parallel.recompute == "full":
-        rec_t = _split(rec, cost, True)
-    else:
-        rec_t = (cost.ops_time(rec), 0.0)
+    full = s.parallel.recompute == "full"
+    rec_t = _split(rec, cost, True) if full else (cost.ops_time(rec), 0.0)
 
     def three(fn: Any) -> tuple[float, float, float]:
         return tuple(cost.ops_time(fn(spec, b, tp, sp, dt, p)) for p in mdl.PASSES)  # type: ignore[return-value]
@@ -379,7 +377,8 @@ class _Builder:
 
     # ------------------------------------------------------------ driver
     def build_rank(self, rank: int) -> None:
-        pp_rank, last = self.layout.coord(rank).pp, self.sched.stages * self.sched.virtual_stages - 1
+        pp_rank = self.layout.coord(rank).pp
+        last = self.sched.stages * self.sched.virtual_stages - 1
         actions = self.sched.actions[pp_rank]
         final = {}
         for i, a in enumerate(actions):

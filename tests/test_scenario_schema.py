@@ -100,7 +100,7 @@ def test_tp_larger_than_node_warns() -> None:
 
 def test_frozen() -> None:
     s = scenario_from_dict(CONTRACT)
-    with pytest.raises(Exception):  # noqa: B017, PT011 (pydantic's frozen error)
+    with pytest.raises(Exception):  # noqa: B017 (pydantic's frozen error)
         s.parallel.tp = 2  # type: ignore[misc]
 
 
