@@ -87,7 +87,11 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
         link = s.hardware.intra_node if same else s.hardware.inter_node
         nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
         t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
+    # the busiest stage's parameters: its layers plus the embedding (first stage) and,
+    # on a single stage, the head too
     params = spec.layers // par.pp * mdl.layer_params(spec) + mdl.embedding_params(spec)
+    if par.pp == 1:
+        params += mdl.head_params(spec)
     grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"

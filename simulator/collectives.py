@@ -72,6 +72,8 @@ class Plan:
 
 def busbw_factor(op: CollectiveName, n: int) -> float:
     """nccl-tests' busbw / algbw factor (doc/PERFORMANCE.md)."""
+    if op in ("broadcast", "send_recv"):
+        return 1.0
     if n <= 1:
         return 0.0
     if op == "all_reduce":
@@ -151,7 +153,8 @@ def make_plan(op: CollectiveName, size: float, shape: GroupShape, algorithm: str
         return min(plans, key=lambda p: estimate(p, hw))
     chosen = algorithm if algorithm in options else "ring"
     if op == "send_recv":
-        return Plan(op, "direct", size, shape.n, (Phase((Leg("intra_node", size),), 1),))
+        cls: LinkName = "intra_node" if shape.nodes == 1 else "inter_node"
+        return Plan(op, "direct", size, shape.n, (Phase((Leg(cls, size),), 1),))
     if chosen == "tree":
         return _tree(op, size, shape)
     if chosen == "hierarchical":

@@ -82,7 +82,8 @@ class Engine:
                     self.env.process(self.stream(tasks))
         self.env.run()
         wall = time.perf_counter() - start
-        unfinished = [t for t in self.w.tasks if t.dependents and not self.event_of(t.id).triggered]
+        ran = {tid for tid, _, _ in self.spans}
+        unfinished = [t for t in self.w.tasks if t.id not in ran]
         if unfinished:
             raise RuntimeError(f"deadlock: {len(unfinished)} tasks never ran, first "
                                f"{unfinished[0].name} on rank {unfinished[0].rank}")

@@ -182,8 +182,10 @@ class _Builder:
             shape = GroupShape(len(group), len(group) // self.layout.nodes_spanned(group))
             plan = make_plan(op, size, shape, self.algorithm, self.s.hardware)
             self.plans[(op, size, group)] = plan
-        key = (group, self.seq[group])
-        self.seq[group] += 1
+        # the n-th collective of this group *on this rank*: equal on every member
+        counter = (rank, *group)
+        key = (group, self.seq[counter])
+        self.seq[counter] += 1
         prefix = "zero" if kind == "zero" else kind
         return self.add(rank, stream, op=f"{prefix}.{op}", kind=kind, name=name, plan=plan,
                         group=group, group_key=key, nbytes=size, microbatch=mb,
