@@ -28,8 +28,8 @@ from typing import Any
 
 import simpy
 
-from simulator.collectives import leg_rate, phase_alpha
-from simulator.hardware import HardwareProfile
+from simulator.collectives import Plan, leg_rate, phase_alpha
+from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
 from simulator.topology import Topology
 from simulator.workload import Task, Workload
@@ -67,6 +67,9 @@ class Engine:
         self.spans: list[tuple[int, float, float]] = []
         self.rendezvous: dict[tuple[Any, ...], _Rendezvous] = {}
         self.simulated = set(workload.programs)
+        self._members: dict[tuple[int, ...], list[int]] = {}
+        self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
+        self._plans_alive: list[Plan] = []
 
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
@@ -151,32 +154,47 @@ class Engine:
             yield self.env.timeout(alpha)
 
     def collective(self, task: Task) -> Generator[simpy.Event, Any, None]:
-        members = [r for r in task.group if r in self.simulated]
-        rv = self.rendezvous.get(task.group_key)
-        if rv is None:
-            rv = self.rendezvous[task.group_key] = _Rendezvous(self.env, len(members))
-        rv.arrived.append(task.rank)
-        if len(rv.arrived) < rv.members:
-            yield rv.done
-            return
-        del self.rendezvous[task.group_key]
+        members = self._members.get(task.group)
+        if members is None:
+            members = self._members[task.group] = [r for r in task.group if r in self.simulated]
+        rv = None
+        if len(members) > 1:
+            rv = self.rendezvous.get(task.group_key)
+            if rv is None:
+                rv = self.rendezvous[task.group_key] = _Rendezvous(self.env, len(members))
+            rv.arrived.append(task.rank)
+            if len(rv.arrived) < rv.members:
+                yield rv.done
+                return
+            del self.rendezvous[task.group_key]
         plan = task.plan
         assert plan is not None
-        for phase in plan.phases:
-            flows = []
-            for leg in phase.legs:
-                rate = self.topo.rate(leg.link_class)
-                nbytes = leg.bytes_per_rank * rate / leg_rate(leg, plan.op, self.hw)
-                for r in members:
-                    flows.append(self.net.transfer(nbytes, self.topo.links(r, leg.link_class),
-                                                   self.w.weight))
+        for legs, alpha in self._phases(plan):
+            flows = [self.net.transfer(nbytes, self.topo.links(r, link_class), self.w.weight)
+                     for link_class, nbytes in legs for r in members]
             pending = [f for f in flows if not f.triggered]
-            if pending:
+            if len(pending) == 1:
+                yield pending[0]
+            elif pending:
                 yield self.env.all_of(pending)
-            alpha = phase_alpha(phase, plan.op, self.hw)
             if alpha > 0:
                 yield self.env.timeout(alpha)
-        rv.done.succeed()
+        if rv is not None:
+            rv.done.succeed()
+
+    def _phases(self, plan: Plan) -> list[tuple[list[tuple[LinkName, float]], float]]:
+        """Per phase: (link class, bytes to put on that class's link) legs and α × steps.
+        A calibrated busbw becomes equivalent bytes at the link's rate."""
+        out = self._plan_cache.get(id(plan))
+        if out is None:
+            out = []
+            for phase in plan.phases:
+                legs = [(leg.link_class, leg.bytes_per_rank * self.topo.rate(leg.link_class)
+                         / leg_rate(leg, plan.op, self.hw)) for leg in phase.legs]
+                out.append((legs, phase_alpha(phase, plan.op, self.hw)))
+            self._plan_cache[id(plan)] = out
+            self._plans_alive.append(plan)  # keeps id(plan) unique while cached
+        return out
 
 
 def simulate(workload: Workload, hw: HardwareProfile) -> SimResult:

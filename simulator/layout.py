@@ -9,6 +9,7 @@ Nodes hold consecutive ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,17 @@ class Layout:
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def tp_group(self, rank: int) -> tuple[int, ...]:
         c = self.coord(rank)
         return tuple(self.rank(c.pp, c.dp, t) for t in range(self.tp))
 
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def dp_group(self, rank: int) -> tuple[int, ...]:
         c = self.coord(rank)
         return tuple(self.rank(c.pp, d, c.tp) for d in range(self.dp))
 
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def pp_group(self, rank: int) -> tuple[int, ...]:
         c = self.coord(rank)
         return tuple(self.rank(p, c.dp, c.tp) for p in range(self.pp))

@@ -149,8 +149,10 @@ def _bar_polys(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, h: np.ndarray) ->
 def _draw_bars(ax: Axes, bars: pd.DataFrame, scale: float, min_width: float) -> list[str]:
     """One PolyCollection per (kind, chunk parity); returns the kinds drawn, legend order.
 
-    Bars are at least ``min_width`` (seconds, about a pixel) wide, so that a 50 µs
-    send in a one-second step still shows.
+    Bars off the compute stream are at least ``min_width`` (seconds, about a
+    pixel) wide, so that a 50 µs send in a one-second step still shows; compute
+    bars keep their width, as their neighbours share the pixel (antialiasing then
+    mixes the colours by time share). Compute kinds are drawn last, on top.
     """
     many = len(bars) >= _MANY_SPANS
     edges = len(bars) <= _EDGED_SPANS
@@ -158,7 +160,8 @@ def _draw_bars(ax: Axes, bars: pd.DataFrame, scale: float, min_width: float) -> 
     kinds = [k for k in KIND_COLOURS if k in present] + sorted(present - set(KIND_COLOURS))
     for (kind, odd), group in bars.groupby(["kind", bars["chunk"] % 2], sort=False):
         start = group["start"].to_numpy()
-        end = np.maximum(group["end"].to_numpy(), start + min_width)
+        widen = np.where(group["stream"].to_numpy() == "compute", 0.0, min_width)
+        end = np.maximum(group["end"].to_numpy(), start + widen)
         verts = _bar_polys(start * scale, end * scale, group["y0"].to_numpy(),
                            group["h"].to_numpy())
         # an (n, 4, 2) array (not a list) takes PolyCollection's fast path
@@ -166,7 +169,7 @@ def _draw_bars(ax: Axes, bars: pd.DataFrame, scale: float, min_width: float) -> 
             cast(Any, verts), facecolors=KIND_COLOURS.get(str(kind), _OTHER_COLOUR),
             alpha=0.6 if odd else 1.0,  # odd virtual chunks are lighter
             edgecolors="white" if edges else "none", linewidths=0.3 if edges else 0,
-            antialiased=not many, zorder=2,
+            antialiased=not many, zorder=2.1 if kind in _LABELLED_KINDS else 2.0,
         ), autolim=False)  # the caller sets the limits; extents of 1e5 paths cost seconds
     return kinds
 
