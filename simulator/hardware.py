@@ -106,7 +106,7 @@ class InterNodeSpec(LinkSpec):
 
 class HostSpec(_Frozen):
     pcie_bandwidth_GBps: float = Field(gt=0)  # per GPU, per direction (host <-> device)
-    cpu_adam_params_per_s: float = Field(gt=0)  # CPU AdamW throughput per GPU's share of host
+    cpu_adam_params_per_s: float = Field(gt=0)  # CPU AdamW parameters/s of one host (node)
 
 
 class AlphaBeta(_Frozen):

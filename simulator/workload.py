@@ -29,6 +29,11 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   stream without ``overlap.zero3_prefetch``); each unit's gradients are
   reduce-scattered as the last micro-batch's backward produces them. The
   embedding and head stay replicated (small next to the layers).
+- ZeRO-Offload (Ren et al. 2021): each gradient bucket's shard is copied to the
+  host over PCIe (``host`` stream) as soon as it is reduced, overlapping the rest
+  of the backward; CPU Adam then updates the shard (``cpu_adam_params_per_s``),
+  the updated 16-bit shard returns over PCIe and DP all-gathers it. The GPU runs
+  no optimizer step.
 - Symmetry folding builds programs for one representative per stage; its
   collectives carry their full group's plan and its flows stand for every rank
   of its class on shared links (``Program.weight``).
@@ -43,13 +48,12 @@ from typing import Any, Literal
 from simulator import model as mdl
 from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
-from simulator.errors import NotImplementedYet, Problem
 from simulator.hardware import CollectiveName
 from simulator.layout import Layout
 from simulator.scenario import Scenario
 from simulator.schedules import Action, Schedule, build_schedule
 
-Stream = Literal["compute", "pp", "dp", "zero"]
+Stream = Literal["compute", "pp", "dp", "zero", "host"]
 OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
 
 
@@ -130,23 +134,14 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
                       rec_t, three(mdl.embedding_ops), three(mdl.head_ops))
 
 
-def check_supported(s: Scenario) -> None:
-    """Values the schema accepts that this version cannot simulate yet."""
-    problems = []
-    if s.parallel.zero_offload:
-        problems.append(Problem("parallel.zero_offload", True,
-                                "ZeRO-Offload is not implemented yet; set it to false"))
-    if problems:
-        raise NotImplementedYet(problems)
-
-
 class _Builder:
     def __init__(self, s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
                  schedule: Schedule, ranks: tuple[int, ...]) -> None:
         self.s, self.layout, self.cost, self.c, self.sched = s, layout, cost, costs, schedule
         self.ranks = ranks
         self.tasks: list[Task] = []
-        self.programs = {r: Program(r, {"compute": [], "pp": [], "dp": [], "zero": []})
+        self.programs = {r: Program(r, {"compute": [], "pp": [], "dp": [], "zero": [],
+                                         "host": []})
                          for r in ranks}
         self.unit_done: dict[int, list[Task]] = {r: [] for r in ranks}
         self.seq: dict[tuple[int, ...], int] = defaultdict(int)
@@ -159,6 +154,7 @@ class _Builder:
         self.act_bytes = mdl.pp_activation_bytes(spec, s.training.micro_batch, s.training.dtype)
         self.tp_bytes = mdl.tp_comm_bytes_per_layer(spec, s.training.micro_batch, s.training.dtype)
         self.algorithm = s.simulation.collective_algorithm
+        self.pcie = s.hardware.host.pcie_bandwidth_GBps * 1e9
 
     # ------------------------------------------------------------ primitives
     def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
@@ -361,12 +357,39 @@ class _Builder:
                             f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
         if t is not None:
             t.deps.append(after.id)
+        if self.s.parallel.zero_offload:  # the rank's gradient shard goes to host memory
+            shard = size / self.s.parallel.dp if self.s.parallel.zero >= 1 else size
+            d2h = self.add(rank, "host", op="offload.d2h", kind="offload",
+                           name=f"offload.d2h grads {shard / 1e6:.1f} MB",
+                           duration=shard / self.pcie, nbytes=shard, chunk=chunk)
+            d2h.deps.append((t or after).id)
+
+    def offloaded_step(self, rank: int, params: float) -> None:
+        """ZeRO-Offload: CPU Adam on the rank's shard once all its gradients are on the
+        host, then the updated 16-bit shard back over PCIe and the DP all-gather."""
+        par, hw = self.s.parallel, self.s.hardware
+        shard = params / par.dp
+        adam = self.add(rank, "host", op="optimizer", kind="optimizer", name="cpu adam step",
+                        duration=shard * self.layout.gpus_per_node / hw.host.cpu_adam_params_per_s)
+        h2d = self.add(rank, "host", op="offload.h2d", kind="offload",
+                       name="offload.h2d params", duration=shard * self.dt_bytes / self.pcie,
+                       nbytes=shard * self.dt_bytes)
+        del adam  # the host stream runs adam, then h2d, in order
+        gather = self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
+                                 params * self.dt_bytes, "dp.all_gather updated params")
+        # the step ends when the new parameters are back on the GPU (and gathered)
+        wait = gather or self.compute(rank, "optimizer", "optimizer", "wait for host step",
+                                      0.0, -1, -1, 0)
+        wait.deps.append(h2d.id)
 
     def optimizer(self, rank: int) -> None:
         par, spec = self.s.parallel, self.s.model
         stages = [st for st in range(self.sched.stages * self.sched.virtual_stages)
                   if self.sched.rank_of(st) == self.layout.coord(rank).pp]
         params = sum(sum(self.grad_bytes(st)) for st in stages) / self.dt_bytes
+        if par.zero_offload:
+            self.offloaded_step(rank, params)
+            return
         shard = params / par.dp if par.zero >= 1 else params
         step = self.compute(rank, "optimizer", "optimizer", "optimizer step",
                             self.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
@@ -402,7 +425,8 @@ class _Builder:
                               chunk)
             else:
                 done = self.weight_grad(rank, a, chunk)
-            if final.get(a.stage) == i and self.s.parallel.dp > 1:
+            if final.get(a.stage) == i and (self.s.parallel.dp > 1 or
+                                            self.s.parallel.zero_offload):
                 self.dp_sync(rank, a.stage, done, chunk, pending)
         if pending:
             self.flush_bucket(rank, pending, 0)
@@ -422,7 +446,6 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
                    costs: BlockCosts | None = None, fidelity: str | None = None) -> Workload:
     """Per-rank programs for one training step. ``costs`` may be given to price blocks
     differently (tests make stages exactly balanced this way)."""
-    check_supported(s)
     layout = layout or Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp,
                               s.cluster.gpus_per_node or 1)
     cost = cost or CostModel(s.hardware, s.training.dtype)

@@ -1,0 +1,237 @@
+"""Figures from a run's files: valid PNGs, what the timeline shows, breakdown arithmetic."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib.colors
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from simulator import plots
+from simulator.schedules import build_schedule, execute
+from simulator.trace_export import write_timeline_csv
+
+MS = 1e-3
+GIB = 2**30
+KIND = {"F": "forward", "B": "backward", "I": "backward", "W": "weight_grad"}
+
+
+def schedule_run(name: str = "gpipe", p: int = 2, m: int = 2, v: int = 1
+                 ) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Spans and results of a toy run: the schedule oracle's times (F = 1 ms, B = 2 ms)."""
+    schedule = build_schedule(name, p, m, v)
+    timed = execute(schedule, t_f=1.0, t_b=2.0, comm=0.1)
+    rows = []
+    for t in timed:
+        a = t.action
+        rows.append({"rank": t.rank, "stage": t.rank, "stream": "compute", "op": a.kind,
+                     "kind": KIND[a.kind], "microbatch": a.microbatch,
+                     "chunk": schedule.chunk_of(a.stage), "start": t.start * MS,
+                     "end": t.end * MS})
+        rows.append({"rank": t.rank, "stage": t.rank, "stream": "pp", "op": "pp.send",
+                     "kind": "pp", "microbatch": a.microbatch, "start": t.end * MS,
+                     "end": (t.end + 0.1) * MS, "bytes": 1e7})
+    end = max(t.end for t in timed)
+    for r in range(p):
+        rows.append({"rank": r, "stage": r, "stream": "dp", "op": "dp.all_reduce", "kind": "dp",
+                     "start": (end - 1) * MS, "end": (end + 0.5) * MS, "bytes": 1e9})
+        rows.append({"rank": r, "stage": r, "stream": "compute", "op": "optimizer",
+                     "kind": "optimizer", "start": (end + 0.5) * MS, "end": (end + 1) * MS})
+    spans = pd.DataFrame(rows)
+    busy = spans[spans["kind"].isin(KIND.values())]
+    phase = [float(busy["start"].min()), float(busy["end"].max())]
+    per_stage = [1 - float((g["end"] - g["start"]).sum()) / (phase[1] - phase[0])
+                 for _, g in busy.groupby("stage")]
+    results = {
+        "step_time_s": (end + 1) * MS, "bubble_fraction": float(np.mean(per_stage)),
+        "bubble_fraction_per_stage": per_stage, "pipeline_phase_s": phase,
+        "compute_s": [float((g["end"] - g["start"]).sum()) for _, g in busy.groupby("stage")],
+        "exposed_comm_s": {"tp": 0.0, "pp": 0.1 * MS, "dp": [0.5 * MS] * p, "zero": 0.0},
+        "memory_peak_bytes": 60 * GIB, "fits_in_memory": True,
+        "memory": [{"stage": s, "weights": 10 * GIB, "gradients": 10 * GIB,
+                    "optimizer": 20 * GIB, "activations": (p - s) * 5 * GIB, "logits": 0,
+                    "comm_buffers": GIB, "total": (41 + (p - s) * 5) * GIB,
+                    "capacity": 80 * GIB} for s in range(p)],
+        "method": "engine", "fidelity": "folded",
+        "scenario": {"name": f"toy-{name}", "parallel": {"tp": 1, "pp": p, "dp": 1,
+                                                         "schedule": name}},
+    }
+    return spans, results
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (asserting the file is a PNG)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    assert data[-8:-4] == b"IEND"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def texts(fig: Figure) -> list[str]:
+    return [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def legend_labels(fig: Figure) -> list[str]:
+    legends = list(fig.legends) + [ax.legend_ for ax in fig.axes if ax.legend_ is not None]
+    return [t.get_text() for legend in legends for t in legend.get_texts()]
+
+
+@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_plot_all_writes_three_valid_pngs(tmp_path: Path, name: str, v: int) -> None:
+    spans, results = schedule_run(name, p=4, m=8, v=v)
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    write_timeline_csv(tmp_path / "timeline.csv", spans)
+    paths = plots.plot_all(tmp_path)
+    assert [p.name for p in paths] == ["timeline.png", "breakdown.png", "memory.png"]
+    for path in paths:
+        width, height = png_size(path)
+        assert 400 <= width <= 4000 and 300 <= height <= 6000
+        assert 10_000 < path.stat().st_size < 5_000_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["results.json", "timeline.csv", "timeline.png", "breakdown.png", "memory.png"])
+    assert plt.get_fignums() == []  # pyplot never saw these figures
+
+
+def test_plot_all_without_a_timeline_draws_the_rest(tmp_path: Path) -> None:
+    _, results = schedule_run()
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert [p.name for p in plots.plot_all(tmp_path)] == ["breakdown.png", "memory.png"]
+    with pytest.raises(FileNotFoundError, match=r"results\.json"):
+        plots.plot_all(tmp_path / "missing")
+
+
+def test_timeline_rows_legend_and_title() -> None:
+    spans, results = schedule_run("gpipe", p=2, m=2)
+    fig = plots.timeline_figure(spans, results)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
+    assert [t.get_text() for t in ax.get_yticklabels(minor=True)] == ["pp", "dp"] * 2
+    labels = legend_labels(fig)
+    assert labels[:5] == ["forward", "backward", "pp", "dp", "optimizer"]
+    assert "idle (bubble)" in labels and "pipeline phase" in labels
+    title = ax.get_title()
+    assert "toy-gpipe" in title and "gpipe" in title and "m=2" in title
+    assert f"bubble {results['bubble_fraction']:.1%}" in title and "step 10.2 ms" in title
+
+
+def test_timeline_labels_microbatches_only_when_few() -> None:
+    spans, results = schedule_run("gpipe", p=2, m=2)
+    # each stage runs F0 F1 B0 B1: eight labelled runs
+    assert sorted(texts(plots.timeline_figure(spans, results))) == ["0"] * 4 + ["1"] * 4
+    many, _ = schedule_run("1f1b", p=4, m=64)  # 512 runs: too many to label
+    assert texts(plots.timeline_figure(many, results)) == []
+
+
+def test_timeline_all_ranks_draws_every_rank() -> None:
+    spans, results = schedule_run("gpipe", p=2, m=2)
+    replica = spans.assign(rank=spans["rank"] + 2, dp=1)
+    both = pd.concat([spans.assign(dp=0), replica], ignore_index=True)
+    stages = plots.timeline_figure(both, results).axes[0].get_yticklabels()
+    assert [t.get_text() for t in stages] == ["stage 0", "stage 1"]
+    ranks = plots.timeline_figure(both, results, all_ranks=True).axes[0].get_yticklabels()
+    assert [t.get_text() for t in ranks] == [
+        "rank 0 (stage 0)", "rank 2 (stage 0)", "rank 1 (stage 1)", "rank 3 (stage 1)"]
+
+
+def test_short_comm_spans_stay_visible_and_compute_is_drawn_on_top() -> None:
+    spans = pd.DataFrame({"rank": [0, 0, 0], "stream": ["compute", "compute", "pp"],
+                          "op": ["F", "tp.all_reduce", "pp.send"],
+                          "kind": ["forward", "tp", "pp"], "microbatch": [0, 0, 0],
+                          "start": [0.0, 1.0, 1.0], "end": [1.0, 1.0 + 1e-9, 1.0 + 1e-9]})
+    ax = plots.timeline_figure(spans).axes[0]
+    collections = {plots.KIND_COLOURS[k]: k for k in ("forward", "tp", "pp")}
+    widths, zorders = {}, {}
+    for collection in ax.collections:
+        colour = matplotlib.colors.to_hex(np.asarray(collection.get_facecolor())[0])
+        kind = collections[colour.upper()]
+        xs = np.asarray(collection.get_paths()[0].vertices)[:, 0]
+        widths[kind], zorders[kind] = xs.max() - xs.min(), collection.get_zorder()
+    assert widths["pp"] >= 1e3 / 1500  # ms on the axis: at least ~one pixel of a 1 s axis
+    assert widths["tp"] < 1e-5  # compute-stream bars keep their true width
+    assert zorders["forward"] > zorders["tp"]
+
+
+def test_timeline_of_no_spans_still_draws(tmp_path: Path) -> None:
+    spans, _ = schedule_run()
+    path = plots.plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
+    png_size(path)
+
+
+def test_breakdown_segments_add_up_to_the_step() -> None:
+    _, results = schedule_run("gpipe", p=2, m=2)
+    segments = plots.breakdown_segments(results)
+    assert list(segments) == ["compute", "tp", "pp", "dp", "zero", "bubble", "other"]
+    phase = results["pipeline_phase_s"][1] - results["pipeline_phase_s"][0]
+    np.testing.assert_allclose(segments["bubble"],
+                               np.array(results["bubble_fraction_per_stage"]) * phase)
+    np.testing.assert_allclose(segments["pp"], [0.1 * MS] * 2)  # a scalar applies per stage
+    total = sum(segments.values())
+    np.testing.assert_allclose(total, [results["step_time_s"]] * 2)
+    results["compute_s"] = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="expected 2 per-stage values"):
+        plots.breakdown_segments(results)
+
+
+def test_breakdown_figure_labels_bubbles(tmp_path: Path) -> None:
+    _, results = schedule_run("gpipe", p=4, m=8)
+    fig = plots.breakdown_figure(results)
+    assert sum("bubble\n" in t for t in texts(fig)) == 4
+    assert "pipeline bubble" in legend_labels(fig)
+    png_size(plots.plot_breakdown(results, tmp_path / "breakdown.png"))
+
+
+def test_memory_marks_oom_and_draws_the_timeline_panel(tmp_path: Path) -> None:
+    _, results = schedule_run("gpipe", p=2, m=2)
+    results["memory"][0]["activations"] = 50 * GIB
+    results["memory"][0]["total"] = 91 * GIB
+    results["fits_in_memory"] = False
+    fig = plots.memory_figure(results)
+    assert len(fig.axes) == 1
+    assert "91.0\nOOM" in texts(fig) and "DOES NOT FIT" in fig.axes[0].get_title()
+    results["memory_timeline"] = [[[0.0, 40 * GIB], [1 * MS, 70 * GIB], [3 * MS, 45 * GIB]],
+                                  [[0.0, 30 * GIB], [2 * MS, 50 * GIB]]]
+    fig = plots.memory_figure(results)
+    assert len(fig.axes) == 2
+    assert legend_labels(fig)[-3:] == ["rank 0", "rank 1", "capacity"]
+    path = plots.plot_memory(results, tmp_path / "memory.png")
+    assert png_size(path)[1] > png_size(plots.plot_memory(
+        {**results, "memory_timeline": None}, tmp_path / "bars.png"))[1]
+
+
+def test_memory_timeline_of_many_ranks_uses_a_colour_scale() -> None:
+    _, results = schedule_run("gpipe", p=2, m=2)
+    results["memory_timeline"] = [[[0.0, r * GIB], [1 * MS, 2 * r * GIB]] for r in range(32)]
+    fig = plots.memory_figure(results)
+    assert len(fig.axes) == 3  # bars, curves, colour bar
+
+
+def big_spans(n: int = 250_000, p: int = 16) -> pd.DataFrame:
+    """n spans over p stages: forward/backward/TP on compute, p2p and DP on their streams."""
+    per = n // p
+    stage = np.repeat(np.arange(p), per)
+    index = np.tile(np.arange(per), p)
+    start = (index + stage) * 1e-4
+    kind = np.array(["forward", "backward", "tp", "pp", "dp"])[index % 5]
+    stream = np.where(kind == "pp", "pp", np.where(kind == "dp", "dp", "compute"))
+    return pd.DataFrame({"rank": stage, "stage": stage, "stream": stream, "op": kind,
+                         "kind": kind, "microbatch": (index // 50) % 192,
+                         "start": start, "end": start + 0.8e-4})
+
+
+def test_quarter_million_span_timeline_renders_quickly(tmp_path: Path) -> None:
+    spans = big_spans()
+    began = time.perf_counter()
+    path = plots.plot_timeline(spans, {"scenario": {"name": "big"}}, tmp_path / "big.png")
+    elapsed = time.perf_counter() - began
+    png_size(path)
+    assert elapsed < 30, f"250k spans took {elapsed:.1f} s"  # about 2 s on one core
