@@ -1,0 +1,207 @@
+"""Configuration of a measured run: what ``clustersim measure`` validates and the worker reads.
+
+:class:`MeasureConfig` travels from :func:`calibration.measure.run_measure` to
+every torchrun worker as JSON.  :func:`validate` rejects a run that cannot work
+before anything launches, with one line naming the field, its value and the
+fix.  No torch here (the CUDA device count is looked up lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from calibration.gpt_presets import MODEL_KEYS, PRESETS
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEVICES = ("cpu", "cuda")
+#: Stages per pipeline rank of each schedule (interleaved runs two chunks per rank).
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class MeasureError(RuntimeError):
+    """A measured run failed: a worker crashed, the launch timed out, or no result came back."""
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """One measured run; the worker reads it back from JSON."""
+
+    tp: int  # tensor-parallel degree
+    pp: int  # pipeline stages (ranks)
+    dp: int  # data-parallel replicas
+    schedule: str  # gpipe | 1f1b | interleaved (used when pp > 1)
+    zero: int  # 0: DDP-style replication, 3: FSDP2 fully_shard
+    micro_batches: int  # micro-batches per step per replica
+    micro_batch_size: int  # samples per micro-batch
+    model: dict[str, int]  # GPTConfig sizes
+    steps: int  # timed steps
+    warmup: int  # untimed steps before them
+    device: str  # cpu | cuda
+    threads: int  # torch threads per process
+    out_dir: str  # where results go
+    timeout_s: float = DEFAULT_TIMEOUT_S  # launch timeout; also the process-group timeout
+    sequence_parallel: bool = False  # Megatron sequence parallelism with TP
+    seed: int = 1234  # model init and synthetic data
+    virtual_stages: int = field(default=1)  # model chunks per pipeline rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def resolve_model(
+    model: dict[str, int] | str, overrides: dict[str, int | None] | None = None
+) -> dict[str, int]:
+    """Sizes of a preset name (``tiny-gpt``) or a dict, then the non-``None`` overrides.
+
+    Overriding ``hidden`` without ``ffn_hidden`` keeps the MLP at 4 x hidden.
+    """
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise ValueError(f"model={model!r}: unknown preset; choose one of {sorted(PRESETS)}")
+        sizes = dict(PRESETS[model])
+    else:
+        sizes = dict(model)
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    sizes.update(given)
+    if "hidden" in sizes and ("ffn_hidden" not in sizes or "hidden" in given):
+        sizes["ffn_hidden"] = given.get("ffn_hidden", 4 * sizes["hidden"])
+    return sizes
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def validate(cfg: MeasureConfig) -> None:
+    """Raise ``ValueError("field=value: problem; fix")`` for a run that cannot work."""
+    for name in ("tp", "pp", "dp", "micro_batches", "micro_batch_size", "steps", "threads"):
+        value = getattr(cfg, name)
+        _require(
+            isinstance(value, int) and value >= 1, f"{name}={value!r}: must be an integer >= 1"
+        )
+    _require(cfg.warmup >= 0, f"warmup={cfg.warmup}: must be >= 0")
+    _require(
+        cfg.schedule in SCHEDULES,
+        f"schedule={cfg.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+    )
+    _require(cfg.zero in (0, 3), f"zero={cfg.zero}: choose 0 (DDP) or 3 (FSDP2 fully_shard)")
+    _require(cfg.device in DEVICES, f"device={cfg.device!r}: choose cpu or cuda")
+    _require(cfg.timeout_s > 0, f"timeout={cfg.timeout_s}: must be > 0 seconds")
+    m = cfg.model
+    unknown = sorted(set(m) - set(MODEL_KEYS))
+    _require(not unknown, f"model: unknown key(s) {unknown}; allowed: {', '.join(MODEL_KEYS)}")
+    for key in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
+        _require(
+            isinstance(m.get(key), int) and m[key] >= 1,
+            f"model.{key}={m.get(key)!r}: must be an integer >= 1",
+        )
+    _require(
+        m["hidden"] % m["heads"] == 0,
+        f"model.hidden={m['hidden']}: not divisible by heads={m['heads']}; use a multiple",
+    )
+    for key in ("heads", "hidden", "ffn_hidden", "vocab"):
+        _require(
+            m[key] % cfg.tp == 0,
+            f"model.{key}={m[key]}: not divisible by tp={cfg.tp}; "
+            "use a multiple of tp or a smaller tp",
+        )
+    if cfg.sequence_parallel:
+        _require(cfg.tp > 1, "sequence_parallel=true: needs tp > 1")
+        _require(
+            m["seq_len"] % cfg.tp == 0,
+            f"model.seq_len={m['seq_len']}: not divisible by tp={cfg.tp} (sequence parallel)",
+        )
+    stages = cfg.pp * cfg.virtual_stages
+    _require(
+        m["layers"] % stages == 0,
+        f"model.layers={m['layers']}: not divisible by pp*virtual_stages={stages}; use a multiple",
+    )
+    if cfg.pp > 1 and cfg.schedule == "1f1b":
+        _require(
+            cfg.micro_batches >= cfg.pp,
+            f"micro_batches={cfg.micro_batches}: 1f1b needs >= pp={cfg.pp}",
+        )
+    if cfg.schedule == "interleaved":
+        _require(cfg.pp > 1, "schedule=interleaved: needs pp >= 2")
+        rounds = max(1, cfg.micro_batches // cfg.pp)
+        _require(
+            cfg.micro_batches % rounds == 0,
+            f"micro_batches={cfg.micro_batches}: interleaved needs a multiple of "
+            f"pp={cfg.pp} (or fewer than pp)",
+        )
+    if cfg.device == "cuda":
+        available = _cuda_device_count()
+        _require(
+            cfg.world_size <= available,
+            f"tp*pp*dp={cfg.world_size}: only {available} CUDA device(s) here; lower the degrees",
+        )
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def make_config(
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    schedule: str = "1f1b",
+    zero: int = 0,
+    micro_batches: int = 4,
+    micro_batch_size: int = 2,
+    model: dict[str, int] | str = "tiny-gpt",
+    steps: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    out_dir: str | os.PathLike[str] = "measured",
+    threads: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+) -> MeasureConfig:
+    """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
+    _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    cfg = MeasureConfig(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        schedule=schedule,
+        zero=zero,
+        micro_batches=micro_batches,
+        micro_batch_size=micro_batch_size,
+        model=resolve_model(model),
+        steps=steps,
+        warmup=warmup,
+        device=device,
+        threads=threads,
+        out_dir=str(Path(out_dir).resolve()),
+        timeout_s=float(timeout_s),
+        sequence_parallel=sequence_parallel,
+        seed=seed,
+        virtual_stages=VIRTUAL_STAGES[schedule] if pp > 1 else 1,
+    )
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- outputs
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,108 @@
+"""The simulator scenario of a measured run (``scenario.yaml``).
+
+Written in the layout of hand-written scenarios, one flow mapping per section,
+so that ``clustersim compare`` simulates exactly what ran: one device per rank
+on one node, the GPT-2 model features of :mod:`calibration.gpt`, fp32 on CPU
+and bf16 (autocast) on CUDA.  No torch here unless a CUDA name must be looked up.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from calibration.measure_config import MeasureConfig
+
+
+def _flow(mapping: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return str(v)
+
+    return "{" + ", ".join(f"{k}: {fmt(v)}" for k, v in mapping.items()) + "}"
+
+
+#: Bundled system presets by a word in ``torch.cuda.get_device_name()``, most specific first.
+_CUDA_SYSTEMS = (
+    ("h200", "dgx-h200"),
+    ("h100", "dgx-h100"),
+    ("a100-sxm4-40gb", "dgx-a100-40gb"),
+    ("a100-pcie-40gb", "dgx-a100-40gb"),
+    ("a100", "dgx-a100-80gb"),
+)
+
+
+def system_name(cfg: MeasureConfig, device_name: str | None = None) -> str:
+    """The system preset the scenario names: ``cpu-<threads>thread`` or the GPU's DGX preset.
+
+    An unknown GPU gets a slug of its name; point ``cluster.system`` at a
+    calibrated profile YAML before comparing.
+    """
+    if cfg.device == "cpu":
+        return f"cpu-{cfg.threads}thread"
+    if device_name is None:
+        import torch
+
+        device_name = torch.cuda.get_device_name(0)
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return next((preset for key, preset in _CUDA_SYSTEMS if key in slug), slug)
+
+
+def scenario_name(cfg: MeasureConfig) -> str:
+    name = f"measured-tp{cfg.tp}-pp{cfg.pp}-dp{cfg.dp}-{cfg.schedule}"
+    if cfg.zero:
+        name += f"-zero{cfg.zero}"
+    return name + ("-sp" if cfg.sequence_parallel else "")
+
+
+def scenario_dict(
+    cfg: MeasureConfig, device_name: str | None = None
+) -> dict[str, dict[str, Any] | str]:
+    """The simulator scenario equivalent to the run (one device per rank, one node)."""
+    m = cfg.model
+    return {
+        "name": scenario_name(cfg),
+        "model": {
+            "layers": m["layers"],
+            "hidden": m["hidden"],
+            "heads": m["heads"],
+            "kv_heads": m["heads"],
+            "ffn_hidden": m["ffn_hidden"],
+            "vocab": m["vocab"],
+            "seq_len": m["seq_len"],
+            "activation": "gelu",
+            "norm": "layernorm",
+            "bias": True,
+            "tied_embeddings": True,
+            "position": "learned",
+        },
+        "cluster": {
+            "system": system_name(cfg, device_name),
+            "nodes": 1,
+            "gpus_per_node": cfg.world_size,
+        },
+        "parallel": {
+            "tp": cfg.tp,
+            "pp": cfg.pp,
+            "dp": cfg.dp,
+            "schedule": cfg.schedule,
+            "virtual_stages": cfg.virtual_stages,
+            "zero": cfg.zero,
+            "recompute": "none",
+            "sequence_parallel": cfg.sequence_parallel,
+        },
+        "training": {
+            "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
+            "micro_batch": cfg.micro_batch_size,
+            "dtype": "bf16" if cfg.device == "cuda" else "fp32",
+        },
+    }
+
+
+def scenario_yaml(cfg: MeasureConfig, device_name: str | None = None) -> str:
+    """``scenario.yaml`` text: one flow mapping per section, as hand-written scenarios are."""
+    lines = []
+    for key, value in scenario_dict(cfg, device_name).items():
+        lines.append(f"{key}: {_flow(value) if isinstance(value, dict) else value}")
+    return "\n".join(lines) + "\n"
