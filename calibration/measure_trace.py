@@ -96,14 +96,11 @@ def _interval(e: dict[str, Any]) -> Interval:
     return start, start + float(e["dur"])
 
 
-def breakdown_from_trace(
+def trace_intervals(
     trace: dict[str, Any] | list[Any], device_type: str = "cpu"
-) -> dict[str, float]:
-    """``compute_s``, ``comm_s``, ``exposed_comm_s``, ``optimizer_s`` and ``traced_s`` of one trace.
-
-    ``compute_s`` is forward + backward only: time inside the optimizer's
-    ``Optimizer.step``/``zero_grad`` annotations is ``optimizer_s``.
-    """
+) -> dict[str, list[Interval]]:
+    """Disjoint µs intervals of one trace: ``compute`` (forward + backward), ``comm``,
+    ``optimizer`` and ``work`` (everything computed, optimizer included)."""
     spans = _spans(trace)
     gpu = device_type == "cuda"
     comm_cats = ("kernel",) if gpu else ("cpu_op", "user_annotation")
@@ -132,16 +129,28 @@ def breakdown_from_trace(
         for thread, ivs in compute_by_thread.items()
         for iv in subtract(union(ivs), union(blocking_by_thread.get(thread, [])))
     )
-    comm = union(comm)
     opt = union(optimizer)
-    compute = subtract(work, opt)
-    traced = [_interval(e) for e in spans]
-    total = (max(end for _, end in traced) - min(start for start, _ in traced)) if traced else 0.0
+    return {"compute": subtract(work, opt), "comm": union(comm),
+            "optimizer": subtract(work, subtract(work, opt)), "work": work,
+            "traced": union(_interval(e) for e in spans)}
+
+
+def breakdown_from_trace(
+    trace: dict[str, Any] | list[Any], device_type: str = "cpu"
+) -> dict[str, float]:
+    """``compute_s``, ``comm_s``, ``exposed_comm_s``, ``optimizer_s`` and ``traced_s`` of one trace.
+
+    ``compute_s`` is forward + backward only: time inside the optimizer's
+    ``Optimizer.step``/``zero_grad`` annotations is ``optimizer_s``.
+    """
+    iv = trace_intervals(trace, device_type)
+    traced = iv["traced"]
+    total = (traced[-1][1] - traced[0][0]) if traced else 0.0
     us = 1e-6
     return {
-        "compute_s": length(compute) * us,
-        "comm_s": length(comm) * us,
-        "exposed_comm_s": length(subtract(comm, work)) * us,
-        "optimizer_s": length(subtract(work, subtract(work, opt))) * us,
+        "compute_s": length(iv["compute"]) * us,
+        "comm_s": length(iv["comm"]) * us,
+        "exposed_comm_s": length(subtract(iv["comm"], iv["work"])) * us,
+        "optimizer_s": length(iv["optimizer"]) * us,
         "traced_s": total * us,
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 from simulator import __version__
 from simulator.errors import UserError
 
-CALIBRATION_COMMANDS: tuple[str, ...] = ("calibration.measure",)
+CALIBRATION_COMMANDS: tuple[str, ...] = ("calibration.measure", "calibration.compare")
 
 EXAMPLES = {
     "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",

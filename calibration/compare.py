@@ -1,0 +1,216 @@
+"""Measured versus simulated: ``clustersim compare DIR --profile PROFILE.yaml``.
+
+Takes the output of ``clustersim measure`` (``measured.json``, ``scenario.yaml``,
+the per-rank profiler traces), simulates that scenario with the given hardware
+profile (full fidelity: every rank, as measured) and puts the figures side by
+side, each with its relative error (simulated − measured) / measured:
+
+- ``step_time_s``: the median measured step against the simulated step.
+- ``compute_s``: forward + backward busy time per rank, mean over ranks. The
+  measured figure comes from one profiled step, whose profiler overhead
+  stretches everything; it is rescaled by median step / profiled step.
+- ``non_compute_s``: step time minus compute and optimizer, mean over ranks —
+  the time a rank waits for communication or sits in the pipeline bubble. On
+  CPU, gloo's blocking receives make exposed communication and bubble
+  indistinguishable in the measured trace, so they are compared together.
+- ``idle_fraction``: non-compute time / step time.
+- ``state_bytes``: weights + gradients + optimizer states per rank (the largest
+  rank), measured from the live tensors, simulated by ``memory.py``. Process RSS
+  is recorded in ``measured.json`` but not compared: on CPU it is mostly the
+  interpreter and PyTorch.
+
+Writes ``DIR/comparison.json`` and ``DIR/comparison.png`` (both timelines, one
+above the other, on one time axis) atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import Problem, UserError
+
+FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_bytes")
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.exists():
+        raise UserError([Problem(what, str(path), "missing; is this a `clustersim measure` "
+                                 "output directory?")])
+    return json.loads(path.read_text())
+
+
+def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
+    step = float(measured["step_time_s"])
+    ranks = measured.get("per_rank") or [measured]
+    compute, other = [], []
+    for r in ranks:
+        scale = step / float(r.get("profiled_step_s") or step)
+        c = float(r["compute_s"]) * scale
+        o = float(r.get("optimizer_s", 0.0)) * scale
+        compute.append(c)
+        other.append(max(step - c - o, 0.0))
+    nc = sum(other) / len(other)
+    return {"step_time_s": step, "compute_s": sum(compute) / len(compute),
+            "non_compute_s": nc, "idle_fraction": nc / step,
+            "state_bytes": float(max(measured.get("state_bytes") or [0]))}
+
+
+def simulated_figures(results: dict[str, Any], spans: Any) -> dict[str, float]:
+    step = float(results["step_time_s"])
+    compute_kinds = {"forward", "backward", "weight_grad", "recompute"}
+    busy = spans[spans["stream"] == "compute"]
+    per_rank = busy[busy["kind"].isin(compute_kinds)].assign(d=lambda f: f["end"] - f["start"])
+    compute = per_rank.groupby("rank")["d"].sum()
+    opt = busy[busy["kind"] == "optimizer"].assign(d=lambda f: f["end"] - f["start"])
+    opt_rank = opt.groupby("rank")["d"].sum().reindex(compute.index, fill_value=0.0)
+    nc = float((step - compute - opt_rank).clip(lower=0.0).mean())
+    state = max(m["weights"] + m["gradients"] + m["optimizer"] for m in results["memory"])
+    return {"step_time_s": step, "compute_s": float(compute.mean()), "non_compute_s": nc,
+            "idle_fraction": nc / step, "state_bytes": float(state)}
+
+
+def relative_errors(meas: dict[str, float], sim: dict[str, float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for k in FIGURES:
+        m, s = meas.get(k), sim.get(k)
+        out[k] = None if not m or s is None else (s - m) / m
+    return out
+
+
+def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
+    """Simulate the measured scenario with ``profile``; return the comparison dict."""
+    from simulator.api import simulate_scenario
+    from simulator.scenario import load_scenario
+
+    measured = _read_json(run_dir / "measured.json", "run_dir")
+    if not (run_dir / "scenario.yaml").exists():
+        raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
+    system = str(Path(profile).resolve()) if str(profile).endswith((".yaml", ".yml")) \
+        else str(profile)
+    scenario = load_scenario(run_dir / "scenario.yaml", [f"cluster.system={system}"])
+    results, spans = simulate_scenario(scenario, "engine", "full")
+    meas, sim = measured_figures(measured), simulated_figures(results, spans)
+    return {"run_dir": str(run_dir), "profile": system, "scenario": scenario.to_dict(),
+            "measured": meas, "simulated": sim, "relative_error": relative_errors(meas, sim),
+            "simulated_results": {k: results[k] for k in ("bubble_fraction", "exposed_comm_s",
+                                                          "mfu", "sim_wall_s")},
+            "_spans": spans}
+
+
+def table_lines(comparison: dict[str, Any]) -> list[str]:
+    rows = [("figure", "measured", "simulated", "error")]
+    for k in FIGURES:
+        m, s = comparison["measured"][k], comparison["simulated"][k]
+        e = comparison["relative_error"][k]
+        fmt = (lambda v: f"{v / 1e6:.2f} MB") if k == "state_bytes" else (
+            (lambda v: f"{v:.1%}") if k == "idle_fraction" else (lambda v: f"{v * 1e3:.2f} ms"))
+        rows.append((k, fmt(m), fmt(s), "n/a" if e is None else f"{e:+.1%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def _measured_rows(run_dir: Path, device: str) -> list[tuple[int, list[tuple[float, float]],
+                                                             list[tuple[float, float]]]]:
+    from calibration.measure_trace import trace_intervals
+
+    rows = []
+    for path in sorted((run_dir / "traces").glob("trace_rank*.json")):
+        rank = int(path.stem.removeprefix("trace_rank"))
+        iv = trace_intervals(json.loads(path.read_text()), device)
+        rows.append((rank, iv["work"], iv["comm"]))
+    t0 = min((iv[0][0] for _, w, c in rows for iv in (w, c) if iv), default=0.0)
+    return [(r, [((a - t0) * 1e-6, (b - t0) * 1e-6) for a, b in w],
+             [((a - t0) * 1e-6, (b - t0) * 1e-6) for a, b in c]) for r, w, c in rows]
+
+
+def plot_comparison(run_dir: Path, comparison: dict[str, Any], path: Path) -> None:
+    """Measured (profiled step) above simulated, compute and communication per rank."""
+    from matplotlib.figure import Figure
+
+    from simulator.trace_export import atomic_output
+
+    spans = comparison["_spans"]
+    device = "cuda" if "cuda" in str(comparison.get("device", "")) else "cpu"
+    measured = _measured_rows(run_dir, device)
+    fig = Figure(figsize=(12, 2.0 + 0.9 * (len(measured) + spans["rank"].nunique())))
+    axes = fig.subplots(2, 1, sharex=True)
+    for rank, work, comm in measured:
+        axes[0].broken_barh([(a, b - a) for a, b in work], (rank - 0.4, 0.5), color="#4c78a8")
+        axes[0].broken_barh([(a, b - a) for a, b in comm], (rank + 0.15, 0.25), color="#54a24b")
+    comm_kinds = ["tp", "pp", "dp", "zero", "offload"]
+    for rank, group in spans.groupby("rank"):
+        is_comm = group["kind"].isin(comm_kinds)
+        busy = group[~is_comm & (group["stream"] == "compute")]
+        comm = group[is_comm]
+        axes[1].broken_barh(list(zip(busy["start"], busy["end"] - busy["start"], strict=True)),
+                            (rank - 0.4, 0.5), color="#4c78a8")
+        axes[1].broken_barh(list(zip(comm["start"], comm["end"] - comm["start"], strict=True)),
+                            (rank + 0.15, 0.25), color="#54a24b")
+    m, s = comparison["measured"]["step_time_s"], comparison["simulated"]["step_time_s"]
+    axes[0].set_title(f"measured (one profiled step; median step {m * 1e3:.1f} ms)")
+    axes[1].set_title(f"simulated ({s * 1e3:.1f} ms)")
+    ranks = sorted(spans["rank"].unique())
+    for ax in axes:
+        ax.set_yticks(ranks)
+        ax.set_ylabel("rank")
+        ax.set_xlabel("time (s)")
+        ax.invert_yaxis()
+    fig.legend(handles=[_patch("#4c78a8", "compute"), _patch("#54a24b", "communication")],
+               loc="lower center", ncol=2)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+
+
+def _patch(color: str, label: str) -> Any:
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
+
+
+def write_comparison(run_dir: Path, comparison: dict[str, Any]) -> Path:
+    from simulator.trace_export import atomic_output
+
+    clean = {k: v for k, v in comparison.items() if not k.startswith("_")}
+    path = run_dir / "comparison.json"
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def run_compare(run_dir: Path, profile: str, plot: bool = True) -> dict[str, Any]:
+    comparison = compare(run_dir, profile)
+    for k, v in comparison["simulated"].items():
+        if not math.isfinite(v):
+            raise RuntimeError(f"simulated {k} is not finite: {v}")
+    write_comparison(run_dir, comparison)
+    if plot:
+        plot_comparison(run_dir, comparison, run_dir / "comparison.png")
+    return comparison
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "compare", help="simulate a measured run's scenario and compare with the measurement",
+        description="Simulate the scenario of a `clustersim measure` directory with a hardware "
+        "profile and print measured versus simulated figures with their errors.",
+        epilog="example:\n  clustersim calibrate --device cpu --quick --out cpu.yaml\n"
+        "  clustersim measure --tp 1 --pp 2 --dp 1 --steps 5 --device cpu --out runs/pp2\n"
+        "  clustersim compare runs/pp2 --profile cpu.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="output directory of `clustersim measure`")
+    p.add_argument("--profile", required=True,
+                   help="hardware profile YAML (from `clustersim calibrate`) or preset name")
+    p.add_argument("--no-plot", action="store_true", help="skip comparison.png")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    comparison = run_compare(args.run_dir, args.profile, plot=not args.no_plot)
+    print("\n".join(table_lines(comparison)))
+    print(f"wrote {args.run_dir / 'comparison.json'}")
+    return 0
