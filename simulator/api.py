@@ -17,6 +17,7 @@ from simulator import report
 from simulator.analytic import analytic_estimate
 from simulator.engine import simulate
 from simulator.errors import NotImplementedYet, Problem
+from simulator.memory_timeline import memory_timeline
 from simulator.scenario import Scenario
 from simulator.trace_export import atomic_output, write_chrome_trace, write_timeline_csv
 from simulator.workload import build_workload
@@ -39,6 +40,9 @@ def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | No
         workload = build_workload(s, fidelity=fidelity)
         result = simulate(workload, s.hardware)
         out = report.engine_metrics(s, result)
+        # one rank per stage keeps results.json small in full fidelity
+        firsts = {workload.layout.coord(r).pp: r for r in sorted(workload.programs, reverse=True)}
+        out["memory_timeline"] = memory_timeline(s, result, ranks=sorted(firsts.values()))
         spans = report.spans_frame(result)
     out.update(report.common_metrics(s, out["step_time_s"]))
     out["method"] = method

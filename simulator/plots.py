@@ -65,7 +65,7 @@ _EDGED_SPANS = 1_000  # up to this many bars, a white edge separates neighbours;
 # bars are a few pixels wide and the edge would swallow them
 _MANY_SPANS = 200_000  # above this, bars are drawn without antialiasing (faster)
 _TIMELINE_PX = 1500  # about the time axis' width in pixels (14 in at _DPI)
-_GIB = float(2**30)
+_GB = 1e9  # decimal gigabytes, as the CLI and README
 _DPI = 120
 
 
@@ -430,24 +430,24 @@ MEMORY_PARTS: Mapping[str, str] = {
 
 
 def _memory_bars(ax: Axes, memory: Sequence[Mapping[str, Any]]) -> None:
-    """Stacked GiB per stage against capacity (a red line; "OOM" over a bar above it)."""
+    """Stacked GB per stage against capacity (a red line; "OOM" over a bar above it)."""
     x = np.arange(len(memory))
     bottom = np.zeros(len(memory))
     for part, colour in MEMORY_PARTS.items():
-        gib = np.array([float(m.get(part, 0.0)) for m in memory]) / _GIB
-        if gib.any():
-            ax.bar(x, gib, bottom=bottom, width=0.7, color=colour, label=part.replace("_", " "),
+        gb = np.array([float(m.get(part, 0.0)) for m in memory]) / _GB
+        if gb.any():
+            ax.bar(x, gb, bottom=bottom, width=0.7, color=colour, label=part.replace("_", " "),
                    edgecolor="white", linewidth=0.4)
-            bottom += gib
-    capacity = np.array([float(m.get("capacity", 0.0)) for m in memory]) / _GIB
+            bottom += gb
+    capacity = np.array([float(m.get("capacity", 0.0)) for m in memory]) / _GB
     if capacity.any() and np.ptp(capacity) == 0:
         ax.axhline(capacity[0], color=_CAPACITY_COLOUR, linewidth=1.6,
-                   label=f"capacity ({capacity[0]:.0f} GiB)")
+                   label=f"capacity ({capacity[0]:.0f} GB)")
     elif capacity.any():
         ax.hlines(capacity, x - 0.45, x + 0.45, color=_CAPACITY_COLOUR, linewidth=1.6,
                   label="capacity")
-    totals = np.array([float(m.get("total", b * _GIB)) for m, b in zip(memory, bottom,
-                                                                        strict=True)]) / _GIB
+    totals = np.array([float(m.get("total", b * _GB)) for m, b in zip(memory, bottom,
+                                                                        strict=True)]) / _GB
     for i, (total, cap) in enumerate(zip(totals, capacity, strict=True)):
         over = cap > 0 and total > cap
         if over or len(memory) <= 16:
@@ -458,7 +458,7 @@ def _memory_bars(ax: Axes, memory: Sequence[Mapping[str, Any]]) -> None:
     labels = [str(m.get("stage", i)) for i, m in enumerate(memory)]
     ax.set_xticks(x, labels, fontsize=8 if len(memory) <= 32 else 6)
     ax.set_xlabel("pipeline stage")
-    ax.set_ylabel("GiB per GPU")
+    ax.set_ylabel("GB per GPU")
     ax.set_ylim(0, max(float(bottom.max(initial=0.0)), float(capacity.max(initial=0.0)))
                 * 1.12 or 1.0)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
@@ -469,7 +469,11 @@ _RANK_COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9")  # no red
 
 def _memory_curves(ax: Axes, fig: Figure, timeline: Any, capacity: float) -> None:
     """Each rank's allocated bytes over the step as a step curve (one colour per rank)."""
-    items = sorted(timeline.items()) if isinstance(timeline, Mapping) else enumerate(timeline)
+    if isinstance(timeline, Mapping):
+        items: Any = sorted(timeline.items())
+    else:
+        items = [(e["rank"], e["points"]) if isinstance(e, Mapping) else (i, e)
+                 for i, e in enumerate(timeline)]
     curves = [(int(rank), np.asarray(points, dtype=float).reshape(-1, 2))
               for rank, points in items if len(points)]
     if not curves:
@@ -479,7 +483,7 @@ def _memory_curves(ax: Axes, fig: Figure, timeline: Any, capacity: float) -> Non
     segments = []
     for _, c in curves:  # a post-step curve: hold each value until the next point (or the end)
         xs = np.append(np.repeat(c[:, 0], 2)[1:], t_max) * scale
-        ys = np.repeat(c[:, 1], 2) / _GIB
+        ys = np.repeat(c[:, 1], 2) / _GB
         segments.append(np.column_stack([xs, ys]))
     ranks = [r for r, _ in curves]
     handles: list[Any] = []
@@ -497,16 +501,16 @@ def _memory_curves(ax: Axes, fig: Figure, timeline: Any, capacity: float) -> Non
         bar.locator = MaxNLocator(integer=True)
         bar.update_ticks()
     if capacity > 0:
-        handles.append(ax.axhline(capacity / _GIB, color=_CAPACITY_COLOUR, linewidth=1.6,
+        handles.append(ax.axhline(capacity / _GB, color=_CAPACITY_COLOUR, linewidth=1.6,
                                   linestyle="--", label="capacity"))
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
                   frameon=False)
     y_max = max(float(s[:, 1].max()) for s in segments)
     ax.set_xlim(0, t_max * scale * 1.01 or 1.0)
-    ax.set_ylim(0, max(y_max, capacity / _GIB) * 1.08 or 1.0)
+    ax.set_ylim(0, max(y_max, capacity / _GB) * 1.08 or 1.0)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_ylabel("allocated GiB")
+    ax.set_ylabel("allocated GB")
     ax.set_title("allocated memory over the step", fontsize=9)
 
 
@@ -522,9 +526,9 @@ def memory_figure(results: Mapping[str, Any]) -> Figure:
     if timeline:
         _memory_curves(axes[1], fig, timeline, capacity)
     name, _ = _scenario_header(results)
-    peak = float(results.get("memory_peak_bytes", 0.0)) / _GIB
+    peak = float(results.get("memory_peak_bytes", 0.0)) / _GB
     verdict = "fits" if results.get("fits_in_memory", True) else "DOES NOT FIT"
-    title = f"peak {peak:.1f} GiB" + (f" of {capacity / _GIB:.0f} GiB" if capacity else "")
+    title = f"peak {peak:.1f} GB" + (f" of {capacity / _GB:.0f} GB" if capacity else "")
     axes[0].set_title(" · ".join(p for p in (name, title, verdict) if p), fontsize=11)
     return fig
 

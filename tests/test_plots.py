@@ -20,7 +20,7 @@ from simulator.schedules import build_schedule, execute
 from simulator.trace_export import write_timeline_csv
 
 MS = 1e-3
-GIB = 2**30
+GIB = 1e9  # plots use decimal GB, as the CLI
 KIND = {"F": "forward", "B": "backward", "I": "backward", "W": "weight_grad"}
 
 
