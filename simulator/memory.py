@@ -194,7 +194,11 @@ def _comm_buffers(scenario: Scenario) -> float:
     if par.zero <= 2:
         return 2 * par.dp_bucket_MB * 1e6
     layer = layer_params(scenario.model) / par.tp * dtype_bytes(scenario.training.dtype)
-    return layer * (1 + par.fsdp_prefetch) + layer  # gathered params + one unsharded grad
+    if not par.reshard_after_forward:  # every layer of the stage stays gathered
+        gathered = scenario.model.layers / par.pp
+    else:  # the running layer plus the prefetched ones
+        gathered = 1 + (par.fsdp_prefetch if par.overlap.zero3_prefetch else 0)
+    return layer * gathered + layer  # gathered params + one unsharded grad
 
 
 def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
