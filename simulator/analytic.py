@@ -86,6 +86,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
         same = layout.node(src) == layout.node(dst)
         link = s.hardware.intra_node if same else s.hardware.inter_node
         nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
+        if par.sequence_parallel:
+            nbytes /= par.tp
         t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
     # the busiest stage's parameters: its layers plus the embedding (first stage) and,
     # on a single stage, the head too

@@ -210,7 +210,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     if par.zero_offload:
         optimizer = 0.0
         if par.zero >= 2:
-            gradients = 0.0
+            gradients = 0.0  # each micro-batch's shard goes to the host
     return MemoryBreakdown(
         stage=stage,
         weights=psi * w,

@@ -13,13 +13,16 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   collectives between them on the compute stream — two in forward, two in
   backward per layer (all-reduce, or all-gather + reduce-scatter with sequence
   parallelism). With tp = 1 a layer is one block.
-- Pipeline activations and gradients (b·s·h/t bytes with Megatron's
-  scatter/gather) go out on the ``pp`` stream as soon as they are produced; the
+- Pipeline activations and gradients (b·s·h bytes per TP rank, b·s·h/t with
+  sequence parallelism, as Megatron-core's p2p shapes) go out on the ``pp`` stream as soon as they are produced; the
   receiver's next compute waits for the transfer. ``overlap.pp: false`` puts the
   send on the compute stream.
 - DP gradients are bucketed (``dp_bucket_MB``) in the order the last
   micro-batch's backward produces them, each bucket reduced on the ``dp``
-  stream; the optimizer step waits for all of them. ``overlap.dp: false`` runs
+  stream; the optimizer step waits for all of them. ZeRO-2 and ZeRO-3 keep only
+  a gradient shard, so they reduce-scatter after *every* micro-batch's backward
+  (DeepSpeed's and FSDP's behaviour under gradient accumulation: m × the
+  traffic of one reduction). ``overlap.dp: false`` runs
   them on the compute stream after the backward. ZeRO-1/2 reduce-scatter the
   buckets (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
   all-gather the updated parameters after the step.
@@ -152,6 +155,8 @@ class _Builder:
         self.layers_per_chunk = spec.layers // (s.parallel.pp * s.parallel.virtual_stages)
         self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
         self.act_bytes = mdl.pp_activation_bytes(spec, s.training.micro_batch, s.training.dtype)
+        if s.parallel.sequence_parallel:  # the boundary tensor is [s/t, b, h] per TP rank
+            self.act_bytes /= s.parallel.tp
         self.tp_bytes = mdl.tp_comm_bytes_per_layer(spec, s.training.micro_batch, s.training.dtype)
         self.algorithm = s.simulation.collective_algorithm
         self.pcie = s.hardware.host.pcie_bandwidth_GBps * 1e9
@@ -332,10 +337,26 @@ class _Builder:
         last = self.sched.stages * self.sched.virtual_stages - 1
         sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
         if stage == last:
-            sizes[0] += mdl.head_params(spec) / tp * dt
+            sizes[0] += (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
         if stage == 0:
             sizes.append(mdl.embedding_params(spec) / tp * dt)
         return sizes
+
+    def tied_copy_params(self) -> int:
+        """Megatron keeps a copy of a tied word embedding on the last stage when pp > 1."""
+        spec = self.s.model
+        return spec.vocab * spec.hidden if spec.tied_embeddings and self.s.parallel.pp > 1 else 0
+
+    def embedding_group_sync(self, rank: int) -> None:
+        """All-reduce the tied embedding's gradient between the first and last stage."""
+        coord, par = self.layout.coord(rank), self.s.parallel
+        if not self.tied_copy_params() or coord.pp not in (0, par.pp - 1):
+            return
+        group = (self.layout.rank(0, coord.dp, coord.tp),
+                 self.layout.rank(par.pp - 1, coord.dp, coord.tp))
+        size = self.tied_copy_params() / par.tp * self.dt_bytes
+        self.collective(rank, "compute", "all_reduce", "pp", group, size,
+                        "pp.all_reduce tied embedding grads")
 
     def dp_sync(self, rank: int, stage: int, done: list[Task], chunk: int,
                 pending: list[tuple[float, Task]]) -> None:
@@ -364,41 +385,52 @@ class _Builder:
                            duration=shard / self.pcie, nbytes=shard, chunk=chunk)
             d2h.deps.append((t or after).id)
 
-    def offloaded_step(self, rank: int, params: float) -> None:
+    def gather_after_step(self, rank: int, params: float, stages: list[int]) -> Task | None:
+        """ZeRO-1/2: all-gather the updated parameters. ZeRO-3: only the embedding and
+        head, which this model keeps replicated; the layers are gathered at use."""
+        par, spec = self.s.parallel, self.s.model
+        if par.zero in (1, 2):
+            nbytes = params * self.dt_bytes
+        elif par.zero == 3:
+            layers = sum(len(self.layers_of(st)) for st in stages)
+            nbytes = params * self.dt_bytes - layers * mdl.layer_params(spec) / par.tp \
+                * self.dt_bytes
+        else:
+            return None
+        return self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
+                               nbytes, "dp.all_gather updated params")
+
+    def offloaded_step(self, rank: int, params: float, stages: list[int]) -> None:
         """ZeRO-Offload: CPU Adam on the rank's shard once all its gradients are on the
         host, then the updated 16-bit shard back over PCIe and the DP all-gather."""
         par, hw = self.s.parallel, self.s.hardware
         shard = params / par.dp
-        adam = self.add(rank, "host", op="optimizer", kind="optimizer", name="cpu adam step",
-                        duration=shard * self.layout.gpus_per_node / hw.host.cpu_adam_params_per_s)
+        self.add(rank, "host", op="optimizer", kind="optimizer", name="cpu adam step",
+                 duration=shard * self.layout.gpus_per_node / hw.host.cpu_adam_params_per_s)
         h2d = self.add(rank, "host", op="offload.h2d", kind="offload",
                        name="offload.h2d params", duration=shard * self.dt_bytes / self.pcie,
                        nbytes=shard * self.dt_bytes)
-        del adam  # the host stream runs adam, then h2d, in order
-        gather = self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
-                                 params * self.dt_bytes, "dp.all_gather updated params")
         # the step ends when the new parameters are back on the GPU (and gathered)
-        wait = gather or self.compute(rank, "optimizer", "optimizer", "wait for host step",
-                                      0.0, -1, -1, 0)
+        wait = self.compute(rank, "optimizer", "optimizer", "wait for host step",
+                            0.0, -1, -1, 0)
         wait.deps.append(h2d.id)
+        self.gather_after_step(rank, params, stages)
 
     def optimizer(self, rank: int) -> None:
-        par, spec = self.s.parallel, self.s.model
+        par = self.s.parallel
         stages = [st for st in range(self.sched.stages * self.sched.virtual_stages)
                   if self.sched.rank_of(st) == self.layout.coord(rank).pp]
         params = sum(sum(self.grad_bytes(st)) for st in stages) / self.dt_bytes
+        self.embedding_group_sync(rank)
         if par.zero_offload:
-            self.offloaded_step(rank, params)
+            self.offloaded_step(rank, params, stages)
             return
         shard = params / par.dp if par.zero >= 1 else params
         step = self.compute(rank, "optimizer", "optimizer", "optimizer step",
                             self.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
         step.deps.extend(t.id for t in self.programs[rank].streams["dp"])
         step.deps.extend(t.id for t in self.programs[rank].streams["zero"][-1:])
-        if par.zero in (1, 2):
-            self.collective(rank, "compute", "all_gather", "dp", self.layout.dp_group(rank),
-                            params * self.dt_bytes, "dp.all_gather updated params")
-        del spec
+        self.gather_after_step(rank, params, stages)
 
     # ------------------------------------------------------------ driver
     def build_rank(self, rank: int) -> None:
@@ -425,8 +457,13 @@ class _Builder:
                               chunk)
             else:
                 done = self.weight_grad(rank, a, chunk)
-            if final.get(a.stage) == i and (self.s.parallel.dp > 1 or
-                                            self.s.parallel.zero_offload):
+            par = self.s.parallel
+            if par.dp == 1 and not par.zero_offload or a.kind == "I":
+                continue
+            if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+                self.dp_sync(rank, a.stage, done, chunk, pending)
+                self.flush_bucket(rank, pending, chunk)
+            elif final.get(a.stage) == i:  # accumulate locally, reduce once
                 self.dp_sync(rank, a.stage, done, chunk, pending)
         if pending:
             self.flush_bucket(rank, pending, 0)
