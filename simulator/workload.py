@@ -14,8 +14,9 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   backward per layer (all-reduce, or all-gather + reduce-scatter with sequence
   parallelism). With tp = 1 a layer is one block.
 - Pipeline activations and gradients (b·s·h bytes per TP rank, b·s·h/t with
-  sequence parallelism, as Megatron-core's p2p shapes) go out on the ``pp`` stream as soon as they are produced; the
-  receiver's next compute waits for the transfer. ``overlap.pp: false`` puts the
+  sequence parallelism, as Megatron-core's p2p shapes) go out on the ``pp``
+  stream as soon as they are produced; the receiver's next compute waits for the
+  transfer. ``overlap.pp: false`` puts the
   send on the compute stream.
 - DP gradients are bucketed (``dp_bucket_MB``) in the order the last
   micro-batch's backward produces them, each bucket reduced on the ``dp``
@@ -458,7 +459,7 @@ class _Builder:
             else:
                 done = self.weight_grad(rank, a, chunk)
             par = self.s.parallel
-            if par.dp == 1 and not par.zero_offload or a.kind == "I":
+            if (par.dp == 1 and not par.zero_offload) or a.kind == "I":
                 continue
             if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
                 self.dp_sync(rank, a.stage, done, chunk, pending)
