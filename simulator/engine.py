@@ -41,6 +41,7 @@ SpanRow = tuple[int, str, int, float, float]  # (task id, stream, rank, start, e
 class SimResult:
     workload: Workload
     spans: list[tuple[int, float, float]]  # (task id, start, end)
+    comm_start: dict[int, float]  # collective task id -> when its transfer began
     link_busy: dict[str, float]  # seconds per link class, summed over simulated links
     end_time: float
     events: int
@@ -48,12 +49,13 @@ class SimResult:
 
 
 class _Rendezvous:
-    __slots__ = ("arrived", "done", "members")
+    __slots__ = ("arrived", "done", "members", "start")
 
     def __init__(self, env: simpy.Environment, members: int) -> None:
         self.members = members
         self.arrived: list[int] = []
         self.done = env.event()
+        self.start = 0.0
 
 
 class Engine:
@@ -67,6 +69,7 @@ class Engine:
         self.spans: list[tuple[int, float, float]] = []
         self.rendezvous: dict[tuple[Any, ...], _Rendezvous] = {}
         self.simulated = set(workload.programs)
+        self.comm_start: dict[int, float] = {}  # collective task -> all members arrived
         self._members: dict[tuple[int, ...], list[int]] = {}
         self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
         self._plans_alive: list[Plan] = []
@@ -95,7 +98,7 @@ class Engine:
             key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
             busy[key] = busy.get(key, 0.0) + secs
         end = max((e for _, _, e in self.spans), default=0.0)
-        return SimResult(self.w, self.spans, busy, end, self._event_count(), wall)
+        return SimResult(self.w, self.spans, self.comm_start, busy, end, self._event_count(), wall)
 
     def _event_count(self) -> int:
         """Events SimPy scheduled: its private heap counter (simpy 4's ``_eid``)."""
@@ -165,8 +168,11 @@ class Engine:
             rv.arrived.append(task.rank)
             if len(rv.arrived) < rv.members:
                 yield rv.done
+                self.comm_start[task.id] = rv.start
                 return
             del self.rendezvous[task.group_key]
+            rv.start = self.env.now
+        self.comm_start[task.id] = self.env.now
         plan = task.plan
         assert plan is not None
         for legs, alpha in self._phases(plan):

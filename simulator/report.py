@@ -25,6 +25,7 @@ import pandas as pd
 
 from simulator import memory as mem
 from simulator import model as mdl
+from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
 from simulator.workload import Task
@@ -66,6 +67,28 @@ def _exposed(tasks: list[Task], compute: list[tuple[Task, float, float]],
     return out
 
 
+def collective_summary(result: SimResult) -> dict[str, dict[str, float]]:
+    """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
+    algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
+    × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
+    from the moment the whole group had arrived (time waiting for peers excluded)."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
+    for tid, start, end in result.spans:
+        t = result.workload.tasks[tid]
+        begin = result.comm_start.get(tid, start)
+        if t.plan is None or end <= begin:
+            continue
+        a = acc[t.op]
+        alg = t.nbytes / (end - begin)
+        a[0] += 1
+        a[1] += t.nbytes
+        a[2] += end - begin
+        a[3] += alg
+        a[4] += alg * busbw_factor(t.plan.op, t.plan.n)
+    return {op: {"count": a[0], "bytes": a[1], "seconds": a[2], "algbw_GBps": a[3] / a[0] / 1e9,
+                 "busbw_GBps": a[4] / a[0] / 1e9} for op, a in sorted(acc.items())}
+
+
 def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     """Step time, throughput, bubble and exposed communication from the spans."""
     tasks, layout = result.workload.tasks, result.workload.layout
@@ -104,6 +127,7 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
         "exposed_comm_s_per_stage": [{k: exposed_stage[i][k] / n[i] for k in COMM_KINDS}
                                      for i in range(pp)],
         "link_busy_s": result.link_busy,
+        "collectives": collective_summary(result),
         "sim_wall_s": result.wall_s,
         "sim_events": result.events,
         "ranks_simulated": len(result.workload.programs),
