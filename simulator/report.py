@@ -8,7 +8,10 @@ Definitions (README "Reading the outputs"):
 - *bubble fraction* = 1 − (compute-busy time of all stages in the pipeline
   phase) / (p × the phase's duration), so balanced stages with free
   communication give exactly (p − 1)/(m + p − 1). Per stage: 1 − busy / phase.
-  A stage's figures are the mean over its simulated ranks.
+  A stage's figures are the mean over its simulated ranks. Communication on the
+  compute stream (TP collectives) is not compute, so it raises this figure;
+  *pipeline idle fraction* counts it as busy, leaving the schedule's own idle
+  time (fill, drain, waits for transfers).
 - *exposed communication* per kind: TP collectives and any communication run on
   the compute stream count whole; communication on its own stream counts for
   the part of it during which the compute stream sat idle waiting for it.
@@ -102,7 +105,7 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     p1 = max((b for _, b in phase_spans), default=0.0)
     phase = max(p1 - p0, 1e-30)
     pp = s.parallel.pp
-    busy_stage, compute_stage = [0.0] * pp, [0.0] * pp
+    busy_stage, compute_stage, occupied_stage = [0.0] * pp, [0.0] * pp, [0.0] * pp
     exposed_stage: list[dict[str, float]] = [defaultdict(float) for _ in range(pp)]
     ranks_stage = [0] * pp
     for rank, spans in per_rank.items():
@@ -110,6 +113,9 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
         ranks_stage[st] += 1
         spans.sort(key=lambda x: (x[1], x[2]))
         busy_stage[st] += sum(b - a for t, a, b in spans if t.kind in COMPUTE_KINDS)
+        occupied_stage[st] += sum(
+            max(0.0, min(b, p1) - max(result.comm_start.get(t.id, a), p0))
+            for t, a, b in spans if t.kind in COMPUTE_KINDS or t.kind in COMM_KINDS)
         compute_stage[st] += sum(b - a for t, a, b in spans
                                  if t.kind in COMPUTE_KINDS or t.kind == "optimizer")
         for k, v in _exposed(tasks, spans, where).items():
@@ -121,6 +127,10 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
         "step_time_s": result.end_time,
         "bubble_fraction": 1.0 - sum(busy) / (pp * phase),
         "bubble_fraction_per_stage": [1.0 - b / phase for b in busy],
+        # the schedule's own idle time: communication that occupies the compute stream
+        # (TP collectives, sends without overlap) counts as busy here
+        "pipeline_idle_fraction": 1.0 - sum(occupied_stage[i] / n[i] for i in range(pp))
+        / (pp * phase),
         "pipeline_phase_s": [p0, p1],
         "compute_s": [compute_stage[i] / n[i] for i in range(pp)],
         "exposed_comm_s": exposed,
@@ -173,7 +183,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         ("model TFLOP/s/GPU", f"{results['model_tflops_per_gpu']:.1f}  (MFU {results['mfu']:.1%})"),
         ("hardware TFLOP/s/GPU",
          f"{results['hardware_tflops_per_gpu']:.1f}  (HFU {results['hfu']:.1%})"),
-        ("bubble", f"{results['bubble_fraction']:.2%}"),
+        ("bubble", f"{results['bubble_fraction']:.2%}" + (
+            f"  (pipeline idle {results['pipeline_idle_fraction']:.2%}, TP counted busy)"
+            if "pipeline_idle_fraction" in results else "")),
     ]
     exposed = results.get("exposed_comm_s") or {}
     if exposed:
