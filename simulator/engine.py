@@ -5,9 +5,10 @@ task waits for its dependencies (events of other tasks), then:
 
 - compute: holds the stream for its duration;
 - collective: rendezvous with the other *simulated* members of its group (key
-  ``group_key``), then runs its plan phase by phase — each leg a flow per
-  simulated member over that member's link of the leg's class, the phase ending
-  when all its flows end plus ``steps × α``;
+  ``group_key``), then runs its plan phase by phase — each leg one flow over
+  every simulated member's link of the leg's class (a ring advances in lock-step,
+  at its slowest member's share), counted once per member on shared links; the
+  phase ends when its flows end plus ``steps × α``;
 - point-to-point send: one flow from sender to receiver over the link class
   between them, plus one α.
 
@@ -71,6 +72,7 @@ class Engine:
         self.simulated = set(workload.programs)
         self.comm_start: dict[int, float] = {}  # collective task -> all members arrived
         self._members: dict[tuple[int, ...], list[int]] = {}
+        self._links: dict[tuple[tuple[int, ...], LinkName], tuple[Any, ...]] = {}
         self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
         self._plans_alive: list[Plan] = []
 
@@ -175,9 +177,10 @@ class Engine:
         self.comm_start[task.id] = self.env.now
         plan = task.plan
         assert plan is not None
+        weight = self.w.weight * len(members)
         for legs, alpha in self._phases(plan):
-            flows = [self.net.transfer(nbytes, self.topo.links(r, link_class), self.w.weight)
-                     for link_class, nbytes in legs for r in members]
+            flows = [self.net.transfer(nbytes, self._group_links(task.group, link_class),
+                                       weight) for link_class, nbytes in legs]
             pending = [f for f in flows if not f.triggered]
             if len(pending) == 1:
                 yield pending[0]
@@ -187,6 +190,18 @@ class Engine:
                 yield self.env.timeout(alpha)
         if rv is not None:
             rv.done.succeed()
+
+    def _group_links(self, group: tuple[int, ...], link_class: LinkName) -> tuple[Any, ...]:
+        """Every simulated member's link of a class (shared links once): a ring moves in
+        lock-step, so one flow over all of them proceeds at the slowest member's share."""
+        key = (group, link_class)
+        links = self._links.get(key)
+        if links is None:
+            seen: dict[Any, None] = {}
+            for r in self._members[group]:
+                seen.update(dict.fromkeys(self.topo.links(r, link_class)))
+            links = self._links[key] = tuple(seen)
+        return links
 
     def _phases(self, plan: Plan) -> list[tuple[list[tuple[LinkName, float]], float]]:
         """Per phase: (link class, bytes to put on that class's link) legs and α × steps.
