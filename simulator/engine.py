@@ -33,7 +33,7 @@ from simulator.collectives import Plan, leg_rate, phase_alpha
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
 from simulator.topology import Topology
-from simulator.workload import Task, Workload
+from simulator.workload import Task, Workload, gc_paused
 
 SpanRow = tuple[int, str, int, float, float]  # (task id, stream, rank, start, end)
 
@@ -88,7 +88,8 @@ class Engine:
             for tasks in prog.streams.values():
                 if tasks:
                     self.env.process(self.stream(tasks))
-        self.env.run()
+        with gc_paused():
+            self.env.run()
         wall = time.perf_counter() - start
         ran = {tid for tid, _, _ in self.spans}
         unfinished = [t for t in self.w.tasks if t.id not in ran]

@@ -45,7 +45,9 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
 
 from __future__ import annotations
 
-from collections import defaultdict
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -148,7 +150,7 @@ class _Builder:
                                          "host": []})
                          for r in ranks}
         self.unit_done: dict[int, list[Task]] = {r: [] for r in ranks}
-        self.seq: dict[tuple[int, ...], int] = defaultdict(int)
+        self.seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in ranks}
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
         self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
         self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
@@ -171,8 +173,12 @@ class _Builder:
 
     def compute(self, rank: int, op: str, kind: str, name: str, dur: float,
                 mb: int, layer: int, chunk: int) -> Task:
-        return self.add(rank, "compute", op=op, kind=kind, name=name, duration=dur,
-                        microbatch=mb, layer=layer, chunk=chunk)
+        # positional construction: this is the builder's hot path
+        t = Task(len(self.tasks), rank, "compute", op, kind, name, dur, None, (), (), -1, 0.0,
+                 mb, layer, chunk)
+        self.tasks.append(t)
+        self.programs[rank].streams["compute"].append(t)
+        return t
 
     def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
                    group: tuple[int, ...], size: float, name: str, mb: int = -1,
@@ -185,13 +191,14 @@ class _Builder:
             plan = make_plan(op, size, shape, self.algorithm, self.s.hardware)
             self.plans[(op, size, group)] = plan
         # the n-th collective of this group *on this rank*: equal on every member
-        counter = (rank, *group)
-        key = (group, self.seq[counter])
-        self.seq[counter] += 1
-        prefix = "zero" if kind == "zero" else kind
-        return self.add(rank, stream, op=f"{prefix}.{op}", kind=kind, name=name, plan=plan,
-                        group=group, group_key=key, nbytes=size, microbatch=mb,
-                        layer=layer, chunk=chunk)
+        seq = self.seq[rank]
+        n = seq.get(group, 0)
+        seq[group] = n + 1
+        t = Task(len(self.tasks), rank, stream, f"{kind}.{op}", kind, name, 0.0, plan, group,
+                 (group, n), -1, size, mb, layer, chunk)
+        self.tasks.append(t)
+        self.programs[rank].streams[stream].append(t)
+        return t
 
     def tp_around(self, rank: int, before: bool, mb: int, layer: int, chunk: int) -> None:
         """TP collective around a block: all-reduce after it, or with sequence
@@ -480,6 +487,19 @@ class _Builder:
                 self.tasks[d].dependents += 1
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Millions of small acyclic objects make CPython's cyclic collector rescan a
+    growing heap again and again; nothing built here forms cycles that need it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
                    costs: BlockCosts | None = None, fidelity: str | None = None) -> Workload:
     """Per-rank programs for one training step. ``costs`` may be given to price blocks
@@ -493,8 +513,9 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
                               s.parallel.virtual_stages)
     ranks = layout.representatives() if fidelity == "folded" else tuple(range(layout.world))
     b = _Builder(s, layout, cost, costs, schedule, ranks)
-    for r in ranks:
-        b.build_rank(r)
-    b.resolve()
+    with gc_paused():
+        for r in ranks:
+            b.build_rank(r)
+        b.resolve()
     weight = float(s.parallel.tp * s.parallel.dp) if fidelity == "folded" else 1.0
     return Workload(b.programs, b.tasks, layout, schedule, weight, fidelity)
