@@ -155,9 +155,8 @@ class Engine:
         cal = self.hw.collectives.get("send_recv", {}).get(link_class)
         nbytes = task.nbytes if cal is None else task.nbytes * rate / (cal.busbw_GBps * 1e9)
         alpha = self.topo.alpha(link_class) if cal is None else cal.alpha_us * 1e-6
-        yield self.net.transfer(nbytes, self.topo.links(task.rank, link_class), self.w.weight)
-        if alpha > 0:
-            yield self.env.timeout(alpha)
+        yield self.net.transfer(nbytes, self.topo.links(task.rank, link_class), self.w.weight,
+                                alpha)
 
     def collective(self, task: Task) -> Generator[simpy.Event, Any, None]:
         members = self._members.get(task.group)
@@ -180,12 +179,15 @@ class Engine:
         assert plan is not None
         weight = self.w.weight * len(members)
         for legs, alpha in self._phases(plan):
+            if len(legs) == 1:  # the common case: α rides on the flow's completion
+                link_class, nbytes = legs[0]
+                yield self.net.transfer(nbytes, self._group_links(task.group, link_class),
+                                        weight, alpha)
+                continue
             flows = [self.net.transfer(nbytes, self._group_links(task.group, link_class),
                                        weight) for link_class, nbytes in legs]
             pending = [f for f in flows if not f.triggered]
-            if len(pending) == 1:
-                yield pending[0]
-            elif pending:
+            if pending:
                 yield self.env.all_of(pending)
             if alpha > 0:
                 yield self.env.timeout(alpha)
