@@ -46,6 +46,7 @@ class FlowNetwork:
         self.env = env
         self.capacity = capacity
         self.shared = shared
+        self._cap: dict[LinkId, float] = {}  # capacity of each link seen so far
         self.flows_on: dict[LinkId, dict[Flow, None]] = {}
         self.load: dict[LinkId, float] = {}
         self.busy: dict[LinkId, float] = {}  # seconds each link carried at least one flow
@@ -65,6 +66,8 @@ class FlowNetwork:
         affected = self._neighbours(flow.links)
         self._settle(affected, now)
         for link in flow.links:
+            if link not in self._cap:
+                self._cap[link] = self.capacity(link)
             on = self.flows_on.setdefault(link, {})
             if not on:
                 self._busy_since[link] = now
@@ -90,7 +93,12 @@ class FlowNetwork:
 
     def _reschedule(self, flows: dict[Flow, None], now: float) -> None:
         for f in flows:
-            rate = min(self.capacity(link) / self.load[link] for link in f.links)
+            cap, load = self._cap, self.load
+            if len(f.links) == 1:
+                link = f.links[0]
+                rate = cap[link] / load[link]
+            else:
+                rate = min(cap[link] / load[link] for link in f.links)
             if rate == f.rate and f.gen:
                 continue  # unchanged: its pending completion stays valid
             f.rate = rate
