@@ -1,0 +1,213 @@
+"""The validation table: real runs of fixed small configurations against their simulation.
+
+``clustersim validation --device cpu --out DIR`` calibrates this machine once (or
+takes ``--profile``), then for each configuration runs ``measure`` (torchrun, the
+small GPT with real TP / PP / DP) and ``compare`` (the same scenario simulated
+with that profile), and writes ``DIR/validation.md`` and ``DIR/validation.csv``:
+one row per configuration with measured and simulated step time and the error.
+
+The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
+PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3). With more devices
+(``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
+Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
+a configuration that fails is recorded in the table with its error, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import Problem, UserError
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: str = "1f1b"
+    zero: int = 0
+
+
+CPU_CONFIGS = (
+    Config("dp2-ddp", dp=2),
+    Config("pp2-gpipe", pp=2, schedule="gpipe"),
+    Config("pp2-1f1b", pp=2, schedule="1f1b"),
+    Config("tp2", tp=2),
+    Config("fsdp2", dp=2, zero=3),
+)
+MULTI_GPU_CONFIGS = (
+    Config("tp2-pp2", tp=2, pp=2),
+    Config("dp2-pp2", dp=2, pp=2),
+)
+COLUMNS = ("config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
+           "step_error", "compute_error", "idle_measured", "idle_simulated", "note")
+
+
+def configs_for(device: str, devices: int) -> tuple[Config, ...]:
+    extra = MULTI_GPU_CONFIGS if device == "cuda" and devices >= 4 else ()
+    return CPU_CONFIGS + extra
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _profile(args: argparse.Namespace, out: Path) -> str:
+    if args.profile:
+        return str(args.profile)
+    from calibration.calibrate import main as calibrate_main
+
+    path = out / f"profile-{args.device}.yaml"
+    argv = ["calibrate", "--device", args.device, "--out", str(path),
+            "--threads", str(args.threads)]
+    argv += ["--quick"] if not args.tiny else ["--tiny"]
+    _say(f"[validation] calibrating {args.device} once -> {path}")
+    if calibrate_main(argv) != 0:
+        raise UserError([Problem("calibrate", args.device, "calibration failed; see above, "
+                                 "or pass --profile PROFILE.yaml")])
+    return str(path)
+
+
+def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "") -> dict[str, Any]:
+    row: dict[str, Any] = {"config": cfg.name, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
+                           "schedule": cfg.schedule, "zero": cfg.zero, "note": note}
+    if comparison is not None:
+        meas, sim, err = (comparison["measured"], comparison["simulated"],
+                          comparison["relative_error"])
+        row.update(measured_ms=meas["step_time_s"] * 1e3, simulated_ms=sim["step_time_s"] * 1e3,
+                   step_error=err["step_time_s"], compute_error=err["compute_s"],
+                   idle_measured=meas["idle_fraction"], idle_simulated=sim["idle_fraction"])
+    return row
+
+
+def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> dict[str, Any]:
+    from calibration.compare import run_compare
+    from calibration.measure import run_measure
+
+    run_dir = out / "runs" / cfg.name
+    try:
+        run_measure(cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,
+                    micro_batches=args.micro_batches, model="tiny-gpt", steps=args.steps,
+                    warmup=args.warmup, device=args.device, out_dir=str(run_dir),
+                    threads=args.threads, timeout_s=args.timeout,
+                    micro_batch_size=args.micro_batch_size)
+        comparison = run_compare(run_dir, profile)
+    except Exception as exc:
+        return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
+    return _row(cfg, comparison)
+
+
+def _fmt(row: dict[str, Any], key: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "–"
+    if key.endswith("_ms"):
+        return f"{v:.1f}"
+    if key.endswith("error"):
+        return f"{v:+.1%}"
+    if key.startswith("idle"):
+        return f"{v:.0%}"
+    return str(v)
+
+
+def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    lines = [f"Validation on {header['device_name']} ({header['device']}, {header['threads']} "
+             f"thread(s) per process), torch {header['torch']}, profile `{header['profile']}`, "
+             f"{header['date']}; model tiny-gpt, {header['micro_batches']} micro-batches of "
+             f"{header['micro_batch_size']}, median of {header['steps']} steps.", "",
+             "| config | measured ms | simulated ms | step error | compute error | "
+             "idle measured | idle simulated | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    keys = ("measured_ms", "simulated_ms", "step_error", "compute_error", "idle_measured",
+            "idle_simulated")
+    for row in rows:
+        cells = [row["config"], *(_fmt(row, k) for k in keys), row.get("note", "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, rows: list[dict[str, Any]], header: dict[str, Any]) -> list[Path]:
+    from simulator.trace_export import atomic_output
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    paths = [out / "validation.csv", out / "validation.md"]
+    for path, text in zip(paths, (buf.getvalue(), markdown(rows, header)), strict=True):
+        with atomic_output(path) as tmp:
+            tmp.write_text(text)
+    return paths
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    devices = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.device == "cuda" and devices < 2:
+        raise UserError([Problem("--device", "cuda", f"{devices} GPU(s) visible; the table "
+                                 "needs at least 2 (use --device cpu)")])
+    profile = _profile(args, out)
+    rows = []
+    configs = configs_for(args.device, devices)
+    for i, cfg in enumerate(configs, 1):
+        _say(f"[validation {i}/{len(configs)}] {cfg.name}: measure + compare ...")
+        t0 = time.perf_counter()
+        rows.append(run_one(cfg, args, profile, out))
+        err = rows[-1].get("step_error")
+        _say(f"[validation {i}/{len(configs)}] {cfg.name}: "
+             f"{'step error ' + format(err, '+.1%') if err is not None else rows[-1]['note']}"
+             f" ({time.perf_counter() - t0:.0f} s)")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else _cpu_name()
+    header = {"device": args.device, "device_name": name, "threads": args.threads,
+              "torch": torch.__version__, "profile": profile, "date": time.strftime("%Y-%m-%d"),
+              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+              "steps": args.steps}
+    paths = write_table(out, rows, header)
+    print(markdown(rows, header))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "validation", help="measure fixed small configurations and compare each with "
+        "its simulation (the README's validation table)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog="example:\n  clustersim validation --device cpu --out runs/validation\n"
+        "  clustersim validation --device cpu --profile cpu.yaml --out runs/validation",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out", required=True, help="directory for the profile, runs and table")
+    p.add_argument("--profile", help="use this hardware profile instead of calibrating")
+    p.add_argument("--threads", type=int, default=1, help="threads per process on CPU")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--tiny", action="store_true", help="smoke-test calibration size (tests)")
+    p.set_defaults(func=run_validation)
