@@ -21,7 +21,8 @@ from pathlib import Path
 from simulator import __version__
 from simulator.errors import UserError
 
-CALIBRATION_COMMANDS: tuple[str, ...] = ("calibration.measure", "calibration.compare")
+CALIBRATION_COMMANDS: tuple[str, ...] = (
+    "calibration.calibrate", "calibration.measure", "calibration.compare", "calibration.validation")
 
 EXAMPLES = {
     "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",

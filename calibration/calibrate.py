@@ -1,0 +1,393 @@
+"""``clustersim calibrate``: measure this machine and write a hardware profile.
+
+The profile has the schema of the bundled presets, so a scenario uses it with
+``cluster.system: path/to/profile.yaml``. What is measured:
+
+- GEMMs from the bundled models' layers (several TP degrees and micro-batch
+  sizes; scaled down on a CPU) plus a grid, in the chosen dtype → peak FLOP/s
+  and ``gemm_efficiency``; a few of them in the other dtypes → their peaks;
+- ``scaled_dot_product_attention`` → ``attention_efficiency``;
+- layer/RMS norm, softmax, GELU, SwiGLU, add and an AdamW step → HBM bandwidth
+  and ``memory_efficiency``;
+- all-reduce, all-gather, reduce-scatter, broadcast and send/recv under torchrun
+  (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
+  ``--quick``), every group size 2..N → α and busbw per collective, or the same
+  fitted from nccl-tests output (``--from-nccl-tests``).
+
+Cost semantics and fitting rules: :mod:`calibration.fit`. Timing rules:
+:mod:`calibration.bench_timing`. Every measurement goes to a JSONL results file
+the moment it is taken, so an interrupted run resumes where it stopped
+(:mod:`calibration.bench_results`). On a CPU a "GPU" is one process with
+``--threads`` threads (one by default), the same device the measured CPU runs use.
+
+torch is imported only when a calibration runs: ``import calibration.calibrate``
+works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import Problem, UserError
+
+DESCRIPTION = """\
+Measure this machine and write a hardware profile (the presets' schema; a scenario
+uses it with cluster.system: PROFILE.yaml): GEMMs shaped like the bundled models'
+layers, scaled_dot_product_attention, memory-bound kernels (norms, softmax, GELU,
+SwiGLU, add, AdamW), and all-reduce/all-gather/reduce-scatter/broadcast/send-recv
+under torchrun (gloo on cpu, NCCL on cuda). Every measurement is appended to a
+results file at once: rerun the same command to resume an interrupted run.
+'calibrate report PROFILE.yaml --out DIR' plots measured vs fitted."""
+
+EPILOG = """\
+examples:
+  clustersim calibrate --device cpu --quick --out cpu.yaml
+      a few minutes: 1-thread CPU "GPUs", 2 gloo processes, GEMM/attention/memory/collectives
+  clustersim calibrate --device cuda --dtype bf16 --out calibration/profiles/h100.yaml
+      all GPUs of this node; resumable: rerun the same command after an interruption
+  clustersim calibrate --device cuda --from-nccl-tests all_reduce.json all_gather.txt --out p.yaml
+      GEMMs measured here, collectives fitted from nccl-tests output (-J JSON or text)
+  clustersim calibrate report cpu.yaml --out cpu-report/
+      plots of measured vs fitted, and a markdown table of fit errors
+"""
+
+REPORT_EPILOG = """\
+example:
+  clustersim calibrate report cpu.yaml --out cpu-report/
+      writes gemm.png, attention.png, memory.png, collectives.png and fit_errors.md
+"""
+
+PARTS = ("gemm", "attention", "memory", "collectives")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``calibrate`` (and ``calibrate report``) on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine (GEMM, attention, memory, collectives) "
+        "and write a hardware profile", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="what to calibrate (default: cuda when PyTorch sees a GPU, else cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="GEMM/attention dtype fitted in full (default bf16 on cuda, fp32 on cpu)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="fewer, smaller shapes; messages up to 64 MiB (minutes)")
+    size.add_argument("--tiny", action="store_true",
+                      help="smoke-test size (well under a minute on a CPU): tests, notebooks")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="processes for collectives (default: all GPUs; on cpu min(2, cores))")
+    p.add_argument("--threads", type=int, default=1, metavar="T",
+                   help="CPU threads per process, i.e. per CPU 'GPU' (default 1)")
+    p.add_argument("--results", metavar="FILE.jsonl",
+                   help="measurement log; reused to resume (default: PROFILE.results.jsonl)")
+    p.add_argument("--out", metavar="PROFILE.yaml", help="profile to write (required)")
+    p.add_argument("--from-nccl-tests", nargs="+", metavar="[OP:][LINK:]FILE",
+                   help="fit collectives from nccl-tests output (-J JSON or text) instead of "
+                   "measuring them; OP/LINK prefixes name what the file cannot")
+    p.add_argument("--skip", action="append", choices=PARTS, default=[],
+                   help="leave a part unmeasured (taken from --base); repeatable")
+    p.add_argument("--base", metavar="PRESET",
+                   help="preset or profile for what is not measured (default: the matching "
+                   "datasheet preset on cuda, cpu-1thread on cpu)")
+    p.add_argument("--name", help="profile name (default: calibrated-<device>)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds before the collectives' torchrun launch is killed "
+                   "(default 300 on cpu, 1800 on cuda)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="re-measure what the results file records as failed")
+    p.set_defaults(func=run_calibrate)
+    sub = p.add_subparsers(dest="calibrate_action", metavar="{report}")
+    r = sub.add_parser("report", help="plot a calibrated profile's measured vs fitted numbers",
+                       description="Plot measured vs fitted (GEMM efficiency vs FLOPs, busbw vs "
+                       "message size) and write a markdown table of fit errors.",
+                       epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("profile", metavar="PROFILE.yaml")
+    r.add_argument("--out", required=True, metavar="DIR", help="directory for the plots and table")
+    r.add_argument("--results", metavar="FILE.jsonl",
+                   help="measurements to plot (default: the one the profile's provenance names)")
+    r.set_defaults(func=run_report_cli)
+
+
+def run_report_cli(args: argparse.Namespace) -> int:
+    from calibration.report import write_report
+
+    written = write_report(Path(args.profile), Path(args.out),
+                           Path(args.results) if args.results else None)
+    for path in written:
+        print(path)
+    return 0
+
+
+@dataclass(frozen=True)
+class Options:
+    device: str
+    dtype: str
+    level: str
+    nproc: int
+    threads: int
+    out: Path
+    results: Path
+    nccl_specs: tuple[str, ...]
+    skip: frozenset[str]
+    base: str
+    name: str
+    timeout_s: float
+    retry_failed: bool
+    device_name: str
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise UserError([Problem("", None, "calibration needs PyTorch: pip install "
+                                 "'clustersim[calibrate]' (or torch)")]) from None
+    return torch
+
+
+def resolve_options(args: argparse.Namespace) -> Options:
+    """Check the flags together; every problem found is reported at once."""
+    problems: list[Problem] = []
+    if not args.out:
+        problems.append(Problem("--out", None, "name the profile to write, e.g. --out cpu.yaml"))
+    elif Path(args.out).suffix.lower() not in (".yaml", ".yml"):
+        problems.append(Problem("--out", args.out, "the profile is YAML: end the name in .yaml"))
+    elif Path(args.out).is_dir():
+        problems.append(Problem("--out", args.out, "is a directory; name a .yaml file"))
+    if args.threads < 1:
+        problems.append(Problem("--threads", args.threads, "use 1 or more"))
+    if args.nproc is not None and args.nproc < 1:
+        problems.append(Problem("--nproc", args.nproc, "use 1 or more"))
+    if args.timeout is not None and args.timeout <= 0:
+        problems.append(Problem("--timeout", args.timeout, "use a positive number of seconds"))
+    if args.from_nccl_tests and "collectives" in args.skip:
+        problems.append(Problem("--skip", "collectives", "conflicts with --from-nccl-tests; "
+                                "drop one of them"))
+    if problems:
+        raise UserError(problems)
+    torch = _import_torch()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError([Problem("--device", "cuda", "PyTorch sees no CUDA GPU here; use "
+                                 "--device cpu (or check CUDA_VISIBLE_DEVICES and the driver)")])
+    count = torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
+    nproc = args.nproc or (count if device == "cuda" else max(1, min(2, count // args.threads)))
+    if device == "cuda" and nproc > count:
+        raise UserError([Problem("--nproc", nproc, f"only {count} GPU(s) visible; use "
+                                 f"--nproc {count} or fewer")])
+    from calibration.bench_timing import cpu_model_name
+    from calibration.fit_profile import datasheet_preset
+
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_model_name()
+    base = args.base or (datasheet_preset(device_name) or "dgx-h100" if device == "cuda"
+                         else "cpu-1thread")
+    out = Path(args.out)
+    results = Path(args.results) if args.results else out.with_suffix(".results.jsonl")
+    level = "tiny" if args.tiny else "quick" if args.quick else "full"
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")[:40]
+    return Options(device, args.dtype or ("bf16" if device == "cuda" else "fp32"), level, nproc,
+                   args.threads, out, results, tuple(args.from_nccl_tests or ()),
+                   frozenset(args.skip), base, args.name or f"calibrated-{slug}",
+                   args.timeout or (1800.0 if device == "cuda" else 300.0), args.retry_failed,
+                   device_name)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    opts = resolve_options(args)
+    from simulator.hardware import load_system
+
+    try:
+        base = load_system(opts.base)  # a bad --base fails before any measuring
+    except UserError as exc:
+        raise UserError([Problem("--base", opts.base, str(p).split(": ", 1)[-1])
+                         for p in exc.problems]) from None
+    nccl_runs = _load_nccl_tests(opts.nccl_specs)
+    profile_path = calibrate(opts, base, nccl_runs)
+    print(profile_path)
+    return 0
+
+
+def _load_nccl_tests(specs: tuple[str, ...]) -> list[Any]:
+    from calibration import nccl_tests
+
+    return [nccl_tests.load(spec) for spec in specs]
+
+
+def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
+    """Measure (or resume), fit, and write the profile; returns its path."""
+    import torch
+
+    from calibration.bench_results import ResultsStore
+    from calibration.bench_timing import Device, budget_for, device_info
+
+    store = ResultsStore(opts.results, retry_failed=opts.retry_failed)
+    device = Device(opts.device, opts.threads)
+    budget = budget_for(opts.device, opts.level)
+    threads_before = torch.get_num_threads()
+    started = time.perf_counter()
+    _say(f"calibrating {opts.device_name} ({opts.device}, {opts.threads} thread(s) per process, "
+         f"{opts.dtype}, {opts.level}); measurements -> {opts.results}")
+    try:
+        device.setup()
+        info = device_info(device, opts.nproc)
+        _measure(opts, device, budget, store, bool(nccl_runs))
+    finally:
+        torch.set_num_threads(threads_before)
+    elapsed = time.perf_counter() - started
+    return _fit_and_write(opts, base, store, info, nccl_runs, elapsed)
+
+
+def _measure(opts: Options, device: Any, budget: Any, store: Any, have_nccl: bool) -> None:
+    from calibration import bench_compute as bc
+    from calibration.bench_collectives import run_collectives
+
+    if "gemm" not in opts.skip:
+        bc.run_gemm(device, opts.dtype, budget, store)
+        if not (opts.device == "cuda" and _datasheet(opts)):
+            for other in ("bf16", "fp16", "fp32"):
+                if other != opts.dtype:
+                    bc.run_gemm(device, other, budget, store, bc.probe_shapes(budget, device),
+                                stage=f"gemm-{other}")
+    if "attention" not in opts.skip:
+        bc.run_attention(device, opts.dtype, budget, store)
+    if "memory" not in opts.skip:
+        bc.run_memory(device, opts.dtype, budget, store)
+    if have_nccl or "collectives" in opts.skip:
+        return
+    if opts.nproc < 2:
+        _say("collectives: skipped (one process; use --nproc 2 or more)")
+        return
+    run_collectives(device, opts.nproc, budget, store, opts.timeout_s)
+
+
+def _datasheet(opts: Options) -> bool:
+    from calibration.fit_profile import datasheet_preset
+
+    return datasheet_preset(opts.device_name) is not None
+
+
+def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
+                   nccl_runs: list[Any], elapsed: float) -> Path:
+    from calibration.fit_profile import (
+        build_profile,
+        fit_collectives,
+        fit_compute,
+        samples_from_records,
+        write_profile,
+    )
+    from calibration.report_tables import collective_table
+
+    records = store.records()
+    fits = fit_compute(records, opts.device, opts.dtype, opts.threads, opts.device_name)
+    if nccl_runs:
+        samples: dict[str, dict[str, list[Any]]] = {}
+        for run in nccl_runs:
+            samples.setdefault(run.op, {}).setdefault(run.link, []).extend(run.samples())
+    else:
+        samples = samples_from_records(records, opts.device, opts.threads)
+    fit_collectives(fits, samples)
+    if samples:
+        print(collective_table(samples, fits.collectives))
+    failed = [r for r in store.latest().values() if not r.get("ok")]
+    prov = {
+        "tool": "clustersim calibrate",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **info,
+        "dtype": opts.dtype,
+        "level": opts.level,
+        "results_file": _relative(opts.results, opts.out.parent),
+        "run_wall_time_s": round(elapsed, 1),  # this invocation (a resumed run: the rest)
+        "measured_from": min((r["timestamp"] for r in records if "timestamp" in r), default=None),
+        "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
+        "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
+                    for k in ("gemm", "attention", "memory", "collective")},
+        "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
+        "failed_count": len(failed),
+        "nccl_tests_files": [{"op": r.op, "link": r.link, "nranks": r.nranks,
+                              "spec": f"{r.op}:{r.link}:{Path(r.source).resolve()}"}
+                             for r in nccl_runs],
+    }
+    mem_GB = _memory_GB(opts)
+    intra = [r.nranks for r in nccl_runs if r.link == "intra_node"]
+    per_node = (max(intra) if intra else opts.nproc if opts.device == "cpu"
+                else info.get("device_count", opts.nproc))
+    profile = build_profile(fits, base, name=opts.name, device=opts.device,
+                            device_name=opts.device_name, gpus_per_node=per_node,
+                            memory_GB=mem_GB, provenance=prov,
+                            datasheet=opts.device == "cuda" and _datasheet(opts))
+    write_profile(profile, opts.out)
+    _summary(profile, failed, elapsed)
+    return opts.out
+
+
+def _memory_GB(opts: Options) -> float | None:
+    if opts.device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 1e9
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    return total / 1e9 / max(opts.nproc, 1)
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return os.path.relpath(path.resolve(), start.resolve())
+    except ValueError:  # another drive (Windows)
+        return str(path.resolve())
+
+
+def _summary(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed: float) -> None:
+    gpu = profile["gpu"]
+    fit = profile["provenance"]["fit"]
+    intra = profile["intra_node"]
+    lines = [f"profile {profile['name']}: peak {gpu['peak_tflops']} TFLOP/s, "
+             f"HBM {gpu['hbm_bandwidth_GBps']} GB/s, intra-node {intra['bandwidth_GBps']} GB/s "
+             f"x {intra['efficiency']}, alpha {intra['latency_us']} us ({elapsed:.0f} s)"]
+    for part in ("gemm", "attention", "memory"):
+        if fit.get(part):
+            lines.append(f"  {part}: held-out median error "
+                         f"{_pct(fit[part]['holdout_median_rel_error'])} "
+                         f"({fit[part]['samples']} samples)")
+    for op, by_link in profile.get("collectives", {}).items():
+        for link, ab in by_link.items():
+            lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "
+                         f"GB/s, held-out median error {_pct(ab['median_rel_error'])}")
+    if failed:
+        lines.append(f"  {len(failed)} measurement(s) failed and were skipped, e.g. "
+                     f"{failed[0]['key']}: {failed[0].get('error')}")
+    _say("\n".join(lines))
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m calibration.calibrate ...``: the subcommand without the full CLI."""
+    parser = argparse.ArgumentParser(prog="clustersim")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UserError as exc:
+        for line in exc.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

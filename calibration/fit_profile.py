@@ -1,0 +1,301 @@
+"""From a results file to a hardware profile: choose peaks, fit curves, fill the schema.
+
+Peaks. The efficiency curves are relative to ``gpu.peak_tflops[dtype]`` and
+``gpu.hbm_bandwidth_GBps``, and must stay ≤ 1. On a CUDA device whose datasheet
+a bundled preset carries (A100, H100, H200) the datasheet peak is used, so the
+curve reads as "fraction of datasheet" like the presets'; otherwise (a CPU, an
+unknown GPU) the peak is the best rate measured. The other dtypes' peaks come
+from the same few large GEMMs timed in each dtype (peak × their speed ratio), so
+one curve serves all dtypes, as the schema has it.
+
+Everything not measured (inter-node links without nccl-tests input, host
+numbers, skipped benchmarks) is copied from a base preset, and provenance says
+which fields those are. Link specs are filled from the all-reduce fit (line rate
+= fitted busbw, efficiency 1, unless a datasheet line rate is known) so that a
+consumer that ignores the ``collectives`` table still gets measured numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from calibration.fit import AlphaBetaFit, CurveFit, Sample, fit_alpha_beta, fit_efficiency
+from simulator.hardware import HardwareProfile, load_system
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+# torch.cuda.get_device_name() substring -> bundled datasheet preset
+DATASHEET_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"),
+                     ("A100-SXM4-80GB", "dgx-a100-80gb"), ("A100 80GB", "dgx-a100-80gb"),
+                     ("A100", "dgx-a100-40gb"))
+
+
+def datasheet_preset(device_name: str) -> str | None:
+    for needle, preset in DATASHEET_PRESETS:
+        if needle.lower() in device_name.lower():
+            return preset
+    return None
+
+
+@dataclass
+class Fits:
+    dtype: str
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    peak_source: str = ""
+    hbm_GBps: float | None = None
+    hbm_source: str = ""
+    gemm: CurveFit | None = None
+    attention: CurveFit | None = None
+    memory: CurveFit | None = None
+    memory_kernels: dict[str, dict[str, float]] = field(default_factory=dict)
+    collectives: dict[str, dict[str, AlphaBetaFit]] = field(default_factory=dict)
+    collective_samples: dict[str, dict[str, list[Sample]]] = field(default_factory=dict)
+
+
+def _ok(records: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, Any]]:
+    """Successful records of a kind, the fastest per key (rechecks and retries re-time keys)."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if (r.get("kind") == kind and r.get("ok") and "time_s" in r
+                and all(r.get(k) == v for k, v in match.items())
+                and (r["key"] not in best or r["time_s"] < best[r["key"]]["time_s"])):
+            best[r["key"]] = r
+    return list(best.values())
+
+
+def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads: int,
+                device_name: str) -> Fits:
+    fits = Fits(dtype)
+    sel = {"device": device, "threads": threads}
+    gemm = _ok(records, "gemm", dtype=dtype, **sel)
+    att = _ok(records, "attention", dtype=dtype, **sel)
+    mem = _ok(records, "memory", dtype=dtype, **sel)
+    sheet = load_system(p) if device == "cuda" and (p := datasheet_preset(device_name)) else None
+    if gemm:
+        best = max(r["flops"] / r["time_s"] for r in gemm) / 1e12
+        if sheet and sheet.gpu.peak_tflops.get(dtype, 0) >= best:  # type: ignore[call-overload]
+            fits.peak_tflops = {str(k): v for k, v in sheet.gpu.peak_tflops.items()}
+            fits.peak_source = f"datasheet (preset {sheet.name})"
+        else:
+            fits.peak_tflops = {dtype: _sig(best)}
+            fits.peak_source = f"best measured {dtype} GEMM rate"
+            fits.peak_tflops.update(_other_dtype_peaks(records, gemm, best, sel, dtype))
+        peak = fits.peak_tflops[dtype] * 1e12
+        fits.gemm = fit_efficiency([r["flops"] for r in gemm], [r["time_s"] for r in gemm],
+                                   peak, monotone=True)
+        if att:
+            fits.attention = fit_efficiency([r["flops"] for r in att], [r["time_s"] for r in att],
+                                            peak, monotone=True)
+    if mem:
+        best_bw = max(r["bytes"] / r["time_s"] for r in mem) / 1e9
+        if sheet and sheet.gpu.hbm_bandwidth_GBps >= best_bw:
+            fits.hbm_GBps = sheet.gpu.hbm_bandwidth_GBps
+            fits.hbm_source = f"datasheet ({sheet.name})"
+        else:
+            fits.hbm_GBps, fits.hbm_source = _sig(best_bw), "best measured memory-bound kernel"
+        fits.memory = fit_efficiency([r["bytes"] for r in mem], [r["time_s"] for r in mem],
+                                     fits.hbm_GBps * 1e9, monotone=False)
+        fits.memory_kernels = _per_kernel(mem, fits.memory)
+    return fits
+
+
+def _per_kernel(mem: list[dict[str, Any]], fit: CurveFit) -> dict[str, dict[str, float]]:
+    """How far each kernel sits from the one shared curve (the schema has one per device).
+
+    time_ratio > 1: the kernel runs slower than the curve predicts (on a CPU, GELU's erf
+    and softmax's exp make them compute-bound; on a GPU all cluster near 1).
+    """
+    out: dict[str, dict[str, float]] = {}
+    for kernel in sorted({r["kernel"] for r in mem}):
+        rs = [r for r in mem if r["kernel"] == kernel]
+        out[kernel] = {
+            "median_GBps": _sig(statistics.median(r["bytes"] / r["time_s"] / 1e9 for r in rs)),
+            "time_ratio": _sig(statistics.median(r["time_s"] / fit.predict_time(r["bytes"])
+                                                 for r in rs), 3)}
+    return out
+
+
+def _other_dtype_peaks(records: list[dict[str, Any]], main: list[dict[str, Any]], best: float,
+                       sel: dict[str, Any], dtype: str) -> dict[str, float]:
+    """peak[other] = peak[main] × median speed ratio on the probe shapes timed in both."""
+    rate = {(r["m"], r["n"], r["k"]): r["flops"] / r["time_s"] for r in main}
+    out: dict[str, float] = {}
+    for other in ("bf16", "fp16", "fp32"):
+        if other == dtype:
+            continue
+        ratios = [r["flops"] / r["time_s"] / rate[(r["m"], r["n"], r["k"])]
+                  for r in _ok(records, "gemm", dtype=other, **sel)
+                  if (r["m"], r["n"], r["k"]) in rate]
+        if ratios:
+            out[other] = _sig(best * statistics.median(ratios))
+    return out
+
+
+def fit_collectives(fits: Fits, samples: dict[str, dict[str, list[Sample]]]) -> None:
+    """samples[op][link] → α/busbw per op and link class (fits.collectives)."""
+    for op, by_link in samples.items():
+        for link, ss in by_link.items():
+            if ss:
+                fits.collectives.setdefault(op, {})[link] = fit_alpha_beta(ss)
+                fits.collective_samples.setdefault(op, {})[link] = list(ss)
+
+
+def samples_from_records(records: list[dict[str, Any]], device: str,
+                         threads: int) -> dict[str, dict[str, list[Sample]]]:
+    out: dict[str, dict[str, list[Sample]]] = {}
+    for r in _ok(records, "collective", device=device, threads=threads):
+        out.setdefault(r["op"], {}).setdefault(r.get("link", "intra_node"), []).append(
+            Sample(r["op"], int(r["nranks"]), float(r["bytes"]), float(r["time_s"])))
+    return out
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _curve_summary(fit: CurveFit | None) -> dict[str, Any] | None:
+    if fit is None:
+        return None
+    return {"samples": fit.n_train + fit.n_holdout, "n_train": fit.n_train,
+            "n_holdout": fit.n_holdout, "train_median_rel_error": _round(fit.train_error),
+            "holdout_median_rel_error": _round(fit.holdout_error)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def _pooled_holdout_error(fits: Fits) -> float | None:
+    """Median relative error over every held-out size of every collective and link."""
+    errs = [abs(f.predict(s.op, s.n, s.size) - s.time_s) / s.time_s
+            for op, by_link in fits.collectives.items() for link, f in by_link.items()
+            for s in fits.collective_samples[op][link] if (s.n, s.size) in f.holdout_keys]
+    return float(statistics.median(errs)) if errs else None
+
+
+def _link_from(fit: AlphaBetaFit, base_bw: float, datasheet: bool) -> dict[str, float]:
+    busbw = fit.busbw_Bps / 1e9
+    if datasheet and base_bw >= busbw:
+        return {"bandwidth_GBps": base_bw, "latency_us": _sig(fit.alpha_s * 1e6),
+                "efficiency": _sig(busbw / base_bw)}
+    return {"bandwidth_GBps": _sig(busbw), "latency_us": _sig(fit.alpha_s * 1e6), "efficiency": 1.0}
+
+
+def _link_fit(fits: Fits, link: str) -> AlphaBetaFit | None:
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        if link in fits.collectives.get(op, {}):
+            return fits.collectives[op][link]
+    return None
+
+
+def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
+                  device_name: str, gpus_per_node: int, memory_GB: float | None,
+                  provenance: dict[str, Any], datasheet: bool) -> dict[str, Any]:
+    """The profile as a plain dict (measured parts over the base preset's)."""
+    prof = base.model_dump(mode="json")
+    gpu = prof["gpu"]
+    gpu["name"] = device_name
+    not_measured: list[str] = []
+    if fits.gemm:
+        gpu["peak_tflops"] = fits.peak_tflops
+        gpu["gemm_efficiency"] = {"points": [list(p) for p in fits.gemm.points]}
+        gpu["kernel_overhead_us"] = 0.0  # launch cost is inside the measured curves
+    else:
+        not_measured += ["gpu.peak_tflops", "gpu.gemm_efficiency"]
+    if fits.attention:
+        gpu["attention_efficiency"] = {"points": [list(p) for p in fits.attention.points]}
+    else:
+        not_measured.append("gpu.attention_efficiency")
+    if fits.memory and fits.hbm_GBps:
+        gpu["hbm_bandwidth_GBps"] = fits.hbm_GBps
+        gpu["memory_efficiency"] = {"points": [list(p) for p in fits.memory.points]}
+    else:
+        not_measured += ["gpu.hbm_bandwidth_GBps", "gpu.memory_efficiency"]
+    if memory_GB:
+        gpu["memory_GB"] = _sig(memory_GB)
+    prof["gpus_per_node"] = gpus_per_node
+    for link in ("intra_node", "inter_node"):
+        ab = _link_fit(fits, link)
+        if ab:
+            spec = base.intra_node if link == "intra_node" else base.inter_node
+            prof[link].update(_link_from(ab, spec.bandwidth_GBps, datasheet))
+        else:
+            not_measured.append(link)
+    prof["collectives"] = {
+        op: {link: {"alpha_us": _sig(f.alpha_s * 1e6), "busbw_GBps": _sig(f.busbw_Bps / 1e9),
+                    "samples": f.n_train + f.n_holdout,
+                    "median_rel_error": _round(f.holdout_error if f.holdout_error is not None
+                                               else f.train_error)}
+             for link, f in by_link.items()}
+        for op, by_link in fits.collectives.items() if op in COLLECTIVE_OPS}
+    not_measured.append("host")
+    prof["name"] = name
+    kind = "CPU process" if device == "cpu" else "GPU"
+    prof["description"] = f"calibrated on {device_name} ({kind}) by clustersim calibrate"
+    prof["provenance"] = {
+        **provenance,
+        "base_preset": base.name,
+        "not_measured": not_measured,
+        "peak_source": fits.peak_source or None,
+        "hbm_source": fits.hbm_source or None,
+        "fit": {
+            "gemm": _curve_summary(fits.gemm),
+            "attention": _curve_summary(fits.attention),
+            "memory": ({**summary, "per_kernel": fits.memory_kernels}
+                       if (summary := _curve_summary(fits.memory)) else None),
+            "collectives_holdout_median_rel_error": _round(_pooled_holdout_error(fits)),
+            "collectives": {op: {link: {"n_train": f.n_train, "n_holdout": f.n_holdout,
+                                        "train_median_rel_error": _round(f.train_error),
+                                        "holdout_median_rel_error": _round(f.holdout_error)}
+                                 for link, f in by_link.items()}
+                            for op, by_link in fits.collectives.items()},
+        },
+    }
+    return prof
+
+
+def _plain(obj: Any) -> Any:
+    """Only YAML's plain types (torch's version string is a str subclass yaml rejects)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, bool) or obj is None:
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    return str(obj)
+
+
+def write_profile(profile: dict[str, Any], path: Path) -> HardwareProfile:
+    """Validate against the schema, then write atomically (tmp file + os.replace)."""
+    profile = _plain(profile)
+    validated = HardwareProfile.model_validate(profile)
+    header = (f"# Hardware profile measured by `clustersim calibrate` on "
+              f"{time.strftime('%Y-%m-%d')}.\n# Use it with `cluster.system: {path.name}` "
+              "in a scenario; provenance lists what was measured and how well it fits.\n")
+    text = header + yaml.safe_dump(profile, sort_keys=False, width=100)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        Path(tmp).chmod(0o666 & ~mask)  # mkstemp made it private; a profile is for sharing
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return validated
