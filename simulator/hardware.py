@@ -74,6 +74,9 @@ class GPUSpec(_Frozen):
     attention_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one attention call
     memory_efficiency: EfficiencyCurve  # achieved/peak HBM bandwidth vs bytes moved
     kernel_overhead_us: float = Field(default=0.0, ge=0)  # fixed cost per kernel launch
+    # communication runs beside compute: true on GPUs (NCCL on its own stream), false for
+    # a CPU process whose one core also does gloo's copies and reductions
+    comm_overlaps_compute: bool = True
 
     def peak_flops(self, dtype: Dtype) -> float:
         if dtype not in self.peak_tflops:

@@ -197,7 +197,8 @@ def _comm_buffers(scenario: Scenario) -> float:
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
         gathered = scenario.model.layers / par.pp
     else:  # the running layer plus the prefetched ones
-        gathered = 1 + (par.fsdp_prefetch if par.overlap.zero3_prefetch else 0)
+        ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
+        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
     return layer * gathered + layer  # gathered params + one unsharded grad
 
 

@@ -38,6 +38,9 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   of the backward; CPU Adam then updates the shard (``cpu_adam_params_per_s``),
   the updated 16-bit shard returns over PCIe and DP all-gathers it. The GPU runs
   no optimizer step.
+- A profile whose device cannot overlap communication with compute
+  (``gpu.comm_overlaps_compute: false``, a CPU process) runs every transfer on the
+  compute stream, whatever ``parallel.overlap`` asks.
 - Symmetry folding builds programs for one representative per stage; its
   collectives carry their full group's plan and its flows stand for every rank
   of its class on shared links (``Program.weight``).
@@ -56,7 +59,7 @@ from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
 from simulator.layout import Layout
-from simulator.scenario import Scenario
+from simulator.scenario import OverlapSpec, Scenario
 from simulator.schedules import Action, Schedule, build_schedule
 
 Stream = Literal["compute", "pp", "dp", "zero", "host"]
@@ -163,6 +166,9 @@ class _Builder:
         self.tp_bytes = mdl.tp_comm_bytes_per_layer(spec, s.training.micro_batch, s.training.dtype)
         self.algorithm = s.simulation.collective_algorithm
         self.pcie = s.hardware.host.pcie_bandwidth_GBps * 1e9
+        # a device that cannot overlap communication with compute runs it all in line
+        self.overlap = s.parallel.overlap if s.hardware.gpu.comm_overlaps_compute \
+            else OverlapSpec(dp=False, pp=False, zero3_prefetch=False)
 
     # ------------------------------------------------------------ primitives
     def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
@@ -215,7 +221,7 @@ class _Builder:
         k on its own stream, the gather may start once the unit k + 1 back is done."""
         par = self.s.parallel
         size = mdl.layer_params(self.s.model) / par.tp * self.dt_bytes
-        stream: Stream = "zero" if par.overlap.zero3_prefetch else "compute"
+        stream: Stream = "zero" if self.overlap.zero3_prefetch else "compute"
         t = self.collective(rank, stream, "all_gather", "zero", self.layout.dp_group(rank), size,
                             f"zero3.all_gather L{layer} mb{mb}", mb, layer, chunk)
         done = self.unit_done[rank]
@@ -331,7 +337,7 @@ class _Builder:
              to_stage: int, chunk: int) -> None:
         coord = self.layout.coord(rank)
         dst = self.layout.rank(self.sched.rank_of(to_stage), coord.dp, coord.tp)
-        stream: Stream = "pp" if self.s.parallel.overlap.pp else "compute"
+        stream: Stream = "pp" if self.overlap.pp else "compute"
         t = self.add(rank, stream, op="pp.send", kind="pp",
                      name=f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", dst=dst,
                      nbytes=self.act_bytes, microbatch=mb, chunk=chunk)
@@ -381,7 +387,7 @@ class _Builder:
         size, after = sum(sz for sz, _ in pending), pending[-1][1]
         pending.clear()
         op: CollectiveName = "all_reduce" if self.s.parallel.zero == 0 else "reduce_scatter"
-        stream: Stream = "dp" if self.s.parallel.overlap.dp else "compute"
+        stream: Stream = "dp" if self.overlap.dp else "compute"
         t = self.collective(rank, stream, op, "dp", self.layout.dp_group(rank), size,
                             f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
         if t is not None:

@@ -680,3 +680,18 @@ def test_bundled_pair_claims() -> None:
     (_, ra, _), (_, rz, _) = got["zb-h1-vs-1f1b-1f1b"], got["zb-h1-vs-1f1b-zbh1"]
     assert rz["step_time_s"] < 0.95 * ra["step_time_s"]
     assert rz["memory_peak_bytes"] == ra["memory_peak_bytes"]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_device_without_comm_overlap_runs_transfers_in_line(zero: int) -> None:
+    """cpu-1thread declares gpu.comm_overlaps_compute: false: every DP, PP and ZeRO
+    transfer then sits on the compute stream; the GPU presets keep their overlap."""
+    s = make(pp=2, dp=2, m=4, zero=zero, cluster={"system": "cpu-1thread", "nodes": 2,
+                                                    "gpus_per_node": 2})
+    assert not s.hardware.gpu.comm_overlaps_compute
+    _, spans = run(s)
+    comm = spans[spans["kind"].isin(["dp", "pp", "zero"])]
+    assert len(comm) and set(comm["stream"]) == {"compute"}
+    overlapping = scenario_from_dict({**s.to_dict(), "cluster": {**s.to_dict()["cluster"],
+                                                                   "system": "dgx-a100-80gb"}})
+    assert overlapping.hardware.gpu.comm_overlaps_compute
