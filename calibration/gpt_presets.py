@@ -17,8 +17,19 @@ TINY_GPT: dict[str, int] = {
     "seq_len": 64,
 }
 
+#: ``small-gpt``: GEMMs large enough (~0.1-0.4 GFLOP each) that kernels, not the
+#: framework's per-op overhead, dominate a CPU step (about a second per step).
+SMALL_GPT: dict[str, int] = {
+    "layers": 4,
+    "hidden": 512,
+    "heads": 8,
+    "ffn_hidden": 2048,
+    "vocab": 4096,
+    "seq_len": 256,
+}
+
 #: Named presets accepted by ``--model``.
-PRESETS: dict[str, dict[str, int]] = {"tiny-gpt": TINY_GPT}
+PRESETS: dict[str, dict[str, int]] = {"tiny-gpt": TINY_GPT, "small-gpt": SMALL_GPT}
 
 #: The size keys a model dict may have (the simulator's ``model:`` names).
 MODEL_KEYS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len")

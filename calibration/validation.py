@@ -96,7 +96,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
     run_dir = out / "runs" / cfg.name
     try:
         run_measure(cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,
-                    micro_batches=args.micro_batches, model="tiny-gpt", steps=args.steps,
+                    micro_batches=args.micro_batches, model=args.model, steps=args.steps,
                     warmup=args.warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
                     micro_batch_size=args.micro_batch_size)
@@ -122,8 +122,9 @@ def _fmt(row: dict[str, Any], key: str) -> str:
 def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     lines = [f"Validation on {header['device_name']} ({header['device']}, {header['threads']} "
              f"thread(s) per process), torch {header['torch']}, profile `{header['profile']}`, "
-             f"{header['date']}; model tiny-gpt, {header['micro_batches']} micro-batches of "
-             f"{header['micro_batch_size']}, median of {header['steps']} steps.", "",
+             f"{header['date']}; model {header['model']}, {header['micro_batches']} "
+             f"micro-batches of {header['micro_batch_size']}, median of {header['steps']} "
+             "steps.", "",
              "| config | measured ms | simulated ms | step error | compute error | "
              "idle measured | idle simulated | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -173,6 +174,7 @@ def run_validation(args: argparse.Namespace) -> int:
     header = {"device": args.device, "device_name": name, "threads": args.threads,
               "torch": torch.__version__, "profile": profile, "date": time.strftime("%Y-%m-%d"),
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+              "model": args.model,
               "steps": args.steps}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
@@ -206,6 +208,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--threads", type=int, default=1, help="threads per process on CPU")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run (median)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", default="small-gpt", choices=("small-gpt", "tiny-gpt"),
+                   help="measured GPT (default small-gpt: kernels dominate, not overheads)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")

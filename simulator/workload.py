@@ -12,7 +12,9 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
   virtual stage expands to per-layer blocks (attention, MLP) with the TP
   collectives between them on the compute stream — two in forward, two in
   backward per layer (all-reduce, or all-gather + reduce-scatter with sequence
-  parallelism). With tp = 1 a layer is one block.
+  parallelism), plus the vocab-parallel ends: the embedding's all-reduce, the
+  output layer's input-gradient all-reduce and the cross-entropy's three small
+  all-reduces. With tp = 1 a layer is one block.
 - Pipeline activations and gradients (b·s·h bytes per TP rank, b·s·h/t with
   sequence parallelism, as Megatron-core's p2p shapes) go out on the ``pp``
   stream as soon as they are produced; the receiver's next compute waits for the
@@ -236,6 +238,30 @@ class _Builder:
             return None
         return self.gather_unit(rank, mb, layer, chunk)
 
+    def tp_edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
+        """Megatron's vocab-parallel ends. The embedding's partial sums are all-reduced
+        (reduce-scattered with SP) after its forward; the output layer takes a
+        replicated input (all-gathered with SP) and all-reduces (reduce-scatters) its
+        input gradient in backward. With SP the embedding's backward all-gathers."""
+        sp = self.s.parallel.sequence_parallel
+        if where == "embed":
+            op: CollectiveName | None = ("reduce_scatter" if sp else "all_reduce") if forward \
+                else ("all_gather" if sp else None)
+        else:
+            op = ("all_gather" if sp else None) if forward \
+                else ("reduce_scatter" if sp else "all_reduce")
+        if op is not None:
+            self.collective(rank, "compute", op, "tp", self.layout.tp_group(rank),
+                            self.tp_bytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
+
+    def tp_loss(self, rank: int, mb: int, chunk: int) -> None:
+        """Vocab-parallel cross-entropy: three all-reduces of one fp32 per token (the
+        logits' max, the target logit, the sum of exponentials)."""
+        tokens = self.s.training.micro_batch * self.s.model.seq_len
+        for what in ("max", "target", "sum"):
+            self.collective(rank, "compute", "all_reduce", "tp", self.layout.tp_group(rank),
+                            4.0 * tokens, f"tp.all_reduce loss {what} mb{mb}", mb, -1, chunk)
+
     def wait_for(self, task: Task, key: tuple[str, int, int, int]) -> None:
         self.waits.append((task, key))
 
@@ -249,6 +275,7 @@ class _Builder:
         head: Task | None = None
         if a.stage == 0:
             head = self.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
+            self.tp_edge(rank, "embed", True, mb, chunk)
         for layer in self.layers_of(a.stage):
             gather = self.unit(rank, True, mb, layer, chunk)
             for blk, label in ((0, "attn"), (1, "mlp")):
@@ -261,7 +288,9 @@ class _Builder:
                 self.tp_around(rank, False, mb, layer, chunk)
             self.unit_done[rank].append(t)
         if a.stage == last:
+            self.tp_edge(rank, "head", True, mb, chunk)
             self.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
+            self.tp_loss(rank, mb, chunk)
         assert head is not None
         if a.stage > 0:
             self.wait_for(head, ("act", a.stage - 1, mb, rank))
@@ -278,6 +307,7 @@ class _Builder:
         if a.stage == last:
             first = self.compute(rank, op, kind, f"head.bwd mb{mb}",
                                  c.head[1] + w * c.head[2], mb, -1, chunk)
+            self.tp_edge(rank, "head", False, mb, chunk)
         for layer in reversed(self.layers_of(a.stage)):
             gather = self.unit(rank, False, mb, layer, chunk)
             if self.s.parallel.recompute != "none":
@@ -297,6 +327,7 @@ class _Builder:
             done.append(t)
             self.unit_done[rank].append(t)
         if a.stage == 0:
+            self.tp_edge(rank, "embed", False, mb, chunk)
             t = self.compute(rank, op, kind, f"embed.bwd mb{mb}", w * c.embed[2], mb, -1, chunk)
             first = first or t
             done.append(t)

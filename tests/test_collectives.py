@@ -269,7 +269,13 @@ def test_scenario_tp_all_reduce_spans_match_closed_form(n):
 
     res = simulate(build_workload(s), s.hardware)
     df = spans_frame(res)
-    tp = df[df["op"] == "tp.all_reduce"]
+    all_tp = df[df["op"] == "tp.all_reduce"]
+    # the vocab-parallel ends per micro-batch: embedding, output-layer input gradient,
+    # three fp32-per-token cross-entropy reductions
+    ends = all_tp[all_tp["layer"] < 0]
+    assert len(ends) == 2 * 5
+    assert sorted(set(ends["bytes"])) == [4 * 128, 1 * 128 * 256 * 2]
+    tp = all_tp[all_tp["layer"] >= 0]
     assert len(tp) == 2 * 2 * 2 * 2  # 2 per pass × (fwd, bwd) × layers × micro-batches
     size = 1 * 128 * 256 * 2
     assert (tp["bytes"] == size).all()

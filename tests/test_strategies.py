@@ -548,7 +548,7 @@ def test_recompute_flops_hfu_and_tp_collectives(recompute: str) -> None:
     per_layer_mb = {"none": 4, "selective": 4, "full": 6}[recompute]
     for stage in range(pp):
         tp_spans = stage_of(spans, stage)
-        tp_spans = tp_spans[tp_spans["kind"] == "tp"]
+        tp_spans = tp_spans[(tp_spans["kind"] == "tp") & (tp_spans["layer"] >= 0)]
         for op in ("tp.all_gather", "tp.reduce_scatter"):
             assert (tp_spans["op"] == op).sum() == per_layer_mb * m * s.model.layers // pp
 
@@ -572,10 +572,11 @@ def test_sequence_parallel_swaps_all_reduce_for_ag_rs(tp: int, pp: int, dp: int,
     size = mdl.tp_comm_bytes_per_layer(spec, b)
     for stage in range(pp):
         n_layers = spec.layers // pp
+        # per-layer collectives (the vocab-parallel ends are tested elsewhere)
         a = stage_of(plain, stage)
-        a = a[a["kind"] == "tp"]
+        a = a[(a["kind"] == "tp") & (a["layer"] >= 0)]
         c = stage_of(seq, stage)
-        c = c[c["kind"] == "tp"]
+        c = c[(c["kind"] == "tp") & (c["layer"] >= 0)]
         assert set(a["op"]) == {"tp.all_reduce"}
         assert set(c["op"]) == {"tp.all_gather", "tp.reduce_scatter"}
         assert len(a) == 4 * n_layers * m
@@ -695,3 +696,25 @@ def test_device_without_comm_overlap_runs_transfers_in_line(zero: int) -> None:
     overlapping = scenario_from_dict({**s.to_dict(), "cluster": {**s.to_dict()["cluster"],
                                                                    "system": "dgx-a100-80gb"}})
     assert overlapping.hardware.gpu.comm_overlaps_compute
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_vocab_parallel_ends(sp: bool) -> None:
+    """Per micro-batch, Megatron's vocab-parallel embedding reduces its partial sums
+    (all-reduce; reduce-scatter with SP, whose backward all-gathers), the output layer
+    all-gathers its input with SP and reduces its input gradient, and the parallel
+    cross-entropy makes three fp32-per-token all-reduces."""
+    m, b = 2, 1
+    s = make(tp=2, pp=2, m=m, b=b, sequence_parallel=sp)
+    _, spans = run(s)
+    ends = spans[(spans["kind"] == "tp") & (spans["layer"] < 0)]
+    first, last = stage_of(ends, 0), stage_of(ends, 1)
+    size = mdl.tp_comm_bytes_per_layer(s.model, b)
+    expect_first = ["tp.reduce_scatter", "tp.all_gather"] if sp else ["tp.all_reduce"]
+    assert sorted(first["op"]) == sorted(expect_first * m)
+    assert (first["bytes"] == size).all()
+    big = last[last["bytes"] == size]
+    assert sorted(big["op"]) == sorted((["tp.all_gather", "tp.reduce_scatter"] if sp
+                                        else ["tp.all_reduce"]) * m)
+    loss = last[last["bytes"] == 4 * b * s.model.seq_len]
+    assert list(loss["op"]) == ["tp.all_reduce"] * 3 * m
