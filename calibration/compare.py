@@ -38,8 +38,8 @@ FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_
 
 def _read_json(path: Path, what: str) -> Any:
     if not path.exists():
-        raise UserError([Problem(what, str(path), "missing; is this a `clustersim measure` "
-                                 "output directory?")])
+        raise UserError([Problem(what, str(path.parent), f"has no {path.name}; is this a "
+                                 "`clustersim measure` output directory?")])
     return json.loads(path.read_text())
 
 

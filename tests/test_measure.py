@@ -312,3 +312,37 @@ def test_hung_worker_times_out_and_is_killed(
             if config in cmdline and int(proc.name) != os.getpid():
                 survivors.append(proc.name)
     assert not survivors, f"worker processes left behind: {survivors}"
+
+
+# --------------------------------------------------------------------------- compare
+PROFILE = Path(__file__).resolve().parent.parent / "calibration/profiles/cpu-epyc-1thread.yaml"
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_compare_each_mode(name: str, tmp_path_factory: pytest.TempPathFactory,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`clustersim compare` on every mode's output: finite, positive figures on both
+    sides, their relative errors, comparison.json and the two-timeline PNG."""
+    from simulator.cli import main
+
+    _, out = _measure(name, tmp_path_factory)
+    assert main(["compare", str(out), "--profile", str(PROFILE)]) == 0
+    assert "step_time_s" in capsys.readouterr().out
+    comparison = json.loads((out / "comparison.json").read_text())
+    for side in ("measured", "simulated"):
+        for key in ("step_time_s", "compute_s", "state_bytes"):
+            assert _positive(comparison[side][key]), (side, key)
+    err = comparison["relative_error"]["step_time_s"]
+    assert math.isfinite(err)
+    assert err == pytest.approx(comparison["simulated"]["step_time_s"]
+                                / comparison["measured"]["step_time_s"] - 1)
+    assert comparison["scenario"]["parallel"]["tp"] == MODES[name]["tp"]
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_rejects_a_directory_without_a_run(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from simulator.cli import main
+
+    assert main(["compare", str(tmp_path), "--profile", str(PROFILE)]) == 2
+    assert "measured.json" in capsys.readouterr().err

@@ -1,0 +1,37 @@
+"""The validation table's writer: rows in, markdown and CSV out, atomically."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from calibration.validation import CPU_CONFIGS, configs_for, markdown, write_table
+
+HEADER = {"device": "cpu", "device_name": "test cpu", "threads": 1, "torch": "x",
+          "profile": "p.yaml", "date": "2026-11-29", "micro_batches": 4,
+          "micro_batch_size": 2, "steps": 8, "model": "small-gpt"}
+ROWS = [
+    {"config": "dp2-ddp", "tp": 1, "pp": 1, "dp": 2, "schedule": "1f1b", "zero": 0, "note": "",
+     "measured_ms": 100.0, "simulated_ms": 90.0, "step_error": -0.1, "compute_error": 0.05,
+     "idle_measured": 0.2, "idle_simulated": 0.1},
+    {"config": "tp2", "tp": 2, "pp": 1, "dp": 1, "schedule": "1f1b", "zero": 0,
+     "note": "failed: boom"},
+]
+
+
+def test_configs_cover_the_issue_list() -> None:
+    names = [c.name for c in CPU_CONFIGS]
+    assert names == ["dp2-ddp", "pp2-gpipe", "pp2-1f1b", "tp2", "fsdp2"]
+    assert len(configs_for("cuda", 8)) > len(configs_for("cuda", 2)) == len(CPU_CONFIGS)
+
+
+def test_table_markdown_and_csv(tmp_path: Path) -> None:
+    md = markdown(ROWS, HEADER)
+    assert "| dp2-ddp | 100.0 | 90.0 | -10.0% | +5.0% | 20% | 10% |  |" in md
+    assert "| tp2 | – | – | – | – | – | – | failed: boom |" in md
+    paths = write_table(tmp_path, ROWS, HEADER)
+    assert [p.name for p in paths] == ["validation.csv", "validation.md"]
+    rows = list(csv.DictReader((tmp_path / "validation.csv").open()))
+    assert rows[0]["config"] == "dp2-ddp" and float(rows[0]["step_error"]) == -0.1
+    assert rows[1]["note"] == "failed: boom"
+    assert not list(tmp_path.glob(".*tmp"))
