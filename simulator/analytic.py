@@ -12,7 +12,9 @@ uncontended α-β time on the critical path. The pipeline then takes
 with t_stage the slowest stage's. Pipeline transfers on the fill and drain
 (2(p − 1) of them) are exposed; DP gradient all-reduce is exposed beyond what
 the last backward hides (all of it without overlap); then the optimizer step
-and, under ZeRO-1/2, the parameter all-gather. Contention between concurrent
+and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds each layer's gathers
+beyond what the neighbouring layer's compute hides; ZeRO-Offload replaces the
+optimizer step with CPU Adam and the copy back. Contention between concurrent
 flows is ignored here — that is the engine's job.
 """
 
@@ -52,6 +54,21 @@ def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[f
     if stage == par.pp - 1:
         f, b, w = f + c.head[0], b + c.head[1], w + c.head[2]
     return f, b, w
+
+
+def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float) -> float:
+    """ZeRO-3 per micro-batch: each layer's gathers (before forward and, resharded,
+    before backward) beyond what the previous layer's compute hides when prefetched."""
+    par, spec, trn = s.parallel, s.model, s.training
+    layers = spec.layers // par.pp
+    size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype)
+    t_ag = _collective_time(s, layout, "all_gather", size, layout.dp_group(0))
+    prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
+        and s.hardware.gpu.comm_overlaps_compute
+    fwd = layers * (max(0.0, t_ag - t_f / layers) if prefetch else t_ag)
+    bwd = layers * (max(0.0, t_ag - t_b / layers) if prefetch else t_ag) \
+        if par.reshard_after_forward else 0.0
+    return fwd + bwd
 
 
 def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
@@ -98,13 +115,25 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group)
-    hidden = (b + w) / par.virtual_stages if par.overlap.dp else 0.0
+    overlaps = s.hardware.gpu.comm_overlaps_compute
+    hidden = (b + w) / par.virtual_stages if par.overlap.dp and overlaps else 0.0
     exposed_dp = max(0.0, t_dp - hidden)
+    if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
+        t_p2p *= m
     shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
-    t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
-    t_gather = _collective_time(s, layout, "all_gather", grad_bytes, dp_group) \
-        if par.zero >= 1 else 0.0
-    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather
+    if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
+        host = s.hardware.host
+        t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
+            + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
+    else:
+        t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
+    t_zero = _zero3_exposed(s, layout, f, b) * m if par.zero == 3 else 0.0
+    gathered = grad_bytes if par.zero in (1, 2) else 0.0
+    if par.zero == 3:  # the replicated embedding/head are gathered after the step
+        gathered = grad_bytes - spec.layers // par.pp * mdl.layer_params(spec) / par.tp \
+            * mdl.dtype_bytes(trn.dtype)
+    t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group)
+    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
     tp_exposed = m * (t_tp * (4 if par.sequence_parallel else 2) * 2 * spec.layers / par.pp) \
         if par.tp > 1 else 0.0
     return {
@@ -113,6 +142,6 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
         "pipeline_phase_s": [0.0, t_pipe],
         "compute_s": [sum(st) * m for st in stages],
         "exposed_comm_s": {"tp": tp_exposed, "pp": t_p2p, "dp": exposed_dp + t_gather,
-                           "zero": 0.0},
+                           "zero": t_zero},
         "optimizer_s": t_opt,
     }

@@ -16,7 +16,6 @@ import pandas as pd
 from simulator import report
 from simulator.analytic import analytic_estimate
 from simulator.engine import simulate
-from simulator.errors import NotImplementedYet, Problem
 from simulator.memory_timeline import memory_timeline
 from simulator.scenario import Scenario
 from simulator.trace_export import atomic_output, write_chrome_trace, write_timeline_csv
@@ -30,10 +29,6 @@ def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | No
     fidelity = fidelity or s.simulation.fidelity
     spans = None
     if method == "analytic":
-        if s.parallel.zero == 3 or s.parallel.zero_offload:
-            raise NotImplementedYet([Problem("parallel.zero", s.parallel.zero,
-                                             "the analytic method covers ZeRO 0-2 without "
-                                             "offload only; use the engine")])
         out = analytic_estimate(s)
         out["fidelity"] = None
     else:
