@@ -36,7 +36,7 @@ FAIL_ENV = "CLUSTERSIM_CALIBRATE_FAIL"
 HANG_ENV = "CLUSTERSIM_CALIBRATE_HANG"
 
 
-class InjectedFailure(RuntimeError):
+class InjectedFailureError(RuntimeError):
     """Raised for a measurement named in ``CLUSTERSIM_CALIBRATE_FAIL`` (tests only)."""
 
 
@@ -48,7 +48,7 @@ def _matches(env: str, key: str) -> bool:
 def check_injected_failure(key: str, may_hang: bool = False) -> None:
     """Raise for keys named in CLUSTERSIM_CALIBRATE_FAIL; hang on CLUSTERSIM_CALIBRATE_HANG."""
     if _matches(FAIL_ENV, key):
-        raise InjectedFailure(f"injected failure ({FAIL_ENV} matches {key})")
+        raise InjectedFailureError(f"injected failure ({FAIL_ENV} matches {key})")
     if may_hang and _matches(HANG_ENV, key):
         time.sleep(3600)  # a deadlocked collective, as the launcher's timeout sees one
 

@@ -49,7 +49,3 @@ class UserError(Exception):
 
 class ScenarioError(UserError):
     """The scenario does not validate; ``problems`` lists every rule it breaks."""
-
-
-class NotImplementedYet(UserError):
-    """The schema accepts a value that this version cannot simulate yet."""

@@ -6,9 +6,8 @@ system, and returns a :class:`Scenario` or raises :class:`ScenarioError` with on
 line per problem (field, value, fix) — every problem, not just the first.
 
 Keys are the user-facing contract (README "Scenario reference"); unknown keys are
-errors with the closest valid key suggested. Values a later version will simulate
-may be accepted here and refused by ``run`` with a "not implemented yet" error;
-nothing is silently treated as something else.
+errors with the closest valid key suggested. Every value the schema accepts is
+simulated by the engine; nothing is silently treated as something else.
 """
 
 from __future__ import annotations

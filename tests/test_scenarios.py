@@ -1,9 +1,8 @@
 """Every bundled scenario validates and runs, and says what its header claims.
 
 ``clustersim validate`` and ``clustersim run --no-plots`` are called through
-``simulator.cli.main`` on each ``scenarios/*.yaml``. A run the engine refuses
-with "not implemented yet" (exit 2) is an expected failure until the feature
-lands; the same test passes by itself once it does.
+``simulator.cli.main`` on each ``scenarios/*.yaml``; every one must run (the
+engine implements every value the schema accepts).
 
 Beyond "it runs", the files' claims are checked against theory:
 
@@ -41,7 +40,6 @@ CONTRACT_KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
                  "hardware_tflops_per_gpu", "mfu", "hfu", "bubble_fraction",
                  "memory_peak_bytes", "fits_in_memory", "method", "scenario", "exposed_comm_s",
                  "compute_s", "fidelity", "sim_wall_s", "sim_events"}
-NOT_IMPLEMENTED = "not implemented yet"
 
 GPIPE, ONE_F_ONE_B = "llama2-7b-8gpu-pp4-gpipe", "llama2-7b-8gpu-pp4-1f1b"
 # what each file's header says about memory (the GPT-3 file makes no claim)
@@ -86,8 +84,6 @@ def _run(path: Path, out_root: Path) -> tuple[int, str, dict[str, Any] | None]:
 
 def _results(name: str, out_root: Path) -> dict[str, Any]:
     rc, err, results = _run(SCENARIOS / f"{name}.yaml", out_root)
-    if rc == 2 and NOT_IMPLEMENTED in err:
-        pytest.xfail(f"{name}: {err.strip().splitlines()[-1]}")
     assert rc == 0, err
     assert results is not None
     return results
