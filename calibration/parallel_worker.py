@@ -73,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from calibration.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
-from calibration.measure_config import MeasureConfig, write_json_atomic
+from calibration.measure_config import MeasureConfig, cpu_name, write_json_atomic
 from calibration.measure_trace import breakdown_from_trace
 
 CRASH_ENV = "CLUSTERSIM_TEST_CRASH_RANK"
@@ -480,7 +480,7 @@ def summarize(
         else None
     )
     slowest = max(per_rank, key=lambda r: r["compute_s"] + r["comm_s"])
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {
         "step_time_s": statistics.median(steps),
         "step_times_s": steps,
@@ -512,16 +512,6 @@ def summarize(
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
 
 
 if __name__ == "__main__":

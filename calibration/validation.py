@@ -170,7 +170,9 @@ def run_validation(args: argparse.Namespace) -> int:
         _say(f"[validation {i}/{len(configs)}] {cfg.name}: "
              f"{'step error ' + format(err, '+.1%') if err is not None else rows[-1]['note']}"
              f" ({time.perf_counter() - t0:.0f} s)")
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else _cpu_name()
+    from calibration.measure_config import cpu_name
+
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
     header = {"device": args.device, "device_name": name, "threads": args.threads,
               "torch": torch.__version__, "profile": profile, "date": time.strftime("%Y-%m-%d"),
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
@@ -182,16 +184,6 @@ def run_validation(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
