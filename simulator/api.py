@@ -8,6 +8,7 @@ each atomically, so an interrupted run never leaves a half-written file.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,19 @@ from simulator.scenario import Scenario
 from simulator.trace_export import atomic_output, write_chrome_trace, write_timeline_csv
 from simulator.workload import build_workload
 
+PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
+
+
+def _ranks(s: Scenario, fidelity: str) -> range:
+    return range(s.parallel.pp if fidelity == "folded" else s.parallel.world)
+
+
+def _progress_line(fraction: float) -> None:
+    print(f"  simulated {fraction:.0%} of the estimated step", file=sys.stderr, flush=True)
+
 
 def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
-                      ) -> tuple[dict[str, Any], pd.DataFrame | None]:
+                      progress: bool = False) -> tuple[dict[str, Any], pd.DataFrame | None]:
     """Results dict (the results.json contract) and the span table (engine only)."""
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
@@ -32,8 +43,14 @@ def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | No
         out = analytic_estimate(s)
         out["fidelity"] = None
     else:
+        if progress:
+            print(f"building the workload of {len(_ranks(s, fidelity))} rank(s) ...",
+                  file=sys.stderr, flush=True)
         workload = build_workload(s, fidelity=fidelity)
-        result = simulate(workload, s.hardware)
+        horizon = 0.0
+        if progress and len(workload.tasks) > PROGRESS_TASKS:
+            horizon = analytic_estimate(s)["step_time_s"]
+        result = simulate(workload, s.hardware, _progress_line if horizon else None, horizon)
         out = report.engine_metrics(s, result)
         # one rank per stage keeps results.json small in full fidelity
         firsts = {workload.layout.coord(r).pp: r for r in sorted(workload.programs, reverse=True)}

@@ -109,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     s = _load(args)
     out = args.out or Path("out") / s.name
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
-    results, spans = simulate_scenario(s, args.method, args.fidelity)
+    results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True)
     written = write_outputs(out, results, spans, plots=not args.no_plots)
     print("\n".join(summary_lines(results)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")

@@ -23,7 +23,7 @@ workload gives bit-identical spans.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +82,31 @@ class Engine:
             ev = self.events[task_id] = self.env.event()
         return ev
 
-    def run(self) -> SimResult:
+    def run(self, progress: Callable[[float], None] | None = None,
+            horizon: float = 0.0) -> SimResult:
+        """Run to the end. With ``progress`` and an expected end time ``horizon`` (the
+        analytic estimate), the run advances in twentieths of it and reports the
+        fraction of simulated time done (it may pass 1 when the estimate is short)."""
         start = time.perf_counter()
-        for prog in self.w.programs.values():
-            for tasks in prog.streams.values():
-                if tasks:
-                    self.env.process(self.stream(tasks))
+        procs = [self.env.process(self.stream(tasks)) for prog in self.w.programs.values()
+                 for tasks in prog.streams.values() if tasks]
+        # stop when every stream is done: stale completions of rescheduled flows may
+        # still sit in the queue, later than the step's end
+        finished = self.env.all_of(procs)
         with gc_paused():
-            self.env.run()
+            until = 0.0
+            while not finished.triggered:
+                if progress is None or horizon <= 0:
+                    target: simpy.Event | float = finished
+                else:
+                    until += horizon / 20
+                    target = until
+                try:
+                    self.env.run(until=target)
+                except RuntimeError:  # the queue ran dry first: a deadlock, reported below
+                    break
+                if progress is not None and horizon > 0:
+                    progress(self.env.now / horizon)
         wall = time.perf_counter() - start
         unfinished: list[Task] = []
         if len(self.spans) != len(self.w.tasks):  # every task that ran left one span
@@ -223,5 +240,7 @@ class Engine:
         return out
 
 
-def simulate(workload: Workload, hw: HardwareProfile) -> SimResult:
-    return Engine(workload, hw).run()
+def simulate(workload: Workload, hw: HardwareProfile,
+             progress: Callable[[float], None] | None = None, horizon: float = 0.0,
+             ) -> SimResult:
+    return Engine(workload, hw).run(progress, horizon)
