@@ -13,6 +13,7 @@ simulated by the engine; nothing is silently treated as something else.
 from __future__ import annotations
 
 import difflib
+import math
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from simulator.hardware import (
 )
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
+MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 Recompute = Literal["none", "selective", "full"]
@@ -52,13 +54,13 @@ class ModelSpec(_Frozen):
     """A decoder-only transformer. Defaults describe a GPT (Megatron) block."""
 
     preset: str | None = None  # the bundled preset these fields started from
-    layers: int = Field(gt=0)
-    hidden: int = Field(gt=0)  # h
-    heads: int = Field(gt=0)  # a, query heads
-    kv_heads: int | None = Field(default=None, gt=0)  # GQA when < heads; default heads
-    ffn_hidden: int | None = Field(default=None, gt=0)  # default 4 × hidden
-    vocab: int = Field(gt=0)  # V
-    seq_len: int = Field(gt=0)  # s
+    layers: int = Field(gt=0, le=MAX_SIZE)
+    hidden: int = Field(gt=0, le=MAX_SIZE)  # h
+    heads: int = Field(gt=0, le=MAX_SIZE)  # a, query heads
+    kv_heads: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # GQA when < heads; default heads
+    ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default 4 × hidden
+    vocab: int = Field(gt=0, le=MAX_SIZE)  # V
+    seq_len: int = Field(gt=0, le=MAX_SIZE)  # s
     activation: Literal["gelu", "swiglu"] = "gelu"  # swiglu has three MLP matrices
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     bias: bool = True  # linear layers carry biases (GPT) or not (LLaMA)
@@ -107,12 +109,16 @@ class ClusterSpec(_Frozen):
     """How many nodes of which system; optional overrides of the system's numbers."""
 
     system: str  # preset name (`clustersim presets`) or path to a hardware-profile YAML
-    nodes: int = Field(gt=0)
-    gpus_per_node: int | None = Field(default=None, gt=0)
-    intra_node_bandwidth_GBps: float | None = Field(default=None, gt=0)  # per GPU, per direction
-    inter_node_bandwidth_GBps: float | None = Field(default=None, gt=0)  # per GPU (its NIC)
-    link_latency_us: float | None = Field(default=None, ge=0)  # α of both link classes
-    oversubscription: float | None = Field(default=None, ge=1)  # fat-tree taper, 1 = non-blocking
+    nodes: int = Field(gt=0, le=MAX_SIZE)
+    gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    # per GPU, per direction
+    intra_node_bandwidth_GBps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # per GPU (its NIC)
+    inter_node_bandwidth_GBps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # α of both link classes
+    link_latency_us: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    # fat-tree taper, 1 = non-blocking
+    oversubscription: float | None = Field(default=None, ge=1, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -150,18 +156,20 @@ class OverlapSpec(_Frozen):
 
 
 class ParallelSpec(_Frozen):
-    tp: int = Field(default=1, gt=0)
-    pp: int = Field(default=1, gt=0)
-    dp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    pp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    dp: int = Field(default=1, gt=0, le=MAX_SIZE)
     schedule: Schedule = "1f1b"
-    virtual_stages: int = Field(default=1, gt=0)  # chunks per pipeline rank (interleaved)
+    # chunks per pipeline rank (interleaved)
+    virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
     zero: Literal[0, 1, 2, 3] = 0  # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
     zero_offload: bool = False  # optimizer states and step on the host (ZeRO-Offload)
-    fsdp_prefetch: int = Field(default=1, ge=0)  # ZeRO-3 units gathered ahead
+    fsdp_prefetch: int = Field(default=1, ge=0, le=1000)  # ZeRO-3 units gathered ahead
     reshard_after_forward: bool = True  # ZeRO-3 frees gathered params after forward
     recompute: Recompute = "none"
     sequence_parallel: bool = False
-    dp_bucket_MB: float = Field(default=25.0, gt=0)  # DDP gradient bucket size, 1e6 bytes
+    # DDP gradient bucket size, 1e6 bytes
+    dp_bucket_MB: float = Field(default=25.0, gt=0, allow_inf_nan=False)
     overlap: OverlapSpec = OverlapSpec()
 
     @property
@@ -170,8 +178,8 @@ class ParallelSpec(_Frozen):
 
 
 class TrainingSpec(_Frozen):
-    global_batch: int = Field(gt=0)  # sequences per optimizer step (B)
-    micro_batch: int = Field(default=1, gt=0)  # sequences per micro-batch (b)
+    global_batch: int = Field(gt=0, le=MAX_SIZE)  # sequences per optimizer step (B)
+    micro_batch: int = Field(default=1, gt=0, le=MAX_SIZE)  # sequences per micro-batch (b)
     dtype: Dtype = "bf16"  # training precision; optimizer is mixed-precision AdamW
     optimizer: Literal["adamw"] = "adamw"
 
@@ -231,7 +239,8 @@ def effective_hardware(cluster: ClusterSpec) -> HardwareProfile:
 
 
 def _divisors(n: int) -> str:
-    divs = [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divs = sorted({*small, *(n // d for d in small)})
     return ", ".join(map(str, divs[:12])) + (", ..." if len(divs) > 12 else "")
 
 

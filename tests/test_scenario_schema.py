@@ -144,3 +144,14 @@ def test_fuzz_any_document(doc: Any) -> None:
         scenario_from_dict(doc)
     except ScenarioError as exc:
         assert all("\n" not in line for line in exc.lines())
+
+
+def test_absurd_numbers_are_errors_not_hangs() -> None:
+    """Found by the fuzz: 1e300 heads once made the divisor hint loop for ever."""
+    lines = errors(with_(model__heads=1e300, cluster__intra_node_bandwidth_GBps=float("inf"),
+                         parallel__tp=10**12))
+    assert any(x.startswith("model.heads = 1e+300") for x in lines)
+    assert any(x.startswith("cluster.intra_node_bandwidth_GBps = inf") for x in lines)
+    assert any(x.startswith("parallel.tp = 1000000000000") and "<=" in x for x in lines)
+    prime = errors(with_(model__heads=999_999_937))  # a large prime: the hint stays quick
+    assert any("use one of 1, 999999937" in x for x in prime)
