@@ -143,7 +143,7 @@ class Options:
     device_name: str
 
 
-def _import_torch() -> Any:
+def require_torch() -> Any:
     try:
         import torch
     except ImportError:
@@ -172,7 +172,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
                                 "drop one of them"))
     if problems:
         raise UserError(problems)
-    torch = _import_torch()
+    torch = require_torch()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError([Problem("--device", "cuda", "PyTorch sees no CUDA GPU here; use "

@@ -151,7 +151,9 @@ def write_table(out: Path, rows: list[dict[str, Any]], header: dict[str, Any]) -
 
 
 def run_validation(args: argparse.Namespace) -> int:
-    import torch
+    from calibration.calibrate import require_torch
+
+    torch = require_torch()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

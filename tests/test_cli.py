@@ -130,7 +130,10 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 def test_core_imports_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
             "import simulator.cli, simulator.api, simulator.engine, calibration\n"
+            "assert simulator.cli.main(['presets']) == 0\n"
+            "assert simulator.cli.main(['validation', '--out', 'x']) == 2\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
-    assert proc.stdout.strip() == "ok", proc.stderr
+    assert proc.stdout.strip().endswith("ok"), proc.stderr
+    assert "needs PyTorch" in proc.stderr
