@@ -137,3 +137,21 @@ def test_core_imports_without_torch() -> None:
                           check=False)
     assert proc.stdout.strip().endswith("ok"), proc.stderr
     assert "needs PyTorch" in proc.stderr
+
+
+def test_run_with_a_calibrated_profile_by_relative_path(tmp_path: Path) -> None:
+    """A calibrated profile is a drop-in: `cluster.system: profile.yaml`, relative to the
+    scenario file, and the run uses its numbers (its calibrated collective table)."""
+    import shutil
+
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "calibration/profiles/cpu-epyc-1thread.yaml", tmp_path / "cpu.yaml")
+    scen = tmp_path / "s.yaml"
+    scen.write_text(SMALL.replace("system: dgx-a100-80gb, nodes: 1, gpus_per_node: 8",
+                                  "system: cpu.yaml, nodes: 4, gpus_per_node: 2")
+                    .replace("dtype: bf16", "dtype: fp32"))
+    out = tmp_path / "o"
+    assert main(["run", str(scen), "--out", str(out), "--no-plots"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["hardware"]["name"] == "cpu-epyc-1thread"
+    assert results["hardware"]["collectives"]["all_reduce"]["intra_node"]["busbw_GBps"] > 0
