@@ -33,6 +33,9 @@ EXAMPLES = {
     "presets": "example:\n  clustersim presets",
     "schema": "example:\n  clustersim schema > scenario.schema.json",
     "plot": "example:\n  clustersim plot out/gpt3",
+    "sweep": ("example:\n  clustersim sweep scenarios/gpt3-175b-1024.yaml --grid parallel.tp=4,8 "
+              "--grid parallel.pp=8,16,32 --grid parallel.dp=auto "
+              "--grid parallel.schedule=1f1b,interleaved --set parallel.virtual_stages=1"),
 }
 
 
@@ -72,6 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_presets)
     q = add("schema", "print the scenario JSON Schema (for editors)")
     q.set_defaults(func=cmd_schema)
+    q = add("sweep", "evaluate a grid of overrides of one scenario; table and best points")
+    scenario_args(q)
+    q.add_argument("--grid", action="append", default=[], metavar="KEY.PATH=V1,V2,...",
+                   help="an axis of the grid (repeatable); parallel.dp=auto fills dp in")
+    q.add_argument("--method", choices=["analytic", "engine"], default="analytic",
+                   help="analytic (default, milliseconds a point) or the engine")
+    q.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    q.add_argument("--out", type=Path, default=None, help="write sweep.csv here")
+    q.set_defaults(func=cmd_sweep)
     q = add("plot", "re-draw timeline.png, breakdown.png and memory.png from a run directory")
     q.add_argument("run_dir", type=Path)
     q.set_defaults(func=cmd_plot)
@@ -159,6 +171,35 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from simulator.scenario import Scenario
 
     print(json.dumps(Scenario.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from simulator.sweep import best, parse_grid, print_progress, run_sweep
+    from simulator.trace_export import atomic_output
+
+    _load(args)  # the base scenario must validate before its points are tried
+    axes = parse_grid(args.grid)
+    n = 1
+    for values in axes.values():
+        n *= len(values)
+    print(f"sweeping {n} point(s) ({args.method}) ...", file=sys.stderr)
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool,
+                          print_progress)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with atomic_output(args.out / "sweep.csv") as tmp:
+            table.to_csv(tmp, index=False)
+        print(f"wrote {args.out / 'sweep.csv'}")
+    invalid = int((table["error"] != "").sum()) if "error" in table else 0
+    top = best(table)
+    print(f"{len(table) - invalid} valid point(s), {invalid} invalid; fastest that fit:")
+    cols = [*axes, "tp", "pp", "dp", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction"]
+    print(top[[c for c in dict.fromkeys(cols) if c in top]].to_string(index=False)
+          if len(top) else "  none fits")
     return 0
 
 
