@@ -26,6 +26,7 @@ What each record's size means — the cost model's size axis:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,13 +148,11 @@ def _slow_jobs(jobs: list[Job], best: dict[str, float]) -> list[Job]:
 
 
 def _free_cache() -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort: freeing the cache is optional
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:
-        pass
 
 
 # ---------------------------------------------------------------- GEMM

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from calibration.measure_config import cpu_name
+
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -228,17 +230,9 @@ def device_info(device: Device, nproc: int) -> dict[str, Any]:
             info["nccl"] = None
         info["backend"] = "nccl"
     else:
-        info["device_name"] = cpu_model_name()
+        info["device_name"] = cpu_name()
         info["cpu_count"] = os.cpu_count()
         info["backend"] = "gloo"
     return info
 
 
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"

@@ -182,10 +182,10 @@ def resolve_options(args: argparse.Namespace) -> Options:
     if device == "cuda" and nproc > count:
         raise UserError([Problem("--nproc", nproc, f"only {count} GPU(s) visible; use "
                                  f"--nproc {count} or fewer")])
-    from calibration.bench_timing import cpu_model_name
     from calibration.fit_profile import datasheet_preset
+    from calibration.measure_config import cpu_name
 
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_model_name()
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
     base = args.base or (datasheet_preset(device_name) or "dgx-h100" if device == "cuda"
                          else "cpu-1thread")
     out = Path(args.out)

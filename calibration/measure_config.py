@@ -8,6 +8,7 @@ fix.  No torch here (the CUDA device count is looked up lazily).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -209,12 +210,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def cpu_name() -> str:
     """The CPU's model name (a measured run's or a calibration's "device")."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or "cpu"
+    return platform.processor() or platform.machine() or "cpu"
