@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 from calibration.bench_results import ResultsStore, failure_record
 from calibration.bench_timing import Budget, Device
 from calibration.collectives_worker import collective_key
+from calibration.measure_launch import kill_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MAX_LAUNCHES = 3
@@ -127,23 +127,11 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        rc = _kill(proc)
+        rc = kill_process_group(proc, grace_s=10.0)
     except BaseException:  # Ctrl-C: take the workers down with us
-        _kill(proc)
+        kill_process_group(proc, grace_s=10.0)
         raise
     reader.join(timeout=5)
     return rc, list(tail), timed_out, (running[0] if running else None)
 
 
-def _kill(proc: subprocess.Popen[str]) -> int:
-    """Stop the launch's own process group (torchrun and the workers it started)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.wait()

@@ -374,20 +374,3 @@ def _pct(x: float | None) -> str:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m calibration.calibrate ...``: the subcommand without the full CLI."""
-    parser = argparse.ArgumentParser(prog="clustersim")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except UserError as exc:
-        for line in exc.lines():
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

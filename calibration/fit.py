@@ -38,6 +38,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from simulator.hardware import interpolate_log
+
 HOLDOUT_EVERY = 4
 
 
@@ -84,24 +86,10 @@ class CurveFit:
     holdout: list[bool]  # per input point, size-sorted order
 
     def efficiency(self, size: float) -> float:
-        return interpolate(self.points, size)
+        return interpolate_log(self.points, size)
 
     def predict_time(self, size: float) -> float:
         return size / (self.peak * self.efficiency(size))
-
-
-def interpolate(points: Sequence[tuple[float, float]], size: float) -> float:
-    """Same rule as ``simulator.hardware.EfficiencyCurve.__call__``."""
-    if size <= points[0][0]:
-        return points[0][1]
-    if size >= points[-1][0]:
-        return points[-1][1]
-    lx = math.log10(size)
-    for (x0, e0), (x1, e1) in itertools.pairwise(points):
-        if size <= x1:
-            w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
-            return e0 + w * (e1 - e0)
-    return points[-1][1]
 
 
 def fit_efficiency(sizes: Sequence[float], times: Sequence[float], peak: float,

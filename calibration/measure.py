@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from dataclasses import asdict
@@ -62,6 +61,7 @@ __all__ = [
     "log_tail",
     "make_config",
     "resolve_model",
+    "run_config",
     "run_measure",
     "scenario_dict",
     "scenario_name",
@@ -72,48 +72,20 @@ __all__ = [
 ]
 
 
-def run_measure(
-    tp: int,
-    pp: int,
-    dp: int,
-    schedule: str = "1f1b",
-    zero: int = 0,
-    micro_batches: int = 4,
-    model: dict[str, int] | str = "tiny-gpt",
-    steps: int = 5,
-    warmup: int = 2,
-    device: str = "cpu",
-    out_dir: str | os.PathLike[str] = "measured",
-    threads: int = 1,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    *,
-    micro_batch_size: int = 2,
-    sequence_parallel: bool = False,
-    seed: int = 1234,
-) -> dict[str, Any]:
+def run_measure(tp: int, pp: int, dp: int, **options: Any) -> dict[str, Any]:
     """Run the small GPT with real TP/PP/DP under torchrun; returns ``measured.json``'s content.
 
-    Raises ``ValueError`` for an impossible configuration (before launching)
-    and :class:`MeasureError` when the launch fails or times out.
+    ``options`` are :func:`make_config`'s keywords (schedule, zero, micro_batches,
+    micro_batch_size, model, steps, warmup, device, out_dir, threads, timeout_s,
+    sequence_parallel, seed), with its defaults. Raises ``ValueError`` for an
+    impossible configuration (before launching) and :class:`MeasureError` when the
+    launch fails or times out.
     """
-    cfg = make_config(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        schedule=schedule,
-        zero=zero,
-        micro_batches=micro_batches,
-        micro_batch_size=micro_batch_size,
-        model=model,
-        steps=steps,
-        warmup=warmup,
-        device=device,
-        out_dir=out_dir,
-        threads=threads,
-        timeout_s=timeout_s,
-        sequence_parallel=sequence_parallel,
-        seed=seed,
-    )
+    return run_config(make_config(tp=tp, pp=pp, dp=dp, **options))
+
+
+def run_config(cfg: MeasureConfig) -> dict[str, Any]:
+    """Launch a validated configuration and collect its outputs."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("measured.json", "trace.json", "scenario.yaml"):

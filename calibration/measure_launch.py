@@ -60,7 +60,7 @@ def launch(cfg: MeasureConfig, config_path: Path) -> None:
         try:
             rc = proc.wait(timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_process_group(proc)
             raise MeasureError(
                 f"measure: run timed out after {cfg.timeout_s:g} s "
                 f"(tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}) and was killed; "
@@ -70,18 +70,20 @@ def launch(cfg: MeasureConfig, config_path: Path) -> None:
         raise MeasureError(failure_message(out, rc))
 
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM the launcher's whole process group, then SIGKILL what is left."""
+def kill_process_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> int:
+    """Stop a launch's whole process group (torchrun and the workers it started):
+    SIGTERM, then SIGKILL for what is left; returns the launcher's exit status."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5.0)
+            proc.wait(timeout=grace_s)
     # Workers that ignored SIGTERM may outlive the launcher: kill what is left.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
 
 
 def _rank_logs(out: Path, rank: int) -> list[Path]:

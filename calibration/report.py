@@ -141,7 +141,7 @@ def _figure(width: float = 6.4, height: float = 4.4) -> Any:
 def _efficiency_plot(path: Path, part: str, recs: list[dict[str, Any]], size_key: str,
                      denom: float, curve: list[list[float]], xlabel: str,
                      fit: dict[str, Any] | None) -> None:
-    from calibration.fit import interpolate
+    from simulator.hardware import interpolate_log
 
     fig = _figure()
     ax = fig.add_subplot()
@@ -164,7 +164,8 @@ def _efficiency_plot(path: Path, part: str, recs: list[dict[str, Any]], size_key
     lo, hi = min(xs_all), max(xs_all)
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)] if hi > lo else [lo]
     pts = [(float(a), float(b)) for a, b in curve]
-    ax.plot(grid, [interpolate(pts, x) for x in grid], color="black", lw=1.5, label="fitted curve")
+    ax.plot(grid, [interpolate_log(pts, x) for x in grid], color="black", lw=1.5,
+            label="fitted curve")
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="black", s=12, zorder=3)
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)

@@ -64,14 +64,14 @@ def _say(text: str) -> None:
 def _profile(args: argparse.Namespace, out: Path) -> str:
     if args.profile:
         return str(args.profile)
-    from calibration.calibrate import main as calibrate_main
+    from simulator.cli import main as clustersim
 
     path = out / f"profile-{args.device}.yaml"
     argv = ["calibrate", "--device", args.device, "--out", str(path),
             "--threads", str(args.threads)]
     argv += ["--quick"] if not args.tiny else ["--tiny"]
     _say(f"[validation] calibrating {args.device} once -> {path}")
-    if calibrate_main(argv) != 0:
+    if clustersim(argv) != 0:
         raise UserError([Problem("calibrate", args.device, "calibration failed; see above, "
                                  "or pass --profile PROFILE.yaml")])
     return str(path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -52,17 +53,22 @@ class EfficiencyCurve(_Frozen):
         return pts
 
     def __call__(self, size: float) -> float:
-        pts = self.points
-        if size <= pts[0][0]:
-            return pts[0][1]
-        if size >= pts[-1][0]:
-            return pts[-1][1]
-        lx = math.log10(size)
-        for (x0, e0), (x1, e1) in itertools.pairwise(pts):
-            if size <= x1:
-                w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]  # unreachable: size < pts[-1][0] here
+        return interpolate_log(self.points, size)
+
+
+def interpolate_log(points: Sequence[tuple[float, float]], size: float) -> float:
+    """Piecewise-linear in log10(size) through ``points`` (sorted by size), clamped at
+    both ends: the one rule every efficiency curve follows, calibrated or preset."""
+    if size <= points[0][0]:
+        return points[0][1]
+    if size >= points[-1][0]:
+        return points[-1][1]
+    lx = math.log10(size)
+    for (x0, e0), (x1, e1) in itertools.pairwise(points):
+        if size <= x1:
+            w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
+            return e0 + w * (e1 - e0)
+    return points[-1][1]  # unreachable: size < points[-1][0] here
 
 
 class GPUSpec(_Frozen):

@@ -1,14 +1,12 @@
 """Calibration: a tiny CPU run end to end (2 gloo processes), resume, failures, nccl-tests input.
 
 The end-to-end run is module-scoped: one tiny calibration (~20-40 s on 2 cores)
-feeds the profile, report, resume and failure checks. Until ``clustersim
-calibrate`` is wired into ``simulator/cli.py`` the subcommand is driven through
-a small argparse harness around :func:`calibration.calibrate.add_parser`.
+feeds the profile, report, resume and failure checks. The subcommand is driven
+through the real entry point, ``simulator.cli.main``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -24,7 +22,6 @@ from calibration import nccl_tests
 from calibration.bench_collectives import message_sizes
 from calibration.bench_results import FAIL_ENV, HANG_ENV, ResultsStore, read_records
 from calibration.bench_timing import budget_for
-from calibration.calibrate import add_parser
 from calibration.fit import (
     Sample,
     busbw_factor,
@@ -34,6 +31,7 @@ from calibration.fit import (
     holdout_mask,
     knots,
 )
+from simulator.cli import main
 from simulator.errors import UserError
 from simulator.hardware import HardwareProfile, load_system
 
@@ -45,15 +43,8 @@ FAILING_COLL = "cpu/t1/collective/broadcast/n2/8192"
 
 
 def cli(argv: list[str]) -> int:
-    """The harness: ``clustersim <argv>`` with only the calibrate subcommand registered."""
-    parser = argparse.ArgumentParser(prog="clustersim")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except UserError as exc:
-        print("\n".join(exc.lines()), file=sys.stderr)
-        return 2
+    """``clustersim <argv>`` through the real entry point."""
+    return main(argv)
 
 
 def _keys(path: Path) -> list[str]:

@@ -383,15 +383,16 @@ def _with(cfg: dict[str, Any], **parallel: Any) -> dict[str, Any]:
 @HYP
 @given(cfg=small_configs())
 def test_dp_overlap_never_exposes_more(cfg):
+    check_dp_overlap(cfg)
+
+
+def check_dp_overlap(cfg):
     over, _ = run_engine(make_scenario(**_with(cfg, overlap={"dp": True})))
     serial, _ = run_engine(make_scenario(**_with(cfg, overlap={"dp": False})))
     assert over["exposed_comm_s"]["dp"] <= serial["exposed_comm_s"]["dp"] * (1 + 1e-9) + 1e-15
 
 
-@HYP
-@given(cfg=small_configs(), factor=st.sampled_from([1.25, 2.0, 8.0]),
-       which=st.sampled_from(["intra", "inter", "both"]))
-def test_more_bandwidth_never_slower(cfg, factor, which):
+def check_more_bandwidth(cfg, factor, which="both"):
     base, _ = run_engine(make_scenario(**cfg))
     hw = make_scenario(**cfg).hardware
     cluster = {}
@@ -403,9 +404,7 @@ def test_more_bandwidth_never_slower(cfg, factor, which):
     assert fast["step_time_s"] <= base["step_time_s"] * (1 + 1e-9)
 
 
-@HYP
-@given(cfg=small_configs(), factor=st.sampled_from([1.25, 2.0, 8.0]))
-def test_more_flops_never_slower(cfg, factor):
+def check_more_flops(cfg, factor):
     s = make_scenario(**cfg)
     base, _ = run_engine(s)
     hw = s.hardware
@@ -414,6 +413,19 @@ def test_more_flops_never_slower(cfg, factor):
     cost = CostModel(hw.model_copy(update={"gpu": gpu}), s.training.dtype)
     fast, _ = run_engine(s, cost=cost)
     assert fast["step_time_s"] <= base["step_time_s"] * (1 + 1e-9)
+
+
+@HYP
+@given(cfg=small_configs(), factor=st.sampled_from([1.25, 2.0, 8.0]),
+       which=st.sampled_from(["intra", "inter", "both"]))
+def test_more_bandwidth_never_slower(cfg, factor, which):
+    check_more_bandwidth(cfg, factor, which)
+
+
+@HYP
+@given(cfg=small_configs(), factor=st.sampled_from([1.25, 2.0, 8.0]))
+def test_more_flops_never_slower(cfg, factor):
+    check_more_flops(cfg, factor)
 
 
 # ------------------------------------------------------------------ longer runs (-m slow)
@@ -426,19 +438,9 @@ SLOW = settings(max_examples=300, deadline=None,
 @SLOW
 @given(cfg=small_configs(), factor=st.sampled_from([1.1, 2.0, 10.0]))
 def test_monotonic_many_examples(cfg, factor):
-    s = make_scenario(**cfg)
-    base, _ = run_engine(s)
-    hw = s.hardware
-    more_bw = make_scenario(**cfg, cluster={
-        "intra_node_bandwidth_GBps": hw.intra_node.bandwidth_GBps * factor,
-        "inter_node_bandwidth_GBps": hw.inter_node.bandwidth_GBps * factor})
-    assert run_engine(more_bw)[0]["step_time_s"] <= base["step_time_s"] * (1 + 1e-9)
-    gpu = hw.gpu.model_copy(update={"peak_tflops": {k: v * factor
-                                                    for k, v in hw.gpu.peak_tflops.items()}})
-    cost = CostModel(hw.model_copy(update={"gpu": gpu}), s.training.dtype)
-    assert run_engine(s, cost=cost)[0]["step_time_s"] <= base["step_time_s"] * (1 + 1e-9)
-    serial, _ = run_engine(make_scenario(**_with(cfg, overlap={"dp": False})))
-    assert base["exposed_comm_s"]["dp"] <= serial["exposed_comm_s"]["dp"] * (1 + 1e-9) + 1e-15
+    check_more_bandwidth(cfg, factor)
+    check_more_flops(cfg, factor)
+    check_dp_overlap(cfg)
 
 
 @pytest.mark.slow
