@@ -32,10 +32,8 @@ import simpy
 from simulator.collectives import Plan, leg_rate, phase_alpha
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
+from simulator.tasks import Task, Workload, gc_paused
 from simulator.topology import Topology
-from simulator.workload import Task, Workload, gc_paused
-
-SpanRow = tuple[int, str, int, float, float]  # (task id, stream, rank, start, end)
 
 
 @dataclass

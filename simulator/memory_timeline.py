@@ -72,7 +72,7 @@ from simulator import memory as mem
 from simulator import model as mdl
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
-from simulator.workload import Task
+from simulator.tasks import Task
 
 MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous

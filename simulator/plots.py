@@ -54,6 +54,7 @@ KIND_COLOURS: Mapping[str, str] = {
     "zero": "#9D755D",
     "optimizer": "#BAB0AC",
     "offload": "#FF9DA6",
+    "embedding_tie": "#8CD17D",
 }
 _OTHER_COLOUR = "#79706E"
 _BUBBLE_COLOUR = "#E6E6E6"
@@ -269,8 +270,9 @@ def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = Non
     rows = _timeline_rows(spans, all_ranks)
     bands = _stream_bands(sorted(set(spans["stream"])))
     bars = spans.merge(rows[["rank", "row"]], on="rank")
-    bars["y0"] = bars["row"] + bars["stream"].map(lambda s: bands[s][0])
-    bars["h"] = bars["stream"].map(lambda s: bands[s][1])
+    # astype: an empty column maps to strings, not numbers
+    bars["y0"] = bars["row"] + bars["stream"].map(lambda s: bands[s][0]).astype(float)
+    bars["h"] = bars["stream"].map(lambda s: bands[s][1]).astype(float)
     t_first = float(spans["start"].min()) if len(spans) else 0.0
     t_end = float(spans["end"].max()) if len(spans) else 0.0
     t_start = 0.0 if 0.0 <= t_first <= 0.05 * t_end else t_first  # a later window: zoom in

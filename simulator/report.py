@@ -31,10 +31,10 @@ from simulator import model as mdl
 from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
-from simulator.workload import Task
+from simulator.tasks import Task
 
 COMPUTE_KINDS = frozenset({"forward", "backward", "weight_grad", "recompute"})
-COMM_KINDS = ("tp", "pp", "dp", "zero")
+COMM_KINDS = ("tp", "pp", "dp", "zero", "embedding_tie")
 SPAN_COLUMNS = ["rank", "stage", "tp", "dp", "stream", "op", "kind", "name", "microbatch",
                 "layer", "chunk", "start", "end", "bytes"]
 

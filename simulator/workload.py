@@ -50,11 +50,8 @@ What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from simulator import model as mdl
 from simulator.collectives import GroupShape, Plan, make_plan
@@ -63,46 +60,9 @@ from simulator.hardware import CollectiveName
 from simulator.layout import Layout
 from simulator.scenario import OverlapSpec, Scenario
 from simulator.schedules import Action, Schedule, build_schedule
+from simulator.tasks import Program, Stream, Task, Workload, gc_paused
 
-Stream = Literal["compute", "pp", "dp", "zero", "host"]
 OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
-
-
-@dataclass(slots=True)
-class Task:
-    id: int
-    rank: int
-    stream: Stream
-    op: str  # "F", "B", "I", "W", "R", "tp.all_reduce", "pp.send", "dp.all_reduce", ...
-    kind: str  # colour class: forward/backward/weight_grad/recompute/tp/pp/dp/zero/optimizer
-    name: str
-    duration: float = 0.0  # compute seconds
-    plan: Plan | None = None  # collective
-    group: tuple[int, ...] = ()  # collective members (all ranks, simulated or not)
-    group_key: tuple[Any, ...] = ()  # identical on every member of one collective
-    dst: int = -1  # p2p destination rank
-    nbytes: float = 0.0
-    microbatch: int = -1
-    layer: int = -1
-    chunk: int = 0
-    deps: list[int] = field(default_factory=list)
-    dependents: int = 0
-
-
-@dataclass
-class Program:
-    rank: int
-    streams: dict[str, list[Task]]
-
-
-@dataclass
-class Workload:
-    programs: dict[int, Program]
-    tasks: list[Task]
-    layout: Layout
-    schedule: Schedule
-    weight: float  # how many ranks one simulated rank stands for on shared links
-    fidelity: str
 
 
 @dataclass(frozen=True)
@@ -307,6 +267,7 @@ class _Builder:
         if a.stage == last:
             first = self.compute(rank, op, kind, f"head.bwd mb{mb}",
                                  c.head[1] + w * c.head[2], mb, -1, chunk)
+            first.weight_s = w * c.head[2]
             self.tp_edge(rank, "head", False, mb, chunk)
         for layer in reversed(self.layers_of(a.stage)):
             gather = self.unit(rank, False, mb, layer, chunk)
@@ -320,6 +281,7 @@ class _Builder:
                 self.tp_around(rank, True, mb, layer, chunk)
                 t = self.compute(rank, op, kind, f"bwd.{label} L{layer} mb{mb}",
                                  c.bwd_input[blk] + w * c.bwd_weight[blk], mb, layer, chunk)
+                t.weight_s = w * c.bwd_weight[blk]
                 if gather is not None and blk == 1 and gather.stream != "compute":
                     t.deps.append(gather.id)
                 first = first or t
@@ -329,6 +291,7 @@ class _Builder:
         if a.stage == 0:
             self.tp_edge(rank, "embed", False, mb, chunk)
             t = self.compute(rank, op, kind, f"embed.bwd mb{mb}", w * c.embed[2], mb, -1, chunk)
+            t.weight_s = w * c.embed[2]
             first = first or t
             done.append(t)
         assert first is not None
@@ -400,8 +363,8 @@ class _Builder:
         group = (self.layout.rank(0, coord.dp, coord.tp),
                  self.layout.rank(par.pp - 1, coord.dp, coord.tp))
         size = self.tied_copy_params() / par.tp * self.dt_bytes
-        self.collective(rank, "compute", "all_reduce", "pp", group, size,
-                        "pp.all_reduce tied embedding grads")
+        self.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
+                        "embedding_tie.all_reduce tied embedding grads")
 
     def dp_sync(self, rank: int, stage: int, done: list[Task], chunk: int,
                 pending: list[tuple[float, Task]]) -> None:
@@ -522,19 +485,6 @@ class _Builder:
         for t in self.tasks:
             for d in t.deps:
                 self.tasks[d].dependents += 1
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Millions of small acyclic objects make CPython's cyclic collector rescan a
-    growing heap again and again; nothing built here forms cycles that need it."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,

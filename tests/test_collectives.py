@@ -24,7 +24,7 @@ from simulator.layout import Layout
 from simulator.report import spans_frame
 from simulator.scenario import scenario_from_dict
 from simulator.schedules import build_schedule
-from simulator.workload import Program, Task, Workload
+from simulator.tasks import Program, Task, Workload
 
 HW = load_system("dgx-a100-80gb")
 B_INTRA = HW.intra_node.bandwidth_GBps * 1e9 * HW.intra_node.efficiency

@@ -27,7 +27,8 @@ from simulator.layout import Layout
 from simulator.report import engine_metrics, spans_frame
 from simulator.scenario import Scenario, scenario_from_dict
 from simulator.schedules import build_schedule
-from simulator.workload import BlockCosts, Program, Task, Workload, build_workload
+from simulator.tasks import Program, Task, Workload
+from simulator.workload import BlockCosts, build_workload
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
         "link_latency_us": 0}
@@ -451,3 +452,17 @@ def test_bubble_free_comm_larger_grid(schedule, p, m):
     s = make_scenario(pp=p, m=m, schedule=schedule, free=True)
     met, _ = run_engine(s, costs=balanced())
     assert met["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1), abs=EXACT)
+
+
+def test_importing_the_engine_loads_no_model_arithmetic() -> None:
+    """The engine runs plain task data: importing it must not load the transformer
+    arithmetic (or the builder that uses it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, simulator.engine; "
+            "bad = [m for m in ('simulator.model', 'simulator.workload', 'simulator.memory') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr

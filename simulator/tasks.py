@@ -1,0 +1,73 @@
+"""Task and program types: the plain data that the builder writes and the engine runs.
+
+A :class:`Workload` is, per simulated rank, an ordered list of :class:`Task` per
+stream. A task is compute (a fixed duration), a collective over a group (a
+:class:`~simulator.collectives.Plan`), or a point-to-point transfer (``dst``).
+Cross-stream and cross-rank dependencies are task ids. This module knows nothing
+of transformers or of SimPy: importing the engine loads no model arithmetic.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from simulator.collectives import Plan
+from simulator.layout import Layout
+from simulator.schedules import Schedule
+
+Stream = Literal["compute", "pp", "dp", "zero", "host"]
+
+
+@dataclass(slots=True)
+class Task:
+    id: int
+    rank: int
+    stream: Stream
+    op: str  # "F", "B", "I", "W", "R", "tp.all_reduce", "pp.send", "dp.all_reduce", ...
+    kind: str  # forward/backward/weight_grad/recompute/optimizer or a comm kind (tp, pp, ...)
+    name: str
+    duration: float = 0.0  # compute seconds
+    plan: Plan | None = None  # collective
+    group: tuple[int, ...] = ()  # collective members (all ranks, simulated or not)
+    group_key: tuple[Any, ...] = ()  # identical on every member of one collective
+    dst: int = -1  # p2p destination rank
+    nbytes: float = 0.0
+    microbatch: int = -1
+    layer: int = -1
+    chunk: int = 0
+    deps: list[int] = field(default_factory=list)
+    dependents: int = 0
+    weight_s: float = 0.0  # of ``duration``, the weight-gradient share of a fused backward
+
+
+@dataclass
+class Program:
+    rank: int
+    streams: dict[str, list[Task]]
+
+
+@dataclass
+class Workload:
+    programs: dict[int, Program]
+    tasks: list[Task]
+    layout: Layout
+    schedule: Schedule
+    weight: float  # how many ranks one simulated rank stands for on shared links
+    fidelity: str
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Millions of small acyclic objects make CPython's cyclic collector rescan a
+    growing heap again and again; nothing built here forms cycles that need it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
