@@ -22,7 +22,8 @@ from simulator import __version__
 from simulator.errors import UserError
 
 CALIBRATION_COMMANDS: tuple[str, ...] = (
-    "calibration.calibrate", "calibration.measure", "calibration.compare", "calibration.validation")
+    "calibration.microbench.calibrate", "calibration.measured.measure",
+    "calibration.measured.compare", "calibration.measured.validation")
 
 EXAMPLES = {
     "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",

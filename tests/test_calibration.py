@@ -18,11 +18,11 @@ import yaml
 
 pytest.importorskip("torch")
 
-from calibration import nccl_tests
-from calibration.bench_collectives import message_sizes
-from calibration.bench_results import FAIL_ENV, HANG_ENV, ResultsStore, read_records
-from calibration.bench_timing import budget_for
-from calibration.fit import (
+from calibration.microbench import nccl_tests
+from calibration.microbench.bench_collectives import message_sizes
+from calibration.microbench.bench_results import FAIL_ENV, HANG_ENV, ResultsStore, read_records
+from calibration.microbench.bench_timing import budget_for
+from calibration.microbench.fit import (
     Sample,
     busbw_factor,
     collective_steps,
@@ -305,9 +305,8 @@ def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_imports_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import calibration.calibrate, calibration.report, calibration.fit, "
-            "calibration.nccl_tests, calibration.fit_profile, calibration.bench_compute, "
-            "calibration.bench_collectives\n")
+            "from calibration.microbench import calibrate, report, fit, nccl_tests, "
+            "fit_profile, bench_compute, bench_collectives, bench_timing\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -377,8 +376,8 @@ def test_results_store_skips_a_torn_line(tmp_path: Path,
 @pytest.mark.slow
 def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibration.bench_collectives import run_collectives
-    from calibration.bench_timing import Device
+    from calibration.microbench.bench_collectives import run_collectives
+    from calibration.microbench.bench_timing import Device
 
     hung = "cpu/t1/collective/all_reduce/n2/4096"
     monkeypatch.setenv(HANG_ENV, hung)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from calibration.measure import (
+from calibration.measured.measure import (
     MeasureError,
     add_parser,
     failure_message,
@@ -28,7 +28,7 @@ from calibration.measure import (
     scenario_yaml,
     system_name,
 )
-from calibration.measure_trace import breakdown_from_trace, subtract, union
+from calibration.measured.measure_trace import breakdown_from_trace, subtract, union
 
 TINY = {"layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
 RUN: dict[str, Any] = {"micro_batches": 2, "model": TINY, "steps": 2, "warmup": 1, "device": "cpu"}
@@ -157,9 +157,9 @@ def test_cli_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_measure_imports_without_torch() -> None:
     code = (
-        "import sys; sys.modules['torch'] = None; import calibration.measure as m; "
-        "import calibration.measure_trace, calibration.measure_launch; "
-        "import calibration.measure_scenario, calibration.gpt_presets; "
+        "import sys; sys.modules['torch'] = None; import calibration.measured.measure as m; "
+        "import calibration.measured.measure_trace, calibration.measured.measure_launch; "
+        "import calibration.measured.measure_scenario, calibration.measured.gpt_presets; "
         "print(m.scenario_name(m.make_config(tp=1, pp=1, dp=1, out_dir='/tmp/x')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

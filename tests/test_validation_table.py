@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from calibration.validation import CPU_CONFIGS, configs_for, markdown, write_table
+from calibration.measured.validation import CPU_CONFIGS, configs_for, markdown, write_table
 
 HEADER = {"device": "cpu", "device_name": "test cpu", "threads": 1, "torch": "x",
           "profile": "p.yaml", "date": "2026-11-29", "micro_batches": 4,

@@ -1,9 +1,9 @@
 """torchrun worker of ``clustersim measure``: train the small GPT with real TP/PP/DP.
 
-Launched by :func:`calibration.measure.run_measure` as
+Launched by :func:`calibration.measured.measure.run_measure` as
 ``python -m torch.distributed.run --standalone --nproc-per-node=W -m
-calibration.parallel_worker --config RUN.json``; every rank reads the same
-:class:`calibration.measure.MeasureConfig`.
+calibration.measured.parallel_worker --config RUN.json``; every rank reads the same
+:class:`calibration.measured.measure.MeasureConfig`.
 
 Parallelism, all with PyTorch's own APIs on one ``(pp, dp, tp)`` DeviceMesh
 (tp innermost, so TP peers are neighbouring ranks as on a real node):
@@ -30,7 +30,7 @@ Measurement: ``warmup`` untimed steps, then ``steps`` steps, each between two
 device synchronisations (``torch.cuda.synchronize`` on CUDA) and
 ``dist.barrier()``, timed with ``time.perf_counter``; the step time of a step
 is the slowest rank's.  Then one more step runs under ``torch.profiler``; every
-rank writes its Chrome trace and :mod:`calibration.measure_trace` splits it
+rank writes its Chrome trace and :mod:`calibration.measured.measure_trace` splits it
 into compute and communication.  Peak memory is
 ``torch.cuda.max_memory_allocated`` on CUDA and, on CPU, the process's peak
 resident set size (``ru_maxrss``), which includes the Python interpreter and
@@ -72,9 +72,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from calibration.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
-from calibration.measure_config import MeasureConfig, cpu_name, write_json_atomic
-from calibration.measure_trace import breakdown_from_trace
+from calibration.host import cpu_name
+from calibration.measured.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
+from calibration.measured.measure_config import MeasureConfig, write_json_atomic
+from calibration.measured.measure_trace import breakdown_from_trace
 
 CRASH_ENV = "CLUSTERSIM_TEST_CRASH_RANK"
 HANG_ENV = "CLUSTERSIM_TEST_HANG_RANK"
@@ -493,7 +494,8 @@ def summarize(
         "breakdown_rank": slowest["rank"],
         "breakdown_method": (
             "one profiled step per rank (torch.profiler), reported for the rank with the most "
-            "compute+comm; see calibration/measure_trace.py for what counts as communication"
+            "compute+comm; see calibration/measured/measure_trace.py for what counts as "
+            "communication"
         ),
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
         "peak_memory_kind": "cuda_max_memory_allocated"

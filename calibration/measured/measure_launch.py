@@ -9,18 +9,14 @@ error lines of that rank's log complete the one-line :class:`MeasureError`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from calibration.measure_config import MeasureConfig, MeasureError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from calibration.host import PACKAGE_ROOT, kill_process_group, worker_pythonpath
+from calibration.measured.measure_config import MeasureConfig, MeasureError
 
 
 def torchrun_command(cfg: MeasureConfig, config_path: Path) -> list[str]:
@@ -34,7 +30,7 @@ def torchrun_command(cfg: MeasureConfig, config_path: Path) -> list[str]:
         f"--log-dir={Path(cfg.out_dir) / 'logs'}",
         "--redirects=3",
         "-m",
-        "calibration.parallel_worker",
+        "calibration.measured.parallel_worker",
         "--config",
         str(config_path),
     ]
@@ -44,7 +40,7 @@ def launch(cfg: MeasureConfig, config_path: Path) -> None:
     """Run torchrun to completion or raise :class:`MeasureError` (crash or timeout)."""
     out = Path(cfg.out_dir)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = worker_pythonpath(env)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(cfg.threads)
     launcher_log = out / "torchrun.log"
@@ -54,7 +50,7 @@ def launch(cfg: MeasureConfig, config_path: Path) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=str(REPO_ROOT),
+            cwd=str(PACKAGE_ROOT),
             start_new_session=True,
         )
         try:
@@ -68,22 +64,6 @@ def launch(cfg: MeasureConfig, config_path: Path) -> None:
             ) from None
     if rc != 0:
         raise MeasureError(failure_message(out, rc))
-
-
-def kill_process_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> int:
-    """Stop a launch's whole process group (torchrun and the workers it started):
-    SIGTERM, then SIGKILL for what is left; returns the launcher's exit status."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    # Workers that ignored SIGTERM may outlive the launcher: kill what is left.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait()
 
 
 def _rank_logs(out: Path, rank: int) -> list[Path]:

@@ -23,7 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from calibration.fit import HOLDOUT_EVERY, Sample, busbw_factor, collective_steps, holdout_mask
+from calibration.microbench.fit import (
+    HOLDOUT_EVERY,
+    Sample,
+    busbw_factor,
+    collective_steps,
+    holdout_mask,
+)
 from simulator.errors import Problem, UserError
 
 
@@ -90,7 +96,7 @@ def _best(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _records(profile: dict[str, Any], profile_path: Path,
              results: Path | None) -> list[dict[str, Any]]:
-    from calibration.bench_results import read_records
+    from calibration.microbench.bench_results import read_records
 
     if results is None:
         name = profile.get("provenance", {}).get("results_file")
@@ -108,12 +114,12 @@ def _records(profile: dict[str, Any], profile_path: Path,
 
 def _collective_samples(records: list[dict[str, Any]], prov: dict[str, Any],
                         sel: dict[str, Any]) -> dict[str, dict[str, list[Sample]]]:
-    from calibration.fit_profile import samples_from_records
+    from calibration.microbench.fit_profile import samples_from_records
 
     files = prov.get("nccl_tests_files") or []
     if not files:
         return samples_from_records(records, sel["device"], sel["threads"])
-    from calibration import nccl_tests
+    from calibration.microbench import nccl_tests
 
     out: dict[str, dict[str, list[Sample]]] = {}
     for entry in files:
@@ -224,8 +230,8 @@ def _predict(ab: dict[str, Any], op: str, n: int, size: float) -> float:
 
 def _markdown(profile: dict[str, Any], profile_path: Path,
               samples: dict[str, dict[str, list[Sample]]], records: list[dict[str, Any]]) -> str:
-    from calibration.fit import fit_alpha_beta
-    from calibration.report_tables import collective_table, fit_error_markdown
+    from calibration.microbench.fit import fit_alpha_beta
+    from calibration.microbench.report_tables import collective_table, fit_error_markdown
 
     prov = profile.get("provenance", {})
     out = [f"# Calibration report: {profile.get('name')}", "",

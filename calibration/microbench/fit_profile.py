@@ -27,7 +27,13 @@ from typing import Any
 
 import yaml
 
-from calibration.fit import AlphaBetaFit, CurveFit, Sample, fit_alpha_beta, fit_efficiency
+from calibration.microbench.fit import (
+    AlphaBetaFit,
+    CurveFit,
+    Sample,
+    fit_alpha_beta,
+    fit_efficiency,
+)
 from simulator.hardware import HardwareProfile, load_system
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")

@@ -14,13 +14,13 @@ The profile has the schema of the bundled presets, so a scenario uses it with
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
   fitted from nccl-tests output (``--from-nccl-tests``).
 
-Cost semantics and fitting rules: :mod:`calibration.fit`. Timing rules:
-:mod:`calibration.bench_timing`. Every measurement goes to a JSONL results file
+Cost semantics and fitting rules: :mod:`calibration.microbench.fit`. Timing rules:
+:mod:`calibration.microbench.bench_timing`. Every measurement goes to a JSONL results file
 the moment it is taken, so an interrupted run resumes where it stopped
-(:mod:`calibration.bench_results`). On a CPU a "GPU" is one process with
+(:mod:`calibration.microbench.bench_results`). On a CPU a "GPU" is one process with
 ``--threads`` threads (one by default), the same device the measured CPU runs use.
 
-torch is imported only when a calibration runs: ``import calibration.calibrate``
+torch is imported only when a calibration runs: ``import calibration.microbench.calibrate``
 works without it.
 """
 
@@ -116,7 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_report_cli(args: argparse.Namespace) -> int:
-    from calibration.report import write_report
+    from calibration.microbench.report import write_report
 
     written = write_report(Path(args.profile), Path(args.out),
                            Path(args.results) if args.results else None)
@@ -182,8 +182,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
     if device == "cuda" and nproc > count:
         raise UserError([Problem("--nproc", nproc, f"only {count} GPU(s) visible; use "
                                  f"--nproc {count} or fewer")])
-    from calibration.fit_profile import datasheet_preset
-    from calibration.measure_config import cpu_name
+    from calibration.host import cpu_name
+    from calibration.microbench.fit_profile import datasheet_preset
 
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
     base = args.base or (datasheet_preset(device_name) or "dgx-h100" if device == "cuda"
@@ -215,7 +215,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _load_nccl_tests(specs: tuple[str, ...]) -> list[Any]:
-    from calibration import nccl_tests
+    from calibration.microbench import nccl_tests
 
     return [nccl_tests.load(spec) for spec in specs]
 
@@ -224,8 +224,8 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
     """Measure (or resume), fit, and write the profile; returns its path."""
     import torch
 
-    from calibration.bench_results import ResultsStore
-    from calibration.bench_timing import Device, budget_for, device_info
+    from calibration.microbench.bench_results import ResultsStore
+    from calibration.microbench.bench_timing import Device, budget_for, device_info
 
     store = ResultsStore(opts.results, retry_failed=opts.retry_failed)
     device = Device(opts.device, opts.threads)
@@ -245,8 +245,8 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
 
 
 def _measure(opts: Options, device: Any, budget: Any, store: Any, have_nccl: bool) -> None:
-    from calibration import bench_compute as bc
-    from calibration.bench_collectives import run_collectives
+    from calibration.microbench import bench_compute as bc
+    from calibration.microbench.bench_collectives import run_collectives
 
     if "gemm" not in opts.skip:
         bc.run_gemm(device, opts.dtype, budget, store)
@@ -268,21 +268,21 @@ def _measure(opts: Options, device: Any, budget: Any, store: Any, have_nccl: boo
 
 
 def _datasheet(opts: Options) -> bool:
-    from calibration.fit_profile import datasheet_preset
+    from calibration.microbench.fit_profile import datasheet_preset
 
     return datasheet_preset(opts.device_name) is not None
 
 
 def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
                    nccl_runs: list[Any], elapsed: float) -> Path:
-    from calibration.fit_profile import (
+    from calibration.microbench.fit_profile import (
         build_profile,
         fit_collectives,
         fit_compute,
         samples_from_records,
         write_profile,
     )
-    from calibration.report_tables import collective_table
+    from calibration.microbench.report_tables import collective_table
 
     records = store.records()
     fits = fit_compute(records, opts.device, opts.dtype, opts.threads, opts.device_name)

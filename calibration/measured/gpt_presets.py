@@ -1,6 +1,6 @@
 """Model-size presets of the measured-run GPT, importable without torch.
 
-:mod:`calibration.gpt` re-exports them (``from calibration.gpt import
+:mod:`calibration.measured.gpt` re-exports them (``from calibration.measured.gpt import
 TINY_GPT``); they live here so that ``clustersim measure`` can validate its
 arguments and write scenarios on a machine without torch.
 """

@@ -1,8 +1,8 @@
 """One torchrun worker of the collective benchmark (gloo on CPU, NCCL on CUDA).
 
-Launched by :mod:`calibration.bench_collectives` as
+Launched by :mod:`calibration.microbench.bench_collectives` as
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-calibration.collectives_worker --op all_reduce --sizes ... --groups 2,4 ...``.
+calibration.microbench.collectives_worker --op all_reduce --sizes ... --groups 2,4 ...``.
 
 Every rank reads the results file at start, so all ranks agree on what a resumed
 run skips. Group size n uses ranks 0..n−1 (one node: every group is intra-node);
@@ -30,8 +30,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from calibration.bench_results import ResultsStore, check_injected_failure, failure_record
-from calibration.fit import Sample, busbw_factor, fit_alpha_beta
+from calibration.microbench.bench_results import (
+    ResultsStore,
+    check_injected_failure,
+    failure_record,
+)
+from calibration.microbench.fit import Sample, busbw_factor, fit_alpha_beta
 
 
 def collective_key(device: str, threads: int, op: str, n: int, size: int) -> str:

@@ -2,7 +2,7 @@
 
 Each benchmark is a list of jobs (key, size, runner). The walk skips keys the
 results file already holds (a resumed run), times each kernel with
-:func:`calibration.bench_timing.time_calls` and appends the record at once. An
+:func:`calibration.microbench.bench_timing.time_calls` and appends the record at once. An
 exception (out of memory, an unsupported dtype, an injected failure) becomes a
 failure record and the walk goes on.
 
@@ -32,8 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from calibration.bench_results import ResultsStore, check_injected_failure, failure_record, progress
-from calibration.bench_shapes import (
+from calibration.microbench.bench_results import (
+    ResultsStore,
+    check_injected_failure,
+    failure_record,
+    progress,
+)
+from calibration.microbench.bench_shapes import (
     AttentionShape,
     GemmShape,
     attention_shapes,
@@ -41,7 +46,7 @@ from calibration.bench_shapes import (
     model_gemm_shapes,
     spread_by_size,
 )
-from calibration.bench_timing import (
+from calibration.microbench.bench_timing import (
     Budget,
     Device,
     random_tensor,

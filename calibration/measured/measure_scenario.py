@@ -2,7 +2,7 @@
 
 Written in the layout of hand-written scenarios, one flow mapping per section,
 so that ``clustersim compare`` simulates exactly what ran: one device per rank
-on one node, the GPT-2 model features of :mod:`calibration.gpt`, fp32 on CPU
+on one node, the GPT-2 model features of :mod:`calibration.measured.gpt`, fp32 on CPU
 and bf16 (autocast) on CUDA.  No torch here unless a CUDA name must be looked up.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from calibration.measure_config import MeasureConfig
+from calibration.measured.measure_config import MeasureConfig
 
 
 def _flow(mapping: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """``clustersim measure``: a real small-GPT training run under torchrun.
 
 :func:`run_measure` validates the configuration, launches
-:mod:`calibration.parallel_worker` with ``python -m torch.distributed.run
+:mod:`calibration.measured.parallel_worker` with ``python -m torch.distributed.run
 --standalone`` (one process per TP x PP x DP rank, gloo on CPU, NCCL on CUDA)
 and leaves in the output directory:
 
@@ -18,11 +18,11 @@ Every launch has a timeout (the whole process group is killed when it
 expires) and a failed launch raises :class:`MeasureError` naming the failed
 rank, its exit code and the tail of its log - never a hang.
 
-The pieces: :mod:`calibration.measure_config` (what may run),
-:mod:`calibration.measure_launch` (torchrun, timeouts, failure reports),
-:mod:`calibration.measure_scenario` (``scenario.yaml``),
-:mod:`calibration.measure_trace` (compute / communication split) and the
-worker :mod:`calibration.parallel_worker`.  None of them but the worker
+The pieces: :mod:`calibration.measured.measure_config` (what may run),
+:mod:`calibration.measured.measure_launch` (torchrun, timeouts, failure reports),
+:mod:`calibration.measured.measure_scenario` (``scenario.yaml``),
+:mod:`calibration.measured.measure_trace` (compute / communication split) and the
+worker :mod:`calibration.measured.parallel_worker`.  None of them but the worker
 imports torch at module level, so the CLI and the scenario writer work where
 torch is not installed.
 """
@@ -37,8 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from calibration.gpt_presets import PRESETS
-from calibration.measure_config import (
+from calibration.measured.gpt_presets import PRESETS
+from calibration.measured.measure_config import (
     DEFAULT_TIMEOUT_S,
     DEVICES,
     SCHEDULES,
@@ -50,8 +50,13 @@ from calibration.measure_config import (
     write_json_atomic,
     write_text_atomic,
 )
-from calibration.measure_launch import failure_message, launch, log_tail, torchrun_command
-from calibration.measure_scenario import scenario_dict, scenario_name, scenario_yaml, system_name
+from calibration.measured.measure_launch import failure_message, launch, log_tail, torchrun_command
+from calibration.measured.measure_scenario import (
+    scenario_dict,
+    scenario_name,
+    scenario_yaml,
+    system_name,
+)
 
 __all__ = [
     "MeasureConfig",

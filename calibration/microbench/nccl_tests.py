@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibration.fit import Sample
+from calibration.microbench.fit import Sample
 from simulator.errors import Problem, UserError
 
 # nccl-tests binary stem -> profile collective name (others are recognised and skipped)
@@ -128,7 +128,7 @@ def _op_name(candidates: list[str | None], source: str) -> str:
 def _nranks(rows: list[Row], op: str, listed: int, source: str) -> int:
     if listed > 0:
         return listed
-    from calibration.fit import busbw_factor
+    from calibration.microbench.fit import busbw_factor
 
     big = [r for r in rows if r.algbw_GBps > 0]
     if op in ("all_reduce", "all_gather", "reduce_scatter") and big:

@@ -20,7 +20,7 @@ Layout choices, all made so that PyTorch's own parallel APIs apply unchanged:
   without knowing the TP rank; the output head reuses the token embedding
   weight (tied) and is dropped on stages that do not own it.
 
-Nothing here touches torch.distributed; :mod:`calibration.parallel_worker`
+Nothing here touches torch.distributed; :mod:`calibration.measured.parallel_worker`
 applies the parallelism.  Import this module only where torch is installed.
 """
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - PyTorch's own convention
 from torch import nn
 
-from calibration.gpt_presets import PRESETS, TINY_GPT
+from calibration.measured.gpt_presets import PRESETS, TINY_GPT
 
 __all__ = [
     "GPT",

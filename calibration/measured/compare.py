@@ -115,7 +115,7 @@ def table_lines(comparison: dict[str, Any]) -> list[str]:
 
 def _measured_rows(run_dir: Path, device: str) -> list[tuple[int, list[tuple[float, float]],
                                                              list[tuple[float, float]]]]:
-    from calibration.measure_trace import trace_intervals
+    from calibration.measured.measure_trace import trace_intervals
 
     rows = []
     for path in sorted((run_dir / "traces").glob("trace_rank*.json")):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from calibration.bench_timing import Budget
+from calibration.microbench.bench_timing import Budget
 
 T = TypeVar("T")
 TP_DEGREES = (1, 2, 4, 8)

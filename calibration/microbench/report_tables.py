@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from calibration.fit import AlphaBetaFit, Sample, busbw_factor
+from calibration.microbench.fit import AlphaBetaFit, Sample, busbw_factor
 
 
 def collective_table(samples: dict[str, dict[str, list[Sample]]],

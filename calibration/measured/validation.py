@@ -90,8 +90,8 @@ def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "") -> dict
 
 
 def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> dict[str, Any]:
-    from calibration.compare import run_compare
-    from calibration.measure import run_measure
+    from calibration.measured.compare import run_compare
+    from calibration.measured.measure import run_measure
 
     run_dir = out / "runs" / cfg.name
     try:
@@ -151,7 +151,7 @@ def write_table(out: Path, rows: list[dict[str, Any]], header: dict[str, Any]) -
 
 
 def run_validation(args: argparse.Namespace) -> int:
-    from calibration.calibrate import require_torch
+    from calibration.microbench.calibrate import require_torch
 
     torch = require_torch()
 
@@ -172,7 +172,7 @@ def run_validation(args: argparse.Namespace) -> int:
         _say(f"[validation {i}/{len(configs)}] {cfg.name}: "
              f"{'step error ' + format(err, '+.1%') if err is not None else rows[-1]['note']}"
              f" ({time.perf_counter() - t0:.0f} s)")
-    from calibration.measure_config import cpu_name
+    from calibration.host import cpu_name
 
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
     header = {"device": args.device, "device_name": name, "threads": args.threads,

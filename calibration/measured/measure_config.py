@@ -1,6 +1,6 @@
 """Configuration of a measured run: what ``clustersim measure`` validates and the worker reads.
 
-:class:`MeasureConfig` travels from :func:`calibration.measure.run_measure` to
+:class:`MeasureConfig` travels from :func:`calibration.measured.measure.run_measure` to
 every torchrun worker as JSON.  :func:`validate` rejects a run that cannot work
 before anything launches, with one line naming the field, its value and the
 fix.  No torch here (the CUDA device count is looked up lazily).
@@ -8,14 +8,13 @@ fix.  No torch here (the CUDA device count is looked up lazily).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.gpt_presets import MODEL_KEYS, PRESETS
+from calibration.measured.gpt_presets import MODEL_KEYS, PRESETS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DEVICES = ("cpu", "cuda")
@@ -207,13 +206,3 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
-
-def cpu_name() -> str:
-    """The CPU's model name (a measured run's or a calibration's "device")."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"

@@ -19,10 +19,10 @@ import sys
 import threading
 from pathlib import Path
 
-from calibration.bench_results import ResultsStore, failure_record
-from calibration.bench_timing import Budget, Device
-from calibration.collectives_worker import collective_key
-from calibration.measure_launch import kill_process_group
+from calibration.host import kill_process_group, worker_pythonpath
+from calibration.microbench.bench_results import ResultsStore, failure_record
+from calibration.microbench.bench_timing import Budget, Device
+from calibration.microbench.collectives_worker import collective_key
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MAX_LAUNCHES = 3
@@ -93,16 +93,15 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
             timeout_s: float) -> tuple[int, list[str], bool, str | None]:
     """Run one torchrun; returns (status, output tail, timed out, last key it started)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "calibration.collectives_worker",
+           f"--nproc-per-node={nproc}", "-m", "calibration.microbench.collectives_worker",
            *(a for op in ops for a in ("--op", op)), "--sizes", ",".join(map(str, sizes)),
            "--groups", ",".join(map(str, groups)),
            "--results", str(results), "--device", device.kind, "--threads", str(device.threads),
            "--target-s", str(budget.target_s), "--min-reps", str(budget.min_reps),
            "--max-reps", str(budget.max_reps), "--min-batch-s", str(budget.min_batch_s),
            "--rounds", str(budget.rounds), "--op-timeout-s", str(max(30.0, timeout_s / 2))]
-    root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "OMP_NUM_THREADS": str(device.threads), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+           "PYTHONPATH": worker_pythonpath(),
            "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
