@@ -7,6 +7,13 @@ Example::
 
 User errors (a bad scenario, an unknown preset, a bad flag) print one line per
 problem on stderr and exit with status 2, without a traceback.
+
+Building the parser imports nothing heavy: the simulator's commands import
+their modules inside ``cmd_*``, and the calibration commands (:data:`LAZY_COMMANDS`)
+are one help line each until one of them is the command being run (or its
+``--help`` asked for); only then is its module imported and its ``add_parser``
+called. ``clustersim --help`` and ``clustersim validate`` thus load no
+calibration module, no torch, no matplotlib and no pandas.
 """
 
 from __future__ import annotations
@@ -21,9 +28,19 @@ from pathlib import Path
 from simulator import __version__
 from simulator.errors import UserError
 
-CALIBRATION_COMMANDS: tuple[str, ...] = (
-    "calibration.microbench.calibrate", "calibration.measured.measure",
-    "calibration.measured.compare", "calibration.measured.validation")
+# Subcommands that live in another package: name -> (module with ``add_parser(sub)``,
+# the help line ``clustersim --help`` lists). A test checks each line against the
+# one the module registers.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "calibrate": ("calibration.microbench.calibrate", "measure this machine (GEMM, "
+                  "attention, memory, collectives) and write a hardware profile"),
+    "measure": ("calibration.measured.measure", "train a small GPT with real TP/PP/DP "
+                "under torchrun and record step times"),
+    "compare": ("calibration.measured.compare", "simulate a measured run's scenario and "
+                "compare with the measurement"),
+    "validation": ("calibration.measured.validation", "measure fixed small configurations "
+                   "and compare each with its simulation (the README's validation table)"),
+}
 
 EXAMPLES = {
     "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",
@@ -40,7 +57,9 @@ EXAMPLES = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; ``command`` (the subcommand being run) is the only one of
+    :data:`LAZY_COMMANDS` whose module is imported to register its full options."""
     p = argparse.ArgumentParser(
         prog="clustersim", description="Discrete-event simulator of large-model training "
         "clusters.", epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,14 +107,18 @@ def _parser() -> argparse.ArgumentParser:
     q = add("plot", "re-draw timeline.png, breakdown.png and memory.png from a run directory")
     q.add_argument("run_dir", type=Path)
     q.set_defaults(func=cmd_plot)
-    _add_optional(sub)
+    for name, (module, help_) in LAZY_COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).add_parser(sub)
+        else:  # listed in `clustersim --help`; never parses (only the command run does)
+            sub.add_parser(name, help=help_)
     return p
 
 
-def _add_optional(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Subcommands from the calibration package (they import torch only when run)."""
-    for module in CALIBRATION_COMMANDS:
-        importlib.import_module(module).add_parser(sub)
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: its first word that is not an option (the
+    top-level options, --help and --version, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -218,7 +241,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(_command(argv)).parse_args(argv)
     try:
         return int(args.func(args))
     except UserError as exc:

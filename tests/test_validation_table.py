@@ -1,11 +1,22 @@
-"""The validation table's writer: rows in, markdown and CSV out, atomically."""
+"""The validation table's writer: rows in, markdown and CSV out, atomically; and its
+one calibration."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 from pathlib import Path
 
-from calibration.measured.validation import CPU_CONFIGS, configs_for, markdown, write_table
+import pytest
+
+from calibration.measured.validation import (
+    CPU_CONFIGS,
+    _profile,
+    configs_for,
+    markdown,
+    write_table,
+)
+from simulator.errors import UserError
 
 HEADER = {"device": "cpu", "device_name": "test cpu", "threads": 1, "torch": "x",
           "profile": "p.yaml", "date": "2026-11-29", "micro_batches": 4,
@@ -35,3 +46,15 @@ def test_table_markdown_and_csv(tmp_path: Path) -> None:
     assert rows[0]["config"] == "dp2-ddp" and float(rows[0]["step_error"]) == -0.1
     assert rows[1]["note"] == "failed: boom"
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_calibrating_once_goes_through_calibrate_and_keeps_its_problems(tmp_path: Path) -> None:
+    """Without --profile the table calibrates with `calibrate`'s own flags and defaults
+    (no detour through the CLI); calibrate's own one-line problems come first."""
+    args = argparse.Namespace(profile=None, device="cpu", threads=0, tiny=True)
+    with pytest.raises(UserError) as exc:
+        _profile(args, tmp_path)
+    lines = exc.value.lines()
+    assert lines[0] == "--threads = 0: use 1 or more"
+    assert "calibration failed" in lines[-1] and "--profile" in lines[-1]
+    assert not (tmp_path / "profile-cpu.yaml").exists()

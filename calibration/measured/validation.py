@@ -64,16 +64,21 @@ def _say(text: str) -> None:
 def _profile(args: argparse.Namespace, out: Path) -> str:
     if args.profile:
         return str(args.profile)
-    from simulator.cli import main as clustersim
+    from calibration.microbench.calibrate import add_parser, run_calibrate
 
     path = out / f"profile-{args.device}.yaml"
     argv = ["calibrate", "--device", args.device, "--out", str(path),
             "--threads", str(args.threads)]
     argv += ["--quick"] if not args.tiny else ["--tiny"]
     _say(f"[validation] calibrating {args.device} once -> {path}")
-    if clustersim(argv) != 0:
-        raise UserError([Problem("calibrate", args.device, "calibration failed; see above, "
-                                 "or pass --profile PROFILE.yaml")])
+    parser = argparse.ArgumentParser(prog="clustersim")
+    add_parser(parser.add_subparsers())  # the calibrate command's own flags and defaults
+    try:
+        run_calibrate(parser.parse_args(argv))
+    except UserError as exc:
+        raise UserError([*exc.problems, Problem("calibrate", args.device, "calibration "
+                                                "failed; or pass --profile PROFILE.yaml")]
+                        ) from None
     return str(path)
 
 
