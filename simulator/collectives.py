@@ -9,7 +9,7 @@ leg into one flow per simulated member; it never expands a 1,024-rank ring into
 small groups (a validation mode; tests show both agree).
 
 Group shape: ``n`` ranks, ``k`` per node on ``N`` nodes (rails: GPU i of every
-node talks over NIC i). Volumes follow REFERENCE.md and nccl-tests:
+node talks over NIC i). Volumes follow nccl-tests (docs/model.md):
 
 - ring all-reduce: 2(n−1)/n·S per rank in 2(n−1) steps. Across nodes, the
   node's k NICs carry the node's 2(N−1)/N·S between them (NCCL's channels use

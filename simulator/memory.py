@@ -86,7 +86,7 @@ def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16") -> tuple[flo
 
 
 def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> float:
-    """Model-state bytes per GPU for Ψ parameters (ZeRO paper, Fig. 1 / REFERENCE table)."""
+    """Model-state bytes per GPU for Ψ parameters (ZeRO paper, Fig. 1; docs/model.md)."""
     return psi * sum(state_bytes_per_param(zero, n_d, dtype))
 
 

@@ -266,7 +266,7 @@ def megatron_model_flops(spec: ModelSpec, global_batch: int) -> float:
 
 def megatron_hardware_flops(spec: ModelSpec, global_batch: int,
                             recompute: RecomputeMode) -> float:
-    """REFERENCE.md closed forms: full 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)); selective
+    """The quoted closed forms (docs/model.md): full 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)); selective
     (as quoted from Korthikanti et al. 2022) 72·B·s·l·h²·(1 + s/(3h) + V/(12lh))."""
     B, s, L, h, V = global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
     if recompute == "full":

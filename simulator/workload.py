@@ -6,7 +6,7 @@ cost model), a collective over a group (a :class:`~simulator.collectives.Plan`),
 or a point-to-point transfer. Cross-stream and cross-rank dependencies are task
 ids. Everything here is plain data: the engine runs it, tests inspect it.
 
-What goes where (Megatron-LM's execution, DESIGN.md "Streams and overlap"):
+What goes where (Megatron-LM's execution):
 
 - Pipeline actions come from :mod:`simulator.schedules`; each F/B/I/W of a
   virtual stage expands to per-layer blocks (attention, MLP) with the TP

@@ -1,5 +1,5 @@
-"""Collective plans and their timing: closed forms (REFERENCE.md "Communication
-volume"), nccl-tests' busbw conventions, and the step-by-step expansion agreeing
+"""Collective plans and their timing: closed forms (docs/model.md "Communication
+volumes"), nccl-tests' busbw conventions, and the step-by-step expansion agreeing
 with the aggregated plan (directly and through the engine)."""
 
 from __future__ import annotations

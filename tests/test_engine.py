@@ -1,7 +1,7 @@
 """The discrete-event engine against closed forms (oracles, not snapshots).
 
 - free communication + balanced stages: the bubble of GPipe/1F1B, interleaved and
-  ZB-H1 equals its closed form (REFERENCE.md "Pipeline bubbles");
+  ZB-H1 equals its closed form (docs/model.md "Pipeline bubbles");
 - the schedule's order is what the engine runs (F before B, peak in-flight);
 - folded equals full; the same scenario gives the same spans;
 - the analytic estimate equals the engine where the closed form is exact and is

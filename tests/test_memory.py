@@ -1,4 +1,4 @@
-"""Per-rank memory against REFERENCE.md: the ZeRO table, Korthikanti's activation table,
+"""Per-rank memory against docs/model.md: the ZeRO table, Korthikanti's activation table,
 in-flight micro-batches per schedule, and the bundled configurations' OOM verdicts."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def test_zero_states_never_grow_with_the_stage(psi: float, n_d: int, dtype: str)
 
 
 def test_llama_7b_does_not_fit_one_80gb_gpu() -> None:
-    # REFERENCE (LLaMA-7B full training): weights 14 GB, grads 14 GB, AdamW 84 GB. Those
-    # figures round Ψ to 7e9; the llama2-7b preset has Ψ = 6.738e9, which gives
+    # docs/model.md worked figure (LLaMA-7B full training): weights 14 GB, grads 14 GB,
+    # AdamW 84 GB. Those figures round Ψ to 7e9; the llama2-7b preset has Ψ = 6.738e9, which gives
     # 13.48 / 13.48 / 80.86 GB: within 4 % (3.7 % low), not closer.
     s = scenario({"preset": "llama2-7b"}, gpus_per_node=1,
                  training={"global_batch": 8, "micro_batch": 1})
@@ -101,7 +101,7 @@ def test_llama_7b_does_not_fit_one_80gb_gpu() -> None:
 
 
 def test_llama_7b_selective_activations_in_reference_range() -> None:
-    # REFERENCE: "plus 8–20 GB activations"; with the attention scores recomputed the
+    # docs/model.md: "plus 8–20 GB of activations"; with the attention scores recomputed the
     # 32 layers hold s·b·h·(10 + 8 + 6f/h) 16-bit bytes each: 18.3 GB at s = 4096
     s = scenario({"preset": "llama2-7b"}, gpus_per_node=1, recompute="selective",
                  training={"global_batch": 8, "micro_batch": 1})
@@ -188,11 +188,11 @@ def test_in_flight_rejects_bad_arguments() -> None:
 
 
 def test_ten_b_model_on_eight_a100_40gb() -> None:
-    # REFERENCE: "a 10B model on 8 × A100-40GB: TP 2 × PP 2 × DP 2 does not fit without
+    # docs/model.md: "a 10B model on 8 × A100-40GB: TP 2 × PP 2 × DP 2 does not fit without
     # ZeRO; with ZeRO-3 it does." Ψ = 9.88e9, so 2.5e9 per rank. Peak (stage 0) totals:
     #   recompute none:      ZeRO-0 65.4 GB, ZeRO-3 45.8 GB (25.0 GB of activations)
     #   recompute selective: ZeRO-0 49.3 GB, ZeRO-1 34.2, ZeRO-3 29.7 GB
-    # So the REFERENCE statement holds with selective recomputation; without any
+    # So the statement holds with selective recomputation; without any
     # recomputation the stored attention scores keep even ZeRO-3 over 40 GB.
     figures = {(z, r): peak_memory(ten_b(z, r)).total / GB
                for z in (0, 3) for r in ("none", "selective")}

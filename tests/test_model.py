@@ -1,4 +1,5 @@
-"""Transformer arithmetic against REFERENCE.md's closed forms and published parameter counts."""
+"""Transformer arithmetic against the closed forms of docs/model.md and published parameter
+counts."""
 
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def test_model_flops_closed_form_property(spec: ModelSpec, batch: int) -> None:
 
 @pytest.mark.parametrize(("spec", "batch"), [(load_preset_model("gpt3-175b"), 1536), (gpt(), 3)])
 def test_full_recompute_equals_closed_form(spec: ModelSpec, batch: int) -> None:
-    # REFERENCE: 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)): one more forward of every layer
+    # Narayanan et al. SC'21: 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)): one more forward of every layer
     # (not of the logits)
     assert hardware_flops_per_step(spec, batch, "full") == pytest.approx(
         megatron_hardware_flops(spec, batch, "full"), rel=REL)
@@ -153,7 +154,7 @@ def test_full_recompute_equals_closed_form(spec: ModelSpec, batch: int) -> None:
 def test_selective_recompute_against_quoted_closed_form(spec: ModelSpec, batch: int) -> None:
     # Recomputing the attention core (QKᵀ, softmax, AV) once adds its forward,
     # 4·B·s²·h per layer, so the op-level sum is 72·B·s·l·h²·(1 + 2s/(9h) + V/(12lh)).
-    # REFERENCE.md quotes Korthikanti et al. 2022 as 72·B·s·l·h²·(1 + s/(3h) + V/(12lh)),
+    # The form usually quoted from Korthikanti et al. 2022 is 72·B·s·l·h²·(1 + s/(3h) + V/(12lh)),
     # whose s² term is twice the model's (24 instead of 12 B·s²·l·h), i.e. three
     # attention-core forwards more than the model rather than one. The simulator keeps
     # the op-level sum: the quoted form exceeds it by exactly 8·B·s²·l·h.

@@ -6,7 +6,7 @@ engine implements every value the schema accepts).
 
 Beyond "it runs", the files' claims are checked against theory:
 
-- memory verdicts (REFERENCE.md "Configurations from practice"): LLaMA-7B does
+- memory verdicts (docs/model.md "Worked figures and configurations from practice"): LLaMA-7B does
   not fit one 80 GB GPU under DDP and does with ZeRO-2 or FSDP; the 10B GPT on
   A100-40GB with TP 2 · PP 2 · DP 2 does not fit without ZeRO and fits with
   ZeRO-3 (ZeRO-1 already fits);

@@ -83,7 +83,7 @@ def test_interleaved_peak_follows_megatron_warmup(p, m, v):
     for r in range(p):
         warmup = min((p - r - 1) * 2 + (v - 1) * p, m * v)
         assert schedule.peak_in_flight(r) == min(warmup + 1, m * v)
-    # rank 0 in units of whole micro-batches: p + (p - 1) / v (REFERENCE.md), when m > p
+    # rank 0 in units of whole micro-batches: p + (p - 1) / v (Narayanan et al. SC'21), when m > p
     if m > p:
         assert schedule.peak_in_flight(0) / v == pytest.approx(p + (p - 1) / v)
 

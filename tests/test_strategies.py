@@ -3,7 +3,7 @@
 Every figure is read back from the span table of ``simulate_scenario`` (one row
 per task: ``op``, ``kind``, ``stream``, ``bytes`` = the collective's size S,
 i.e. the whole array for an all-gather or reduce-scatter) and compared with
-REFERENCE.md:
+docs/model.md:
 
 - ZeRO traffic per step per rank, nccl conventions: an all-reduce of S moves
   2(n − 1)/n · S per rank, an all-gather or a reduce-scatter (n − 1)/n · S. DDP

@@ -138,3 +138,27 @@ def test_the_microbenchmarks_do_not_import_the_measured_runs() -> None:
     for path in sorted((ROOT / "calibration" / "microbench").rglob("*.py")):
         bad = [m for m in _imported_modules(path) if m.startswith("calibration.measured")]
         assert bad == [], path
+
+
+# ------------------------------------------------------------ citations
+
+
+OUTSIDE = ("DESIGN" + ".md", "REFERENCE" + ".md")  # spelled apart: this file is tracked too
+
+
+def test_no_tracked_file_cites_a_file_outside_the_repository() -> None:
+    """Comments, docs and notebooks cite papers, framework sources or docs/, never the
+    notes these files came from, which a reader of the repository does not have."""
+    listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=ROOT,
+                            check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    paths = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    assert len(paths) > 50 and ROOT / "simulator" / "model.py" in paths
+    hits = []
+    for path in paths:
+        if not path.is_file():  # deleted in the work tree
+            continue
+        text = path.read_bytes().decode("utf-8", errors="ignore")
+        hits += [f"{path.relative_to(ROOT)}: {name}" for name in OUTSIDE if name in text]
+    assert hits == []
