@@ -236,10 +236,3 @@ def synthetic_batch(
     tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq_len + 1), generator=gen)
     tokens = tokens.to(device)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def parameter_count(cfg: GPTConfig) -> int:
-    """Parameters of the unsharded model (tied head counted once)."""
-    h, f = cfg.hidden, cfg.ffn_hidden
-    block = 2 * 2 * h + 4 * (h * h + h) + (h * f + f) + (f * h + h)
-    return cfg.vocab * h + cfg.seq_len * h + cfg.layers * block + 2 * h
