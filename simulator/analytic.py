@@ -25,19 +25,19 @@ from typing import Any
 from simulator import model as mdl
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
-from simulator.hardware import CollectiveName
+from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.layout import Layout
 from simulator.scenario import Scenario
 from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
 
 
 def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
-                     group: tuple[int, ...]) -> float:
+                     group: tuple[int, ...], hw: HardwareProfile) -> float:
     if len(group) <= 1 or size <= 0:
         return 0.0
     shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
-    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, s.hardware)
-    return estimate(plan, s.hardware)
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw)
+    return estimate(plan, hw)
 
 
 def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[float, ...]:
@@ -56,15 +56,16 @@ def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[f
     return f, b, w
 
 
-def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float) -> float:
+def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
+                   hw: HardwareProfile) -> float:
     """ZeRO-3 per micro-batch: each layer's gathers (before forward and, resharded,
     before backward) beyond what the previous layer's compute hides when prefetched."""
     par, spec, trn = s.parallel, s.model, s.training
     layers = spec.layers // par.pp
     size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype)
-    t_ag = _collective_time(s, layout, "all_gather", size, layout.dp_group(0))
+    t_ag = _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
-        and s.hardware.gpu.comm_overlaps_compute
+        and hw.gpu.comm_overlaps_compute
     fwd = layers * (max(0.0, t_ag - t_f / layers) if prefetch else t_ag)
     bwd = layers * (max(0.0, t_ag - t_b / layers) if prefetch else t_ag) \
         if par.reshard_after_forward else 0.0
@@ -81,16 +82,21 @@ def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: 
     return (m + p - 1) * full
 
 
-def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str, Any]:
+def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
+                      cost: CostModel | None = None,
+                      hw: HardwareProfile | None = None) -> dict[str, Any]:
+    """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
+    hardware profile (``--what-if`` prices the same step with one class faster)."""
     par, spec, trn = s.parallel, s.model, s.training
+    hw = hw or s.hardware
     layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
-    cost = CostModel(s.hardware, trn.dtype)
+    cost = cost or CostModel(hw, trn.dtype)
     c = costs or block_costs(s, cost)
     rank0 = 0
     tp_op: CollectiveName = "all_gather" if par.sequence_parallel else "all_reduce"
     t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
                                                                           trn.dtype),
-                            layout.tp_group(rank0))
+                            layout.tp_group(rank0), hw)
     stages = [_stage_times(s, c, t_tp, st) for st in range(par.pp)]
     f, b, w = max(stages, key=sum)
     m = s.microbatches
@@ -101,7 +107,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
     if par.pp > 1:
         src, dst = layout.rank(0, 0, 0), layout.rank(1, 0, 0)
         same = layout.node(src) == layout.node(dst)
-        link = s.hardware.intra_node if same else s.hardware.inter_node
+        link = hw.intra_node if same else hw.inter_node
         nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
         if par.sequence_parallel:
             nbytes /= par.tp
@@ -114,25 +120,25 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None) -> dict[str,
     grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
-    t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group)
-    overlaps = s.hardware.gpu.comm_overlaps_compute
+    t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group, hw)
+    overlaps = hw.gpu.comm_overlaps_compute
     hidden = (b + w) / par.virtual_stages if par.overlap.dp and overlaps else 0.0
     exposed_dp = max(0.0, t_dp - hidden)
     if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
         t_p2p *= m
     shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
-        host = s.hardware.host
+        host = hw.host
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
         t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
-    t_zero = _zero3_exposed(s, layout, f, b) * m if par.zero == 3 else 0.0
+    t_zero = _zero3_exposed(s, layout, f, b, hw) * m if par.zero == 3 else 0.0
     gathered = grad_bytes if par.zero in (1, 2) else 0.0
     if par.zero == 3:  # the replicated embedding/head are gathered after the step
         gathered = grad_bytes - spec.layers // par.pp * mdl.layer_params(spec) / par.tp \
             * mdl.dtype_bytes(trn.dtype)
-    t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group)
+    t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
     tp_exposed = m * (t_tp * (4 if par.sequence_parallel else 2) * 2 * spec.layers / par.pp) \
         if par.tp > 1 else 0.0

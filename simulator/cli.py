@@ -46,7 +46,8 @@ EXAMPLES = {
     "validate": "example:\n  clustersim validate scenarios/gpt3-175b-1024.yaml",
     "run": ("examples:\n  clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3\n"
             "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
-            "--no-plots\n  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic"),
+            "--no-plots\n  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic\n"
+            "  clustersim run scenarios/gpt3-175b-1024.yaml --what-if --no-plots"),
     "memory": "example:\n  clustersim memory scenarios/gpt3-175b-1024.yaml --set parallel.zero=1",
     "presets": "example:\n  clustersim presets",
     "schema": "example:\n  clustersim schema > scenario.schema.json",
@@ -87,6 +88,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--fidelity", choices=["folded", "full"], default=None,
                    help="folded: one rank per stage stands for its peers (default); full: all")
     q.add_argument("--no-plots", action="store_true", help="skip the PNGs (faster)")
+    q.add_argument("--what-if", action="store_true", help="also re-simulate with each cost "
+                   "class (GEMM, attention, memory-bound, each link class) 10%% faster and "
+                   "print what bounds the step (results.json: what_if)")
     q.set_defaults(func=cmd_run)
     q = add("memory", "per-rank memory table and out-of-memory verdict")
     scenario_args(q)
@@ -146,8 +150,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = args.out or Path("out") / s.name
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
     results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True)
+    if args.what_if:
+        from simulator.whatif import CLASS_LABELS, what_if, what_if_lines
+
+        def say(name: str) -> None:
+            print(f"what-if: {CLASS_LABELS[name]} 10% faster ...", file=sys.stderr, flush=True)
+
+        results["what_if"] = what_if(s, results["step_time_s"], results["method"],
+                                     results.get("fidelity"), say)
     written = write_outputs(out, results, spans, plots=not args.no_plots)
     print("\n".join(summary_lines(results)))
+    if args.what_if:
+        print("\n".join(what_if_lines(results["what_if"])))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
 

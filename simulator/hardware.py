@@ -28,6 +28,8 @@ from simulator.errors import Problem, UserError
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 LinkName = Literal["intra_node", "inter_node"]
+#: What a transfer's time depends on: a GPU's NVSwitch port, its NIC, the fabric core.
+LinkClass = Literal["intra_node", "inter_node", "core"]
 CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
 
 SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
@@ -142,6 +144,40 @@ class HardwareProfile(_Frozen):
 
     def link(self, name: LinkName) -> LinkSpec:
         return self.intra_node if name == "intra_node" else self.inter_node
+
+    @property
+    def link_classes(self) -> tuple[LinkClass, ...]:
+        """The link classes of this fabric: the core only when it is oversubscribed."""
+        core: tuple[LinkClass, ...] = ("core",) if self.inter_node.oversubscription > 1 else ()
+        return ("intra_node", "inter_node", *core)
+
+    def with_faster_link(self, link: LinkClass, factor: float) -> HardwareProfile:
+        """This profile with one link class ``factor`` times faster, the others as they
+        are: a transfer over it takes 1/``factor`` of the time (bandwidth × factor, α and
+        the calibrated collectives' α / factor, their busbw × factor). The core's capacity
+        is the NICs' sum / oversubscription, so a faster NIC raises the oversubscription
+        by the same factor (the core stays as it was) and a faster core lowers it; at 1
+        or below the core can no longer be the bottleneck and is not modelled."""
+        if not factor > 0:
+            raise ValueError(f"speed factor {factor} must be > 0")
+        inter = self.inter_node
+        if link == "core":
+            over = inter.oversubscription / factor
+            # model_copy skips validation: an oversubscription under 1 means a core
+            # faster than all NICs together, which the topology treats as non-blocking
+            return self.model_copy(update={"inter_node": inter.model_copy(
+                update={"oversubscription": over})})
+        spec = self.link(link)
+        faster = spec.model_copy(update={"bandwidth_GBps": spec.bandwidth_GBps * factor,
+                                         "latency_us": spec.latency_us / factor})
+        if link == "inter_node" and inter.oversubscription > 1:
+            faster = faster.model_copy(update={"oversubscription": inter.oversubscription
+                                               * factor})
+        collectives = {op: {name: (ab.model_copy(update={"alpha_us": ab.alpha_us / factor,
+                                                         "busbw_GBps": ab.busbw_GBps * factor})
+                                   if name == link else ab) for name, ab in by_link.items()}
+                       for op, by_link in self.collectives.items()}
+        return self.model_copy(update={link: faster, "collectives": collectives})
 
 
 def preset_system_names() -> list[str]:
