@@ -111,7 +111,7 @@ def what_if_lines(entry: Mapping[str, Any]) -> list[str]:
            f"step {entry['step_time_s']:.4g} s)",
            f"  {'class':<{width}}  {'step (s)':>10}  {'saves':>7}  {'elasticity':>10}"]
     for name, row in rows:
-        out.append(f"  {CLASS_LABELS.get(name, name):<{width}}  {row['step_time_s']:>10.4g}  "
+        out.append(f"  {CLASS_LABELS.get(name, name):<{width}}  {row['step_time_s']:>#10.4g}  "
                    f"{row['sensitivity']:>7.2%}  {row['elasticity']:>10.3f}")
     total = sum(row["sensitivity"] for name, row in rows if name in COMPUTE_CLASSES)
     out.append(f"  compute classes together save {total:.2%} of the step "
