@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from simulator import accounting as acc
 from simulator import model as mdl
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
@@ -40,20 +41,32 @@ def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: floa
     return estimate(plan, hw)
 
 
-def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[float, ...]:
-    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
+def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> dict[str, float]:
+    """Seconds of one micro-batch through one stage (all chunks), by category:
+    forward, backward_input, backward_weight, recompute and tp_transfer."""
     par = s.parallel
     layers = s.model.layers // par.pp
     tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
-    rec = sum(c.recompute) + (tp_per_pass if par.recompute == "full" else 0.0)
-    f = layers * (sum(c.fwd) + tp_per_pass)
-    b = layers * (sum(c.bwd_input) + tp_per_pass + rec)
-    w = layers * sum(c.bwd_weight)
-    if stage == 0:
-        f, b, w = f + c.embed[0], b + c.embed[1], w + c.embed[2]
-    if stage == par.pp - 1:
-        f, b, w = f + c.head[0], b + c.head[1], w + c.head[2]
-    return f, b, w
+    passes = 3 if par.recompute == "full" else 2
+    out = {"forward": layers * sum(c.fwd), "backward_input": layers * sum(c.bwd_input),
+           "backward_weight": layers * sum(c.bwd_weight),
+           "recompute": layers * sum(c.recompute) if par.recompute != "none" else 0.0,
+           "tp_transfer": layers * tp_per_pass * passes}
+    for end, present in ((c.embed, stage == 0), (c.head, stage == par.pp - 1)):
+        if present:
+            out["forward"] += end[0]
+            out["backward_input"] += end[1]
+            out["backward_weight"] += end[2]
+    return out
+
+
+def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[float, ...]:
+    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks);
+    TP communication and recompute count in the pass they sit in."""
+    d = _stage_passes(s, c, t_tp, stage)
+    tp_f = d["tp_transfer"] / (3 if s.parallel.recompute == "full" else 2)
+    return (d["forward"] + tp_f, d["backward_input"] + d["recompute"] + d["tp_transfer"] - tp_f,
+            d["backward_weight"])
 
 
 def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
@@ -140,14 +153,29 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
             * mdl.dtype_bytes(trn.dtype)
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
-    tp_exposed = m * (t_tp * (4 if par.sequence_parallel else 2) * 2 * spec.layers / par.pp) \
-        if par.tp > 1 else 0.0
-    return {
-        "step_time_s": step,
-        "bubble_fraction": 1.0 - ideal / t_pipe if t_pipe > 0 else 0.0,
-        "pipeline_phase_s": [0.0, t_pipe],
-        "compute_s": [sum(st) * m for st in stages],
-        "exposed_comm_s": {"tp": tp_exposed, "pp": t_p2p, "dp": exposed_dp + t_gather,
-                           "zero": t_zero},
-        "optimizer_s": t_opt,
-    }
+    after = {"pp_transfer": t_p2p, "dp_transfer": exposed_dp + t_gather, "zero_transfer": t_zero}
+    if par.zero_offload:
+        host = s.hardware.host
+        after["optimizer"] = shard * layout.gpus_per_node / host.cpu_adam_params_per_s
+        after["offload_transfer"] = t_opt - after["optimizer"]
+    else:
+        after["optimizer"] = t_opt
+    entries, bubbles = [], []
+    for st in range(par.pp):
+        entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
+        entry.update(dict.fromkeys(acc.CATEGORIES, 0.0))
+        passes = _stage_passes(s, c, t_tp, st)
+        for category, seconds in passes.items():
+            entry[category] = m * seconds
+        for category, seconds in after.items():
+            entry[category] += seconds
+        own = stages[st]
+        idle = t_pipe - m * sum(own)
+        ideal = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *own) - m * sum(own)
+        entry["pipeline_bubble"] = min(idle, max(ideal, 0.0))
+        entry["imbalance_idle"] = idle - entry["pipeline_bubble"]
+        entries.append(entry)
+        bubbles.append(acc.schedule_bubble(ideal, idle))
+    out = acc.metrics(entries, step, (0.0, t_pipe), bubbles)
+    out["optimizer_s"] = t_opt
+    return out

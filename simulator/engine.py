@@ -41,6 +41,7 @@ class SimResult:
     workload: Workload
     spans: list[tuple[int, float, float]]  # (task id, start, end)
     comm_start: dict[int, float]  # collective task id -> when its transfer began
+    last_arrival: dict[int, int]  # collective task id -> the member task that arrived last
     link_busy: dict[str, float]  # seconds per link class, summed over simulated links
     end_time: float
     events: int
@@ -48,13 +49,14 @@ class SimResult:
 
 
 class _Rendezvous:
-    __slots__ = ("arrived", "done", "members", "start")
+    __slots__ = ("arrived", "done", "last", "members", "start")
 
     def __init__(self, env: simpy.Environment, members: int) -> None:
         self.members = members
         self.arrived: list[int] = []
         self.done = env.event()
         self.start = 0.0
+        self.last = -1
 
 
 class Engine:
@@ -69,6 +71,7 @@ class Engine:
         self.rendezvous: dict[tuple[Any, ...], _Rendezvous] = {}
         self.simulated = set(workload.programs)
         self.comm_start: dict[int, float] = {}  # collective task -> all members arrived
+        self.last_arrival: dict[int, int] = {}  # collective task -> member that arrived last
         self._members: dict[tuple[int, ...], list[int]] = {}
         self._links: dict[tuple[tuple[int, ...], LinkName], tuple[Any, ...]] = {}
         self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
@@ -118,7 +121,8 @@ class Engine:
             key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
             busy[key] = busy.get(key, 0.0) + secs
         end = max((e for _, _, e in self.spans), default=0.0)
-        return SimResult(self.w, self.spans, self.comm_start, busy, end, self._event_count(), wall)
+        return SimResult(self.w, self.spans, self.comm_start, self.last_arrival, busy, end,
+                         self._event_count(), wall)
 
     def _event_count(self) -> int:
         """Events SimPy scheduled: its private heap counter (simpy 4's ``_eid``)."""
@@ -188,9 +192,11 @@ class Engine:
             if len(rv.arrived) < rv.members:
                 yield rv.done
                 self.comm_start[task.id] = rv.start
+                self.last_arrival[task.id] = rv.last
                 return
             del self.rendezvous[task.group_key]
             rv.start = self.env.now
+            rv.last = task.id
         self.comm_start[task.id] = self.env.now
         plan = task.plan
         assert plan is not None

@@ -40,6 +40,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from simulator import accounting as acc
 from simulator.trace_export import atomic_output, normalize_spans, read_timeline_csv
 
 #: Bar colour of each span kind (Tableau 10), in legend order.
@@ -55,10 +56,12 @@ KIND_COLOURS: Mapping[str, str] = {
     "optimizer": "#BAB0AC",
     "offload": "#FF9DA6",
     "embedding_tie": "#8CD17D",
+    "wait": "#D9D9D9",  # a collective's member waiting for its peers
 }
 _OTHER_COLOUR = "#79706E"
 _BUBBLE_COLOUR = "#E6E6E6"
 _CAPACITY_COLOUR = "#C00000"
+_PATH_COLOUR = "#D62728"
 _LABELLED_KINDS = ("forward", "backward", "weight_grad", "recompute")
 _STREAM_ORDER = ("compute", "pp", "dp", "host")
 _MAX_LABELS = 400  # more micro-batch labels than this are unreadable
@@ -263,13 +266,56 @@ def _timeline_axes(ax: Axes, rows: pd.DataFrame, bands: Mapping[str, tuple[float
         ax.spines[side].set_visible(False)
 
 
+def _split_waits(spans: pd.DataFrame) -> pd.DataFrame:
+    """A collective whose members arrived at different times is drawn in two parts: the
+    peer-wait (kind ``wait``) up to ``comm_start``, then the transfer in its own kind."""
+    waiting = spans["comm_start"] > spans["start"]
+    if not waiting.any():
+        return spans
+    waits = spans[waiting].copy()
+    waits["end"] = waits["comm_start"]
+    waits["kind"] = "wait"
+    moved = spans.copy()
+    moved.loc[waiting, "start"] = moved.loc[waiting, "comm_start"]
+    return pd.concat([moved, waits], ignore_index=True)
+
+
+def _draw_critical_path(ax: Axes, spans: pd.DataFrame, rows: pd.DataFrame,
+                        bands: Mapping[str, tuple[float, float]], path: Any, scale: float,
+                        all_ranks: bool) -> bool:
+    """The critical path as a thick line under the compute bars of the rows it runs
+    through, joined by vertical steps where it moves to another row."""
+    if not isinstance(path, list) or not path or spans.empty:
+        return False
+    stage_of = dict(zip(spans["rank"], spans["stage"], strict=False))
+    if all_ranks:
+        row_of = dict(zip(rows["rank"], rows["row"], strict=True))
+    else:
+        by_stage = dict(zip(rows["rank"].map(stage_of), rows["row"], strict=True))
+        row_of = {r: by_stage[st] for r, st in stage_of.items() if st in by_stage}
+    y_off = bands["compute"][0] + bands["compute"][1] + 0.02
+    xs: list[float] = []
+    ys: list[float] = []
+    for seg in path:
+        row = row_of.get(int(seg["rank"]))
+        if row is None:
+            continue
+        y = row + y_off
+        xs += [float(seg["start"]) * scale, float(seg["end"]) * scale]
+        ys += [y, y]
+    if not xs:
+        return False
+    ax.plot(xs, ys, color=_PATH_COLOUR, linewidth=2.5, solid_capstyle="butt", zorder=5)
+    return True
+
+
 def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = None,
                     all_ranks: bool = False) -> Figure:
     """Per-stage Gantt chart of a span table (see the module notes)."""
     spans = normalize_spans(spans)
     rows = _timeline_rows(spans, all_ranks)
     bands = _stream_bands(sorted(set(spans["stream"])))
-    bars = spans.merge(rows[["rank", "row"]], on="rank")
+    bars = _split_waits(spans).merge(rows[["rank", "row"]], on="rank")
     # astype: an empty column maps to strings, not numbers
     bars["y0"] = bars["row"] + bars["stream"].map(lambda s: bands[s][0]).astype(float)
     bars["h"] = bars["stream"].map(lambda s: bands[s][1]).astype(float)
@@ -292,6 +338,9 @@ def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = Non
         for t in phase:
             ax.axvline(float(t) * scale, color="#555555", linestyle="--", linewidth=0.8)
         handles.append(Line2D([], [], color="#555555", linestyle="--", label="pipeline phase"))
+    if _draw_critical_path(ax, spans, rows, bands, (results or {}).get("critical_path"), scale,
+                           all_ranks):
+        handles.append(Line2D([], [], color=_PATH_COLOUR, linewidth=2.5, label="critical path"))
     if spans.empty:
         ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center")
     ax.set_title(_timeline_title(spans, results), fontsize=11)
@@ -309,74 +358,53 @@ def plot_timeline(spans: pd.DataFrame, results: Mapping[str, Any] | None,
 
 # --- breakdown -----------------------------------------------------------------------
 
-_BREAKDOWN_COLOURS: Mapping[str, str] = {
-    "compute": KIND_COLOURS["forward"],
-    "tp": KIND_COLOURS["tp"],
-    "pp": KIND_COLOURS["pp"],
-    "dp": KIND_COLOURS["dp"],
-    "zero": KIND_COLOURS["zero"],
-    "bubble": _BUBBLE_COLOUR,
-    "other": KIND_COLOURS["optimizer"],
-}
 
-
-_SEGMENT_LABELS: Mapping[str, str] = {
-    "compute": "compute", "tp": "exposed TP comm", "pp": "exposed PP comm",
-    "dp": "exposed DP comm", "zero": "exposed ZeRO comm", "bubble": "pipeline bubble",
-    "other": "other (optimizer, sync tail)",
-}
-
-
-def _stage_count(results: Mapping[str, Any]) -> int:
-    for key in ("bubble_fraction_per_stage", "memory", "compute_s"):
-        value = results.get(key)
-        if isinstance(value, list) and value:
-            return len(value)
-    _, parallel = _scenario_header(results)
-    return int(parallel.get("pp", 1))
-
-
-def _per_stage(value: Any, n: int) -> np.ndarray:
-    """A per-stage list as an array; a scalar (or missing value) repeated per stage."""
-    if isinstance(value, (list, tuple, np.ndarray)):
-        array = np.asarray(value, dtype=float)
-        if array.shape != (n,):
-            raise ValueError(f"expected {n} per-stage values, got {len(array)}")
-        return array
-    return np.full(n, float(value or 0.0))
+def _category_style(category: str) -> dict[str, Any]:
+    """Face colour and hatch of an accounting category: compute in its kind's colour,
+    transfers solid and peer-waits hatched in their comm kind's, idle in greys."""
+    if category in acc.COMM_CATEGORIES:
+        kind, part = category.rsplit("_", 1)
+        colour = KIND_COLOURS.get(kind, _OTHER_COLOUR)
+        return {"color": colour, "hatch": ".." if part == "wait" else None,
+                "alpha": 0.55 if part == "wait" else 1.0}
+    styles = {"forward": (KIND_COLOURS["forward"], None),
+              "backward_input": (KIND_COLOURS["backward"], None),
+              "backward_weight": (KIND_COLOURS["weight_grad"], None),
+              "recompute": (KIND_COLOURS["recompute"], None),
+              "optimizer": (KIND_COLOURS["optimizer"], None),
+              "pipeline_bubble": (_BUBBLE_COLOUR, "//"),
+              "imbalance_idle": ("#C9C9C9", "xx"),
+              "tail": ("#F7F7F7", "--")}
+    colour, hatch = styles.get(category, (_OTHER_COLOUR, None))
+    return {"color": colour, "hatch": hatch, "alpha": 1.0}
 
 
 def breakdown_segments(results: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Seconds per stage of compute, exposed comm per kind, bubble and the rest of the step.
-
-    The bubble is ``bubble_fraction_per_stage × pipeline phase``; "other" is what
-    remains of ``step_time_s`` (optimizer step, gradient-sync tail), never negative.
-    """
-    n = _stage_count(results)
-    segments = {"compute": _per_stage(results.get("compute_s"), n)}
-    exposed = results.get("exposed_comm_s") or {}
-    for kind in ("tp", "pp", "dp", "zero"):
-        segments[kind] = _per_stage(exposed.get(kind), n)
-    phase = results.get("pipeline_phase_s") or [0.0, 0.0]
-    fractions = _per_stage(results.get("bubble_fraction_per_stage",
-                                       results.get("bubble_fraction")), n)
-    segments["bubble"] = fractions * (float(phase[1]) - float(phase[0]))
-    used = np.sum(list(segments.values()), axis=0)
-    segments["other"] = np.maximum(float(results.get("step_time_s", 0.0)) - used, 0.0)
-    return segments
+    """Seconds per pipeline stage of every accounting category that occurs, from
+    ``time_breakdown_s`` (the mean over each stage's simulated ranks). Each stage's
+    segments sum to the step time: they are a partition, nothing is clamped."""
+    entries = results.get("time_breakdown_s")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("results.json has no time_breakdown_s: re-run the scenario with this "
+                         "version of clustersim")
+    stages = acc.stage_breakdown(entries)
+    segments = {c: np.array([st[c] for st in stages], dtype=float) for c in acc.CATEGORIES}
+    return {c: v for c, v in segments.items() if v.any()}
 
 
 def _label_bubbles(ax: Axes, results: Mapping[str, Any], segments: Mapping[str, np.ndarray],
                    scale: float) -> None:
     """Write each stage's bubble fraction in the middle of its bubble segment."""
     fractions = results.get("bubble_fraction_per_stage")
-    if not isinstance(fractions, list) or len(fractions) > 32:
+    bubble = segments.get("pipeline_bubble")
+    if not isinstance(fractions, list) or len(fractions) > 32 or bubble is None:
         return
-    below = sum(segments[k] for k in ("compute", "tp", "pp", "dp", "zero"))
-    middle = (below + segments["bubble"] / 2) * scale
+    order = list(segments)
+    below = sum(segments[k] for k in order[:order.index("pipeline_bubble")])
+    middle = (below + bubble / 2) * scale
     prefix = "bubble\n" if len(fractions) <= 8 else ""  # wider labels collide beyond ~8 bars
-    for i, fraction in enumerate(fractions):
-        if segments["bubble"][i] > 0:
+    for i, fraction in enumerate(fractions[:len(bubble)]):
+        if bubble[i] > 0:
             ax.text(i, middle[i], f"{prefix}{float(fraction):.1%}", ha="center", va="center",
                     fontsize=7, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
 
@@ -384,20 +412,19 @@ def _label_bubbles(ax: Axes, results: Mapping[str, Any], segments: Mapping[str, 
 def breakdown_figure(results: Mapping[str, Any]) -> Figure:
     """Per-stage stacked bars of :func:`breakdown_segments`, with the step time."""
     segments = breakdown_segments(results)
-    n = len(segments["compute"])
+    n = len(next(iter(segments.values())))
     step = float(results.get("step_time_s", 0.0))
     total = np.sum(list(segments.values()), axis=0)
     scale, unit = _time_unit(max(step, float(total.max(initial=0.0))))
-    fig = Figure(figsize=(min(4 + 0.5 * n, 16), 5), layout="constrained")
+    fig = Figure(figsize=(min(5 + 0.5 * n, 16), 5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
     bottom = np.zeros(n)
-    for label, seconds in segments.items():
-        if not seconds.any():
-            continue
-        ax.bar(x, seconds * scale, bottom=bottom, width=0.7, label=_SEGMENT_LABELS[label],
-               color=_BREAKDOWN_COLOURS[label], edgecolor="#888888", linewidth=0.4,
-               hatch="//" if label == "bubble" else None)
+    for category, seconds in segments.items():
+        style = _category_style(category)
+        ax.bar(x, seconds * scale, bottom=bottom, width=0.7, label=acc.label(category),
+               color=style["color"], alpha=style["alpha"], hatch=style["hatch"],
+               edgecolor="#888888", linewidth=0.4)
         bottom += seconds * scale
     if step > 0:
         ax.axhline(step * scale, color="black", linestyle="--", linewidth=0.8,
@@ -410,7 +437,9 @@ def breakdown_figure(results: Mapping[str, Any]) -> Figure:
     name, parallel = _scenario_header(results)
     ax.set_title(" · ".join(p for p in (name, str(parallel.get("schedule", "")),
                                         "where each stage's step goes") if p), fontsize=11)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1),
+              fontsize=8, frameon=False)
     return fig
 
 

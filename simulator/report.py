@@ -1,20 +1,12 @@
 """Report: metrics from a finished simulation (or an analytic estimate).
 
-Definitions (README "Reading the outputs"):
+Every time category comes from :mod:`simulator.accounting` (README "Reading the
+outputs"): ``time_breakdown_s`` per simulated rank, ``step_breakdown_s`` their
+mean, ``critical_path_s``; ``bubble_fraction`` is the mean pipeline bubble over
+ranks as a fraction of the pipeline phase (first forward to last backward).
+``exposed_comm_s`` per kind is the mean transfer + peer-wait time that held a
+rank back; ``compute_s`` per stage is the mean compute and optimizer time.
 
-- *pipeline phase*: from the first forward's start to the last backward's (or
-  weight-gradient's) end; the optimizer step and any gradient-sync tail after it
-  are reported separately.
-- *bubble fraction* = 1 − (compute-busy time of all stages in the pipeline
-  phase) / (p × the phase's duration), so balanced stages with free
-  communication give exactly (p − 1)/(m + p − 1). Per stage: 1 − busy / phase.
-  A stage's figures are the mean over its simulated ranks. Communication on the
-  compute stream (TP collectives) is not compute, so it raises this figure;
-  *pipeline idle fraction* counts it as busy, leaving the schedule's own idle
-  time (fill, drain, waits for transfers).
-- *exposed communication* per kind: TP collectives and any communication run on
-  the compute stream count whole; communication on its own stream counts for
-  the part of it during which the compute stream sat idle waiting for it.
 - MFU / HFU: model / hardware FLOPs per second per GPU over the dense peak of
   the training dtype.
 """
@@ -26,48 +18,30 @@ from typing import Any
 
 import pandas as pd
 
+from simulator import accounting as acc
 from simulator import memory as mem
 from simulator import model as mdl
+from simulator.accounting import COMPUTE_KINDS
 from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
-from simulator.tasks import Task
 
-COMPUTE_KINDS = frozenset({"forward", "backward", "weight_grad", "recompute"})
-COMM_KINDS = ("tp", "pp", "dp", "zero", "embedding_tie")
 SPAN_COLUMNS = ["rank", "stage", "tp", "dp", "stream", "op", "kind", "name", "microbatch",
-                "layer", "chunk", "start", "end", "bytes"]
+                "layer", "chunk", "start", "comm_start", "end", "bytes"]
 
 
 def spans_frame(result: SimResult) -> pd.DataFrame:
     """One row per span, sorted by (rank, start)."""
     tasks, layout = result.workload.tasks, result.workload.layout
     rows = []
+    comm_start = result.comm_start
     for tid, start, end in result.spans:
         t = tasks[tid]
         c = layout.coord(t.rank)
         rows.append((t.rank, c.pp, c.tp, c.dp, t.stream, t.op, t.kind, t.name, t.microbatch,
-                     t.layer, t.chunk, start, end, t.nbytes))
+                     t.layer, t.chunk, start, comm_start.get(tid, start), end, t.nbytes))
     df = pd.DataFrame(rows, columns=SPAN_COLUMNS)
     return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
-
-
-def _exposed(tasks: list[Task], compute: list[tuple[Task, float, float]],
-             where: dict[int, tuple[float, float]]) -> dict[str, float]:
-    """Exposed communication of one rank, by kind."""
-    out: dict[str, float] = defaultdict(float)
-    prev_end = 0.0
-    for task, start, end in compute:
-        if task.kind in COMM_KINDS:
-            out[task.kind] += end - start
-        elif start > prev_end:
-            for d in task.deps:
-                dep = tasks[d]
-                if dep.kind in COMM_KINDS and dep.stream != "compute":
-                    s, e = where[d]
-                    out[dep.kind] += max(0.0, min(e, start) - max(s, prev_end))
-        prev_end = max(prev_end, end)
-    return out
 
 
 def collective_summary(result: SimResult) -> dict[str, dict[str, float]]:
@@ -75,13 +49,13 @@ def collective_summary(result: SimResult) -> dict[str, dict[str, float]]:
     algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
     × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
     from the moment the whole group had arrived (time waiting for peers excluded)."""
-    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
     for tid, start, end in result.spans:
         t = result.workload.tasks[tid]
         begin = result.comm_start.get(tid, start)
         if t.plan is None or end <= begin:
             continue
-        a = acc[t.op]
+        a = sums[t.op]
         alg = t.nbytes / (end - begin)
         a[0] += 1
         a[1] += t.nbytes
@@ -89,60 +63,39 @@ def collective_summary(result: SimResult) -> dict[str, dict[str, float]]:
         a[3] += alg
         a[4] += alg * busbw_factor(t.plan.op, t.plan.n)
     return {op: {"count": a[0], "bytes": a[1], "seconds": a[2], "algbw_GBps": a[3] / a[0] / 1e9,
-                 "busbw_GBps": a[4] / a[0] / 1e9} for op, a in sorted(acc.items())}
+                 "busbw_GBps": a[4] / a[0] / 1e9} for op, a in sorted(sums.items())}
 
 
 def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
-    """Step time, throughput, bubble and exposed communication from the spans."""
-    tasks, layout = result.workload.tasks, result.workload.layout
-    where = {tid: (a, b) for tid, a, b in result.spans}
-    per_rank: dict[int, list[tuple[Task, float, float]]] = defaultdict(list)
-    for tid, a, b in result.spans:
-        if tasks[tid].stream == "compute":
-            per_rank[tasks[tid].rank].append((tasks[tid], a, b))
-    phase_spans = [(a, b) for tid, a, b in result.spans if tasks[tid].kind in COMPUTE_KINDS]
+    """Step time, throughput, the accounting's breakdown and critical path, from the spans."""
+    w = result.workload
+    timing = acc.Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
+                           (t for prog in w.programs.values() for t in prog.streams.values()))
+    phase_spans = [(a, b) for tid, a, b in result.spans if w.tasks[tid].kind in COMPUTE_KINDS]
     p0 = min((a for a, _ in phase_spans), default=0.0)
     p1 = max((b for _, b in phase_spans), default=0.0)
-    phase = max(p1 - p0, 1e-30)
-    pp = s.parallel.pp
-    busy_stage, compute_stage, occupied_stage = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    exposed_stage: list[dict[str, float]] = [defaultdict(float) for _ in range(pp)]
-    ranks_stage = [0] * pp
-    for rank, spans in per_rank.items():
-        st = layout.coord(rank).pp
-        ranks_stage[st] += 1
-        spans.sort(key=lambda x: (x[1], x[2]))
-        busy_stage[st] += sum(b - a for t, a, b in spans if t.kind in COMPUTE_KINDS)
-        occupied_stage[st] += sum(
-            max(0.0, min(b, p1) - max(result.comm_start.get(t.id, a), p0))
-            for t, a, b in spans if t.kind in COMPUTE_KINDS or t.kind in COMM_KINDS)
-        compute_stage[st] += sum(b - a for t, a, b in spans
-                                 if t.kind in COMPUTE_KINDS or t.kind == "optimizer")
-        for k, v in _exposed(tasks, spans, where).items():
-            exposed_stage[st][k] += v
-    n = [max(c, 1) for c in ranks_stage]
-    busy = [busy_stage[i] / n[i] for i in range(pp)]
-    exposed = {k: sum(exposed_stage[i][k] / n[i] for i in range(pp)) / pp for k in COMM_KINDS}
-    return {
-        "step_time_s": result.end_time,
-        "bubble_fraction": 1.0 - sum(busy) / (pp * phase),
-        "bubble_fraction_per_stage": [1.0 - b / phase for b in busy],
-        # the schedule's own idle time: communication that occupies the compute stream
-        # (TP collectives, sends without overlap) counts as busy here
-        "pipeline_idle_fraction": 1.0 - sum(occupied_stage[i] / n[i] for i in range(pp))
-        / (pp * phase),
-        "pipeline_phase_s": [p0, p1],
-        "compute_s": [compute_stage[i] / n[i] for i in range(pp)],
-        "exposed_comm_s": exposed,
-        "exposed_comm_s_per_stage": [{k: exposed_stage[i][k] / n[i] for k in COMM_KINDS}
-                                     for i in range(pp)],
+    step = result.end_time
+    compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
+    stage_of = {r: w.layout.coord(r).pp for r in w.programs}
+    pipeline_of = {r: (w.layout.coord(r).dp, w.layout.coord(r).tp) for r in w.programs}
+    entries, bubbles = acc.breakdown(timing, compute, stage_of, pipeline_of, step, (p0, p1),
+                                     s.parallel.schedule, s.parallel.pp, s.microbatches,
+                                     s.parallel.virtual_stages)
+    out = acc.metrics(entries, step, (p0, p1), bubbles)
+    if result.spans:
+        last = max(result.spans, key=lambda sp: (sp[2], w.tasks[sp[0]].stream == "compute"))[0]
+        path = acc.merge_segments(acc.critical_path(timing, last, step))
+        out["critical_path"] = path
+        out["critical_path_s"] = acc.composition(path)
+    out.update({
         "link_busy_s": result.link_busy,
         "collectives": collective_summary(result),
         "sim_wall_s": result.wall_s,
         "sim_events": result.events,
-        "ranks_simulated": len(result.workload.programs),
-        "fidelity": result.workload.fidelity,
-    }
+        "ranks_simulated": len(w.programs),
+        "fidelity": w.fidelity,
+    })
+    return out
 
 
 def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
@@ -171,6 +124,12 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
     }
 
 
+def _top(categories: dict[str, float], step: float, n: int = 4) -> str:
+    """The ``n`` largest categories with their share of the step."""
+    top = sorted(((v, k) for k, v in categories.items() if v > 0), reverse=True)[:n]
+    return "  ".join(f"{acc.label(k)} {v / step:.1%}" for v, k in top) if step > 0 else ""
+
+
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """The short console table."""
     gb = 1e9
@@ -183,13 +142,14 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         ("model TFLOP/s/GPU", f"{results['model_tflops_per_gpu']:.1f}  (MFU {results['mfu']:.1%})"),
         ("hardware TFLOP/s/GPU",
          f"{results['hardware_tflops_per_gpu']:.1f}  (HFU {results['hfu']:.1%})"),
-        ("bubble", f"{results['bubble_fraction']:.2%}" + (
-            f"  (pipeline idle {results['pipeline_idle_fraction']:.2%}, TP counted busy)"
-            if "pipeline_idle_fraction" in results else "")),
+        ("bubble", f"{results['bubble_fraction']:.2%} of the pipeline phase"),
     ]
-    exposed = results.get("exposed_comm_s") or {}
-    if exposed:
-        rows.append(("exposed comm", "  ".join(f"{k} {v:.3g}s" for k, v in exposed.items())))
+    mean = results.get("step_breakdown_s") or {}
+    if mean:
+        rows.append(("where the step goes", _top(mean, results["step_time_s"])))
+    path = results.get("critical_path_s") or {}
+    if path:
+        rows.append(("critical path", _top(path, results["step_time_s"])))
     verdict = "fits" if results["fits_in_memory"] else "DOES NOT FIT"
     cap = results["memory"][0]["capacity"]
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "

@@ -43,6 +43,7 @@ SPAN_COLUMNS: Mapping[str, Any] = {
     "layer": "int64",
     "chunk": "int64",
     "start": "float64",
+    "comm_start": "float64",  # a collective: when its transfer began (the rest was peer-wait)
     "end": "float64",
     "bytes": "float64",
 }
@@ -51,7 +52,7 @@ SPAN_COLUMNS: Mapping[str, Any] = {
 REQUIRED_COLUMNS = ("rank", "stream", "op", "start", "end")
 _DEFAULTS: Mapping[str, Any] = {
     "stage": 0, "tp": 0, "dp": 0, "kind": "", "name": "",
-    "microbatch": -1, "layer": -1, "chunk": 0, "bytes": 0.0,
+    "microbatch": -1, "layer": -1, "chunk": 0, "bytes": 0.0, "comm_start": np.nan,
 }
 
 #: Fixed thread ids; any other stream gets the next free id, in name order.
@@ -80,6 +81,9 @@ def normalize_spans(spans: pd.DataFrame) -> pd.DataFrame:
         else:
             values = pd.Series(np.full(len(spans), _DEFAULTS[column]))
         columns[column] = values.astype(dtype)
+    if "comm_start" not in spans.columns:  # tables from before comm_start: no waits known
+        columns["comm_start"] = columns["start"]
+    columns["comm_start"] = columns["comm_start"].fillna(columns["start"])
     return pd.DataFrame(columns)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from pathlib import Path
@@ -16,8 +15,10 @@ import pytest
 from matplotlib.figure import Figure
 
 from simulator import plots
+from simulator.api import simulate_scenario, write_outputs
+from simulator.scenario import scenario_from_dict
 from simulator.schedules import build_schedule, execute
-from simulator.trace_export import write_timeline_csv
+from simulator.trace_export import read_timeline_csv
 
 MS = 1e-3
 GIB = 1e9  # plots use decimal GB, as the CLI
@@ -86,28 +87,93 @@ def legend_labels(fig: Figure) -> list[str]:
     return [t.get_text() for legend in legends for t in legend.get_texts()]
 
 
+def engine_run(out: Path, schedule: str = "1f1b", v: int = 1, p: int = 4, m: int = 8,
+               method: str = "engine") -> dict[str, Any]:
+    """A real (small) run's files in ``out``: results.json and, for the engine, the
+    timeline, as ``clustersim run --no-plots`` writes them."""
+    s = scenario_from_dict({
+        "name": f"small-{schedule}", "model": {"preset": "tiny-gpt", "layers": 4 * v * p // 2},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1},
+        "parallel": {"tp": 2, "pp": p, "dp": 1, "schedule": schedule, "virtual_stages": v},
+        "training": {"global_batch": m, "micro_batch": 1},
+    })
+    results, spans = simulate_scenario(s, method=method)
+    write_outputs(out, results, spans, plots=False)
+    return results
+
+
 @pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_plot_all_writes_three_valid_pngs(tmp_path: Path, name: str, v: int) -> None:
-    spans, results = schedule_run(name, p=4, m=8, v=v)
-    (tmp_path / "results.json").write_text(json.dumps(results))
-    write_timeline_csv(tmp_path / "timeline.csv", spans)
+    engine_run(tmp_path, name, v)
+    before = {p.name for p in tmp_path.iterdir()}
     paths = plots.plot_all(tmp_path)
     assert [p.name for p in paths] == ["timeline.png", "breakdown.png", "memory.png"]
     for path in paths:
         width, height = png_size(path)
         assert 400 <= width <= 4000 and 300 <= height <= 6000
         assert 10_000 < path.stat().st_size < 5_000_000
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["results.json", "timeline.csv", "timeline.png", "breakdown.png", "memory.png"])
+    assert {p.name for p in tmp_path.iterdir()} == before | {p.name for p in paths}
     assert plt.get_fignums() == []  # pyplot never saw these figures
 
 
 def test_plot_all_without_a_timeline_draws_the_rest(tmp_path: Path) -> None:
-    _, results = schedule_run()
-    (tmp_path / "results.json").write_text(json.dumps(results))
+    engine_run(tmp_path, method="analytic")
     assert [p.name for p in plots.plot_all(tmp_path)] == ["breakdown.png", "memory.png"]
     with pytest.raises(FileNotFoundError, match=r"results\.json"):
         plots.plot_all(tmp_path / "missing")
+    spans, _ = schedule_run()
+    path = plots.plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
+    png_size(path)
+
+
+@pytest.mark.parametrize("method", ["engine", "analytic"])
+@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                         ("zb-h1", 1)])
+def test_breakdown_bars_add_up_to_the_step(tmp_path: Path, name: str, v: int,
+                                           method: str) -> None:
+    """On real output: every stage's bar is exactly the step time (a partition, no
+    clamp), and its drawn rectangles stack to the same height."""
+    results = engine_run(tmp_path, name, v, method=method)
+    segments = plots.breakdown_segments(results)
+    total = sum(segments.values())
+    np.testing.assert_allclose(total, [results["step_time_s"]] * 4, rtol=1e-9)
+    fig = plots.breakdown_figure(results)
+    ax = fig.axes[0]
+    tops = {}
+    for patch in ax.patches:
+        x = round(patch.get_x() + patch.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), patch.get_y() + patch.get_height())
+    scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[ax.get_ylabel().split("(")[1].rstrip(")")]
+    np.testing.assert_allclose(sorted(tops.values()), [results["step_time_s"] * scale] * 4,
+                               rtol=1e-9)
+
+
+def test_breakdown_needs_the_accounting() -> None:
+    _, results = schedule_run()
+    with pytest.raises(ValueError, match="time_breakdown_s"):
+        plots.breakdown_segments(results)
+
+
+def test_breakdown_figure_labels_bubbles(tmp_path: Path) -> None:
+    results = engine_run(tmp_path, "gpipe")
+    fig = plots.breakdown_figure(results)
+    assert sum("bubble\n" in t for t in texts(fig)) == 4
+    assert "pipeline bubble" in legend_labels(fig)
+    assert "tp transfer" in legend_labels(fig)
+    png_size(plots.plot_breakdown(results, tmp_path / "breakdown.png"))
+
+
+def test_timeline_draws_the_critical_path_and_peer_waits(tmp_path: Path) -> None:
+    results = engine_run(tmp_path, "1f1b")
+    spans = read_timeline_csv(tmp_path / "timeline.csv")
+    assert (spans["comm_start"] >= spans["start"]).all()
+    fig = plots.timeline_figure(spans, results)
+    assert "critical path" in legend_labels(fig)
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_color() == plots._PATH_COLOUR]
+    xs = line.get_xdata()
+    scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[fig.axes[0].get_xlabel().split("(")[1][:-1]]
+    assert xs[0] == pytest.approx(0.0, abs=1e-9)
+    assert xs[-1] == pytest.approx(results["step_time_s"] * scale, rel=1e-9)
 
 
 def test_timeline_rows_legend_and_title() -> None:
@@ -165,29 +231,6 @@ def test_timeline_of_no_spans_still_draws(tmp_path: Path) -> None:
     spans, _ = schedule_run()
     path = plots.plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
     png_size(path)
-
-
-def test_breakdown_segments_add_up_to_the_step() -> None:
-    _, results = schedule_run("gpipe", p=2, m=2)
-    segments = plots.breakdown_segments(results)
-    assert list(segments) == ["compute", "tp", "pp", "dp", "zero", "bubble", "other"]
-    phase = results["pipeline_phase_s"][1] - results["pipeline_phase_s"][0]
-    np.testing.assert_allclose(segments["bubble"],
-                               np.array(results["bubble_fraction_per_stage"]) * phase)
-    np.testing.assert_allclose(segments["pp"], [0.1 * MS] * 2)  # a scalar applies per stage
-    total = sum(segments.values())
-    np.testing.assert_allclose(total, [results["step_time_s"]] * 2)
-    results["compute_s"] = [1.0, 2.0, 3.0]
-    with pytest.raises(ValueError, match="expected 2 per-stage values"):
-        plots.breakdown_segments(results)
-
-
-def test_breakdown_figure_labels_bubbles(tmp_path: Path) -> None:
-    _, results = schedule_run("gpipe", p=4, m=8)
-    fig = plots.breakdown_figure(results)
-    assert sum("bubble\n" in t for t in texts(fig)) == 4
-    assert "pipeline bubble" in legend_labels(fig)
-    png_size(plots.plot_breakdown(results, tmp_path / "breakdown.png"))
 
 
 def test_memory_marks_oom_and_draws_the_timeline_panel(tmp_path: Path) -> None:

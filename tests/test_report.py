@@ -27,25 +27,23 @@ def test_tp_all_reduce_busbw_is_the_link_rate() -> None:
     assert ar["algbw_GBps"] == pytest.approx(link * 8 / (2 * 7), rel=1e-9)
 
 
-def test_pipeline_idle_counts_tp_as_busy() -> None:
-    """The bubble fraction counts TP collectives as idle (they are not compute); the
-    pipeline idle fraction counts them busy, so it is smaller by exactly their share,
-    and with free communication the two agree."""
-    base = {
-        "name": "idle", "model": {"preset": "tiny-gpt", "layers": 8},
+def test_tp_communication_is_its_own_category_not_bubble() -> None:
+    """TP collectives on the compute stream are time of the pass they sit in: the
+    breakdown shows them as ``tp_transfer`` (one simulated member per group when
+    folded: no peer-wait), and the bubble stays the schedule's, (p − 1)/(m + p − 1)
+    up to the stages' imbalance (the embedding and the head)."""
+    p, m = 4, 8
+    s = scenario_from_dict({
+        "name": "tp-busy", "model": {"preset": "tiny-gpt", "layers": 16, "vocab": 512},
         "cluster": {"system": "dgx-a100-80gb", "nodes": 1},
-        "parallel": {"tp": 2, "pp": 4, "dp": 1, "schedule": "1f1b"},
-        "training": {"global_batch": 8, "micro_batch": 1},
-    }
-    results, spans = simulate_scenario(scenario_from_dict(base))
-    assert results["pipeline_idle_fraction"] < results["bubble_fraction"]
-    p0, p1 = results["pipeline_phase_s"]
-    tp = spans[spans["kind"] == "tp"]
-    share = (tp["end"] - tp["start"]).sum() / (4 * (p1 - p0))
-    assert results["bubble_fraction"] - results["pipeline_idle_fraction"] == pytest.approx(
-        share, rel=1e-9)
-    free = {**base, "cluster": {**base["cluster"], "intra_node_bandwidth_GBps": 1e12,
-                                "link_latency_us": 0}}
-    results, _ = simulate_scenario(scenario_from_dict(free))
-    assert results["pipeline_idle_fraction"] == pytest.approx(results["bubble_fraction"],
-                                                              abs=1e-6)
+        "parallel": {"tp": 2, "pp": p, "dp": 1, "schedule": "1f1b"},
+        "training": {"global_batch": m, "micro_batch": 1},
+    })
+    results, spans = simulate_scenario(s)
+    tp = spans[(spans["kind"] == "tp") & (spans["stream"] == "compute")]
+    per_rank = (tp["end"] - tp["start"]).groupby(tp["rank"]).sum()
+    mean = results["step_breakdown_s"]
+    assert mean["tp_transfer"] == pytest.approx(per_rank.mean(), rel=1e-9)
+    assert mean["tp_wait"] == 0.0
+    assert results["bubble_fraction"] <= (p - 1) / (m + p - 1) * (1 + 1e-9)
+    assert results["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1), rel=0.1)

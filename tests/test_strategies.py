@@ -425,7 +425,8 @@ def _check_pipeline(res: dict[str, Any], per_mb: pd.Series, m: int, slots: float
     idle = res["bubble_fraction"] * p * phase
     tol = m * p * (per_mb.max() - per_mb.min()) + p * eps * phase
     assert idle == pytest.approx(p * slots * slot, abs=tol)
-    assert idle >= p * slots * slot * (1 - eps)  # imbalance only adds idle time
+    # the bubble is the schedule's: imbalance is reported apart, never inflates it
+    assert idle <= p * slots * slot * (1 + eps)
 
 
 @pytest.mark.parametrize(("p", "v", "k", "tp", "dp"), [(2, 2, 1, 1, 1), (2, 4, 2, 1, 1),
