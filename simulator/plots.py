@@ -1,5 +1,10 @@
 """Figures drawn from a run's files: timeline, time breakdown and memory.
 
+The breakdown stacks the accounting's categories (:mod:`simulator.accounting`)
+per stage: a partition of the step, so each bar is exactly the step time. The
+timeline draws a collective's peer-wait (before ``comm_start``) apart from its
+transfer, and the critical path as a line under the bars.
+
 Plots read a span table (:mod:`simulator.trace_export`'s columns) and a
 ``results.json`` dict, never simulation objects, so ``clustersim plot DIR``
 re-draws a finished run. Every figure is a :class:`matplotlib.figure.Figure`

@@ -81,6 +81,7 @@ def evaluate(path: str, base_sets: list[str], point: dict[str, str],
         row["error"] = "; ".join(exc.lines())
         return row
     row.update({k: results[k] for k in COLUMNS})
+    row.update(results["step_breakdown_s"])  # the accounting's categories, mean over ranks
     row.update(tp=s.parallel.tp, pp=s.parallel.pp, dp=s.parallel.dp,
                microbatches=s.microbatches, error="")
     return row

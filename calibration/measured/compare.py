@@ -10,7 +10,8 @@ side, each with its relative error (simulated − measured) / measured:
   measured figure comes from one profiled step, whose profiler overhead
   stretches everything; it is rescaled by median step / profiled step.
 - ``non_compute_s``: step time minus compute and optimizer, mean over ranks —
-  the time a rank waits for communication or sits in the pipeline bubble. On
+  the time a rank waits for communication or sits in the pipeline bubble (the
+  simulated side sums the accounting's communication and idle categories). On
   CPU, gloo's blocking receives make exposed communication and bubble
   indistinguishable in the measured trace, so they are compared together.
 - ``idle_fraction``: non-compute time / step time.
@@ -59,17 +60,18 @@ def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
             "state_bytes": float(max(measured.get("state_bytes") or [0]))}
 
 
-def simulated_figures(results: dict[str, Any], spans: Any) -> dict[str, float]:
+def simulated_figures(results: dict[str, Any]) -> dict[str, float]:
+    """The figures of a simulated run, from the accounting's per-rank breakdown: compute
+    is the forward, backward and recompute categories, non-compute every category but
+    those and the optimizer (communication, peer-waits and idle), mean over ranks."""
+    from simulator import accounting as acc
+
     step = float(results["step_time_s"])
-    compute_kinds = {"forward", "backward", "weight_grad", "recompute"}
-    busy = spans[spans["stream"] == "compute"]
-    per_rank = busy[busy["kind"].isin(compute_kinds)].assign(d=lambda f: f["end"] - f["start"])
-    compute = per_rank.groupby("rank")["d"].sum()
-    opt = busy[busy["kind"] == "optimizer"].assign(d=lambda f: f["end"] - f["start"])
-    opt_rank = opt.groupby("rank")["d"].sum().reindex(compute.index, fill_value=0.0)
-    nc = float((step - compute - opt_rank).clip(lower=0.0).mean())
+    mean = acc.mean_breakdown(results["time_breakdown_s"])
+    compute = sum(mean[c] for c in acc.COMPUTE_CATEGORIES if c != "optimizer")
+    nc = step - compute - mean["optimizer"]
     state = max(m["weights"] + m["gradients"] + m["optimizer"] for m in results["memory"])
-    return {"step_time_s": step, "compute_s": float(compute.mean()), "non_compute_s": nc,
+    return {"step_time_s": step, "compute_s": compute, "non_compute_s": nc,
             "idle_fraction": nc / step, "state_bytes": float(state)}
 
 
@@ -93,7 +95,7 @@ def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
         else str(profile)
     scenario = load_scenario(run_dir / "scenario.yaml", [f"cluster.system={system}"])
     results, spans = simulate_scenario(scenario, "engine", "full")
-    meas, sim = measured_figures(measured), simulated_figures(results, spans)
+    meas, sim = measured_figures(measured), simulated_figures(results)
     return {"run_dir": str(run_dir), "profile": system, "scenario": scenario.to_dict(),
             "measured": meas, "simulated": sim, "relative_error": relative_errors(meas, sim),
             "simulated_results": {k: results[k] for k in ("bubble_fraction", "exposed_comm_s",
@@ -141,9 +143,10 @@ def plot_comparison(run_dir: Path, comparison: dict[str, Any], path: Path) -> No
     for rank, work, comm in measured:
         axes[0].broken_barh([(a, b - a) for a, b in work], (rank - 0.4, 0.5), color="#4c78a8")
         axes[0].broken_barh([(a, b - a) for a, b in comm], (rank + 0.15, 0.25), color="#54a24b")
-    comm_kinds = ["tp", "pp", "dp", "zero", "offload"]
+    from simulator.accounting import COMM_KINDS
+
     for rank, group in spans.groupby("rank"):
-        is_comm = group["kind"].isin(comm_kinds)
+        is_comm = group["kind"].isin(COMM_KINDS)
         busy = group[~is_comm & (group["stream"] == "compute")]
         comm = group[is_comm]
         axes[1].broken_barh(list(zip(busy["start"], busy["end"] - busy["start"], strict=True)),
