@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from simulator import __version__
-from simulator.errors import UserError
+from simulator.errors import Problem, UserError
 
 # Subcommands that live in another package: name -> (module with ``add_parser(sub)``,
 # the help line ``clustersim --help`` lists). A test checks each line against the
@@ -54,7 +54,12 @@ EXAMPLES = {
     "plot": "example:\n  clustersim plot out/gpt3",
     "sweep": ("example:\n  clustersim sweep scenarios/gpt3-175b-1024.yaml --grid parallel.tp=4,8 "
               "--grid parallel.pp=8,16,32 --grid parallel.dp=auto "
-              "--grid parallel.schedule=1f1b,interleaved --set parallel.virtual_stages=1"),
+              "--grid parallel.schedule=1f1b,interleaved --set parallel.virtual_stages=1\n"
+              "  clustersim sweep scenarios/gpt3-175b-1024.yaml --grid parallel.pp=8,16 "
+              "--grid training.micro_batch=1,2 --method engine --dask local:2 --out out/sw"),
+    "plan": ("examples:\n  clustersim plan --model gpt3-175b --gpus 1024 --system dgx-a100-80gb "
+             "--global-batch 1536\n  clustersim plan --model llama3-70b --gpus 512 --system "
+             "dgx-h100 --global-batch 1024 --seq-len 8192 --dask local:2 --out out/llama"),
 }
 
 
@@ -105,11 +110,16 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="an axis of the grid (repeatable); parallel.dp=auto fills dp in")
     q.add_argument("--method", choices=["analytic", "engine"], default="analytic",
                    help="analytic (default, milliseconds a point) or the engine")
-    q.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
-    q.add_argument("--out", type=Path, default=None, help="write sweep.csv here")
+    q.add_argument("--out", type=Path, default=None, help="write sweep.csv, sweep.parquet, "
+                   "sweep.json and heatmap.png here")
+    _search_args(q)
     q.set_defaults(func=cmd_sweep)
-    q = add("plot", "re-draw timeline.png, breakdown.png and memory.png from a run directory")
+    _add_plan(add("plan", "search every layout of a model on N GPUs: plan.csv, pareto.png and "
+                  "the fastest layout that fits"))
+    q = add("plot", "re-draw the PNGs of a run, sweep (heatmap) or plan (Pareto) directory")
     q.add_argument("run_dir", type=Path)
+    q.add_argument("--axes", default=None, metavar="X,Y",
+                   help="sweep heatmap axes (default: the first two swept keys)")
     q.set_defaults(func=cmd_plot)
     for name, (module, help_) in LAZY_COMMANDS.items():
         if name == command:
@@ -123,6 +133,35 @@ def _command(argv: Sequence[str]) -> str | None:
     """The subcommand named in ``argv``: its first word that is not an option (the
     top-level options, --help and --version, take no value)."""
     return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _search_args(q: argparse.ArgumentParser) -> None:
+    """Where a search runs and what it remembers (sweep and plan)."""
+    q.add_argument("--workers", type=int, default=None, help="local processes (default: cores)")
+    q.add_argument("--dask", default=None, metavar="local:W|tcp://HOST:8786",
+                   help="run on a Dask cluster: W local workers, or an existing scheduler")
+    q.add_argument("--cache", type=Path, default=None, metavar="DIR", help="result cache "
+                   "(default OUT/cache, or ~/.cache/clustersim without --out)")
+    q.add_argument("--no-cache", action="store_true", help="compute every point again")
+    q.add_argument("--no-plots", action="store_true", help="skip the PNG")
+
+
+def _add_plan(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--model", required=True, help="model preset (clustersim presets)")
+    q.add_argument("--gpus", type=int, required=True, help="N, GPUs in all")
+    q.add_argument("--system", required=True, help="system preset or hardware-profile YAML")
+    q.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    q.add_argument("--seq-len", type=int, default=None, help="default: the model preset's")
+    q.add_argument("--top", type=int, default=5, help="re-simulate the K best with the engine")
+    q.add_argument("--micro-batches", default="1,2,4,8,16", metavar="B1,B2,...",
+                   help="micro-batch sizes to try")
+    q.add_argument("--tp-beyond-node", action="store_true",
+                   help="also try TP groups larger than a node")
+    q.add_argument("--out", type=Path, default=None, help="output directory "
+                   "(default out/plan-<model>-<gpus>)")
+    _search_args(q)
+    q.set_defaults(func=cmd_plan)
+
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -212,11 +251,24 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from concurrent.futures import ProcessPoolExecutor
+def _cache(args: argparse.Namespace, out: Path | None):  # type: ignore[no-untyped-def]
+    from simulator.cache import ResultCache
 
-    from simulator.sweep import best, parse_grid, print_progress, run_sweep
-    from simulator.trace_export import atomic_output
+    if args.no_cache:
+        return None
+    default = out / "cache" if out else Path("~/.cache/clustersim")
+    return ResultCache(args.cache or default)
+
+
+def _computed_line(cache, what: str) -> str:  # type: ignore[no-untyped-def]
+    if cache is None:
+        return f"cache off: every {what} computed"
+    return f"{cache.stored} {what}(s) computed, {cache.hits} from the cache ({cache.root})"
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from simulator.executors import open_executor
+    from simulator.sweep import best, parse_grid, run_sweep, write_sweep
 
     _load(args)  # the base scenario must validate before its points are tried
     axes = parse_grid(args.grid)
@@ -224,14 +276,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for values in axes.values():
         n *= len(values)
     print(f"sweeping {n} point(s) ({args.method}) ...", file=sys.stderr)
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool,
-                          print_progress)
+    cache = _cache(args, args.out)
+    with open_executor(args.dask, args.workers) as pool:
+        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache)
+    print(_computed_line(cache, "point"), file=sys.stderr)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with atomic_output(args.out / "sweep.csv") as tmp:
-            table.to_csv(tmp, index=False)
-        print(f"wrote {args.out / 'sweep.csv'}")
+        meta = {"scenario": str(args.scenario), "axes": list(axes), "sets": args.overrides,
+                "method": args.method}
+        written = write_sweep(table, args.out, meta, plots=not args.no_plots)
+        print(f"wrote {', '.join(p.name for p in written)} to {args.out}/")
     invalid = int((table["error"] != "").sum()) if "error" in table else 0
     top = best(table)
     print(f"{len(table) - invalid} valid point(s), {invalid} invalid; fastest that fit:")
@@ -241,19 +294,50 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
-    from simulator.errors import Problem
-    from simulator.plots import plot_all
+def cmd_plan(args: argparse.Namespace) -> int:
+    from simulator.executors import open_executor
+    from simulator.plan import PlanRequest, plan_lines, run_plan, write_plan
 
-    for name in ("results.json", "timeline.csv"):
-        if not (args.run_dir / name).exists():
-            raise UserError([Problem("run_dir", str(args.run_dir), f"has no {name}; run "
-                                     "`clustersim run SCENARIO --out DIR` first")])
-    for path in plot_all(args.run_dir):
-        print(path)
+    batches = tuple(int(b) for b in args.micro_batches.split(",") if b.strip().isdigit())
+    if not batches or min(batches) < 1 or len(batches) != len(args.micro_batches.split(",")):
+        raise UserError([Problem("--micro-batches", args.micro_batches, "expected positive "
+                                 "whole numbers separated by commas, e.g. 1,2,4")])
+    req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
+                      args.top, batches, tp_beyond_node=args.tp_beyond_node)
+    out = args.out or Path("out") / f"plan-{args.model}-{args.gpus}"
+    cache = _cache(args, out)
+    print(f"planning {args.model} on {args.gpus} GPUs ...", file=sys.stderr)
+    with open_executor(args.dask, args.workers) as pool:
+        plan = run_plan(req, pool, cache)
+    print(_computed_line(cache, "engine run"), file=sys.stderr)
+    written = write_plan(plan, out, plots=not args.no_plots)
+    print("\n".join(plan_lines(plan)))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from simulator.plots import plot_all
+
+    if (args.run_dir / "plan.csv").is_file():
+        from simulator.plots_search import plot_pareto
+
+        print(plot_pareto(args.run_dir))
+        return 0
+    if (args.run_dir / "sweep.csv").is_file():
+        from simulator.plots_search import plot_heatmap
+
+        axes = args.axes.split(",") if args.axes else None
+        print(plot_heatmap(args.run_dir, axes))
+        return 0
+    for name in ("results.json", "timeline.csv"):
+        if not (args.run_dir / name).exists():
+            raise UserError([Problem("run_dir", str(args.run_dir), f"has no {name} (nor "
+                                     "plan.csv or sweep.csv); run `clustersim run SCENARIO "
+                                     "--out DIR`, sweep or plan first")])
+    for path in plot_all(args.run_dir):
+        print(path)
+    return 0
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser(_command(argv)).parse_args(argv)

@@ -2,27 +2,38 @@
 
 ``clustersim sweep SCENARIO --grid parallel.tp=1,2,4,8 --grid parallel.pp=1,2,4``
 evaluates every combination of the grid's values (each point is the scenario with
-those ``--set`` overrides), on any ``concurrent.futures.Executor`` — local
-processes by default, so a Dask or Ray executor drops in. ``parallel.dp=auto``
-fills in the data-parallel degree that makes tp · pp · dp equal the cluster's
-GPUs. A point that does not validate is a row with its errors, not a failure of
-the sweep. The analytic method is the default (milliseconds a point); ``--method
-engine`` runs the discrete-event engine on each point.
+those ``--set`` overrides), on any ``concurrent.futures.Executor``: local
+processes by default, or a Dask cluster's (:mod:`simulator.executors`).
+``parallel.dp=auto`` fills in the data-parallel degree that makes tp · pp · dp
+equal the cluster's GPUs. A point that does not validate is a row with its
+errors, not a failure of the sweep. The analytic method is the default
+(milliseconds a point); ``--method engine`` runs the discrete-event engine on
+each point.
+
+Points are resolved (presets, overrides, validation) here, before anything is
+sent to a worker, so each is looked up in the on-disk cache
+(:mod:`simulator.cache`) by its resolved scenario: a repeated or interrupted
+sweep computes only the points that are missing. The table goes to
+``sweep.csv`` and ``sweep.parquet``, the grid's axes to ``sweep.json``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
-import sys
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from simulator.cache import Figures, ResultCache, map_cached, scenario_key
 from simulator.errors import Problem, UserError
+from simulator.hardware import read_yaml
+from simulator.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario
+from simulator.trace_export import atomic_output
 
 COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "memory_peak_bytes",
            "fits_in_memory")
@@ -53,8 +64,6 @@ def _assignments(point: dict[str, str], data: dict[str, Any]) -> list[str]:
         return out
     from pydantic import ValidationError
 
-    from simulator.scenario import ClusterSpec, apply_overrides
-
     probe = apply_overrides(data, out)
     par = probe.get("parallel") or {}
     try:
@@ -65,57 +74,95 @@ def _assignments(point: dict[str, str], data: dict[str, Any]) -> list[str]:
     return [*out, f"parallel.dp={max(dp, 1)}"]
 
 
-def evaluate(path: str, base_sets: list[str], point: dict[str, str],
-             method: str) -> dict[str, Any]:
-    """One point: its figures, or its validation errors (module level: picklable)."""
-    from simulator.api import simulate_scenario
-    from simulator.hardware import read_yaml
-    from simulator.scenario import load_scenario
+def resolve(path: str | Path, base_sets: Sequence[str],
+            grid: Sequence[dict[str, str]]) -> list[Scenario | str]:
+    """Each point's validated scenario, or its validation errors as one string."""
+    data = read_yaml(Path(path), "scenario")
+    out: list[Scenario | str] = []
+    for point in grid:
+        try:
+            out.append(load_scenario(path, [*base_sets, *_assignments(point, data)]))
+        except UserError as exc:
+            out.append("; ".join(exc.lines()))
+    return out
 
-    row: dict[str, Any] = dict(point)
-    try:
-        data = read_yaml(Path(path), "scenario")
-        s = load_scenario(path, [*base_sets, *_assignments(point, data)])
-        results, _ = simulate_scenario(s, method)
-    except UserError as exc:
-        row["error"] = "; ".join(exc.lines())
-        return row
-    row.update({k: results[k] for k in COLUMNS})
-    row.update(results["step_breakdown_s"])  # the accounting's categories, mean over ranks
-    row.update(tp=s.parallel.tp, pp=s.parallel.pp, dp=s.parallel.dp,
-               microbatches=s.microbatches, error="")
-    return row
+
+def evaluate(s: Scenario, method: str) -> Figures:
+    """One point's figures (module level: picklable for process and Dask workers)."""
+    from simulator.api import simulate_scenario
+
+    results, _ = simulate_scenario(s, method)
+    # the step's figures, then the accounting's categories (mean over ranks)
+    return {**{k: results[k] for k in COLUMNS}, **results["step_breakdown_s"]}
 
 
 def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[str] = (),
               method: str = "analytic", executor: Executor | None = None,
-              progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
-    """Every point of the grid, in grid order."""
+              cache: ResultCache | None = None) -> pd.DataFrame:
+    """Every point of the grid, in grid order; cached points are not computed again."""
     grid = points(axes)
+    resolved = resolve(path, list(base_sets), grid)
+    scenarios = [s for s in resolved if isinstance(s, Scenario)]
+    jobs = [(scenario_key(s, method, s.simulation.fidelity), (s, method)) for s in scenarios]
     own = executor is None
     pool = executor or ProcessPoolExecutor(max_workers=min(os.cpu_count() or 1, len(grid)))
     try:
-        futures = {pool.submit(evaluate, str(path), list(base_sets), p, method): i
-                   for i, p in enumerate(grid)}
-        rows: list[dict[str, Any] | None] = [None] * len(grid)
-        for done, future in enumerate(as_completed(futures), 1):
-            rows[futures[future]] = future.result()
-            if progress:
-                progress(done, len(grid))
+        figures = iter(map_cached(pool, evaluate, jobs, cache, "points"))
     finally:
         if own:
             pool.shutdown()
-    return pd.DataFrame(rows)
+    rows = []
+    for point, s in zip(grid, resolved, strict=True):
+        row: dict[str, Any] = dict(point)
+        if isinstance(s, str):
+            row["error"] = s
+        else:
+            row.update(next(figures))
+            row.update(tp=s.parallel.tp, pp=s.parallel.pp, dp=s.parallel.dp,
+                       microbatches=s.microbatches, error="")
+        rows.append(row)
+    tail = ("tp", "pp", "dp", "microbatches", "error")
+    columns = dict.fromkeys([*axes, *COLUMNS])
+    for row in rows:  # the accounting's categories, from the first valid point
+        columns.update(dict.fromkeys(k for k in row if k not in tail))
+    table = pd.DataFrame(rows, columns=[*columns, *tail])
+    # typed columns (nullable where an invalid point has no value): Parquet needs them
+    table["fits_in_memory"] = table["fits_in_memory"].astype("boolean")
+    for name in ("tp", "pp", "dp", "microbatches"):
+        table[name] = table[name].astype("Int64")
+    return table
 
 
 def best(table: pd.DataFrame, n: int = 5) -> pd.DataFrame:
     """The fastest points that validate and fit in memory."""
     if "tokens_per_s" not in table:
         return table.iloc[0:0]
-    ok = table[(table["error"] == "") & table["fits_in_memory"].astype(bool)]
+    ok = table[(table["error"] == "") & table["fits_in_memory"].fillna(False).astype(bool)]
     return ok.sort_values("tokens_per_s", ascending=False).head(n)
 
 
-def print_progress(done: int, total: int) -> None:
-    if done == total or done % max(total // 20, 1) == 0:
-        print(f"  {done}/{total} points", file=sys.stderr, flush=True)
+def write_table(table: pd.DataFrame, path: Path) -> Path:
+    """CSV or Parquet by ``path``'s suffix, atomically."""
+    with atomic_output(path) as tmp:
+        if path.suffix == ".parquet":
+            table.to_parquet(tmp, index=False)
+        else:
+            table.to_csv(tmp, index=False)
+    return path
+
+
+def write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
+                plots: bool = True) -> list[Path]:
+    """sweep.csv, sweep.parquet, sweep.json (``meta``: axes, scenario, method) and, with
+    two axes of more than one value, heatmap.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_table(table, out / "sweep.csv"), write_table(table, out / "sweep.parquet")]
+    with atomic_output(out / "sweep.json") as tmp:
+        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    written.append(out / "sweep.json")
+    varied = [a for a in meta.get("axes", []) if table[a].nunique() > 1]
+    if plots and len(varied) >= 2:
+        from simulator.plots_search import plot_heatmap
+
+        written.append(plot_heatmap(out))
+    return written
