@@ -24,9 +24,13 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from simulator import __version__
 from simulator.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from simulator.cache import ResultCache
 
 # Subcommands that live in another package: name -> (module with ``add_parser(sub)``,
 # the help line ``clustersim --help`` lists). A test checks each line against the
@@ -251,7 +255,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache(args: argparse.Namespace, out: Path | None):  # type: ignore[no-untyped-def]
+def _cache(args: argparse.Namespace, out: Path | None) -> ResultCache | None:
     from simulator.cache import ResultCache
 
     if args.no_cache:
@@ -260,7 +264,7 @@ def _cache(args: argparse.Namespace, out: Path | None):  # type: ignore[no-untyp
     return ResultCache(args.cache or default)
 
 
-def _computed_line(cache, what: str) -> str:  # type: ignore[no-untyped-def]
+def _computed_line(cache: ResultCache | None, what: str) -> str:
     if cache is None:
         return f"cache off: every {what} computed"
     return f"{cache.stored} {what}(s) computed, {cache.hits} from the cache ({cache.root})"

@@ -45,8 +45,13 @@ def parse_dask(spec: str) -> tuple[str, int | str]:
 
 
 @contextmanager
-def open_executor(dask: str | None = None, workers: int | None = None) -> Iterator[Executor]:
-    """The executor ``--dask`` / ``--workers`` ask for, closed on exit."""
+def open_executor(dask: str | None = None, workers: int | None = None,
+                  processes: bool = True) -> Iterator[Executor]:
+    """The executor ``--dask`` / ``--workers`` ask for, closed on exit.
+
+    ``processes=False`` runs a ``local:W`` cluster's workers as threads of this
+    process (quick to start; for tests and small sweeps).
+    """
     if dask is None:
         with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
             yield pool
@@ -59,7 +64,7 @@ def open_executor(dask: str | None = None, workers: int | None = None) -> Iterat
                                  "'clustersim[dask]' or drop --dask")]) from None
     cluster: Any = None
     if kind == "local":
-        cluster = LocalCluster(n_workers=int(arg), threads_per_worker=1, processes=True,
+        cluster = LocalCluster(n_workers=int(arg), threads_per_worker=1, processes=processes,
                                dashboard_address=None, silence_logs=logging.ERROR)
     try:
         client = _connect(Client, cluster if cluster is not None else str(arg), dask)

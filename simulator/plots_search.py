@@ -38,6 +38,7 @@ _CLOUD = "#9FB4CC"
 _FRONTIER = "#1F4E79"
 _ENGINE = "#E45756"
 _CAPACITY = "#C00000"
+_PLAIN = FuncFormatter(lambda v, _: f"{v:.4g}")  # 20, not 2 x 10^1, on log axes
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -104,9 +105,8 @@ def pareto_figure(table: pd.DataFrame, meta: dict[str, Any] | None = None) -> Fi
                 ha="right", rotation=90, transform=ax.get_xaxis_transform())
     if len(fits):
         ax.set_yscale("log")
-        plain = FuncFormatter(lambda v, _: f"{v:g}")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_major_formatter(_PLAIN)
+        ax.yaxis.set_minor_formatter(_PLAIN)
     ax.set_xlabel("peak memory per GPU (GB)")
     ax.set_ylabel("step time (s, log scale)")
     ax.set_title(_pareto_title(meta), fontsize=10)
@@ -181,7 +181,7 @@ def heatmap_figure(table: pd.DataFrame, x: str, y: str, title: str = "") -> Figu
     for j in range(len(ys)):
         for i in range(len(xs)):
             value = grid[j, i]
-            text = notes[j][i] if math.isnan(value) else f"{value:.3g} s"
+            text = notes[j][i] if math.isnan(value) else f"{value:.4g} s"
             dark = not math.isnan(value) and norm is not None and norm(value) > 0.55
             weight = "bold" if best is not None and j * len(xs) + i == best else "normal"
             ax.text(i, j, text, ha="center", va="center", fontsize=8, weight=weight,
@@ -191,10 +191,12 @@ def heatmap_figure(table: pd.DataFrame, x: str, y: str, title: str = "") -> Figu
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     others = len(table) // max(len(xs) * len(ys), 1)
-    suffix = f" (fastest that fits of {others} points per cell)" if others > 1 else ""
+    suffix = f": each cell the fastest of its {others} points that fits" if others > 1 else ""
     ax.set_title((title + "\n" if title else "") + f"step time{suffix}", fontsize=10)
     if norm is not None:
-        fig.colorbar(image, ax=ax, label="step time (s)")
+        bar = fig.colorbar(image, ax=ax, label="step time (s)")
+        bar.ax.yaxis.set_major_formatter(_PLAIN)
+        bar.ax.yaxis.set_minor_formatter(_PLAIN)
     return fig
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import json
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from simulator import __version__
 from simulator.api import simulate_scenario
+from simulator.cache import ResultCache, code_version, scenario_key
 from simulator.cli import main
 from simulator.errors import UserError
+from simulator.executors import open_executor
 from simulator.scenario import load_scenario
 from simulator.sweep import best, parse_grid, points, run_sweep
 
@@ -68,5 +72,96 @@ def test_cli_sweep_writes_csv(scenario: Path, tmp_path: Path,
                  "--out", str(out)]) == 0
     table = pd.read_csv(out / "sweep.csv")
     assert len(table) == 4
+    assert len(pd.read_parquet(out / "sweep.parquet")) == 4
     assert "fastest that fit" in capsys.readouterr().out
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["axes"] == ["parallel.schedule", "parallel.pp", "parallel.dp"]
+    assert (out / "heatmap.png").stat().st_size > 5_000  # two axes with two values each
+    (out / "heatmap.png").unlink()
+    assert main(["plot", str(out)]) == 0 and (out / "heatmap.png").exists()
     assert main(["sweep", str(scenario), "--grid", "bogus"]) == 2
+
+
+class CountingExecutor(Executor):
+    """Passes work on to another executor and counts what it was given."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        self.submitted += 1
+        return self.inner.submit(fn, *args, **kwargs)
+
+
+DASK_AXES = {"parallel.tp": ["1", "2", "3"], "parallel.pp": ["2", "4"], "parallel.dp": ["auto"],
+             "parallel.schedule": ["gpipe", "1f1b"]}
+
+
+def test_dask_cluster_gives_the_local_table_and_a_repeat_computes_nothing(
+        scenario: Path, tmp_path: Path) -> None:
+    with ProcessPoolExecutor(2) as pool:
+        local = run_sweep(scenario, DASK_AXES, method="engine", executor=pool)
+    valid = int((local["error"] == "").sum())
+    assert valid == 8 and len(local) == 12  # tp 3 does not divide 4 heads
+    with open_executor("local:2", processes=False) as dask:
+        cache = ResultCache(tmp_path / "cache")
+        first = CountingExecutor(dask)
+        table = run_sweep(scenario, DASK_AXES, method="engine", executor=first, cache=cache)
+        assert first.submitted == cache.stored == valid and cache.hits == 0
+        pd.testing.assert_frame_equal(table, local)
+        again = ResultCache(tmp_path / "cache")
+        second = CountingExecutor(dask)
+        table = run_sweep(scenario, DASK_AXES, method="engine", executor=second, cache=again)
+        assert second.submitted == again.stored == 0 and again.hits == valid
+        pd.testing.assert_frame_equal(table, local)
+
+
+def test_an_interrupted_sweep_computes_only_what_is_missing(scenario: Path,
+                                                            tmp_path: Path) -> None:
+    cache = ResultCache(tmp_path / "cache")
+    part = {**DASK_AXES, "parallel.schedule": ["gpipe"]}  # what finished before the interruption
+    run_sweep(scenario, part, method="analytic", executor=ThreadPoolExecutor(1), cache=cache)
+    assert cache.stored == 4
+    counting = CountingExecutor(ThreadPoolExecutor(1))
+    resumed = ResultCache(tmp_path / "cache")
+    run_sweep(scenario, DASK_AXES, method="analytic", executor=counting, cache=resumed)
+    assert counting.submitted == resumed.stored == 4 and resumed.hits == 4
+
+
+def test_cache_key_is_the_resolved_scenario(scenario: Path) -> None:
+    s = load_scenario(scenario)
+    renamed = load_scenario(scenario, ["name=other", "description=same figures"])
+    assert scenario_key(s, "engine", "folded") == scenario_key(renamed, "engine", "folded")
+    for changed in (load_scenario(scenario, ["training.micro_batch=2"]),
+                    load_scenario(scenario, ["cluster.inter_node_bandwidth_GBps=12.5"])):
+        assert scenario_key(changed, "engine", "folded") != scenario_key(s, "engine", "folded")
+    assert scenario_key(s, "engine", "full") != scenario_key(s, "engine", "folded")
+    assert scenario_key(s, "analytic", "full") == scenario_key(s, "analytic", "folded")
+    assert code_version().startswith(__version__ + "+")
+
+
+def test_cache_ignores_an_unreadable_entry(tmp_path: Path) -> None:
+    cache = ResultCache(tmp_path)
+    cache.put("ab" * 32, {"step_time_s": 1.5})
+    assert cache.get("ab" * 32) == {"step_time_s": 1.5} and cache.hits == 1
+    (tmp_path / "ab" / f"{'ab' * 32}.json").write_text("{truncated")
+    assert cache.get("ab" * 32) is None and cache.hits == 1
+
+
+@pytest.mark.parametrize("spec", ["local:0", "local:x", "localhost:8786", "tcp://"])
+def test_bad_dask_spec_is_a_user_error(scenario: Path, spec: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", str(scenario), "--grid", "parallel.pp=2,4", "--dask", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"--dask = '{spec}'" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_sweep_on_a_local_dask_cluster_of_processes(scenario: Path, tmp_path: Path) -> None:
+    grid = ["--grid", "parallel.pp=2,4", "--grid", "parallel.dp=auto", "--method", "engine"]
+    assert main(["sweep", str(scenario), *grid, "--out", str(tmp_path / "a")]) == 0
+    assert main(["sweep", str(scenario), *grid, "--dask", "local:2", "--no-cache",
+                 "--out", str(tmp_path / "b")]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "a" / "sweep.parquet"),
+                                  pd.read_parquet(tmp_path / "b" / "sweep.parquet"))

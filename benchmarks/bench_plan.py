@@ -1,0 +1,90 @@
+"""Planner benchmark: the two plans of the issue, their wall time and what they considered.
+
+GPT-3 175B on 1,024 A100-80GB (global batch 1536, sequence 2048) and Llama-3
+70B on 512 H100 (global batch 1024, sequence 8192), each planned as
+``clustersim plan`` does (``--workers`` local processes, default 2; no cache, so
+every engine re-simulation is run). Reports wall seconds, CPU seconds of this
+process and its workers, candidates considered / invalid / out of memory /
+fitting, and the chosen layout with its engine step time. Target (issue "Scale
+and search", item 2): each plan ≤ 60 s on two cores with ≥ 10,000 candidates.
+Nothing fails when it is missed; on a shared machine read the CPU seconds too.
+
+Usage::
+
+    python benchmarks/bench_plan.py
+    python benchmarks/bench_plan.py --top 5 --workers 2 --json out/bench_plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from simulator.executors import open_executor  # noqa: E402
+from simulator.plan import PlanRequest, layout_label, run_plan  # noqa: E402
+
+PLANS = (
+    PlanRequest("gpt3-175b", 1024, "dgx-a100-80gb", 1536, 2048),
+    PlanRequest("llama3-70b", 512, "dgx-h100", 1024, 8192),
+)
+TARGET_S, TARGET_CANDIDATES = 60.0, 10_000
+
+
+def _cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers, once they have exited
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def bench(req: PlanRequest, workers: int) -> dict[str, Any]:
+    cpu0, wall0 = _cpu_s(), time.perf_counter()
+    with open_executor(None, workers) as pool:
+        plan = run_plan(req, pool)
+    wall, cpu = time.perf_counter() - wall0, _cpu_s() - cpu0
+    assert plan.chosen is not None, "something fits"
+    best = plan.table.loc[plan.chosen]
+    return {"model": req.model, "gpus": req.gpus, "system": req.system,
+            "global_batch": req.global_batch, "seq_len": req.seq_len, "top_k": req.top_k,
+            "wall_s": wall, "cpu_s": cpu, **plan.counts, "best": layout_label(best),
+            "best_engine_step_s": float(best["engine_step_time_s"]),
+            "best_mfu": float(best["engine_mfu"]),
+            "best_peak_memory_GB": float(best["peak_memory_GB"])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--top", type=int, default=5, help="engine re-simulations per plan")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start, "
+          f"{args.workers} workers")
+    rows = []
+    for req in PLANS:
+        row = bench(PlanRequest(**{**req.__dict__, "top_k": args.top}), args.workers)
+        rows.append(row)
+        met = row["wall_s"] <= TARGET_S and row["candidates"] >= TARGET_CANDIDATES
+        print(f"{row['model']} on {row['gpus']:,} ({row['system']}): {row['wall_s']:.1f} s wall, "
+              f"{row['cpu_s']:.1f} s CPU, {row['candidates']:,} candidates ({row['invalid']:,} "
+              f"invalid, {row['out_of_memory']:,} out of memory, {row['fit']:,} fit), "
+              f"{row['simulated']} simulated; target {'met' if met else 'MISSED'}")
+        print(f"  best: {row['best']}: {row['best_engine_step_s']:.3f} s, MFU "
+              f"{row['best_mfu']:.1%}, {row['best_peak_memory_GB']:.1f} GB")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
