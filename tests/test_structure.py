@@ -17,7 +17,7 @@ from simulator.cli import LAZY_COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("calibration", "torch", "matplotlib", "pandas")
-CORE_COMMANDS = ("validate", "run", "memory", "presets", "schema", "sweep", "plot")
+CORE_COMMANDS = ("validate", "run", "memory", "presets", "schema", "sweep", "plan", "plot")
 SCENARIO = ROOT / "scenarios" / "gpt3-175b-1024.yaml"
 
 
