@@ -81,7 +81,8 @@ class ResultCache:
         return value
 
     def put(self, key: str, figures: Figures) -> None:
-        text = json.dumps(figures, sort_keys=True)  # NaN allowed: a figure may be missing
+        # insertion order kept: a cached row has its columns in the computed row's order
+        text = json.dumps(figures)  # NaN allowed: a figure may be missing
         with atomic_output(self._path(key)) as tmp:
             tmp.write_text(text, encoding="utf-8")
         self.stored += 1
