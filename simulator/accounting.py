@@ -48,6 +48,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from simulator.tasks import Task
 
 COMPUTE_CATEGORIES = ("forward", "backward_input", "backward_weight", "recompute", "optimizer")
@@ -92,42 +94,57 @@ def own_categories(task: Task, start: float, end: float, begin: float) -> list[t
 
 @dataclass(frozen=True)
 class Timing:
-    """Spans by task id, plus each collective's transfer start and last-arriving member."""
+    """Spans by task id (arrays, and lists for the walks), each collective's transfer
+    start (``begin``; a task's start otherwise) and last-arriving member, and each
+    task's stream predecessor (-1 for none)."""
 
     tasks: Sequence[Task]
-    start: Mapping[int, float]
-    end: Mapping[int, float]
-    comm_start: Mapping[int, float]
+    start_a: np.ndarray
+    end_a: np.ndarray
+    begin_a: np.ndarray
     last_arrival: Mapping[int, int]
-    prev: Mapping[int, int]  # task id -> the previous task of its stream
+    prev: list[int]
+    start: list[float]
+    end: list[float]
+    begins: list[float]
 
     @classmethod
-    def of(cls, tasks: Sequence[Task], spans: Iterable[tuple[int, float, float]],
+    def of(cls, tasks: Sequence[Task], spans: Sequence[tuple[int, float, float]],
            comm_start: Mapping[int, float], last_arrival: Mapping[int, int],
            streams: Iterable[Sequence[Task]]) -> Timing:
-        start: dict[int, float] = {}
-        end: dict[int, float] = {}
-        for tid, a, b in spans:
-            start[tid] = a
-            end[tid] = b
-        prev: dict[int, int] = {}
+        n = len(tasks)
+        flat = np.fromiter(itertools.chain.from_iterable(spans), float, 3 * len(spans))
+        flat = flat.reshape(-1, 3)
+        ids = flat[:, 0].astype(np.int64)
+        start, end = np.zeros(n), np.zeros(n)
+        start[ids] = flat[:, 1]
+        end[ids] = flat[:, 2]
+        begin = start.copy()
+        if comm_start:
+            keys = np.fromiter(comm_start.keys(), np.int64, len(comm_start))
+            begin[keys] = np.fromiter(comm_start.values(), float, len(comm_start))
+        prev = np.full(n, -1, dtype=np.int64)
         for stream in streams:
-            for before, after in itertools.pairwise(stream):
-                prev[after.id] = before.id
-        return cls(tasks, start, end, comm_start, last_arrival, prev)
+            if len(stream) > 1:
+                sid = np.fromiter((t.id for t in stream), np.int64, len(stream))
+                prev[sid[1:]] = sid[:-1]
+        return cls(tasks, start, end, begin, last_arrival, prev.tolist(), start.tolist(),
+                   end.tolist(), begin.tolist())
 
     def begin(self, tid: int) -> float:
-        return self.comm_start.get(tid, self.start[tid])
+        return self.begins[tid]
 
     def predecessor(self, tid: int) -> int | None:
         """Whichever of the task's dependencies and stream predecessor ended last."""
-        best, best_end = None, -1.0
-        p = self.prev.get(tid)
-        if p is not None:
-            best, best_end = p, self.end[p]
+        end = self.end
+        best: int | None = None
+        best_end = -1.0
+        p = self.prev[tid]
+        if p >= 0:
+            best, best_end = p, end[p]
         for d in self.tasks[tid].deps:
-            if self.end[d] > best_end:
-                best, best_end = d, self.end[d]
+            if end[d] > best_end:
+                best, best_end = d, end[d]
         return best
 
 
@@ -163,77 +180,106 @@ def explain_gap(timing: Timing, rank: int, waited_on: int | None, lo: float, hi:
         out["imbalance_idle"] += hi - lo
 
 
-def rank_breakdown(timing: Timing, compute: Sequence[Task], step_time: float,
+_KIND_CODE = {"forward": 0, "backward": 1, "weight_grad": 2, "recompute": 3, "optimizer": 4,
+              **{k: 5 + i for i, k in enumerate(COMM_KINDS)}}
+_COLUMN = {c: i for i, c in enumerate((*CATEGORIES, _PIPELINE))}
+_OWN_COLUMN = np.array([_COLUMN[c] for c in ("forward", "backward_input", "backward_weight",
+                                             "recompute", "optimizer")], dtype=np.int64)
+_TRANSFER_COLUMN = np.array([_COLUMN[f"{k}_transfer"] for k in COMM_KINDS], dtype=np.int64)
+_WAIT_COLUMN = np.array([_COLUMN[f"{k}_wait"] for k in COMM_KINDS], dtype=np.int64)
+
+
+@dataclass
+class _Stream:
+    """One rank's compute stream as arrays, in program order."""
+
+    ids: np.ndarray
+    code: np.ndarray  # _KIND_CODE (other kinds count as the optimizer)
+    weight: np.ndarray  # the weight-gradient share of a fused backward
+    mb: np.ndarray  # micro-batch, -1 outside the passes
+    start: np.ndarray
+    end: np.ndarray
+    begin: np.ndarray
+
+    @classmethod
+    def of(cls, timing: Timing, compute: Sequence[Task]) -> _Stream:
+        n = len(compute)
+        ids = np.fromiter((t.id for t in compute), np.int64, n)
+        code = np.fromiter((_KIND_CODE.get(t.kind, 4) for t in compute), np.int64, n)
+        weight = np.fromiter((t.weight_s for t in compute), float, n)
+        mb = np.fromiter((t.microbatch for t in compute), np.int64, n)
+        return cls(ids, code, weight, mb, timing.start_a[ids], timing.end_a[ids],
+                   timing.begin_a[ids])
+
+    @property
+    def last_pipeline_end(self) -> float:
+        """When its last forward, backward or recompute ends (0 if it has none)."""
+        ends = self.end[self.code <= 3]
+        return float(ends[-1]) if len(ends) else 0.0
+
+    def pass_times(self) -> tuple[float, float, float]:
+        """Busy seconds of the forward, backward-input and backward-weight passes
+        (recompute counts as backward); communication of a micro-batch on the compute
+        stream goes to the pass it sits in, the optimizer and synchronisation to none."""
+        dur = self.end - self.start
+        passes = np.array([0, 1, 2, 1, -1, *([-1] * len(COMM_KINDS))])[self.code]
+        at = np.where(passes >= 0, np.arange(len(passes)), -1)
+        last = np.maximum.accumulate(at) if len(at) else at
+        current = np.where(last >= 0, passes[np.maximum(last, 0)], 0)
+        comm = (self.code >= 5) & (self.mb >= 0)
+        fused = self.code == 1
+        f = dur[self.code == 0].sum() + dur[comm & (current == 0)].sum()
+        bi = (dur - self.weight)[fused].sum() + dur[self.code == 3].sum() \
+            + dur[comm & (current == 1)].sum()
+        bw = self.weight[fused].sum() + dur[self.code == 2].sum() \
+            + dur[comm & (current == 2)].sum()
+        return float(f), float(bi), float(bw)
+
+
+def rank_breakdown(timing: Timing, rank: int, stream: _Stream, step_time: float,
                    phase_end: float, ideal_idle: float) -> dict[str, float]:
     """Disjoint categories of one rank's step (see the module notes)."""
-    out = dict.fromkeys(CATEGORIES, 0.0)
-    out[_PIPELINE] = 0.0
-    # after its last pipeline compute and until the pipeline phase ends, a rank is in
-    # the drain: idle and peer-waits there are the schedule's, whatever it waits on
-    drain = next((timing.end[t.id] for t in reversed(compute) if t.kind in COMPUTE_KINDS), 0.0)
-    cursor = 0.0
-    for task in compute:
-        tid = task.id
-        a, b = timing.start[tid], timing.end[tid]
-        if a > cursor:
-            in_drain = max(0.0, min(a, phase_end) - max(cursor, drain))
-            out[_PIPELINE] += in_drain
-            explain_gap(timing, task.rank, timing.predecessor(tid), cursor + in_drain, a, out)
-        for category, seconds in own_categories(task, a, b, timing.begin(tid)):
-            in_drain = 0.0
-            if category.endswith("_wait"):
-                in_drain = max(0.0, min(a + seconds, phase_end) - max(a, drain))
-                out[_PIPELINE] += in_drain
-            out[category] += seconds - in_drain
-        cursor = max(cursor, b)
-    if step_time > cursor:
-        in_drain = max(0.0, min(step_time, phase_end) - max(cursor, drain))
-        out[_PIPELINE] += in_drain
-        out["tail"] += step_time - cursor - in_drain
+    cols = np.zeros(len(_COLUMN))
+    dur = stream.end - stream.start
+    code = stream.code
+    own = code < 5
+    kind = np.maximum(code - 5, 0)
+    # own time: compute by kind (a fused backward split), comm as wait then transfer
+    weight = np.where(code == 1, stream.weight, 0.0)
+    np.add.at(cols, _OWN_COLUMN[np.minimum(code[own], 4)], (dur - weight)[own])
+    cols[_COLUMN["backward_weight"]] += weight.sum()
+    comm = ~own
+    wait = np.clip(np.minimum(stream.begin, stream.end) - stream.start, 0.0, None)[comm]
+    # after its last pipeline compute and until its pipeline's last backward ends, a
+    # rank is in the drain: idle and peer-waits there are the schedule's
+    drain = stream.last_pipeline_end
+    start = stream.start[comm]
+    in_drain = np.clip(np.minimum(start + wait, phase_end) - np.maximum(start, drain), 0.0,
+                       None)
+    np.add.at(cols, _TRANSFER_COLUMN[kind[comm]], dur[comm] - wait)
+    np.add.at(cols, _WAIT_COLUMN[kind[comm]], wait - in_drain)
+    cols[_COLUMN[_PIPELINE]] += in_drain.sum()
+    # idle gaps: the drain's part, then the rest explained by what the task waited for
+    cursor = np.concatenate(([0.0], np.maximum.accumulate(stream.end)[:-1])) \
+        if len(dur) else np.zeros(0)
+    gaps = np.flatnonzero(stream.start > cursor)
+    lo, hi = cursor[gaps], stream.start[gaps]
+    gap_drain = np.clip(np.minimum(hi, phase_end) - np.maximum(lo, drain), 0.0, None)
+    cols[_COLUMN[_PIPELINE]] += gap_drain.sum()
+    out = dict(zip((*CATEGORIES, _PIPELINE), cols.tolist(), strict=True))
+    for i, a, b in zip(stream.ids[gaps].tolist(), (lo + gap_drain).tolist(), hi.tolist(),
+                       strict=True):
+        if b > a:
+            explain_gap(timing, rank, timing.predecessor(i), a, b, out)
+    last = float(stream.end.max()) if len(dur) else 0.0
+    if step_time > last:
+        tail_drain = max(0.0, min(step_time, phase_end) - max(last, drain))
+        out[_PIPELINE] += tail_drain
+        out["tail"] += step_time - last - tail_drain
     idle = out.pop(_PIPELINE)
     out["pipeline_bubble"] = min(idle, max(ideal_idle, 0.0))
     out["imbalance_idle"] += idle - out["pipeline_bubble"]
     return out
-
-
-def pass_times(timing: Timing, compute: Sequence[Task]) -> tuple[float, float, float]:
-    """Busy seconds of the forward, backward-input and backward-weight passes (recompute
-    counts as backward); communication of a micro-batch on the compute stream goes to the
-    pass it sits in."""
-    f = bi = bw = 0.0
-    current = "F"
-    for task in compute:
-        seconds = timing.end[task.id] - timing.start[task.id]
-        if task.kind == "forward":
-            current = "F"
-        elif task.kind in ("backward", "recompute"):
-            current = "B"
-        elif task.kind == "weight_grad":
-            current = "W"
-        elif not is_comm(task) or task.microbatch < 0:
-            continue  # the optimizer, and synchronisation outside the passes
-        if task.kind == "backward":
-            bw += task.weight_s
-            bi += seconds - task.weight_s
-        elif current == "F":
-            f += seconds
-        elif current == "B":
-            bi += seconds
-        else:
-            bw += seconds
-    return f, bi, bw
-
-
-def _pipeline_ends(timing: Timing, programs: Mapping[int, Sequence[Task]],
-                   pipeline_of: Mapping[int, Any]) -> dict[Any, float]:
-    """When each pipeline's last forward or backward ends."""
-    ends: dict[Any, float] = {}
-    for rank, compute in programs.items():
-        last = next((timing.end[t.id] for t in reversed(compute) if t.kind in COMPUTE_KINDS),
-                    0.0)
-        key = pipeline_of[rank]
-        ends[key] = max(ends.get(key, 0.0), last)
-    return ends
 
 
 def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: Mapping[int, int],
@@ -244,13 +290,19 @@ def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: 
     equal ``pipeline_of`` form one pipeline, whose drain ends with its last backward."""
     from simulator.analytic import pipeline_time  # the schedule's closed form
 
-    ends = _pipeline_ends(timing, programs, pipeline_of)
+    streams = {r: _Stream.of(timing, compute) for r, compute in programs.items()}
+    ends: dict[Any, float] = {}
+    for r, stream in streams.items():
+        key = pipeline_of[r]
+        ends[key] = max(ends.get(key, 0.0), stream.last_pipeline_end)
     entries, bubbles = [], []
-    for rank, compute in sorted(programs.items()):
-        f, bi, bw = (x / m for x in pass_times(timing, compute))
+    for rank in sorted(programs):
+        stream = streams[rank]
+        f, bi, bw = (x / m for x in stream.pass_times())
         ideal = pipeline_time(schedule, p, m, v, f, bi, bw) - m * (f + bi + bw)
         entry: dict[str, Any] = {"rank": rank, "stage": stage_of[rank]}
-        entry.update(rank_breakdown(timing, compute, step_time, ends[pipeline_of[rank]], ideal))
+        entry.update(rank_breakdown(timing, rank, stream, step_time, ends[pipeline_of[rank]],
+                                    ideal))
         entries.append(entry)
         bubbles.append(schedule_bubble(ideal, phase[1] - phase[0] - m * (f + bi + bw)))
     return entries, bubbles
@@ -300,9 +352,13 @@ def critical_path(timing: Timing, last: int, step_time: float) -> list[tuple[int
 
 
 def merge_segments(segments: Iterable[tuple[int, float, float, str]]) -> list[dict[str, Any]]:
-    """Earliest first, neighbours of the same rank and category merged."""
+    """Earliest first (from :func:`critical_path`'s latest-first order), neighbours of the
+    same rank and category merged."""
     merged: list[dict[str, Any]] = []
-    for rank, a, b, category in sorted(segments, key=lambda s: (s[1], s[2])):
+    ordered = list(segments)
+    if any(x[1] > y[1] for x, y in itertools.pairwise(ordered)):
+        ordered.reverse()  # critical_path gives them latest first
+    for rank, a, b, category in ordered:
         if b <= a:
             continue
         if merged and merged[-1]["rank"] == rank and merged[-1]["category"] == category:

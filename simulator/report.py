@@ -13,9 +13,9 @@ rank back; ``compute_s`` per stage is the mean compute and optimizer time.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from simulator import accounting as acc
@@ -25,6 +25,7 @@ from simulator.accounting import COMPUTE_KINDS
 from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
+from simulator.tasks import Workload
 
 SPAN_COLUMNS = ["rank", "stage", "tp", "dp", "stream", "op", "kind", "name", "microbatch",
                 "layer", "chunk", "start", "comm_start", "end", "bytes"]
@@ -44,38 +45,55 @@ def spans_frame(result: SimResult) -> pd.DataFrame:
     return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
 
 
-def collective_summary(result: SimResult) -> dict[str, dict[str, float]]:
+def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, float]]:
     """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
     algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
     × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
     from the moment the whole group had arrived (time waiting for peers excluded)."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
-    for tid, start, end in result.spans:
-        t = result.workload.tasks[tid]
-        begin = result.comm_start.get(tid, start)
-        if t.plan is None or end <= begin:
-            continue
-        a = sums[t.op]
-        alg = t.nbytes / (end - begin)
-        a[0] += 1
-        a[1] += t.nbytes
-        a[2] += end - begin
-        a[3] += alg
-        a[4] += alg * busbw_factor(t.plan.op, t.plan.n)
-    return {op: {"count": a[0], "bytes": a[1], "seconds": a[2], "algbw_GBps": a[3] / a[0] / 1e9,
-                 "busbw_GBps": a[4] / a[0] / 1e9} for op, a in sorted(sums.items())}
+    coll = [t for t in result.workload.tasks if t.plan is not None]
+    if not coll:
+        return {}
+    factors: dict[int, float] = {}
+    for t in coll:
+        plan = t.plan
+        if plan is not None and id(plan) not in factors:
+            factors[id(plan)] = busbw_factor(plan.op, plan.n)
+    ids = np.fromiter((t.id for t in coll), np.int64, len(coll))
+    frame = pd.DataFrame({"op": [t.op for t in coll],
+                          "bytes": np.fromiter((t.nbytes for t in coll), float, len(coll)),
+                          "seconds": timing.end_a[ids] - timing.begin_a[ids],
+                          "factor": np.fromiter((factors[id(t.plan)] for t in coll), float,
+                                                len(coll))})
+    frame = frame[frame["seconds"] > 0]
+    frame["algbw"] = frame["bytes"] / frame["seconds"]
+    frame["busbw"] = frame["algbw"] * frame["factor"]
+    out = {}
+    for op, g in frame.groupby("op", sort=True):
+        out[str(op)] = {"count": float(len(g)), "bytes": float(g["bytes"].sum()),
+                        "seconds": float(g["seconds"].sum()),
+                        "algbw_GBps": float(g["algbw"].mean()) / 1e9,
+                        "busbw_GBps": float(g["busbw"].mean()) / 1e9}
+    return out
+
+
+def _last(w: Workload, timing: acc.Timing) -> int:
+    """The task that ends the step (one on a compute stream when several end together)."""
+    ends = timing.end_a
+    candidates = np.flatnonzero(ends == ends.max()).tolist()
+    return next((i for i in candidates if w.tasks[i].stream == "compute"), candidates[0])
 
 
 def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     """Step time, throughput, the accounting's breakdown and critical path, from the spans."""
     w = result.workload
     timing = acc.Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
-                           (t for prog in w.programs.values() for t in prog.streams.values()))
-    phase_spans = [(a, b) for tid, a, b in result.spans if w.tasks[tid].kind in COMPUTE_KINDS]
-    p0 = min((a for a, _ in phase_spans), default=0.0)
-    p1 = max((b for _, b in phase_spans), default=0.0)
-    step = result.end_time
+                           [t for prog in w.programs.values() for t in prog.streams.values()])
     compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
+    busy = np.fromiter((t.id for c in compute.values() for t in c if t.kind in COMPUTE_KINDS),
+                       np.int64)
+    p0 = float(timing.start_a[busy].min()) if len(busy) else 0.0
+    p1 = float(timing.end_a[busy].max()) if len(busy) else 0.0
+    step = result.end_time
     stage_of = {r: w.layout.coord(r).pp for r in w.programs}
     pipeline_of = {r: (w.layout.coord(r).dp, w.layout.coord(r).tp) for r in w.programs}
     entries, bubbles = acc.breakdown(timing, compute, stage_of, pipeline_of, step, (p0, p1),
@@ -83,13 +101,12 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
                                      s.parallel.virtual_stages)
     out = acc.metrics(entries, step, (p0, p1), bubbles)
     if result.spans:
-        last = max(result.spans, key=lambda sp: (sp[2], w.tasks[sp[0]].stream == "compute"))[0]
-        path = acc.merge_segments(acc.critical_path(timing, last, step))
-        out["critical_path"] = path
-        out["critical_path_s"] = acc.composition(path)
+        out["critical_path"] = acc.merge_segments(acc.critical_path(timing, _last(w, timing),
+                                                                    step))
+        out["critical_path_s"] = acc.composition(out["critical_path"])
     out.update({
         "link_busy_s": result.link_busy,
-        "collectives": collective_summary(result),
+        "collectives": collective_summary(result, timing),
         "sim_wall_s": result.wall_s,
         "sim_events": result.events,
         "ranks_simulated": len(w.programs),
