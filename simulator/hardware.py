@@ -10,6 +10,13 @@ Achievable efficiency is data too: a piecewise-linear curve over log10(problem
 size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamped
 at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
 latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
+
+A profile file is read strictly (:func:`load_system`): every field stated (a
+profile without calibrated collectives says ``collectives: {}``, so a file cut
+short on a line boundary is refused, not silently completed with defaults), no
+boolean or string where a number belongs, and every number finite and within a
+physical range (:data:`RATE`, :data:`TIME_US`, ...): a rate of 0, 1e-300 or 1e300
+would give infinite or zero times downstream and non-finite results.
 """
 
 from __future__ import annotations
@@ -19,12 +26,12 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from simulator.errors import Problem, UserError
+from simulator.loading import read_yaml
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 LinkName = Literal["intra_node", "inter_node"]
@@ -34,24 +41,40 @@ CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcas
 
 SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 
+# Physical ranges: wide enough for any real device (a CPU thread to a future
+# accelerator), narrow enough that products and quotients stay finite.
+RATE = Field(ge=1e-3, le=1e7)  # GB/s, Gb/s or TFLOP/s
+TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
+EFFICIENCY = Field(gt=1e-4, le=1)  # achieved / peak
+
+Rate = Annotated[float, RATE]
+
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class EfficiencyCurve(_Frozen):
     """Achieved / peak as a function of problem size, interpolated in log10(size)."""
 
-    points: tuple[tuple[float, float], ...] = Field(min_length=1)
+    points: tuple[tuple[float, float], ...] = Field(min_length=1, max_length=1000)
+
+    @field_validator("points", mode="before")
+    @classmethod
+    def _tuples(cls, pts: Any) -> Any:
+        """YAML gives lists; strict validation wants the tuples the type names."""
+        if isinstance(pts, list):
+            return tuple(tuple(p) if isinstance(p, list) else p for p in pts)
+        return pts
 
     @field_validator("points")
     @classmethod
     def _check(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
         sizes = [x for x, _ in pts]
-        if any(x <= 0 for x in sizes) or sizes != sorted(set(sizes)):
-            raise ValueError("sizes must be positive and strictly increasing")
-        if any(not 0 < e <= 1 for _, e in pts):
-            raise ValueError("efficiencies must lie in (0, 1]")
+        if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
+        if any(not 1e-4 < e <= 1 for _, e in pts):
+            raise ValueError("efficiencies must lie in (1e-4, 1]")
         return pts
 
     def __call__(self, size: float) -> float:
@@ -75,13 +98,13 @@ def interpolate_log(points: Sequence[tuple[float, float]], size: float) -> float
 
 class GPUSpec(_Frozen):
     name: str
-    peak_tflops: dict[Dtype, float]  # dense tensor-core peak per dtype, TFLOP/s
-    memory_GB: float = Field(gt=0)  # HBM capacity, 1e9 bytes
-    hbm_bandwidth_GBps: float = Field(gt=0)  # HBM bandwidth, 1e9 bytes/s
+    peak_tflops: dict[Dtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
+    memory_GB: float = Field(ge=1e-3, le=1e7)  # HBM capacity, 1e9 bytes
+    hbm_bandwidth_GBps: float = RATE  # HBM bandwidth, 1e9 bytes/s
     gemm_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one GEMM
     attention_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one attention call
     memory_efficiency: EfficiencyCurve  # achieved/peak HBM bandwidth vs bytes moved
-    kernel_overhead_us: float = Field(default=0.0, ge=0)  # fixed cost per kernel launch
+    kernel_overhead_us: float = Field(default=0.0, ge=0, le=1e7)  # fixed cost per kernel
     # communication runs beside compute: true on GPUs (NCCL on its own stream), false for
     # a CPU process whose one core also does gloo's copies and reductions
     comm_overlaps_compute: bool = True
@@ -95,9 +118,9 @@ class GPUSpec(_Frozen):
 
 
 class LinkSpec(_Frozen):
-    bandwidth_GBps: float = Field(gt=0)  # per GPU, per direction, line rate
-    latency_us: float = Field(ge=0)  # α: per algorithm step
-    efficiency: float = Field(default=1.0, gt=0, le=1)  # achieved busbw / line rate
+    bandwidth_GBps: float = RATE  # per GPU, per direction, line rate
+    latency_us: float = TIME_US  # α: per algorithm step
+    efficiency: float = Field(default=1.0, gt=1e-4, le=1)  # achieved busbw / line rate
 
     @property
     def bytes_per_s(self) -> float:
@@ -110,30 +133,30 @@ class LinkSpec(_Frozen):
 
 
 class InterNodeSpec(LinkSpec):
-    nics_per_node: int = Field(gt=0)
-    nic_Gbps: float = Field(gt=0)  # line rate of one NIC, gigabits/s
-    oversubscription: float = Field(default=1.0, ge=1)  # fat-tree core taper (1 = non-blocking)
+    nics_per_node: int = Field(gt=0, le=10_000)
+    nic_Gbps: float = RATE  # line rate of one NIC, gigabits/s
+    oversubscription: float = Field(default=1.0, ge=1, le=1e4)  # fat-tree taper (1 = none)
 
 
 class HostSpec(_Frozen):
-    pcie_bandwidth_GBps: float = Field(gt=0)  # per GPU, per direction (host <-> device)
-    cpu_adam_params_per_s: float = Field(gt=0)  # CPU AdamW parameters/s of one host (node)
+    pcie_bandwidth_GBps: float = RATE  # per GPU, per direction (host <-> device)
+    cpu_adam_params_per_s: float = Field(ge=1, le=1e16)  # CPU AdamW parameters/s of a host
 
 
 class AlphaBeta(_Frozen):
     """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
 
-    alpha_us: float = Field(ge=0)
-    busbw_GBps: float = Field(gt=0)
-    samples: int = 0
-    median_rel_error: float | None = None
+    alpha_us: float = TIME_US
+    busbw_GBps: float = RATE
+    samples: int = Field(default=0, ge=0)
+    median_rel_error: float | None = Field(default=None, ge=0)
 
 
 class HardwareProfile(_Frozen):
     name: str
     description: str = ""
     gpu: GPUSpec
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=10_000)
     intra_node: LinkSpec  # NVSwitch (or NVLink) port of one GPU
     inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
     host: HostSpec
@@ -184,33 +207,60 @@ def preset_system_names() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.yaml"))
 
 
-def read_yaml(path: Path, what: str) -> Any:
-    """Read a YAML file or raise a one-line UserError naming the file and the problem."""
+def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
+    """Fields of ``model`` (and its sections) that ``data`` does not state."""
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if name not in data and name not in ("description", "provenance"):
+            out.append(loc + name)
+        elif isinstance(ann, type) and issubclass(ann, BaseModel) \
+                and ann is not EfficiencyCurve:
+            out.extend(_unstated(ann, data[name], f"{loc}{name}."))
+    tables = data.get("collectives") if model is HardwareProfile else None
+    for op, links in (tables or {}).items() if isinstance(tables, dict) else ():
+        for link, entry in (links or {}).items() if isinstance(links, dict) else ():
+            out.extend(_unstated(AlphaBeta, entry, f"collectives.{op}.{link}."))
+    return out
+
+
+def _incomplete_collectives(profile: HardwareProfile) -> str | None:
+    tables = profile.collectives
+    links = {frozenset(v) for v in tables.values()}
+    if tables and (len(tables) < len(get_args(CollectiveName)) or len(links) > 1):
+        return (f"lists {sorted(tables)} over {sorted(set().union(*links))}; a calibrated "
+                "table has every collective over the same link classes")
+    return None
+
+
+def validate_profile(data: Any, path: str) -> HardwareProfile:
+    """A profile file's data, strictly validated; UserError naming field, value and fix."""
+    from pydantic import ValidationError
+
+    missing = _unstated(HardwareProfile, data)
+    if missing:
+        raise UserError([Problem("cluster.system", path, f"profile does not state "
+                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                                 " (cut short?); every field must be given")])
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError([Problem(what, str(path), f"cannot read it ({exc.strerror})")]) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        reason = getattr(exc, "problem", None) or "not valid YAML"
-        raise UserError([Problem(what, str(path), f"invalid YAML{where}: {reason}")]) from None
+        profile = HardwareProfile.model_validate(data, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        value = repr(first.get("input"))[:40]
+        raise UserError([Problem("cluster.system", path, f"not a valid hardware profile: "
+                                 f"{loc} = {value}: {first['msg']}")]) from None
+    bad = _incomplete_collectives(profile)
+    if bad:
+        raise UserError([Problem("cluster.system", path, f"collectives {bad}")])
+    return profile
 
 
 @lru_cache(maxsize=64)
 def _load_profile_file(path: str, mtime: float) -> HardwareProfile:
-    from pydantic import ValidationError
-
-    data = read_yaml(Path(path), "cluster.system")
-    try:
-        return HardwareProfile.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise UserError([Problem("cluster.system", path,
-                                 f"not a valid hardware profile: {loc}: {first['msg']}")]) from None
+    return validate_profile(read_yaml(Path(path), "cluster.system"), path)
 
 
 def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProfile:

@@ -6,8 +6,12 @@ system, and returns a :class:`Scenario` or raises :class:`ScenarioError` with on
 line per problem (field, value, fix) — every problem, not just the first.
 
 Keys are the user-facing contract (README "Scenario reference"); unknown keys are
-errors with the closest valid key suggested. Every value the schema accepts is
-simulated by the engine; nothing is silently treated as something else.
+errors with the closest valid key suggested. Files are read through
+:mod:`simulator.loading` (bounded, UTF-8, unique keys) and validated strictly: a
+whole number must be written as one (``true``, ``"8"``, ``0x80`` and ``128.0`` are
+refused for an integer), and every number has a finite, physical range. Every
+value the schema accepts is simulated by the engine; nothing is silently treated as
+something else.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ import difflib
 import math
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -29,12 +33,8 @@ from pydantic import (
 )
 
 from simulator.errors import Problem, ScenarioError, UserError
-from simulator.hardware import (
-    Dtype,
-    HardwareProfile,
-    load_system,
-    read_yaml,
-)
+from simulator.hardware import Dtype, HardwareProfile, load_system
+from simulator.loading import parse_override, read_yaml
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
 MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
@@ -47,7 +47,20 @@ Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _not_bool(value: Any) -> Any:
+    """Literal[0, 1, ...] would take ``true`` as 1: a boolean is not a number here."""
+    if isinstance(value, bool):
+        raise ValueError("must be a whole number, not true/false")
+    return value
+
+
+def _printable(text: str) -> str:
+    if not text.isprintable():
+        raise ValueError("has control characters; use printable text")
+    return text
 
 
 class ModelSpec(_Frozen):
@@ -112,13 +125,13 @@ class ClusterSpec(_Frozen):
     nodes: int = Field(gt=0, le=MAX_SIZE)
     gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     # per GPU, per direction
-    intra_node_bandwidth_GBps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    intra_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e7)
     # per GPU (its NIC)
-    inter_node_bandwidth_GBps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    inter_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e7)
     # α of both link classes
-    link_latency_us: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    link_latency_us: float | None = Field(default=None, ge=0, le=1e7)
     # fat-tree taper, 1 = non-blocking
-    oversubscription: float | None = Field(default=None, ge=1, allow_inf_nan=False)
+    oversubscription: float | None = Field(default=None, ge=1, le=1e4)
 
     @model_validator(mode="before")
     @classmethod
@@ -162,14 +175,15 @@ class ParallelSpec(_Frozen):
     schedule: Schedule = "1f1b"
     # chunks per pipeline rank (interleaved)
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
-    zero: Literal[0, 1, 2, 3] = 0  # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
+    # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
+    zero: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
     zero_offload: bool = False  # optimizer states and step on the host (ZeRO-Offload)
     fsdp_prefetch: int = Field(default=1, ge=0, le=1000)  # ZeRO-3 units gathered ahead
     reshard_after_forward: bool = True  # ZeRO-3 frees gathered params after forward
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     # DDP gradient bucket size, 1e6 bytes
-    dp_bucket_MB: float = Field(default=25.0, gt=0, allow_inf_nan=False)
+    dp_bucket_MB: float = Field(default=25.0, ge=0.01, le=1e6)
     overlap: OverlapSpec = OverlapSpec()
 
     @property
@@ -188,17 +202,20 @@ class SimulationSpec(_Frozen):
     method: Method = "engine"  # engine (discrete-event) or analytic (closed form)
     fidelity: Fidelity = "folded"  # folded: one rank per stage stands for its symmetric peers
     collective_algorithm: Algorithm = "auto"  # auto picks per collective like NCCL
-    seed: int = 0  # reserved for stragglers/faults; the simulation is deterministic
+    # reserved for stragglers/faults; the simulation is deterministic
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
 
 
 class Scenario(_Frozen):
-    name: str = Field(min_length=1)
-    description: str = ""
+    name: str = Field(min_length=1, max_length=200)
+    description: str = Field(default="", max_length=10_000)
     model: ModelSpec
     cluster: ClusterSpec
     parallel: ParallelSpec = ParallelSpec()
     training: TrainingSpec
     simulation: SimulationSpec = SimulationSpec()
+
+    _name_printable = field_validator("name")(_printable)
 
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:
@@ -333,10 +350,7 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
         if not sep or not key.strip():
             problems.append(Problem("--set", text, "expected key.path=value, e.g. parallel.tp=4"))
             continue
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
+        value = parse_override(raw, f"--set {key.strip()}")
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -380,21 +394,23 @@ def scenario_from_dict(data: Any) -> Scenario:
     if not isinstance(data, dict):
         raise ScenarioError([Problem("scenario", type(data).__name__, "must be a mapping")])
     try:
-        return Scenario.model_validate(data)
+        return Scenario.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ScenarioError([_problem(err, data) for err in exc.errors()]) from None
 
 
+_WHOLE = "must be a whole number written in decimal, e.g. 128 (not true, \"8\", 0x80, 1_28, 128.0)"
 _FIXES = {
     "missing": "required; add it",
-    "int_type": "must be a whole number",
-    "int_parsing": "must be a whole number",
-    "int_from_float": "must be a whole number",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
+    "int_type": _WHOLE,
+    "int_parsing": _WHOLE,
+    "int_from_float": _WHOLE,
+    "float_type": "must be a number, e.g. 25 or 2.5e+1 (not true or a quoted string)",
+    "float_parsing": "must be a number, e.g. 25 or 2.5e+1",
+    "finite_number": "must be a finite number (not .inf or .nan)",
     "bool_type": "must be true or false",
     "bool_parsing": "must be true or false",
-    "string_type": "must be a string",
+    "string_type": "must be text; quote it if it looks like a number, date or true/false",
     "dict_type": "must be a mapping of keys",
     "model_type": "must be a mapping of keys",
     "model_attributes_type": "must be a mapping of keys",
@@ -407,8 +423,9 @@ def _problem(err: Any, data: dict[str, Any]) -> Problem:
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
         return Problem(field, value, _unknown_key_fix(loc))
-    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
-        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than_equal": "<="}[kind]
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than_equal": "<=",
+              "less_than": "<"}[kind]
         bound = next(iter(err.get("ctx", {}).values()), "")
         return Problem(field, value, f"must be {op} {bound}")
     if kind in ("literal_error", "enum"):
