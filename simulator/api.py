@@ -16,6 +16,7 @@ import pandas as pd
 
 from simulator import report
 from simulator.analytic import analytic_estimate
+from simulator.budget import check_engine_cost, check_stages
 from simulator.engine import simulate
 from simulator.memory_timeline import memory_timeline
 from simulator.scenario import Scenario
@@ -34,15 +35,22 @@ def _progress_line(fraction: float) -> None:
 
 
 def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
-                      progress: bool = False) -> tuple[dict[str, Any], pd.DataFrame | None]:
-    """Results dict (the results.json contract) and the span table (engine only)."""
+                      progress: bool = False, max_tasks: int | None = None
+                      ) -> tuple[dict[str, Any], pd.DataFrame | None]:
+    """Results dict (the results.json contract) and the span table (engine only).
+
+    Refuses (UserError) a run above ``max_tasks`` estimated tasks before building it
+    (default :data:`simulator.budget.DEFAULT_MAX_TASKS`).
+    """
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
     spans = None
     if method == "analytic":
+        check_stages(s)
         out = analytic_estimate(s)
         out["fidelity"] = None
     else:
+        check_engine_cost(s, fidelity, max_tasks)
         if progress:
             print(f"building the workload of {len(_ranks(s, fidelity))} rank(s) ...",
                   file=sys.stderr, flush=True)

@@ -100,6 +100,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--what-if", action="store_true", help="also re-simulate with each cost "
                    "class (GEMM, attention, memory-bound, each link class) 10%% faster and "
                    "print what bounds the step (results.json: what_if)")
+    q.add_argument("--max-tasks", type=_positive_int, default=None, metavar="N",
+                   help="refuse engine runs estimated above N tasks (default 2e7, about "
+                   "32 GB); checked before building")
     q.set_defaults(func=cmd_run)
     q = add("memory", "per-rank memory table and out-of-memory verdict")
     scenario_args(q)
@@ -167,6 +170,17 @@ def _add_plan(q: argparse.ArgumentParser) -> None:
     q.set_defaults(func=cmd_plan)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (``2e7`` and ``20_000_000`` are accepted)."""
+    try:
+        value = float(text) if "e" in text.lower() else int(text)
+        whole = value == int(value) and value >= 1
+    except (ValueError, OverflowError):
+        whole = False
+    if not whole:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(value)
+
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from simulator.scenario import load_scenario, scenario_warnings
@@ -178,7 +192,14 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from simulator.budget import DEFAULT_MAX_TASKS, engine_cost
+
     s = _load(args)
+    cost = engine_cost(s, s.simulation.fidelity)
+    if cost.tasks > DEFAULT_MAX_TASKS:
+        print(f"warning: an engine run would build about {cost.tasks:.2g} tasks "
+              f"(~{cost.memory_bytes / 1e9:.3g} GB), above the default limit; `run` will ask "
+              "for --method analytic or --max-tasks", file=sys.stderr)
     print(f"{args.scenario}: ok ({s.name}: {s.parallel.world} GPUs, tp {s.parallel.tp} · "
           f"pp {s.parallel.pp} · dp {s.parallel.dp}, {s.parallel.schedule}, "
           f"m = {s.microbatches})")
@@ -192,7 +213,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     s = _load(args)
     out = args.out or Path("out") / s.name
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
-    results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True)
+    results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True,
+                                       max_tasks=args.max_tasks)
     if args.what_if:
         from simulator.whatif import CLASS_LABELS, what_if, what_if_lines
 
@@ -210,9 +232,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
+    from simulator.budget import check_stages
     from simulator.memory import memory_report
 
     s = _load(args)
+    check_stages(s)
     gb = 1e9
     cols = ("stage", "weights", "grads", "optimizer", "activations", "logits", "buffers",
             "total", "fits")
