@@ -27,7 +27,6 @@ layers) and the run is wide enough to hold its label.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,7 +45,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from simulator import accounting as acc
-from simulator.trace_export import atomic_output, normalize_spans, read_timeline_csv
+from simulator.run_files import read_results, read_spans
+from simulator.trace_export import atomic_output, normalize_spans
 
 #: Bar colour of each span kind (Tableau 10), in legend order.
 KIND_COLOURS: Mapping[str, str] = {
@@ -587,10 +587,10 @@ def plot_all(out_dir: str | os.PathLike[str]) -> list[Path]:
     results_path = out / "results.json"
     if not results_path.is_file():
         raise FileNotFoundError(f"{results_path} not found: is {out} a clustersim run directory?")
-    results = json.loads(results_path.read_text(encoding="utf-8"))
+    results = read_results(results_path)
     written = []
     if (out / "timeline.csv").is_file():
-        spans = read_timeline_csv(out / "timeline.csv")
+        spans = read_spans(out / "timeline.csv")
         written.append(plot_timeline(spans, results, out / "timeline.png"))
     written.append(plot_breakdown(results, out / "breakdown.png"))
     written.append(plot_memory(results, out / "memory.png"))

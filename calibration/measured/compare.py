@@ -37,13 +37,6 @@ from simulator.errors import Problem, UserError
 FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_bytes")
 
 
-def _read_json(path: Path, what: str) -> Any:
-    if not path.exists():
-        raise UserError([Problem(what, str(path.parent), f"has no {path.name}; is this a "
-                                 "`clustersim measure` output directory?")])
-    return json.loads(path.read_text())
-
-
 def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
     step = float(measured["step_time_s"])
     ranks = measured.get("per_rank") or [measured]
@@ -86,9 +79,10 @@ def relative_errors(meas: dict[str, float], sim: dict[str, float]) -> dict[str, 
 def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
     """Simulate the measured scenario with ``profile``; return the comparison dict."""
     from simulator.api import simulate_scenario
+    from simulator.run_files import read_measured
     from simulator.scenario import load_scenario
 
-    measured = _read_json(run_dir / "measured.json", "run_dir")
+    measured = read_measured(run_dir / "measured.json")
     if not (run_dir / "scenario.yaml").exists():
         raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
     system = str(Path(profile).resolve()) if str(profile).endswith((".yaml", ".yml")) \
@@ -118,11 +112,12 @@ def table_lines(comparison: dict[str, Any]) -> list[str]:
 def _measured_rows(run_dir: Path, device: str) -> list[tuple[int, list[tuple[float, float]],
                                                              list[tuple[float, float]]]]:
     from calibration.measured.measure_trace import trace_intervals
+    from simulator.loading import read_json
 
     rows = []
     for path in sorted((run_dir / "traces").glob("trace_rank*.json")):
         rank = int(path.stem.removeprefix("trace_rank"))
-        iv = trace_intervals(json.loads(path.read_text()), device)
+        iv = trace_intervals(read_json(path, "run_dir"), device)
         rows.append((rank, iv["work"], iv["comm"]))
     t0 = min((iv[0][0] for _, w, c in rows for iv in (w, c) if iv), default=0.0)
     return [(r, [((a - t0) * 1e-6, (b - t0) * 1e-6) for a, b in w],
