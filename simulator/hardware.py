@@ -12,7 +12,8 @@ at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
 latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
 
 A profile file is read strictly (:func:`load_system`): every field stated (a
-profile without calibrated collectives says ``collectives: {}``, so a file cut
+profile without calibrated collectives says ``collectives: {}``, and calibrated
+collectives need the provenance ``calibrate`` writes after them, so a file cut
 short on a line boundary is refused, not silently completed with defaults), no
 boolean or string where a number belongs, and every number finite and within a
 physical range (:data:`RATE`, :data:`TIME_US`, ...): a rate of 0, 1e-300 or 1e300
@@ -26,7 +27,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -43,7 +44,7 @@ SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 
 # Physical ranges: wide enough for any real device (a CPU thread to a future
 # accelerator), narrow enough that products and quotients stay finite.
-RATE = Field(ge=1e-3, le=1e7)  # GB/s, Gb/s or TFLOP/s
+RATE = Field(ge=1e-6, le=1e7)  # GB/s, Gb/s or TFLOP/s
 TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
 EFFICIENCY = Field(gt=1e-4, le=1)  # achieved / peak
 
@@ -226,12 +227,11 @@ def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
     return out
 
 
-def _incomplete_collectives(profile: HardwareProfile) -> str | None:
-    tables = profile.collectives
-    links = {frozenset(v) for v in tables.values()}
-    if tables and (len(tables) < len(get_args(CollectiveName)) or len(links) > 1):
-        return (f"lists {sorted(tables)} over {sorted(set().union(*links))}; a calibrated "
-                "table has every collective over the same link classes")
+def _unprovenanced(data: Any) -> str | None:
+    """Calibrated collectives come with the provenance ``calibrate`` writes after them."""
+    if isinstance(data, dict) and data.get("collectives") and not data.get("provenance"):
+        return ("has calibrated collectives but no provenance (cut short?); calibrate "
+                "writes provenance after the collectives")
     return None
 
 
@@ -252,9 +252,9 @@ def validate_profile(data: Any, path: str) -> HardwareProfile:
         value = repr(first.get("input"))[:40]
         raise UserError([Problem("cluster.system", path, f"not a valid hardware profile: "
                                  f"{loc} = {value}: {first['msg']}")]) from None
-    bad = _incomplete_collectives(profile)
+    bad = _unprovenanced(data)
     if bad:
-        raise UserError([Problem("cluster.system", path, f"collectives {bad}")])
+        raise UserError([Problem("cluster.system", path, bad)])
     return profile
 
 
