@@ -44,7 +44,7 @@ SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 
 # Physical ranges: wide enough for any real device (a CPU thread to a future
 # accelerator), narrow enough that products and quotients stay finite.
-RATE = Field(ge=1e-6, le=1e7)  # GB/s, Gb/s or TFLOP/s
+RATE = Field(ge=1e-6, le=1e12)  # GB/s, Gb/s or TFLOP/s (1e12: "free" for what-ifs)
 TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
 EFFICIENCY = Field(gt=1e-4, le=1)  # achieved / peak
 

@@ -125,9 +125,9 @@ class ClusterSpec(_Frozen):
     nodes: int = Field(gt=0, le=MAX_SIZE)
     gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     # per GPU, per direction
-    intra_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e7)
+    intra_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e12)
     # per GPU (its NIC)
-    inter_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e7)
+    inter_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e12)
     # α of both link classes
     link_latency_us: float | None = Field(default=None, ge=0, le=1e7)
     # fat-tree taper, 1 = non-blocking
