@@ -5,8 +5,14 @@ Launched by :mod:`calibration.microbench.bench_collectives` as
 calibration.microbench.collectives_worker --op all_reduce --sizes ... --groups 2,4 ...``.
 
 Every rank reads the results file at start, so all ranks agree on what a resumed
-run skips. Group size n uses ranks 0..n−1 (one node: every group is intra-node);
-the other ranks wait at a world barrier. Each size is warmed up, then timed in
+run skips: a finished measurement is skipped whole, and each round of an
+unfinished one is appended as a ``collective_round`` record the moment it is
+taken (its round time, calls per sample and samples), so an interrupt loses at
+most the round in progress and a resumed run measures exactly the rounds that
+are missing, with the batch size the saved rounds used.
+
+Group size n uses ranks 0..n−1 (one node: every group is intra-node); the other
+ranks wait at a world barrier. Each size is warmed up, then timed in
 samples of back-to-back calls between group barriers, each rank timing its own;
 a sample's time is the slowest rank's (the collective is done when the last rank
 is). All collectives and sizes of one group size are swept in interleaved rounds
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = ResultsStore(args.results)
     done = store.done()
+    saved = saved_rounds(store.records())
     sizes = [int(s) for s in args.sizes.split(",")]
     groups = {n: dist.new_group(list(range(n))) for n in map(int, args.groups.split(","))
               if n <= world}
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [(op, s) for op in args.op for s in sizes
                 if collective_key(args.device, args.threads, op, n, s) not in done]
         if todo and rank < n:
-            _sweep(args, store, n, todo, group, dev, rank)
+            _sweep(args, store, n, todo, group, dev, rank, saved)
         dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -104,8 +111,25 @@ class _Point:
     failed: bool = False
 
 
+def saved_rounds(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Round records of unfinished measurements, by measurement key, in order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        if rec.get("kind") == "collective_round" and rec.get("ok"):
+            out.setdefault(str(rec.get("point")), []).append(rec)
+    return out
+
+
+def _resume(pt: _Point, rounds: list[dict[str, Any]]) -> None:
+    """Start a point from its saved rounds (same calls per sample, same samples)."""
+    if rounds:
+        pt.k, pt.reps, pt.nbytes = (int(rounds[0][x]) for x in ("calls", "reps", "bytes"))
+        pt.rounds = [float(rec["round_s"]) for rec in rounds]
+
+
 def _sweep(args: argparse.Namespace, store: ResultsStore, n: int, todo: list[tuple[str, int]],
-           group: Any, dev: str, rank: int) -> None:
+           group: Any, dev: str, rank: int,
+           saved: dict[str, list[dict[str, Any]]] | None = None) -> None:
     """Measure every (op, size) of group size n in interleaved rounds.
 
     On a shared machine another process takes a core for a while, and whatever is
@@ -116,21 +140,30 @@ def _sweep(args: argparse.Namespace, store: ResultsStore, n: int, todo: list[tup
     again (up to three times the planned rounds) while its two best rounds differ
     by more than 10% or it reads more than 30% slower than an α-β fit through its
     collective's other points. Buffers are made fresh for each round. The time kept
-    is :func:`_quiet_time` of the rounds.
+    is :func:`_quiet_time` of the rounds. Each round taken is appended at once (a
+    ``collective_round`` record); a point resumed with saved rounds joins at the
+    first round it lacks.
     """
     order = {op: i for i, op in enumerate(args.op)}
     points = [_Point(op, size, collective_key(args.device, args.threads, op, n, size))
               for op, size in sorted(todo, key=lambda x: (x[1], order[x[0]]))]
+    for pt in points:
+        _resume(pt, (saved or {}).get(pt.key, []))
     for r in range(args.rounds * 3):
         live = [pt for pt in points if not pt.failed]
-        chosen = live if r < args.rounds else [pt for pt in live if _needs_more(pt, live, n)]
-        if not chosen:
+        chosen = [pt for pt in live if len(pt.rounds) <= r
+                  and (r < args.rounds or _needs_more(pt, live, n))]
+        if not chosen and r >= args.rounds:
             break
-        if rank == 0:
+        if rank == 0 and chosen:
             print(f"[collectives n={n} round {r + 1}] {len(chosen)} measurements",
                   file=sys.stderr, flush=True)
         for pt in chosen if r % 2 == 0 else reversed(chosen):
-            _measure_round(args, store, pt, n, group, dev, rank)
+            if _measure_round(args, store, pt, n, group, dev, rank) and rank == 0:
+                store.append({"key": f"{pt.key}/round{len(pt.rounds)}",
+                              "kind": "collective_round", "ok": True, "point": pt.key,
+                              "round_s": pt.rounds[-1], "calls": pt.k, "reps": pt.reps,
+                              "bytes": pt.nbytes, **_meta(args, pt.op, n)})
     if rank != 0:
         return
     for op in args.op:
@@ -153,8 +186,9 @@ def _meta(args: argparse.Namespace, op: str, n: int) -> dict[str, Any]:
 
 
 def _measure_round(args: argparse.Namespace, store: ResultsStore, pt: _Point, n: int,
-                   group: Any, dev: str, rank: int) -> None:
-    """One round of one point: fresh buffers, (calibration on the first), samples."""
+                   group: Any, dev: str, rank: int) -> bool:
+    """One round of one point: fresh buffers, (calibration on the first), samples.
+    Returns whether the round was taken (a failure is recorded instead)."""
     if rank == 0:  # the launcher blames the last started key if the launch hangs
         print(f"@@running {pt.key}", flush=True)
     try:
@@ -166,6 +200,7 @@ def _measure_round(args: argparse.Namespace, store: ResultsStore, pt: _Point, n:
         else:
             call(0)  # warm the fresh buffers
         pt.rounds.append(statistics.median(_round(pt, call, nbuf, group, dev)))
+        return True
     except Exception as exc:  # unsupported op, OOM, timeout: recorded and skipped
         pt.failed = True
         if rank == 0:
@@ -174,6 +209,7 @@ def _measure_round(args: argparse.Namespace, store: ResultsStore, pt: _Point, n:
             store.append(rec)
             print(f"[{pt.op} n={n}] {_human(pt.size)}: FAILED ({rec['error']})",
                   file=sys.stderr, flush=True)
+        return False
 
 
 def _quiet_time(rounds: list[float]) -> float:
