@@ -209,9 +209,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from simulator.api import simulate_scenario, write_outputs
     from simulator.report import summary_lines
+    from simulator.run_dir import check_out_dir, default_out_dir, staged_run
 
     s = _load(args)
-    out = args.out or Path("out") / s.name
+    out = args.out or default_out_dir(s.name)
+    check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
     results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True,
                                        max_tasks=args.max_tasks)
@@ -223,7 +225,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         results["what_if"] = what_if(s, results["step_time_s"], results["method"],
                                      results.get("fidelity"), say)
-    written = write_outputs(out, results, spans, plots=not args.no_plots)
+    with staged_run(out) as staging:
+        written = write_outputs(staging, results, spans, plots=not args.no_plots)
     print("\n".join(summary_lines(results)))
     if args.what_if:
         print("\n".join(what_if_lines(results["what_if"])))
@@ -296,9 +299,12 @@ def _computed_line(cache: ResultCache | None, what: str) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from simulator.executors import open_executor
+    from simulator.run_dir import check_out_dir
     from simulator.sweep import best, parse_grid, run_sweep, write_sweep
 
     _load(args)  # the base scenario must validate before its points are tried
+    if args.out:
+        check_out_dir(args.out)
     axes = parse_grid(args.grid)
     n = 1
     for values in axes.values():
@@ -325,6 +331,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from simulator.executors import open_executor
     from simulator.plan import PlanRequest, plan_lines, run_plan, write_plan
+    from simulator.run_dir import check_out_dir, default_out_dir
 
     batches = tuple(int(b) for b in args.micro_batches.split(",") if b.strip().isdigit())
     if not batches or min(batches) < 1 or len(batches) != len(args.micro_batches.split(",")):
@@ -332,7 +339,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                  "whole numbers separated by commas, e.g. 1,2,4")])
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
                       args.top, batches, tp_beyond_node=args.tp_beyond_node)
-    out = args.out or Path("out") / f"plan-{args.model}-{args.gpus}"
+    out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
+    check_out_dir(out)
     cache = _cache(args, out)
     print(f"planning {args.model} on {args.gpus} GPUs ...", file=sys.stderr)
     with open_executor(args.dask, args.workers) as pool:
@@ -346,6 +354,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from simulator.plots import plot_all
+    from simulator.run_dir import MANIFEST, check_run_dir, write_manifest
 
     if (args.run_dir / "plan.csv").is_file():
         from simulator.plots_search import plot_pareto
@@ -358,14 +367,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
         axes = args.axes.split(",") if args.axes else None
         print(plot_heatmap(args.run_dir, axes))
         return 0
-    for name in ("results.json", "timeline.csv"):
-        if not (args.run_dir / name).exists():
-            raise UserError([Problem("run_dir", str(args.run_dir), f"has no {name} (nor "
-                                     "plan.csv or sweep.csv); run `clustersim run SCENARIO "
-                                     "--out DIR`, sweep or plan first")])
-    for path in plot_all(args.run_dir):
+    manifest = check_run_dir(args.run_dir)  # every file of one complete run, or one line
+    written = plot_all(args.run_dir)
+    names = sorted({*manifest["files"], *(p.name for p in written)})
+    write_manifest(args.run_dir, [n for n in names if n != MANIFEST], manifest.get("run_id"))
+    for path in written:
         print(path)
     return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser(_command(argv)).parse_args(argv)
