@@ -34,7 +34,7 @@ from pydantic import (
 
 from simulator.errors import Problem, ScenarioError, UserError
 from simulator.hardware import Dtype, HardwareProfile, load_system
-from simulator.loading import parse_override, read_yaml
+from simulator.loading import MAX_DEPTH, parse_override, read_yaml
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
 MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
@@ -350,9 +350,13 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
         if not sep or not key.strip():
             problems.append(Problem("--set", text, "expected key.path=value, e.g. parallel.tp=4"))
             continue
+        parts = key.strip().split(".")
+        if len(parts) > MAX_DEPTH or not all(parts):
+            problems.append(Problem("--set", text[:80], f"the key needs 1 to {MAX_DEPTH} "
+                                    "non-empty dotted parts, e.g. parallel.tp=4"))
+            continue
         value = parse_override(raw, f"--set {key.strip()}")
         node = out
-        parts = key.strip().split(".")
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
                 node[part] = {}

@@ -77,6 +77,7 @@ def corpus_cases(tmp: Path) -> list[list[str]]:
             cases.append(["validate", str(path)])
             cases.append(["run", str(path), "--no-plots", "--out", out])
     cases.append(["validate", base, "--set", ALIAS_BOMB_SET])
+    cases.append(["validate", base, "--set", ".".join(["a"] * 5000) + "=1"])  # deep key path
     for text in ("parallel.zero=true", "model.vocab=true", 'training.global_batch="128"',
                  "training.global_batch=0x80", "training.global_batch=1_28",
                  "training.global_batch=128.0", "parallel.dp_bucket_MB=1e300",
