@@ -82,3 +82,24 @@ def test_a_finished_run_measures_nothing_again(tmp_path: Path,
     again = FakeMeasure()
     _sweep(store, again, monkeypatch)
     assert again.calls == []
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ("x".encode("utf-16"), "UTF-16"), (b"ok \xe9", "not valid UTF-8"),
+    (b"\x00\x01", "binary"),
+])
+def test_an_unreadable_results_file_is_one_line(tmp_path: Path, data: bytes, words: str) -> None:
+    from simulator.errors import UserError
+
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(UserError) as exc:
+        ResultsStore(path).records()
+    (line,) = exc.value.lines()
+    assert words in line
+
+
+def test_a_torn_or_hostile_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"key": "a", "ok": true}\n' + "[" * 100_000 + "\n{\"key\": \"b\"")
+    assert [r["key"] for r in ResultsStore(path).records()] == ["a"]

@@ -120,19 +120,17 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    from simulator.loading import JSON_LIMIT_BYTES, decode_text, read_bytes
+
+    if not path.exists():
         return
-    except OSError as exc:
-        raise UserError([Problem("--results", str(path),
-                                 f"cannot read it ({exc.strerror})")]) from None
+    text = decode_text(read_bytes(path, "--results", JSON_LIMIT_BYTES), "--results", str(path))
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             print(f"warning: {path}:{lineno}: ignoring an unreadable line "
                   "(an interrupted write?)", file=sys.stderr)
             continue
