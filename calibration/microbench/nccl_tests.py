@@ -84,12 +84,10 @@ def parse_spec(spec: str) -> tuple[str | None, str | None, Path]:
 
 def load(spec: str) -> NcclTestsRun:
     op_hint, link_hint, path = parse_spec(spec)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise UserError([Problem("--from-nccl-tests", str(path),
-                                 f"cannot read it ({exc.strerror})")]) from None
-    return parse(text, str(path), op_hint, link_hint)
+    from simulator.loading import JSON_LIMIT_BYTES, read_bytes
+
+    data = read_bytes(path, "--from-nccl-tests", JSON_LIMIT_BYTES)
+    return parse(data.decode("utf-8", errors="replace"), str(path), op_hint, link_hint)
 
 
 def parse(text: str, source: str, op_hint: str | None = None,
@@ -102,6 +100,9 @@ def parse(text: str, source: str, op_hint: str | None = None,
             raise UserError([Problem(
                 "--from-nccl-tests", source, f"looks like JSON but does not parse ({exc.msg} at "
                 f"line {exc.lineno}); pass the file nccl-tests -J wrote")]) from None
+        except RecursionError:
+            raise UserError([Problem("--from-nccl-tests", source, "is JSON nested too deeply; "
+                                     "pass the file nccl-tests -J wrote")]) from None
         return _from_json(data, source, op_hint, link_hint)
     return _from_text(text, source, op_hint, link_hint)
 
