@@ -207,13 +207,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from simulator.api import simulate_scenario, write_outputs
-    from simulator.report import summary_lines
     from simulator.run_dir import check_out_dir, default_out_dir, staged_run
 
     s = _load(args)
     out = args.out or default_out_dir(s.name)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
+    from simulator.api import simulate_scenario, write_outputs  # pandas: after the checks
+    from simulator.report import summary_lines
+
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
     results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True,
                                        max_tasks=args.max_tasks)
@@ -353,7 +354,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from simulator.plots import plot_all
     from simulator.run_dir import MANIFEST, check_run_dir, write_manifest
 
     if (args.run_dir / "plan.csv").is_file():
@@ -368,6 +368,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
         print(plot_heatmap(args.run_dir, axes))
         return 0
     manifest = check_run_dir(args.run_dir)  # every file of one complete run, or one line
+    from simulator.plots import plot_all  # matplotlib: after the checks
+
     written = plot_all(args.run_dir)
     names = sorted({*manifest["files"], *(p.name for p in written)})
     write_manifest(args.run_dir, [n for n in names if n != MANIFEST], manifest.get("run_id"))
