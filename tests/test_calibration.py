@@ -48,7 +48,9 @@ def cli(argv: list[str]) -> int:
 
 
 def _keys(path: Path) -> list[str]:
-    return [r["key"] for r in read_records(path) if r.get("kind") != "pass"]
+    """Keys of whole measurements (a collective's round records vary with noise)."""
+    return [r["key"] for r in read_records(path)
+            if r.get("kind") not in ("pass", "collective_round")]
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +135,18 @@ def test_interrupted_run_resumes_where_it_stopped(tiny: Path, tmp_path: Path) ->
     """Drop the send/recv and AdamW measurements and leave a half-written line: only they rerun."""
     results = tmp_path / "r.jsonl"
     lines = tiny.with_suffix(".results.jsonl").read_text().splitlines()
-    dropped = {json.loads(ln)["key"] for ln in lines
-               if "/send_recv/" in ln or "/memory/adamw/" in ln}
-    kept = [ln for ln in lines if json.loads(ln)["key"] not in dropped]
+    records = [json.loads(ln) for ln in lines]
+    dropped = {r["key"] for r in records if "/send_recv/" in r["key"] or "/memory/adamw/" in
+               r["key"] or r.get("point", "").count("/send_recv/")}
+    kept = [ln for ln, r in zip(lines, records, strict=True) if r["key"] not in dropped]
     results.write_text("\n".join(kept) + '\n{"key": "cpu/fp32/t1/gemm/1x2x3", "ok": tr')
     assert cli(["calibrate", "--device", "cpu", "--tiny", "--nproc", "2", "--results",
                 str(results), "--out", str(tmp_path / "p.yaml")]) == 0
-    new = [r["key"] for r in read_records(results)[len(kept):] if r.get("kind") != "pass"]
-    assert set(new) == dropped
+    # whole measurements: the rounds a collective takes vary with the machine's noise
+    whole = ("pass", "collective_round")
+    new = [r["key"] for r in read_records(results)[len(kept):] if r.get("kind") not in whole]
+    assert set(new) == {r["key"] for r in records
+                        if r["key"] in dropped and r.get("kind") not in whole}
     assert set(_keys(results)) >= set(_keys(tiny.with_suffix(".results.jsonl")))
 
 
