@@ -1,14 +1,22 @@
 """One call from a scenario to results: Scenario → Layout → Workload → Engine → Report.
 
-``simulate_scenario`` is what ``clustersim run``, sweeps and ``compare`` use;
-``write_outputs`` writes results.json, timeline.csv, trace.json and the PNGs,
-each atomically, so an interrupted run never leaves a half-written file.
+``run_scenario`` is what ``clustersim run`` uses: results, the span table and,
+for the ranks the trace will show, its flows and counters
+(:mod:`simulator.trace_links`). ``simulate_scenario`` is the same without the
+trace's extras, for sweeps, ``compare``, notebooks and tests. ``write_outputs``
+is the one function that writes a run directory: results.json, the timeline
+(Parquet, CSV or both), trace.json and the PNGs, each atomically, so an
+interrupted run never leaves a half-written file.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,33 +26,66 @@ from simulator import report
 from simulator.analytic import analytic_estimate
 from simulator.budget import check_engine_cost, check_stages
 from simulator.engine import simulate
+from simulator.layout import Layout
 from simulator.memory_timeline import memory_timeline
+from simulator.rank_selection import RankSelection, select_ranks
 from simulator.scenario import Scenario
-from simulator.trace_export import atomic_output, write_chrome_trace, write_timeline_csv
+from simulator.span_table import span_table
+from simulator.timeline_files import write_timeline
+from simulator.trace_export import atomic_output, write_chrome_trace
+from simulator.trace_links import TraceLinks, trace_links
 from simulator.workload import build_workload
 
 PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
 
 
-def _ranks(s: Scenario, fidelity: str) -> range:
-    return range(s.parallel.pp if fidelity == "folded" else s.parallel.world)
+def _ranks(s: Scenario, fidelity: str) -> tuple[int, ...]:
+    """The ranks a run of this fidelity simulates (build_workload's choice)."""
+    layout = Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp, s.cluster.gpus_per_node or 1)
+    return layout.representatives() if fidelity == "folded" else tuple(range(layout.world))
+
+
+#: Phase name -> (wall seconds, CPU seconds of this process); filled when passed.
+Timings = dict[str, tuple[float, float]]
+
+
+@contextmanager
+def _timed(timings: Timings | None, phase: str) -> Iterator[None]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    if timings is not None:
+        w0, c0 = timings.get(phase, (0.0, 0.0))
+        timings[phase] = (w0 + time.perf_counter() - wall, c0 + time.process_time() - cpu)
 
 
 def _progress_line(fraction: float) -> None:
     print(f"  simulated {fraction:.0%} of the estimated step", file=sys.stderr, flush=True)
 
 
-def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
-                      progress: bool = False, max_tasks: int | None = None
-                      ) -> tuple[dict[str, Any], pd.DataFrame | None]:
-    """Results dict (the results.json contract) and the span table (engine only).
+@dataclass
+class Run:
+    """What one ``clustersim run`` produces before anything is written."""
 
+    results: dict[str, Any]  # the results.json contract
+    spans: pd.DataFrame | None  # the span table (engine only)
+    trace: TraceLinks | None  # flows and counters of the traced ranks (engine only)
+
+
+def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
+                 progress: bool = False, trace_ranks: RankSelection | None = "stages",
+                 timings: Timings | None = None, max_tasks: int | None = None) -> Run:
+    """Simulate ``s``; with ``trace_ranks``, also the trace's extras for those ranks.
     Refuses (UserError) a run above ``max_tasks`` estimated tasks before building it
     (default :data:`simulator.budget.DEFAULT_MAX_TASKS`).
-    """
+    ``timings`` (benchmarks) receives each phase's wall and CPU seconds: build,
+    simulate, metrics, span_table, memory_timeline, trace_links."""
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
-    spans = None
+    spans, links = None, None
+    tp_dp = s.parallel.tp * s.parallel.dp
+    traced: list[int] = []
+    if trace_ranks is not None and method != "analytic":  # a bad selection fails first
+        traced = select_ranks(trace_ranks, _ranks(s, fidelity), tp_dp)
     if method == "analytic":
         check_stages(s)
         out = analytic_estimate(s)
@@ -54,21 +95,38 @@ def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | No
         if progress:
             print(f"building the workload of {len(_ranks(s, fidelity))} rank(s) ...",
                   file=sys.stderr, flush=True)
-        workload = build_workload(s, fidelity=fidelity)
+        with _timed(timings, "build"):
+            workload = build_workload(s, fidelity=fidelity)
         horizon = 0.0
         if progress and len(workload.tasks) > PROGRESS_TASKS:
             horizon = analytic_estimate(s)["step_time_s"]
-        result = simulate(workload, s.hardware, _progress_line if horizon else None, horizon)
-        out = report.engine_metrics(s, result)
-        # one rank per stage keeps results.json small in full fidelity
-        firsts = {workload.layout.coord(r).pp: r for r in sorted(workload.programs, reverse=True)}
-        out["memory_timeline"] = memory_timeline(s, result, ranks=sorted(firsts.values()))
-        spans = report.spans_frame(result)
+        with _timed(timings, "simulate"):
+            result = simulate(workload, s.hardware, _progress_line if horizon else None,
+                              horizon)
+        with _timed(timings, "metrics"):
+            out = report.engine_metrics(s, result)
+        with _timed(timings, "span_table"):
+            spans = span_table(result)
+        with _timed(timings, "memory_timeline"):
+            # one rank per stage keeps results.json small in full fidelity
+            stages = select_ranks("stages", workload.programs, tp_dp)
+            out["memory_timeline"] = memory_timeline(s, result, ranks=stages, spans=spans)
+        if trace_ranks is not None:
+            with _timed(timings, "trace_links"):
+                links = trace_links(s, result, spans, traced, out["memory_timeline"])
     out.update(report.common_metrics(s, out["step_time_s"]))
     out["method"] = method
     out["scenario"] = s.to_dict()
     out["hardware"] = s.hardware.model_dump(mode="json")
-    return out, spans
+    return Run(out, spans, links)
+
+
+def simulate_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
+                      progress: bool = False, max_tasks: int | None = None
+                      ) -> tuple[dict[str, Any], pd.DataFrame | None]:
+    """Results dict (the results.json contract) and the span table (engine only)."""
+    run = run_scenario(s, method, fidelity, progress, trace_ranks=None, max_tasks=max_tasks)
+    return run.results, run.spans
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:
@@ -77,17 +135,27 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
 
 
 def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | None,
-                  plots: bool = True) -> list[Path]:
+                  plots: bool = True, timeline: str = "parquet",
+                  trace: TraceLinks | None = None, timings: Timings | None = None,
+                  ) -> list[Path]:
+    """Write a run directory: the timeline in ``timeline`` format (parquet, csv or both),
+    trace.json (the ranks and extras of ``trace``, else one rank per stage), then
+    results.json, then the PNGs. Returns the paths written. ``timings`` (benchmarks)
+    receives each file group's wall and CPU seconds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if spans is not None:
-        written.append(write_timeline_csv(out_dir / "timeline.csv", spans))
-        written.append(write_chrome_trace(out_dir / "trace.json", spans, results))
+        with _timed(timings, "write_timeline"):
+            written.extend(write_timeline(out_dir, spans, timeline))
+        with _timed(timings, "write_trace"):
+            written.append(write_chrome_trace(out_dir / "trace.json", spans, results, trace))
     # results.json last: its presence means the run's outputs are complete
-    write_results(out_dir / "results.json", results)
+    with _timed(timings, "write_results"):
+        write_results(out_dir / "results.json", results)
     written.append(out_dir / "results.json")
     if plots and spans is not None:
         from simulator.plots import plot_all
 
-        written.extend(plot_all(out_dir))
+        with _timed(timings, "write_plots"):
+            written.extend(plot_all(out_dir, results, spans))
     return written

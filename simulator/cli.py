@@ -103,6 +103,11 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--max-tasks", type=_positive_int, default=None, metavar="N",
                    help="refuse engine runs estimated above N tasks (default 2e7, about "
                    "32 GB); checked before building")
+    q.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet",
+                   help="span table format: timeline.parquet (default), timeline.csv, or both")
+    q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
+                   help="ranks in trace.json: stages (default: each pipeline stage's lowest "
+                   "rank), all, or a list such as 0,5,17")
     q.set_defaults(func=cmd_run)
     q = add("memory", "per-rank memory table and out-of-memory verdict")
     scenario_args(q)
@@ -207,17 +212,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from simulator.rank_selection import parse_rank_selection
     from simulator.run_dir import check_out_dir, default_out_dir, staged_run
 
     s = _load(args)
+    trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or default_out_dir(s.name)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
-    from simulator.api import simulate_scenario, write_outputs  # pandas: after the checks
+    from simulator.api import run_scenario, write_outputs  # pandas: after the checks
     from simulator.report import summary_lines
 
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
-    results, spans = simulate_scenario(s, args.method, args.fidelity, progress=True,
-                                       max_tasks=args.max_tasks)
+    run = run_scenario(s, args.method, args.fidelity, progress=True, trace_ranks=trace_ranks,
+                       max_tasks=args.max_tasks)
+    results, spans = run.results, run.spans
     if args.what_if:
         from simulator.whatif import CLASS_LABELS, what_if, what_if_lines
 
@@ -227,7 +235,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         results["what_if"] = what_if(s, results["step_time_s"], results["method"],
                                      results.get("fidelity"), say)
     with staged_run(out) as staging:
-        written = write_outputs(staging, results, spans, plots=not args.no_plots)
+        written = write_outputs(staging, results, spans, plots=not args.no_plots,
+                                timeline=args.timeline, trace=run.trace)
     print("\n".join(summary_lines(results)))
     if args.what_if:
         print("\n".join(what_if_lines(results["what_if"])))

@@ -5,7 +5,7 @@ per stage: a partition of the step, so each bar is exactly the step time. The
 timeline draws a collective's peer-wait (before ``comm_start``) apart from its
 transfer, and the critical path as a line under the bars.
 
-Plots read a span table (:mod:`simulator.trace_export`'s columns) and a
+Plots read a span table (:mod:`simulator.span_table`'s columns) and a
 ``results.json`` dict, never simulation objects, so ``clustersim plot DIR``
 re-draws a finished run. Every figure is a :class:`matplotlib.figure.Figure`
 rendered by the Agg canvas; pyplot is never imported, so no figure outlives its
@@ -46,7 +46,9 @@ from matplotlib.ticker import MaxNLocator
 
 from simulator import accounting as acc
 from simulator.run_files import read_results, read_spans
-from simulator.trace_export import atomic_output, normalize_spans
+from simulator.span_table import normalize_spans, stage_representatives
+from simulator.timeline_files import timeline_path, timeline_stage_ranks
+from simulator.trace_export import atomic_output
 
 #: Bar colour of each span kind (Tableau 10), in legend order.
 KIND_COLOURS: Mapping[str, str] = {
@@ -577,20 +579,39 @@ def plot_memory(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Pat
 # --- a run directory -----------------------------------------------------------------
 
 
-def plot_all(out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Re-draw a run's PNGs from ``out_dir/results.json`` and ``out_dir/timeline.csv``.
+def _drawn_ranks(stage_ranks: list[int], results: Mapping[str, Any]) -> list[int]:
+    """The ranks the timeline needs: one per stage, and those the critical path visits
+    (it is drawn on their stage's row)."""
+    path = results.get("critical_path")
+    visited = {int(seg["rank"]) for seg in path if isinstance(seg, Mapping) and "rank" in seg} \
+        if isinstance(path, list) else set()
+    return sorted(set(stage_ranks) | visited)
 
-    Writes ``timeline.png`` (only when ``timeline.csv`` exists: an analytic run has
-    no spans), ``breakdown.png`` and ``memory.png``; returns the paths written.
+
+def plot_all(out_dir: str | os.PathLike[str], results: Mapping[str, Any] | None = None,
+             spans: pd.DataFrame | None = None) -> list[Path]:
+    """Re-draw a run's PNGs from ``out_dir/results.json`` and its timeline
+    (``timeline.parquet`` or ``timeline.csv``), or from ``results`` and ``spans`` when
+    given (a run that has just computed them).
+
+    Writes ``timeline.png`` (only when there is a timeline: an analytic run has
+    no spans), ``breakdown.png`` and ``memory.png``; returns the paths written. Only
+    the ranks the timeline draws are read (one per stage, and the critical path's),
+    so a full-fidelity run's ten million spans are never all loaded.
     """
     out = Path(out_dir)
-    results_path = out / "results.json"
-    if not results_path.is_file():
-        raise FileNotFoundError(f"{results_path} not found: is {out} a clustersim run directory?")
-    results = read_results(results_path)
+    if results is None:
+        results_path = out / "results.json"
+        if not results_path.is_file():
+            raise FileNotFoundError(
+                f"{results_path} not found: is {out} a clustersim run directory?")
+        results = read_results(results_path)
+    if spans is not None:
+        spans = spans[spans["rank"].isin(_drawn_ranks(stage_representatives(spans), results))]
+    elif (path := timeline_path(out)) is not None:
+        spans = read_spans(path, _drawn_ranks(timeline_stage_ranks(path), results))
     written = []
-    if (out / "timeline.csv").is_file():
-        spans = read_spans(out / "timeline.csv")
+    if spans is not None:
         written.append(plot_timeline(spans, results, out / "timeline.png"))
     written.append(plot_breakdown(results, out / "breakdown.png"))
     written.append(plot_memory(results, out / "memory.png"))

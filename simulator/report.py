@@ -25,24 +25,13 @@ from simulator.accounting import COMPUTE_KINDS
 from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
+from simulator.span_table import span_table
 from simulator.tasks import Workload
-
-SPAN_COLUMNS = ["rank", "stage", "tp", "dp", "stream", "op", "kind", "name", "microbatch",
-                "layer", "chunk", "start", "comm_start", "end", "bytes"]
 
 
 def spans_frame(result: SimResult) -> pd.DataFrame:
-    """One row per span, sorted by (rank, start)."""
-    tasks, layout = result.workload.tasks, result.workload.layout
-    rows = []
-    comm_start = result.comm_start
-    for tid, start, end in result.spans:
-        t = tasks[tid]
-        c = layout.coord(t.rank)
-        rows.append((t.rank, c.pp, c.tp, c.dp, t.stream, t.op, t.kind, t.name, t.microbatch,
-                     t.layer, t.chunk, start, comm_start.get(tid, start), end, t.nbytes))
-    df = pd.DataFrame(rows, columns=SPAN_COLUMNS)
-    return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
+    """One row per span, sorted by (rank, start): :func:`simulator.span_table.span_table`."""
+    return span_table(result)
 
 
 def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, float]]:

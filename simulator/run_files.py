@@ -11,6 +11,7 @@ value and the fix. Fields a consumer does not use pass through unchecked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +99,18 @@ def read_results(path: Path) -> dict[str, Any]:
     return _validated(Results, read_json(path, "run_dir"), path, "run_dir", fix)
 
 
-def read_spans(path: Path) -> pd.DataFrame:
-    """The span table of a run, with finite times; a cut or edited file is a UserError."""
-    from simulator.trace_export import read_timeline_csv
+def read_spans(path: Path, ranks: Iterable[int] | None = None) -> pd.DataFrame:
+    """The span table of a run (``timeline.parquet`` or ``timeline.csv``; only ``ranks``
+    when given), with finite times; a cut or edited file is a UserError."""
+    import pyarrow as pa
+
+    from simulator.timeline_files import read_timeline
 
     fix = "run the scenario again (`clustersim run SCENARIO --out DIR`)"
     try:
-        spans = read_timeline_csv(path)
+        spans = read_timeline(path, ranks)
     except (ValueError, TypeError, KeyError, pd.errors.ParserError,
-            pd.errors.EmptyDataError) as exc:
+            pd.errors.EmptyDataError, pa.ArrowException) as exc:
         raise UserError([Problem("run_dir", str(path), f"is not a readable span table "
                                  f"({str(exc).splitlines()[0][:80]}); {fix}")]) from None
     times = spans[["start", "end"]].to_numpy()

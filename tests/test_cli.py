@@ -65,11 +65,49 @@ def test_run_writes_outputs(small: Path, tmp_path: Path,
     results = json.loads((out / "results.json").read_text())
     assert results.keys() >= KEYS
     assert results["method"] == "engine" and results["scenario"]["parallel"]["tp"] == 2
-    for name in ("timeline.csv", "trace.json", "timeline.png", "breakdown.png", "memory.png"):
+    for name in ("timeline.parquet", "trace.json", "timeline.png", "breakdown.png",
+                 "memory.png"):
         assert (out / name).stat().st_size > 0
+    assert not (out / "timeline.csv").exists()  # CSV only on request
     trace = json.loads((out / "trace.json").read_text())
     assert trace["traceEvents"]
+    assert trace["otherData"]["ranks"] == [0, 4]  # folded: the one simulated rank per stage
     assert "step time" in capsys.readouterr().out
+
+
+def test_run_full_fidelity_outputs_agree(small: Path, tmp_path: Path) -> None:
+    """A full run's timeline (both formats), trace and plots describe the same spans."""
+    out = tmp_path / "out"
+    assert main(["run", str(small), "--out", str(out), "--fidelity", "full",
+                 "--timeline", "both", "--trace-ranks", "0,1,4"]) == 0
+    from simulator.timeline_files import read_timeline
+
+    parquet = read_timeline(out / "timeline.parquet")
+    csv = read_timeline(out / "timeline.csv")
+    assert sorted(set(parquet["rank"])) == list(range(8)) and len(parquet) == len(csv)
+    assert (parquet["end"] == csv["end"]).all() and (parquet["task"] == csv["task"]).all()
+    results = json.loads((out / "results.json").read_text())
+    assert parquet["end"].max() == results["step_time_s"]
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert trace["otherData"]["ranks"] == [0, 1, 4]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1, 4}
+    spans_x = sum(1 for e in events if e["ph"] == "X")
+    assert spans_x == parquet["rank"].isin([0, 1, 4]).sum()
+    assert {e["name"] for e in events if e["ph"] == "C"} == {"memory", "link"}
+    assert {e["name"] for e in events if e["ph"] == "s"} >= {"pp", "tp"}
+    assert main(["plot", str(out)]) == 0
+
+
+def test_run_rejects_bad_trace_ranks(small: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main(["run", str(small), "--out", str(out), "--trace-ranks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --trace-ranks = '1': rank(s) 1 not simulated; simulated ranks: 0, 4" in err
+    assert main(["run", str(small), "--out", str(out), "--trace-ranks", "x,y"]) == 2
+    assert "use all, stages, or ranks such as 0,5,17" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_run_set_goes_through_validation(small: Path, tmp_path: Path,

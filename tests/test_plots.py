@@ -18,7 +18,7 @@ from simulator import plots
 from simulator.api import simulate_scenario, write_outputs
 from simulator.scenario import scenario_from_dict
 from simulator.schedules import build_schedule, execute
-from simulator.trace_export import read_timeline_csv
+from simulator.timeline_files import read_timeline
 
 MS = 1e-3
 GIB = 1e9  # plots use decimal GB, as the CLI
@@ -165,7 +165,7 @@ def test_breakdown_figure_labels_bubbles(tmp_path: Path) -> None:
 
 def test_timeline_draws_the_critical_path_and_peer_waits(tmp_path: Path) -> None:
     results = engine_run(tmp_path, "1f1b")
-    spans = read_timeline_csv(tmp_path / "timeline.csv")
+    spans = read_timeline(tmp_path)
     assert (spans["comm_start"] >= spans["start"]).all()
     fig = plots.timeline_figure(spans, results)
     assert "critical path" in legend_labels(fig)

@@ -1,24 +1,21 @@
-"""Span tables on disk: Chrome trace-event structure, units, atomic writes, CSV round trip."""
+"""trace.json: Chrome trace-event structure, units, rank selection, flows, counters,
+atomic writes."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
 
+from simulator.timeline_files import write_timeline_csv
 from simulator.trace_export import (
-    SPAN_COLUMNS,
     STREAM_TIDS,
     atomic_output,
-    normalize_spans,
-    read_timeline_csv,
     to_chrome_trace,
     write_chrome_trace,
-    write_timeline_csv,
 )
 
 MS = 1e-3
@@ -62,6 +59,7 @@ RESULTS = {
 def check_trace_structure(trace: dict[str, Any]) -> None:
     """What Perfetto and chrome://tracing need from the JSON Object Format."""
     assert set(trace) == {"traceEvents", "displayTimeUnit", "otherData"}
+    assert trace["otherData"]["time_unit"] == "us"
     assert trace["displayTimeUnit"] in ("ms", "ns")
     events = trace["traceEvents"]
     process_names = {e["pid"]: e["args"]["name"] for e in events
@@ -69,8 +67,11 @@ def check_trace_structure(trace: dict[str, Any]) -> None:
     thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                     if e["ph"] == "M" and e["name"] == "thread_name"}
     for event in events:
-        assert event["ph"] in ("X", "M")
+        assert event["ph"] in ("X", "M", "s", "f", "C")
         assert type(event["pid"]) is int and type(event["tid"]) is int
+        if event["ph"] in ("s", "f", "C"):
+            assert isinstance(event["ts"], float) and event["ts"] >= 0
+            assert event["pid"] in process_names
         if event["ph"] == "X":
             assert isinstance(event["ts"], float) and isinstance(event["dur"], float)
             assert event["dur"] >= 0 and event["ts"] >= 0
@@ -161,34 +162,3 @@ def test_atomic_output_keeps_the_old_file_on_failure(tmp_path: Path) -> None:
         raise RuntimeError("crash mid-write")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
-
-
-def test_csv_round_trip_preserves_values_and_dtypes(tmp_path: Path) -> None:
-    spans = gpipe_spans()
-    spans.loc[0, "start"] = 0.1 + 0.2  # not representable in a short decimal
-    spans.loc[0, "end"] = 1e-7 / 3 + 1.0
-    spans.loc[1, "name"] = "NA"  # must not come back as a missing value
-    path = write_timeline_csv(tmp_path / "timeline.csv", spans)
-    back = read_timeline_csv(path)
-    assert list(back.columns) == list(SPAN_COLUMNS)
-    pd.testing.assert_frame_equal(back, normalize_spans(spans))
-    assert back.loc[0, "start"] == 0.1 + 0.2
-    assert back.loc[1, "name"] == "NA" and back.iloc[-1]["name"] == ""
-    assert back.loc[back["op"] == "dp.all_reduce", "name"].iloc[0] == 'grads, "bucket" 0'
-    for column, dtype in SPAN_COLUMNS.items():
-        if dtype == "str":
-            assert pd.api.types.is_string_dtype(back[column]), column
-        else:
-            assert back[column].dtype == dtype, column
-
-
-def test_normalize_fills_optional_columns_and_names_missing_ones() -> None:
-    minimal = pd.DataFrame({"rank": [3], "stream": ["compute"], "op": ["F"],
-                            "start": [0.0], "end": [1.0]})
-    table = normalize_spans(minimal)
-    assert list(table.columns) == list(SPAN_COLUMNS)
-    row = table.iloc[0]
-    assert (row["microbatch"], row["layer"], row["chunk"], row["bytes"], row["name"]) == (
-        -1, -1, 0, 0.0, "")
-    with pytest.raises(ValueError, match=re.escape("['end']")):
-        normalize_spans(minimal.drop(columns="end"))

@@ -1,0 +1,124 @@
+"""Output benchmark: what writing a run directory costs next to simulating the run.
+
+Runs one scenario the way ``clustersim run`` does (``run_scenario`` then
+``write_outputs``, default: the bundled GPT-3 175B on 1,024 GPUs with
+``--fidelity full``, ten million spans) and reports, in wall and CPU seconds,
+
+- the simulation: building the workload and running the engine;
+- the metrics of results.json (report, memory curves), for reference;
+- the outputs: the span table, the trace's flows and counters, and writing the
+  timeline, trace.json, results.json and the PNGs;
+
+then the outputs' time as a fraction of the simulation's, and the bytes of each
+file written. Target (issue "One accounting of the step", item 4): outputs at
+most 20% of the simulation time and under 300 MB in all. Nothing fails when a
+target is missed; the figures are printed and, with ``--json``, written.
+
+A full-fidelity 1,024-GPU run needs about 7 GB of memory and several minutes.
+
+Usage::
+
+    python benchmarks/bench_outputs.py                         # GPT-3 1,024 GPUs, full
+    python benchmarks/bench_outputs.py --fidelity folded --json out/bench_outputs.json
+    python benchmarks/bench_outputs.py --set parallel.dp=1 --set cluster.nodes=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SCENARIO = ROOT / "scenarios" / "gpt3-175b-1024.yaml"
+TARGETS = {"output_ratio": 0.20, "output_MB": 300.0}
+SIMULATION = ("build", "simulate")
+OUTPUTS = ("span_table", "trace_links", "write_timeline", "write_trace", "write_results",
+           "write_plots")
+
+
+def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
+            trace_ranks: str, out_dir: Path) -> dict[str, Any]:
+    """Run and write once; phase timings, file sizes and the ratios."""
+    sys.path.insert(0, str(ROOT))
+    from simulator.api import Timings, run_scenario, write_outputs
+    from simulator.rank_selection import parse_rank_selection
+    from simulator.scenario import load_scenario
+
+    s = load_scenario(scenario, overrides)
+    timings: Timings = {}
+    run = run_scenario(s, "engine", fidelity, trace_ranks=parse_rank_selection(trace_ranks),
+                       timings=timings)
+    written = write_outputs(out_dir, run.results, run.spans, timeline=timeline,
+                            trace=run.trace, timings=timings)
+    files = {p.name: p.stat().st_size for p in written}
+
+    def total(phases: tuple[str, ...], i: int) -> float:
+        return sum(timings.get(p, (0.0, 0.0))[i] for p in phases)
+
+    sim_wall, sim_cpu = total(SIMULATION, 0), total(SIMULATION, 1)
+    out_wall, out_cpu = total(OUTPUTS, 0), total(OUTPUTS, 1)
+    return {
+        "scenario": s.name, "fidelity": fidelity, "timeline": timeline,
+        "trace_ranks": trace_ranks, "spans": 0 if run.spans is None else len(run.spans),
+        "phases": {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in timings.items()},
+        "simulation_s": {"wall": sim_wall, "cpu": sim_cpu},
+        "outputs_s": {"wall": out_wall, "cpu": out_cpu},
+        "output_ratio": {"wall": out_wall / sim_wall, "cpu": out_cpu / sim_cpu},
+        "files_bytes": files, "total_bytes": sum(files.values()),
+        "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "python": platform.python_version(), "machine": platform.machine(),
+    }
+
+
+def report(r: dict[str, Any]) -> list[str]:
+    lines = [f"{r['scenario']} ({r['fidelity']}): {r['spans']:,} spans, timeline "
+             f"{r['timeline']}, trace ranks {r['trace_ranks']}",
+             f"{'phase':<16}{'wall s':>10}{'cpu s':>10}"]
+    for name, t in r["phases"].items():
+        group = "  (simulation)" if name in SIMULATION else "  (output)" if name in OUTPUTS \
+            else "  (results.json figures)"
+        lines.append(f"{name:<16}{t['wall_s']:>10.2f}{t['cpu_s']:>10.2f}{group}")
+    ratio = r["output_ratio"]
+    mb = r["total_bytes"] / 1e6
+    lines += [
+        f"outputs / simulation: {ratio['wall']:.1%} wall, {ratio['cpu']:.1%} CPU "
+        f"(target <= {TARGETS['output_ratio']:.0%}: "
+        f"{'met' if ratio['cpu'] <= TARGETS['output_ratio'] else 'missed'} by CPU time)",
+        f"bytes written: {mb:,.1f} MB (target < {TARGETS['output_MB']:.0f} MB: "
+        f"{'met' if mb < TARGETS['output_MB'] else 'missed'})",
+        *(f"  {name:<18}{size / 1e6:>10.2f} MB" for name, size in r["files_bytes"].items()),
+        f"peak memory: {r['peak_rss_GB']:.1f} GB",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO))
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--fidelity", choices=["folded", "full"], default="full")
+    p.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet")
+    p.add_argument("--trace-ranks", default="stages")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory to write (default: a temporary one, removed)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_outputs_") as tmp:
+        out = args.out or Path(tmp)
+        r = measure(args.scenario, args.overrides, args.fidelity, args.timeline,
+                    args.trace_ranks, out)
+    print("\n".join(report(r)))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(r, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
