@@ -8,7 +8,7 @@ exists, Parquet first.
 Parquet (Apache Arrow's writer): the text columns are stored dictionary-encoded
 (the categoricals' codes), integers as int32, times and bytes as float64,
 compressed with zstd, in row groups of :data:`ROW_GROUP_ROWS` rows. Times and
-task ids, distinct in nearly every row, skip the dictionary and are stored
+task ids, distinct in nearly every row, skip the dictionary; times are stored
 byte-stream-split (the bytes of each significance together), which compresses
 better and writes faster. Rows are sorted by rank and only ``rank`` and
 ``stage`` carry statistics, so a reader that wants a few ranks (the timeline
@@ -34,9 +34,10 @@ TimelineFormat = Literal["parquet", "csv", "both"]
 TIMELINE_FORMATS: tuple[str, ...] = ("parquet", "csv", "both")
 TIMELINE_FILES = ("timeline.parquet", "timeline.csv")  # the order readers prefer
 ROW_GROUP_ROWS = 256 * 1024
-# distinct in almost every row: no dictionary (it would be built, then dropped), and
-# their bytes split by significance, which zstd compresses better (and faster)
-_SPLIT = ("start", "end", "task")
+# distinct in almost every row: no dictionary (it would be built, then dropped); the
+# times' bytes split by significance, which zstd compresses better (and faster)
+_UNIQUE = ("start", "comm_start", "end", "task")
+_SPLIT = ("start", "comm_start", "end")  # floats: BYTE_STREAM_SPLIT since Arrow 3
 
 
 def write_timeline_parquet(path: str | os.PathLike[str], spans: pd.DataFrame) -> Path:
@@ -47,7 +48,7 @@ def write_timeline_parquet(path: str | os.PathLike[str], spans: pd.DataFrame) ->
     table = pa.Table.from_pandas(normalize_spans(spans), preserve_index=False)
     with atomic_output(path) as tmp:
         pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_ROWS,
-                       use_dictionary=[c for c in table.column_names if c not in _SPLIT],
+                       use_dictionary=[c for c in table.column_names if c not in _UNIQUE],
                        column_encoding=dict.fromkeys(_SPLIT, "BYTE_STREAM_SPLIT"),
                        write_statistics=["rank", "stage"])
     return Path(path)

@@ -28,7 +28,8 @@ def reference(result) -> pd.DataFrame:  # type: ignore[no-untyped-def]
     for tid, start, end in result.spans:
         t, c = tasks[tid], layout.coord(tasks[tid].rank)
         rows.append((t.rank, c.pp, c.tp, c.dp, t.stream, t.op, t.kind, t.name, t.microbatch,
-                     t.layer, t.chunk, start, end, t.nbytes, tid))
+                     t.layer, t.chunk, start, result.comm_start.get(tid, start), end, t.nbytes,
+                     tid))
     df = pd.DataFrame(rows, columns=list(SPAN_COLUMNS))
     return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
 
