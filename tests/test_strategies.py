@@ -142,8 +142,8 @@ def test_zero3_traffic_layers_3psi(tp: int, pp: int, dp: int, m: int) -> None:
     micro-batch), every gradient reduce-scattered after every micro-batch
     (mΨ(n−1)/n: only a shard is kept). With m = 1 the
     layers' share is the paper's 3Ψ_L(n−1)/n. The embedding and head stay
-    replicated (workload.py docstring): they are never gathered, so the all-gathers
-    carry exactly the layers."""
+    replicated (simulator/passes/data.py docstring): they are never gathered, so
+    the all-gathers carry exactly the layers."""
     s = make(tp=tp, pp=pp, dp=dp, m=m, zero=3)
     _, spans = run(s)
     assert not (spans["op"] == "dp.all_reduce").any()

@@ -1,0 +1,54 @@
+"""The workload builder, one pass per parallelism strategy.
+
+:func:`build_programs` walks the pipeline schedule for every simulated rank
+(:mod:`~simulator.passes.pipeline`: compute tasks and p2p sends) and lets the
+installed strategy passes add their tasks at the walk's hooks
+(:class:`~simulator.passes.context.Pass`), in this order:
+
+- :mod:`~simulator.passes.tensor`: TP collectives around blocks, the
+  vocab-parallel ends and the loss (tp > 1);
+- :class:`~simulator.passes.data.Zero3Pass`: ZeRO-3 / FSDP unit gathers with
+  prefetch (zero = 3, dp > 1);
+- :class:`~simulator.passes.data.DataPass`: DDP buckets, ZeRO reduce-scatters,
+  the optimizer step and the parameter all-gather after it (always);
+- :mod:`~simulator.passes.offload`: ZeRO-Offload's host copies and CPU Adam
+  (``zero_offload``).
+
+Task ids are positions in one list, so this order is part of what a program
+is; the golden test of :mod:`tests.test_workload_golden` pins it. A new
+strategy is a new pass module and a line in :func:`install_passes`.
+"""
+
+from __future__ import annotations
+
+from simulator.passes.context import Context, Pass
+from simulator.passes.data import DataPass, Zero3Pass
+from simulator.passes.offload import OffloadPass
+from simulator.passes.pipeline import PipelinePass
+from simulator.passes.tensor import TensorPass
+from simulator.tasks import gc_paused
+
+
+def install_passes(ctx: Context) -> list[Pass]:
+    """The strategy passes this scenario needs, in hook order."""
+    par = ctx.s.parallel
+    passes: list[Pass] = []
+    if par.tp > 1:
+        passes.append(TensorPass(ctx))
+    if par.zero == 3 and par.dp > 1:
+        passes.append(Zero3Pass(ctx))
+    passes.append(DataPass(ctx))
+    if par.zero_offload:
+        passes.append(OffloadPass(ctx))
+    return passes
+
+
+def build_programs(ctx: Context) -> None:
+    """Fill ``ctx.programs`` and ``ctx.tasks`` for every rank of ``ctx.ranks``."""
+    ctx.install(install_passes(ctx))
+    pipeline = PipelinePass(ctx)
+    with gc_paused():
+        for rank in ctx.ranks:
+            pipeline.build_rank(rank)
+        pipeline.resolve()
+        ctx.count_dependents()

@@ -1,0 +1,216 @@
+"""What every builder pass shares: the task list, the primitives that append to it,
+and the hooks through which the pipeline walk calls the strategy passes.
+
+A :class:`Context` holds the programs being built and three primitives: ``add``
+(any task), ``compute`` (the hot path, positional) and ``collective`` (a task
+carrying its group's :class:`~simulator.collectives.Plan`, cached per (op, size,
+group), and a ``group_key`` that is equal on every member: the group and the
+n-th collective of that group on this rank). Task ids are positions in the one
+task list, so the order in which passes append tasks *is* the program; the
+order of the hooks below is therefore part of the contract.
+
+A :class:`Pass` is one strategy's contribution. The pipeline pass walks the
+schedule and, at fixed points, calls each installed pass's hooks, in the order
+the passes are installed (tensor, ZeRO-3 units, data, offload). A pass
+overrides only the hooks it needs; only overridden hooks are called, so an
+inactive strategy costs nothing on the hot path. A new strategy is a new pass
+(and, when it acts somewhere no hook reaches, a new hook here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from simulator import model as mdl
+from simulator.collectives import GroupShape, Plan, make_plan
+from simulator.costs import CostModel
+from simulator.hardware import CollectiveName
+from simulator.layout import Layout
+from simulator.scenario import OverlapSpec, Scenario
+from simulator.schedules import Action, Schedule
+from simulator.tasks import Program, Stream, Task
+
+if TYPE_CHECKING:
+    from simulator.workload import BlockCosts
+
+STREAMS: tuple[Stream, ...] = ("compute", "pp", "dp", "zero", "host")
+
+
+class Context:
+    """The programs under construction and what every pass needs to price tasks."""
+
+    def __init__(self, s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
+                 schedule: Schedule, ranks: tuple[int, ...]) -> None:
+        self.s, self.layout, self.cost, self.c, self.sched = s, layout, cost, costs, schedule
+        self.ranks = ranks
+        self.tasks: list[Task] = []
+        self.programs = {r: Program(r, {name: [] for name in STREAMS}) for r in ranks}
+        self.seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in ranks}
+        self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
+        self.layers_per_chunk = s.model.layers // (s.parallel.pp * s.parallel.virtual_stages)
+        self.last_stage = schedule.total_stages - 1
+        self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
+        # a device that cannot overlap communication with compute runs it all in line
+        self.overlap = s.parallel.overlap if s.hardware.gpu.comm_overlaps_compute \
+            else OverlapSpec(dp=False, pp=False, zero3_prefetch=False)
+        self.hooks = Hooks.of([])  # the installed passes' hooks (see ``install``)
+
+    def install(self, passes: list[Pass]) -> None:
+        self.hooks = Hooks.of(passes)
+
+    # ------------------------------------------------------------ primitives
+    def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
+        t = Task(id=len(self.tasks), rank=rank, stream=stream, **kw)
+        self.tasks.append(t)
+        self.programs[rank].streams[stream].append(t)
+        return t
+
+    def compute(self, rank: int, op: str, kind: str, name: str, dur: float,
+                mb: int, layer: int, chunk: int) -> Task:
+        # positional construction: this is the builder's hot path
+        t = Task(len(self.tasks), rank, "compute", op, kind, name, dur, None, (), (), -1, 0.0,
+                 mb, layer, chunk)
+        self.tasks.append(t)
+        self.programs[rank].streams["compute"].append(t)
+        return t
+
+    def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
+                   group: tuple[int, ...], size: float, name: str, mb: int = -1,
+                   layer: int = -1, chunk: int = 0) -> Task | None:
+        """A collective over ``group``; None (and nothing recorded) for a group of one."""
+        if len(group) <= 1 or size <= 0:
+            return None
+        plan = self.plans.get((op, size, group))
+        if plan is None:
+            shape = GroupShape(len(group), len(group) // self.layout.nodes_spanned(group))
+            plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
+                             self.s.hardware)
+            self.plans[(op, size, group)] = plan
+        # the n-th collective of this group *on this rank*: equal on every member
+        seq = self.seq[rank]
+        n = seq.get(group, 0)
+        seq[group] = n + 1
+        t = Task(len(self.tasks), rank, stream, f"{kind}.{op}", kind, name, 0.0, plan, group,
+                 (group, n), -1, size, mb, layer, chunk)
+        self.tasks.append(t)
+        self.programs[rank].streams[stream].append(t)
+        return t
+
+    def count_dependents(self) -> None:
+        for t in self.tasks:
+            for d in t.deps:
+                self.tasks[d].dependents += 1
+
+    # ------------------------------------------------------------ model states
+    def layers_of(self, stage: int) -> range:
+        first = stage * self.layers_per_chunk
+        return range(first, first + self.layers_per_chunk)
+
+    def tied_copy_params(self) -> int:
+        """Megatron keeps a copy of a tied word embedding on the last stage when pp > 1."""
+        spec = self.s.model
+        return spec.vocab * spec.hidden if spec.tied_embeddings and self.s.parallel.pp > 1 else 0
+
+    def grad_bytes(self, stage: int) -> list[float]:
+        """Gradient bytes each 'done' task of a backward of ``stage`` completes, in order:
+        one per layer (the head's on the first, as the backward runs it first), then the
+        embedding's on stage 0."""
+        spec, tp, dt = self.s.model, self.s.parallel.tp, self.dt_bytes
+        sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
+        if stage == self.last_stage:
+            sizes[0] += (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
+        if stage == 0:
+            sizes.append(mdl.embedding_params(spec) / tp * dt)
+        return sizes
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The virtual stages (model chunks) that ``rank`` holds."""
+        pp = self.layout.coord(rank).pp
+        return [st for st in range(self.sched.total_stages) if self.sched.rank_of(st) == pp]
+
+    def params_of(self, rank: int) -> float:
+        """Parameters ``rank`` holds (its TP shard of every chunk)."""
+        return sum(sum(self.grad_bytes(st)) for st in self.stages_of(rank)) / self.dt_bytes
+
+
+class Pass:
+    """One strategy's tasks, added at the hooks of the pipeline walk. Every hook is
+    called per simulated rank, in the walk's order:
+
+    per F, B or I action, per layer: ``layer_start`` (a task the layer's first
+    compute waits for, or None), then per block (``label`` attn or mlp, forward
+    order in F, reverse in B/I, and the recomputed blocks of full recomputation)
+    ``block(before=True)``, the block's compute, ``block(before=False)``; then
+    ``layer_end`` with the layer's last compute task. At the model's ends
+    ``edge`` ("embed" after the embedding's forward and before its backward,
+    "head" before the output layer's forward and after its backward) and after
+    the head's forward ``loss``. After each B or W action ``weight_grads`` with
+    the tasks that complete each layer's weight gradients (``Context.grad_bytes``
+    gives their sizes). After the last action ``sync_end``, the pipeline's own
+    end-of-step tasks, ``step`` and ``after_step``.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> Task | None:
+        return None
+
+    def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+              chunk: int) -> None:
+        return None
+
+    def layer_end(self, rank: int, last: Task) -> None:
+        return None
+
+    def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
+        return None
+
+    def loss(self, rank: int, mb: int, chunk: int) -> None:
+        return None
+
+    def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
+                     chunk: int) -> None:
+        return None
+
+    def bucket_reduced(self, rank: int, size: float, after: Task, chunk: int) -> None:
+        """Called by the data pass when a gradient bucket of ``size`` bytes is reduced
+        (``after`` is the reduction, or the compute that completed the bucket)."""
+        return None
+
+    def sync_end(self, rank: int) -> None:
+        return None
+
+    def step(self, rank: int) -> None:
+        return None
+
+    def after_step(self, rank: int) -> None:
+        return None
+
+
+def _overriding(passes: list[Pass], name: str) -> list[Any]:
+    base = getattr(Pass, name)
+    return [getattr(p, name) for p in passes if getattr(type(p), name) is not base]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Per hook, the bound methods of the installed passes that override it, in order."""
+
+    layer_start: list[Callable[[int, bool, int, int, int], Task | None]]
+    block: list[Callable[[int, str, bool, int, int, int], None]]
+    layer_end: list[Callable[[int, Task], None]]
+    edge: list[Callable[[int, str, bool, int, int], None]]
+    loss: list[Callable[[int, int, int], None]]
+    weight_grads: list[Callable[[int, int, Action, list[Task], int], None]]
+    bucket_reduced: list[Callable[[int, float, Task, int], None]]
+    sync_end: list[Callable[[int], None]]
+    step: list[Callable[[int], None]]
+    after_step: list[Callable[[int], None]]
+
+    @classmethod
+    def of(cls, passes: list[Pass]) -> Hooks:
+        return cls(**{f.name: _overriding(passes, f.name) for f in fields(cls)})

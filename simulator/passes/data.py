@@ -1,0 +1,144 @@
+"""Data-parallel pass: gradient synchronisation, ZeRO sharding and the optimizer step.
+
+DDP (Li et al. 2020): gradients are bucketed (``dp_bucket_MB``) in the order
+the last micro-batch's backward produces them, each bucket all-reduced on the
+``dp`` stream as soon as it is full (on the compute stream without
+``overlap.dp``); the optimizer step waits for all of them. Gradients
+accumulate locally over the other micro-batches.
+
+ZeRO (Rajbhandari et al. 2020): stages 1 and 2 reduce-scatter the buckets
+instead (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
+all-gather the updated parameters after the step, 2Ψ per rank like DDP's
+all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
+reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
+behaviour under gradient accumulation: m × the traffic of one reduction).
+ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
+:class:`Zero3Pass` gathers the units' parameters. The embedding and head stay
+replicated under ZeRO-3 (small next to the layers) and are all-gathered after
+the step like ZeRO-1/2's.
+
+The optimizer step (AdamW on the rank's shard, memory-bound:
+``OPTIMIZER_BYTES_PER_PARAM``) runs on the compute stream after every
+reduction; under ZeRO-Offload the offload pass runs it on the host instead.
+"""
+
+from __future__ import annotations
+
+from simulator import model as mdl
+from simulator.hardware import CollectiveName
+from simulator.passes.context import Context, Pass
+from simulator.schedules import Action
+from simulator.tasks import Stream, Task
+
+OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
+
+
+class DataPass(Pass):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par = ctx.s.parallel
+        self.pending: dict[int, list[tuple[float, Task]]] = {r: [] for r in ctx.ranks}
+        self.final: dict[int, dict[int, int]] = {}  # pp rank -> stage -> its last B/W index
+        self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+        self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
+
+    def last_backward(self, pp_rank: int) -> dict[int, int]:
+        """Per stage, the index of the rank's last action that computes weight gradients."""
+        final = self.final.get(pp_rank)
+        if final is None:
+            final = {a.stage: i for i, a in enumerate(self.ctx.sched.actions[pp_rank])
+                     if a.kind in ("B", "W")}
+            self.final[pp_rank] = final
+        return final
+
+    def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
+                     chunk: int) -> None:
+        par, pending = self.ctx.s.parallel, self.pending[rank]
+        if par.dp == 1 and not par.zero_offload:
+            return
+        if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+            self.bucket(rank, action.stage, done, chunk, pending)
+            self.flush(rank, pending, chunk)
+        elif self.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
+            self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
+
+    def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
+               pending: list[tuple[float, Task]]) -> None:
+        """Bucket the gradients that ``done`` complete, flushing full buckets."""
+        par = self.ctx.s.parallel
+        per_unit = par.zero == 3  # FSDP reduce-scatters each unit's gradients
+        for size, task in zip(self.ctx.grad_bytes(stage), done, strict=True):
+            pending.append((size, task))
+            if per_unit or sum(sz for sz, _ in pending) >= par.dp_bucket_MB * 1e6:
+                self.flush(rank, pending, chunk)
+
+    def flush(self, rank: int, pending: list[tuple[float, Task]], chunk: int) -> None:
+        if not pending:
+            return
+        size, after = sum(sz for sz, _ in pending), pending[-1][1]
+        pending.clear()
+        ctx, op = self.ctx, self.reduce
+        t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank), size,
+                           f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
+        if t is not None:
+            t.deps.append(after.id)
+        for bucket_reduced in ctx.hooks.bucket_reduced:
+            bucket_reduced(rank, size, t or after, chunk)
+
+    def sync_end(self, rank: int) -> None:
+        self.flush(rank, self.pending[rank], 0)
+
+    def step(self, rank: int) -> None:
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero_offload:  # the offload pass steps on the host
+            return
+        params = ctx.params_of(rank)
+        shard = params / par.dp if par.zero >= 1 else params
+        t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
+                        ctx.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
+        streams = ctx.programs[rank].streams
+        t.deps.extend(d.id for d in streams["dp"])
+        t.deps.extend(d.id for d in streams["zero"][-1:])
+
+    def after_step(self, rank: int) -> None:
+        """ZeRO-1/2: all-gather the updated parameters. ZeRO-3: only the embedding and
+        head, which stay replicated; the layers are gathered at use."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        nbytes = ctx.params_of(rank) * ctx.dt_bytes
+        if par.zero == 3:
+            layers = sum(len(ctx.layers_of(st)) for st in ctx.stages_of(rank))
+            nbytes -= layers * mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes
+        elif par.zero not in (1, 2):
+            return
+        ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank), nbytes,
+                       "dp.all_gather updated params")
+
+
+class Zero3Pass(Pass):
+    """ZeRO-3 / FSDP units: each layer's parameters all-gathered over DP before its
+    forward and, with ``reshard_after_forward``, again before its backward, on the
+    ``zero`` stream ``fsdp_prefetch`` units ahead: the gather may start once the unit
+    ``fsdp_prefetch + 1`` back has run (on the compute stream, in line, without
+    ``overlap.zero3_prefetch``). Installed when zero = 3 and dp > 1."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par = ctx.s.parallel
+        self.unit_done: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
+        self.size = mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes
+        self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
+
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> Task | None:
+        par, ctx = self.ctx.s.parallel, self.ctx
+        if not forward and not par.reshard_after_forward:
+            return None
+        t = ctx.collective(rank, self.stream, "all_gather", "zero", ctx.layout.dp_group(rank),
+                           self.size, f"zero3.all_gather L{layer} mb{mb}", mb, layer, chunk)
+        done = self.unit_done[rank]
+        if t is not None and self.stream == "zero" and len(done) > par.fsdp_prefetch:
+            t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        return t
+
+    def layer_end(self, rank: int, last: Task) -> None:
+        self.unit_done[rank].append(last)

@@ -1,0 +1,120 @@
+"""Golden programs: the builder's output for a handful of small scenarios, pinned.
+
+Each case builds a workload and hashes, task by task, everything the engine
+reads (id, rank, stream, op, kind, name, duration, bytes, dependencies, group,
+group key, destination, micro-batch, layer, chunk, weight-gradient share, the
+collective's plan, and every stream's order). A refactor of the builder must
+leave these hashes unchanged; a deliberate change of the programs updates them
+(``python tests/test_workload_golden.py`` prints the current ones).
+
+Floats enter the hash with 12 significant digits, so a last-bit difference of a
+platform's ``log10`` cannot fail the test while any change of a task can.
+The cases cover every pass: TP (with sequence parallelism and full
+recomputation), every schedule, DDP buckets, ZeRO-1/2/3 with and without
+prefetch, ZeRO-Offload, a device that cannot overlap communication, and full
+fidelity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulator.scenario import load_scenario
+from simulator.tasks import Workload
+from simulator.workload import build_workload
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+FIELDS = ("id", "rank", "stream", "op", "kind", "name", "duration", "nbytes", "deps", "group",
+          "group_key", "dst", "microbatch", "layer", "chunk", "weight_s", "dependents")
+CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
+
+# (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
+GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
+    ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
+        ("0713346bffba4a9a", 1825),
+    ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
+        ("33eacf50ff56dbb0", 2358),
+    ("llama2-7b-1gpu-offload", (), "folded"):
+        ("7ab761e6f7382e3b", 232),
+    ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
+        ("8efa45edb53a5a03", 4364),
+    ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
+                                  "parallel.recompute=full"), "folded"):
+        ("dc89ab9e34aa69e5", 2952),
+    ("zb-h1-vs-1f1b-zbh1", (), "folded"):
+        ("868a7411856af6c2", 6248),
+    ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
+        ("97c5273e78d96098", 2282),
+    ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
+                                 "parallel.recompute=full"), "full"):
+        ("3d27424c89566a07", 5340),
+    ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
+                                 "parallel.overlap.zero3_prefetch=false"), "folded"):
+        ("6c1a5b5439fb119d", 1630),
+    ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
+     "folded"):
+        ("2db2d9b6da89bcb6", 1648),
+    ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
+        ("e8da296fafa71bb9", 2248),
+    ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
+        ("f33f86ad385339b7", 2125),
+    ("llama2-7b-8gpu-zero2", (), "folded"):
+        ("acb0292896a3f42e", 2642),
+}
+
+
+def _canon(x: Any) -> Any:
+    if isinstance(x, float):
+        return f"{x:.12g}"
+    if isinstance(x, tuple | list):
+        return tuple(_canon(v) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, *(_canon(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    return x
+
+
+def digest(w: Workload) -> str:
+    h = hashlib.sha256()
+    for t in w.tasks:
+        h.update(repr(_canon(tuple(getattr(t, f) for f in FIELDS))).encode())
+        h.update(repr(_canon(t.plan)).encode())
+    for rank, program in sorted(w.programs.items()):
+        for stream, tasks in program.streams.items():
+            h.update(repr((rank, stream, [t.id for t in tasks])).encode())
+    h.update(repr((w.weight, w.fidelity, w.schedule)).encode())
+    return h.hexdigest()[:16]
+
+
+def build(name: str, sets: tuple[str, ...], fidelity: str) -> Workload:
+    return build_workload(load_scenario(SCENARIOS / f"{name}.yaml", list(sets)),
+                          fidelity=fidelity)
+
+
+@pytest.mark.parametrize(("name", "sets", "fidelity"), list(GOLDEN),
+                         ids=[f"{n}{'+' if s else ''}{'+'.join(s)}-{f}" for n, s, f in GOLDEN])
+def test_programs_unchanged(name: str, sets: tuple[str, ...], fidelity: str) -> None:
+    w = build(name, sets, fidelity)
+    assert (digest(w), len(w.tasks)) == GOLDEN[name, sets, fidelity]
+
+
+def test_digest_sees_a_changed_task() -> None:
+    w = build("llama2-7b-1gpu-offload", (), "folded")
+    before = digest(w)
+    task = next(t for t in w.tasks if t.duration > 0)
+    task.duration *= 1 + 1e-9
+    assert digest(w) != before
+    task.duration /= 1 + 1e-9
+    assert digest(w) == before
+    w.tasks[-1].deps.append(0)
+    assert digest(w) != before
+
+
+if __name__ == "__main__":
+    for key in GOLDEN:
+        built = build(*key)
+        print(f"    {key}: ({digest(built)!r}, {len(built.tasks)}),")
