@@ -29,6 +29,7 @@ from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.layout import Layout
 from simulator.scenario import Scenario
+from simulator.schedules import schedule_spec
 from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
 
 
@@ -86,13 +87,9 @@ def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
 
 
 def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
-    """Closed-form pipeline phase for stage times (t_F, t_B, t_W) per micro-batch."""
-    full = f + b + w
-    if schedule == "interleaved":
-        return (m + (p - 1) / v) * full
-    if schedule == "zb-h1":
-        return m * full + (p - 1) * (f + b - min(w, f + b))
-    return (m + p - 1) * full
+    """Closed-form pipeline phase for stage times (t_F, t_B, t_W) per micro-batch: the
+    schedule registry's (:data:`simulator.schedules.SCHEDULES`)."""
+    return schedule_spec(schedule).pipeline_time(p, m, v, f, b, w)
 
 
 def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,

@@ -16,7 +16,8 @@ biases replicated across TP ranks, < 0.1 %, are ignored).
 Activations follow Korthikanti et al. 2022 (Table 2, 16-bit, dropout masks
 included, attention scores stored unless recomputed), generalised to GQA and
 SwiGLU so that a GPT block gives the table exactly; they are multiplied by the
-layers a stage holds and the schedule's in-flight micro-batches. Full
+layers a stage holds and the schedule's in-flight micro-batches (its entry in
+:data:`simulator.schedules.SCHEDULES`). Full
 recomputation keeps each layer's input (sharded with sequence parallelism).
 The last stage also holds fp32 logits: the saved softmax of every micro-batch
 whose backward has not run yet, plus one more copy for the loss gradient.
@@ -39,9 +40,9 @@ from simulator.model import (
     layer_params,
 )
 from simulator.scenario import ModelSpec, Scenario
+from simulator.schedules import schedule_spec
 
 ADAMW_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
-_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -120,30 +121,14 @@ def activation_bytes_per_layer(
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
-    """Peak micro-batches whose activations ``stage`` holds, in full-stage units.
-
-    GPipe: m. 1F1B and ZB-H1 (whose I frees what 1F1B's B frees): min(p - stage, m).
-    Interleaved (Megatron): rank r warms up with 2(p - r - 1) + (v - 1)p chunk
-    forwards and holds one more at the first backward, each chunk 1/v of the
-    stage, so min(2(p - r - 1) + (v - 1)p + 1, m·v) / v; at rank 0 that is
-    p·(1 + (p - 1)/(p·v)).
-    """
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(_SCHEDULES)}")
+    """Peak micro-batches whose activations ``stage`` holds, in full-stage units: the
+    schedule registry's (:data:`simulator.schedules.SCHEDULES`), e.g. m for GPipe,
+    min(p - stage, m) for 1F1B and ZB-H1."""
+    spec = schedule_spec(schedule)
     if min(p, m, v) < 1 or not 0 <= stage < p:
         raise ValueError(f"need p, m, v >= 1 and 0 <= stage < p; got p={p}, m={m}, v={v}, "
                          f"stage={stage}")
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "interleaved":
-        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
-    return float(min(p - stage, m))
-
-
-def _held_logits(schedule: str, m: int) -> int:
-    # the last stage runs each micro-batch's backward right after its forward,
-    # except GPipe, which runs all m forwards first
-    return m if schedule == "gpipe" else 1
+    return spec.in_flight(p, m, v, stage)
 
 
 # ---------------------------------------------------------------- per stage
@@ -184,7 +169,8 @@ def _logits(scenario: Scenario, stage: int) -> float:
         return 0.0
     fp32 = 4.0 * scenario.training.micro_batch * scenario.model.seq_len \
         * scenario.model.vocab / par.tp
-    return fp32 * (_held_logits(par.schedule, scenario.microbatches) + 1)
+    held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
+    return fp32 * (held + 1)
 
 
 def _comm_buffers(scenario: Scenario) -> float:

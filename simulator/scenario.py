@@ -20,7 +20,7 @@ import difflib
 import math
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,11 +35,15 @@ from pydantic import (
 from simulator.errors import Problem, ScenarioError, UserError
 from simulator.hardware import Dtype, HardwareProfile, load_system
 from simulator.loading import MAX_DEPTH, parse_override, read_yaml
+from simulator.schedules import SCHEDULES, requirements
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
 MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+if TYPE_CHECKING:
+    Schedule = str
+else:  # the registry's names, as a Literal: the schema lists them, pydantic checks them
+    Schedule = Literal[tuple(SCHEDULES)]
 Recompute = Literal["none", "selective", "full"]
 Fidelity = Literal["folded", "full"]
 Method = Literal["engine", "analytic"]
@@ -292,26 +296,28 @@ def consistency_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("training.global_batch", trn.global_batch, f"not divisible by "
                            f"micro_batch({trn.micro_batch}) * dp({par.dp}) = {per_step}; use a "
                            f"multiple of {per_step}"))
-    if par.virtual_stages > 1 and par.schedule != "interleaved":
-        out.append(Problem("parallel.virtual_stages", par.virtual_stages,
-                           f"> 1 only with schedule: interleaved (schedule is {par.schedule}); "
-                           "set virtual_stages: 1 or schedule: interleaved"))
-    if par.schedule == "interleaved" and not trn.global_batch % per_step:
-        m = trn.global_batch // per_step
-        if par.virtual_stages < 2:
-            out.append(Problem("parallel.virtual_stages", par.virtual_stages,
-                               "interleaved needs virtual_stages >= 2"))
-        if m % par.pp:
-            out.append(Problem("training.global_batch", trn.global_batch,
-                               f"interleaving needs micro-batches per pipeline (m = {m}) to be a "
-                               f"multiple of pp({par.pp}); use global_batch a multiple of "
-                               f"{per_step * par.pp}"))
+    out += _schedule_problems(s, per_step)
     if par.sequence_parallel and mdl.seq_len % par.tp:
         out.append(Problem("parallel.sequence_parallel", True, f"model.seq_len ({mdl.seq_len}) "
                            f"is not divisible by tp({par.tp}); turn it off or change tp"))
     if par.zero_offload and par.zero == 0:
         out.append(Problem("parallel.zero_offload", True,
                            "ZeRO-Offload shards the optimizer; set zero: 1, 2 or 3"))
+    return out
+
+
+def _schedule_problems(s: Scenario, per_step: int) -> list[Problem]:
+    """What the schedule's registry entry requires of pp, micro-batches and chunks."""
+    par, trn = s.parallel, s.training
+    m = trn.global_batch // per_step
+    out = []
+    for req in requirements(par.schedule, par.pp, m, par.virtual_stages):
+        if req.field == "virtual_stages":
+            out.append(Problem("parallel.virtual_stages", par.virtual_stages, req.text))
+        elif not trn.global_batch % per_step:  # m is only meaningful when it is whole
+            out.append(Problem("training.global_batch", trn.global_batch,
+                               f"{req.text}; use global_batch a multiple of "
+                               f"{per_step * req.multiple}"))
     return out
 
 

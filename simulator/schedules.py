@@ -20,6 +20,13 @@ its dependencies have ended (plus ``comm`` if a dependency ran on another
 rank). It is the oracle for the closed-form bubbles in the tests, the engine's
 tests compare against it, and :func:`validate` uses it to find deadlocks.
 
+The registry (:data:`SCHEDULES`) is the one place that knows each schedule:
+how to build it, what it requires of (p, m, v) (:func:`requirements`, which the
+scenario validation reports), its peak in-flight micro-batches per stage
+(memory), the micro-batches whose logits the last stage holds, and its
+closed-form pipeline time (the analytic method). A new schedule is one
+:class:`ScheduleSpec` entry.
+
 Activation accounting (:meth:`Schedule.peak_in_flight`): a micro-batch chunk is
 in flight from its F until the backward that frees its activations, i.e. B, or
 I for the split backward. After I only the inputs of the weight-gradient GEMMs
@@ -236,24 +243,120 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, tuple(ranks))
 
 
-def _interleaved_builder(p: int, m: int, v: int = 2) -> Schedule:
-    return interleaved_1f1b(p, m, v)
+# ---------------------------------------------------------------- the registry
 
 
-SCHEDULES: Mapping[str, Callable[..., Schedule]] = MappingProxyType(
-    {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": _interleaved_builder, "zb-h1": zb_h1}
-)
+@dataclass(frozen=True)
+class Requirement:
+    """A condition a schedule puts on (p, m, v) that is not met; ``field`` says
+    which input must change. For ``microbatches``, m must be a multiple of
+    ``multiple``."""
+
+    field: Literal["virtual_stages", "microbatches"]
+    text: str
+    multiple: int = 1
+
+
+def _none(p: int, m: int, v: int) -> list[Requirement]:
+    return []
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything the simulator knows of one schedule; adding a schedule is one entry.
+
+    Stage times ``f``, ``b``, ``w`` are one micro-batch's forward, backward-input
+    and backward-weight through a whole stage (all its chunks).
+    """
+
+    build: Callable[[int, int, int], Schedule]  # (p, m, v) -> per-rank actions
+    # (p, m, v, stage) -> peak micro-batches whose activations the stage holds, in
+    # whole-stage units (a chunk is 1/v of the stage)
+    in_flight: Callable[[int, int, int, int], float]
+    # (p, m, v, f, b, w) -> the pipeline phase, first forward to last backward, in
+    # closed form for balanced stages and free communication
+    pipeline_time: Callable[[int, int, int, float, float, float], float]
+    # m -> micro-batches whose logits the last stage holds at once: 1 where it runs each
+    # micro-batch's backward right after its forward (GPipe runs all m forwards first)
+    logits_held: Callable[[int], int] = lambda m: 1
+    chunks: tuple[int, int | None] = (1, 1)  # virtual stages per rank: (min, max or None)
+    requirements: Callable[[int, int, int], list[Requirement]] = _none  # beyond ``chunks``
+
+
+def _flush_time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """GPipe and 1F1B: (m + p − 1) × t_stage (each idles p − 1 slots per stage)."""
+    return (m + p - 1) * (f + b + w)
+
+
+def _interleaved_time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Megatron interleaving (Narayanan et al. 2021): the bubble shrinks by v."""
+    return (m + (p - 1) / v) * (f + b + w)
+
+
+def _zb_h1_time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """ZB-H1 (Qi et al. 2024, m ≥ p): W fills the drain, (p − 1)(t_F + t_B − t_W) idle."""
+    return m * (f + b + w) + (p - 1) * (f + b - min(w, f + b))
+
+
+def _until_backward(p: int, m: int, v: int, stage: int) -> float:
+    """1F1B and ZB-H1 (whose I frees what 1F1B's B frees): min(p − stage, m)."""
+    return float(min(p - stage, m))
+
+
+def _interleaved_in_flight(p: int, m: int, v: int, stage: int) -> float:
+    """Rank r warms up with 2(p − r − 1) + (v − 1)p chunk forwards and holds one more
+    at its first backward, each chunk 1/v of the stage (at rank 0: p(1 + (p − 1)/(pv)))."""
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+
+
+def _interleaved_requirements(p: int, m: int, v: int) -> list[Requirement]:
+    if m % p:
+        return [Requirement("microbatches", f"interleaving needs micro-batches per pipeline "
+                                            f"(m = {m}) to be a multiple of pp({p})", p)]
+    return []
+
+
+SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
+    "gpipe": ScheduleSpec(lambda p, m, v: gpipe(p, m), lambda p, m, v, stage: float(m),
+                          _flush_time, logits_held=lambda m: m),
+    "1f1b": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), _until_backward, _flush_time),
+    "interleaved": ScheduleSpec(interleaved_1f1b, _interleaved_in_flight, _interleaved_time,
+                                chunks=(2, None), requirements=_interleaved_requirements),
+    "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), _until_backward, _zb_h1_time),
+})
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered schedule ``name``, or ValueError naming the valid ones."""
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(sorted(SCHEDULES))}")
+    return spec
+
+
+def requirements(name: str, p: int, m: int, v: int) -> list[Requirement]:
+    """What (p, m, v) must change for schedule ``name``; empty when it can run."""
+    spec = schedule_spec(name)
+    lo, hi = spec.chunks
+    if v > 1 and hi == 1:
+        chunked = " or ".join(n for n, other in SCHEDULES.items() if other.chunks[1] != 1)
+        out = [Requirement("virtual_stages", f"> 1 only with schedule: {chunked} (schedule is "
+                                             f"{name}); set virtual_stages: 1 or schedule: "
+                                             f"{chunked}")]
+    elif v < lo or (hi is not None and v > hi):
+        most = "" if hi is None else f" and <= {hi}"
+        out = [Requirement("virtual_stages", f"{name} needs virtual_stages >= {lo}{most}")]
+    else:
+        out = []
+    return out + spec.requirements(p, m, v)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build the schedule registered as ``name``; only "interleaved" takes v."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(sorted(SCHEDULES))}")
-    if name == "interleaved":
-        return SCHEDULES[name](p, m, v)
-    if v != 1:
+    """Build the schedule registered as ``name``; only one with chunks takes v > 1."""
+    spec = schedule_spec(name)
+    if spec.chunks[1] == 1 and v != 1:
         raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
-    return SCHEDULES[name](p, m)
+    return spec.build(p, m, v)
 
 
 @dataclass(frozen=True)

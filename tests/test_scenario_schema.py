@@ -76,6 +76,8 @@ def test_wrong_type_and_non_positive() -> None:
     ({"parallel__schedule": "interleaved", "parallel__virtual_stages": 2,
       "training__global_batch": 8 * 24}, "training.global_batch", "multiple of pp(16)"),
     ({"parallel__virtual_stages": 2}, "parallel.virtual_stages", "only with schedule"),
+    ({"parallel__schedule": "interleaved", "training__global_batch": 1540},
+     "parallel.virtual_stages", "interleaved needs virtual_stages >= 2"),
     ({"model__kv_heads": 7}, "model.kv_heads", "must divide"),
     ({"cluster__system": "dgx-a100"}, "cluster.system", "not a preset"),
     ({"parallel__schedule": "pipedream"}, "parallel.schedule", "must be one of"),

@@ -8,10 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import simulator.schedules as schedules_module
+from simulator.analytic import pipeline_time
+from simulator.memory import in_flight_microbatches
 from simulator.schedules import (
     SCHEDULES,
     Action,
     Schedule,
+    ScheduleSpec,
     TimedAction,
     bubble_fraction,
     build_schedule,
@@ -19,6 +23,7 @@ from simulator.schedules import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    requirements,
     validate,
     zb_h1,
 )
@@ -283,6 +288,61 @@ def test_registry_and_dispatch():
         build_schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match="v=2"):
         build_schedule("gpipe", 4, 8, v=2)
+
+
+def _runnable(name: str) -> list[tuple[int, int, int]]:
+    lo, hi = SCHEDULES[name].chunks
+    chunks = range(lo, (hi or 4) + 1)
+    return [(p, m, v) for p, m in GRID for v in chunks if not requirements(name, p, m, v)
+            and (name != "zb-h1" or m >= p)]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_registry_pipeline_time_is_the_executed_makespan(name):
+    """Each entry's closed form is the list-scheduled makespan of the schedule it builds
+    (stage times f, b, w; a chunk takes 1/v of them)."""
+    f, b, w = (1.0, 2.0, 0.7) if name == "zb-h1" else (1.3, 2.9, 0.0)
+    for p, m, v in _runnable(name):
+        timed = execute(build_schedule(name, p, m, v), t_f=f / v, t_b=b / v, t_w=w / v)
+        makespan = max(t.end for t in timed) - min(t.start for t in timed)
+        assert pipeline_time(name, p, m, v, f, b, w) == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_registry_requirements_are_what_the_builder_needs(name):
+    """Every (p, m, v) the registry accepts builds and validates; what it rejects the
+    builder rejects too."""
+    for p, m in GRID:
+        for v in (1, 2, 3):
+            if requirements(name, p, m, v):
+                with pytest.raises(ValueError):
+                    build_schedule(name, p, m, v)
+            else:
+                validate(build_schedule(name, p, m, v))
+
+
+def test_registry_requirements_name_the_fix():
+    (chunks,) = requirements("gpipe", 4, 8, 2)
+    assert chunks.field == "virtual_stages" and "only with schedule: interleaved" in chunks.text
+    (few,) = requirements("interleaved", 4, 8, 1)
+    assert few.field == "virtual_stages" and few.text == "interleaved needs virtual_stages >= 2"
+    (batch,) = requirements("interleaved", 4, 6, 2)
+    assert (batch.field, batch.multiple) == ("microbatches", 4) and "(m = 6)" in batch.text
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        requirements("pipedream", 4, 8, 1)
+
+
+def test_a_new_schedule_is_one_registry_entry(monkeypatch):
+    """Registering an entry is all that building, memory and the analytic time need."""
+    entry = ScheduleSpec(lambda p, m, v: gpipe(p, m), lambda p, m, v, stage: float(m),
+                         lambda p, m, v, f, b, w: (m + p - 1) * (f + b + w) + 1.0)
+    monkeypatch.setattr(schedules_module, "SCHEDULES", {**SCHEDULES, "gpipe-again": entry})
+    assert build_schedule("gpipe-again", 3, 5) == gpipe(3, 5)
+    assert in_flight_microbatches("gpipe-again", 3, 5, 1, 2) == 5.0
+    assert pipeline_time("gpipe-again", 3, 5, 1, 1.0, 2.0, 0.0) == 22.0
+    assert requirements("gpipe-again", 3, 5, 1) == []
+    (chunks,) = requirements("gpipe-again", 3, 6, 2)
+    assert "only with schedule: interleaved" in chunks.text
 
 
 def test_interleaved_rejects_bad_sizes():
