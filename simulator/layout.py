@@ -51,11 +51,6 @@ class Layout:
         c = self.coord(rank)
         return tuple(self.rank(c.pp, d, c.tp) for d in range(self.dp))
 
-    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
-    def pp_group(self, rank: int) -> tuple[int, ...]:
-        c = self.coord(rank)
-        return tuple(self.rank(p, c.dp, c.tp) for p in range(self.pp))
-
     def nodes_spanned(self, group: tuple[int, ...]) -> int:
         return len({self.node(r) for r in group})
 
