@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.schedules import schedule_spec
 from simulator.tasks import Task
 
 COMPUTE_CATEGORIES = ("forward", "backward_input", "backward_weight", "recompute", "optimizer")
@@ -288,8 +289,7 @@ def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: 
     """``time_breakdown_s`` (one entry per simulated rank; ``programs`` maps a rank to its
     compute stream) and each rank's schedule bubble (:func:`schedule_bubble`). Ranks with
     equal ``pipeline_of`` form one pipeline, whose drain ends with its last backward."""
-    from simulator.analytic import pipeline_time  # the schedule's closed form
-
+    closed_form = schedule_spec(schedule).pipeline_time
     streams = {r: _Stream.of(timing, compute) for r, compute in programs.items()}
     ends: dict[Any, float] = {}
     for r, stream in streams.items():
@@ -299,7 +299,7 @@ def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: 
     for rank in sorted(programs):
         stream = streams[rank]
         f, bi, bw = (x / m for x in stream.pass_times())
-        ideal = pipeline_time(schedule, p, m, v, f, bi, bw) - m * (f + bi + bw)
+        ideal = closed_form(p, m, v, f, bi, bw) - m * (f + bi + bw)
         entry: dict[str, Any] = {"rank": rank, "stage": stage_of[rank]}
         entry.update(rank_breakdown(timing, rank, stream, step_time, ends[pipeline_of[rank]],
                                     ideal))
