@@ -13,7 +13,8 @@ their modules inside ``cmd_*``, and the calibration commands (:data:`LAZY_COMMAN
 are one help line each until one of them is the command being run (or its
 ``--help`` asked for); only then is its module imported and its ``add_parser``
 called. ``clustersim --help`` and ``clustersim validate`` thus load no
-calibration module, no torch, no matplotlib and no pandas.
+calibration module, no torch, no matplotlib and no pandas; ``clustersim train``
+(:mod:`simulator.train`) is registered the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
                 "compare with the measurement"),
     "validation": ("calibration.measured.validation", "measure fixed small configurations "
                    "and compare each with its simulation (the README's validation table)"),
+    "train": ("simulator.train", "time, goodput, energy and cost to train N tokens, with "
+              "failures and checkpoints"),
 }
 
 EXAMPLES = {

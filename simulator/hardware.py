@@ -144,6 +144,13 @@ class HostSpec(_Frozen):
     cpu_adam_params_per_s: float = Field(ge=1, le=1e16)  # CPU AdamW parameters/s of a host
 
 
+class PowerSpec(_Frozen):
+    """Electrical power under training load (energy of ``clustersim train``)."""
+
+    gpu_W: float = Field(ge=0, le=1e6)  # board power of one GPU at its power limit, W
+    host_W: float = Field(ge=0, le=1e7)  # one node without its GPUs (CPUs, NICs, fans), W
+
+
 class AlphaBeta(_Frozen):
     """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
 
@@ -161,6 +168,7 @@ class HardwareProfile(_Frozen):
     intra_node: LinkSpec  # NVSwitch (or NVLink) port of one GPU
     inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
     host: HostSpec
+    power: PowerSpec | None = None  # absent in calibrated profiles (not measured)
     # calibrated per-collective costs by link class; when present they replace the
     # link-derived α/β for that collective (see costs.py)
     collectives: dict[CollectiveName, dict[LinkName, AlphaBeta]] = Field(default_factory=dict)

@@ -1,0 +1,119 @@
+"""``train.png``: useful work over wall-clock time of one simulated training run.
+
+Drawn from ``train.json`` and ``train_timeline.csv`` (the median run's events:
+``time_s``, ``steps``, ``tokens``, ``event``), never from a live simulation, on
+the Agg canvas (no pyplot). Top: tokens trained over days for the whole run,
+each unexpected failure a marker coloured by component at the top of its drop,
+planned interruptions grey, the failure-free line (no checkpoints, no failures)
+dashed for reference. Bottom: a zoom on the first failure — a few checkpoint
+intervals before and after — where the checkpoints (ticks), the work lost back
+to the last checkpoint, and the restart (shaded) are visible.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from simulator.reliability import COMPONENTS
+from simulator.trace_export import atomic_output
+
+COLOURS = {"gpu": "#d62728", "host": "#9467bd", "nic": "#ff7f0e", "switch": "#8c564b",
+           "software": "#1f77b4", "planned": "#7f7f7f"}
+DAY = 86400.0
+
+
+def _down_spans(t: pd.DataFrame) -> list[tuple[float, float]]:
+    """(start, end) of every period down: from a rollback to the next restart."""
+    spans, start = [], None
+    for time, event in zip(t["time_s"], t["event"], strict=True):
+        if event == "rollback" and start is None:
+            start = time
+        elif event == "restart" and start is not None:
+            spans.append((start, time))
+            start = None
+    return spans
+
+
+def _mark_interruptions(ax: Axes, t: pd.DataFrame, scale: float, size: float) -> None:
+    for cause in (*COMPONENTS, "planned"):
+        hit = t[t["event"] == cause]
+        if len(hit):
+            ax.scatter(hit["time_s"] / scale, hit["tokens"] / 1e12, s=size, marker="v",
+                       color=COLOURS[cause], zorder=3, label=f"{cause} ({len(hit)})")
+
+
+def _overview(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
+    ax.plot(t["time_s"] / DAY, t["tokens"] / 1e12, color="#2ca02c", lw=1.2,
+            label="tokens trained")
+    rate = res["tokens_per_step"] / res["step_time_s"]
+    end = res["tokens"] / rate
+    ax.plot([0, end / DAY], [0, res["tokens"] / 1e12], color="k", ls="--", lw=0.8,
+            label=f"no failures, no checkpoints ({end / DAY:.1f} d)")
+    _mark_interruptions(ax, t, DAY, 18)
+    ax.set_xlabel("wall-clock days")
+    ax.set_ylabel("tokens trained (T)")
+    ax.set_xlim(0, t["time_s"].max() / DAY * 1.01)
+    ax.set_ylim(0, res["tokens"] / 1e12 * 1.04)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8, ncol=2, frameon=False)
+
+
+def _zoom(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
+    fails = t[t["event"].isin(COMPONENTS)]
+    interval = res["checkpoint"]["interval_s"]
+    centre = float(fails["time_s"].iloc[0]) if len(fails) else float(t["time_s"].iloc[-1]) / 2
+    down = next(((a, b) for a, b in _down_spans(t) if a >= centre), (centre, centre))
+    lo, hi = centre - 3.5 * interval, down[1] + 2.5 * interval
+    w = t[(t["time_s"] >= lo) & (t["time_s"] <= hi)]
+    before, after = t[t["time_s"] < lo].tail(1), t[t["time_s"] > hi].head(1)
+    w = pd.concat([before, w, after])
+    hours = 3600.0
+    ax.plot(w["time_s"] / hours, w["tokens"] / 1e12, color="#2ca02c", lw=1.5)
+    ck = w[w["event"] == "checkpoint"]
+    ax.scatter(ck["time_s"] / hours, ck["tokens"] / 1e12, marker="|", s=120, color="k",
+               zorder=3, label=f"checkpoint (every {interval:,.0f} s)")
+    for a, b in _down_spans(w):
+        ax.axvspan(a / hours, b / hours, color="#ffbf00", alpha=0.35, lw=0,
+                   label=f"restart + reload ({b - a:,.0f} s)")
+    _mark_interruptions(ax, w, hours, 60)
+    ax.set_xlim(lo / hours, hi / hours)
+    ax.set_xlabel("wall-clock hours")
+    ax.set_ylabel("tokens trained (T)")
+    ax.set_title("zoom on the first failure: the work since the last checkpoint is lost",
+                 fontsize=9, loc="left")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="upper left", fontsize=8, frameon=False)
+
+
+def training_figure(res: dict[str, Any], timeline: pd.DataFrame) -> Figure:
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, height_ratios=[3, 2])
+    _overview(top, timeline, res)
+    days, good = res["time_to_train_days"], res["goodput"]
+    top.set_title(f"{res['scenario']}: {res['tokens'] / 1e12:.3g}T tokens on {res['gpus']:,} "
+                  f"GPUs, median of {res['seeds']} runs: {days['p50']:.1f} days "
+                  f"(p5 {days['p5']:.1f}, p95 {days['p95']:.1f}), goodput {good['p50']:.1%}",
+                  fontsize=10, loc="left")
+    _zoom(bottom, timeline, res)
+    return fig
+
+
+def plot_training(run_dir: Path) -> Path:
+    """Draw ``run_dir/train.png`` from its train.json and train_timeline.csv."""
+    res = json.loads((run_dir / "train.json").read_text())
+    timeline = pd.read_csv(run_dir / "train_timeline.csv")
+    fig = training_figure(res, timeline)
+    path = run_dir / "train.png"
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    return path
