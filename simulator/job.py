@@ -157,7 +157,7 @@ class _Job:
                     yield env.timeout(max(0.0, self.pending[2] - env.now))
                     self.promote()
             except simpy.Interrupt as stop:
-                self.interrupted(stop.cause)
+                self.interrupted(str(stop.cause))
         self.run.wall_s = env.now
         self.run.useful_s = spec.steps * spec.mean_step_s
 

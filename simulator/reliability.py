@@ -104,8 +104,8 @@ def job_rates(s: Scenario) -> JobRates:
     counts = component_counts(s)
     per_h: dict[Component, float] = {}
     for c in COMPONENTS:
-        mtbf = given[c] if given[c] is not None else base[c]
-        per_h[c] = counts[c] / mtbf if mtbf is not None else 0.0
+        own = given[c]
+        per_h[c] = counts[c] / (own if own is not None else base[c])
     planned = rel.planned_mtbf_h if rel.planned_mtbf_h is not None else planned_base
     return JobRates(per_h, counts["host"] / planned, counts)
 

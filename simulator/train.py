@@ -17,7 +17,6 @@ interval scan), ``train_timeline.csv`` (the events of the median run) and
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -198,7 +197,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     """Load, simulate the step, run the job; write the outputs when ``args.out`` is set."""
-    from simulator.api import simulate_scenario, write_results
+    from simulator.api import simulate_scenario
     from simulator.scenario import load_scenario
 
     _check_args(args)
