@@ -66,7 +66,7 @@ class JobRun:
     useful_s: float = 0.0  # steps × mean step time
     checkpoint_s: float = 0.0  # training stalled for checkpoints
     lost_work_s: list[float] = field(default_factory=list)  # per unexpected failure
-    restart_s: float = 0.0  # down after unexpected failures (restart + reload)
+    restart_s: float = 0.0  # down after unexpected failures (restarts + reloads)
     planned_s: float = 0.0  # down for planned interruptions (write + restart + reload)
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0))
     planned: int = 0
@@ -76,6 +76,14 @@ class JobRun:
     @property
     def goodput(self) -> float:
         return self.useful_s / self.wall_s
+
+    @property
+    def breakdown_s(self) -> dict[str, float]:
+        """Where the wall time went; the parts add up to it when every step takes the
+        same time (else training is the mean step's share)."""
+        return {"training": self.useful_s, "checkpoint": self.checkpoint_s,
+                "lost_work": sum(self.lost_work_s), "restart": self.restart_s,
+                "planned": self.planned_s}
 
     @property
     def mean_loss_per_failure_s(self) -> float:
@@ -96,10 +104,14 @@ class _Job:
         self.done = 0  # steps trained, in memory
         self.durable = 0  # steps in the last checkpoint safe on storage
         self.anchor = 0.0  # work since this time is not on storage
-        self.pending: tuple[int, float, float] | None = None  # (steps, captured, safe at)
+        self.anchor_ck = 0.0  # checkpoint stalls counted up to the anchor
+        # (steps, captured at, safe at, checkpoint stalls counted when captured)
+        self.pending: tuple[int, float, float, float] | None = None
         self.segment: tuple[float, int, float] | None = None  # (start, steps, duration)
         self.down_s = 0.0  # > 0: the next thing to do is to come back up
-        self.down_planned = False
+        self.down_since = 0.0
+        self.down_planned = False  # the time down is charged to planned interruptions
+        self.stall_since: float | None = None  # waiting for a checkpoint since
 
     def log(self, what: str) -> None:
         if self.trace:
@@ -121,19 +133,21 @@ class _Job:
     def promote(self) -> None:
         """The pending asynchronous write, if it has finished, is now the checkpoint."""
         if self.pending is not None and self.pending[2] <= self.env.now:
-            self.durable, self.anchor = self.pending[0], max(self.anchor, self.pending[1])
-            self.pending = None
+            if self.pending[1] > self.anchor:
+                self.anchor, self.anchor_ck = self.pending[1], self.pending[3]
+            self.durable, self.pending = self.pending[0], None
 
     def checkpoint(self) -> Generator[simpy.Event, Any, None]:
         ck, env = self.spec.checkpoint, self.env
-        start = env.now
+        self.stall_since = env.now
         if self.pending is not None:  # the previous background write is still going
             yield env.timeout(max(0.0, self.pending[2] - env.now))
             self.promote()
         yield env.timeout(ck.blocking_s)
-        self.run.checkpoint_s += env.now - start
+        self.end_stall()
         self.run.checkpoints += 1
-        self.pending = (self.done, env.now, env.now - ck.blocking_s + ck.durable_s)
+        self.pending = (self.done, env.now, env.now - ck.blocking_s + ck.durable_s,
+                        self.run.checkpoint_s)
         self.promote()
         self.log("checkpoint")
 
@@ -142,8 +156,11 @@ class _Job:
         while self.done < spec.steps or self.pending is not None or self.down_s:
             try:
                 if self.down_s:
+                    self.down_since = env.now
                     yield env.timeout(self.down_s)
+                    self.end_down()
                     self.down_s, self.anchor = 0.0, env.now
+                    self.anchor_ck = self.run.checkpoint_s
                     self.log("restart")
                 elif self.done < spec.steps:
                     k = min(spec.checkpoint_every, spec.steps - self.done)
@@ -154,7 +171,9 @@ class _Job:
                     yield from self.checkpoint()
                 else:  # the trained model's checkpoint must be safe before the end
                     assert self.pending is not None
+                    self.stall_since = env.now
                     yield env.timeout(max(0.0, self.pending[2] - env.now))
+                    self.end_stall()
                     self.promote()
             except simpy.Interrupt as stop:
                 self.interrupted(str(stop.cause))
@@ -166,25 +185,44 @@ class _Job:
         self.log(cause)
         self.promote()
         if self.down_s:  # hit while coming back up: start the restart over
+            self.end_down()
             self.down_s = self.spec.restart_s + ck.reload_s
         elif cause == "planned":
             if self.segment is not None:  # keep the whole steps done, then write
                 start, k, duration = self.segment
-                self.done += min(k, int(k * (now - start) / duration))
+                kept = min(k, int(k * (now - start) / duration))
+                self.done += kept
+                self.run.planned_s += now - start - kept * duration / k  # the partial step
+            if self.stall_since is not None:  # the checkpoint's stall so far counts
+                self.end_stall()
             self.durable = self.done
             self.down_s = ck.durable_s + self.spec.restart_s + ck.reload_s
         else:
-            self.run.lost_work_s.append(now - self.anchor)
+            # training since the anchor; the stalls in it count as checkpoint time
+            self.run.lost_work_s.append(now - self.anchor
+                                        - (self.run.checkpoint_s - self.anchor_ck))
             self.done = self.durable
             self.down_s = self.spec.restart_s + ck.reload_s
+        self.down_planned = cause == "planned"
         if cause == "planned":
             self.run.planned += 1
-            self.run.planned_s += self.down_s
         else:
             self.run.failures[cause] += 1
-            self.run.restart_s += self.down_s
-        self.segment, self.pending = None, None
+        self.segment, self.pending, self.stall_since = None, None, None
         self.log("rollback")
+
+    def end_stall(self) -> None:
+        assert self.stall_since is not None
+        self.run.checkpoint_s += self.env.now - self.stall_since
+        self.stall_since = None
+
+    def end_down(self) -> None:
+        """Charge the time down so far (a restart can itself be interrupted)."""
+        spent = self.env.now - self.down_since
+        if self.down_planned:
+            self.run.planned_s += spent
+        else:
+            self.run.restart_s += spent
 
     def interruptions(self, trainer: simpy.Process) -> Generator[simpy.Event, Any, None]:
         spec = self.spec

@@ -5,9 +5,10 @@ Drawn from ``train.json`` and ``train_timeline.csv`` (the median run's events:
 the Agg canvas (no pyplot). Top: tokens trained over days for the whole run,
 each unexpected failure a marker coloured by component at the top of its drop,
 planned interruptions grey, the failure-free line (no checkpoints, no failures)
-dashed for reference. Bottom: a zoom on the first failure — a few checkpoint
-intervals before and after — where the checkpoints (ticks), the work lost back
-to the last checkpoint, and the restart (shaded) are visible.
+dashed for reference, and where the wall time went. Bottom: a zoom on the first
+failure — a few checkpoint intervals before and after — where the checkpoints
+(ticks), the work lost back to the last checkpoint (bracketed), and the restart
+(shaded) are visible.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def _overview(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
     ax.set_ylim(0, res["tokens"] / 1e12 * 1.04)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8, ncol=2, frameon=False)
+    parts = res["breakdown_days"]
+    text = "\n".join([f"where the time goes (mean of {res['seeds']} runs)",
+                      *(f"{k.replace('_', ' '):<11} {v:7.2f} d" for k, v in parts.items())])
+    ax.text(0.99, 0.03, text, transform=ax.transAxes, ha="right", va="bottom",
+            multialignment="left", family="monospace", fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "0.8", "boxstyle": "round"})
 
 
 def _zoom(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
@@ -83,6 +90,7 @@ def _zoom(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
         ax.axvspan(a / hours, b / hours, color="#ffbf00", alpha=0.35, lw=0,
                    label=f"restart + reload ({b - a:,.0f} s)")
     _mark_interruptions(ax, w, hours, 60)
+    _annotate_loss(ax, w, centre)
     ax.set_xlim(lo / hours, hi / hours)
     ax.set_xlabel("wall-clock hours")
     ax.set_ylabel("tokens trained (T)")
@@ -92,6 +100,22 @@ def _zoom(ax: Axes, t: pd.DataFrame, res: dict[str, Any]) -> None:
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), loc="upper left", fontsize=8, frameon=False)
+
+
+def _annotate_loss(ax: Axes, w: pd.DataFrame, centre: float) -> None:
+    """Bracket the work the first failure loses: from the checkpoint it rolls back to."""
+    at = w[(w["time_s"] == centre) & (w["event"] == "rollback")]
+    ck = w[(w["event"] == "checkpoint") & (w["time_s"] < centre)]
+    if not len(at) or not len(ck):
+        return
+    back = float(at["tokens"].iloc[0])
+    start = ck[ck["tokens"] <= back + 1e-6]
+    t0 = float(start["time_s"].iloc[-1]) if len(start) else float(ck["time_s"].iloc[-1])
+    ax.annotate("", xy=(t0 / 3600, back / 1e12), xytext=(centre / 3600, back / 1e12),
+                arrowprops={"arrowstyle": "<->", "color": "#d62728", "lw": 1})
+    ax.annotate(f"lost: {centre - t0:,.0f} s", xy=((t0 + centre) / 2 / 3600, back / 1e12),
+                xytext=(0, -5), textcoords="offset points", ha="center", va="top",
+                fontsize=8, color="#d62728")
 
 
 def training_figure(res: dict[str, Any], timeline: pd.DataFrame) -> Figure:

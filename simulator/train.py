@@ -116,6 +116,8 @@ def train_results(s: Scenario, spec: JobSpec, runs: list[JobRun], step: dict[str
         "cost_usd": _percentiles([h * s.cost.usd_per_gpu_hour for h in gpu_hours]),
         "failures": _percentiles([float(sum(r.failures.values())) for r in runs]),
         "planned_interruptions": _percentiles([float(r.planned) for r in runs]),
+        "breakdown_days": {k: float(np.mean([r.breakdown_s[k] for r in runs])) / 86400
+                           for k in runs[0].breakdown_s},
         "mean_loss_per_failure_s": float(np.nanmean([r.mean_loss_per_failure_s for r in runs]))
         if any(sum(r.failures.values()) for r in runs) else None,
         "expected_loss_per_failure_s": interval["interval_s"] / 2 + spec.restart_s + ck.reload_s,
@@ -159,14 +161,17 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         f"{'loss per failure':<20}  "
         + (f"{loss:,.0f} s simulated, {res['expected_loss_per_failure_s']:,.0f} s expected "
            "(τ/2 + restart + reload)" if loss is not None else "no failures"),
-        f"{'time to train':<20}  {pct('time_to_train_days', '.1f')} days over "
+        f"{'time to train':<20}  {pct('time_to_train_days', '.1f')} days, "
         f"{res['seeds']} runs",
         f"{'goodput':<20}  {pct('goodput', '.1%')}",
+        f"{'where the time goes':<20}  " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.2f} d" for k, v in res["breakdown_days"].items())
+        + " (mean)",
         f"{'failures':<20}  {pct('failures', '.0f')}",
-        f"{'GPU-hours':<20}  {pct('gpu_hours', ',.3g')}",
+        f"{'GPU-hours':<20}  {pct('gpu_hours', ',.0f')}",
         f"{'energy MWh':<20}  {pct('energy_MWh', ',.0f')}  ({res['power']['it_kW']:,.0f} kW IT "
         f"× PUE {res['power']['pue']:g})",
-        f"{'cost USD':<20}  {pct('cost_usd', ',.3g')}  "
+        f"{'cost USD':<20}  {pct('cost_usd', ',.0f')}  "
         f"(${res['usd_per_gpu_hour']:g} per GPU-hour)",
     ]
 

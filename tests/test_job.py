@@ -61,9 +61,11 @@ def test_no_failures_async_costs_only_the_snapshot_and_the_last_write() -> None:
     # the job ends when the last one is safe: 9.5 s after its snapshot
     assert run.wall_s == pytest.approx(2000 + 20 * 0.5 + 9.5, rel=1e-12)
     assert run.goodput == pytest.approx(2000 / run.wall_s, rel=1e-12)
+    assert run.goodput == pytest.approx(1 - run.checkpoint_s / run.wall_s, rel=1e-12)
     # writes longer than the interval stall the next checkpoint for the rest of them
     slow = run_job(_spec(checkpoint=CheckpointCost(1e12, 0.5, 150.0, 10.0)), seed=0)
     assert slow.wall_s == pytest.approx(20 * 150.0 + 100.0, rel=1e-12)
+    assert slow.checkpoint_s == pytest.approx(slow.wall_s - 2000, rel=1e-12)
 
 
 def test_mean_loss_per_failure_matches_young_daly_expectation() -> None:
@@ -193,3 +195,15 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], fie
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], lines
+
+
+@pytest.mark.parametrize("durable_s", [3.0, 150.0])  # synchronous, asynchronous
+def test_wall_time_parts_add_up_with_failures_restarts_and_planned_stops(
+        durable_s: float) -> None:
+    spec = _spec(steps=50_000, checkpoint=CheckpointCost(1e12, 3.0, durable_s, 20.0),
+                 failures_per_s={**NO_FAILURES, "gpu": 1 / 3000, "switch": 1 / 9000},
+                 planned_per_s=1 / 20_000, restart_s=400.0)
+    for seed in range(3):
+        run = run_job(spec, seed)
+        assert sum(run.failures.values()) > 10 and run.planned > 0
+        assert sum(run.breakdown_s.values()) == pytest.approx(run.wall_s, rel=1e-9)
