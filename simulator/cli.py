@@ -131,7 +131,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sweep)
     _add_plan(add("plan", "search every layout of a model on N GPUs: plan.csv, pareto.png and "
                   "the fastest layout that fits"))
-    q = add("plot", "re-draw the PNGs of a run, sweep (heatmap) or plan (Pareto) directory")
+    q = add("plot", "re-draw the PNGs of a run, sweep (heatmap), plan (Pareto) or train directory")
     q.add_argument("run_dir", type=Path)
     q.add_argument("--axes", default=None, metavar="X,Y",
                    help="sweep heatmap axes (default: the first two swept keys)")
@@ -372,6 +372,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
         from simulator.plots_search import plot_pareto
 
         print(plot_pareto(args.run_dir))
+        return 0
+    if (args.run_dir / "train.json").is_file():
+        from simulator.job_plot import plot_training
+
+        print(plot_training(args.run_dir))
         return 0
     if (args.run_dir / "sweep.csv").is_file():
         from simulator.plots_search import plot_heatmap

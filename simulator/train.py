@@ -6,7 +6,12 @@ the checkpoint cost and the prices (:mod:`simulator.reliability`); the job model
 (:mod:`simulator.job`) runs the whole training ``--seeds`` times. The interval
 between checkpoints is the scenario's (or ``--checkpoint-interval``): seconds,
 Young's, Daly's, or ``auto``: each interval on a grid of √2 steps around
-Young's is simulated on the same failures, and the best mean goodput wins.
+Young's (×1/8 to ×8) is simulated on the same failures, and the best mean
+goodput wins. The scan leaves out intervals that need more than
+:data:`SCAN_MAX_CHECKPOINTS` checkpoints a run (each costs a few SimPy events):
+with asynchronous checkpoints Young's interval can be a few steps, and the scan
+then starts at that floor. A given interval (seconds, young, daly) is simulated
+as asked, however many checkpoints it takes.
 
 Outputs (``--out DIR``): ``train.json`` (p5/p50/p95 over the runs of time to
 train, goodput, GPU-hours, energy, cost; the rates, the checkpoint and the
@@ -37,6 +42,9 @@ from simulator.scenario import Scenario
 
 SCAN_SEEDS = 8  # runs per interval of the auto scan
 SCAN_POINTS = range(-6, 7)  # Young's interval × √2^i
+# the scan skips intervals with more checkpoints than this per run: a run costs
+# about 10 µs of CPU per checkpoint, and below it the scan would take minutes
+SCAN_MAX_CHECKPOINTS = 50_000
 PERCENTILES = (5, 50, 95)
 EXAMPLE = ("example:\n  clustersim train scenarios/llama3-70b-2048-train.yaml --tokens 15e12 "
            "--out out/llama3-70b-train\n  clustersim train scenarios/llama3-70b-2048-train.yaml "
@@ -72,7 +80,10 @@ def choose_interval(spec: JobSpec, choice: str | float,
     elif choice in ("young", "daly"):
         every = _every(spec, young if choice == "young" else daly)
     else:
-        candidates = sorted({_every(spec, young * 2 ** (i / 2)) for i in SCAN_POINTS})
+        floor = math.ceil(spec.steps / SCAN_MAX_CHECKPOINTS)
+        candidates = sorted({max(floor, _every(spec, young * 2 ** (i / 2)))
+                             for i in SCAN_POINTS})
+        info["scan_floor_steps"] = floor
         best = (-1.0, spec.steps)
         for k in candidates:
             trial = _with_every(spec, k)

@@ -176,6 +176,11 @@ def test_train_cli_writes_percentiles_and_figure(tmp_path: Path,
     assert timeline["steps"].iloc[-1] == res["steps"]  # the median run trains every step
     assert (out / "train.png").stat().st_size > 10_000
     assert "time to train" in capsys.readouterr().out
+    parts = res["breakdown_days"]
+    assert sum(parts.values()) == pytest.approx(res["time_to_train_days"]["p50"], rel=0.05)
+    (out / "train.png").unlink()
+    assert main(["plot", str(out)]) == 0  # re-drawn from the files alone
+    assert (out / "train.png").is_file()
 
 
 @pytest.mark.parametrize(("args", "field"), [
@@ -207,3 +212,16 @@ def test_wall_time_parts_add_up_with_failures_restarts_and_planned_stops(
         run = run_job(spec, seed)
         assert sum(run.failures.values()) > 10 and run.planned > 0
         assert sum(run.breakdown_s.values()) == pytest.approx(run.wall_s, rel=1e-9)
+
+
+def test_scan_never_goes_below_its_checkpoint_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import simulator.train as train
+
+    monkeypatch.setattr(train, "SCAN_MAX_CHECKPOINTS", 100)
+    # a tiny checkpoint cost: Young's interval is under one step
+    spec = _spec(steps=20_000, step_time_s=(1.0,), checkpoint=CheckpointCost(1e9, 1e-4, 1e-4, 1.0),
+                 failures_per_s={**NO_FAILURES, "gpu": 1 / 3600})
+    chosen, info = choose_interval(spec, "auto", scan_seeds=2)
+    assert info["young_s"] < 1 and info["scan_floor_steps"] == 200
+    assert all(p["every_steps"] >= 200 for p in info["scan"])
+    assert chosen.checkpoint_every >= 200
