@@ -223,7 +223,7 @@ def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
     out = []
     for name, field in model.model_fields.items():
         ann = field.annotation
-        if name not in data and name not in ("description", "provenance"):
+        if name not in data and name not in ("description", "provenance", "power"):
             out.append(loc + name)
         elif isinstance(ann, type) and issubclass(ann, BaseModel) \
                 and ann is not EfficiencyCurve:

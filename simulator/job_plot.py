@@ -13,7 +13,6 @@ failure — a few checkpoint intervals before and after — where the checkpoint
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from simulator.errors import Problem, UserError
 from simulator.reliability import COMPONENTS
 from simulator.trace_export import atomic_output
 
@@ -134,9 +134,20 @@ def training_figure(res: dict[str, Any], timeline: pd.DataFrame) -> Figure:
 
 def plot_training(run_dir: Path) -> Path:
     """Draw ``run_dir/train.png`` from its train.json and train_timeline.csv."""
-    res = json.loads((run_dir / "train.json").read_text())
-    timeline = pd.read_csv(run_dir / "train_timeline.csv")
-    fig = training_figure(res, timeline)
+    from simulator.loading import read_json
+
+    res = read_json(run_dir / "train.json", "run_dir")
+    try:
+        timeline = pd.read_csv(run_dir / "train_timeline.csv")
+        return _save(run_dir, training_figure(res, timeline))
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise UserError([Problem("run_dir", str(run_dir), f"train.json or train_timeline.csv "
+                                 f"is not a clustersim train output ({type(exc).__name__}: "
+                                 f"{str(exc)[:60]}); run `clustersim train ... --out DIR` "
+                                 "again")]) from None
+
+
+def _save(run_dir: Path, fig: Figure) -> Path:
     path = run_dir / "train.png"
     with atomic_output(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")

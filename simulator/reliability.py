@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from simulator.errors import Problem, UserError
-from simulator.hardware import read_yaml
+from simulator.loading import read_yaml
 from simulator.memory import stage_params, state_bytes_per_param
 from simulator.scenario import Scenario
 

@@ -224,6 +224,10 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         overrides.append(f"cost.usd_per_gpu_hour={args.usd_per_gpu_hour!r}")
     s = load_scenario(args.scenario, overrides)
     power_W(s)  # refuse a system without power figures before simulating
+    if args.out is not None:
+        from simulator.run_dir import check_out_dir
+
+        check_out_dir(args.out)
     print(f"simulating one step of {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
     step, _ = simulate_scenario(s, args.method, args.fidelity)
     spec = job_spec(s, args.tokens, [step["step_time_s"]])

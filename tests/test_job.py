@@ -225,3 +225,12 @@ def test_scan_never_goes_below_its_checkpoint_budget(monkeypatch: pytest.MonkeyP
     assert info["young_s"] < 1 and info["scan_floor_steps"] == 200
     assert all(p["every_steps"] >= 200 for p in info["scan"])
     assert chosen.checkpoint_every >= 200
+
+
+def test_plot_of_a_broken_train_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "train.json").write_text('{"scenario": "x"}')
+    (tmp_path / "train_timeline.csv").write_text("time_s,steps\n0,0\n")
+    proc = subprocess.run([sys.executable, "-m", "simulator.cli", "plot", str(tmp_path)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "not a clustersim train output" in proc.stderr
