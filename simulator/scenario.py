@@ -250,12 +250,16 @@ class CheckpointSpec(_Frozen):
     # host memory (over PCIe), the write proceeds in the background
     asynchronous: bool = False
 
-    @field_validator("interval")
+    @field_validator("interval", mode="before")
     @classmethod
-    def _positive(cls, value: str | float) -> str | float:
-        if isinstance(value, float | int) and not 1e-3 <= value <= 1e9:
-            raise ValueError("seconds must lie in [0.001, 1e9]; or use auto, young or daly")
-        return value
+    def _interval(cls, value: Any) -> Any:
+        """One error line for the union (not one per member)."""
+        if value in ("auto", "young", "daly"):
+            return value
+        if isinstance(value, bool) or not isinstance(value, float | int) \
+                or not 1e-3 <= value <= 1e9:
+            raise ValueError("must be auto, young, daly or seconds in [0.001, 1e9]")
+        return float(value)
 
 
 class CostSpec(_Frozen):

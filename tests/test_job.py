@@ -189,6 +189,8 @@ def test_train_cli_writes_percentiles_and_figure(tmp_path: Path,
      "checkpoint.storage_write_GBps = 0"),
     (["--tokens", "1e9", "--checkpoint-interval", "often"], "--checkpoint-interval = 'often'"),
     (["--tokens", "1e9", "--seeds", "0"], "--seeds = 0"),
+    (["--tokens", "1e9", "--set", "checkpoint.interval=-5"], "checkpoint.interval = -5"),
+    (["--tokens", "1e9", "--set", "reliability.gpu_mtbf_h=0"], "reliability.gpu_mtbf_h = 0"),
     (["--tokens", "1e9", "--set", "cluster.system=cpu-1thread",
       "--set", "cluster.gpus_per_node=8"], "cost.gpu_power_W"),
 ])
