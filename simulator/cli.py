@@ -59,6 +59,9 @@ EXAMPLES = {
     "presets": "example:\n  clustersim presets",
     "schema": "example:\n  clustersim schema > scenario.schema.json",
     "plot": "example:\n  clustersim plot out/gpt3",
+    "diff": ("examples:\n  clustersim run scenarios/gpt3-175b-1024.yaml --out out/1f1b\n"
+             "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
+             "--out out/gpipe\n  clustersim diff out/1f1b out/gpipe --out out/1f1b-vs-gpipe"),
     "sweep": ("example:\n  clustersim sweep scenarios/gpt3-175b-1024.yaml --grid parallel.tp=4,8 "
               "--grid parallel.pp=8,16,32 --grid parallel.dp=auto "
               "--grid parallel.schedule=1f1b,interleaved --set parallel.virtual_stages=1\n"
@@ -136,6 +139,14 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--axes", default=None, metavar="X,Y",
                    help="sweep heatmap axes (default: the first two swept keys)")
     q.set_defaults(func=cmd_plot)
+    q = add("diff", "compare two run directories: step time, every category of the step "
+            "breakdown and peak memory, with deltas; diff.json and a waterfall diff.png")
+    q.add_argument("run_a", type=Path, metavar="RUN_A", help="run directory (results.json)")
+    q.add_argument("run_b", type=Path, metavar="RUN_B", help="run directory (results.json)")
+    q.add_argument("--out", type=Path, default=None, help="where to write diff.json and "
+                   "diff.png (default out/diff-<A>-vs-<B>)")
+    q.add_argument("--no-plots", action="store_true", help="skip diff.png")
+    q.set_defaults(func=cmd_diff)
     for name, (module, help_) in LAZY_COMMANDS.items():
         if name == command:
             importlib.import_module(module).add_parser(sub)
@@ -392,6 +403,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     write_manifest(args.run_dir, [n for n in names if n != MANIFEST], manifest.get("run_id"))
     for path in written:
         print(path)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from simulator.diff import diff_lines, load_run, run_diff, write_diff
+
+    a, b = load_run(args.run_a, "RUN_A"), load_run(args.run_b, "RUN_B")
+    diff = run_diff(a, b, args.run_a, args.run_b)
+    out = args.out or Path("out") / f"diff-{args.run_a.resolve().name}-vs-" \
+        f"{args.run_b.resolve().name}"
+    written = write_diff(out, diff, plot=not args.no_plots)
+    print("\n".join(diff_lines(diff)))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
 
 
