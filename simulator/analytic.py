@@ -152,7 +152,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
     after = {"pp_transfer": t_p2p, "dp_transfer": exposed_dp + t_gather, "zero_transfer": t_zero}
     if par.zero_offload:
-        host = s.hardware.host
+        host = hw.host
         after["optimizer"] = shard * layout.gpus_per_node / host.cpu_adam_params_per_s
         after["offload_transfer"] = t_opt - after["optimizer"]
     else:
