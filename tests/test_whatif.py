@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from simulator.accounting import COMPUTE_CATEGORIES
 from simulator.api import simulate_scenario
 from simulator.cli import main
 from simulator.collectives import GroupShape, estimate, make_plan
@@ -121,6 +122,26 @@ def test_free_communication_leaves_links_insensitive(fidelity: str) -> None:
         assert abs(classes[link]["sensitivity"]) < 1e-6
     compute = sum(classes[c]["sensitivity"] for c in COMPUTE_CLASSES)
     assert compute == pytest.approx(SAVED, rel=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"tp": 2, "pp": 2, "dp": 2, "gpn": 2},
+                                {"pp": 4, "dp": 2, "gpn": 2, "m": 16},
+                                {"tp": 2, "pp": 2, "dp": 4, "gpn": 4,
+                                 "cluster": {"oversubscription": 3.0}}])
+def test_compute_sensitivity_is_the_critical_paths_compute_share(kw: dict[str, Any]) -> None:
+    """A small speed-up of every compute class shortens the step by what it saves on
+    the critical path: the compute sensitivities sum to (1 − 1/1.1) × the path's
+    compute share, and the links take the communication on it."""
+    s = scenario(**kw)
+    results, _ = simulate_scenario(s, "engine")
+    path, step = results["critical_path_s"], results["step_time_s"]
+    compute_share = sum(path[c] for c in COMPUTE_CATEGORIES) / step
+    classes = what_if(s, step, "engine", "folded")["classes"]
+    compute = sum(classes[c]["sensitivity"] for c in COMPUTE_CLASSES)
+    links = sum(row["sensitivity"] for c, row in classes.items() if c not in COMPUTE_CLASSES)
+    assert 0.1 < compute_share < 0.9
+    assert compute / SAVED == pytest.approx(compute_share, abs=2e-3)
+    assert links / SAVED == pytest.approx(1 - compute_share, abs=0.05)
 
 
 def test_links_bound_a_communication_heavy_step() -> None:
