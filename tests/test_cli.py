@@ -193,3 +193,17 @@ def test_run_with_a_calibrated_profile_by_relative_path(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert results["hardware"]["name"] == "cpu-epyc-1thread"
     assert results["hardware"]["collectives"]["all_reduce"]["intra_node"]["busbw_GBps"] > 0
+
+
+def test_a_closed_pipe_is_no_traceback() -> None:
+    """``clustersim schema | head -1``: the reader leaves early; no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "simulator.cli", "schema"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the schema is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141)
+    assert "Traceback" not in err, err
