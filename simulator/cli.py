@@ -234,6 +234,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or default_out_dir(s.name)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
+    if (args.method or s.simulation.method) == "engine":
+        from simulator.budget import check_engine_cost
+
+        check_engine_cost(s, args.fidelity or s.simulation.fidelity, args.max_tasks)
     from simulator.api import run_scenario, write_outputs  # pandas: after the checks
     from simulator.report import summary_lines
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from simulator.errors import Problem, UserError
 from simulator.loading import read_json
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 NonNegative = Field(default=None, ge=0)
 
@@ -102,6 +104,7 @@ def read_results(path: Path) -> dict[str, Any]:
 def read_spans(path: Path, ranks: Iterable[int] | None = None) -> pd.DataFrame:
     """The span table of a run (``timeline.parquet`` or ``timeline.csv``; only ``ranks``
     when given), with finite times; a cut or edited file is a UserError."""
+    import pandas as pd
     import pyarrow as pa
 
     from simulator.timeline_files import read_timeline

@@ -78,11 +78,12 @@ def relative_errors(meas: dict[str, float], sim: dict[str, float]) -> dict[str, 
 
 def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
     """Simulate the measured scenario with ``profile``; return the comparison dict."""
-    from simulator.api import simulate_scenario
     from simulator.run_files import read_measured
+
+    measured = read_measured(run_dir / "measured.json")  # before importing pandas
+    from simulator.api import simulate_scenario
     from simulator.scenario import load_scenario
 
-    measured = read_measured(run_dir / "measured.json")
     if not (run_dir / "scenario.yaml").exists():
         raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
     system = str(Path(profile).resolve()) if str(profile).endswith((".yaml", ".yml")) \
