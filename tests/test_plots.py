@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -271,10 +270,12 @@ def big_spans(n: int = 250_000, p: int = 16) -> pd.DataFrame:
                          "start": start, "end": start + 0.8e-4})
 
 
-def test_quarter_million_span_timeline_renders_quickly(tmp_path: Path) -> None:
+def test_quarter_million_span_timeline_draws_few_artists(tmp_path: Path) -> None:
+    """250,000 spans render as one collection per kind (what keeps them fast; timing
+    itself is measured in benchmarks/, never asserted here)."""
     spans = big_spans()
-    began = time.perf_counter()
-    path = plots.plot_timeline(spans, {"scenario": {"name": "big"}}, tmp_path / "big.png")
-    elapsed = time.perf_counter() - began
-    png_size(path)
-    assert elapsed < 30, f"250k spans took {elapsed:.1f} s"  # about 2 s on one core
+    fig = plots.timeline_figure(spans, {"scenario": {"name": "big"}})
+    collections = fig.axes[0].collections
+    assert 0 < len(collections) <= 2 * len(set(spans["kind"]))
+    assert sum(len(c.get_paths()) for c in collections) >= len(spans)
+    png_size(plots.plot_timeline(spans, {"scenario": {"name": "big"}}, tmp_path / "big.png"))
