@@ -26,10 +26,11 @@ from simulator import report
 from simulator.analytic import analytic_estimate
 from simulator.budget import check_engine_cost, check_stages
 from simulator.engine import simulate
+from simulator.errors import UserError
 from simulator.layout import Layout
 from simulator.memory_timeline import memory_timeline
 from simulator.rank_selection import RankSelection, select_ranks
-from simulator.scenario import Scenario
+from simulator.scenario import Scenario, not_yet_simulated
 from simulator.span_table import span_table
 from simulator.timeline_files import write_timeline
 from simulator.trace_export import atomic_output, write_chrome_trace
@@ -75,10 +76,14 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
                  progress: bool = False, trace_ranks: RankSelection | None = "stages",
                  timings: Timings | None = None, max_tasks: int | None = None) -> Run:
     """Simulate ``s``; with ``trace_ranks``, also the trace's extras for those ranks.
-    Refuses (UserError) a run above ``max_tasks`` estimated tasks before building it
-    (default :data:`simulator.budget.DEFAULT_MAX_TASKS`).
+    Refuses (UserError) what has no workload yet (:func:`not_yet_simulated`) and a run
+    above ``max_tasks`` estimated tasks before building it (default
+    :data:`simulator.budget.DEFAULT_MAX_TASKS`).
     ``timings`` (benchmarks) receives each phase's wall and CPU seconds: build,
     simulate, metrics, span_table, memory_timeline, trace_links."""
+    unsupported = not_yet_simulated(s)
+    if unsupported:
+        raise UserError(unsupported)
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
     spans, links = None, None

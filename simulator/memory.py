@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator import moe
 from simulator.model import (
     RecomputeMode,
     dtype_bytes,
@@ -96,7 +97,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    recompute: RecomputeMode = "none", dtype: str = "bf16",
+    recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
 ) -> float:
     """Stored activations of one layer on one TP rank (Korthikanti et al. 2022, Table 2).
 
@@ -106,17 +107,25 @@ def activation_bytes_per_layer(
     the MLP activation's input and output (gelu 4f, swiglu 6f) divided by t,
     and 5·a·s/t for the attention scores, softmax and its dropout, which
     selective recomputation drops. For GPT (kv = a, f = 4h, gelu) this is
-    s·b·h·(10 + 24/t + 5as/(ht)). fp32 scales everything by 2.
+    s·b·h·(10 + 24/t + 5as/(ht)). fp32 scales everything by 2. Context parallelism
+    keeps s/cp tokens per rank, whose scores span the whole sequence. MoE and latent
+    attention layers count their own widths (:func:`simulator.moe.activation_bytes`).
     """
     s, b, h, t = spec.seq_len, micro_batch, spec.hidden, tp
+    full_s = s
+    if cp > 1:
+        s = s // cp if s % cp == 0 else s / cp  # type: ignore[assignment]
     scale = dtype_bytes(dtype) / 2
     replicated = 1 / t if sequence_parallel else 1.0
     if recompute == "full":
         return 2.0 * s * b * h * replicated * scale
+    scores = 0.0 if recompute == "selective" else 5.0 * spec.heads * s * full_s * b / t
+    if spec.is_moe or spec.mla is not None:
+        rest = moe.activation_bytes(spec, layer, s * b, t, sequence_parallel)
+        return (s * b * 10 * h * replicated + rest + scores) * scale
     kv_width = max(spec.kv / t, 1.0) * spec.head_dim  # KV heads replicated when t > kv
     mlp = (6.0 if spec.activation == "swiglu" else 4.0) * spec.ffn / t
     linear = s * b * (10 * h * replicated + 4 * h / t + 4 * kv_width + mlp)
-    scores = 0.0 if recompute == "selective" else 5.0 * spec.heads * s * s * b / t
     return (linear + scores) * scale
 
 
@@ -134,11 +143,24 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) ->
 # ---------------------------------------------------------------- per stage
 
 
+def stage_layers(spec: ModelSpec, pp: int, stage: int) -> range:
+    per = spec.layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_expert_params(spec: ModelSpec, pp: int, stage: int) -> int:
+    """The routed experts' parameters of ``stage`` (what expert parallelism splits)."""
+    return sum(moe.expert_params(spec, i) for i in stage_layers(spec, pp, stage))
+
+
 def stage_params(spec: ModelSpec, pp: int, stage: int) -> int:
-    """Parameters held by pipeline ``stage`` (before the TP split)."""
+    """Parameters held by pipeline ``stage`` (before the TP and EP splits)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
-    total = spec.layers // pp * layer_params(spec)
+    if spec.is_moe or spec.mla is not None:
+        total = sum(layer_params(spec, i) for i in stage_layers(spec, pp, stage))
+    else:
+        total = spec.layers // pp * layer_params(spec)
     if stage == 0:
         total += embedding_params(spec)
     if stage == pp - 1:
@@ -153,9 +175,16 @@ def _activations(scenario: Scenario, stage: int) -> float:
     b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
-    per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
-    total = per_layer * spec.layers / par.pp
+    if spec.is_moe or spec.mla is not None or par.cp > 1:
+        total = sum(activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
+                                               par.cp)
+                    for i in stage_layers(spec, par.pp, stage))
+    else:
+        per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
+        total = per_layer * spec.layers / par.pp
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
+    if par.cp > 1:
+        tokens_h /= par.cp
     if stage == 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
     if stage == par.pp - 1:
@@ -169,6 +198,8 @@ def _logits(scenario: Scenario, stage: int) -> float:
         return 0.0
     fp32 = 4.0 * scenario.training.micro_batch * scenario.model.seq_len \
         * scenario.model.vocab / par.tp
+    if par.cp > 1:
+        fp32 /= par.cp
     held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
     return fp32 * (held + 1)
 
@@ -179,7 +210,10 @@ def _comm_buffers(scenario: Scenario) -> float:
         return 0.0
     if par.zero <= 2:
         return 2 * par.dp_bucket_MB * 1e6
-    layer = layer_params(scenario.model) / par.tp * dtype_bytes(scenario.training.dtype)
+    spec = scenario.model
+    layer = max(_rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
+                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
+        * dtype_bytes(scenario.training.dtype)
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
         gathered = scenario.model.layers / par.pp
     else:  # the running layer plus the prefetched ones
@@ -188,19 +222,40 @@ def _comm_buffers(scenario: Scenario) -> float:
     return layer * gathered + layer  # gathered params + one unsharded grad
 
 
-def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
-    """Memory of one GPU of pipeline ``stage``."""
+def _rank_params(scenario: Scenario, dense: float, experts: float) -> float:
+    """Parameters on one rank: dense ones split over tp, routed experts over
+    expert_tp · ep (Megatron-LM's expert tensor and expert parallelism)."""
     par = scenario.parallel
-    psi = stage_params(scenario.model, par.pp, stage) / par.tp
-    w, g, o = state_bytes_per_param(par.zero, par.dp, scenario.training.dtype)
+    if not experts:
+        return dense / par.tp
+    return dense / par.tp + experts / (par.etp * par.ep)
+
+
+def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
+    """Memory of one GPU of pipeline ``stage``.
+
+    ZeRO shards the dense parameters' states over the data-parallel ranks with
+    their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group) and the
+    routed experts' states over the expert data-parallel ranks (edp)."""
+    par, dtype = scenario.parallel, scenario.training.dtype
+    total = stage_params(scenario.model, par.pp, stage)
+    experts = stage_expert_params(scenario.model, par.pp, stage)
+    psi = _rank_params(scenario, total - experts, 0)
+    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype)
     gradients, optimizer = psi * g, psi * o
+    weights = psi * w
+    if experts:
+        psi_e = experts / (par.etp * par.ep)
+        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype)
+        weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
+            optimizer + psi_e * oe
     if par.zero_offload:
         optimizer = 0.0
         if par.zero >= 2:
             gradients = 0.0  # each micro-batch's shard goes to the host
     return MemoryBreakdown(
         stage=stage,
-        weights=psi * w,
+        weights=weights,
         gradients=gradients,
         optimizer=optimizer,
         activations=_activations(scenario, stage),

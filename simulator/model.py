@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from simulator import moe
 from simulator.scenario import ModelSpec
 
 OpKind = Literal["gemm", "attention", "memory"]
@@ -70,8 +71,13 @@ def _norm_params(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.norm == "layernorm" else spec.hidden
 
 
-def layer_params(spec: ModelSpec) -> int:
-    """One transformer layer: attention (GQA-aware), MLP, biases, two norms."""
+def layer_params(spec: ModelSpec, layer: int = 0) -> int:
+    """Layer ``layer``: attention (GQA-aware, or latent), MLP or experts, biases, two norms.
+
+    Every layer of a dense model is the same, so ``layer`` matters only for a MoE model.
+    """
+    if spec.is_moe or spec.mla is not None:
+        return moe.layer_params(spec, layer)
     h, kv_width = spec.hidden, spec.kv * spec.head_dim
     attention = 2 * h * h + 2 * h * kv_width  # q and out h×h; k and v h×(kv·head_dim)
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
@@ -96,7 +102,16 @@ def head_params(spec: ModelSpec) -> int:
 
 def param_count(spec: ModelSpec) -> int:
     """Total Ψ (a tied output projection counted once)."""
-    return spec.layers * layer_params(spec) + embedding_params(spec) + head_params(spec)
+    layers = sum(n * layer_params(spec, i) for i, n in moe.layer_kinds(spec))
+    return layers + embedding_params(spec) + head_params(spec)
+
+
+def active_param_count(spec: ModelSpec, embedding: bool = True) -> int:
+    """Parameters one token uses: a MoE layer's router, top-k routed and shared experts
+    (not the other experts). Mistral counts the input embedding (12.9B for Mixtral
+    8x7B), DeepSeek does not (36.6B for DeepSeek-V3): ``embedding`` chooses."""
+    layers = sum(n * moe.active_layer_params(spec, i) for i, n in moe.layer_kinds(spec))
+    return layers + (embedding_params(spec) if embedding else 0) + head_params(spec)
 
 
 # ---------------------------------------------------------------- operations
@@ -142,9 +157,12 @@ def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass) -> O
 
 def layer_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    dtype: str = "bf16", pass_: Pass = "fwd",
+    dtype: str = "bf16", pass_: Pass = "fwd", layer: int = 0,
 ) -> tuple[Op, ...]:
-    """One transformer layer's ops on one TP rank, in execution order."""
+    """One transformer layer's ops on one TP rank, in execution order (``layer``
+    matters only for a mixture of experts, whose layers differ)."""
+    if spec.is_moe or spec.mla is not None:
+        return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer)
     dt, h = dtype_bytes(dtype), spec.hidden
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens  # norm/residual tokens per rank
@@ -215,14 +233,14 @@ def head_ops(
 
 def layer_recompute_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    dtype: str = "bf16", recompute: RecomputeMode = "none",
+    dtype: str = "bf16", recompute: RecomputeMode = "none", layer: int = 0,
 ) -> tuple[Op, ...]:
     """Forward ops one layer re-runs before its backward.
 
     ``selective`` recomputes the attention core once (Korthikanti et al. 2022:
     QKᵀ, softmax, AV); ``full`` re-runs the whole layer forward from its input.
     """
-    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd")
+    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer)
     if recompute == "full":
         return fwd
     if recompute == "selective":
@@ -241,21 +259,37 @@ def _all_passes(builder: Callable[..., tuple[Op, ...]], spec: ModelSpec, batch: 
     return sum(ops_flops(builder(spec, batch, 1, False, "bf16", p)) for p in PASSES)
 
 
+def _layer_flops(spec: ModelSpec, batch: int, layer: int, padded: bool) -> float:
+    if not (spec.is_moe or spec.mla is not None):
+        return _all_passes(layer_ops, spec, batch)
+    return sum(ops_flops(moe.layer_ops(spec, batch, 1, False, "bf16", p, layer, padded))
+               for p in PASSES)
+
+
 def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
     """Forward + backward of every layer, the logits and the loss; no recomputation.
 
-    FLOPs are linear in the batch, so the whole batch is one "micro-batch" here.
+    FLOPs are linear in the batch, so the whole batch is one "micro-batch" here. A
+    MoE layer counts the experts its tokens use (no capacity padding).
     """
-    layers = spec.layers * _all_passes(layer_ops, spec, global_batch)
+    layers = sum(n * _layer_flops(spec, global_batch, i, padded=False)
+                 for i, n in moe.layer_kinds(spec))
     return layers + _all_passes(head_ops, spec, global_batch) \
         + _all_passes(embedding_ops, spec, global_batch)
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
                             recompute: RecomputeMode) -> float:
-    """Model FLOPs plus the recomputed forward work (what the GPUs actually execute)."""
-    extra = ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute))
-    return model_flops_per_step(spec, global_batch) + spec.layers * extra
+    """Model FLOPs plus the recomputed forward work and, with an expert capacity
+    factor, the padded expert slots (what the GPUs actually execute)."""
+    extra = 0.0
+    for i, n in moe.layer_kinds(spec):
+        extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
+                                                   layer=i))
+        if spec.is_moe_layer(i) and spec.capacity_factor is not None:
+            extra += n * (_layer_flops(spec, global_batch, i, padded=True)
+                          - _layer_flops(spec, global_batch, i, padded=False))
+    return model_flops_per_step(spec, global_batch) + extra
 
 
 def megatron_model_flops(spec: ModelSpec, global_batch: int) -> float:

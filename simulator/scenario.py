@@ -67,8 +67,30 @@ def _printable(text: str) -> str:
     return text
 
 
+class MLASpec(_Frozen):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through
+    low-rank latents; each head's query/key is a no-position part plus a RoPE part."""
+
+    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)  # query latent; 0 = full-rank query projection
+    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # the shared key/value latent
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head query/key width without RoPE
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # RoPE width (the key part shared by heads)
+    v_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head value width
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelSpec(_Frozen):
-    """A decoder-only transformer. Defaults describe a GPT (Megatron) block."""
+    """A decoder-only transformer. Defaults describe a GPT (Megatron) block.
+
+    A mixture of experts replaces the MLP of its MoE layers by ``experts`` routed
+    experts (``experts_per_token`` of them per token) plus ``shared_experts`` that
+    every token passes through, each an MLP of width ``expert_ffn_hidden``. Layer i
+    is a MoE layer when i >= first_dense_layers and (i - first_dense_layers) is a
+    multiple of moe_layer_freq; the other layers keep the dense MLP of ffn_hidden.
+    """
 
     preset: str | None = None  # the bundled preset these fields started from
     layers: int = Field(gt=0, le=MAX_SIZE)
@@ -83,6 +105,20 @@ class ModelSpec(_Frozen):
     bias: bool = True  # linear layers carry biases (GPT) or not (LLaMA)
     tied_embeddings: bool = True  # output projection shares the input embedding
     position: Literal["learned", "rope"] = "learned"  # learned adds s × h parameters
+    mla: MLASpec | None = None  # multi-head latent attention instead of (GQA) attention
+    # mixture of experts; experts = 0 is a dense model
+    experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # routed experts per MoE layer
+    experts_per_token: int = Field(default=1, gt=0, le=MAX_SIZE)  # top-k routing
+    # width of one expert's MLP; default ffn_hidden
+    expert_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    shared_experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # experts every token uses
+    first_dense_layers: int = Field(default=0, ge=0, le=MAX_SIZE)  # leading dense layers
+    moe_layer_freq: int = Field(default=1, gt=0, le=MAX_SIZE)  # every k-th layer after them
+    # None: dropless (every routed token is computed); c: each expert computes a fixed
+    # buffer of c · k · tokens / experts, padded when short, tokens beyond it dropped
+    capacity_factor: float | None = Field(default=None, ge=0.01, le=1e4)
+    # softmax top-k (Mixtral) | sigmoid top-k with a per-expert bias (DeepSeek-V3)
+    router: Literal["softmax", "sigmoid"] = "softmax"
 
     @model_validator(mode="before")
     @classmethod
@@ -95,6 +131,8 @@ class ModelSpec(_Frozen):
             data = {**data, "kv_heads": data["heads"]}
         if isinstance(data.get("hidden"), int) and data.get("ffn_hidden") is None:
             data = {**data, "ffn_hidden": 4 * data["hidden"]}
+        if data.get("expert_ffn_hidden") is None and isinstance(data.get("ffn_hidden"), int):
+            data = {**data, "expert_ffn_hidden": data["ffn_hidden"]}
         return data
 
     @property
@@ -110,6 +148,29 @@ class ModelSpec(_Frozen):
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def expert_ffn(self) -> int:
+        assert self.expert_ffn_hidden is not None
+        return self.expert_ffn_hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has routed experts instead of the dense MLP."""
+        if not self.is_moe or layer < self.first_dense_layers:
+            return False
+        return (layer - self.first_dense_layers) % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        after = self.layers - self.first_dense_layers
+        if not self.is_moe or after <= 0:
+            return 0
+        return -(-after // self.moe_layer_freq)
 
 
 def _preset_fields(name: object) -> dict[str, Any]:
@@ -173,9 +234,19 @@ class OverlapSpec(_Frozen):
 
 
 class ParallelSpec(_Frozen):
+    """Degrees as Megatron-LM defines them (``parallel_state.initialize_model_parallel``):
+    tp · cp · pp · dp ranks in all; the experts of a MoE layer are split over ``ep``
+    ranks (each holding experts / ep of them, each expert's matrices split over
+    ``expert_tp``), carved out of the tp · cp · dp ranks of a pipeline stage, so the
+    expert layers see expert_tp · ep · edp = tp · cp · dp with edp the expert
+    data-parallel degree."""
+
     tp: int = Field(default=1, gt=0, le=MAX_SIZE)
     pp: int = Field(default=1, gt=0, le=MAX_SIZE)
     dp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    cp: int = Field(default=1, gt=0, le=MAX_SIZE)  # context parallel: the sequence split
+    ep: int = Field(default=1, gt=0, le=MAX_SIZE)  # expert parallel: the experts split
+    expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default tp
     schedule: Schedule = "1f1b"
     # chunks per pipeline rank (interleaved)
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
@@ -192,7 +263,17 @@ class ParallelSpec(_Frozen):
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel degree (Megatron's default: tp)."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree: tp · cp · dp / (expert_tp · ep), when whole."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
 
 class TrainingSpec(_Frozen):
@@ -329,9 +410,13 @@ def effective_hardware(cluster: ClusterSpec) -> HardwareProfile:
                                  "intra_node": intra, "inter_node": inter})
 
 
-def _divisors(n: int) -> str:
+def _divisor_list(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    divs = sorted({*small, *(n // d for d in small)})
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _divisors(n: int) -> str:
+    divs = _divisor_list(n)
     return ", ".join(map(str, divs[:12])) + (", ..." if len(divs) > 12 else "")
 
 
@@ -340,7 +425,8 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     par, mdl, trn = s.parallel, s.model, s.training
     out: list[Problem] = []
     if s.cluster.gpus != par.world:
-        out.append(Problem("parallel", f"tp({par.tp}) * pp({par.pp}) * dp({par.dp}) = {par.world}",
+        out.append(Problem("parallel", f"tp({par.tp}) * cp({par.cp}) * pp({par.pp}) * "
+                           f"dp({par.dp}) = {par.world}",
                            f"must equal cluster.nodes({s.cluster.nodes}) * gpus_per_node"
                            f"({s.cluster.gpus_per_node}) = {s.cluster.gpus}; change the degrees "
                            "or the cluster size"))
@@ -353,7 +439,7 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     if mdl.kv > mdl.heads or mdl.heads % mdl.kv:
         out.append(Problem("model.kv_heads", mdl.kv, f"must divide model.heads ({mdl.heads}): "
                            "each KV head serves a whole group of query heads"))
-    if mdl.hidden % mdl.heads:
+    if mdl.hidden % mdl.heads and mdl.mla is None:
         out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
                            f"({mdl.heads}); head size must be whole"))
     chunks = par.pp * par.virtual_stages
@@ -373,6 +459,104 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     if par.zero_offload and par.zero == 0:
         out.append(Problem("parallel.zero_offload", True,
                            "ZeRO-Offload shards the optimizer; set zero: 1, 2 or 3"))
+    return out + moe_problems(mdl) + expert_parallel_problems(s) + context_parallel_problems(s)
+
+
+def moe_problems(mdl: ModelSpec) -> list[Problem]:
+    """The mixture-of-experts and latent-attention fields of a model, among themselves."""
+    out: list[Problem] = []
+    if not mdl.is_moe:
+        dense_defaults = {"experts_per_token": 1, "shared_experts": 0, "first_dense_layers": 0,
+                          "moe_layer_freq": 1, "capacity_factor": None}
+        for name, default in dense_defaults.items():
+            if getattr(mdl, name) != default:
+                out.append(Problem(f"model.{name}", getattr(mdl, name), "only for a mixture of "
+                                   "experts (model.experts = 0); set model.experts or remove it"))
+    else:
+        if mdl.experts_per_token > mdl.experts:
+            out.append(Problem("model.experts_per_token", mdl.experts_per_token,
+                               f"more than model.experts ({mdl.experts}); use at most "
+                               f"{mdl.experts}"))
+        if mdl.first_dense_layers >= mdl.layers:
+            out.append(Problem("model.first_dense_layers", mdl.first_dense_layers,
+                               f"leaves no MoE layer among model.layers ({mdl.layers}); use "
+                               f"fewer than {mdl.layers}"))
+    if mdl.mla is not None and mdl.kv != mdl.heads:
+        out.append(Problem("model.kv_heads", mdl.kv, f"latent attention (model.mla) gives every "
+                           f"head its own key and value; set kv_heads = heads ({mdl.heads}) or "
+                           "leave it out"))
+    return out
+
+
+def expert_parallel_problems(s: Scenario) -> list[Problem]:
+    """Megatron-LM's rules (parallel_state.initialize_model_parallel, arguments.py): the
+    expert layers use expert_tp · ep · edp = tp · cp · dp ranks per stage, and every
+    expert-parallel rank holds the same number of experts."""
+    par, mdl = s.parallel, s.model
+    out: list[Problem] = []
+    if par.ep > 1 and not mdl.is_moe:
+        out.append(Problem("parallel.ep", par.ep, "the model has no routed experts "
+                           "(model.experts = 0); set ep: 1 or use a mixture of experts"))
+        return out
+    if par.expert_tp is not None and not mdl.is_moe:
+        out.append(Problem("parallel.expert_tp", par.expert_tp, "only for a mixture of experts "
+                           "(model.experts = 0); remove it"))
+        return out
+    if mdl.is_moe and mdl.experts % par.ep:
+        out.append(Problem("parallel.ep", par.ep, f"model.experts ({mdl.experts}) is not "
+                           f"divisible by ep; use one of {_divisors(mdl.experts)}"))
+    stage = par.tp * par.cp * par.dp
+    if stage % (par.etp * par.ep):
+        fits = [d for d in _divisor_list(stage // par.etp) if mdl.experts % d == 0][:12] \
+            if stage % par.etp == 0 else []
+        out.append(Problem("parallel.ep", par.ep, f"expert_tp({par.etp}) * ep({par.ep}) = "
+                           f"{par.etp * par.ep} does not divide tp({par.tp}) * cp({par.cp}) * "
+                           f"dp({par.dp}) = {stage}: expert-parallel ranks are carved out of a "
+                           f"stage's tp * cp * dp ranks; use ep one of "
+                           f"{', '.join(map(str, fits)) or 'none (change expert_tp)'}"))
+    return out
+
+
+def context_parallel_problems(s: Scenario) -> list[Problem]:
+    """Megatron-LM splits the sequence into 2 · cp chunks (rank r takes chunks r and
+    2cp − 1 − r, balancing causal attention), each divisible by tp with sequence
+    parallelism."""
+    par, mdl = s.parallel, s.model
+    if par.cp == 1:
+        return []
+    out: list[Problem] = []
+    if mdl.seq_len % (2 * par.cp):
+        out.append(Problem("parallel.cp", par.cp, f"model.seq_len ({mdl.seq_len}) is not "
+                           f"divisible by 2 * cp = {2 * par.cp} (two balanced chunks per rank); "
+                           "change cp or seq_len"))
+    elif par.sequence_parallel and (mdl.seq_len // par.cp) % par.tp:
+        out.append(Problem("parallel.cp", par.cp, f"seq_len / cp = {mdl.seq_len // par.cp} is "
+                           f"not divisible by tp({par.tp}) under sequence_parallel; change cp, "
+                           "tp or seq_len"))
+    return out
+
+
+def not_yet_simulated(s: Scenario) -> list[Problem]:
+    """What validates and has a memory model but no workload yet: the expert- and
+    context-parallel passes (and MoE and latent-attention layers, whose per-layer
+    costs differ from layer to layer) come with the workload's passes."""
+    out = []
+    if s.parallel.ep > 1:
+        out.append(Problem("parallel.ep", s.parallel.ep, "not yet simulated: expert parallelism "
+                           "validates and has a memory model (clustersim memory), but run "
+                           "needs its workload pass; use ep: 1"))
+    if s.parallel.cp > 1:
+        out.append(Problem("parallel.cp", s.parallel.cp, "not yet simulated: context parallelism "
+                           "validates and has a memory model (clustersim memory), but run "
+                           "needs its workload pass; use cp: 1"))
+    if s.model.is_moe and s.parallel.ep == 1:
+        out.append(Problem("model.experts", s.model.experts, "not yet simulated: MoE layers "
+                           "have parameter, FLOP and memory arithmetic (clustersim memory), but "
+                           "run needs the expert workload pass; use a dense model"))
+    if s.model.mla is not None and not s.model.is_moe:
+        out.append(Problem("model.mla", "set", "not yet simulated: latent attention has "
+                           "parameter, FLOP and memory arithmetic (clustersim memory), but run "
+                           "needs its workload ops; use a model without mla"))
     return out
 
 

@@ -69,7 +69,7 @@ def test_wrong_type_and_non_positive() -> None:
 
 
 @pytest.mark.parametrize(("changes", "field", "words"), [
-    ({"cluster__nodes": 64}, "parallel", "tp(8) * pp(16) * dp(8) = 1024"),
+    ({"cluster__nodes": 64}, "parallel", "tp(8) * cp(1) * pp(16) * dp(8) = 1024"),
     ({"parallel__tp": 5, "cluster__nodes": 80}, "parallel.tp", "not divisible by tp"),
     ({"parallel__pp": 64, "parallel__dp": 2}, "model.layers", "pp(64) * virtual_stages(1)"),
     ({"training__global_batch": 1540}, "training.global_batch", "multiple of 8"),

@@ -75,6 +75,8 @@ def _layer_gemms(name: str, tp: int, tokens: int) -> list[tuple[str, int, int, i
     mdl = load_preset_model(name)
     if mdl.heads % tp or mdl.ffn % tp or mdl.vocab % tp:
         return []
+    if mdl.is_moe or mdl.mla is not None:
+        return []  # expert and latent GEMMs join with the expert workload pass
     d = mdl.head_dim
     kv_local = max(mdl.kv // tp, 1)  # KV heads are replicated when tp > kv
     up = mdl.ffn // tp * (2 if mdl.activation == "swiglu" else 1)
@@ -133,6 +135,8 @@ def attention_shapes(budget: Budget, device: str) -> list[AttentionShape]:
     seen: dict[tuple[int, int, int, int], AttentionShape] = {}
     for name in preset_model_names():
         mdl = load_preset_model(name)
+        if mdl.mla is not None:
+            continue  # head widths differ from hidden / heads
         for tp in TP_DEGREES:
             if mdl.heads % tp:
                 continue

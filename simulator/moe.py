@@ -1,0 +1,265 @@
+"""Mixture-of-experts layers and multi-head latent attention: parameters and operations.
+
+:mod:`simulator.model` hands a layer to this module when the model has routed
+experts (``experts > 0``) or latent attention (``mla``); a dense GQA model never
+comes here, so its arithmetic stays what it was. Pure functions, no SimPy.
+
+Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer;
+Mixtral; DeepSeek-V3):
+
+- A MoE layer keeps the attention and the two norms and replaces the MLP by a
+  router (an h × E GEMM, with an E bias for DeepSeek's sigmoid router), E routed
+  experts of which each token uses k, and ``shared_experts`` that every token
+  uses; each expert is an MLP of width ``expert_ffn_hidden`` (three matrices for
+  SwiGLU). Shared experts run as one MLP of width shared · f_e, as Megatron-LM
+  fuses them (``moe_shared_expert_intermediate_size``).
+- Routed work per token is k experts: dropless routing computes exactly the
+  routed tokens (balanced: T·k/E per expert); a capacity factor c gives every
+  expert a buffer of c·k·T/E tokens (GShard, Switch; Megatron with
+  ``--moe-pad-expert-input-to-capacity``), computed whether full or not. Model
+  FLOPs count min(c, 1)·k·T tokens (what the model computes for the tokens it
+  keeps), hardware FLOPs c·k·T.
+- Tensor parallelism splits expert and shared-expert matrices like the dense MLP
+  (Megatron's expert tensor parallelism, by default the TP degree); the router is
+  replicated. Token permutation before the experts and the weighted un-permutation
+  after them are memory-bound copies of k·T·h elements.
+- An op's ``gemm_flops`` (the efficiency-curve lookup) is one expert's GEMM:
+  experts run as a grouped GEMM of E small products.
+
+Multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1) in its training
+form (no weight absorption): h → q latent (q_lora_rank, RMS-normed) → H queries of
+width d_nope + d_rope; h → kv latent (kv_lora_rank, RMS-normed) plus one shared
+RoPE key of width d_rope; kv latent → H keys (d_nope) and values (d_v); out-proj
+H·d_v → h. Parameters and GEMM FLOPs are exact. The attention core is
+2·b·s²·H·(d_qk + d_v) forward, as a FlashAttention call with those head widths
+computes it. The down-projections are replicated across TP ranks, as
+Megatron-core builds them (``linear_q_down_proj`` / ``linear_kv_down_proj`` are
+plain, not column-parallel, linears in ``megatron/core/models/gpt/gpt_layer_specs.py``);
+the up-projections and the out-proj split by heads. Approximate: the memory-bound
+bytes of the latent norms and of the RoPE applied to the decoupled key, and the
+stored activations (:func:`activation_bytes`), which count the latents, Q, K, V and
+the out-proj input at their widths.
+"""
+
+from __future__ import annotations
+
+from simulator import model as mdl
+from simulator.scenario import MLASpec, ModelSpec
+
+
+def layer_kinds(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(a representative layer index, how many layers are like it): one entry for a
+    dense model, a dense and a MoE entry for a mixture of experts."""
+    moe_count = spec.moe_layers
+    if moe_count == 0:
+        return [(0, spec.layers)]
+    kinds = [(spec.first_dense_layers, moe_count)]
+    dense = spec.layers - moe_count
+    if dense:
+        first = 0 if spec.first_dense_layers else spec.first_dense_layers + 1
+        kinds.insert(0, (first, dense))
+    return kinds
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _norm(spec: ModelSpec, width: int) -> int:
+    return 2 * width if spec.norm == "layernorm" else width
+
+
+def mla_params(spec: ModelSpec, mla: MLASpec) -> int:
+    """Latent attention: down- and up-projections, the two latent norms, out-proj."""
+    h, heads = spec.hidden, spec.heads
+    if mla.q_lora_rank:
+        q = h * mla.q_lora_rank + _norm(spec, mla.q_lora_rank) \
+            + mla.q_lora_rank * heads * mla.qk_head_dim
+    else:
+        q = h * heads * mla.qk_head_dim
+    kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + _norm(spec, mla.kv_lora_rank) \
+        + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * h
+
+
+def attention_params(spec: ModelSpec) -> int:
+    if spec.mla is not None:
+        return mla_params(spec, spec.mla)
+    h, kv_width = spec.hidden, spec.kv * spec.head_dim
+    return 2 * h * h + 2 * h * kv_width + ((2 * h + 2 * kv_width) if spec.bias else 0)
+
+
+def mlp_params(spec: ModelSpec, width: int) -> int:
+    """One MLP of inner ``width`` (and its biases)."""
+    matrices = 3 if spec.activation == "swiglu" else 2
+    biases = ((matrices - 1) * width + spec.hidden) if spec.bias else 0
+    return matrices * spec.hidden * width + biases
+
+
+def router_params(spec: ModelSpec) -> int:
+    return spec.hidden * spec.experts + (spec.experts if spec.router == "sigmoid" else 0)
+
+
+def expert_params(spec: ModelSpec, layer: int) -> int:
+    """The routed experts of ``layer`` (what expert parallelism splits); 0 if dense."""
+    return spec.experts * mlp_params(spec, spec.expert_ffn) if spec.is_moe_layer(layer) else 0
+
+
+def layer_params(spec: ModelSpec, layer: int) -> int:
+    common = attention_params(spec) + 2 * _norm(spec, spec.hidden)
+    if not spec.is_moe_layer(layer):
+        return common + mlp_params(spec, spec.ffn)
+    shared = mlp_params(spec, spec.shared_experts * spec.expert_ffn) if spec.shared_experts \
+        else 0
+    return common + router_params(spec) + shared + expert_params(spec, layer)
+
+
+def active_layer_params(spec: ModelSpec, layer: int) -> int:
+    """What one token uses: all of a dense layer; of a MoE layer all but E − k experts."""
+    unused = (spec.experts - spec.experts_per_token) * mlp_params(spec, spec.expert_ffn)
+    return layer_params(spec, layer) - (unused if spec.is_moe_layer(layer) else 0)
+
+
+# ---------------------------------------------------------------- operations
+
+
+def routed_tokens(spec: ModelSpec, tokens: float, padded: bool) -> float:
+    """Token-expert pairs the routed experts compute (see the module docstring)."""
+    c = spec.capacity_factor
+    if c is None:
+        return tokens * spec.experts_per_token
+    return tokens * spec.experts_per_token * (c if padded else min(c, 1.0))
+
+
+def _grouped(name: str, m: float, k: float, n: float, groups: int, dt: int) -> mdl.Op:
+    """``groups`` GEMMs of (m/groups × k)·(k × n), one weight each, in one call."""
+    flops = 2.0 * m * k * n
+    return mdl.Op(name, "gemm", flops, dt * (m * k + groups * k * n + m * n), flops / groups)
+
+
+def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
+            pass_: mdl.Pass) -> dict[str, mdl.Op]:
+    """The latent attention's ops on one TP rank (GEMMs and the core), by name."""
+    tokens, h, heads = micro_batch * spec.seq_len, spec.hidden, spec.heads / tp
+    ops: dict[str, mdl.Op] = {}
+    if mla.q_lora_rank:
+        ops["q_down"] = mdl._gemm("q_down", tokens, h, mla.q_lora_rank, dt)
+        ops["q_norm"] = mdl._mem("q_norm", (2.0 if pass_ == "fwd" else 3.0)
+                                 * tokens * mla.q_lora_rank, dt)
+        ops["q_up"] = mdl._gemm("q_up", tokens, mla.q_lora_rank, heads * mla.qk_head_dim, dt)
+    else:
+        ops["q_up"] = mdl._gemm("q_up", tokens, h, heads * mla.qk_head_dim, dt)
+    ops["kv_down"] = mdl._gemm("kv_down", tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, dt)
+    ops["kv_norm"] = mdl._mem("kv_norm", (2.0 if pass_ == "fwd" else 3.0)
+                              * tokens * mla.kv_lora_rank, dt)
+    ops["kv_up"] = mdl._gemm("kv_up", tokens, mla.kv_lora_rank,
+                             heads * (mla.qk_nope_head_dim + mla.v_head_dim), dt)
+    core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
+    qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
+    if pass_ == "fwd":  # read q, k, v; write o
+        ops["attn_core"] = mdl.Op("attn_core", "attention", core,
+                                  dt * tokens * (2 * qk + 2 * v), core)
+    else:  # read q, k, v, o, do; write dq, dk, dv
+        ops["attn_core"] = mdl.Op("attn_core", "attention", 2 * core,
+                                  dt * tokens * (4 * qk + 4 * v), 2 * core)
+    ops["out_proj"] = mdl._gemm("out_proj", tokens, v, h, dt)
+    return ops
+
+
+def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dt: int,
+                pass_: mdl.Pass, padded: bool = True) -> list[mdl.Op]:
+    """Router, permutation, routed experts, shared experts, un-permutation; forward order."""
+    tokens = micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens
+    h, f, experts = spec.hidden, spec.expert_ffn / tp, spec.experts
+    routed = routed_tokens(spec, tokens, padded)
+    up = (2 if spec.activation == "swiglu" else 1) * f
+    act = (3.0 if pass_ == "fwd" else 5.0) if spec.activation == "swiglu" else \
+        (2.0 if pass_ == "fwd" else 3.0)
+    ops = [mdl._gemm("router", local, h, experts, dt),
+           mdl._mem("permute", (tokens + routed) * h, dt),  # read tokens, write k copies
+           _grouped("expert_up", routed, h, up, experts, dt),
+           mdl._mem("expert_act", act * routed * f, dt),
+           _grouped("expert_down", routed, f, h, experts, dt),
+           mdl._mem("unpermute", (routed + tokens) * h, dt)]  # weighted sum back per token
+    if spec.shared_experts:
+        width = spec.shared_experts * f
+        ops[2:2] = [mdl._gemm("shared_up", tokens, h, (up / f) * width, dt),
+                    mdl._mem("shared_act", act * tokens * width, dt),
+                    mdl._gemm("shared_down", tokens, width, h, dt)]
+    return ops
+
+
+# ---------------------------------------------------------------- activations
+
+
+def activation_bytes(spec: ModelSpec, layer: int, tokens: float, tp: int,
+                     sequence_parallel: bool) -> float:
+    """16-bit bytes a MoE or latent-attention layer stores for its backward, beyond
+    the norm inputs and dropout masks (``10h`` per token, replicated) and the
+    attention scores, which :mod:`simulator.memory` adds as for any layer.
+
+    Attention: Q and K of width H·d_qk, V and the out-proj input of width H·d_v
+    (split over TP), and with latent attention the two latents and the RoPE key
+    (replicated). A MoE layer stores the k (or c·k) permuted copies of each token
+    (the experts' input), the experts' activation inputs and outputs, the shared
+    experts' likewise, and fp32 router probabilities (4·E bytes per token).
+    """
+    h, t = spec.hidden, tp
+    mla = spec.mla
+    if mla is not None:
+        per_token = 2 * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) \
+            + 2 * (2 * spec.heads * mla.qk_head_dim + 2 * spec.heads * mla.v_head_dim) / t
+    else:
+        per_token = 4 * h / t + 4 * max(spec.kv / t, 1.0) * spec.head_dim
+    mlp_unit = 6.0 if spec.activation == "swiglu" else 4.0
+    if not spec.is_moe_layer(layer):
+        return tokens * (per_token + mlp_unit * spec.ffn / t)
+    routed = routed_tokens(spec, tokens, padded=True)
+    local = tokens / t if sequence_parallel else tokens
+    experts = routed * (2 * h + mlp_unit * spec.expert_ffn / t)
+    shared = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
+    return tokens * per_token + experts + shared + local * 4 * spec.experts
+
+
+# ---------------------------------------------------------------- a whole layer
+
+
+def _attention_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
+                   pass_: mdl.Pass) -> list[mdl.Op]:
+    if spec.mla is not None:
+        return list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_).values())
+    tokens, h = micro_batch * spec.seq_len, spec.hidden
+    qkv_width = h / tp + 2 * max(spec.kv / tp, 1.0) * spec.head_dim
+    return [mdl._gemm("qkv", tokens, h, qkv_width, dt),
+            mdl._attention_core(spec, micro_batch, tp, dt, pass_),
+            mdl._gemm("out_proj", tokens, h / tp, h, dt)]
+
+
+def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
+                   pass_: mdl.Pass) -> list[mdl.Op]:
+    tokens, h = micro_batch * spec.seq_len, spec.hidden
+    up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
+    return [mdl._gemm("mlp_up", tokens, h, up, dt),
+            mdl._mem("act", mdl._act_elements(spec, tokens, tp, pass_), dt),
+            mdl._gemm("mlp_down", tokens, spec.ffn / tp, h, dt)]
+
+
+def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
+              pass_: mdl.Pass, layer: int, padded: bool = True) -> tuple[mdl.Op, ...]:
+    """Layer ``layer`` of a MoE or latent-attention model on one TP rank, in execution
+    order (the same frame as a dense layer: norm, attention, residual, norm, MLP or
+    experts, residual)."""
+    dt = mdl.dtype_bytes(dtype)
+    tokens = micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens
+    attention = _attention_ops(spec, micro_batch, tp, dt, pass_)
+    if spec.is_moe_layer(layer):
+        mlp = moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dt, pass_, padded)
+    else:
+        mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_)
+    if pass_ == "bwd_weight":
+        return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
+    residual = mdl._mem("residual", 3.0 * local * spec.hidden, dt)
+    ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt), *attention, residual,
+           mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt), *mlp, residual)
+    return ops if pass_ == "fwd" else ops[::-1]

@@ -1,0 +1,206 @@
+"""Mixture-of-experts and latent-attention arithmetic against published parameter counts
+and hand calculations (simulator/moe.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator import moe
+from simulator.memory import activation_bytes_per_layer, stage_expert_params, stage_params
+from simulator.model import (
+    PASSES,
+    active_param_count,
+    embedding_params,
+    hardware_flops_per_step,
+    head_params,
+    layer_ops,
+    layer_params,
+    model_flops_per_step,
+    ops_flops,
+    param_count,
+)
+from simulator.scenario import ModelSpec, load_preset_model
+
+MIXTRAL = load_preset_model("mixtral-8x7b")
+DSV3 = load_preset_model("deepseek-v3")
+
+
+def small_moe(**kw: object) -> ModelSpec:
+    base: dict[str, object] = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 100,
+                               "seq_len": 32, "activation": "swiglu", "norm": "rmsnorm",
+                               "bias": False, "tied_embeddings": False, "position": "rope",
+                               "experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 96}
+    return ModelSpec.model_validate({**base, **kw})
+
+
+# ---------------------------------------------------------------- published totals
+
+# Mixtral 8x7B: Mistral AI, "Mixtral of experts" (2023-12-11) and Jiang et al. 2024:
+# 46.7B parameters, 12.9B used per token (input embedding counted). DeepSeek-V3 technical
+# report (arXiv:2412.19437): 671B in the main model (the multi-token-prediction module's
+# 11.5B left out), "37B activated"; the release's README_WEIGHTS.md gives the activated
+# count as 36.6B, the output head included and the input embedding not.
+PUBLISHED = [
+    ("mixtral-8x7b total", param_count(MIXTRAL), 46.7e9),
+    ("mixtral-8x7b active", active_param_count(MIXTRAL, embedding=True), 12.9e9),
+    ("deepseek-v3 total", param_count(DSV3), 671e9),
+    ("deepseek-v3 active", active_param_count(DSV3, embedding=False), 36.6e9),
+]
+
+
+@pytest.mark.parametrize(("name", "ours", "published"), PUBLISHED,
+                         ids=[p[0] for p in PUBLISHED])
+def test_moe_param_counts_match_published_to_half_a_percent(name: str, ours: int,
+                                                            published: float) -> None:
+    assert ours == pytest.approx(published, rel=5e-3)
+
+
+def test_deepseek_v3_active_rounds_to_the_headline_37b() -> None:
+    # "37B" is two significant figures: 36.5B <= x < 37.5B
+    assert 36.5e9 <= active_param_count(DSV3, embedding=False) < 37.5e9
+
+
+def test_mixtral_total_is_the_checkpoint_count_exactly() -> None:
+    # Hugging Face safetensors metadata of mistralai/Mixtral-8x7B-v0.1: 46,702,792,704
+    assert param_count(MIXTRAL) == 46_702_792_704
+
+
+def test_mixtral_layer_by_hand() -> None:
+    h, kv, f = 4096, 8 * 128, 14336
+    attention = 2 * h * h + 2 * h * kv
+    expert = 3 * h * f
+    assert layer_params(MIXTRAL, 5) == attention + 8 * expert + h * 8 + 2 * h
+    assert moe.active_layer_params(MIXTRAL, 5) == attention + 2 * expert + h * 8 + 2 * h
+    assert embedding_params(MIXTRAL) == 32000 * h
+    assert head_params(MIXTRAL) == h + 32000 * h
+
+
+def test_deepseek_v3_mla_by_hand() -> None:
+    # DeepSeek-V3 config.json: q_a_proj 7168x1536, q_a_layernorm 1536, q_b_proj
+    # 1536x(128*192), kv_a_proj_with_mqa 7168x(512+64), kv_a_layernorm 512, kv_b_proj
+    # 512x(128*(128+128)), o_proj (128*128)x7168
+    assert moe.attention_params(DSV3) == (7168 * 1536 + 1536 + 1536 * 128 * 192
+                                          + 7168 * 576 + 512 + 512 * 128 * 256
+                                          + 128 * 128 * 7168) == 187_107_328
+
+
+def test_deepseek_v3_layer_kinds() -> None:
+    assert moe.layer_kinds(DSV3) == [(0, 3), (3, 58)]
+    assert not DSV3.is_moe_layer(2) and DSV3.is_moe_layer(3) and DSV3.is_moe_layer(60)
+    dense = 187_107_328 + 3 * 7168 * 18432 + 2 * 7168
+    assert layer_params(DSV3, 0) == dense
+    routed = 256 * 3 * 7168 * 2048
+    router = 256 * 7168 + 256  # sigmoid router: weight and the balancing bias
+    assert layer_params(DSV3, 3) == 187_107_328 + 2 * 7168 + router + 3 * 7168 * 2048 + routed
+    assert moe.expert_params(DSV3, 3) == routed and moe.expert_params(DSV3, 0) == 0
+
+
+@pytest.mark.parametrize(("kw", "kinds", "moe_layers"), [
+    ({}, [(0, 4)], 4),
+    ({"first_dense_layers": 1}, [(0, 1), (1, 3)], 3),
+    ({"moe_layer_freq": 2}, [(1, 2), (0, 2)], 2),
+    ({"first_dense_layers": 1, "moe_layer_freq": 2}, [(0, 2), (1, 2)], 2),
+])
+def test_layer_pattern(kw: dict[str, int], kinds: list[tuple[int, int]], moe_layers: int) -> None:
+    spec = small_moe(**kw)
+    assert spec.moe_layers == moe_layers
+    assert sum(spec.is_moe_layer(i) for i in range(spec.layers)) == moe_layers
+    assert sorted(moe.layer_kinds(spec)) == sorted(kinds)
+    assert sum(n for _, n in moe.layer_kinds(spec)) == spec.layers
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def _gemm(spec: ModelSpec, layer: int, batch: int) -> float:
+    return sum(ops_flops(layer_ops(spec, batch, 1, False, "bf16", p, layer)) for p in PASSES)
+
+
+def test_moe_layer_flops_are_six_per_active_matrix_param_per_token_plus_attention() -> None:
+    # no biases: forward + backward GEMMs are 6 FLOPs per parameter a token uses, the
+    # router included; attention adds 12·b·s²·h (3 × 4bs²h)
+    spec, b = MIXTRAL, 2
+    tokens, s, h = b * spec.seq_len, spec.seq_len, spec.hidden
+    matrices = moe.active_layer_params(spec, 0) - 2 * h
+    assert _gemm(spec, 0, b) == pytest.approx(6 * matrices * tokens + 12 * b * s**2 * h,
+                                              rel=1e-12)
+
+
+def test_mla_attention_core_flops() -> None:
+    # QKᵀ over d_qk = 192 and AV over d_v = 128 for 128 heads: 2·b·s²·H·(192 + 128)
+    ops = {op.name: op for op in layer_ops(DSV3, 1, 1, False, "bf16", "fwd", 0)}
+    s = DSV3.seq_len
+    assert ops["attn_core"].flops == 2 * s**2 * 128 * (192 + 128)
+    assert ops["q_up"].flops == 2 * s * 1536 * 128 * 192
+
+
+def test_mla_down_projections_are_replicated_across_tp() -> None:
+    one = {op.name: op.flops for op in layer_ops(DSV3, 1, 1)}
+    eight = {op.name: op.flops for op in layer_ops(DSV3, 1, 8)}
+    for name in ("q_down", "kv_down"):
+        assert eight[name] == one[name]
+    for name in ("q_up", "kv_up", "out_proj", "attn_core", "mlp_up", "mlp_down"):
+        assert eight[name] * 8 == pytest.approx(one[name], rel=1e-12)
+
+
+def test_expert_flops_are_top_k_of_the_experts() -> None:
+    spec, b = small_moe(), 3
+    tokens, h, f = b * spec.seq_len, spec.hidden, spec.expert_ffn
+    ops = {op.name: op for op in layer_ops(spec, b)}
+    assert ops["expert_up"].flops == 2 * tokens * 2 * h * 2 * f  # k = 2, SwiGLU gate + up
+    assert ops["expert_down"].flops == 2 * tokens * 2 * f * h
+    assert ops["expert_up"].gemm_flops == ops["expert_up"].flops / 8  # one expert's GEMM
+    assert ops["router"].flops == 2 * tokens * h * 8
+    more = {op.name: op for op in layer_ops(small_moe(experts=32), b)}
+    assert more["expert_up"].flops == ops["expert_up"].flops  # more experts, same top-k work
+
+
+def test_shared_experts_run_on_every_token() -> None:
+    spec, b = small_moe(shared_experts=2), 1
+    ops = {op.name: op for op in layer_ops(spec, b)}
+    tokens, h, f = spec.seq_len, spec.hidden, spec.expert_ffn
+    assert ops["shared_up"].flops == 2 * tokens * h * 2 * 2 * f
+    assert ops["shared_down"].flops == 2 * tokens * 2 * f * h
+
+
+def test_capacity_factor_pads_hardware_flops_not_model_flops() -> None:
+    dropless, padded = small_moe(), small_moe(capacity_factor=1.5)
+    batch = 4
+    assert model_flops_per_step(padded, batch) == model_flops_per_step(dropless, batch)
+    experts = sum(op.flops for p in PASSES for op in layer_ops(dropless, batch, pass_=p)
+                  if op.name.startswith("expert_"))
+    extra = hardware_flops_per_step(padded, batch, "none") - model_flops_per_step(padded, batch)
+    assert extra == pytest.approx(0.5 * experts * padded.layers, rel=1e-12)
+
+
+def test_model_flops_sum_the_layer_kinds() -> None:
+    batch = 2
+    by_layer = sum(_gemm(DSV3, i, batch) for i in range(DSV3.layers))
+    ends = model_flops_per_step(DSV3, batch) - by_layer
+    assert ends == pytest.approx(3 * 2 * batch * DSV3.seq_len * DSV3.hidden * DSV3.vocab,
+                                 rel=1e-9)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_stage_params_and_expert_share() -> None:
+    assert stage_params(DSV3, 1, 0) == param_count(DSV3)
+    assert sum(stage_expert_params(DSV3, 61, s) for s in range(61)) == 58 * moe.expert_params(
+        DSV3, 3)
+    assert stage_expert_params(MIXTRAL, 4, 1) == 8 * moe.expert_params(MIXTRAL, 0)
+
+
+def test_moe_activations_grow_with_top_k() -> None:
+    one = activation_bytes_per_layer(small_moe(experts_per_token=1), 1)
+    two = activation_bytes_per_layer(small_moe(experts_per_token=2), 1)
+    h, f, tokens = 64, 96, 32
+    # one more permuted copy (2h bytes) and expert activation (SwiGLU 6f) per token
+    assert two - one == pytest.approx(tokens * (2 * h + 6 * f), rel=1e-12)
+
+
+def test_context_parallel_divides_activations() -> None:
+    spec = load_preset_model("llama2-7b")
+    whole = activation_bytes_per_layer(spec, 1, 2, True, "none")
+    assert activation_bytes_per_layer(spec, 1, 2, True, "none", cp=4) == pytest.approx(
+        whole / 4, rel=1e-12)
