@@ -291,8 +291,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
     print("models:")
     for name in preset_model_names():
         spec = load_preset_model(name)
-        moe = (f" experts={spec.experts} top-{spec.experts_per_token} "
-               f"({mdl.active_param_count(spec) / 1e9:.2f} B active)") if spec.is_moe else ""
+        moe = (f" experts={spec.experts} top-{spec.experts_per_token}, "
+               f"{mdl.active_param_count(spec) / 1e9:.2f} B active "
+               f"({mdl.active_param_count(spec, embedding=False) / 1e9:.2f} B without the "
+               "input embedding)") if spec.is_moe else ""
         print(f"  {name:<14} {mdl.param_count(spec) / 1e9:8.2f} B params  l={spec.layers} "
               f"h={spec.hidden} a={spec.heads} kv={spec.kv} ffn={spec.ffn} V={spec.vocab} "
               f"s={spec.seq_len}{moe}")

@@ -22,6 +22,16 @@ node talks over NIC i). Volumes follow nccl-tests (docs/model.md):
 - hierarchical all-reduce: intra-node reduce-scatter → inter-node all-reduce of
   S/k over the rails → intra-node all-gather, three phases in sequence.
 - broadcast (pipelined ring) S per rank, n−1 steps; send/recv S, one step.
+- all-to-all (S = each rank's send buffer, S/n to every member, as nccl-tests'
+  ``alltoall_perf``): **pairwise** exchange (Thakur et al. 2005, MPICH: in step i
+  rank r sends to r + i and receives from r − i), n−1 steps; every rank's
+  (k−1)/n·S for its node's peers crosses NVLink and its (n−k)/n·S for the other
+  nodes its own NIC, concurrently, so the time is (n−1)/n·S over the bottleneck
+  link class when the group is on one link class. **hierarchical** (an explicit
+  choice, never ``auto``): an intra-node all-to-all that gathers on each rank the
+  node's data for the ranks of its rail ((k−1)/k·S, k−1 steps), then an all-to-all
+  over the rails ((N−1)/N·S per NIC, N−1 steps): the same NIC bytes in fewer,
+  larger messages.
 
 ``auto`` picks, per collective, the algorithm with the smallest uncontended
 estimate, as NCCL's tuner does from its own cost model.
@@ -35,7 +45,7 @@ from typing import Literal
 
 from simulator.hardware import CollectiveName, HardwareProfile, LinkName
 
-AlgorithmName = Literal["ring", "tree", "hierarchical", "direct"]
+AlgorithmName = Literal["ring", "tree", "hierarchical", "direct", "pairwise"]
 TREE_INTER_EFFICIENCY = 0.9  # NCCL rates tree below ring for large inter-node messages
 
 
@@ -78,7 +88,7 @@ def busbw_factor(op: CollectiveName, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0
 
@@ -130,9 +140,25 @@ def _hierarchical(op: CollectiveName, size: float, shape: GroupShape) -> Plan:
     return Plan(op, "hierarchical", size, shape.n, phases)
 
 
+def _pairwise(size: float, shape: GroupShape) -> Plan:
+    n, k = shape.n, shape.per_node
+    peers: tuple[tuple[LinkName, int], ...] = (("intra_node", k - 1), ("inter_node", n - k))
+    legs = tuple(Leg(cls, count / n * size) for cls, count in peers if count)
+    return Plan("all_to_all", "pairwise", size, n, (Phase(legs, n - 1),))
+
+
+def _hierarchical_all_to_all(size: float, shape: GroupShape) -> Plan:
+    k, nodes = shape.per_node, shape.nodes
+    intra = Phase((Leg("intra_node", (k - 1) / k * size),), k - 1)
+    inter = Phase((Leg("inter_node", (nodes - 1) / nodes * size),), nodes - 1)
+    return Plan("all_to_all", "hierarchical", size, shape.n, (intra, inter))
+
+
 def candidates(op: CollectiveName, shape: GroupShape) -> list[AlgorithmName]:
     if op == "send_recv" or shape.n <= 1:
         return ["direct"]
+    if op == "all_to_all":  # hierarchical only when asked for (make_plan)
+        return ["pairwise"]
     out: list[AlgorithmName] = ["ring"]
     if op in ("all_reduce", "broadcast"):
         out.append("tree")
@@ -147,6 +173,10 @@ def make_plan(op: CollectiveName, size: float, shape: GroupShape, algorithm: str
     """The plan for one collective; ``auto`` picks the cheapest uncontended candidate."""
     if shape.n <= 1:
         return Plan(op, "direct", size, shape.n, ())
+    if op == "all_to_all":
+        if algorithm == "hierarchical" and shape.nodes > 1 and shape.per_node > 1:
+            return _hierarchical_all_to_all(size, shape)
+        return _pairwise(size, shape)
     options = candidates(op, shape)
     if algorithm == "auto":
         plans = [make_plan(op, size, shape, a, hw) for a in options]

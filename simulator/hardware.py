@@ -38,7 +38,8 @@ Dtype = Literal["bf16", "fp16", "fp32"]
 LinkName = Literal["intra_node", "inter_node"]
 #: What a transfer's time depends on: a GPU's NVSwitch port, its NIC, the fabric core.
 LinkClass = Literal["intra_node", "inter_node", "core"]
-CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"]
+CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
+                         "all_to_all"]
 
 SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 

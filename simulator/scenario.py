@@ -502,11 +502,11 @@ def expert_parallel_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("parallel.expert_tp", par.expert_tp, "only for a mixture of experts "
                            "(model.experts = 0); remove it"))
         return out
-    if mdl.is_moe and mdl.experts % par.ep:
+    stage = par.tp * par.cp * par.dp
+    if mdl.is_moe and mdl.experts % par.ep and not stage % (par.etp * par.ep):
         out.append(Problem("parallel.ep", par.ep, f"model.experts ({mdl.experts}) is not "
                            f"divisible by ep; use one of {_divisors(mdl.experts)}"))
-    stage = par.tp * par.cp * par.dp
-    if stage % (par.etp * par.ep):
+    if stage % (par.etp * par.ep):  # its fix lists only degrees that divide the experts too
         fits = [d for d in _divisor_list(stage // par.etp) if mdl.experts % d == 0][:12] \
             if stage % par.etp == 0 else []
         out.append(Problem("parallel.ep", par.ep, f"expert_tp({par.etp}) * ep({par.ep}) = "

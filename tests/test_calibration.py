@@ -37,7 +37,7 @@ from simulator.hardware import HardwareProfile, load_system
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parent.parent
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 FAILING_GEMM = "cpu/fp32/t1/gemm/64x128x128"
 FAILING_COLL = "cpu/t1/collective/broadcast/n2/8192"
 
@@ -230,7 +230,7 @@ def test_prefixes_name_op_and_link() -> None:
 @pytest.mark.parametrize(("text", "source", "fix"), [
     ("# nothing here\n", "all_reduce.txt", "no result rows"),
     ((DATA / "nccl_reduce_scatter_perf_old.txt").read_text(), "mystery.txt", "prefix the file"),
-    ((DATA / "nccl_reduce_scatter_perf_old.txt").read_text(), "alltoall_perf.txt", "no place"),
+    ((DATA / "nccl_reduce_scatter_perf_old.txt").read_text(), "reduce_perf.txt", "no place"),
     ('{"results": [', "x.json", "does not parse"),
     ('{"version": 2}', "x.json", "results"),
 ])

@@ -206,14 +206,21 @@ def _collective_workload(plans: list[Plan], n: int, gpus_per_node: int,
     return Workload(programs, tasks, layout, build_schedule("1f1b", 1, 1), weight, fidelity)
 
 
+def all_to_all_time(n: int, size: float, bw: float, alpha: float) -> float:
+    """Pairwise exchange: (n-1)/n·S over the group's one link class, n-1 steps of α."""
+    return (n - 1) / n * size / bw + (n - 1) * alpha
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("fidelity", ["full", "folded"])
-def test_engine_ring_all_reduce_one_node_closed_form(n, fidelity):
+@pytest.mark.parametrize(("op", "closed_form"), [("all_reduce", ring_all_reduce_time),
+                                                 ("all_to_all", all_to_all_time)])
+def test_engine_one_node_closed_form(n, fidelity, op, closed_form):
     size = 32e6
-    plan = make_plan("all_reduce", size, GroupShape(n, n), "ring", HW)
+    plan = make_plan(op, size, GroupShape(n, n), "ring", HW)  # all-to-all: pairwise
     res = simulate(_collective_workload([plan], n, n, fidelity), HW)
     assert len(res.spans) == len(res.workload.tasks)
-    assert res.end_time == pytest.approx(ring_all_reduce_time(n, size, B_INTRA, A_INTRA),
+    assert res.end_time == pytest.approx(closed_form(n, size, B_INTRA, A_INTRA),
                                          rel=1e-9)
 
 
@@ -283,3 +290,104 @@ def test_scenario_tp_all_reduce_spans_match_closed_form(n):
     for dur in tp["end"] - tp["start"]:
         assert dur == pytest.approx(expected, rel=1e-9)
     assert math.isfinite(res.end_time)
+
+
+# ------------------------------------------------------------------ all-to-all
+
+
+def test_busbw_factor_all_to_all_matches_nccl_tests():
+    """nccl-tests alltoall_perf: busbw = algbw × (n-1)/n."""
+    for n in (1, 2, 8, 64):
+        assert busbw_factor("all_to_all", n) == pytest.approx((n - 1) / n, rel=1e-15)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("size", SIZES)
+def test_all_to_all_one_node_closed_form(n, size):
+    plan = make_plan("all_to_all", size, GroupShape(n, n), "auto", HW)
+    (phase,) = plan.phases
+    assert (plan.algorithm, phase.steps, [g.link_class for g in phase.legs]) == (
+        "pairwise", n - 1, ["intra_node"])
+    assert phase.legs[0].bytes_per_rank == pytest.approx((n - 1) / n * size, rel=1e-15)
+    assert estimate(plan, HW) == pytest.approx(all_to_all_time(n, size, B_INTRA, A_INTRA),
+                                               rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_all_to_all_one_gpu_per_node_closed_form(n):
+    size = 64e6
+    plan = make_plan("all_to_all", size, GroupShape(n, 1), "auto", HW)
+    assert [leg.link_class for leg in plan.phases[0].legs] == ["inter_node"]
+    assert estimate(plan, HW) == pytest.approx(all_to_all_time(n, size, B_INTER, A_INTER),
+                                               rel=1e-12)
+
+
+def test_all_to_all_across_nodes_bottleneck_leg():
+    """k per node on N nodes: NVLink carries (k-1)/n·S, the NIC (n-k)/n·S, at once."""
+    k, nodes, size = 8, 4, 256e6
+    n = k * nodes
+    plan = make_plan("all_to_all", size, GroupShape(n, k), "ring", HW)  # ring: not for a2a
+    assert plan.algorithm == "pairwise"
+    legs = {leg.link_class: leg.bytes_per_rank for leg in plan.phases[0].legs}
+    assert legs == {"intra_node": pytest.approx((k - 1) / n * size),
+                    "inter_node": pytest.approx((n - k) / n * size)}
+    assert sum(legs.values()) == pytest.approx((n - 1) / n * size, rel=1e-15)
+    expected = max(legs["inter_node"] / B_INTER, legs["intra_node"] / B_INTRA) \
+        + (n - 1) * A_INTER
+    assert estimate(plan, HW) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hierarchical_all_to_all_is_explicit_and_closed_form():
+    k, nodes, size = 8, 4, 256e6
+    shape = GroupShape(k * nodes, k)
+    assert make_plan("all_to_all", size, shape, "auto", HW).algorithm == "pairwise"
+    plan = make_plan("all_to_all", size, shape, "hierarchical", HW)
+    intra = (k - 1) / k * size / B_INTRA + (k - 1) * A_INTRA
+    inter = (nodes - 1) / nodes * size / B_INTER + (nodes - 1) * A_INTER
+    assert estimate(plan, HW) == pytest.approx(intra + inter, rel=1e-12)
+    # small messages: fewer latency steps win; large: the pairwise legs overlap
+    small = [estimate(make_plan("all_to_all", 1e3, shape, a, HW), HW)
+             for a in ("pairwise", "hierarchical")]
+    assert small[1] < small[0]
+    # one node or one GPU per node: nothing to arrange hierarchically
+    assert make_plan("all_to_all", size, GroupShape(8, 8), "hierarchical",
+                     HW).algorithm == "pairwise"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_all_to_all_one_gpu_per_node(n):
+    size = 32e6
+    plan = make_plan("all_to_all", size, GroupShape(n, 1), "auto", HW)
+    res = simulate(_collective_workload([plan], n, 1), HW)
+    assert res.end_time == pytest.approx(all_to_all_time(n, size, B_INTER, A_INTER), rel=1e-9)
+    assert res.link_busy.get("intra_node", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("algorithm", ["pairwise", "hierarchical"])
+@pytest.mark.parametrize("shape", [GroupShape(8, 4), GroupShape(4, 2)])
+def test_engine_all_to_all_across_nodes_equals_estimate(algorithm, shape):
+    size = 32e6
+    plan = make_plan("all_to_all", size, shape, algorithm, HW)
+    assert plan.algorithm == algorithm
+    agg = simulate(_collective_workload([plan], shape.n, shape.per_node), HW).end_time
+    assert agg == pytest.approx(estimate(plan, HW), rel=1e-9)
+    stp = simulate(_collective_workload([expand(plan)], shape.n, shape.per_node), HW).end_time
+    assert stp == pytest.approx(agg, rel=0.01)
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 8), (2, 1)])
+def test_analytic_all_to_all_time_closed_form(nodes, gpn):
+    """The analytic estimate's collective helper on an expert-parallel-sized group."""
+    from simulator.analytic import _collective_time
+
+    n = nodes * gpn
+    s = scenario_from_dict({
+        "name": "a2a", "model": {"layers": 2, "hidden": 256, "heads": 8, "vocab": 512,
+                                 "seq_len": 128},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": nodes, "gpus_per_node": gpn},
+        "parallel": {"dp": n}, "training": {"global_batch": n}})
+    layout = Layout(1, 1, n, gpn)
+    size = 8e6
+    bw, alpha = (B_INTRA, A_INTRA) if nodes == 1 else (B_INTER, A_INTER)
+    assert _collective_time(s, layout, "all_to_all", size, layout.dp_group(0)) == pytest.approx(
+        all_to_all_time(n, size, bw, alpha), rel=1e-12)

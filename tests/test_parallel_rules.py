@@ -46,7 +46,11 @@ def test_expert_parallel_scenario_validates() -> None:
     (["parallel.dp=4"],
      "parallel = 'tp(2) * cp(1) * pp(4) * dp(4) = 32': must equal cluster.nodes(8) * "
      "gpus_per_node(8) = 64"),
-    (["parallel.ep=3"], "parallel.ep = 3: model.experts (8) is not divisible by ep"),
+    (["model.experts=6", "parallel.ep=4"],
+     "parallel.ep = 4: model.experts (6) is not divisible by ep; use one of 1, 2, 3, 6"),
+    (["parallel.ep=3"], "parallel.ep = 3: expert_tp(2) * ep(3) = 6 does not divide tp(2) * "
+     "cp(1) * dp(8) = 16: expert-parallel ranks are carved out of a stage's tp * cp * dp ranks; "
+     "use ep one of 1, 2, 4, 8"),
     (["parallel.dp=4", "parallel.cp=2", "parallel.expert_tp=4"],
      "parallel.ep = 8: expert_tp(4) * ep(8) = 32 does not divide tp(2) * cp(2) * dp(4) = 16"),
     (["parallel.cp=3", "parallel.dp=2", "cluster.nodes=6"],

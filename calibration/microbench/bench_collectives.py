@@ -24,7 +24,7 @@ from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
 from calibration.microbench.collectives_worker import collective_key
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 MAX_LAUNCHES = 3
 
 

@@ -9,7 +9,7 @@ The profile has the schema of the bundled presets, so a scenario uses it with
 - ``scaled_dot_product_attention`` → ``attention_efficiency``;
 - layer/RMS norm, softmax, GELU, SwiGLU, add and an AdamW step → HBM bandwidth
   and ``memory_efficiency``;
-- all-reduce, all-gather, reduce-scatter, broadcast and send/recv under torchrun
+- all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
   fitted from nccl-tests output (``--from-nccl-tests``).
@@ -40,7 +40,7 @@ DESCRIPTION = """\
 Measure this machine and write a hardware profile (the presets' schema; a scenario
 uses it with cluster.system: PROFILE.yaml): GEMMs shaped like the bundled models'
 layers, scaled_dot_product_attention, memory-bound kernels (norms, softmax, GELU,
-SwiGLU, add, AdamW), and all-reduce/all-gather/reduce-scatter/broadcast/send-recv
+SwiGLU, add, AdamW), and all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
 under torchrun (gloo on cpu, NCCL on cuda). Every measurement is appended to a
 results file at once: rerun the same command to resume an interrupted run.
 'calibrate report PROFILE.yaml --out DIR' plots measured vs fitted."""

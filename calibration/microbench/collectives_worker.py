@@ -244,7 +244,8 @@ def _make_call(op: str, n: int, size: int, group: Any, dev: str, rank: int):
 
     numel = max(n, size // 4 // n * n)
     nbytes = numel * 4
-    per_set = nbytes * (2 if op in ("all_gather", "reduce_scatter", "send_recv") else 1)
+    per_set = nbytes * (2 if op in ("all_gather", "reduce_scatter", "send_recv", "all_to_all")
+                        else 1)
     nbuf = max(1, min(4, int(256e6 // per_set)))  # a few sets; caches matter little at these sizes
 
     def rnd(k: int) -> Any:
@@ -264,6 +265,10 @@ def _make_call(op: str, n: int, size: int, group: Any, dev: str, rank: int):
         ins = [rnd(numel) for _ in range(nbuf)]
         outs = [torch.empty(numel // n, device=dev) for _ in range(nbuf)]
         return (lambda i: dist.reduce_scatter_tensor(outs[i], ins[i], group=group)), nbuf, nbytes
+    if op == "all_to_all":  # nbytes per rank, nbytes/n to each member (nccl-tests alltoall)
+        ins = [rnd(numel) for _ in range(nbuf)]
+        outs = [torch.empty(numel, device=dev) for _ in range(nbuf)]
+        return (lambda i: dist.all_to_all_single(outs[i], ins[i], group=group)), nbuf, nbytes
     if op == "send_recv":  # ring shift, as nccl-tests sendrecv: send to r+1, receive from r-1
         sends = [rnd(numel) for _ in range(nbuf)]
         recvs = [torch.empty(numel, device=dev) for _ in range(nbuf)]

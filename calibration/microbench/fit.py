@@ -46,7 +46,7 @@ HOLDOUT_EVERY = 4
 def busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "alltoall"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):  # nccl-tests alltoall_perf too
         return (n - 1) / n
     return 1.0  # send_recv, broadcast
 
@@ -54,7 +54,7 @@ def busbw_factor(op: str, n: int) -> float:
 def collective_steps(op: str, n: int) -> int:
     if op == "all_reduce":
         return 2 * (n - 1)
-    if op in ("all_gather", "reduce_scatter", "broadcast", "alltoall"):
+    if op in ("all_gather", "reduce_scatter", "broadcast", "all_to_all"):  # a2a: pairwise
         return n - 1
     return 1  # send_recv
 

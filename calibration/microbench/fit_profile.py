@@ -36,7 +36,8 @@ from calibration.microbench.fit import (
 )
 from simulator.hardware import HardwareProfile, load_system
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
+                  "all_to_all")
 # torch.cuda.get_device_name() substring -> bundled datasheet preset
 DATASHEET_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"),
                      ("A100-SXM4-80GB", "dgx-a100-80gb"), ("A100 80GB", "dgx-a100-80gb"),

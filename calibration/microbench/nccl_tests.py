@@ -35,8 +35,8 @@ from simulator.errors import Problem, UserError
 # nccl-tests binary stem -> profile collective name (others are recognised and skipped)
 OP_NAMES = {"all_reduce": "all_reduce", "all_gather": "all_gather",
             "reduce_scatter": "reduce_scatter", "broadcast": "broadcast", "sendrecv": "send_recv",
-            "send_recv": "send_recv"}
-OTHER_TESTS = ("alltoall", "reduce", "gather", "scatter", "hypercube")
+            "send_recv": "send_recv", "alltoall": "all_to_all", "all_to_all": "all_to_all"}
+OTHER_TESTS = ("reduce", "gather", "scatter", "hypercube")
 LINKS = ("intra_node", "inter_node")
 _RANK_LINE = re.compile(r"#\s*Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device")
 
@@ -119,8 +119,8 @@ def _op_name(candidates: list[str | None], source: str) -> str:
             if other in stem:
                 raise UserError([Problem("--from-nccl-tests", source,
                                          f"{other} results have no place in a profile; pass "
-                                         "all_reduce, all_gather, reduce_scatter, broadcast or "
-                                         "sendrecv results")])
+                                         "all_reduce, all_gather, reduce_scatter, broadcast, "
+                                         "sendrecv or alltoall results")])
     raise UserError([Problem("--from-nccl-tests", source,
                              "cannot tell which collective this is; prefix the file with it, "
                              "e.g. all_reduce:" + source)])
@@ -132,7 +132,7 @@ def _nranks(rows: list[Row], op: str, listed: int, source: str) -> int:
     from calibration.microbench.fit import busbw_factor
 
     big = [r for r in rows if r.algbw_GBps > 0]
-    if op in ("all_reduce", "all_gather", "reduce_scatter") and big:
+    if op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") and big:
         ratio = big[-1].busbw_GBps / big[-1].algbw_GBps
         n = round(2 / (2 - ratio)) if op == "all_reduce" else round(1 / max(1 - ratio, 1e-9))
         if n >= 2 and abs(busbw_factor(op, n) - ratio) < 0.02:
