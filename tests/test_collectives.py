@@ -389,5 +389,6 @@ def test_analytic_all_to_all_time_closed_form(nodes, gpn):
     layout = Layout(1, 1, n, gpn)
     size = 8e6
     bw, alpha = (B_INTRA, A_INTRA) if nodes == 1 else (B_INTER, A_INTER)
-    assert _collective_time(s, layout, "all_to_all", size, layout.dp_group(0)) == pytest.approx(
+    assert _collective_time(s, layout, "all_to_all", size, layout.dp_group(0),
+                            s.hardware) == pytest.approx(
         all_to_all_time(n, size, bw, alpha), rel=1e-12)
