@@ -220,9 +220,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"warning: an engine run would build about {cost.tasks:.2g} tasks "
               f"(~{cost.memory_bytes / 1e9:.3g} GB), above the default limit; `run` will ask "
               "for --method analytic or --max-tasks", file=sys.stderr)
-    print(f"{args.scenario}: ok ({s.name}: {s.parallel.world} GPUs, tp {s.parallel.tp} · "
-          f"pp {s.parallel.pp} · dp {s.parallel.dp}, {s.parallel.schedule}, "
-          f"m = {s.microbatches})")
+    par = s.parallel
+    extra = "".join(f" · {name} {deg}" for name, deg in (("cp", par.cp), ("ep", par.ep))
+                    if deg > 1)
+    print(f"{args.scenario}: ok ({s.name}: {par.world} GPUs, tp {par.tp} · "
+          f"pp {par.pp} · dp {par.dp}{extra}, {par.schedule}, m = {s.microbatches})")
     return 0
 
 

@@ -127,3 +127,10 @@ def test_run_refuses_what_has_no_workload_yet(tmp_path: Path, capsys: pytest.Cap
         assert any(line.startswith(f"error: {field}") for line in err.splitlines()), err
         assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_validate_names_the_new_degrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(scenario("parallel.cp=2", "parallel.dp=4")))
+    assert main(["validate", str(path)]) == 0
+    assert "64 GPUs, tp 2 · pp 4 · dp 4 · cp 2 · ep 8," in capsys.readouterr().out
