@@ -150,7 +150,9 @@ def stage_layers(spec: ModelSpec, pp: int, stage: int) -> range:
 
 def stage_expert_params(spec: ModelSpec, pp: int, stage: int) -> int:
     """The routed experts' parameters of ``stage`` (what expert parallelism splits)."""
-    return sum(moe.expert_params(spec, i) for i in stage_layers(spec, pp, stage))
+    layers = stage_layers(spec, pp, stage)
+    return sum(n * moe.expert_params(spec, i)
+               for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
 
 
 def stage_params(spec: ModelSpec, pp: int, stage: int) -> int:
@@ -158,7 +160,9 @@ def stage_params(spec: ModelSpec, pp: int, stage: int) -> int:
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
     if spec.is_moe or spec.mla is not None:
-        total = sum(layer_params(spec, i) for i in stage_layers(spec, pp, stage))
+        layers = stage_layers(spec, pp, stage)
+        total = sum(n * layer_params(spec, i)
+                    for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
     else:
         total = spec.layers // pp * layer_params(spec)
     if stage == 0:
@@ -176,9 +180,10 @@ def _activations(scenario: Scenario, stage: int) -> float:
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
     if spec.is_moe or spec.mla is not None or par.cp > 1:
-        total = sum(activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
-                                               par.cp)
-                    for i in stage_layers(spec, par.pp, stage))
+        layers = stage_layers(spec, par.pp, stage)
+        total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
+                                                   par.cp)
+                    for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
     else:
         per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
         total = per_layer * spec.layers / par.pp

@@ -47,17 +47,22 @@ from simulator import model as mdl
 from simulator.scenario import MLASpec, ModelSpec
 
 
-def layer_kinds(spec: ModelSpec) -> list[tuple[int, int]]:
-    """(a representative layer index, how many layers are like it): one entry for a
-    dense model, a dense and a MoE entry for a mixture of experts."""
-    moe_count = spec.moe_layers
+def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
+                ) -> list[tuple[int, int]]:
+    """(a representative layer index, how many layers are like it) among layers
+    start..stop-1 (default all): one entry for a dense model, a dense and a MoE entry
+    for a mixture of experts. Closed form: no loop over the layers."""
+    stop = spec.layers if stop is None else stop
+    f, freq = spec.first_dense_layers, spec.moe_layer_freq
+    lo = max(start, f)
+    first_moe = f + -(-(lo - f) // freq) * freq
+    moe_count = 0 if not spec.is_moe or first_moe >= stop else (stop - 1 - first_moe) // freq + 1
     if moe_count == 0:
-        return [(0, spec.layers)]
-    kinds = [(spec.first_dense_layers, moe_count)]
-    dense = spec.layers - moe_count
-    if dense:
-        first = 0 if spec.first_dense_layers else spec.first_dense_layers + 1
-        kinds.insert(0, (first, dense))
+        return [(start, stop - start)] if stop > start else []
+    kinds = [(first_moe, moe_count)]
+    if stop - start > moe_count:  # the first dense layer in the range
+        dense = start if not spec.is_moe_layer(start) else start + 1
+        kinds.insert(0, (dense, stop - start - moe_count))
     return kinds
 
 

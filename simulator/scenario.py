@@ -507,8 +507,7 @@ def expert_parallel_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("parallel.ep", par.ep, f"model.experts ({mdl.experts}) is not "
                            f"divisible by ep; use one of {_divisors(mdl.experts)}"))
     if stage % (par.etp * par.ep):  # its fix lists only degrees that divide the experts too
-        fits = [d for d in _divisor_list(stage // par.etp) if mdl.experts % d == 0][:12] \
-            if stage % par.etp == 0 else []
+        fits = [d for d in _divisor_list(mdl.experts) if stage % (par.etp * d) == 0][:12]
         out.append(Problem("parallel.ep", par.ep, f"expert_tp({par.etp}) * ep({par.ep}) = "
                            f"{par.etp * par.ep} does not divide tp({par.tp}) * cp({par.cp}) * "
                            f"dp({par.dp}) = {stage}: expert-parallel ranks are carved out of a "

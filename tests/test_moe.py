@@ -204,3 +204,26 @@ def test_context_parallel_divides_activations() -> None:
     whole = activation_bytes_per_layer(spec, 1, 2, True, "none")
     assert activation_bytes_per_layer(spec, 1, 2, True, "none", cp=4) == pytest.approx(
         whole / 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("layers", [1, 5, 12])
+@pytest.mark.parametrize("first", [0, 1, 3])
+@pytest.mark.parametrize("freq", [1, 2, 3])
+def test_layer_kinds_of_any_range_count_like_a_loop(layers: int, first: int, freq: int) -> None:
+    if first >= layers:
+        return
+    spec = small_moe(layers=layers, first_dense_layers=first, moe_layer_freq=freq)
+    for a in range(layers + 1):
+        for b in range(a, layers + 1):
+            kinds = moe.layer_kinds(spec, a, b)
+            assert all(a <= i < b for i, _ in kinds)
+            by_loop = sum(spec.is_moe_layer(i) for i in range(a, b))
+            assert sum(n for i, n in kinds if spec.is_moe_layer(i)) == by_loop
+            assert sum(n for i, n in kinds if not spec.is_moe_layer(i)) == b - a - by_loop
+
+
+def test_a_billion_moe_layers_cost_no_loop() -> None:
+    spec = small_moe(layers=10**9, first_dense_layers=7, moe_layer_freq=3)
+    assert spec.moe_layers == -(-(10**9 - 7) // 3)
+    assert stage_params(spec, 1, 0) == param_count(spec)
+    assert stage_expert_params(spec, 1, 0) == spec.moe_layers * moe.expert_params(spec, 7)
