@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import typing
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -704,7 +705,10 @@ def _section_fields(loc: list[str]) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(part)
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # an optional section (``mla: MLASpec | None``) names its model among the args
+        ann = next((a for a in (ann, *typing.get_args(ann))
+                    if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if ann is None:
             return []
         model = ann
     return list(model.model_fields)

@@ -134,3 +134,9 @@ def test_validate_names_the_new_degrees(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text(yaml.safe_dump(scenario("parallel.cp=2", "parallel.dp=4")))
     assert main(["validate", str(path)]) == 0
     assert "64 GPUs, tp 2 · pp 4 · dp 4 · cp 2 · ep 8," in capsys.readouterr().out
+
+
+def test_unknown_key_in_the_optional_mla_section_lists_its_keys() -> None:
+    lines = errors(scenario("model.preset=deepseek-v3", "model.mla.v_head_dims=8"))
+    assert "model.mla.v_head_dims = 8: unknown key; did you mean 'v_head_dim'? valid keys " \
+        "here: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim" in lines
