@@ -27,6 +27,7 @@ an absolute name stays under ``out/``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -115,16 +116,15 @@ def _remove_stale_staging(out: Path) -> None:
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
         except OSError:
-            pass  # alive under another user, or not ours to judge
+            continue  # alive under another user, or not ours to judge
 
 
 def _previous_files(out: Path) -> set[str]:
     names = {n for n in KNOWN_OUTPUTS if (out / n).is_file()}
-    try:
+    # a missing or unreadable manifest lists nothing more than the known outputs
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         listed = json.loads((out / MANIFEST).read_text(encoding="utf-8"))["files"]
         names |= {n for n in listed if isinstance(n, str) and "/" not in n and n != MANIFEST}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     return names
 
 
