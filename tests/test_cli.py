@@ -8,17 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_scenario import SMALL
 
 from simulator import api
 from simulator.cli import main
 
-SMALL = """\
-name: small
-model: {preset: tiny-gpt}
-cluster: {system: dgx-a100-80gb, nodes: 1, gpus_per_node: 8}
-parallel: {tp: 2, pp: 2, dp: 2, schedule: 1f1b}
-training: {global_batch: 16, micro_batch: 2, dtype: bf16}
-"""
 KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
         "hfu", "bubble_fraction", "memory_peak_bytes", "fits_in_memory", "method", "scenario",
         "exposed_comm_s", "compute_s", "fidelity", "sim_wall_s", "sim_events"}

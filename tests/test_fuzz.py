@@ -26,16 +26,11 @@ import yaml
 from fuzz_cli import run_one
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from small_scenario import SMALL as BASE_TEXT
 
 ROOT = Path(__file__).parents[1]
 HOSTILE = ROOT / "tests" / "data" / "hostile"
-BASE_TEXT = """\
-name: small
-model: {preset: tiny-gpt}
-cluster: {system: dgx-a100-80gb, nodes: 1, gpus_per_node: 8}
-parallel: {tp: 2, pp: 2, dp: 2, schedule: 1f1b}
-training: {global_batch: 16, micro_batch: 2, dtype: bf16}
-"""
+
 BASE: dict[str, Any] = yaml.safe_load(BASE_TEXT)
 MEMORY_LIMIT = 1 << 30  # the issue's bound on one invocation's peak memory
 ALIAS_BOMB_SET = ("parallel.tp=[&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], "

@@ -10,19 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_scenario import SMALL
 
 from simulator import api
 from simulator.cli import main
 from simulator.errors import UserError
 from simulator.run_dir import MANIFEST, check_run_dir, default_out_dir, staged_run
-
-SMALL = """\
-name: small
-model: {preset: tiny-gpt}
-cluster: {system: dgx-a100-80gb, nodes: 1, gpus_per_node: 8}
-parallel: {tp: 2, pp: 2, dp: 2, schedule: 1f1b}
-training: {global_batch: 16, micro_batch: 2, dtype: bf16}
-"""
 
 
 @pytest.fixture
