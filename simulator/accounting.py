@@ -283,14 +283,27 @@ def rank_breakdown(timing: Timing, rank: int, stream: _Stream, step_time: float,
     return out
 
 
+def _phase(streams: Iterable[_Stream]) -> tuple[float, float]:
+    """The pipeline phase: the first forward's start to the last backward's end."""
+    starts, ends = [], []
+    for stream in streams:
+        work = stream.code <= 3  # forward, backward, weight gradient, recompute
+        if work.any():
+            starts.append(float(stream.start[work].min()))
+            ends.append(float(stream.end[work].max()))
+    return (min(starts), max(ends)) if starts else (0.0, 0.0)
+
+
 def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: Mapping[int, int],
-              pipeline_of: Mapping[int, Any], step_time: float, phase: tuple[float, float],
-              schedule: str, p: int, m: int, v: int) -> tuple[list[dict[str, Any]], list[float]]:
+              pipeline_of: Mapping[int, Any], step_time: float, schedule: str, p: int, m: int,
+              v: int) -> tuple[list[dict[str, Any]], list[float], tuple[float, float]]:
     """``time_breakdown_s`` (one entry per simulated rank; ``programs`` maps a rank to its
-    compute stream) and each rank's schedule bubble (:func:`schedule_bubble`). Ranks with
-    equal ``pipeline_of`` form one pipeline, whose drain ends with its last backward."""
+    compute stream), each rank's schedule bubble (:func:`schedule_bubble`) and the
+    pipeline phase. Ranks with equal ``pipeline_of`` form one pipeline, whose drain ends
+    with its last backward."""
     closed_form = schedule_spec(schedule).pipeline_time
     streams = {r: _Stream.of(timing, compute) for r, compute in programs.items()}
+    phase = _phase(streams.values())
     ends: dict[Any, float] = {}
     for r, stream in streams.items():
         key = pipeline_of[r]
@@ -305,7 +318,7 @@ def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: 
                                     ideal))
         entries.append(entry)
         bubbles.append(schedule_bubble(ideal, phase[1] - phase[0] - m * (f + bi + bw)))
-    return entries, bubbles
+    return entries, bubbles, phase
 
 
 def schedule_bubble(ideal: float, without_pipeline_work: float) -> float:

@@ -21,7 +21,6 @@ import pandas as pd
 from simulator import accounting as acc
 from simulator import memory as mem
 from simulator import model as mdl
-from simulator.accounting import COMPUTE_KINDS
 from simulator.collectives import busbw_factor
 from simulator.engine import SimResult
 from simulator.scenario import Scenario
@@ -78,17 +77,13 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     timing = acc.Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
                            [t for prog in w.programs.values() for t in prog.streams.values()])
     compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
-    busy = np.fromiter((t.id for c in compute.values() for t in c if t.kind in COMPUTE_KINDS),
-                       np.int64)
-    p0 = float(timing.start_a[busy].min()) if len(busy) else 0.0
-    p1 = float(timing.end_a[busy].max()) if len(busy) else 0.0
     step = result.end_time
     stage_of = {r: w.layout.coord(r).pp for r in w.programs}
     pipeline_of = {r: (w.layout.coord(r).dp, w.layout.coord(r).tp) for r in w.programs}
-    entries, bubbles = acc.breakdown(timing, compute, stage_of, pipeline_of, step, (p0, p1),
-                                     s.parallel.schedule, s.parallel.pp, s.microbatches,
-                                     s.parallel.virtual_stages)
-    out = acc.metrics(entries, step, (p0, p1), bubbles)
+    entries, bubbles, phase = acc.breakdown(timing, compute, stage_of, pipeline_of, step,
+                                            s.parallel.schedule, s.parallel.pp,
+                                            s.microbatches, s.parallel.virtual_stages)
+    out = acc.metrics(entries, step, phase, bubbles)
     if result.spans:
         out["critical_path"] = acc.merge_segments(acc.critical_path(timing, _last(w, timing),
                                                                     step))
