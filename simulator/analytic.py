@@ -9,7 +9,11 @@ uncontended α-β time on the critical path. The pipeline then takes
 - interleaved: (m + (p − 1)/v) × t_stage (t_stage is the whole stage, all chunks),
 - ZB-H1: m × (t_F + t_B + t_W) + (p − 1)(t_F + t_B − t_W) (when m ≥ p),
 
-with t_stage the slowest stage's. Pipeline transfers on the fill and drain
+with t_stage the slowest stage's. A mixture of experts adds, per MoE layer and pass,
+its routed experts' compute and two all-to-alls (and the expert-TP all-gather and
+reduce-scatter) to the pass they sit in, its experts' gradient reductions over the
+expert data-parallel group to the DP reduction and their shard to the optimizer
+step. Pipeline transfers on the fill and drain
 (2(p − 1) of them) are exposed; DP gradient all-reduce is exposed beyond what
 the last backward hides (all of it without overlap); then the optimizer step
 and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds each layer's gathers
@@ -23,7 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from simulator import accounting as acc
+from simulator import expert_parallel as epar
 from simulator import model as mdl
+from simulator import moe
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
@@ -42,17 +48,44 @@ def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: floa
     return estimate(plan, hw)
 
 
-def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> dict[str, float]:
-    """Seconds of one micro-batch through one stage (all chunks), by category:
-    forward, backward_input, backward_weight, recompute and tp_transfer."""
+def _chunk_layers(s: Scenario, stage: int) -> list[tuple[int, int]]:
+    """(a representative layer, how many like it) on pipeline rank ``stage``, all chunks."""
     par = s.parallel
-    layers = s.model.layers // par.pp
+    per_chunk = s.model.layers // (par.pp * par.virtual_stages)
+    out: list[tuple[int, int]] = []
+    for v in range(par.virtual_stages):
+        first = (stage + v * par.pp) * per_chunk
+        out += moe.layer_kinds(s.model, first, first + per_chunk)
+    return out
+
+
+def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                  experts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+                  ) -> dict[str, float]:
+    """Seconds of one micro-batch through one stage (all chunks), by category:
+    forward, backward_input, backward_weight, recompute, tp_transfer and ep_transfer.
+    ``experts``: a MoE layer's routed experts forward and input-gradient seconds, one
+    all-to-all's and one expert-TP collective's (:func:`_expert_times`)."""
+    par, spec = s.parallel, s.model
     tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
     passes = 3 if par.recompute == "full" else 2
-    out = {"forward": layers * sum(c.fwd), "backward_input": layers * sum(c.bwd_input),
-           "backward_weight": layers * sum(c.bwd_weight),
-           "recompute": layers * sum(c.recompute) if par.recompute != "none" else 0.0,
-           "tp_transfer": layers * tp_per_pass * passes}
+    out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
+                         "tp_transfer", "ep_transfer"), 0.0)
+    kinds = _chunk_layers(s, stage) if spec.is_moe else [(0, spec.layers // par.pp)]
+    for layer, count in kinds:
+        lc = c.layer(layer)
+        out["forward"] += count * sum(lc.fwd)
+        out["backward_input"] += count * sum(lc.bwd_input)
+        out["backward_weight"] += count * sum(lc.bwd_weight)
+        out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
+        out["tp_transfer"] += count * tp_per_pass * passes
+        if spec.is_moe_layer(layer):
+            fwd, bwd, a2a, etp = experts
+            out["forward"] += count * fwd
+            out["backward_input"] += count * bwd
+            out["recompute"] += count * fwd if par.recompute == "full" else 0.0
+            out["ep_transfer"] += count * 2 * a2a * passes
+            out["tp_transfer"] += count * 2 * etp * passes
     for end, present in ((c.embed, stage == 0), (c.head, stage == par.pp - 1)):
         if present:
             out["forward"] += end[0]
@@ -61,13 +94,46 @@ def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> dict[s
     return out
 
 
-def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int) -> tuple[float, ...]:
+def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                 experts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+                 ) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks);
-    TP communication and recompute count in the pass they sit in."""
-    d = _stage_passes(s, c, t_tp, stage)
-    tp_f = d["tp_transfer"] / (3 if s.parallel.recompute == "full" else 2)
-    return (d["forward"] + tp_f, d["backward_input"] + d["recompute"] + d["tp_transfer"] - tp_f,
+    TP and EP communication and recompute count in the pass they sit in."""
+    d = _stage_passes(s, c, t_tp, stage, experts)
+    comm = d["tp_transfer"] + d["ep_transfer"]
+    comm_f = comm / (3 if s.parallel.recompute == "full" else 2)
+    return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
+
+
+def _expert_times(s: Scenario, layout: Layout, cost: CostModel,
+                  hw: HardwareProfile) -> tuple[float, float, float, float]:
+    """A MoE layer's routed experts per micro-batch: forward and input-gradient compute,
+    one all-to-all, one expert-TP all-gather (or reduce-scatter)."""
+    if not s.model.is_moe:
+        return (0.0, 0.0, 0.0, 0.0)
+    par, lay = s.parallel, epar.expert_layer(s)
+    a2a = _collective_time(s, layout, "all_to_all", lay.a2a_bytes,
+                           epar.ep_group(layout, 0, par.etp, par.ep), hw)
+    etp = _collective_time(s, layout, "all_gather", lay.etp_bytes,
+                           epar.etp_group(layout, 0, par.etp), hw)
+    return (cost.ops_time(lay.fwd), cost.ops_time(lay.bwd_input), a2a, etp)
+
+
+def _stage_params(s: Scenario, stage: int) -> tuple[float, list[float]]:
+    """Pipeline rank ``stage``'s parameters on one rank: the dense ones (with the
+    embedding on the first stage and, on a single stage, the head) and each MoE
+    layer's routed experts (an edp gradient reduction each)."""
+    spec, par = s.model, s.parallel
+    dense = float(mdl.embedding_params(spec)) if stage == 0 else 0.0
+    if par.pp == 1:
+        dense += mdl.head_params(spec)
+    experts: list[float] = []
+    for layer, count in _chunk_layers(s, stage):
+        e = moe.expert_params(spec, layer)
+        dense += count * (mdl.layer_params(spec, layer) - e)
+        experts += [e / (par.etp * par.ep)] * count if e else []
+    return dense / par.tp, experts
 
 
 def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
@@ -107,7 +173,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
                                                                           trn.dtype),
                             layout.tp_group(rank0), hw)
-    stages = [_stage_times(s, c, t_tp, st) for st in range(par.pp)]
+    experts = _expert_times(s, layout, cost, hw)
+    stages = [_stage_times(s, c, t_tp, st, experts) for st in range(par.pp)]
     f, b, w = max(stages, key=sum)
     m = s.microbatches
     t_pipe = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, f, b, w)
@@ -124,19 +191,29 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
     # the busiest stage's parameters: its layers plus the embedding (first stage) and,
     # on a single stage, the head too
-    params = spec.layers // par.pp * mdl.layer_params(spec) + mdl.embedding_params(spec)
+    params: float = spec.layers // par.pp * mdl.layer_params(spec) + mdl.embedding_params(spec)
     if par.pp == 1:
         params += mdl.head_params(spec)
+    expert_params: list[float] = []
+    if spec.is_moe:  # the stage with the most experts; experts reduce over edp
+        per_stage = [_stage_params(s, st) for st in range(par.pp)]
+        dense_tp, expert_params = max(per_stage, key=lambda d: sum(d[1]))
+        params = dense_tp * par.tp
     grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group, hw)
+    edp_group = epar.edp_group(layout, rank0, par.etp, par.ep)
+    t_dp += sum(_collective_time(s, layout, dp_op, e * mdl.dtype_bytes(trn.dtype), edp_group,
+                                 hw) for e in expert_params)
     overlaps = hw.gpu.comm_overlaps_compute
     hidden = (b + w) / par.virtual_stages if par.overlap.dp and overlaps else 0.0
     exposed_dp = max(0.0, t_dp - hidden)
     if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
         t_p2p *= m
     shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
+    if expert_params:
+        shard += sum(expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
         host = hw.host
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
@@ -149,6 +226,9 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         gathered = grad_bytes - spec.layers // par.pp * mdl.layer_params(spec) / par.tp \
             * mdl.dtype_bytes(trn.dtype)
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
+    if expert_params and par.zero in (1, 2):
+        t_gather += _collective_time(s, layout, "all_gather",
+                                     sum(expert_params) * mdl.dtype_bytes(trn.dtype), edp_group, hw)
     step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
     after = {"pp_transfer": t_p2p, "dp_transfer": exposed_dp + t_gather, "zero_transfer": t_zero}
     if par.zero_offload:
@@ -161,7 +241,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     for st in range(par.pp):
         entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
         entry.update(dict.fromkeys(acc.CATEGORIES, 0.0))
-        passes = _stage_passes(s, c, t_tp, st)
+        passes = _stage_passes(s, c, t_tp, st, experts)
         for category, seconds in passes.items():
             entry[category] = m * seconds
         for category, seconds in after.items():

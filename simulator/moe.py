@@ -170,6 +170,28 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
     return ops
 
 
+ROUTED_OPS = ("expert_up", "expert_act", "expert_down")  # what expert parallelism moves
+
+
+def _act_factor(spec: ModelSpec, pass_: mdl.Pass) -> float:
+    """Elements the activation reads and writes per token and unit of width."""
+    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
+        return 3.0 if pass_ == "fwd" else 5.0
+    return 2.0 if pass_ == "fwd" else 3.0
+
+
+def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int, dt: int,
+                      pass_: mdl.Pass) -> list[mdl.Op]:
+    """The routed experts on ``tokens`` token-expert pairs, forward order: a grouped GEMM
+    of ``groups`` experts up, the activation, a grouped GEMM down; each expert's MLP is
+    ``width`` wide (its share under tensor parallelism)."""
+    h = spec.hidden
+    up = (2 if spec.activation == "swiglu" else 1) * width
+    return [_grouped("expert_up", tokens, h, up, groups, dt),
+            mdl._mem("expert_act", _act_factor(spec, pass_) * tokens * width, dt),
+            _grouped("expert_down", tokens, width, h, groups, dt)]
+
+
 def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dt: int,
                 pass_: mdl.Pass, padded: bool = True) -> list[mdl.Op]:
     """Router, permutation, routed experts, shared experts, un-permutation; forward order."""
@@ -177,19 +199,15 @@ def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: b
     local = tokens / tp if sequence_parallel else tokens
     h, f, experts = spec.hidden, spec.expert_ffn / tp, spec.experts
     routed = routed_tokens(spec, tokens, padded)
-    up = (2 if spec.activation == "swiglu" else 1) * f
-    act = (3.0 if pass_ == "fwd" else 5.0) if spec.activation == "swiglu" else \
-        (2.0 if pass_ == "fwd" else 3.0)
     ops = [mdl._gemm("router", local, h, experts, dt),
            mdl._mem("permute", (tokens + routed) * h, dt),  # read tokens, write k copies
-           _grouped("expert_up", routed, h, up, experts, dt),
-           mdl._mem("expert_act", act * routed * f, dt),
-           _grouped("expert_down", routed, f, h, experts, dt),
+           *routed_expert_ops(spec, routed, f, experts, dt, pass_),
            mdl._mem("unpermute", (routed + tokens) * h, dt)]  # weighted sum back per token
     if spec.shared_experts:
         width = spec.shared_experts * f
+        up = (2 if spec.activation == "swiglu" else 1) * f
         ops[2:2] = [mdl._gemm("shared_up", tokens, h, (up / f) * width, dt),
-                    mdl._mem("shared_act", act * tokens * width, dt),
+                    mdl._mem("shared_act", _act_factor(spec, pass_) * tokens * width, dt),
                     mdl._gemm("shared_down", tokens, width, h, dt)]
     return ops
 

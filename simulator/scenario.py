@@ -83,6 +83,18 @@ class MLASpec(_Frozen):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class RouterSkewSpec(_Frozen):
+    """Uneven expert loads (:mod:`simulator.expert_parallel`): each MoE layer's share of
+    the routed tokens per expert is one draw from a symmetric Dirichlet distribution of
+    ``concentration`` (small: a few experts take most tokens; large: near balanced),
+    from a generator seeded with ``seed``. The most loaded expert-parallel rank sets the
+    pace of the all-to-all and of the expert GEMMs."""
+
+    distribution: Literal["dirichlet"] = "dirichlet"
+    concentration: float = Field(default=1.0, ge=1e-3, le=1e6)  # Dirichlet alpha per expert
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+
 class ModelSpec(_Frozen):
     """A decoder-only transformer. Defaults describe a GPT (Megatron) block.
 
@@ -120,6 +132,8 @@ class ModelSpec(_Frozen):
     capacity_factor: float | None = Field(default=None, ge=0.01, le=1e4)
     # softmax top-k (Mixtral) | sigmoid top-k with a per-expert bias (DeepSeek-V3)
     router: Literal["softmax", "sigmoid"] = "softmax"
+    # None: every expert receives the same number of tokens
+    router_skew: RouterSkewSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -468,7 +482,7 @@ def moe_problems(mdl: ModelSpec) -> list[Problem]:
     out: list[Problem] = []
     if not mdl.is_moe:
         dense_defaults = {"experts_per_token": 1, "shared_experts": 0, "first_dense_layers": 0,
-                          "moe_layer_freq": 1, "capacity_factor": None}
+                          "moe_layer_freq": 1, "capacity_factor": None, "router_skew": None}
         for name, default in dense_defaults.items():
             if getattr(mdl, name) != default:
                 out.append(Problem(f"model.{name}", getattr(mdl, name), "only for a mixture of "
@@ -537,26 +551,29 @@ def context_parallel_problems(s: Scenario) -> list[Problem]:
 
 
 def not_yet_simulated(s: Scenario) -> list[Problem]:
-    """What validates and has a memory model but no workload yet: the expert- and
-    context-parallel passes (and MoE and latent-attention layers, whose per-layer
-    costs differ from layer to layer) come with the workload's passes."""
+    """What validates and has a memory model but no workload yet: the context-parallel
+    pass, latent attention in a dense model, and the combinations of a mixture of experts
+    that the expert pass (:mod:`simulator.passes.expert`) does not build."""
+    par, mdl = s.parallel, s.model
     out = []
-    if s.parallel.ep > 1:
-        out.append(Problem("parallel.ep", s.parallel.ep, "not yet simulated: expert parallelism "
-                           "validates and has a memory model (clustersim memory), but run "
-                           "needs its workload pass; use ep: 1"))
-    if s.parallel.cp > 1:
-        out.append(Problem("parallel.cp", s.parallel.cp, "not yet simulated: context parallelism "
+    if par.cp > 1:
+        out.append(Problem("parallel.cp", par.cp, "not yet simulated: context parallelism "
                            "validates and has a memory model (clustersim memory), but run "
                            "needs its workload pass; use cp: 1"))
-    if s.model.is_moe and s.parallel.ep == 1:
-        out.append(Problem("model.experts", s.model.experts, "not yet simulated: MoE layers "
-                           "have parameter, FLOP and memory arithmetic (clustersim memory), but "
-                           "run needs the expert workload pass; use a dense model"))
-    if s.model.mla is not None and not s.model.is_moe:
+    if mdl.mla is not None and not mdl.is_moe:
         out.append(Problem("model.mla", "set", "not yet simulated: latent attention has "
                            "parameter, FLOP and memory arithmetic (clustersim memory), but run "
                            "needs its workload ops; use a model without mla"))
+    if mdl.is_moe and par.tp > 1 and not par.sequence_parallel:
+        out.append(Problem("parallel.sequence_parallel", False, "a mixture of experts with "
+                           f"tp({par.tp}) > 1 needs sequence parallelism (Megatron-LM's "
+                           "arguments.py requires it: each TP rank dispatches its sequence "
+                           "shard); set sequence_parallel: true"))
+    if mdl.is_moe and (par.zero == 3 or par.zero_offload):
+        field, value = ("parallel.zero", 3) if par.zero == 3 else ("parallel.zero_offload", True)
+        out.append(Problem(field, value, "not yet simulated for a mixture of experts (expert "
+                           "states shard over the expert data-parallel group); use zero 0, 1 "
+                           "or 2 without offload"))
     return out
 
 

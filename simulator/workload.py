@@ -33,11 +33,13 @@ group's plan and its flows stand for every rank of its class on shared links
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from simulator import model as mdl
+from simulator import moe
 from simulator.costs import CostModel
+from simulator.expert_parallel import expert_layer
 from simulator.layout import Layout
 from simulator.passes import build_programs
 from simulator.passes.context import Context
@@ -51,7 +53,11 @@ __all__ = ["OPTIMIZER_BYTES_PER_PARAM", "BlockCosts", "block_costs", "build_work
 
 @dataclass(frozen=True)
 class BlockCosts:
-    """Seconds for one layer's blocks on one TP rank, per micro-batch."""
+    """Seconds for one layer's blocks on one TP rank, per micro-batch. A mixture of
+    experts prices its MoE layers apart (``moe``, :meth:`layer`): their MLP block is the
+    router, permutations and shared experts; the routed experts' forward and input
+    gradients are the expert pass's tasks, their weight gradients are in
+    ``bwd_weight``."""
 
     fwd: tuple[float, float]  # (attention block, MLP block)
     bwd_input: tuple[float, float]
@@ -59,6 +65,15 @@ class BlockCosts:
     recompute: tuple[float, float]
     embed: tuple[float, float, float]  # fwd, bwd_input, bwd_weight
     head: tuple[float, float, float]
+    moe: BlockCosts | None = None  # the MoE layers' blocks, when they differ
+    moe_first: int = 0  # first MoE layer (model.first_dense_layers)
+    moe_freq: int = 1  # then every moe_freq-th layer
+
+    def layer(self, index: int) -> BlockCosts:
+        """The blocks of layer ``index``."""
+        if self.moe is None or index < self.moe_first or (index - self.moe_first) % self.moe_freq:
+            return self
+        return self.moe
 
 
 def _split(ops: tuple[mdl.Op, ...], cost: CostModel, forward_order: bool) -> tuple[float, float]:
@@ -68,25 +83,49 @@ def _split(ops: tuple[mdl.Op, ...], cost: CostModel, forward_order: bool) -> tup
     return (first, second) if forward_order else (second, first)
 
 
+def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, float, float],
+                 head: tuple[float, float, float]) -> BlockCosts:
+    """One layer's blocks; in a MoE layer without the routed experts' forward and input
+    gradients (:func:`simulator.expert_parallel.expert_layer` prices them)."""
+    spec, b, tp, sp, dt = (s.model, s.training.micro_batch, s.parallel.tp,
+                           s.parallel.sequence_parallel, s.training.dtype)
+    routed = spec.is_moe_layer(layer)
+
+    def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
+        out = mdl.layer_ops(spec, b, tp, sp, dt, p, layer)
+        return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
+
+    fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
+    attn = {op.name for op in fwd[:[op.name for op in fwd].index("ln2")]}
+    w_attn = cost.ops_time([op for op in bwd_w if op.name in attn])
+    w_mlp = cost.ops_time([op for op in bwd_w if op.name not in attn])
+    if routed:
+        w_mlp += cost.ops_time(expert_layer(s).bwd_weight)
+    if s.parallel.recompute == "full":
+        rec_t = _split(fwd, cost, True)
+    else:
+        rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer)
+        rec_t = (cost.ops_time(rec), 0.0)
+    return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
+                      rec_t, embed, head)
+
+
 def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     spec, b, tp, sp, dt = (s.model, s.training.micro_batch, s.parallel.tp,
                            s.parallel.sequence_parallel, s.training.dtype)
-    fwd = mdl.layer_ops(spec, b, tp, sp, dt, "fwd")
-    bwd_i = mdl.layer_ops(spec, b, tp, sp, dt, "bwd_input")
-    bwd_w = mdl.layer_ops(spec, b, tp, sp, dt, "bwd_weight")
-    w_names = [op.name for op in bwd_w]
-    w_attn = cost.ops_time([op for op in bwd_w if op.name in ("qkv", "out_proj")])
-    w_mlp = cost.ops_time([op for op in bwd_w if op.name not in ("qkv", "out_proj")])
-    assert "qkv" in w_names
-    rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute)
-    full = s.parallel.recompute == "full"
-    rec_t = _split(rec, cost, True) if full else (cost.ops_time(rec), 0.0)
 
     def three(fn: Any) -> tuple[float, float, float]:
         return tuple(cost.ops_time(fn(spec, b, tp, sp, dt, p)) for p in mdl.PASSES)  # type: ignore[return-value]
 
-    return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
-                      rec_t, three(mdl.embedding_ops), three(mdl.head_ops))
+    embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
+    kinds = moe.layer_kinds(spec)
+    base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    if not spec.is_moe:
+        return base
+    first_moe = next(i for i, _ in kinds if spec.is_moe_layer(i))
+    moe_costs = _layer_costs(s, cost, first_moe, embed, head)
+    return replace(base, moe=moe_costs, moe_first=spec.first_dense_layers,
+                   moe_freq=spec.moe_layer_freq)
 
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,

@@ -2,7 +2,8 @@
 (megatron/core/parallel_state.py ``initialize_model_parallel``: tp · cp · pp divides the
 world and dp is the rest; expert_tp · ep · pp divides the world, so ep is carved out
 of the tp · cp · dp ranks of a stage), each broken rule one line naming every factor;
-`validate` and `memory` work, `run` refuses with one "not yet simulated" line."""
+`validate` and `memory` work; `run` simulates expert parallelism and refuses context
+parallelism (and the MoE combinations the expert pass does not build) with one line."""
 
 from __future__ import annotations
 
@@ -110,9 +111,11 @@ def test_memory_under_context_parallelism() -> None:
 
 
 @pytest.mark.parametrize(("sets", "field"), [
-    ([], "parallel.ep = 8: not yet simulated"),
     (["parallel.ep=1", "parallel.cp=2", "parallel.dp=4"], "parallel.cp = 2: not yet simulated"),
-    (["parallel.ep=1"], "model.experts = 8: not yet simulated"),
+    ([], "parallel.sequence_parallel = False: a mixture of experts with tp(2) > 1 needs "
+     "sequence parallelism"),
+    (["parallel.sequence_parallel=true", "parallel.zero=3"], "parallel.zero = 3: not yet "
+     "simulated for a mixture of experts"),
 ])
 def test_run_refuses_what_has_no_workload_yet(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              sets: list[str], field: str) -> None:

@@ -5,6 +5,8 @@
 installed strategy passes add their tasks at the walk's hooks
 (:class:`~simulator.passes.context.Pass`), in this order:
 
+- :mod:`~simulator.passes.expert`: a mixture of experts' all-to-alls, routed
+  experts and expert gradients (model.experts > 0);
 - :mod:`~simulator.passes.tensor`: TP collectives around blocks, the
   vocab-parallel ends and the loss (tp > 1);
 - :class:`~simulator.passes.data.Zero3Pass`: ZeRO-3 / FSDP unit gathers with
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from simulator.passes.context import Context, Pass
 from simulator.passes.data import DataPass, Zero3Pass
+from simulator.passes.expert import ExpertPass
 from simulator.passes.offload import OffloadPass
 from simulator.passes.pipeline import PipelinePass
 from simulator.passes.tensor import TensorPass
@@ -33,6 +36,8 @@ def install_passes(ctx: Context) -> list[Pass]:
     """The strategy passes this scenario needs, in hook order."""
     par = ctx.s.parallel
     passes: list[Pass] = []
+    if ctx.s.model.is_moe:
+        passes.append(ExpertPass(ctx))
     if par.tp > 1:
         passes.append(TensorPass(ctx))
     if par.zero == 3 and par.dp > 1:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from simulator import model as mdl
+from simulator import moe
 from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
@@ -116,9 +117,14 @@ class Context:
     def grad_bytes(self, stage: int) -> list[float]:
         """Gradient bytes each 'done' task of a backward of ``stage`` completes, in order:
         one per layer (the head's on the first, as the backward runs it first), then the
-        embedding's on stage 0."""
+        embedding's on stage 0. A MoE layer's routed experts are not among them: they
+        reduce over the expert data-parallel group (:mod:`simulator.passes.expert`)."""
         spec, tp, dt = self.s.model, self.s.parallel.tp, self.dt_bytes
-        sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
+        if spec.is_moe:
+            sizes = [(mdl.layer_params(spec, i) - moe.expert_params(spec, i)) / tp * dt
+                     for i in reversed(self.layers_of(stage))]
+        else:
+            sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
         if stage == self.last_stage:
             sizes[0] += (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
         if stage == 0:

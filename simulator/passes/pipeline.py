@@ -103,7 +103,7 @@ class PipelinePass:
                 for block in hooks.block:
                     block(rank, label, True, mb, layer, chunk)
                 t = ctx.compute(rank, "F", "forward", f"fwd.{label} L{layer} mb{mb}",
-                                c.fwd[blk], mb, layer, chunk)
+                                c.layer(layer).fwd[blk], mb, layer, chunk)
                 if blk == 0:
                     t.deps.extend(waits)
                 head = head or t
@@ -143,12 +143,13 @@ class PipelinePass:
                 first = first or t
                 t.deps.extend(waits)
                 waits = []
+            lc = c.layer(layer)
             for blk, label in ((1, "mlp"), (0, "attn")):
                 for block in hooks.block:
                     block(rank, label, True, mb, layer, chunk)
                 t = ctx.compute(rank, op, "backward", f"bwd.{label} L{layer} mb{mb}",
-                                c.bwd_input[blk] + w * c.bwd_weight[blk], mb, layer, chunk)
-                t.weight_s = w * c.bwd_weight[blk]
+                                lc.bwd_input[blk] + w * lc.bwd_weight[blk], mb, layer, chunk)
+                t.weight_s = w * lc.bwd_weight[blk]
                 if blk == 1:
                     t.deps.extend(waits)
                 first = first or t
@@ -171,7 +172,7 @@ class PipelinePass:
         return done
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
-        ctx, c = self.ctx, self.ctx.c
+        ctx, c = self.ctx, self.ctx.c.layer(layer)
         if ctx.s.parallel.recompute == "selective":
             return ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
                                c.recompute[0], mb, layer, chunk)
@@ -194,7 +195,7 @@ class PipelinePass:
             ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1, chunk)
         for layer in reversed(ctx.layers_of(a.stage)):
             done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
-                                    sum(c.bwd_weight), mb, layer, chunk))
+                                    sum(c.layer(layer).bwd_weight), mb, layer, chunk))
         if a.stage == 0:
             done.append(ctx.compute(rank, "W", "weight_grad", f"embed.wgrad mb{mb}",
                                     c.embed[2], mb, -1, chunk))
