@@ -9,17 +9,22 @@ uncontended α-β time on the critical path. The pipeline then takes
 - interleaved: (m + (p − 1)/v) × t_stage (t_stage is the whole stage, all chunks),
 - ZB-H1: m × (t_F + t_B + t_W) + (p − 1)(t_F + t_B − t_W) (when m ≥ p),
 
-with t_stage the slowest stage's. A mixture of experts adds, per MoE layer and pass,
-its routed experts' compute and two all-to-alls (and the expert-TP all-gather and
-reduce-scatter) to the pass they sit in, its experts' gradient reductions over the
-expert data-parallel group to the DP reduction and their shard to the optimizer
-step. Pipeline transfers on the fill and drain
-(2(p − 1) of them) are exposed; DP gradient all-reduce is exposed beyond what
-the last backward hides (all of it without overlap); then the optimizer step
-and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds each layer's gathers
-beyond what the neighbouring layer's compute hides; ZeRO-Offload replaces the
-optimizer step with CPU Adam and the copy back. Contention between concurrent
-flows is ignored here — that is the engine's job.
+with t_stage the slowest stage's. An uneven layer placement
+(``parallel.layers_per_stage``, :mod:`simulator.placement`) gives every virtual
+stage its own times; the schedule's actions are then placed in time with them
+(:func:`simulator.schedules.execute`, exact with free communication: the slowest
+stage sets the pace, e.g. 1F1B with the last stage slowest takes Σ_i (t_F,i + t_B,i)
++ (m − 1)(t_F + t_B) of the last stage). A mixture of experts adds, per MoE layer
+and pass, its routed experts' compute and two all-to-alls (and the expert-TP all-
+gather and reduce-scatter) to the pass they sit in, its experts' gradient reductions
+over the expert data-parallel group to the DP reduction and their shard to the
+optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them) are
+exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
+of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
+all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
+compute hides; ZeRO-Offload replaces the optimizer step with CPU Adam and the copy
+back. Contention between concurrent flows is ignored here — that is the engine's
+job.
 """
 
 from __future__ import annotations
@@ -34,9 +39,15 @@ from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.layout import Layout
+from simulator.memory import stage_params
+from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
 from simulator.scenario import Scenario
-from simulator.schedules import schedule_spec
+from simulator.schedules import build_schedule, execute, schedule_spec
 from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
+
+EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
+Experts = tuple[float, float, float, float]
+NO_EXPERTS: Experts = (0.0, 0.0, 0.0, 0.0)
 
 
 def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
@@ -48,30 +59,30 @@ def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: floa
     return estimate(plan, hw)
 
 
+def _kinds(s: Scenario, runs: list[range]) -> list[tuple[int, int]]:
+    """(a representative layer, how many like it) over the layer ``runs``."""
+    if not s.model.is_moe:
+        return [(0, sum(len(r) for r in runs))]
+    return [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
+
+
 def _chunk_layers(s: Scenario, stage: int) -> list[tuple[int, int]]:
     """(a representative layer, how many like it) on pipeline rank ``stage``, all chunks."""
-    par = s.parallel
-    per_chunk = s.model.layers // (par.pp * par.virtual_stages)
-    out: list[tuple[int, int]] = []
-    for v in range(par.virtual_stages):
-        first = (stage + v * par.pp) * per_chunk
-        out += moe.layer_kinds(s.model, first, first + per_chunk)
-    return out
+    return _kinds(s, stage_layers(s.model.layers, s.parallel, stage))
 
 
-def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                  experts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-                  ) -> dict[str, float]:
-    """Seconds of one micro-batch through one stage (all chunks), by category:
-    forward, backward_input, backward_weight, recompute, tp_transfer and ep_transfer.
-    ``experts``: a MoE layer's routed experts forward and input-gradient seconds, one
-    all-to-all's and one expert-TP collective's (:func:`_expert_times`)."""
+def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
+            first: bool, last: bool, experts: Experts = NO_EXPERTS) -> dict[str, float]:
+    """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
+    ``first``, the output layer when ``last``), by category: forward, backward_input,
+    backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
+    layer's routed experts forward and input-gradient seconds, one all-to-all's and
+    one expert-TP collective's (:func:`_expert_times`)."""
     par, spec = s.parallel, s.model
     tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
     passes = 3 if par.recompute == "full" else 2
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
                          "tp_transfer", "ep_transfer"), 0.0)
-    kinds = _chunk_layers(s, stage) if spec.is_moe else [(0, spec.layers // par.pp)]
     for layer, count in kinds:
         lc = c.layer(layer)
         out["forward"] += count * sum(lc.fwd)
@@ -86,7 +97,7 @@ def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
             out["recompute"] += count * fwd if par.recompute == "full" else 0.0
             out["ep_transfer"] += count * 2 * a2a * passes
             out["tp_transfer"] += count * 2 * etp * passes
-    for end, present in ((c.embed, stage == 0), (c.head, stage == par.pp - 1)):
+    for end, present in ((c.embed, first), (c.head, last)):
         if present:
             out["forward"] += end[0]
             out["backward_input"] += end[1]
@@ -94,24 +105,54 @@ def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
     return out
 
 
-def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                 experts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-                 ) -> tuple[float, ...]:
-    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks);
-    TP and EP communication and recompute count in the pass they sit in."""
-    d = _stage_passes(s, c, t_tp, stage, experts)
+def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                  experts: Experts = NO_EXPERTS) -> dict[str, float]:
+    """:func:`_passes` of one pipeline stage (all its chunks)."""
+    return _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
+                   stage == s.parallel.pp - 1, experts)
+
+
+def _times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
+    """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
+    count in the pass they sit in."""
     comm = d["tp_transfer"] + d["ep_transfer"]
     comm_f = comm / (3 if s.parallel.recompute == "full" else 2)
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
 
+def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                 experts: Experts = NO_EXPERTS) -> tuple[float, ...]:
+    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
+    return _times(s, _stage_passes(s, c, t_tp, stage, experts))
+
+
+def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts,
+                    slowest: tuple[float, ...]) -> float:
+    """The pipeline phase: the schedule's closed form at the slowest stage's times for an
+    even placement; for an uneven one (:mod:`simulator.placement`) the schedule's actions
+    placed in time with each virtual stage's own times (:func:`simulator.schedules.execute`,
+    exact with free communication), or the closed form, an upper bound, when the
+    pipeline has more than :data:`EXECUTED_ACTIONS` actions."""
+    par, m = s.parallel, s.microbatches
+    closed = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *slowest)
+    n = par.pp * par.virtual_stages
+    if is_even(par) or 3 * n * m > EXECUTED_ACTIONS:
+        return closed
+    chunks = [_times(s, _passes(s, c, t_tp, _kinds(s, [chunk_layers(s.model.layers, par, k)]),
+                                k == 0, k == n - 1, experts)) for k in range(n)]
+    sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
+    timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
+                    [x[2] for x in chunks])
+    return max(x.end for x in timed) - min(x.start for x in timed)
+
+
 def _expert_times(s: Scenario, layout: Layout, cost: CostModel,
-                  hw: HardwareProfile) -> tuple[float, float, float, float]:
+                  hw: HardwareProfile) -> Experts:
     """A MoE layer's routed experts per micro-batch: forward and input-gradient compute,
     one all-to-all, one expert-TP all-gather (or reduce-scatter)."""
     if not s.model.is_moe:
-        return (0.0, 0.0, 0.0, 0.0)
+        return NO_EXPERTS
     par, lay = s.parallel, epar.expert_layer(s)
     a2a = _collective_time(s, layout, "all_to_all", lay.a2a_bytes,
                            epar.ep_group(layout, 0, par.etp, par.ep), hw)
@@ -137,11 +178,13 @@ def _stage_params(s: Scenario, stage: int) -> tuple[float, list[float]]:
 
 
 def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
-                   hw: HardwareProfile) -> float:
-    """ZeRO-3 per micro-batch: each layer's gathers (before forward and, resharded,
-    before backward) beyond what the previous layer's compute hides when prefetched."""
+                   hw: HardwareProfile, layers: int) -> float:
+    """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
+    forward and, resharded, before backward) beyond what the previous layer's compute
+    hides when prefetched."""
     par, spec, trn = s.parallel, s.model, s.training
-    layers = spec.layers // par.pp
+    if not layers:
+        return 0.0
     size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype)
     t_ag = _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
@@ -175,10 +218,10 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                             layout.tp_group(rank0), hw)
     experts = _expert_times(s, layout, cost, hw)
     stages = [_stage_times(s, c, t_tp, st, experts) for st in range(par.pp)]
-    f, b, w = max(stages, key=sum)
+    slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
+    f, b, w = stages[slowest]
     m = s.microbatches
-    t_pipe = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, f, b, w)
-    ideal = m * (f + b + w)
+    t_pipe = _pipeline_phase(s, c, t_tp, experts, stages[slowest])
     # fill and drain transfers on the critical path
     t_p2p = 0.0
     if par.pp > 1:
@@ -189,11 +232,13 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         if par.sequence_parallel:
             nbytes /= par.tp
         t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
-    # the busiest stage's parameters: its layers plus the embedding (first stage) and,
-    # on a single stage, the head too
-    params: float = spec.layers // par.pp * mdl.layer_params(spec) + mdl.embedding_params(spec)
-    if par.pp == 1:
-        params += mdl.head_params(spec)
+    # the busiest stage's parameters: its layers plus the embedding (first stage) and
+    # the output layer (last stage, with a tied embedding's copy), as memory counts them
+    layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]
+    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st))
+            for st in range(par.pp)]
+    busiest = max(range(par.pp), key=held.__getitem__)
+    params: float = held[busiest]
     expert_params: list[float] = []
     if spec.is_moe:  # the stage with the most experts; experts reduce over edp
         per_stage = [_stage_params(s, st) for st in range(par.pp)]
@@ -220,10 +265,11 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
         t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
-    t_zero = _zero3_exposed(s, layout, f, b, hw) * m if par.zero == 3 else 0.0
+    t_zero = _zero3_exposed(s, layout, f, b, hw, layers[slowest]) * m if par.zero == 3 \
+        else 0.0
     gathered = grad_bytes if par.zero in (1, 2) else 0.0
     if par.zero == 3:  # the replicated embedding/head are gathered after the step
-        gathered = grad_bytes - spec.layers // par.pp * mdl.layer_params(spec) / par.tp \
+        gathered = grad_bytes - layers[busiest] * mdl.layer_params(spec) / par.tp \
             * mdl.dtype_bytes(trn.dtype)
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     if expert_params and par.zero in (1, 2):

@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.errors import Problem, UserError
-from simulator.scenario import Scenario
+from simulator.placement import stage_layer_count
+from simulator.scenario import MAX_STAGES, Scenario
 
 DEFAULT_MAX_TASKS = 20_000_000
 BYTES_PER_TASK = 1_600  # task, engine state and span row; measured on llama2-70b-128xh100
-MAX_STAGES = 100_000  # pp × virtual_stages: per-stage tables and closed forms loop over them
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,18 @@ def engine_cost(s: Scenario, fidelity: str) -> Cost:
     """Estimated size of the engine's workload for ``s`` at ``fidelity``."""
     par = s.parallel
     ranks = par.pp if fidelity == "folded" else par.world
-    per_stage = s.model.layers // par.pp
+    per_stage = _most_layers(s)
     per_rank = s.microbatches * per_stage * tasks_per_layer(s) + 2 * per_stage + 10
     return Cost(ranks, ranks * per_rank)
+
+
+def _most_layers(s: Scenario) -> int:
+    """Layers of the fullest pipeline stage (the even split's layers / pp without
+    ``parallel.layers_per_stage``)."""
+    par = s.parallel
+    if par.layers_per_stage is None:
+        return s.model.layers // par.pp
+    return max(stage_layer_count(s.model.layers, par, r) for r in range(par.pp))
 
 
 def check_stages(s: Scenario) -> None:
@@ -94,7 +103,7 @@ def check_engine_cost(s: Scenario, fidelity: str, max_tasks: int | None = None) 
     raise UserError([Problem(
         "scenario", s.name,
         f"the engine would build about {cost.tasks:.2g} tasks ({cost.ranks:,} simulated "
-        f"rank(s) × {s.microbatches:,} micro-batches × {s.model.layers // s.parallel.pp:,} "
+        f"rank(s) × {s.microbatches:,} micro-batches × {_most_layers(s):,} "
         f"layers per stage), needing about {cost.memory_bytes / 1e9:.3g} GB, above the limit "
         f"of {limit:.2g} tasks; use {', or '.join(hints)}")])
 

@@ -8,6 +8,7 @@ of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
 master weights, momentum, variance) per parameter, sharded over N_d = dp by
 ZeRO stage (1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4
 + 4 + 8 (the weights are the master copy). Parameters are the stage's layers
+(:mod:`simulator.placement`: an even split, or ``parallel.layers_per_stage``)
 plus the embedding on the first stage and the final norm and output projection
 on the last; a tied output projection has its own copy on the last stage when
 pp > 1, as Megatron keeps it. A stage's parameters divide by tp (norms and
@@ -16,8 +17,9 @@ biases replicated across TP ranks, < 0.1 %, are ignored).
 Activations follow Korthikanti et al. 2022 (Table 2, 16-bit, dropout masks
 included, attention scores stored unless recomputed), generalised to GQA and
 SwiGLU so that a GPT block gives the table exactly; they are multiplied by the
-layers a stage holds and the schedule's in-flight micro-batches (its entry in
-:data:`simulator.schedules.SCHEDULES`). Full
+layers a stage holds (all its chunks; an uneven interleaved split counts the
+stage's total, an approximation when its chunks differ) and the schedule's
+in-flight micro-batches (its entry in :data:`simulator.schedules.SCHEDULES`). Full
 recomputation keeps each layer's input (sharded with sequence parallelism).
 The last stage also holds fp32 logits: the saved softmax of every micro-batch
 whose backward has not run yet, plus one more copy for the loss gradient.
@@ -30,6 +32,7 @@ optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator import moe
@@ -40,6 +43,7 @@ from simulator.model import (
     head_params,
     layer_params,
 )
+from simulator.placement import stage_layer_count, stage_layers
 from simulator.scenario import ModelSpec, Scenario
 from simulator.schedules import schedule_spec
 
@@ -143,28 +147,39 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) ->
 # ---------------------------------------------------------------- per stage
 
 
-def stage_layers(spec: ModelSpec, pp: int, stage: int) -> range:
+Runs = Sequence[range]  # the layer runs of one stage (simulator.placement.stage_layers)
+
+
+def _runs(spec: ModelSpec, pp: int, stage: int, runs: Runs | None) -> Runs:
+    """``runs`` when given, else the even split's run of ``stage``."""
+    if runs is not None:
+        return runs
     per = spec.layers // pp
-    return range(stage * per, (stage + 1) * per)
+    return [range(stage * per, (stage + 1) * per)]
 
 
-def stage_expert_params(spec: ModelSpec, pp: int, stage: int) -> int:
-    """The routed experts' parameters of ``stage`` (what expert parallelism splits)."""
-    layers = stage_layers(spec, pp, stage)
-    return sum(n * moe.expert_params(spec, i)
-               for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
+def _kinds(spec: ModelSpec, runs: Runs) -> list[tuple[int, int]]:
+    """(representative layer, how many layers like it) over the runs, in closed form."""
+    return [kind for r in runs for kind in moe.layer_kinds(spec, r.start, r.stop)]
 
 
-def stage_params(spec: ModelSpec, pp: int, stage: int) -> int:
-    """Parameters held by pipeline ``stage`` (before the TP and EP splits)."""
+def stage_expert_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:
+    """The routed experts' parameters of ``stage`` (what expert parallelism splits);
+    ``runs`` are its layers (default the even split)."""
+    return sum(n * moe.expert_params(spec, i) for i, n in _kinds(spec, _runs(spec, pp, stage,
+                                                                            runs)))
+
+
+def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:
+    """Parameters held by pipeline ``stage`` (before the TP and EP splits); ``runs`` are
+    its layers (default the even split)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
+    runs = _runs(spec, pp, stage, runs)
     if spec.is_moe or spec.mla is not None:
-        layers = stage_layers(spec, pp, stage)
-        total = sum(n * layer_params(spec, i)
-                    for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
+        total = sum(n * layer_params(spec, i) for i, n in _kinds(spec, runs))
     else:
-        total = spec.layers // pp * layer_params(spec)
+        total = sum(len(r) for r in runs) * layer_params(spec)
     if stage == 0:
         total += embedding_params(spec)
     if stage == pp - 1:
@@ -179,14 +194,14 @@ def _activations(scenario: Scenario, stage: int) -> float:
     b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
+    runs = stage_layers(spec.layers, par, stage)
     if spec.is_moe or spec.mla is not None or par.cp > 1:
-        layers = stage_layers(spec, par.pp, stage)
         total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
                                                    par.cp)
-                    for i, n in moe.layer_kinds(spec, layers.start, layers.stop))
+                    for i, n in _kinds(spec, runs))
     else:
         per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
-        total = per_layer * spec.layers / par.pp
+        total = per_layer * sum(len(r) for r in runs)
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
     if par.cp > 1:
         tokens_h /= par.cp
@@ -209,7 +224,7 @@ def _logits(scenario: Scenario, stage: int) -> float:
     return fp32 * (held + 1)
 
 
-def _comm_buffers(scenario: Scenario) -> float:
+def _comm_buffers(scenario: Scenario, stage: int) -> float:
     par = scenario.parallel
     if par.dp == 1:
         return 0.0
@@ -220,7 +235,7 @@ def _comm_buffers(scenario: Scenario) -> float:
                              moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
         * dtype_bytes(scenario.training.dtype)
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered = scenario.model.layers / par.pp
+        gathered = stage_layer_count(scenario.model.layers, par, stage)
     else:  # the running layer plus the prefetched ones
         ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
         gathered = 1 + (par.fsdp_prefetch if ahead else 0)
@@ -243,8 +258,9 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group) and the
     routed experts' states over the expert data-parallel ranks (edp)."""
     par, dtype = scenario.parallel, scenario.training.dtype
-    total = stage_params(scenario.model, par.pp, stage)
-    experts = stage_expert_params(scenario.model, par.pp, stage)
+    runs = stage_layers(scenario.model.layers, par, stage)
+    total = stage_params(scenario.model, par.pp, stage, runs)
+    experts = stage_expert_params(scenario.model, par.pp, stage, runs)
     psi = _rank_params(scenario, total - experts, 0)
     w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype)
     gradients, optimizer = psi * g, psi * o
@@ -265,7 +281,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         optimizer=optimizer,
         activations=_activations(scenario, stage),
         logits=_logits(scenario, stage),
-        comm_buffers=_comm_buffers(scenario),
+        comm_buffers=_comm_buffers(scenario, stage),
         capacity=scenario.hardware.gpu.memory_GB * 1e9,
     )
 

@@ -41,6 +41,7 @@ from typing import Any, Literal, get_args
 from simulator.errors import Problem, UserError
 from simulator.loading import read_yaml
 from simulator.memory import stage_params, state_bytes_per_param
+from simulator.placement import stage_layers
 from simulator.scenario import Scenario
 
 Component = Literal["gpu", "host", "nic", "switch", "software"]
@@ -124,7 +125,9 @@ class CheckpointCost:
 def checkpoint_bytes(s: Scenario) -> float:
     """Unique model states: Σ over stages of parameters × (weight + optimizer bytes)."""
     w, _, o = state_bytes_per_param(0, 1, s.training.dtype)
-    params = sum(stage_params(s.model, s.parallel.pp, st) for st in range(s.parallel.pp))
+    par = s.parallel
+    params = sum(stage_params(s.model, par.pp, st, stage_layers(s.model.layers, par, st))
+                 for st in range(par.pp))
     return params * (w + o)
 
 

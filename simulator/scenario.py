@@ -17,6 +17,7 @@ something else.
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import typing
 from functools import cached_property
@@ -36,10 +37,12 @@ from pydantic import (
 from simulator.errors import Problem, ScenarioError, UserError
 from simulator.hardware import Dtype, HardwareProfile, load_system
 from simulator.loading import MAX_DEPTH, parse_override, read_yaml
+from simulator.placement import placement_problems
 from simulator.schedules import SCHEDULES, requirements
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
 MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
+MAX_STAGES = 100_000  # pp × virtual_stages: per-stage tables and closed forms loop over them
 
 if TYPE_CHECKING:
     Schedule = str
@@ -265,6 +268,10 @@ class ParallelSpec(_Frozen):
     schedule: Schedule = "1f1b"
     # chunks per pipeline rank (interleaved)
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
+    # layers of each stage (pp entries; pp · virtual_stages, in virtual-stage order, when
+    # interleaved), summing to model.layers; default an even split (simulator/placement.py)
+    layers_per_stage: tuple[Annotated[int, Field(ge=0, le=MAX_SIZE)], ...] | None = Field(
+        default=None, max_length=MAX_STAGES)
     # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
     zero: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
     zero_offload: bool = False  # optimizer states and step on the host (ZeRO-Offload)
@@ -275,6 +282,20 @@ class ParallelSpec(_Frozen):
     # DDP gradient bucket size, 1e6 bytes
     dp_bucket_MB: float = Field(default=25.0, ge=0.01, le=1e6)
     overlap: OverlapSpec = OverlapSpec()
+
+    @field_validator("layers_per_stage", mode="before")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        """YAML gives a list; strict validation wants the tuple the type names."""
+        if isinstance(value, list):
+            return tuple(value)
+        return value
+
+    @cached_property
+    def layer_starts(self) -> tuple[int, ...]:
+        """Running sums of ``layers_per_stage`` (first layer of each virtual stage, then
+        the total); empty without it."""
+        return tuple(itertools.accumulate(self.layers_per_stage or (), initial=0))
 
     @property
     def world(self) -> int:
@@ -457,11 +478,7 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     if mdl.hidden % mdl.heads and mdl.mla is None:
         out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
                            f"({mdl.heads}); head size must be whole"))
-    chunks = par.pp * par.virtual_stages
-    if mdl.layers % chunks:
-        out.append(Problem("model.layers", mdl.layers, f"not divisible by pp({par.pp}) * "
-                           f"virtual_stages({par.virtual_stages}) = {chunks}; choose layers a "
-                           "multiple of it or other degrees"))
+    out += placement_problems(mdl.layers, par)
     per_step = trn.micro_batch * par.dp
     if trn.global_batch % per_step:
         out.append(Problem("training.global_batch", trn.global_batch, f"not divisible by "
@@ -695,6 +712,8 @@ _FIXES = {
     "dict_type": "must be a mapping of keys",
     "model_type": "must be a mapping of keys",
     "model_attributes_type": "must be a mapping of keys",
+    "tuple_type": "must be a list, e.g. [7, 8, 8, 7]",
+    "too_long": f"has too many entries: at most {MAX_STAGES:,}, one per pipeline stage",
 }
 
 

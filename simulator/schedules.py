@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, cast
@@ -394,15 +394,30 @@ def _deadlock(schedule: Schedule, position: list[int], done: dict[Action, float]
     return ValueError("deadlock: " + "; ".join(stuck))
 
 
+Times = float | Sequence[float]  # one duration for every virtual stage, or one per stage
+
+
+def _per_stage(value: Times, stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * stages
+    if len(value) != stages:
+        raise ValueError(f"{len(value)} stage times for {stages} virtual stages")
+    return [float(x) for x in value]
+
+
 def execute(
-    schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0, comm: float = 0.0
+    schedule: Schedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w: Times = 0.0,
+    comm: float = 0.0,
 ) -> list[TimedAction]:
     """Place every action in time; durations F=t_f, B=t_b+t_w, I=t_b, W=t_w.
 
-    Times are per virtual stage (per chunk when interleaved). ``comm`` delays a
+    Times are per virtual stage (per chunk when interleaved): one number for all,
+    or one per virtual stage (an uneven layer placement). ``comm`` delays a
     dependency that ran on another rank. Returns actions sorted by (start, rank).
     """
-    duration = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
+    n = schedule.total_stages
+    f, b, w = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
+    duration = {"F": f, "B": [x + y for x, y in zip(b, w, strict=True)], "I": b, "W": w}
     present = {a for rank in schedule.actions for a in rank}
     last_stage = schedule.total_stages - 1
     done: dict[Action, float] = {}
@@ -422,7 +437,7 @@ def execute(
                 for dep in deps:
                     hop = comm if schedule.rank_of(dep.stage) != rank else 0.0
                     start = max(start, done[dep] + hop)
-                end = start + duration[action.kind]
+                end = start + duration[action.kind][action.stage]
                 done[action] = free[rank] = end
                 timed.append(TimedAction(action, rank, start, end))
                 position[rank] += 1

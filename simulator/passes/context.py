@@ -29,6 +29,7 @@ from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
 from simulator.layout import Layout
+from simulator.placement import chunk_layers
 from simulator.scenario import OverlapSpec, Scenario
 from simulator.schedules import Action, Schedule
 from simulator.tasks import Program, Stream, Task
@@ -50,7 +51,6 @@ class Context:
         self.programs = {r: Program(r, {name: [] for name in STREAMS}) for r in ranks}
         self.seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in ranks}
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
-        self.layers_per_chunk = s.model.layers // (s.parallel.pp * s.parallel.virtual_stages)
         self.last_stage = schedule.total_stages - 1
         self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
         # a device that cannot overlap communication with compute runs it all in line
@@ -106,8 +106,8 @@ class Context:
 
     # ------------------------------------------------------------ model states
     def layers_of(self, stage: int) -> range:
-        first = stage * self.layers_per_chunk
-        return range(first, first + self.layers_per_chunk)
+        """The layers of virtual ``stage`` (:mod:`simulator.placement`)."""
+        return chunk_layers(self.s.model.layers, self.s.parallel, stage)
 
     def tied_copy_params(self) -> int:
         """Megatron keeps a copy of a tied word embedding on the last stage when pp > 1."""
@@ -116,9 +116,10 @@ class Context:
 
     def grad_bytes(self, stage: int) -> list[float]:
         """Gradient bytes each 'done' task of a backward of ``stage`` completes, in order:
-        one per layer (the head's on the first, as the backward runs it first), then the
-        embedding's on stage 0. A MoE layer's routed experts are not among them: they
-        reduce over the expert data-parallel group (:mod:`simulator.passes.expert`)."""
+        one per layer (the head's on the first, as the backward runs it first; its own
+        when the stage has no layers), then the embedding's on stage 0. A MoE layer's
+        routed experts are not among them: they reduce over the expert data-parallel
+        group (:mod:`simulator.passes.expert`)."""
         spec, tp, dt = self.s.model, self.s.parallel.tp, self.dt_bytes
         if spec.is_moe:
             sizes = [(mdl.layer_params(spec, i) - moe.expert_params(spec, i)) / tp * dt
@@ -126,7 +127,11 @@ class Context:
         else:
             sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
         if stage == self.last_stage:
-            sizes[0] += (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
+            head = (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
+            if sizes:
+                sizes[0] += head
+            else:
+                sizes.append(head)
         if stage == 0:
             sizes.append(mdl.embedding_params(spec) / tp * dt)
         return sizes

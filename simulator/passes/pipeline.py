@@ -3,7 +3,9 @@
 It walks each simulated rank's actions from :mod:`simulator.schedules` and
 calls the other passes' hooks (:class:`~simulator.passes.context.Pass`) where
 their tasks belong. An F, B or I of a virtual stage expands to per-layer
-blocks (attention, MLP) on the compute stream, with the embedding's on the
+blocks (attention, MLP) of the layers :mod:`simulator.placement` gives it (a
+stage with none, nor the embedding or head, relays: one zero-second task) on
+the compute stream, with the embedding's on the
 first stage and the output layer's on the last; B carries the weight
 gradients as well (its task records that share in ``weight_s``), I only the
 input gradients, and W (ZB-H1, Qi et al. 2024) one weight-gradient task per
@@ -114,10 +116,12 @@ class PipelinePass:
         if a.stage == ctx.last_stage:
             for edge in hooks.edge:
                 edge(rank, "head", True, mb, chunk)
-            ctx.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
+            t = ctx.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
+            head = head or t
             for loss in hooks.loss:
                 loss(rank, mb, chunk)
-        assert head is not None
+        if head is None:  # a stage without layers passes the activations on
+            head = self.relay(rank, "F", mb, chunk)
         if a.stage > 0:
             self.waits.append((head, ("act", a.stage - 1, mb, rank)))
         return head
@@ -134,6 +138,8 @@ class PipelinePass:
             first = ctx.compute(rank, op, "backward", f"head.bwd mb{mb}",
                                 c.head[1] + w * c.head[2], mb, -1, chunk)
             first.weight_s = w * c.head[2]
+            if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
+                done.append(first)
             for edge in hooks.edge:
                 edge(rank, "head", False, mb, chunk)
         for layer in reversed(ctx.layers_of(a.stage)):
@@ -166,10 +172,17 @@ class PipelinePass:
             t.weight_s = w * c.embed[2]
             first = first or t
             done.append(t)
-        assert first is not None
+        if first is None:  # a stage without layers passes the gradients on
+            first = self.relay(rank, op, mb, chunk)
         if a.stage < ctx.last_stage:
             self.waits.append((first, ("grad", a.stage + 1, mb, rank)))
         return done
+
+    def relay(self, rank: int, op: str, mb: int, chunk: int) -> Task:
+        """A zero-second task of a stage that holds no layers (a Megatron-LM identity
+        stage): what the received transfer feeds and the next send follows."""
+        kind = "forward" if op == "F" else "backward"
+        return self.ctx.compute(rank, op, kind, f"relay mb{mb}", 0.0, mb, -1, chunk)
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
         ctx, c = self.ctx, self.ctx.c.layer(layer)
@@ -192,7 +205,10 @@ class PipelinePass:
         ctx, c, mb = self.ctx, self.ctx.c, a.microbatch
         done = []
         if a.stage == ctx.last_stage:
-            ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1, chunk)
+            t = ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1,
+                            chunk)
+            if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
+                done.append(t)
         for layer in reversed(ctx.layers_of(a.stage)):
             done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
                                     sum(c.layer(layer).bwd_weight), mb, layer, chunk))
