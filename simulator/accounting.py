@@ -16,8 +16,9 @@ waited for, and so on. A transfer in flight is ``<kind>_transfer``; a
 collective waiting for its peers is ``<kind>_wait``; reaching compute on
 another rank through a pipeline send is pipeline idle (the rank had nothing to
 do until a neighbour stage produced its input); reaching the host's optimizer
-(ZeRO-Offload's CPU Adam) is ``optimizer``. The idle after a rank's last task
-is pipeline idle until its pipeline's last backward ends (the drain: peer-waits
+(ZeRO-Offload's CPU Adam) is ``optimizer``, and so is gradient compression's work on
+the ``dp`` stream (the walk continues past it to what it waited for). The idle after a
+rank's last task is pipeline idle until its pipeline's last backward ends (the drain: peer-waits
 there are the drain's too) and ``tail`` after it (waiting for other ranks'
 optimizer or synchronisation).
 
@@ -162,6 +163,12 @@ def explain_gap(timing: Timing, rank: int, waited_on: int | None, lo: float, hi:
         if via_pipeline and task.rank != rank and task.kind != "pp":
             out[_PIPELINE] += hi - lo
             return
+        if not is_comm(task) and task.stream == "dp":  # gradient compression's kernels
+            began = max(lo, timing.start[tid])
+            out["optimizer"] += hi - began
+            hi = began
+            tid = timing.predecessor(tid)
+            continue
         if not is_comm(task):
             category = "optimizer" if task.stream == "host" else \
                 _PIPELINE if via_pipeline else "imbalance_idle"

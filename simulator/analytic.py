@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from simulator import accounting as acc
+from simulator import compression as cmp
 from simulator import expert_parallel as epar
 from simulator import model as mdl
 from simulator import moe
@@ -195,6 +196,63 @@ def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     return fwd + bwd
 
 
+def _compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
+                          cost: CostModel, window: float, stage: int) -> tuple[float, float]:
+    """(exposed time, its compute) of ``stage``'s gradient buckets reduced one after the
+    other by PowerSGD or a bf16/fp8 wire (:mod:`simulator.passes.compression`). A
+    bucket's chain starts when its last layer's gradients are ready (the layers spread
+    evenly over the last backward, ``window`` long; 0 without overlap) and the previous
+    chain has ended; what runs after the backward is exposed."""
+    par, spec, g = s.parallel, s.model, cmp.spec_of(s)
+    method, dt = cmp.effective_method(s), mdl.dtype_bytes(s.training.dtype)
+    if method == "onebit_adam":
+        return 0.0, 0.0
+    fp32 = CostModel(hw, "fp32", cost.speed)
+    group = layout.dp_group(0)
+    op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    units = cmp.stage_units(s, stage)
+    sizes = [sum(n * m for n, m in u) / par.tp * dt for u in units]
+    per_unit = par.zero == 3
+    groups = [[i] for i in range(len(sizes))] if per_unit \
+        else cmp.buckets(sizes, par.dp_bucket_MB * 1e6)
+    times = s.microbatches if par.zero >= 2 else 1
+    layers = max(stage_layer_count(spec.layers, par, stage), 1)
+    clock = exposed = compute = 0.0
+    for bucket in groups:
+        if method == "powersgd":
+            b = cmp.powersgd_bucket([x for i in bucket for x in units[i]], cmp.rank_of(g),
+                                    cmp.min_rate(g))
+            comp = sum(fp32.ops_time(ops) for ops in cmp.powersgd_phases(b))
+            comm = sum(_collective_time(s, layout, "all_reduce", cmp.HOOK_BYTES * x, group, hw)
+                       for x in (b.uncompressed, b.p, b.q))
+        else:
+            size = sum(sizes[i] for i in bucket)
+            wire = cmp.WIRE_BYTES[method]
+            comp = sum(fp32.ops_time(ops) for ops in cmp.cast_ops(size / dt, dt, wire))
+            comm = _collective_time(s, layout, op, size * wire / dt, group, hw)
+        ready = window * min(bucket[-1] + 1, layers) / layers
+        start = max(clock, ready)
+        clock = start + times * (comp + comm)
+        late = min(clock - window, clock - start) if clock > window else 0.0
+        exposed += late
+        compute += late * comp / (comp + comm) if comp + comm else 0.0
+    return exposed, compute
+
+
+def _momentum_exchange(s: Scenario, layout: Layout, hw: HardwareProfile,
+                       cost: CostModel, stage: int) -> tuple[float, float]:
+    """(all of it, its compute) of 1-bit Adam's compressed momentum all-reduce."""
+    if cmp.effective_method(s) != "onebit_adam":
+        return 0.0, 0.0
+    par, n = s.parallel, s.parallel.dp
+    fp32 = CostModel(hw, "fp32", cost.speed)
+    elements = cmp.stage_elements(s, stage)
+    compute = sum(fp32.ops_time(ops) for ops in cmp.onebit_ops(elements, n))
+    comm = sum(_collective_time(s, layout, op, size, layout.dp_group(0), hw)
+               for _, op, size in cmp.onebit_collectives(elements, par.dp))
+    return compute + comm, compute
+
+
 def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
     """Closed-form pipeline phase for stage times (t_F, t_B, t_W) per micro-batch: the
     schedule registry's (:data:`simulator.schedules.SCHEDULES`)."""
@@ -253,7 +311,11 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                                  hw) for e in expert_params)
     overlaps = hw.gpu.comm_overlaps_compute
     hidden = (b + w) / par.virtual_stages if par.overlap.dp and overlaps else 0.0
+    t_comp = 0.0  # compression compute on the exposed path (counted as optimizer)
     exposed_dp = max(0.0, t_dp - hidden)
+    if cmp.effective_method(s) != "none":
+        exposed_dp, t_comp = _compressed_reduction(s, layout, hw, cost, hidden, busiest)
+    t_exch, t_exch_comp = _momentum_exchange(s, layout, hw, cost, busiest)
     if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
         t_p2p *= m
     shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
@@ -275,14 +337,16 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     if expert_params and par.zero in (1, 2):
         t_gather += _collective_time(s, layout, "all_gather",
                                      sum(expert_params) * mdl.dtype_bytes(trn.dtype), edp_group, hw)
-    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero
-    after = {"pp_transfer": t_p2p, "dp_transfer": exposed_dp + t_gather, "zero_transfer": t_zero}
+    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero + t_exch
+    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero,
+             "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}
     if par.zero_offload:
         host = hw.host
-        after["optimizer"] = shard * layout.gpus_per_node / host.cpu_adam_params_per_s
-        after["offload_transfer"] = t_opt - after["optimizer"]
+        after["optimizer"] = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
+            + t_comp + t_exch_comp
+        after["offload_transfer"] = t_opt + t_comp + t_exch_comp - after["optimizer"]
     else:
-        after["optimizer"] = t_opt
+        after["optimizer"] = t_opt + t_comp + t_exch_comp
     entries, bubbles = [], []
     for st in range(par.pp):
         entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}

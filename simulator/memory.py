@@ -28,6 +28,11 @@ Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
 ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers and one
 layer's unsharded gradient before its reduce-scatter. ZeRO-Offload moves the
 optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
+
+Gradient compression (:func:`simulator.compression.memory_extra`) adds PowerSGD's
+error-feedback buffer, P, Q and bucket copies (the DDP hook's state) and the cast
+buckets of bf16/fp8 to the communication buffers, and 1-bit Adam's worker and
+server error buffers (OnebitAdam's state) to the optimizer states.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator import moe
+from simulator import compression, moe
 from simulator.model import (
     RecomputeMode,
     dtype_bytes,
@@ -274,14 +279,15 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         optimizer = 0.0
         if par.zero >= 2:
             gradients = 0.0  # each micro-batch's shard goes to the host
+    buffers, compression_state = compression.memory_extra(scenario, stage)
     return MemoryBreakdown(
         stage=stage,
         weights=weights,
         gradients=gradients,
-        optimizer=optimizer,
+        optimizer=optimizer + compression_state,
         activations=_activations(scenario, stage),
         logits=_logits(scenario, stage),
-        comm_buffers=_comm_buffers(scenario, stage),
+        comm_buffers=_comm_buffers(scenario, stage) + buffers,
         capacity=scenario.hardware.gpu.memory_GB * 1e9,
     )
 

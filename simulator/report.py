@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from simulator import accounting as acc
+from simulator import compression as cmp
 from simulator import memory as mem
 from simulator import model as mdl
 from simulator.collectives import busbw_factor
@@ -122,6 +123,7 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
                     "optimizer": m.optimizer, "activations": m.activations,
                     "logits": m.logits, "comm_buffers": m.comm_buffers, "total": m.total,
                     "capacity": m.capacity} for m in stages],
+        "gradient_compression": cmp.traffic(s),
     }
 
 
@@ -151,6 +153,13 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     path = results.get("critical_path_s") or {}
     if path:
         rows.append(("critical path", _top(path, results["step_time_s"])))
+    comp = results.get("gradient_compression") or {}
+    if comp.get("method", "none") != "none":
+        gb_wire = comp["wire_bytes_per_gpu"] / 1e9
+        state = "compressed" if comp["compressed_step"] else "warm-up, uncompressed"
+        rows.append(("gradient compression",
+                     f"{comp['method']} ({state}): {gb_wire:.3g} GB on the wire per GPU, "
+                     f"{comp['saved_fraction']:.1%} less than uncompressed"))
     verdict = "fits" if results["fits_in_memory"] else "DOES NOT FIT"
     cap = results["memory"][0]["capacity"]
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "

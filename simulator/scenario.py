@@ -312,11 +312,37 @@ class ParallelSpec(_Frozen):
         return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
 
+CompressionMethod = Literal["none", "powersgd", "onebit_adam", "bf16", "fp8"]
+
+
+class GradientCompressionSpec(_Frozen):
+    """How data-parallel gradients are compressed (:mod:`simulator.compression`). A field
+    left out takes the method's default; a field of another method is an error."""
+
+    # none | powersgd (PyTorch's DDP hook) | onebit_adam (DeepSpeed's OnebitAdam) |
+    # bf16 | fp8 (gradients reduced at 2 / 1 bytes per element on the wire)
+    method: CompressionMethod = "none"
+    # powersgd: matrix_approximation_rank r (default 4; PyTorch's default is 1)
+    rank: int | None = Field(default=None, ge=1, le=65536)
+    # powersgd: a matrix is compressed only if (n + m)·r · rate < n·m (PyTorch's default 2)
+    min_compression_rate: float | None = Field(default=None, gt=0, le=1e6)
+    # powersgd: start_powerSGD_iter, vanilla all-reduce before it (PyTorch's default 1000)
+    start_step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
+    # onebit_adam: uncompressed Adam warm-up steps before the variance freezes (DeepSpeed's
+    # default 100000)
+    freeze_step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
+    # which step (0-based) the scenario describes; default: one after the warm-up (the
+    # steady state). A step before start_step / freeze_step is simulated uncompressed.
+    step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
+
+
 class TrainingSpec(_Frozen):
     global_batch: int = Field(gt=0, le=MAX_SIZE)  # sequences per optimizer step (B)
     micro_batch: int = Field(default=1, gt=0, le=MAX_SIZE)  # sequences per micro-batch (b)
     dtype: Dtype = "bf16"  # training precision; optimizer is mixed-precision AdamW
     optimizer: Literal["adamw"] = "adamw"
+    # data-parallel gradient compression (default none)
+    gradient_compression: GradientCompressionSpec = GradientCompressionSpec()
 
 
 class SimulationSpec(_Frozen):
@@ -491,7 +517,10 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     if par.zero_offload and par.zero == 0:
         out.append(Problem("parallel.zero_offload", True,
                            "ZeRO-Offload shards the optimizer; set zero: 1, 2 or 3"))
-    return out + moe_problems(mdl) + expert_parallel_problems(s) + context_parallel_problems(s)
+    from simulator.compression import compression_problems  # it reads Scenario fields
+
+    return out + moe_problems(mdl) + expert_parallel_problems(s) + \
+        context_parallel_problems(s) + compression_problems(s)
 
 
 def moe_problems(mdl: ModelSpec) -> list[Problem]:
@@ -621,7 +650,9 @@ def scenario_warnings(s: Scenario) -> list[str]:
         bubble = (s.parallel.pp - 1) / (m + s.parallel.pp - 1)
         out.append(f"warning: m = {m} micro-batches for pp = {s.parallel.pp}: the bubble is "
                    f"{bubble:.0%} of the step (m >= {4 * s.parallel.pp} keeps it under ~20%)")
-    return out
+    from simulator.compression import compression_warnings
+
+    return out + compression_warnings(s)
 
 
 def preset_model_names() -> list[str]:

@@ -25,7 +25,9 @@ reduction; under ZeRO-Offload the offload pass runs it on the host instead.
 from __future__ import annotations
 
 from simulator import model as mdl
+from simulator.compression import effective_method
 from simulator.hardware import CollectiveName
+from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
 from simulator.schedules import Action
 from simulator.tasks import Stream, Task
@@ -37,10 +39,13 @@ class DataPass(Pass):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         par = ctx.s.parallel
-        self.pending: dict[int, list[tuple[float, Task]]] = {r: [] for r in ctx.ranks}
+        self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
         self.final: dict[int, dict[int, int]] = {}  # pp rank -> stage -> its last B/W index
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
+        # gradient compression (training.gradient_compression) reduces the buckets instead
+        self.compressor = Compressor(ctx, self.stream) \
+            if effective_method(ctx.s) != "none" else None
 
     def last_backward(self, pp_rank: int) -> dict[int, int]:
         """Per stage, the index of the rank's last action that computes weight gradients."""
@@ -56,6 +61,8 @@ class DataPass(Pass):
         par, pending = self.ctx.s.parallel, self.pending[rank]
         if par.dp == 1 and not par.zero_offload:
             return
+        if self.compressor is not None and not self.compressor.in_backward:
+            return  # 1-bit Adam exchanges the momentum in the optimizer step instead
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
@@ -63,25 +70,30 @@ class DataPass(Pass):
             self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
 
     def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
-               pending: list[tuple[float, Task]]) -> None:
+               pending: list[tuple[float, Task, Unit]]) -> None:
         """Bucket the gradients that ``done`` complete, flushing full buckets."""
         par = self.ctx.s.parallel
         per_unit = par.zero == 3  # FSDP reduce-scatters each unit's gradients
-        for size, task in zip(self.ctx.grad_bytes(stage), done, strict=True):
-            pending.append((size, task))
-            if per_unit or sum(sz for sz, _ in pending) >= par.dp_bucket_MB * 1e6:
+        for i, (size, task) in enumerate(zip(self.ctx.grad_bytes(stage), done, strict=True)):
+            pending.append((size, task, (stage, i)))
+            if per_unit or sum(p[0] for p in pending) >= par.dp_bucket_MB * 1e6:
                 self.flush(rank, pending, chunk)
 
-    def flush(self, rank: int, pending: list[tuple[float, Task]], chunk: int) -> None:
+    def flush(self, rank: int, pending: list[tuple[float, Task, Unit]], chunk: int) -> None:
         if not pending:
             return
-        size, after = sum(sz for sz, _ in pending), pending[-1][1]
+        size, after = sum(p[0] for p in pending), pending[-1][1]
+        units = [p[2] for p in pending]
         pending.clear()
         ctx, op = self.ctx, self.reduce
-        t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank), size,
-                           f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
-        if t is not None:
-            t.deps.append(after.id)
+        t: Task | None
+        if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
+            t = self.compressor.reduce(rank, op, size, units, after, chunk)
+        else:
+            t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank), size,
+                               f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
+            if t is not None:
+                t.deps.append(after.id)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
 
@@ -92,6 +104,8 @@ class DataPass(Pass):
         ctx, par = self.ctx, self.ctx.s.parallel
         if par.zero_offload:  # the offload pass steps on the host
             return
+        if self.compressor is not None:
+            self.compressor.exchange(rank)
         params = ctx.params_of(rank)
         shard = params / par.dp if par.zero >= 1 else params
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
