@@ -173,6 +173,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Megatron sequence parallelism (needs tp > 1)",
     )
+    p.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=0,
+        help="register PyTorch's PowerSGD DDP hook of this rank (dp > 1, zero 0, tp 1); "
+        "it compresses from the first timed step (default 0: off)",
+    )
     p.add_argument("--steps", type=int, required=True, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--device", choices=DEVICES, required=True, help="cpu (gloo) or cuda (nccl)")
@@ -214,6 +221,7 @@ def _cli_main(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             micro_batch_size=args.micro_batch_size,
             sequence_parallel=args.sequence_parallel,
+            powersgd_rank=args.powersgd_rank,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

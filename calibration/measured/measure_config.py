@@ -48,6 +48,7 @@ class MeasureConfig:
     sequence_parallel: bool = False  # Megatron sequence parallelism with TP
     seed: int = 1234  # model init and synthetic data
     virtual_stages: int = field(default=1)  # model chunks per pipeline rank
+    powersgd_rank: int = 0  # > 0: PowerSGD DDP hook of this rank, from step `warmup` on
 
     @property
     def world_size(self) -> int:
@@ -118,6 +119,18 @@ def validate(cfg: MeasureConfig) -> None:
             m["seq_len"] % cfg.tp == 0,
             f"model.seq_len={m['seq_len']}: not divisible by tp={cfg.tp} (sequence parallel)",
         )
+    if cfg.powersgd_rank:
+        _require(cfg.powersgd_rank >= 1, f"powersgd_rank={cfg.powersgd_rank}: must be >= 1")
+        _require(
+            cfg.dp > 1 and cfg.zero == 0 and cfg.tp == 1,
+            f"powersgd_rank={cfg.powersgd_rank}: PowerSGD is a DDP hook; needs dp > 1, "
+            f"zero 0 and tp 1 (got dp={cfg.dp}, zero={cfg.zero}, tp={cfg.tp})",
+        )
+        _require(
+            cfg.warmup >= 2,
+            f"warmup={cfg.warmup}: PowerSGD starts after the warm-up steps and PyTorch "
+            "needs at least 2; use --warmup 2 or more",
+        )
     stages = cfg.pp * cfg.virtual_stages
     _require(
         m["layers"] % stages == 0,
@@ -170,6 +183,7 @@ def make_config(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     sequence_parallel: bool = False,
     seed: int = 1234,
+    powersgd_rank: int = 0,
 ) -> MeasureConfig:
     """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
     _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -191,6 +205,7 @@ def make_config(
         sequence_parallel=sequence_parallel,
         seed=seed,
         virtual_stages=VIRTUAL_STAGES[schedule] if pp > 1 else 1,
+        powersgd_rank=powersgd_rank,
     )
     validate(cfg)
     return cfg

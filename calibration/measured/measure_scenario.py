@@ -18,7 +18,7 @@ def _flow(mapping: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
-        return str(v)
+        return _flow(v) if isinstance(v, dict) else str(v)
 
     return "{" + ", ".join(f"{k}: {fmt(v)}" for k, v in mapping.items()) + "}"
 
@@ -53,6 +53,8 @@ def scenario_name(cfg: MeasureConfig) -> str:
     name = f"measured-tp{cfg.tp}-pp{cfg.pp}-dp{cfg.dp}-{cfg.schedule}"
     if cfg.zero:
         name += f"-zero{cfg.zero}"
+    if cfg.powersgd_rank:
+        name += f"-powersgd{cfg.powersgd_rank}"
     return name + ("-sp" if cfg.sequence_parallel else "")
 
 
@@ -61,7 +63,15 @@ def scenario_dict(
 ) -> dict[str, dict[str, Any] | str]:
     """The simulator scenario equivalent to the run (one device per rank, one node)."""
     m = cfg.model
-    return {
+    training: dict[str, Any] = {
+        "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
+        "micro_batch": cfg.micro_batch_size,
+        "dtype": "bf16" if cfg.device == "cuda" else "fp32",
+    }
+    if cfg.powersgd_rank:  # the hook compresses from step `warmup`: the timed steps
+        training["gradient_compression"] = {"method": "powersgd", "rank": cfg.powersgd_rank,
+                                            "start_step": cfg.warmup}
+    out: dict[str, dict[str, Any] | str] = {
         "name": scenario_name(cfg),
         "model": {
             "layers": m["layers"],
@@ -92,12 +102,15 @@ def scenario_dict(
             "recompute": "none",
             "sequence_parallel": cfg.sequence_parallel,
         },
-        "training": {
-            "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
-            "micro_batch": cfg.micro_batch_size,
-            "dtype": "bf16" if cfg.device == "cuda" else "fp32",
-        },
+        "training": training,
     }
+    if cfg.powersgd_rank:
+        from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
+
+        parallel = out["parallel"]
+        assert isinstance(parallel, dict)
+        parallel["dp_bucket_MB"] = POWERSGD_BUCKET_MB
+    return out
 
 
 def scenario_yaml(cfg: MeasureConfig, device_name: str | None = None) -> str:

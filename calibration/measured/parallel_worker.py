@@ -19,7 +19,9 @@ Parallelism, all with PyTorch's own APIs on one ``(pp, dp, tp)`` DeviceMesh
   stages per rank, "loop" placement).  With ``pp > 1`` the first and last stage
   each hold a copy of the tied embedding; their gradients are summed after
   every step (as Megatron does), so the copies stay equal.
-* **DP** - ZeRO-0: ``DistributedDataParallel`` on the dp group, or (when TP is
+* **DP** - ZeRO-0: ``DistributedDataParallel`` on the dp group (with the PowerSGD
+  communication hook when ``powersgd_rank`` is set:
+  :mod:`calibration.measured.compression_hook`), or (when TP is
   also on, since DDP does not take DTensor parameters) the FSDP2-based
   ``replicate``; ZeRO-3: ``fully_shard`` per block plus the root.  Without PP,
   ZeRO-0 all-reduces once per step (``no_sync`` on earlier micro-batches) and
@@ -73,6 +75,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from calibration.host import cpu_name
+from calibration.measured.compression_hook import powersgd_ddp_options, register_powersgd
 from calibration.measured.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
 from calibration.measured.measure_config import MeasureConfig, write_json_atomic
 from calibration.measured.measure_trace import breakdown_from_trace
@@ -150,11 +153,15 @@ def apply_dp(module: GPT, cfg: MeasureConfig, mesh: DeviceMesh, device: torch.de
         return module
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         module,
         process_group=dp_mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,
+        **(powersgd_ddp_options() if cfg.powersgd_rank else {}),
     )
+    if cfg.powersgd_rank:
+        register_powersgd(ddp, cfg.powersgd_rank, cfg.warmup)
+    return ddp
 
 
 def build_stage(

@@ -35,10 +35,12 @@ class Config:
     dp: int = 1
     schedule: str = "1f1b"
     zero: int = 0
+    powersgd_rank: int = 0  # PyTorch's PowerSGD DDP hook (calibration/measured/compression_hook)
 
 
 CPU_CONFIGS = (
     Config("dp2-ddp", dp=2),
+    Config("dp2-powersgd", dp=2, powersgd_rank=4),
     Config("pp2-gpipe", pp=2, schedule="gpipe"),
     Config("pp2-1f1b", pp=2, schedule="1f1b"),
     Config("tp2", tp=2),
@@ -104,7 +106,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
                     micro_batches=args.micro_batches, model=args.model, steps=args.steps,
                     warmup=args.warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
-                    micro_batch_size=args.micro_batch_size)
+                    micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
