@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 from simulator import model as mdl
 from simulator import placement
+from simulator.costs import CostModel
 from simulator.errors import Problem
 from simulator.hardware import CollectiveName
 
@@ -311,10 +312,31 @@ def gradient_collectives(s: Scenario, stage: int,
     return [(op, elements * wire)] * times
 
 
+def compute_seconds(s: Scenario, stage: int, method: str) -> float:
+    """The method's kernels per step on one rank of ``stage`` (fp32, the scenario's
+    profile), its buckets taken together (they differ only in per-kernel overheads)."""
+    par, dt = s.parallel, mdl.dtype_bytes(s.training.dtype)
+    if method == "none" or par.dp == 1:
+        return 0.0
+    cost = CostModel(s.hardware, "fp32")
+    elements = stage_elements(s, stage)
+    if method == "powersgd":
+        b = powersgd_bucket(stage_shapes(s, stage), rank_of(spec_of(s)), min_rate(spec_of(s)))
+        phases: Sequence[list[mdl.Op]] = powersgd_phases(b)
+    elif method == "onebit_adam":
+        phases = onebit_ops(elements, par.dp)
+    else:
+        times = s.microbatches if par.zero >= 2 else 1
+        phases = [ops * times for ops in cast_ops(elements, dt, WIRE_BYTES[method])]
+    return sum(cost.ops_time(ops) for ops in phases)
+
+
 def traffic(s: Scenario) -> dict[str, object]:
     """Gradient-reduction bytes per step and rank, compressed and uncompressed, per
     stage: ``reduced_bytes`` (the arrays reduced) and ``wire_bytes`` (what each rank
-    sends, with nccl-tests' factors: 2(n−1)/n for an all-reduce, (n−1)/n otherwise)."""
+    sends, with nccl-tests' factors: 2(n−1)/n for an all-reduce, (n−1)/n otherwise), and
+    ``compression_compute_s``, the method's kernels; the top level is the stage with the
+    most uncompressed traffic."""
     par = s.parallel
     method = effective_method(s)
     stages = []
@@ -324,12 +346,14 @@ def traffic(s: Scenario) -> dict[str, object]:
             colls = gradient_collectives(s, stage, m) if par.dp > 1 else []
             row[f"{key}reduced_bytes"] = sum(size for _, size in colls)
             row[f"{key}wire_bytes"] = sum(size * _bus(op, par.dp) for op, size in colls)
+        row["compression_compute_s"] = compute_seconds(s, stage, method)
         stages.append(row)
     peak = max(stages, key=lambda r: r["uncompressed_wire_bytes"])
     wire, base = float(peak["wire_bytes"]), float(peak["uncompressed_wire_bytes"])
     return {"method": spec_of(s).method, "compressed_step": method != "none",
             "wire_bytes_per_gpu": wire, "uncompressed_wire_bytes_per_gpu": base,
-            "saved_fraction": 1 - wire / base if base else 0.0, "per_stage": stages}
+            "saved_fraction": 1 - wire / base if base else 0.0,
+            "compression_compute_s": float(peak["compression_compute_s"]), "per_stage": stages}
 
 
 # ---------------------------------------------------------------- validation

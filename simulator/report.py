@@ -159,7 +159,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         state = "compressed" if comp["compressed_step"] else "warm-up, uncompressed"
         rows.append(("gradient compression",
                      f"{comp['method']} ({state}): {gb_wire:.3g} GB on the wire per GPU, "
-                     f"{comp['saved_fraction']:.1%} less than uncompressed"))
+                     f"{comp['saved_fraction']:.1%} less than uncompressed; kernels "
+                     f"{comp['compression_compute_s'] * 1e3:.3g} ms"))
     verdict = "fits" if results["fits_in_memory"] else "DOES NOT FIT"
     cap = results["memory"][0]["capacity"]
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "
