@@ -396,9 +396,12 @@ def composition(segments: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def mean_breakdown(entries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """``step_breakdown_s``: each category's mean over the entries (ranks)."""
-    n = max(len(entries), 1)
-    return {c: sum(float(e.get(c, 0.0)) for e in entries) / n for c in CATEGORIES}
+    """``step_breakdown_s``: each category's mean over the entries (ranks); an entry
+    that stands for several ranks (asymmetric folding's ``ranks``) counts that often."""
+    weights = [float(e.get("ranks", 1)) for e in entries]
+    n = sum(weights) or 1.0
+    return {c: sum(w * float(e.get(c, 0.0)) for w, e in zip(weights, entries, strict=True)) / n
+            for c in CATEGORIES}
 
 
 def stage_breakdown(entries: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -414,6 +417,11 @@ def exposed_comm(mean: Mapping[str, float]) -> dict[str, float]:
     return {k: mean.get(f"{k}_transfer", 0.0) + mean.get(f"{k}_wait", 0.0) for k in COMM_KINDS}
 
 
+def _weighted_mean(pairs: Sequence[tuple[float, float]]) -> float:
+    total = sum(w for w, _ in pairs)
+    return sum(w * x for w, x in pairs) / total if total else 0.0
+
+
 def metrics(entries: list[dict[str, Any]], step: float, phase: tuple[float, float],
             bubbles: Sequence[float]) -> dict[str, Any]:
     """The results.json keys every method derives from its per-rank breakdown and
@@ -421,16 +429,17 @@ def metrics(entries: list[dict[str, Any]], step: float, phase: tuple[float, floa
     duration = phase[1] - phase[0]
     stages = stage_breakdown(entries)
     mean = mean_breakdown(entries)
-    per_stage: dict[int, list[float]] = {}
+    per_stage: dict[int, list[tuple[float, float]]] = {}
     for e, bubble in zip(entries, bubbles, strict=True):
-        per_stage.setdefault(int(e["stage"]), []).append(bubble)
+        per_stage.setdefault(int(e["stage"]), []).append((float(e.get("ranks", 1)), bubble))
+    every = [(float(e.get("ranks", 1)), b) for e, b in zip(entries, bubbles, strict=True)]
     return {
         "step_time_s": step,
         "time_breakdown_s": entries,
         "step_breakdown_s": mean,
-        "bubble_fraction": sum(bubbles) / len(bubbles) / duration
-        if bubbles and duration > 0 else 0.0,
-        "bubble_fraction_per_stage": [sum(b) / len(b) / duration if duration > 0 else 0.0
+        "bubble_fraction": _weighted_mean(every) / duration if bubbles and duration > 0
+        else 0.0,
+        "bubble_fraction_per_stage": [_weighted_mean(b) / duration if duration > 0 else 0.0
                                       for _, b in sorted(per_stage.items())],
         "pipeline_phase_s": list(phase),
         "compute_s": [sum(st[c] for c in COMPUTE_CATEGORIES) for st in stages],

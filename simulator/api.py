@@ -27,7 +27,6 @@ from simulator.analytic import analytic_estimate
 from simulator.budget import check_engine_cost, check_stages
 from simulator.engine import simulate
 from simulator.errors import UserError
-from simulator.layout import Layout
 from simulator.memory_timeline import memory_timeline
 from simulator.rank_selection import RankSelection, select_ranks
 from simulator.scenario import Scenario, not_yet_simulated
@@ -35,15 +34,14 @@ from simulator.span_table import span_table
 from simulator.timeline_files import write_timeline
 from simulator.trace_export import atomic_output, write_chrome_trace
 from simulator.trace_links import TraceLinks, trace_links
-from simulator.workload import build_workload
+from simulator.workload import build_workload, simulated_ranks
 
 PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
 
 
 def _ranks(s: Scenario, fidelity: str) -> tuple[int, ...]:
     """The ranks a run of this fidelity simulates (build_workload's choice)."""
-    layout = Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp, s.cluster.gpus_per_node or 1)
-    return layout.representatives() if fidelity == "folded" else tuple(range(layout.world))
+    return tuple(simulated_ranks(s, fidelity))
 
 
 #: Phase name -> (wall seconds, CPU seconds of this process); filled when passed.

@@ -64,7 +64,7 @@ class Engine:
         self.w = workload
         self.hw = hw
         self.env = simpy.Environment()
-        self.topo = Topology(workload.layout, hw)
+        self.topo = Topology(workload.layout, hw, workload.link_factors)
         self.net = FlowNetwork(self.env, self.topo.capacity, self.topo.shared)
         self.events: dict[int, simpy.Event] = {}
         self.spans: list[tuple[int, float, float]] = []
@@ -76,6 +76,7 @@ class Engine:
         self._links: dict[tuple[tuple[int, ...], LinkName], tuple[Any, ...]] = {}
         self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
         self._plans_alive: list[Plan] = []
+        self._weights: dict[tuple[Any, ...], float] = {}
 
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
@@ -176,8 +177,8 @@ class Engine:
         cal = self.hw.collectives.get("send_recv", {}).get(link_class)
         nbytes = task.nbytes if cal is None else task.nbytes * rate / (cal.busbw_GBps * 1e9)
         alpha = self.topo.alpha(link_class) if cal is None else cal.alpha_us * 1e-6
-        yield self.net.transfer(nbytes, self.topo.links(task.rank, link_class), self.w.weight,
-                                alpha)
+        yield self.net.transfer(nbytes, self.topo.send_links(task.rank, task.dst, link_class),
+                                self.w.weight_of(task.rank), alpha)
 
     def collective(self, task: Task) -> Generator[simpy.Event, Any, None]:
         members = self._members.get(task.group)
@@ -200,7 +201,7 @@ class Engine:
         self.comm_start[task.id] = self.env.now
         plan = task.plan
         assert plan is not None
-        weight = self.w.weight * len(members)
+        weight = self._group_weight(task.group, members)
         for legs, alpha in self._phases(plan):
             if len(legs) == 1:  # the common case: α rides on the flow's completion
                 link_class, nbytes = legs[0]
@@ -216,6 +217,16 @@ class Engine:
                 yield self.env.timeout(alpha)
         if rv is not None:
             rv.done.succeed()
+
+    def _group_weight(self, group: tuple[int, ...], members: list[int]) -> float:
+        """How many ranks the simulated members stand for on shared links."""
+        if self.w.weights is None:
+            return self.w.weight * len(members)
+        key = (group, "weight")
+        weight = self._weights.get(key)
+        if weight is None:
+            weight = self._weights[key] = sum(self.w.weights[r] for r in members)
+        return weight
 
     def _group_links(self, group: tuple[int, ...], link_class: LinkName) -> tuple[Any, ...]:
         """Every simulated member's link of a class (shared links once): a ring moves in

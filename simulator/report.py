@@ -84,6 +84,9 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     entries, bubbles, phase = acc.breakdown(timing, compute, stage_of, pipeline_of, step,
                                             s.parallel.schedule, s.parallel.pp,
                                             s.microbatches, s.parallel.virtual_stages)
+    if w.weights is not None:  # asymmetric folding: an entry stands for its class
+        for e in entries:
+            e["ranks"] = int(w.weights[e["rank"]])
     out = acc.metrics(entries, step, phase, bubbles)
     if result.spans:
         out["critical_path"] = acc.merge_segments(acc.critical_path(timing, _last(w, timing),

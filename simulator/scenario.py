@@ -39,6 +39,7 @@ from simulator.hardware import Dtype, HardwareProfile, load_system
 from simulator.loading import MAX_DEPTH, parse_override, read_yaml
 from simulator.placement import placement_problems
 from simulator.schedules import SCHEDULES, requirements
+from simulator.variability import VariabilitySpec, variability_problems
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
 MAX_SIZE = 10**9  # a bound on every count and size: larger is a typo, not a model
@@ -431,6 +432,7 @@ class Scenario(_Frozen):
     reliability: ReliabilitySpec = ReliabilitySpec()  # failures (clustersim train)
     checkpoint: CheckpointSpec = CheckpointSpec()  # checkpoints (clustersim train)
     cost: CostSpec = CostSpec()  # energy and price (clustersim train)
+    variability: VariabilitySpec = VariabilitySpec()  # stragglers, slow links, jitter
 
     _name_printable = field_validator("name")(_printable)
 
@@ -520,7 +522,8 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     from simulator.compression import compression_problems  # it reads Scenario fields
 
     return out + moe_problems(mdl) + expert_parallel_problems(s) + \
-        context_parallel_problems(s) + compression_problems(s)
+        context_parallel_problems(s) + compression_problems(s) + \
+        variability_problems(s.variability, par.world)
 
 
 def moe_problems(mdl: ModelSpec) -> list[Problem]:

@@ -58,6 +58,13 @@ class Workload:
     schedule: Schedule
     weight: float  # how many ranks one simulated rank stands for on shared links
     fidelity: str
+    # asymmetric folding: per simulated rank, the ranks it stands for (else ``weight``)
+    weights: dict[int, float] | None = None
+    # per (rank, link class), a degraded port's bandwidth factor
+    link_factors: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def weight_of(self, rank: int) -> float:
+        return self.weight if self.weights is None else self.weights[rank]
 
 
 @contextmanager

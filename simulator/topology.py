@@ -9,10 +9,16 @@ oversubscribed fabric (``oversubscription`` > 1) every inter-node flow also
 crosses one shared core link whose capacity is the sum of all NICs divided by
 the oversubscription factor.
 
+A degraded port (``variability.slow_links``) runs at a fraction of its class's
+rate. A point-to-point transfer into a degraded port also crosses that port, so
+the slower end bounds it (a healthy receiver is not charged, as above).
+
 A link id is a plain tuple: ``("nvl", rank)``, ``("nic", rank)`` or ``("core",)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.layout import Layout
@@ -22,9 +28,14 @@ CORE: LinkId = ("core",)
 
 
 class Topology:
-    def __init__(self, layout: Layout, hw: HardwareProfile) -> None:
+    def __init__(self, layout: Layout, hw: HardwareProfile,
+                 degraded: Mapping[tuple[int, str], float] | None = None) -> None:
         self.layout = layout
         self.hw = hw
+        # (rank, link class) -> bandwidth factor of a degraded port
+        self.degraded: dict[LinkId, float] = {
+            (("nvl" if cls == "intra_node" else "nic"), r): f
+                         for (r, cls), f in (degraded or {}).items()}
         self.intra_rate = hw.intra_node.bytes_per_s
         self.inter_rate = hw.inter_node.bytes_per_s
         self.oversubscribed = hw.inter_node.oversubscription > 1.0
@@ -32,11 +43,10 @@ class Topology:
 
     def capacity(self, link: LinkId) -> float:
         kind = link[0]
-        if kind == "nvl":
-            return self.intra_rate
-        if kind == "nic":
-            return self.inter_rate
-        return self.core_rate
+        if kind == "core":
+            return self.core_rate
+        rate = self.intra_rate if kind == "nvl" else self.inter_rate
+        return rate * self.degraded.get((kind, link[1]), 1.0) if self.degraded else rate
 
     @staticmethod
     def shared(link: LinkId) -> bool:
@@ -56,6 +66,13 @@ class Topology:
         if self.oversubscribed:
             return (("nic", rank), CORE)
         return (("nic", rank),)
+
+    def send_links(self, src: int, dst: int, link_class: LinkName) -> tuple[LinkId, ...]:
+        """The links a point-to-point transfer occupies: the sender's, plus the
+        receiver's port when that one is degraded."""
+        links = self.links(src, link_class)
+        port = ("nvl" if link_class == "intra_node" else "nic", dst)
+        return (*links, port) if port in self.degraded else links
 
     def link_class(self, a: int, b: int) -> LinkName:
         same = self.layout.node(a) == self.layout.node(b)

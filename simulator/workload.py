@@ -46,7 +46,8 @@ from simulator.passes.context import Context
 from simulator.passes.data import OPTIMIZER_BYTES_PER_PARAM
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule
-from simulator.tasks import Workload
+from simulator.tasks import Task, Workload
+from simulator.variability import Attributes, classes, jitter_factors, resolve
 
 __all__ = ["OPTIMIZER_BYTES_PER_PARAM", "BlockCosts", "block_costs", "build_workload"]
 
@@ -128,10 +129,22 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
                    moe_freq=spec.moe_layer_freq)
 
 
+def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
+    """The ranks a run of this fidelity simulates and how many ranks each stands for:
+    every rank once (full), else one per class of :func:`simulator.variability.classes`
+    (one per stage when the cluster is symmetric)."""
+    layout = Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp, s.cluster.gpus_per_node or 1)
+    if fidelity != "folded":
+        return dict.fromkeys(range(layout.world), 1)
+    return classes(layout, resolve(s.variability, layout.world))
+
+
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
-                   costs: BlockCosts | None = None, fidelity: str | None = None) -> Workload:
-    """Per-rank programs for one training step. ``costs`` may be given to price blocks
-    differently (tests make stages exactly balanced this way)."""
+                   costs: BlockCosts | None = None, fidelity: str | None = None,
+                   step: int = 0) -> Workload:
+    """Per-rank programs for one training step (``step`` indexes the jitter draws).
+    ``costs`` may be given to price blocks differently (tests make stages exactly
+    balanced this way)."""
     layout = layout or Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp,
                               s.cluster.gpus_per_node or 1)
     cost = cost or CostModel(s.hardware, s.training.dtype)
@@ -139,8 +152,30 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     fidelity = fidelity or s.simulation.fidelity
     schedule = build_schedule(s.parallel.schedule, s.parallel.pp, s.microbatches,
                               s.parallel.virtual_stages)
-    ranks = layout.representatives() if fidelity == "folded" else tuple(range(layout.world))
-    ctx = Context(s, layout, cost, costs, schedule, ranks)
+    attrs = resolve(s.variability, layout.world)
+    weights = simulated_ranks(s, fidelity)
+    ctx = Context(s, layout, cost, costs, schedule, tuple(weights))
     build_programs(ctx)
+    _vary_compute(ctx.programs, attrs, s, step)
     weight = float(s.parallel.tp * s.parallel.dp) if fidelity == "folded" else 1.0
-    return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity)
+    symmetric = not attrs.asymmetric
+    return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
+                    None if symmetric else {r: float(n) for r, n in weights.items()},
+                    dict(attrs.links))
+
+
+def _vary_compute(programs: dict[int, Any], attrs: Attributes, s: Scenario, step: int) -> None:
+    """A slow rank's compute durations times its factor, then every simulated rank's
+    times its jitter draws (in program order; host-stream work is the CPU's)."""
+    jitter = s.variability.jitter
+    if not attrs.compute and jitter is None:
+        return
+    for rank, prog in programs.items():
+        work: list[Task] = [t for t in prog.streams["compute"] if t.plan is None and t.dst < 0]
+        factor = attrs.compute.get(rank, 1.0)
+        draws = jitter_factors(jitter, s.variability.seed, step, rank, len(work)) \
+            if jitter is not None else None
+        for i, t in enumerate(work):
+            f = factor if draws is None else factor * float(draws[i])
+            t.duration *= f
+            t.weight_s *= f

@@ -1,0 +1,183 @@
+"""Variability: slow GPUs, degraded links and per-kernel jitter, and the folding that
+survives them.
+
+**The section.** A scenario's ``variability:`` names ranks whose compute is slower
+(``slow_gpus``: listed ranks, or ``random: k`` of them drawn with the seed), links
+at a fraction of their bandwidth (``slow_links``: a rank's NVLink port or its NIC)
+and per-task jitter (``jitter``: every compute task's duration times a factor of
+mean 1, lognormal of a given σ or drawn from measured samples). Everything is
+seeded (``seed``); a step is deterministic for a given seed and step index.
+
+**Attributes.** :func:`resolve` turns the section into per-rank attributes: a
+compute factor and, per link class, a bandwidth factor. The builder multiplies a
+slow rank's compute durations, the topology scales its link's capacity.
+
+**Folding by classes.** Symmetric folding simulates one rank per stage and lets it
+stand for every (dp, tp) peer: any permutation of data-parallel replicas and of
+tensor-parallel indices maps the cluster onto itself. An asymmetric rank breaks
+only the permutations that move it. :func:`classes` splits each stage's ranks by
+the data-parallel replica (kept apart when it holds an asymmetric rank, else
+"clean") times the tensor-parallel index (kept apart when an asymmetric rank
+has it, else "clean"): two ranks of one class are swapped by a permutation that
+fixes every asymmetric rank, so their timelines are identical. Each class is
+simulated by its lowest rank, which stands for the class's size on shared links.
+Because classes are a product of a replica class and an index class, the
+representatives of every class a group touches sit in one group, the one of the
+representative's own: the engine's rendezvous over simulated members stays
+exact. One straggler thus adds at most three classes per stage (its replica,
+its index, both), never a fall back to full fidelity. Jitter is drawn per
+simulated rank: in folded mode a class's members move together (the max over
+many independently jittered ranks needs ``--fidelity full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from simulator.errors import Problem
+from simulator.layout import Layout
+
+LinkClass = Literal["intra_node", "inter_node"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class SlowGPUs(_Frozen):
+    """Ranks whose compute takes ``compute_slowdown`` times as long (1.25: 0.8× speed)."""
+
+    ranks: list[int] | None = None  # these ranks ...
+    random: int | None = Field(default=None, gt=0, le=10**7)  # ... or k drawn with the seed
+    compute_slowdown: float = Field(gt=0, le=1000)
+
+
+class SlowLink(_Frozen):
+    """One rank's port of a link class at a fraction of its bandwidth."""
+
+    rank: int = Field(ge=0, le=10**9)
+    link: LinkClass
+    bandwidth_factor: float = Field(gt=0, le=1)
+
+
+class JitterSpec(_Frozen):
+    """Per-task compute jitter: duration × a factor of mean 1."""
+
+    distribution: Literal["lognormal", "empirical"] = "lognormal"
+    sigma: float = Field(default=0.05, ge=0, le=2)  # lognormal: σ of log(factor)
+    samples: list[float] = []  # empirical: measured durations (any unit; rescaled)
+
+
+class VariabilitySpec(_Frozen):
+    slow_gpus: list[SlowGPUs] = []
+    slow_links: list[SlowLink] = []
+    jitter: JitterSpec | None = None
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.slow_gpus or self.slow_links or self.jitter is not None)
+
+
+def variability_problems(v: VariabilitySpec, world: int) -> list[Problem]:
+    """Ranks that do not exist, a slow-GPU entry naming both or neither of ranks and
+    random, an empirical jitter without samples."""
+    out: list[Problem] = []
+    for i, g in enumerate(v.slow_gpus):
+        where = f"variability.slow_gpus[{i}]"
+        if (g.ranks is None) == (g.random is None):
+            out.append(Problem(where, g.model_dump(exclude_none=True),
+                               "give either ranks: [..] or random: k"))
+        for r in g.ranks or ():
+            if not 0 <= r < world:
+                out.append(Problem(f"{where}.ranks", r, f"no such rank; ranks are 0..{world - 1}"))
+        if g.random is not None and g.random > world:
+            out.append(Problem(f"{where}.random", g.random, f"more than the {world} GPUs"))
+    for i, link in enumerate(v.slow_links):
+        if link.rank >= world:
+            out.append(Problem(f"variability.slow_links[{i}].rank", link.rank,
+                               f"no such rank; ranks are 0..{world - 1}"))
+    j = v.jitter
+    if j is not None and j.distribution == "empirical":
+        if not j.samples or min(j.samples) <= 0:
+            out.append(Problem("variability.jitter.samples", list(j.samples),
+                               "an empirical jitter needs positive measured durations"))
+    elif j is not None and j.samples:
+        out.append(Problem("variability.jitter.samples", list(j.samples),
+                           "samples are for distribution: empirical; drop them or switch"))
+    return out
+
+
+@dataclass(frozen=True)
+class Attributes:
+    """Per-rank departures from the system profile (ranks not named are nominal)."""
+
+    compute: Mapping[int, float]  # rank -> duration factor
+    links: Mapping[tuple[int, str], float]  # (rank, link class) -> bandwidth factor
+
+    @property
+    def asymmetric(self) -> frozenset[int]:
+        return frozenset(self.compute) | frozenset(r for r, _ in self.links)
+
+
+NOMINAL = Attributes({}, {})
+
+
+def resolve(v: VariabilitySpec, world: int) -> Attributes:
+    """The section as per-rank factors. Factors of one rank named twice multiply; a
+    ``random`` entry draws its ranks without replacement from the seed."""
+    rng = np.random.default_rng([v.seed, 0])
+    compute: dict[int, float] = {}
+    for g in v.slow_gpus:
+        ranks = g.ranks if g.ranks is not None else _draw(rng, world, g.random or 0)
+        for r in ranks:
+            compute[r] = compute.get(r, 1.0) * g.compute_slowdown
+    links: dict[tuple[int, str], float] = {}
+    for link in v.slow_links:
+        key = (link.rank, link.link)
+        links[key] = links.get(key, 1.0) * link.bandwidth_factor
+    return Attributes({r: f for r, f in compute.items() if f != 1.0},
+                      {k: f for k, f in links.items() if f != 1.0})
+
+
+def _draw(rng: np.random.Generator, world: int, k: int) -> tuple[int, ...]:
+    """``k`` distinct ranks of ``world``, in draw order, without a world-sized array."""
+    if 2 * k > world:
+        return tuple(int(r) for r in rng.permutation(world)[:k])
+    seen: dict[int, None] = {}
+    while len(seen) < k:
+        seen.setdefault(int(rng.integers(world)), None)
+    return tuple(seen)
+
+
+def classes(layout: Layout, attrs: Attributes) -> dict[int, int]:
+    """Representative rank -> how many ranks its class holds (see the module notes)."""
+    asym = [layout.coord(r) for r in attrs.asymmetric]
+    odd_dp = sorted({c.dp for c in asym})
+    odd_tp = sorted({c.tp for c in asym})
+    clean_dp = [d for d in range(layout.dp) if d not in odd_dp]
+    clean_tp = [t for t in range(layout.tp) if t not in odd_tp]
+    # (lowest index, size) of each class of replicas and of TP indices
+    dp_classes = [(d, 1) for d in odd_dp] + ([(clean_dp[0], len(clean_dp))] if clean_dp else [])
+    tp_classes = [(t, 1) for t in odd_tp] + ([(clean_tp[0], len(clean_tp))] if clean_tp else [])
+    out: dict[int, int] = {}
+    for p in range(layout.pp):
+        for d, nd in dp_classes:
+            for t, nt in tp_classes:
+                out[layout.rank(p, d, t)] = nd * nt
+    return dict(sorted(out.items()))
+
+
+def jitter_factors(spec: JitterSpec, seed: int, step: int, rank: int, n: int) -> np.ndarray:
+    """``n`` duration factors of mean 1 for ``rank``'s compute tasks in ``step``: the
+    same rank, seed and step give the same draws in any fidelity."""
+    rng = np.random.default_rng([seed, 1, step, rank])
+    if spec.distribution == "lognormal":
+        return np.asarray(rng.lognormal(-spec.sigma ** 2 / 2, spec.sigma, n))
+    samples = np.asarray(spec.samples, float)
+    return np.asarray(rng.choice(samples / samples.mean(), n))
