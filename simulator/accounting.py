@@ -58,6 +58,8 @@ COMPUTE_CATEGORIES = ("forward", "backward_input", "backward_weight", "recompute
 #: Communication kinds, each with a transfer and a peer-wait category.
 COMM_KINDS = ("tp", "pp", "dp", "zero", "offload", "embedding_tie", "ep", "cp")
 COMM_CATEGORIES = tuple(f"{k}_{part}" for k in COMM_KINDS for part in ("transfer", "wait"))
+#: Peer-wait: at a collective until its last member arrives (waiting for the slowest rank).
+WAIT_CATEGORIES = tuple(f"{k}_wait" for k in COMM_KINDS)
 IDLE_CATEGORIES = ("pipeline_bubble", "imbalance_idle", "tail")
 #: Every category, in display order. Each rank's entries sum to the step time.
 CATEGORIES = COMPUTE_CATEGORIES + COMM_CATEGORIES + IDLE_CATEGORIES

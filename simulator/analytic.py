@@ -24,7 +24,7 @@ of it without overlap); then the optimizer step and, under ZeRO-1/2, the paramet
 all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
 compute hides; ZeRO-Offload replaces the optimizer step with CPU Adam and the copy
 back. Contention between concurrent flows is ignored here — that is the engine's
-job.
+job, as are degraded links and jitter (a slow GPU slows its stage's compute).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from simulator.memory import stage_params
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule, execute, schedule_spec
+from simulator.variability import resolve
 from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
 
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
@@ -109,8 +110,29 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
 def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   experts: Experts = NO_EXPERTS) -> dict[str, float]:
     """:func:`_passes` of one pipeline stage (all its chunks)."""
-    return _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
-                   stage == s.parallel.pp - 1, experts)
+    return _slowed(s, _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
+                              stage == s.parallel.pp - 1, experts), stage)
+
+
+def _slowdown(s: Scenario) -> dict[int, float]:
+    """Per pipeline stage, the largest compute factor of its ranks
+    (``variability.slow_gpus``)."""
+    par = s.parallel
+    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
+    out: dict[int, float] = {}
+    for rank, f in resolve(s.variability, layout.world).compute.items():
+        st = layout.coord(rank).pp
+        out[st] = max(out.get(st, 1.0), f)
+    return out
+
+
+def _slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
+    """Passes ``d`` at the pace of the stage's slowest GPU: its TP and DP peers wait
+    for it (communication keeps its time)."""
+    slow = _slowdown(s).get(stage, 1.0) if s.variability.slow_gpus else 1.0
+    if slow == 1.0:
+        return d
+    return {k: v if k.endswith("_transfer") else v * slow for k, v in d.items()}
 
 
 def _times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
@@ -140,8 +162,10 @@ def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts,
     n = par.pp * par.virtual_stages
     if is_even(par) or 3 * n * m > EXECUTED_ACTIONS:
         return closed
-    chunks = [_times(s, _passes(s, c, t_tp, _kinds(s, [chunk_layers(s.model.layers, par, k)]),
-                                k == 0, k == n - 1, experts)) for k in range(n)]
+    chunks = [_times(s, _slowed(s, _passes(s, c, t_tp,
+                                            _kinds(s, [chunk_layers(s.model.layers, par, k)]),
+                                            k == 0, k == n - 1, experts), k % par.pp))
+              for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])
@@ -327,6 +351,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
         t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
+        if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
+            t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = _zero3_exposed(s, layout, f, b, hw, layers[slowest]) * m if par.zero == 3 \
         else 0.0
     gathered = grad_bytes if par.zero in (1, 2) else 0.0

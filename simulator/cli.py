@@ -102,11 +102,16 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--method", choices=["engine", "analytic"], default=None,
                    help="discrete-event engine (default) or closed-form estimate")
     q.add_argument("--fidelity", choices=["folded", "full"], default=None,
-                   help="folded: one rank per stage stands for its peers (default); full: all")
+                   help="folded: one rank per class of identical ranks stands for its "
+                   "peers (one per stage when the cluster is symmetric; default); full: all")
     q.add_argument("--no-plots", action="store_true", help="skip the PNGs (faster)")
     q.add_argument("--what-if", action="store_true", help="also re-simulate with each cost "
                    "class (GEMM, attention, memory-bound, each link class) 10%% faster and "
                    "print what bounds the step (results.json: what_if)")
+    q.add_argument("--steps", type=_positive_int, default=1, metavar="N",
+                   help="simulate N consecutive steps with fresh jitter (variability.jitter) "
+                        "and report the step-time distribution (p50, p95, p99, max) and the "
+                        "wait for the slowest rank (engine)")
     q.add_argument("--max-tasks", type=_positive_int, default=None, metavar="N",
                    help="refuse engine runs estimated above N tasks (default 2e7, about "
                    "32 GB); checked before building")
@@ -236,6 +241,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or default_out_dir(s.name)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
+    if args.steps > 1 and (args.method or s.simulation.method) != "engine":
+        raise UserError([Problem("--steps", args.steps, "many steps need the engine (the "
+                                 "analytic method has no jitter); drop --method analytic")])
     if (args.method or s.simulation.method) == "engine":
         from simulator.budget import check_engine_cost
 
@@ -247,6 +255,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     run = run_scenario(s, args.method, args.fidelity, progress=True, trace_ranks=trace_ranks,
                        max_tasks=args.max_tasks)
     results, spans = run.results, run.spans
+    if args.steps > 1 and results["method"] == "engine":
+        from simulator.steps import many_steps
+
+        results["steps"] = many_steps(s, args.steps, results, args.fidelity)
     if args.what_if:
         from simulator.whatif import CLASS_LABELS, what_if, what_if_lines
 
@@ -259,6 +271,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         written = write_outputs(staging, results, spans, plots=not args.no_plots,
                                 timeline=args.timeline, trace=run.trace)
     print("\n".join(summary_lines(results)))
+    if "steps" in results:
+        from simulator.steps import summary_lines as steps_lines
+
+        print("\n".join(steps_lines(results["steps"])))
     if args.what_if:
         print("\n".join(what_if_lines(results["what_if"])))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")

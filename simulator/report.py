@@ -80,7 +80,9 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
     step = result.end_time
     stage_of = {r: w.layout.coord(r).pp for r in w.programs}
-    pipeline_of = {r: (w.layout.coord(r).dp, w.layout.coord(r).tp) for r in w.programs}
+    # a data-parallel replica's pipeline: its TP ranks leave each stage together, and
+    # its drain ends with the last of them (a straggler's TP peers wait for it)
+    pipeline_of = {r: w.layout.coord(r).dp for r in w.programs}
     entries, bubbles, phase = acc.breakdown(timing, compute, stage_of, pipeline_of, step,
                                             s.parallel.schedule, s.parallel.pp,
                                             s.microbatches, s.parallel.virtual_stages)

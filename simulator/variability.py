@@ -24,8 +24,14 @@ simulated by its lowest rank, which stands for the class's size on shared links.
 Because classes are a product of a replica class and an index class, the
 representatives of every class a group touches sit in one group, the one of the
 representative's own: the engine's rendezvous over simulated members stays
-exact. One straggler thus adds at most three classes per stage (its replica,
-its index, both), never a fall back to full fidelity. Jitter is drawn per
+exact. The TP index is split only on the stages where it can matter
+(:func:`odd_tp_indices`): a stage sends to the next only after a TP collective,
+which every TP rank leaves together, so an asymmetric rank's index is odd on its
+own stage and its neighbours (which receive from it) only. A rank whose sender
+is not simulated receives from the clean index's representative
+(:func:`clean_tp_index`). One slow GPU thus adds one class per stage (its
+replica) and two more on its stage and its neighbours, never a fall back to full
+fidelity; tests check folded against full to 1e-9. Jitter is drawn per
 simulated rank: in folded mode a class's members move together (the max over
 many independently jittered ranks needs ``--fidelity full``).
 """
@@ -155,18 +161,49 @@ def _draw(rng: np.random.Generator, world: int, k: int) -> tuple[int, ...]:
     return tuple(seen)
 
 
+def odd_tp_indices(layout: Layout, attrs: Attributes) -> dict[int, set[int]]:
+    """Per stage, the TP indices whose ranks may differ from their TP peers there: an
+    asymmetric rank's, on its own stage and on the neighbouring ones. Its TP peers
+    leave every TP collective with it, and a stage sends only after one, but its
+    port carries its data-parallel flows at other times than theirs, so what it
+    sends (or receives over a degraded port) can arrive at another time; two stages
+    away the difference is gone (every TP group re-synchronises first). The first
+    and last stage split alike: they meet in the tied embedding's all-reduce."""
+    odd: dict[int, set[int]] = {p: set() for p in range(layout.pp)}
+    for r in attrs.asymmetric:
+        c = layout.coord(r)
+        for p in (c.pp - 1, c.pp, c.pp + 1):
+            odd[p % layout.pp].add(c.tp)
+    # the first and last stage share a group (the tied embedding's all-reduce)
+    ends = odd[0] | odd[layout.pp - 1]
+    odd[0], odd[layout.pp - 1] = ends, set(ends)
+    return odd
+
+
+def clean_tp_index(layout: Layout, attrs: Attributes) -> int | None:
+    """The TP index that stands for the clean indices on every stage (the lowest one no
+    stage finds odd), or None when every index is odd somewhere."""
+    odd = set().union(*odd_tp_indices(layout, attrs).values())
+    return next((t for t in range(layout.tp) if t not in odd), None)
+
+
 def classes(layout: Layout, attrs: Attributes) -> dict[int, int]:
     """Representative rank -> how many ranks its class holds (see the module notes)."""
     asym = [layout.coord(r) for r in attrs.asymmetric]
     odd_dp = sorted({c.dp for c in asym})
-    odd_tp = sorted({c.tp for c in asym})
     clean_dp = [d for d in range(layout.dp) if d not in odd_dp]
-    clean_tp = [t for t in range(layout.tp) if t not in odd_tp]
-    # (lowest index, size) of each class of replicas and of TP indices
+    # (lowest index, size) of each class of replicas
     dp_classes = [(d, 1) for d in odd_dp] + ([(clean_dp[0], len(clean_dp))] if clean_dp else [])
-    tp_classes = [(t, 1) for t in odd_tp] + ([(clean_tp[0], len(clean_tp))] if clean_tp else [])
+    odd_tp = odd_tp_indices(layout, attrs)
+    if clean_tp_index(layout, attrs) is None:  # no common stand-in: split every stage alike
+        every = set().union(*odd_tp.values())
+        odd_tp = dict.fromkeys(odd_tp, every)
+    clean = clean_tp_index(layout, attrs)
     out: dict[int, int] = {}
     for p in range(layout.pp):
+        n_clean = layout.tp - len(odd_tp[p])
+        tp_classes = [(t, 1) for t in sorted(odd_tp[p])] + \
+            ([(clean, n_clean)] if n_clean and clean is not None else [])
         for d, nd in dp_classes:
             for t, nt in tp_classes:
                 out[layout.rank(p, d, t)] = nd * nt

@@ -47,7 +47,7 @@ from simulator.passes.data import OPTIMIZER_BYTES_PER_PARAM
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule
 from simulator.tasks import Task, Workload
-from simulator.variability import Attributes, classes, jitter_factors, resolve
+from simulator.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
 
 __all__ = ["OPTIMIZER_BYTES_PER_PARAM", "BlockCosts", "block_costs", "build_workload"]
 
@@ -155,10 +155,12 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     attrs = resolve(s.variability, layout.world)
     weights = simulated_ranks(s, fidelity)
     ctx = Context(s, layout, cost, costs, schedule, tuple(weights))
+    if fidelity == "folded" and attrs.asymmetric:
+        ctx.clean_tp = clean_tp_index(layout, attrs)
     build_programs(ctx)
     _vary_compute(ctx.programs, attrs, s, step)
     weight = float(s.parallel.tp * s.parallel.dp) if fidelity == "folded" else 1.0
-    symmetric = not attrs.asymmetric
+    symmetric = not attrs.asymmetric or fidelity != "folded"
     return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},
                     dict(attrs.links))

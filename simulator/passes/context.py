@@ -57,6 +57,8 @@ class Context:
         self.overlap = s.parallel.overlap if s.hardware.gpu.comm_overlaps_compute \
             else OverlapSpec(dp=False, pp=False, zero3_prefetch=False)
         self.hooks = Hooks.of([])  # the installed passes' hooks (see ``install``)
+        # asymmetric folding: the TP index whose ranks stand for the clean ones
+        self.clean_tp: int | None = None
 
     def install(self, passes: list[Pass]) -> None:
         self.hooks = Hooks.of(passes)

@@ -75,9 +75,12 @@ class PipelinePass:
 
     def resolve(self) -> None:
         """Make each action's first compute wait for the transfer it receives."""
-        tasks = self.ctx.tasks
+        tasks, layout, clean = self.ctx.tasks, self.ctx.layout, self.ctx.clean_tp
         for task, key in self.waits:
             sid = self.sends.get(key)
+            if sid is None and clean is not None:  # an odd TP index the sender's stage lacks
+                c = layout.coord(key[3])
+                sid = self.sends.get((*key[:3], layout.rank(c.pp, c.dp, clean)))
             if sid is not None and tasks[sid].rank != task.rank:
                 task.deps.append(sid)
 
