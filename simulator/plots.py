@@ -120,9 +120,16 @@ def _scenario_header(results: Mapping[str, Any] | None) -> tuple[str, Mapping[st
 # --- timeline ------------------------------------------------------------------------
 
 
-def _timeline_rows(spans: pd.DataFrame, all_ranks: bool) -> pd.DataFrame:
-    """Rows of the Gantt chart: ``rank``, ``row`` (0 at the top) and tick ``label``."""
-    ranks = spans.drop_duplicates("rank").sort_values(["stage", "dp", "tp", "rank"])
+def _timeline_rows(spans: pd.DataFrame, all_ranks: bool,
+                   prefer: Mapping[int, float] | None = None) -> pd.DataFrame:
+    """Rows of the Gantt chart: ``rank``, ``row`` (0 at the top) and tick ``label``. One
+    row per stage shows the rank with most of ``prefer`` (seconds of the critical path)
+    on that stage, else its lowest rank; a row that is not the lowest says which rank
+    it is."""
+    ranks = spans.drop_duplicates("rank")
+    ranks = ranks.assign(_path=-ranks["rank"].map(prefer or {}).fillna(0.0).astype(float))
+    ranks = ranks.sort_values(["stage", "_path", "dp", "tp", "rank"])
+    lowest = spans.groupby("stage", observed=True)["rank"].min()
     if not all_ranks:
         ranks = ranks.drop_duplicates("stage")
     ranks = ranks.reset_index(drop=True)
@@ -130,7 +137,8 @@ def _timeline_rows(spans: pd.DataFrame, all_ranks: bool) -> pd.DataFrame:
         labels = [f"rank {r} (stage {s})" for r, s in zip(ranks["rank"], ranks["stage"],
                                                              strict=True)]
     else:
-        labels = [f"stage {s}" for s in ranks["stage"]]
+        labels = [f"stage {s}" if r == lowest[s] else f"stage {s} (rank {r})"
+                  for r, s in zip(ranks["rank"], ranks["stage"], strict=True)]
     return pd.DataFrame({"rank": ranks["rank"], "row": ranks.index, "label": labels})
 
 
@@ -320,7 +328,7 @@ def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = Non
                     all_ranks: bool = False) -> Figure:
     """Per-stage Gantt chart of a span table (see the module notes)."""
     spans = normalize_spans(spans)
-    rows = _timeline_rows(spans, all_ranks)
+    rows = _timeline_rows(spans, all_ranks, _path_ranks(results or {}))
     bands = _stream_bands(sorted(set(spans["stream"])))
     bars = _split_waits(spans).merge(rows[["rank", "row"]], on="rank")
     # astype: an empty column maps to strings, not numbers
@@ -579,13 +587,21 @@ def plot_memory(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Pat
 # --- a run directory -----------------------------------------------------------------
 
 
+def _path_ranks(results: Mapping[str, Any]) -> dict[int, float]:
+    """The ranks the critical path visits, with its seconds on each."""
+    path = results.get("critical_path")
+    out: dict[int, float] = {}
+    for seg in path if isinstance(path, list) else ():
+        if isinstance(seg, Mapping) and "rank" in seg:
+            r = int(seg["rank"])
+            out[r] = out.get(r, 0.0) + float(seg.get("end", 0.0)) - float(seg.get("start", 0.0))
+    return out
+
+
 def _drawn_ranks(stage_ranks: list[int], results: Mapping[str, Any]) -> list[int]:
     """The ranks the timeline needs: one per stage, and those the critical path visits
     (it is drawn on their stage's row)."""
-    path = results.get("critical_path")
-    visited = {int(seg["rank"]) for seg in path if isinstance(seg, Mapping) and "rank" in seg} \
-        if isinstance(path, list) else set()
-    return sorted(set(stage_ranks) | visited)
+    return sorted(set(stage_ranks) | set(_path_ranks(results)))
 
 
 def plot_all(out_dir: str | os.PathLike[str], results: Mapping[str, Any] | None = None,
