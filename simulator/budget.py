@@ -28,10 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.errors import Problem, UserError
-from simulator.layout import Layout
 from simulator.placement import stage_layer_count
 from simulator.scenario import MAX_STAGES, Scenario
-from simulator.variability import classes, resolve
+from simulator.workload import simulated_count
 
 DEFAULT_MAX_TASKS = 20_000_000
 BYTES_PER_TASK = 1_600  # task, engine state and span row; measured on llama2-70b-128xh100
@@ -66,11 +65,7 @@ def tasks_per_layer(s: Scenario) -> int:
 
 def engine_cost(s: Scenario, fidelity: str) -> Cost:
     """Estimated size of the engine's workload for ``s`` at ``fidelity``."""
-    par = s.parallel
-    ranks = par.world
-    if fidelity == "folded":
-        layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
-        ranks = len(classes(layout, resolve(s.variability, par.world)))
+    ranks = simulated_count(s, fidelity)
     per_stage = _most_layers(s)
     per_rank = s.microbatches * per_stage * tasks_per_layer(s) + 2 * per_stage + 10
     return Cost(ranks, ranks * per_rank)

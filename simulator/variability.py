@@ -31,7 +31,10 @@ own stage and its neighbours (which receive from it) only. A rank whose sender
 is not simulated receives from the clean index's representative
 (:func:`clean_tp_index`). One slow GPU thus adds one class per stage (its
 replica) and two more on its stage and its neighbours, never a fall back to full
-fidelity; tests check folded against full to 1e-9. Jitter is drawn per
+fidelity; tests check folded against full to 1e-9. Expert parallelism splits a
+replica index into (expert-data index, position in the EP group), each split on
+its own (:func:`replica_classes`); experts with a TP degree of their own regrid a
+stage in a way that does not factor, and such a run simulates every rank. Jitter is drawn per
 simulated rank: in folded mode a class's members move together (the max over
 many independently jittered ranks needs ``--fidelity full``).
 """
@@ -187,13 +190,29 @@ def clean_tp_index(layout: Layout, attrs: Attributes) -> int | None:
     return next((t for t in range(layout.tp) if t not in odd), None)
 
 
-def classes(layout: Layout, attrs: Attributes) -> dict[int, int]:
-    """Representative rank -> how many ranks its class holds (see the module notes)."""
-    asym = [layout.coord(r) for r in attrs.asymmetric]
-    odd_dp = sorted({c.dp for c in asym})
-    clean_dp = [d for d in range(layout.dp) if d not in odd_dp]
-    # (lowest index, size) of each class of replicas
-    dp_classes = [(d, 1) for d in odd_dp] + ([(clean_dp[0], len(clean_dp))] if clean_dp else [])
+def _axis_classes(n: int, odd: set[int]) -> list[tuple[int, int]]:
+    """(lowest index, size) of each class of ``range(n)``: each odd index alone, the
+    rest together."""
+    clean = [i for i in range(n) if i not in odd]
+    return [(i, 1) for i in sorted(odd)] + ([(clean[0], len(clean))] if clean else [])
+
+
+def replica_classes(layout: Layout, attrs: Attributes, ep: int = 1) -> list[tuple[int, int]]:
+    """(lowest replica, size) of each class of data-parallel replicas. With expert
+    parallelism (ep > 1, experts split as the dense TP) a replica index is (expert-data
+    index, position in its EP group), and each coordinate is split on its own."""
+    odd = {layout.coord(r).dp for r in attrs.asymmetric}
+    if ep <= 1:
+        return _axis_classes(layout.dp, odd)
+    outer = _axis_classes(layout.dp // ep, {d // ep for d in odd})
+    inner = _axis_classes(ep, {d % ep for d in odd})
+    return [(a * ep + j, na * nj) for a, na in outer for j, nj in inner]
+
+
+def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
+    """Representative rank -> how many ranks its class holds (see the module notes);
+    ``ep``: the expert-parallel degree when the experts' TP is the dense TP."""
+    dp_classes = replica_classes(layout, attrs, ep)
     odd_tp = odd_tp_indices(layout, attrs)
     if clean_tp_index(layout, attrs) is None:  # no common stand-in: split every stage alike
         every = set().union(*odd_tp.values())

@@ -129,14 +129,32 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
                    moe_freq=spec.moe_layer_freq)
 
 
+def _folds(s: Scenario, fidelity: str) -> bool:
+    """Whether a run of this fidelity folds (see :func:`simulated_ranks`)."""
+    if fidelity != "folded":
+        return False
+    ep = s.parallel.ep if s.model.is_moe else 1
+    regridded = ep > 1 and (s.parallel.expert_tp or s.parallel.tp) != s.parallel.tp
+    return not (regridded and s.variability.active)
+
+
 def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
     """The ranks a run of this fidelity simulates and how many ranks each stands for:
     every rank once (full), else one per class of :func:`simulator.variability.classes`
-    (one per stage when the cluster is symmetric)."""
-    layout = Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp, s.cluster.gpus_per_node or 1)
-    if fidelity != "folded":
+    (one per stage when the cluster is symmetric). Expert parallelism regroups a
+    stage's ranks; when its expert TP differs from the dense TP that grid does not
+    factor into (replica, TP index), and a run with variability simulates every rank."""
+    par = s.parallel
+    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
+    if not _folds(s, fidelity):
         return dict.fromkeys(range(layout.world), 1)
-    return classes(layout, resolve(s.variability, layout.world))
+    return classes(layout, resolve(s.variability, layout.world),
+                   par.ep if s.model.is_moe else 1)
+
+
+def simulated_count(s: Scenario, fidelity: str) -> int:
+    """``len(simulated_ranks(s, fidelity))`` without listing a full run's ranks."""
+    return len(simulated_ranks(s, fidelity)) if _folds(s, fidelity) else s.parallel.world
 
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
@@ -155,12 +173,13 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     attrs = resolve(s.variability, layout.world)
     weights = simulated_ranks(s, fidelity)
     ctx = Context(s, layout, cost, costs, schedule, tuple(weights))
-    if fidelity == "folded" and attrs.asymmetric:
+    if _folds(s, fidelity) and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     build_programs(ctx)
     _vary_compute(ctx.programs, attrs, s, step)
-    weight = float(s.parallel.tp * s.parallel.dp) if fidelity == "folded" else 1.0
-    symmetric = not attrs.asymmetric or fidelity != "folded"
+    folded = _folds(s, fidelity)
+    weight = float(s.parallel.tp * s.parallel.dp) if folded else 1.0
+    symmetric = not attrs.asymmetric or not folded
     return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},
                     dict(attrs.links))

@@ -34,7 +34,8 @@ def assert_partition(results: dict[str, Any]) -> None:
     step = results["step_time_s"]
     assert results["time_breakdown_s"], "one entry per simulated rank"
     for entry in results["time_breakdown_s"]:
-        assert set(entry) == {"rank", "stage", *acc.CATEGORIES}
+        # "ranks": how many ranks the entry stands for (asymmetric folding)
+        assert set(entry) - {"ranks"} == {"rank", "stage", *acc.CATEGORIES}
         values = [entry[c] for c in acc.CATEGORIES]
         assert min(values) >= -REL * step, entry
         assert sum(values) == pytest.approx(step, rel=REL)
@@ -48,7 +49,7 @@ def assert_partition(results: dict[str, Any]) -> None:
             assert after["start"] == pytest.approx(before["end"], rel=REL, abs=1e-15)
 
 
-@pytest.mark.parametrize("path", [p for p in SCENARIOS if p.stem != "gpt3-175b-1024"],
+@pytest.mark.parametrize("path", [p for p in SCENARIOS if not p.stem.startswith("gpt3-175b-1024")],
                          ids=lambda p: p.stem)
 def test_bundled_scenarios_partition_the_step(path: Path) -> None:
     s = load_scenario(path)

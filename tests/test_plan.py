@@ -185,7 +185,8 @@ def _bundled(model: str, gpus: int) -> list[Path]:
     out = []
     for path in sorted(SCENARIOS.glob("*.yaml")):
         s = load_scenario(path)
-        if s.model.preset == model and s.parallel.world == gpus:
+        # the plan compares symmetric layouts: a straggler variant is not one
+        if s.model.preset == model and s.parallel.world == gpus and not s.variability.active:
             out.append(path)
     return out
 

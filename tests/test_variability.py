@@ -30,14 +30,18 @@ GPT = {"layers": 8, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64}
 REL = 1e-9
 
 
+MOE = {**GPT, "experts": 4, "experts_per_token": 2, "activation": "swiglu", "bias": False,
+       "router_skew": {"concentration": 2.0, "seed": 1}}
+
+
 def make(variability: dict[str, Any] | None = None, *, tp: int = 1, pp: int = 1, dp: int = 1,
          m: int = 4, gpus_per_node: int = 8, cluster: dict[str, Any] | None = None,
-         **parallel: Any) -> Scenario:
+         model: dict[str, Any] | None = None, **parallel: Any) -> Scenario:
     world = tp * pp * dp
     gpn = min(world, gpus_per_node)
     return scenario_from_dict({
         "name": "variability",
-        "model": GPT,
+        "model": model or GPT,
         "cluster": {"system": "dgx-a100-80gb", "nodes": world // gpn, "gpus_per_node": gpn,
                     **(cluster or {})},
         "parallel": {"tp": tp, "pp": pp, "dp": dp, **parallel},
@@ -100,6 +104,11 @@ ASYMMETRIC = [
         "slow_gpus": [{"ranks": [50], "compute_slowdown": 1.2},
                       {"ranks": [13], "compute_slowdown": 1.1}],
         "slow_links": [{"rank": 2, "link": "intra_node", "bandwidth_factor": 0.5}]}),
+    # expert parallelism splits a replica index into (expert-data index, EP position)
+    ({"tp": 2, "pp": 2, "dp": 8, "ep": 4, "sequence_parallel": True, "model": MOE},
+     slow([13], 1.3)),
+    ({"tp": 2, "pp": 2, "dp": 8, "ep": 2, "zero": 1, "sequence_parallel": True, "model": MOE},
+     {"slow_links": [{"rank": 9, "link": "inter_node", "bandwidth_factor": 0.5}]}),
 ]
 
 
@@ -237,3 +246,14 @@ def test_steps_without_jitter_are_equal_and_need_the_engine(
     assert main(["run", str(path), "--out", str(tmp_path / "a"), "--steps", "3",
                  "--method", "analytic"]) == 2
     assert "--steps = 3" in capsys.readouterr().err
+
+
+def test_expert_grid_unlike_the_dense_one_simulates_every_rank() -> None:
+    """Experts with their own TP degree regroup a stage in a grid that does not factor
+    into (replica, TP index): with variability, folding keeps every rank."""
+    s = make(slow([3], 1.2), tp=2, pp=1, dp=4, ep=4, expert_tp=1, sequence_parallel=True,
+             model=MOE)
+    folded, _ = simulate_scenario(s, "engine", "folded")
+    full, _ = simulate_scenario(s, "engine", "full")
+    assert folded["ranks_simulated"] == full["ranks_simulated"] == 8
+    assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=REL)
