@@ -52,3 +52,12 @@ def test_powersgd_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     comparison = json.loads((tmp_path / "comparison.json").read_text())
     compression = comparison["scenario"]["training"]["gradient_compression"]
     assert compression["method"] == "powersgd" and compression["rank"] == 4
+
+
+def test_kernel_table_prices_every_kernel() -> None:
+    """The diagnostic behind the README's PowerSGD row: every kernel measured and priced."""
+    from calibration.measured.powersgd_kernels import kernel_table
+
+    rows = kernel_table(str(PROFILE), "tiny-gpt", rank=4, repeats=3)
+    assert [r[0] for r in rows][:3] == ["P = M·Q", "Q = Mᵀ·P", "M = P·Qᵀ"]
+    assert len(rows) == 6 and all(m > 0 and s > 0 for _, m, s in rows)
