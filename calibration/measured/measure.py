@@ -180,6 +180,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="register PyTorch's PowerSGD DDP hook of this rank (dp > 1, zero 0, tp 1); "
         "it compresses from the first timed step (default 0: off)",
     )
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="replace every MLP by this many routed experts, top-2, capacity factor 1 "
+        "(calibration/measured/moe_worker.py; tp 1, pp 1; default 0: dense)",
+    )
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree, dividing dp (default 1)"
+    )
     p.add_argument("--steps", type=int, required=True, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--device", choices=DEVICES, required=True, help="cpu (gloo) or cuda (nccl)")
@@ -222,6 +232,8 @@ def _cli_main(args: argparse.Namespace) -> int:
             micro_batch_size=args.micro_batch_size,
             sequence_parallel=args.sequence_parallel,
             powersgd_rank=args.powersgd_rank,
+            experts=args.experts,
+            ep=args.ep,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -49,6 +49,10 @@ class MeasureConfig:
     seed: int = 1234  # model init and synthetic data
     virtual_stages: int = field(default=1)  # model chunks per pipeline rank
     powersgd_rank: int = 0  # > 0: PowerSGD DDP hook of this rank, from step `warmup` on
+    experts: int = 0  # > 0: every MLP is this many routed experts (calibration/measured/moe_worker)
+    ep: int = 1  # expert-parallel degree (carved out of dp)
+    experts_per_token: int = 2  # top-k routing
+    capacity_factor: float = 1.0  # each expert's buffer: capacity_factor * k * tokens / experts
 
     @property
     def world_size(self) -> int:
@@ -131,6 +135,8 @@ def validate(cfg: MeasureConfig) -> None:
             f"warmup={cfg.warmup}: PowerSGD starts after the warm-up steps and PyTorch "
             "needs at least 2; use --warmup 2 or more",
         )
+    if cfg.experts or cfg.ep > 1:
+        _moe_problems(cfg)
     stages = cfg.pp * cfg.virtual_stages
     _require(
         m["layers"] % stages == 0,
@@ -155,6 +161,25 @@ def validate(cfg: MeasureConfig) -> None:
             cfg.world_size <= available,
             f"tp*pp*dp={cfg.world_size}: only {available} CUDA device(s) here; lower the degrees",
         )
+
+
+def _moe_problems(cfg: MeasureConfig) -> None:
+    """The MoE worker runs experts over EP ranks carved out of dp, without TP, PP or ZeRO."""
+    _require(cfg.experts >= 2, f"ep={cfg.ep}: needs experts >= 2 (got {cfg.experts})")
+    _require(
+        cfg.tp == 1 and cfg.pp == 1 and cfg.zero == 0 and not cfg.powersgd_rank,
+        f"experts={cfg.experts}: the MoE run has expert and data parallelism only; use tp 1, "
+        "pp 1, zero 0 and no PowerSGD",
+    )
+    _require(
+        cfg.ep >= 1 and cfg.dp % cfg.ep == 0 and cfg.experts % cfg.ep == 0,
+        f"ep={cfg.ep}: must divide dp ({cfg.dp}) and experts ({cfg.experts})",
+    )
+    _require(
+        1 <= cfg.experts_per_token <= cfg.experts,
+        f"experts_per_token={cfg.experts_per_token}: use 1 to experts ({cfg.experts})",
+    )
+    _require(cfg.capacity_factor > 0, f"capacity_factor={cfg.capacity_factor}: must be > 0")
 
 
 def _cuda_device_count() -> int:
@@ -184,6 +209,8 @@ def make_config(
     sequence_parallel: bool = False,
     seed: int = 1234,
     powersgd_rank: int = 0,
+    experts: int = 0,
+    ep: int = 1,
 ) -> MeasureConfig:
     """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
     _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -206,6 +233,8 @@ def make_config(
         seed=seed,
         virtual_stages=VIRTUAL_STAGES[schedule] if pp > 1 else 1,
         powersgd_rank=powersgd_rank,
+        experts=experts,
+        ep=ep,
     )
     validate(cfg)
     return cfg

@@ -30,7 +30,7 @@ def torchrun_command(cfg: MeasureConfig, config_path: Path) -> list[str]:
         f"--log-dir={Path(cfg.out_dir) / 'logs'}",
         "--redirects=3",
         "-m",
-        "calibration.measured.parallel_worker",
+        f"calibration.measured.{'moe_worker' if cfg.experts else 'parallel_worker'}",
         "--config",
         str(config_path),
     ]

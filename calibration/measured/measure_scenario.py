@@ -55,6 +55,8 @@ def scenario_name(cfg: MeasureConfig) -> str:
         name += f"-zero{cfg.zero}"
     if cfg.powersgd_rank:
         name += f"-powersgd{cfg.powersgd_rank}"
+    if cfg.experts:
+        name += f"-moe{cfg.experts}-ep{cfg.ep}"
     return name + ("-sp" if cfg.sequence_parallel else "")
 
 
@@ -104,6 +106,13 @@ def scenario_dict(
         },
         "training": training,
     }
+    if cfg.experts:  # calibration/measured/moe_worker.py: padded buffers, one dense reduction
+        model = out["model"]
+        parallel = out["parallel"]
+        assert isinstance(model, dict) and isinstance(parallel, dict)
+        model.update(experts=cfg.experts, experts_per_token=cfg.experts_per_token,
+                     expert_ffn_hidden=m["ffn_hidden"], capacity_factor=cfg.capacity_factor)
+        parallel.update(ep=cfg.ep, dp_bucket_MB=1e6)
     if cfg.powersgd_rank:
         from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
 

@@ -7,7 +7,8 @@ with that profile), and writes ``DIR/validation.md`` and ``DIR/validation.csv``:
 one row per configuration with measured and simulated step time and the error.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
-PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3). With more devices
+PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3), and the MoE GPT (4 experts,
+top-2) with EP 2. With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
@@ -36,6 +37,8 @@ class Config:
     schedule: str = "1f1b"
     zero: int = 0
     powersgd_rank: int = 0  # PyTorch's PowerSGD DDP hook (calibration/measured/compression_hook)
+    experts: int = 0  # > 0: the MoE GPT with EP (calibration/measured/moe_worker)
+    ep: int = 1
 
 
 CPU_CONFIGS = (
@@ -45,6 +48,7 @@ CPU_CONFIGS = (
     Config("pp2-1f1b", pp=2, schedule="1f1b"),
     Config("tp2", tp=2),
     Config("fsdp2", dp=2, zero=3),
+    Config("ep2-moe", dp=2, experts=4, ep=2),
 )
 MULTI_GPU_CONFIGS = (
     Config("tp2-pp2", tp=2, pp=2),
@@ -106,7 +110,8 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
                     micro_batches=args.micro_batches, model=args.model, steps=args.steps,
                     warmup=args.warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
-                    micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank)
+                    micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank,
+                    experts=cfg.experts, ep=cfg.ep)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
