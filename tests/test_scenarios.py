@@ -28,6 +28,7 @@ import pytest
 
 from simulator.cli import main
 from simulator.memory import memory_report
+from simulator.placement import stage_layer_count
 from simulator.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
@@ -241,3 +242,19 @@ def test_hetero_bubble_reduces_to_theory() -> None:
     for p, m in ((2, 1), (3, 5), (4, 8), (16, 192)):
         assert _hetero_bubble([m * 1.0] * p, p, m) == pytest.approx((p - 1) / (m + p - 1),
                                                                     rel=1e-12)
+
+
+def test_llama3_405b_places_126_layers_on_16_stages(run_dir: Path) -> None:
+    """Llama 3 §3.3.2: one layer fewer on the first and the last stage (their first and
+    last chunks are empty): 7 + 14 × 8 + 7 = 126. Their lighter load is imbalance idle,
+    and the embedding-free middle stages carry the most memory."""
+    name = "llama3-405b-16k-h100"
+    s = load_scenario(SCENARIOS / f"{name}.yaml")
+    assert s.model.layers % s.parallel.pp  # the even split would be refused
+    layers = [stage_layer_count(s.model.layers, s.parallel, r) for r in range(s.parallel.pp)]
+    assert layers == [7] + [8] * 14 + [7]
+    results = _results(name, run_dir)
+    idle = {e["stage"]: e["imbalance_idle"] for e in results["time_breakdown_s"]}
+    assert idle[0] > 2 * idle[1] and idle[15] > 2 * idle[1]
+    stages = memory_report(s)
+    assert max(stages, key=lambda m: m.total).stage not in (0, 15)
