@@ -148,7 +148,10 @@ def unit_shapes(spec: ModelSpec, layers: int, first: bool, last: bool,
         norm = [(spec.hidden, 1)] * (2 if spec.norm == "layernorm" else 1)
         head = [(spec.vocab, spec.hidden)] if not spec.tied_embeddings else []
         copy = [(spec.vocab, spec.hidden)] if tied_copy else []
-        units[0] = units[0] + norm + head + copy
+        if units:
+            units[0] = units[0] + norm + head + copy
+        else:  # a last stage without layers (parallel.layers_per_stage): its own unit
+            units.append(norm + head + copy)
     if first:
         units.append([(spec.vocab, spec.hidden)]
                      + ([(spec.seq_len, spec.hidden)] if spec.position == "learned" else []))
@@ -256,8 +259,16 @@ def stage_shapes(s: Scenario, stage: int) -> list[tuple[int, int]]:
 
 
 def stage_elements(s: Scenario, stage: int) -> float:
-    """Gradient elements on one rank of ``stage`` (its TP shard)."""
-    return sum(n * m for n, m in stage_shapes(s, stage)) / s.parallel.tp
+    """Gradient elements on one rank of ``stage`` (its TP shard), in closed form: the
+    layers' (equal) tensors times the layer count, plus the ends' (no list of a
+    billion layers)."""
+    par, spec = s.parallel, s.model
+    layers = placement.stage_layer_count(spec.layers, par, stage)
+    ends = unit_shapes(spec, 0, stage == 0, stage == par.pp - 1,
+                       spec.tied_embeddings and par.pp > 1)
+    total = layers * sum(n * m for n, m in layer_shapes(spec)) \
+        + sum(n * m for unit in ends for n, m in unit)
+    return total / par.tp
 
 
 def _bucket_elements(s: Scenario, total: float) -> float:

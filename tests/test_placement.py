@@ -19,12 +19,13 @@ from test_accounting import assert_partition
 from test_engine import balanced, make_scenario, run_engine
 
 from simulator.analytic import analytic_estimate
+from simulator.api import simulate_scenario
 from simulator.cli import main
 from simulator.errors import ScenarioError
 from simulator.memory import memory_report, peak_memory, stage_params
 from simulator.model import param_count
 from simulator.placement import chunk_layers, stage_layer_count, stage_layers
-from simulator.scenario import ParallelSpec, load_scenario
+from simulator.scenario import ParallelSpec, load_scenario, scenario_from_dict
 
 MODEL = {"hidden": 512, "heads": 8, "vocab": 4096, "seq_len": 128}
 EXACT = 1e-9
@@ -202,3 +203,17 @@ def test_cli_refuses_a_bad_placement_in_one_line(tmp_path, capsys) -> None:
     assert rc == 2 and "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.startswith("error")]
     assert len(lines) == 1 and "parallel.layers_per_stage" in lines[0] and "sums to 33" in lines[0]
+
+
+@pytest.mark.parametrize("method", ["powersgd", "fp8"])
+def test_a_last_stage_without_layers_keeps_its_gradient_unit(method: str) -> None:
+    """The head's gradients are their own unit on a last stage that holds no layers
+    (the compression pass buckets the same units as the data pass)."""
+    data = make_scenario(pp=4, dp=2, m=4, model={**MODEL, "layers": 6},
+                         parallel={"layers_per_stage": [2, 2, 2, 0]}).to_dict()
+    data["training"]["gradient_compression"] = {"method": method}
+    s = scenario_from_dict(data)
+    for how in ("engine", "analytic"):
+        results, _ = simulate_scenario(s, how)
+        assert results["gradient_compression"]["compressed_step"]
+        assert_partition(results)
