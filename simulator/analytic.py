@@ -45,7 +45,13 @@ from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule, execute, schedule_spec
 from simulator.variability import resolve
-from simulator.workload import OPTIMIZER_BYTES_PER_PARAM, BlockCosts, block_costs
+from simulator.workload import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    BlockCosts,
+    block_costs,
+    layout_of,
+    local_scenario,
+)
 
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
 Experts = tuple[float, float, float, float]
@@ -74,17 +80,19 @@ def _chunk_layers(s: Scenario, stage: int) -> list[tuple[int, int]]:
 
 
 def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
-            first: bool, last: bool, experts: Experts = NO_EXPERTS) -> dict[str, float]:
+            first: bool, last: bool, experts: Experts = NO_EXPERTS,
+            t_cp: float = 0.0) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
     layer's routed experts forward and input-gradient seconds, one all-to-all's and
-    one expert-TP collective's (:func:`_expert_times`)."""
+    one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
+    context-parallel exchange, all passes (:func:`_cp_exposed`)."""
     par, spec = s.parallel, s.model
     tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
     passes = 3 if par.recompute == "full" else 2
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
-                         "tp_transfer", "ep_transfer"), 0.0)
+                         "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
     for layer, count in kinds:
         lc = c.layer(layer)
         out["forward"] += count * sum(lc.fwd)
@@ -92,6 +100,7 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
         out["backward_weight"] += count * sum(lc.bwd_weight)
         out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
         out["tp_transfer"] += count * tp_per_pass * passes
+        out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
             fwd, bwd, a2a, etp = experts
             out["forward"] += count * fwd
@@ -108,17 +117,16 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
 
 
 def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                  experts: Experts = NO_EXPERTS) -> dict[str, float]:
+                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0) -> dict[str, float]:
     """:func:`_passes` of one pipeline stage (all its chunks)."""
     return _slowed(s, _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
-                              stage == s.parallel.pp - 1, experts), stage)
+                              stage == s.parallel.pp - 1, experts, t_cp), stage)
 
 
 def _slowdown(s: Scenario) -> dict[int, float]:
     """Per pipeline stage, the largest compute factor of its ranks
     (``variability.slow_gpus``)."""
-    par = s.parallel
-    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
+    layout = layout_of(s)
     out: dict[int, float] = {}
     for rank, f in resolve(s.variability, layout.world).compute.items():
         st = layout.coord(rank).pp
@@ -138,19 +146,41 @@ def _slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
 def _times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
     """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
     count in the pass they sit in."""
-    comm = d["tp_transfer"] + d["ep_transfer"]
+    comm = d["tp_transfer"] + d["ep_transfer"] + d["cp_transfer"]
     comm_f = comm / (3 if s.parallel.recompute == "full" else 2)
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
 
 def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                 experts: Experts = NO_EXPERTS) -> tuple[float, ...]:
+                 experts: Experts = NO_EXPERTS, t_cp: float = 0.0) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return _times(s, _stage_passes(s, c, t_tp, stage, experts))
+    return _times(s, _stage_passes(s, c, t_tp, stage, experts, t_cp))
 
 
-def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts,
+def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) -> float:
+    """One layer's exposed context-parallel exchange per micro-batch, all passes
+    (:mod:`simulator.passes.context_parallel`): a ring beyond what its attention block
+    hides (twice the bytes in backward), or the blocking all-gathers and the
+    gradients' reduce-scatter. ``s`` is the rank's local view (seq_len / cp)."""
+    par, trn = s.parallel, s.training
+    if par.cp == 1:
+        return 0.0
+    size = par.cp * mdl.cp_kv_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
+    group = layout.cp_group(0)
+    fwd_passes = 2 if par.recompute == "full" else 1
+    if par.cp_comm_type == "allgather":
+        ag = _collective_time(s, layout, "all_gather", size, group, hw)
+        rs = _collective_time(s, layout, "reduce_scatter", size, group, hw)
+        return fwd_passes * ag + ag + rs
+    ring_f = _collective_time(s, layout, "all_gather", size, group, hw)
+    ring_b = _collective_time(s, layout, "all_gather", 2 * size, group, hw)
+    lc = c.layer(0)
+    return fwd_passes * max(0.0, ring_f - lc.fwd[0]) \
+        + max(0.0, ring_b - lc.bwd_input[0] - lc.bwd_weight[0])
+
+
+def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
                     slowest: tuple[float, ...]) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
     even placement; for an uneven one (:mod:`simulator.placement`) the schedule's actions
@@ -164,7 +194,7 @@ def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts,
         return closed
     chunks = [_times(s, _slowed(s, _passes(s, c, t_tp,
                                             _kinds(s, [chunk_layers(s.model.layers, par, k)]),
-                                            k == 0, k == n - 1, experts), k % par.pp))
+                                            k == 0, k == n - 1, experts, t_cp), k % par.pp))
               for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
@@ -288,22 +318,24 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                       hw: HardwareProfile | None = None) -> dict[str, Any]:
     """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
     hardware profile (``--what-if`` prices the same step with one class faster)."""
-    par, spec, trn = s.parallel, s.model, s.training
     hw = hw or s.hardware
-    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
-    cost = cost or CostModel(hw, trn.dtype)
+    cost = cost or CostModel(hw, s.training.dtype)
     c = costs or block_costs(s, cost)
+    s = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
+    par, spec, trn = s.parallel, s.model, s.training
+    layout = layout_of(s)
     rank0 = 0
     tp_op: CollectiveName = "all_gather" if par.sequence_parallel else "all_reduce"
     t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
                                                                           trn.dtype),
                             layout.tp_group(rank0), hw)
     experts = _expert_times(s, layout, cost, hw)
-    stages = [_stage_times(s, c, t_tp, st, experts) for st in range(par.pp)]
+    t_cp = _cp_exposed(s, layout, c, hw)
+    stages = [_stage_times(s, c, t_tp, st, experts, t_cp) for st in range(par.pp)]
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
     f, b, w = stages[slowest]
     m = s.microbatches
-    t_pipe = _pipeline_phase(s, c, t_tp, experts, stages[slowest])
+    t_pipe = _pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest])
     # fill and drain transfers on the critical path
     t_p2p = 0.0
     if par.pp > 1:
@@ -377,7 +409,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     for st in range(par.pp):
         entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
         entry.update(dict.fromkeys(acc.CATEGORIES, 0.0))
-        passes = _stage_passes(s, c, t_tp, st, experts)
+        passes = _stage_passes(s, c, t_tp, st, experts, t_cp)
         for category, seconds in passes.items():
             entry[category] = m * seconds
         for category, seconds in after.items():

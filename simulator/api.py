@@ -85,7 +85,7 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
     spans, links = None, None
-    tp_dp = s.parallel.tp * s.parallel.dp
+    tp_dp = s.parallel.tp * s.parallel.cp * s.parallel.dp  # ranks per stage
     traced: list[int] = []
     if trace_ranks is not None and method != "analytic":  # a bad selection fails first
         traced = select_ranks(trace_ranks, _ranks(s, fidelity), tp_dp)

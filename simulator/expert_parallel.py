@@ -55,7 +55,7 @@ from simulator.scenario import ModelSpec, Scenario
 
 def _stage_base(layout: Layout, rank: int) -> tuple[int, int]:
     """(first rank of ``rank``'s stage, ``rank``'s index among the stage's tp · dp)."""
-    per_stage = layout.tp * layout.dp
+    per_stage = layout.per_stage
     return rank - rank % per_stage, rank % per_stage
 
 
@@ -70,7 +70,7 @@ def edp_group(layout: Layout, rank: int, etp: int, ep: int) -> tuple[int, ...]:
     """The ranks that hold the same experts (and reduce their gradients)."""
     base, i = _stage_base(layout, rank)
     t, e = i % etp, (i // etp) % ep
-    edp = layout.tp * layout.dp // (etp * ep)
+    edp = layout.per_stage // (etp * ep)
     return tuple(base + d * etp * ep + e * etp + t for d in range(edp))
 
 

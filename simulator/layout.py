@@ -1,9 +1,13 @@
-"""Layout: rank ↔ (pp, dp, tp) coordinates, node placement and process groups.
+"""Layout: rank ↔ (pp, dp, cp, tp) coordinates, node placement and process groups.
 
-Megatron-LM's order with TP innermost: ``rank = pp_idx · (dp · tp) + dp_idx · tp +
-tp_idx``. A TP group is ``tp`` consecutive ranks (inside one node whenever tp ≤
-GPUs per node), DP peers are ``tp`` apart and pipeline stages ``dp · tp`` apart.
-Nodes hold consecutive ranks.
+Megatron-LM's order (``megatron/core/parallel_state.py``, tp-cp-ep-dp-pp) with TP
+innermost: ``rank = ((pp_idx · dp + dp_idx) · cp + cp_idx) · tp + tp_idx``. A TP
+group is ``tp`` consecutive ranks (inside one node whenever tp ≤ GPUs per node),
+context-parallel peers are ``tp`` apart, DP peers ``cp · tp`` apart and pipeline
+stages ``dp · cp · tp`` apart. Nodes hold consecutive ranks. The gradient
+reduction's group is the data-parallel group *with* context parallelism (every
+rank of the stage with the same TP index: CP ranks hold the same weights), as
+Megatron's ``get_data_parallel_group(with_context_parallel=True)``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ class Coord:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -25,18 +30,25 @@ class Layout:
     pp: int
     dp: int
     gpus_per_node: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    @property
+    def per_stage(self) -> int:
+        """Ranks of one pipeline stage: tp · cp · dp."""
+        return self.tp * self.cp * self.dp
+
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coord(self, rank: int) -> Coord:
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        return Coord(pp=rank // (self.tp * self.dp), dp=dp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        return Coord(pp=rank // self.per_stage, dp=dp, tp=tp, cp=cp)
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -44,12 +56,19 @@ class Layout:
     @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def tp_group(self, rank: int) -> tuple[int, ...]:
         c = self.coord(rank)
-        return tuple(self.rank(c.pp, c.dp, t) for t in range(self.tp))
+        return tuple(self.rank(c.pp, c.dp, t, c.cp) for t in range(self.tp))
 
     @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def dp_group(self, rank: int) -> tuple[int, ...]:
+        """The gradient reduction's group: the stage's ranks of this TP index (dp · cp)."""
         c = self.coord(rank)
-        return tuple(self.rank(c.pp, d, c.tp) for d in range(self.dp))
+        return tuple(self.rank(c.pp, d, c.tp, k) for d in range(self.dp) for k in range(self.cp))
+
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
+    def cp_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks that hold the other chunks of ``rank``'s sequences."""
+        c = self.coord(rank)
+        return tuple(self.rank(c.pp, c.dp, c.tp, k) for k in range(self.cp))
 
     def nodes_spanned(self, group: tuple[int, ...]) -> int:
         return len({self.node(r) for r in group})

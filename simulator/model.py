@@ -143,16 +143,34 @@ def _kv_per_rank(spec: ModelSpec, tp: int) -> float:
     return max(spec.kv / tp, 1.0)  # replicated when tp > kv_heads
 
 
-def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass) -> Op:
+def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
+    """The attention core of ``spec.seq_len`` queries per sequence against ``cp`` times as
+    many keys (context parallelism: a rank's chunk of queries meets every chunk's keys
+    and values, as ring attention and the KV all-gather do)."""
     tokens, q_width = b * spec.seq_len, spec.hidden / tp
     kv_width = _kv_per_rank(spec, tp) * spec.head_dim
-    fwd_flops = 4.0 * b * spec.seq_len**2 * q_width  # QKᵀ and AV, a/tp heads
+    fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
     if pass_ == "fwd":  # read q, k, v; write o
         return Op("attn_core", "attention", fwd_flops,
-                  dt * tokens * (2 * q_width + 2 * kv_width), fwd_flops)
+                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops)
     # read q, k, v, o, do; write dq, dk, dv
     return Op("attn_core", "attention", 2 * fwd_flops,
-              dt * tokens * (4 * q_width + 4 * kv_width), 2 * fwd_flops)
+              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops)
+
+
+def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
+                         pass_: Pass, cp: int) -> tuple[Op, ...]:
+    """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
+    against the whole sequence's keys (:func:`_attention_core`)."""
+    if cp == 1:
+        return ops
+    core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
+    return tuple(core if op.name == "attn_core" else op for op in ops)
+
+
+def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
+    """Bytes of one rank's key and value chunk of one layer (its TP share of KV heads)."""
+    return 2.0 * b * local.seq_len * _kv_per_rank(local, tp) * local.head_dim * dtype_bytes(dtype)
 
 
 def layer_ops(

@@ -264,6 +264,9 @@ class ParallelSpec(_Frozen):
     pp: int = Field(default=1, gt=0, le=MAX_SIZE)
     dp: int = Field(default=1, gt=0, le=MAX_SIZE)
     cp: int = Field(default=1, gt=0, le=MAX_SIZE)  # context parallel: the sequence split
+    # how CP ranks exchange keys and values (Megatron-LM's --cp-comm-type): p2p, ring
+    # attention overlapped with the attention compute; allgather, before it (Llama 3)
+    cp_comm_type: Literal["p2p", "allgather"] = "p2p"
     ep: int = Field(default=1, gt=0, le=MAX_SIZE)  # expert parallel: the experts split
     expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default tp
     schedule: Schedule = "1f1b"
@@ -600,15 +603,16 @@ def context_parallel_problems(s: Scenario) -> list[Problem]:
 
 
 def not_yet_simulated(s: Scenario) -> list[Problem]:
-    """What validates and has a memory model but no workload yet: the context-parallel
-    pass, latent attention in a dense model, and the combinations of a mixture of experts
-    that the expert pass (:mod:`simulator.passes.expert`) does not build."""
+    """What validates and has a memory model but no workload yet: context parallelism
+    with experts or latent attention, latent attention in a dense model, and the
+    combinations of a mixture of experts that the expert pass
+    (:mod:`simulator.passes.expert`) does not build."""
     par, mdl = s.parallel, s.model
     out = []
-    if par.cp > 1:
-        out.append(Problem("parallel.cp", par.cp, "not yet simulated: context parallelism "
-                           "validates and has a memory model (clustersim memory), but run "
-                           "needs its workload pass; use cp: 1"))
+    if par.cp > 1 and (mdl.is_moe or mdl.mla is not None):
+        out.append(Problem("parallel.cp", par.cp, "not yet simulated with a mixture of experts "
+                           "or latent attention (the expert grid and the latent attention core "
+                           "under CP are not modelled); use cp: 1"))
     if mdl.mla is not None and not mdl.is_moe:
         out.append(Problem("model.mla", "set", "not yet simulated: latent attention has "
                            "parameter, FLOP and memory arithmetic (clustersim memory), but run "

@@ -161,12 +161,11 @@ def span_table(result: SimResult) -> pd.DataFrame:
     rank = rank_of_task[tid]
     order = np.lexsort((end, start, rank))
     rank, tid = rank[order], tid[order]
-    tp_dp = layout.tp * layout.dp
     columns: dict[str, Any] = {
         "rank": rank,
-        "stage": (rank // tp_dp).astype(np.int32),
+        "stage": (rank // layout.per_stage).astype(np.int32),
         "tp": (rank % layout.tp).astype(np.int32),
-        "dp": ((rank // layout.tp) % layout.dp).astype(np.int32),
+        "dp": ((rank // (layout.tp * layout.cp)) % layout.dp).astype(np.int32),
     }
     for attr in ("stream", "op", "kind", "name"):
         columns[attr] = _categorical(tasks, attr, tid)

@@ -19,7 +19,7 @@ from simulator.collectives import Plan
 from simulator.layout import Layout
 from simulator.schedules import Schedule
 
-Stream = Literal["compute", "pp", "dp", "zero", "host"]
+Stream = Literal["compute", "pp", "dp", "zero", "host", "cp"]
 
 
 @dataclass(slots=True)

@@ -211,7 +211,9 @@ def replica_classes(layout: Layout, attrs: Attributes, ep: int = 1) -> list[tupl
 
 def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
     """Representative rank -> how many ranks its class holds (see the module notes);
-    ``ep``: the expert-parallel degree when the experts' TP is the dense TP."""
+    ``ep``: the expert-parallel degree when the experts' TP is the dense TP. Context-
+    parallel peers are folded only when the cluster is symmetric (callers keep every
+    rank otherwise)."""
     dp_classes = replica_classes(layout, attrs, ep)
     odd_tp = odd_tp_indices(layout, attrs)
     if clean_tp_index(layout, attrs) is None:  # no common stand-in: split every stage alike
@@ -225,7 +227,7 @@ def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
             ([(clean, n_clean)] if n_clean and clean is not None else [])
         for d, nd in dp_classes:
             for t, nt in tp_classes:
-                out[layout.rank(p, d, t)] = nd * nt
+                out[layout.rank(p, d, t)] = nd * nt * layout.cp  # CP peers alike
     return dict(sorted(out.items()))
 
 

@@ -92,8 +92,11 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
                            s.parallel.sequence_parallel, s.training.dtype)
     routed = spec.is_moe_layer(layer)
 
+    cp = s.parallel.cp
+
     def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
-        out = mdl.layer_ops(spec, b, tp, sp, dt, p, layer)
+        out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer), spec, b,
+                                       tp, dt, p, cp)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
@@ -105,13 +108,28 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     if s.parallel.recompute == "full":
         rec_t = _split(fwd, cost, True)
     else:
-        rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer)
+        rec = mdl.context_parallel_ops(
+            mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer), spec, b,
+            tp, dt, "fwd", cp)
         rec_t = (cost.ops_time(rec), 0.0)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
 
 
+def local_scenario(s: Scenario) -> Scenario:
+    """The scenario as one context-parallel rank sees it: seq_len / cp tokens per
+    sequence (every op but the attention core's keys, :func:`block_costs`)."""
+    cp = s.parallel.cp
+    if cp == 1:
+        return s
+    local = s.model.model_copy(update={"seq_len": s.model.seq_len // cp})
+    return s.model_copy(update={"model": local})
+
+
 def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
+    """Block costs on one rank; with context parallelism on its chunk of every
+    sequence, the attention core against all of it."""
+    s = local_scenario(s)
     spec, b, tp, sp, dt = (s.model, s.training.micro_batch, s.parallel.tp,
                            s.parallel.sequence_parallel, s.training.dtype)
 
@@ -129,13 +147,18 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
                    moe_freq=spec.moe_layer_freq)
 
 
+def layout_of(s: Scenario) -> Layout:
+    par = s.parallel
+    return Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1, par.cp)
+
+
 def _folds(s: Scenario, fidelity: str) -> bool:
     """Whether a run of this fidelity folds (see :func:`simulated_ranks`)."""
     if fidelity != "folded":
         return False
     ep = s.parallel.ep if s.model.is_moe else 1
     regridded = ep > 1 and (s.parallel.expert_tp or s.parallel.tp) != s.parallel.tp
-    return not (regridded and s.variability.active)
+    return not ((regridded or s.parallel.cp > 1) and s.variability.active)
 
 
 def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
@@ -145,7 +168,7 @@ def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
     stage's ranks; when its expert TP differs from the dense TP that grid does not
     factor into (replica, TP index), and a run with variability simulates every rank."""
     par = s.parallel
-    layout = Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1)
+    layout = layout_of(s)
     if not _folds(s, fidelity):
         return dict.fromkeys(range(layout.world), 1)
     return classes(layout, resolve(s.variability, layout.world),
@@ -163,8 +186,7 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     """Per-rank programs for one training step (``step`` indexes the jitter draws).
     ``costs`` may be given to price blocks differently (tests make stages exactly
     balanced this way)."""
-    layout = layout or Layout(s.parallel.tp, s.parallel.pp, s.parallel.dp,
-                              s.cluster.gpus_per_node or 1)
+    layout = layout or layout_of(s)
     cost = cost or CostModel(s.hardware, s.training.dtype)
     costs = costs or block_costs(s, cost)
     fidelity = fidelity or s.simulation.fidelity
@@ -172,13 +194,13 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
                               s.parallel.virtual_stages)
     attrs = resolve(s.variability, layout.world)
     weights = simulated_ranks(s, fidelity)
-    ctx = Context(s, layout, cost, costs, schedule, tuple(weights))
+    ctx = Context(local_scenario(s), layout, cost, costs, schedule, tuple(weights))
     if _folds(s, fidelity) and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     build_programs(ctx)
     _vary_compute(ctx.programs, attrs, s, step)
     folded = _folds(s, fidelity)
-    weight = float(s.parallel.tp * s.parallel.dp) if folded else 1.0
+    weight = float(layout.per_stage) if folded else 1.0
     symmetric = not attrs.asymmetric or not folded
     return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},

@@ -9,6 +9,8 @@ installed strategy passes add their tasks at the walk's hooks
   experts and expert gradients (model.experts > 0);
 - :mod:`~simulator.passes.tensor`: TP collectives around blocks, the
   vocab-parallel ends and the loss (tp > 1);
+- :mod:`~simulator.passes.context_parallel`: the attention's key/value exchange
+  over the CP group, as a ring or an all-gather (cp > 1);
 - :class:`~simulator.passes.data.Zero3Pass`: ZeRO-3 / FSDP unit gathers with
   prefetch (zero = 3, dp > 1);
 - :class:`~simulator.passes.data.DataPass`: DDP buckets, ZeRO reduce-scatters,
@@ -24,6 +26,7 @@ strategy is a new pass module and a line in :func:`install_passes`.
 from __future__ import annotations
 
 from simulator.passes.context import Context, Pass
+from simulator.passes.context_parallel import ContextParallelPass
 from simulator.passes.data import DataPass, Zero3Pass
 from simulator.passes.expert import ExpertPass
 from simulator.passes.offload import OffloadPass
@@ -40,6 +43,8 @@ def install_passes(ctx: Context) -> list[Pass]:
         passes.append(ExpertPass(ctx))
     if par.tp > 1:
         passes.append(TensorPass(ctx))
+    if par.cp > 1:
+        passes.append(ContextParallelPass(ctx))
     if par.zero == 3 and par.dp > 1:
         passes.append(Zero3Pass(ctx))
     passes.append(DataPass(ctx))

@@ -80,7 +80,7 @@ class PipelinePass:
             sid = self.sends.get(key)
             if sid is None and clean is not None:  # an odd TP index the sender's stage lacks
                 c = layout.coord(key[3])
-                sid = self.sends.get((*key[:3], layout.rank(c.pp, c.dp, clean)))
+                sid = self.sends.get((*key[:3], layout.rank(c.pp, c.dp, clean, c.cp)))
             if sid is not None and tasks[sid].rank != task.rank:
                 task.deps.append(sid)
 
@@ -223,7 +223,7 @@ class PipelinePass:
     def send(self, rank: int, direction: str, a: Action, after: Task, to_stage: int,
              chunk: int) -> None:
         ctx, coord, stage, mb = self.ctx, self.ctx.layout.coord(rank), a.stage, a.microbatch
-        dst = ctx.layout.rank(ctx.sched.rank_of(to_stage), coord.dp, coord.tp)
+        dst = ctx.layout.rank(ctx.sched.rank_of(to_stage), coord.dp, coord.tp, coord.cp)
         stream: Stream = "pp" if ctx.overlap.pp else "compute"
         t = ctx.add(rank, stream, op="pp.send", kind="pp",
                     name=f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", dst=dst,
@@ -237,8 +237,8 @@ class PipelinePass:
         ctx, coord, par = self.ctx, self.ctx.layout.coord(rank), self.ctx.s.parallel
         if not ctx.tied_copy_params() or coord.pp not in (0, par.pp - 1):
             return
-        group = (ctx.layout.rank(0, coord.dp, coord.tp),
-                 ctx.layout.rank(par.pp - 1, coord.dp, coord.tp))
+        group = (ctx.layout.rank(0, coord.dp, coord.tp, coord.cp),
+                 ctx.layout.rank(par.pp - 1, coord.dp, coord.tp, coord.cp))
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")

@@ -1,0 +1,164 @@
+"""Context parallelism: the sequence split over cp ranks, and the key/value exchange.
+
+Oracles: a rank computes on s/cp tokens, its attention core against all s keys
+(1/cp of the sequence's attention FLOPs); the ring moves each rank's KV chunk
+around the CP group ((cp − 1) chunks in, per layer and forward, twice that in
+backward), the all-gather variant gathers cp chunks before the core and
+reduce-scatters their gradients after it; gradients reduce over dp · cp ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulator import model as mdl
+from simulator.api import simulate_scenario
+from simulator.cli import main
+from simulator.layout import Layout
+from simulator.scenario import Scenario, scenario_from_dict
+from simulator.workload import build_workload, local_scenario
+
+MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 1024, "seq_len": 4096,
+         "activation": "swiglu", "norm": "rmsnorm", "bias": False, "position": "rope",
+         "tied_embeddings": False}
+REL = 1e-9
+
+
+def make(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, m: int = 2, gpn: int = 8,
+         cluster: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+         **parallel: Any) -> Scenario:
+    world = tp * cp * pp * dp
+    gpn = min(world, gpn)
+    return scenario_from_dict({
+        "name": "cp", "model": model or MODEL,
+        "cluster": {"system": "dgx-h100", "nodes": world // gpn, "gpus_per_node": gpn,
+                    **(cluster or {})},
+        "parallel": {"tp": tp, "cp": cp, "pp": pp, "dp": dp, **parallel},
+        "training": {"global_batch": m * dp, "micro_batch": 1},
+    })
+
+
+def test_layout_puts_cp_between_tp_and_dp() -> None:
+    """Megatron's order tp-cp-dp-pp: CP peers tp apart, DP peers tp·cp apart; the
+    gradient group is every rank of the stage with the same TP index."""
+    lay = Layout(tp=2, pp=2, dp=2, gpus_per_node=8, cp=2)
+    assert lay.world == 16 and lay.per_stage == 8
+    assert lay.cp_group(0) == (0, 2) and lay.tp_group(2) == (2, 3)
+    assert lay.dp_group(1) == (1, 3, 5, 7)
+    c = lay.coord(13)
+    assert (c.pp, c.dp, c.cp, c.tp) == (1, 1, 0, 1)
+    assert lay.rank(c.pp, c.dp, c.tp, c.cp) == 13
+
+
+def test_attention_core_against_the_whole_sequence() -> None:
+    s = make(cp=4, dp=1)
+    local = local_scenario(s).model
+    assert local.seq_len == 1024
+    full = mdl.layer_ops(s.model, 1, 1, False, "bf16", "fwd")
+    part = mdl.context_parallel_ops(mdl.layer_ops(local, 1, 1, False, "bf16", "fwd"), local,
+                                    1, 1, "bf16", "fwd", 4)
+    core = {op.name: op for op in full}["attn_core"]
+    mine = {op.name: op for op in part}["attn_core"]
+    assert mine.flops == pytest.approx(core.flops / 4, rel=REL)
+    qkv = {op.name: op for op in full}["qkv"]
+    assert {op.name: op for op in part}["qkv"].flops == pytest.approx(qkv.flops / 4, rel=REL)
+
+
+def _kv_bytes(cp: int, tp: int) -> float:
+    """One rank's K and V chunk of one layer: 2 · s/cp · (kv heads / tp) · head dim · 2 B."""
+    head_dim = MODEL["hidden"] // MODEL["heads"]
+    return 2 * MODEL["seq_len"] / cp * max(MODEL["kv_heads"] / tp, 1) * head_dim * 2
+
+
+@pytest.mark.parametrize("kind", ["p2p", "allgather"])
+@pytest.mark.parametrize(("tp", "cp"), [(1, 2), (2, 4)])
+def test_cp_traffic_per_layer_is_the_hand_calculation(kind: str, tp: int, cp: int) -> None:
+    s = make(tp=tp, cp=cp, cp_comm_type=kind, recompute="none")
+    w = build_workload(s, fidelity="folded")
+    rank0 = [t for t in w.tasks if t.rank == 0 and t.kind == "cp" and t.layer == 0
+             and t.microbatch == 0]
+    gathered = cp * _kv_bytes(cp, tp)
+    if kind == "p2p":  # forward: the KV chunks around; backward: again, and their gradients
+        assert [(t.op, t.nbytes) for t in rank0] == [("cp.all_gather", gathered),
+                                                     ("cp.all_gather", 2 * gathered)]
+        assert all(t.stream == "cp" for t in rank0)
+    else:  # forward gather; backward gather again, reduce-scatter the gradients
+        assert [(t.op, t.nbytes) for t in rank0] == [
+            ("cp.all_gather", gathered), ("cp.all_gather", gathered),
+            ("cp.reduce_scatter", gathered)]
+        assert all(t.stream == "compute" for t in rank0)
+    for t in rank0:  # the ring moves (cp − 1) chunks per rank: (cp − 1)/cp of the size
+        assert t.plan is not None and t.group == w.layout.cp_group(0)
+
+
+@pytest.mark.parametrize("kind", ["p2p", "allgather"])
+@pytest.mark.parametrize("par", [
+    {"tp": 2, "cp": 2, "pp": 2, "dp": 2},
+    {"tp": 1, "cp": 4, "pp": 1, "dp": 2, "zero": 3},
+    {"tp": 2, "cp": 2, "pp": 2, "dp": 1, "recompute": "full", "sequence_parallel": True},
+    {"tp": 1, "cp": 2, "pp": 4, "dp": 2, "schedule": "interleaved", "virtual_stages": 2},
+])
+def test_cp_folded_equals_full(kind: str, par: dict[str, Any]) -> None:
+    m = 4 if par.get("schedule") == "interleaved" else 2
+    s = make(m=m, cp_comm_type=kind, model={**MODEL, "layers": 8}, **par)
+    folded, _ = simulate_scenario(s, "engine", "folded")
+    full, _ = simulate_scenario(s, "engine", "full")
+    assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=REL)
+    for c, v in full["step_breakdown_s"].items():
+        assert folded["step_breakdown_s"][c] == pytest.approx(v, rel=REL, abs=1e-15)
+    assert full["step_breakdown_s"]["cp_transfer"] + full["step_breakdown_s"]["cp_wait"] >= 0
+
+
+def test_cp_gradients_reduce_over_dp_times_cp() -> None:
+    s = make(cp=2, dp=2)
+    w = build_workload(s, fidelity="full")
+    groups = {t.group for t in w.tasks if t.kind == "dp" and t.plan is not None}
+    assert groups == {(0, 1, 2, 3)}
+
+
+def test_ring_hides_behind_long_attention_and_analytic_agrees() -> None:
+    """At 32K tokens the attention block is long: the ring is mostly hidden, the
+    all-gather is not; engine and analytic agree within 10%."""
+    base = {"model": {"preset": "llama2-7b", "seq_len": 32768},
+            "cluster": {"system": "dgx-h100", "nodes": 2, "gpus_per_node": 8},
+            "training": {"global_batch": 8, "micro_batch": 1}}
+    out = {}
+    for kind in ("p2p", "allgather"):
+        s = scenario_from_dict({**base, "name": kind,
+                                "parallel": {"tp": 4, "cp": 4, "dp": 1, "pp": 1,
+                                             "cp_comm_type": kind}})
+        engine, _ = simulate_scenario(s, "engine")
+        analytic, _ = simulate_scenario(s, "analytic")
+        assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.10)
+        mean = engine["step_breakdown_s"]
+        out[kind] = mean["cp_transfer"] + mean["cp_wait"]
+    assert 0 <= out["p2p"] < out["allgather"]
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"cp_comm_type": "a2a"}, "parallel.cp_comm_type"),
+])
+def test_bad_cp_input_is_one_line(extra: dict[str, Any], needle: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({
+        "name": "bad", "model": MODEL, "cluster": {"system": "dgx-h100", "nodes": 1},
+        "parallel": {"tp": 2, "cp": 2, "dp": 2, **extra}, "training": {"global_batch": 2}}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_cp_with_experts_is_refused_by_run(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({
+        "name": "moe-cp", "model": {**MODEL, "experts": 4, "experts_per_token": 2},
+        "cluster": {"system": "dgx-h100", "nodes": 1},
+        "parallel": {"cp": 2, "dp": 4}, "training": {"global_batch": 4}}))
+    assert main(["run", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "parallel.cp = 2: not yet simulated" in capsys.readouterr().err
