@@ -181,7 +181,8 @@ def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile)
 
 
 def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
-                    slowest: tuple[float, ...]) -> float:
+                    slowest: tuple[float, ...],
+                    per_stage: dict[int, BlockCosts] | None = None) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
     even placement; for an uneven one (:mod:`simulator.placement`) the schedule's actions
     placed in time with each virtual stage's own times (:func:`simulator.schedules.execute`,
@@ -190,9 +191,10 @@ def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t
     par, m = s.parallel, s.microbatches
     closed = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *slowest)
     n = par.pp * par.virtual_stages
-    if is_even(par) or 3 * n * m > EXECUTED_ACTIONS:
+    if (is_even(par) and not per_stage) or 3 * n * m > EXECUTED_ACTIONS:
         return closed
-    chunks = [_times(s, _slowed(s, _passes(s, c, t_tp,
+    per_stage = per_stage or {}
+    chunks = [_times(s, _slowed(s, _passes(s, per_stage.get(k % par.pp, c), t_tp,
                                             _kinds(s, [chunk_layers(s.model.layers, par, k)]),
                                             k == 0, k == n - 1, experts, t_cp), k % par.pp))
               for k in range(n)]
@@ -321,6 +323,10 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     hw = hw or s.hardware
     cost = cost or CostModel(hw, s.training.dtype)
     c = costs or block_costs(s, cost)
+    # a mixed-generation cluster: each stage's blocks on its own system
+    stage_cost = {st: CostModel(h, s.training.dtype, cost.speed)
+                  for st, h in s.stage_hardware.items()}
+    per_stage = {st: block_costs(s, sc) for st, sc in stage_cost.items()}
     s = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
     par, spec, trn = s.parallel, s.model, s.training
     layout = layout_of(s)
@@ -331,11 +337,12 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                             layout.tp_group(rank0), hw)
     experts = _expert_times(s, layout, cost, hw)
     t_cp = _cp_exposed(s, layout, c, hw)
-    stages = [_stage_times(s, c, t_tp, st, experts, t_cp) for st in range(par.pp)]
+    stages = [_stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp)
+              for st in range(par.pp)]
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
     f, b, w = stages[slowest]
     m = s.microbatches
-    t_pipe = _pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest])
+    t_pipe = _pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage)
     # fill and drain transfers on the critical path
     t_p2p = 0.0
     if par.pp > 1:
@@ -355,8 +362,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     params: float = held[busiest]
     expert_params: list[float] = []
     if spec.is_moe:  # the stage with the most experts; experts reduce over edp
-        per_stage = [_stage_params(s, st) for st in range(par.pp)]
-        dense_tp, expert_params = max(per_stage, key=lambda d: sum(d[1]))
+        by_stage = [_stage_params(s, st) for st in range(par.pp)]
+        dense_tp, expert_params = max(by_stage, key=lambda d: sum(d[1]))
         params = dense_tp * par.tp
     grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
     dp_group = layout.dp_group(rank0)
@@ -374,7 +381,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     t_exch, t_exch_comp = _momentum_exchange(s, layout, hw, cost, busiest)
     if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
         t_p2p *= m
-    shard = params / par.tp / (par.dp if par.zero >= 1 else 1)
+    shard = params / par.tp / (par.dp * par.cp if par.zero >= 1 else 1)
     if expert_params:
         shard += sum(expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
@@ -382,7 +389,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
-        t_opt = cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
+        t_opt = max(sc.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
+                    for sc in (cost, *stage_cost.values()))
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = _zero3_exposed(s, layout, f, b, hw, layers[slowest]) * m if par.zero == 3 \
@@ -409,7 +417,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     for st in range(par.pp):
         entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
         entry.update(dict.fromkeys(acc.CATEGORIES, 0.0))
-        passes = _stage_passes(s, c, t_tp, st, experts, t_cp)
+        passes = _stage_passes(s, per_stage.get(st, c), t_tp, st, experts, t_cp)
         for category, seconds in passes.items():
             entry[category] = m * seconds
         for category, seconds in after.items():

@@ -288,7 +288,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         activations=_activations(scenario, stage),
         logits=_logits(scenario, stage),
         comm_buffers=_comm_buffers(scenario, stage) + buffers,
-        capacity=scenario.hardware.gpu.memory_GB * 1e9,
+        capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
     )
 
 

@@ -108,7 +108,10 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
 def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
     """Throughput, FLOP rates and memory: the same for every method."""
     world = s.parallel.world
-    peak = s.hardware.gpu.peak_flops(s.training.dtype)
+    # a mixed-generation cluster: the mean of its GPUs' peaks (stages hold equal counts)
+    peak = sum(s.hardware_of_stage(st).gpu.peak_flops(s.training.dtype)
+               for st in range(s.parallel.pp)) / s.parallel.pp if s.stage_hardware \
+        else s.hardware.gpu.peak_flops(s.training.dtype)
     model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
     hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute)
     model_tflops = model_flops / step_time / world / 1e12

@@ -457,6 +457,20 @@ class Scenario(_Frozen):
         """The system profile with this scenario's cluster overrides applied."""
         return effective_hardware(self.cluster)
 
+    @cached_property
+    def stage_hardware(self) -> dict[int, HardwareProfile]:
+        """Stages on another system (``variability.stage_systems``) -> its profile, with
+        the cluster's GPUs per node (the cluster's link overrides are the base system's)."""
+        out: dict[int, HardwareProfile] = {}
+        for entry in self.variability.stage_systems:
+            hw = load_system(entry.system).model_copy(
+                update={"gpus_per_node": self.cluster.gpus_per_node})
+            out.update(dict.fromkeys(entry.stages, hw))
+        return out
+
+    def hardware_of_stage(self, stage: int) -> HardwareProfile:
+        return self.stage_hardware.get(stage) or self.hardware
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -526,7 +540,7 @@ def consistency_problems(s: Scenario) -> list[Problem]:
 
     return out + moe_problems(mdl) + expert_parallel_problems(s) + \
         context_parallel_problems(s) + compression_problems(s) + \
-        variability_problems(s.variability, par.world)
+        variability_problems(s.variability, par.world, par.pp)
 
 
 def moe_problems(mdl: ModelSpec) -> list[Problem]:

@@ -72,7 +72,7 @@ class Topology:
         receiver's port when that one is degraded."""
         links = self.links(src, link_class)
         port = ("nvl" if link_class == "intra_node" else "nic", dst)
-        return (*links, port) if port in self.degraded else links
+        return (*links, port) if self.degraded.get(port, 1.0) < 1.0 else links
 
     def link_class(self, a: int, b: int) -> LinkName:
         same = self.layout.node(a) == self.layout.node(b)

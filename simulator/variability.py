@@ -48,7 +48,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from simulator.errors import Problem
+from simulator.errors import Problem, UserError
+from simulator.hardware import load_system
 from simulator.layout import Layout
 
 LinkClass = Literal["intra_node", "inter_node"]
@@ -82,21 +83,47 @@ class JitterSpec(_Frozen):
     samples: list[float] = []  # empirical: measured durations (any unit; rescaled)
 
 
+class StageSystem(_Frozen):
+    """Pipeline stages that run on another system (a mixed-generation cluster)."""
+
+    stages: list[int] = Field(min_length=1)
+    system: str = Field(min_length=1, max_length=4096)  # preset name or profile YAML
+
+
 class VariabilitySpec(_Frozen):
     slow_gpus: list[SlowGPUs] = []
     slow_links: list[SlowLink] = []
     jitter: JitterSpec | None = None
+    stage_systems: list[StageSystem] = []
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
 
     @property
     def active(self) -> bool:
+        """Anything that makes ranks of one stage differ (stage systems do not)."""
         return bool(self.slow_gpus or self.slow_links or self.jitter is not None)
 
 
-def variability_problems(v: VariabilitySpec, world: int) -> list[Problem]:
+def variability_problems(v: VariabilitySpec, world: int, pp: int = 1) -> list[Problem]:
     """Ranks that do not exist, a slow-GPU entry naming both or neither of ranks and
-    random, an empirical jitter without samples."""
+    random, an empirical jitter without samples, stages that do not exist or are
+    given two systems, a system that does not load."""
     out: list[Problem] = []
+    seen: set[int] = set()
+    for i, entry in enumerate(v.stage_systems):
+        where = f"variability.stage_systems[{i}]"
+        for st in entry.stages:
+            if not 0 <= st < pp:
+                out.append(Problem(f"{where}.stages", st, f"no such stage; stages are 0..{pp - 1}"))
+            elif st in seen:
+                out.append(Problem(f"{where}.stages", st, "already given a system; name each "
+                                   "stage once"))
+            seen.add(st)
+        try:
+            load_system(entry.system)
+        except UserError as exc:
+            first = exc.problems[0] if exc.problems else "not a system"
+            fix = first.fix if isinstance(first, Problem) else first
+            out.append(Problem(f"{where}.system", entry.system, fix))
     for i, g in enumerate(v.slow_gpus):
         where = f"variability.slow_gpus[{i}]"
         if (g.ranks is None) == (g.random is None):

@@ -197,6 +197,9 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     ctx = Context(local_scenario(s), layout, cost, costs, schedule, tuple(weights))
     if _folds(s, fidelity) and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
+    for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
+        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed)
+        ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])
     build_programs(ctx)
     _vary_compute(ctx.programs, attrs, s, step)
     folded = _folds(s, fidelity)
@@ -204,7 +207,25 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     symmetric = not attrs.asymmetric or not folded
     return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},
-                    dict(attrs.links))
+                    _link_factors(s, layout, attrs, weights))
+
+
+def _link_factors(s: Scenario, layout: Layout, attrs: Attributes,
+                  simulated: dict[int, int]) -> dict[tuple[int, str], float]:
+    """Per (rank, link class), its port's rate over the base system's: a degraded port's
+    factor, times its stage system's rate ratio on a mixed-generation cluster."""
+    out = dict(attrs.links)
+    base = s.hardware
+    for rank in simulated:
+        hw = s.stage_hardware.get(layout.coord(rank).pp)
+        if hw is None:
+            continue
+        for cls, mine, theirs in (("intra_node", hw.intra_node, base.intra_node),
+                                  ("inter_node", hw.inter_node, base.inter_node)):
+            ratio = mine.bytes_per_s / theirs.bytes_per_s
+            if ratio != 1.0:
+                out[(rank, cls)] = out.get((rank, cls), 1.0) * ratio
+    return out
 
 
 def _vary_compute(programs: dict[int, Any], attrs: Attributes, s: Scenario, step: int) -> None:

@@ -162,3 +162,12 @@ def test_cp_with_experts_is_refused_by_run(tmp_path: Path,
         "parallel": {"cp": 2, "dp": 4}, "training": {"global_batch": 4}}))
     assert main(["run", str(path), "--out", str(tmp_path / "o")]) == 2
     assert "parallel.cp = 2: not yet simulated" in capsys.readouterr().err
+
+
+def test_cp_without_dp_still_reduces_gradients_over_cp() -> None:
+    """dp = 1, cp = 2: the two CP ranks hold the same weights, so their gradients are
+    all-reduced (and ZeRO shards over them)."""
+    w = build_workload(make(cp=2, dp=1), fidelity="full")
+    assert {t.group for t in w.tasks if t.kind == "dp" and t.plan is not None} == {(0, 1)}
+    z = build_workload(make(cp=2, dp=1, zero=3), fidelity="full")
+    assert any(t.kind == "zero" for t in z.tasks)

@@ -23,6 +23,7 @@ from simulator.layout import Layout
 from simulator.scenario import Scenario, scenario_from_dict
 from simulator.steps import straggler_wait
 from simulator.variability import JitterSpec, VariabilitySpec, classes, jitter_factors, resolve
+from simulator.workload import build_workload
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
         "link_latency_us": 0}
@@ -257,3 +258,58 @@ def test_expert_grid_unlike_the_dense_one_simulates_every_rank() -> None:
     full, _ = simulate_scenario(s, "engine", "full")
     assert folded["ranks_simulated"] == full["ranks_simulated"] == 8
     assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=REL)
+
+
+# ------------------------------------------------------------ mixed generations
+
+
+def _durations(s: Scenario, stage: int) -> list[float]:
+    w = build_workload(s, fidelity="folded")
+    rank = w.layout.rank(stage, 0, 0)
+    return [t.duration for t in w.programs[rank].streams["compute"] if t.plan is None]
+
+
+def test_mixed_generation_prices_each_stage_on_its_system() -> None:
+    """Stages 2 and 3 on A100, 0 and 1 on H100: each stage's compute tasks take exactly
+    what they take on a cluster of its own system; folded equals full."""
+    def on(system: str, var: dict[str, Any] | None = None) -> Scenario:
+        return scenario_from_dict({
+            "name": "mixed", "model": GPT, "cluster": {"system": system, "nodes": 1},
+            "parallel": {"tp": 2, "pp": 4}, "training": {"global_batch": 4},
+            "variability": var or {}})
+    mixed = on("dgx-h100", {"stage_systems": [{"stages": [2, 3], "system": "dgx-a100-80gb"}]})
+    h100, a100 = on("dgx-h100"), on("dgx-a100-80gb")
+    assert _durations(mixed, 0) == _durations(h100, 0)
+    assert _durations(mixed, 3) == _durations(a100, 3)
+    assert _durations(a100, 3) != _durations(h100, 3)
+    folded, _ = simulate_scenario(mixed, "engine", "folded")
+    full, _ = simulate_scenario(mixed, "engine", "full")
+    assert folded["ranks_simulated"] == 4
+    assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=REL)
+    fast, _ = simulate_scenario(h100)
+    assert folded["step_time_s"] > fast["step_time_s"]
+    peaks = [on(x).hardware.gpu.peak_flops("bf16") for x in ("dgx-h100", "dgx-a100-80gb")]
+    assert folded["mfu"] == pytest.approx(folded["model_tflops_per_gpu"] * 1e12
+                                          / (sum(peaks) / 2), rel=REL)
+    caps = {m["stage"]: m["capacity"] for m in folded["memory"]}
+    assert caps[0] == h100.hardware.gpu.memory_GB * 1e9
+    assert caps[3] == a100.hardware.gpu.memory_GB * 1e9
+
+
+@pytest.mark.parametrize(("entries", "needle"), [
+    ([{"stages": [5], "system": "dgx-a100-80gb"}], "variability.stage_systems[0].stages = 5"),
+    ([{"stages": [1], "system": "dgx-a100-80gb"}, {"stages": [1], "system": "dgx-h100"}],
+     "variability.stage_systems[1].stages = 1"),
+    ([{"stages": [1], "system": "dgx-a101"}], "variability.stage_systems[0].system = 'dgx-a101'"),
+])
+def test_bad_stage_systems_are_one_line(entries: list[dict[str, Any]], needle: str,
+                                        tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({
+        "name": "bad", "model": GPT, "cluster": {"system": "dgx-h100", "nodes": 1},
+        "parallel": {"tp": 2, "pp": 4}, "training": {"global_batch": 4},
+        "variability": {"stage_systems": entries}}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

@@ -45,7 +45,7 @@ def install_passes(ctx: Context) -> list[Pass]:
         passes.append(TensorPass(ctx))
     if par.cp > 1:
         passes.append(ContextParallelPass(ctx))
-    if par.zero == 3 and par.dp > 1:
+    if par.zero == 3 and par.dp * par.cp > 1:
         passes.append(Zero3Pass(ctx))
     passes.append(DataPass(ctx))
     if par.zero_offload:

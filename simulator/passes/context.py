@@ -59,6 +59,18 @@ class Context:
         self.hooks = Hooks.of([])  # the installed passes' hooks (see ``install``)
         # asymmetric folding: the TP index whose ranks stand for the clean ones
         self.clean_tp: int | None = None
+        # a mixed-generation cluster: stage -> its system's cost model and block costs
+        self.stage_cost: dict[int, CostModel] = {}
+        self.stage_c: dict[int, BlockCosts] = {}
+
+    def c_of(self, rank: int) -> BlockCosts:
+        """The block costs on ``rank``'s system."""
+        return self.stage_c.get(self.layout.coord(rank).pp, self.c) if self.stage_c \
+            else self.c
+
+    def cost_of(self, rank: int) -> CostModel:
+        return self.stage_cost.get(self.layout.coord(rank).pp, self.cost) if self.stage_cost \
+            else self.cost
 
     def install(self, passes: list[Pass]) -> None:
         self.hooks = Hooks.of(passes)

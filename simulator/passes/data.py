@@ -59,7 +59,7 @@ class DataPass(Pass):
     def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
                      chunk: int) -> None:
         par, pending = self.ctx.s.parallel, self.pending[rank]
-        if par.dp == 1 and not par.zero_offload:
+        if par.dp * par.cp == 1 and not par.zero_offload:  # no replica holds these weights
             return
         if self.compressor is not None and not self.compressor.in_backward:
             return  # 1-bit Adam exchanges the momentum in the optimizer step instead
@@ -107,9 +107,10 @@ class DataPass(Pass):
         if self.compressor is not None:
             self.compressor.exchange(rank)
         params = ctx.params_of(rank)
-        shard = params / par.dp if par.zero >= 1 else params
+        shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
-                        ctx.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
+                        ctx.cost_of(rank).memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1,
+                        -1, 0)
         streams = ctx.programs[rank].streams
         t.deps.extend(d.id for d in streams["dp"])
         t.deps.extend(d.id for d in streams["zero"][-1:])

@@ -96,7 +96,7 @@ class PipelinePass:
         return waits
 
     def forward(self, rank: int, a: Action, chunk: int) -> Task:
-        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c, a.microbatch
+        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
         head: Task | None = None
         if a.stage == 0:
             head = ctx.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
@@ -132,7 +132,7 @@ class PipelinePass:
     def backward(self, rank: int, a: Action, chunk: int, weights: bool) -> list[Task]:
         """B (``weights``) or I: head, layers in reverse, embedding; returns the tasks
         that finish each layer's weight gradients (for the data pass)."""
-        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c, a.microbatch
+        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
         w = 1.0 if weights else 0.0
         op = "B" if weights else "I"
         first: Task | None = None
@@ -188,7 +188,7 @@ class PipelinePass:
         return self.ctx.compute(rank, op, kind, f"relay mb{mb}", 0.0, mb, -1, chunk)
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
-        ctx, c = self.ctx, self.ctx.c.layer(layer)
+        ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
         if ctx.s.parallel.recompute == "selective":
             return ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
                                c.recompute[0], mb, layer, chunk)
@@ -205,7 +205,7 @@ class PipelinePass:
         return first
 
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
-        ctx, c, mb = self.ctx, self.ctx.c, a.microbatch
+        ctx, c, mb = self.ctx, self.ctx.c_of(rank), a.microbatch
         done = []
         if a.stage == ctx.last_stage:
             t = ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1,
