@@ -50,6 +50,7 @@ class ExpertPass(Pass):
         self.etp, self.ep = par.etp, par.ep
         self.full_recompute = par.recompute == "full"
         self.mlp_seen: dict[int, tuple[bool, int]] = {}  # rank -> (forward, mlp blocks so far)
+        self.group_of: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
         self.final: dict[int, dict[int, int]] = {}
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
@@ -79,9 +80,8 @@ class ExpertPass(Pass):
 
     def experts(self, rank: int, kind: str, mb: int, layer: int, chunk: int) -> None:
         """All-to-all, (all-gather), the experts, (reduce-scatter), all-to-all."""
-        ctx, lay = self.ctx, self.ctx.layout
-        group = epar.ep_group(lay, rank, self.etp, self.ep)
-        tp_group = epar.etp_group(lay, rank, self.etp)
+        ctx = self.ctx
+        group, tp_group = self.groups(rank)
         first, last = ("dispatch", "combine") if kind != "backward" else ("combine", "dispatch")
         where = f"L{layer} mb{mb}"
         ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
@@ -96,6 +96,16 @@ class ExpertPass(Pass):
                        f"tp.reduce_scatter experts {where}", mb, layer, chunk)
         ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
                        f"ep.all_to_all {last} {where}", mb, layer, chunk)
+
+    def groups(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``rank``'s EP and expert-TP groups (built once per rank)."""
+        found = self.group_of.get(rank)
+        if found is None:
+            lay = self.ctx.layout
+            found = (epar.ep_group(lay, rank, self.etp, self.ep),
+                     epar.etp_group(lay, rank, self.etp))
+            self.group_of[rank] = found
+        return found
 
     # ------------------------------------------------------------ gradients
     def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
