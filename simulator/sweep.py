@@ -4,7 +4,7 @@
 evaluates every combination of the grid's values (each point is the scenario with
 those ``--set`` overrides), on any ``concurrent.futures.Executor``: local
 processes by default, or a Dask cluster's (:mod:`simulator.executors`).
-``parallel.dp=auto`` fills in the data-parallel degree that makes tp · pp · dp
+``parallel.dp=auto`` fills in the data-parallel degree that makes tp · cp · pp · dp
 equal the cluster's GPUs. A point that does not validate is a row with its
 errors, not a failure of the sweep. The analytic method is the default
 (milliseconds a point); ``--method engine`` runs the discrete-event engine on
@@ -68,7 +68,7 @@ def _assignments(point: dict[str, str], data: dict[str, Any]) -> list[str]:
     par = probe.get("parallel") or {}
     try:
         gpus = ClusterSpec.model_validate(probe.get("cluster")).gpus
-        dp = gpus // (int(par.get("tp", 1)) * int(par.get("pp", 1)))
+        dp = gpus // (int(par.get("tp", 1)) * int(par.get("cp", 1)) * int(par.get("pp", 1)))
     except (ValidationError, TypeError, ValueError, ZeroDivisionError):
         dp = 1  # validation of the point reports what is wrong
     return [*out, f"parallel.dp={max(dp, 1)}"]
@@ -118,17 +118,18 @@ def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[
             row["error"] = s
         else:
             row.update(next(figures))
-            row.update(tp=s.parallel.tp, pp=s.parallel.pp, dp=s.parallel.dp,
-                       microbatches=s.microbatches, error="")
+            row.update(tp=s.parallel.tp, cp=s.parallel.cp, pp=s.parallel.pp,
+                       dp=s.parallel.dp, ep=s.parallel.ep, microbatches=s.microbatches,
+                       error="")
         rows.append(row)
-    tail = ("tp", "pp", "dp", "microbatches", "error")
+    tail = ("tp", "cp", "pp", "dp", "ep", "microbatches", "error")
     columns = dict.fromkeys([*axes, *COLUMNS])
     for row in rows:  # the accounting's categories, from the first valid point
         columns.update(dict.fromkeys(k for k in row if k not in tail))
     table = pd.DataFrame(rows, columns=[*columns, *tail])
     # typed columns (nullable where an invalid point has no value): Parquet needs them
     table["fits_in_memory"] = table["fits_in_memory"].astype("boolean")
-    for name in ("tp", "pp", "dp", "microbatches"):
+    for name in ("tp", "cp", "pp", "dp", "ep", "microbatches"):
         table[name] = table[name].astype("Int64")
     return table
 

@@ -165,3 +165,31 @@ def test_cli_sweep_on_a_local_dask_cluster_of_processes(scenario: Path, tmp_path
                  "--out", str(tmp_path / "b")]) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "a" / "sweep.parquet"),
                                   pd.read_parquet(tmp_path / "b" / "sweep.parquet"))
+
+
+def test_context_and_expert_parallel_degrees_sweep(tmp_path: Path) -> None:
+    """cp and ep are axes like the others: dp=auto divides by tp · cp · pp, ep is carved
+    out of the data-parallel ranks, and an invalid combination is a row."""
+    path = tmp_path / "moe.yaml"
+    path.write_text("""\
+name: moe-sweep
+model: {preset: tiny-gpt, layers: 4, experts: 4, experts_per_token: 2, seq_len: 1024}
+cluster: {system: dgx-h100, nodes: 1, gpus_per_node: 8}
+parallel: {tp: 1, pp: 1, dp: 8}
+training: {global_batch: 16, micro_batch: 1}
+""")
+    table = run_sweep(path, {"parallel.ep": ["1", "2", "4", "8", "3"], "parallel.dp": ["auto"]},
+                      method="engine", executor=ThreadPoolExecutor(1))
+    ok = table[table["error"] == ""]
+    assert sorted(ok["parallel.ep"].astype(int)) == [1, 2, 4]  # 8 > experts, 3 does not divide
+    assert (table[table["parallel.ep"] == "3"]["error"].str.contains("parallel.ep")).all()
+    ep_time = dict(zip(ok["parallel.ep"].astype(int), ok["ep_transfer"], strict=True))
+    assert ep_time[1] == 0 and ep_time[2] > 0
+    dense = tmp_path / "dense.yaml"
+    dense.write_text(BASE.replace("tiny-gpt, layers: 8", "tiny-gpt, layers: 8, seq_len: 1024"))
+    cp = run_sweep(dense, {"parallel.cp": ["1", "2", "4"], "parallel.dp": ["auto"],
+                           "parallel.cp_comm_type": ["allgather"]},  # blocking: it shows
+                   method="engine", executor=ThreadPoolExecutor(1))
+    assert (cp["error"] == "").all()
+    assert list(cp["tp"] * cp["cp"] * cp["pp"] * cp["dp"]) == [16, 16, 16]
+    assert list(cp["cp_transfer"] + cp["cp_wait"] > 0) == [False, True, True]
