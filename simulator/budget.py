@@ -60,6 +60,11 @@ def tasks_per_layer(s: Scenario) -> int:
         n += 1
     if par.dp > 1 and par.zero >= 2:
         n += 3 if par.zero == 3 else 1
+    if s.model.is_moe:  # per MoE layer and pass: all-to-all, experts, all-to-all (+ gather,
+        # scatter with expert TP), averaged over the layers
+        per_pass = 3 + (2 if par.etp > 1 else 0)
+        passes = 3 if par.recompute == "full" else 2
+        n += -(-per_pass * passes * s.model.moe_layers // s.model.layers)
     return n
 
 
