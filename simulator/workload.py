@@ -152,13 +152,17 @@ def layout_of(s: Scenario) -> Layout:
     return Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1, par.cp)
 
 
+def _regridded(s: Scenario) -> bool:
+    """Whether the experts regroup a stage with a TP degree of their own."""
+    ep = s.parallel.ep if s.model.is_moe else 1
+    return ep > 1 and (s.parallel.expert_tp or s.parallel.tp) != s.parallel.tp
+
+
 def _folds(s: Scenario, fidelity: str) -> bool:
     """Whether a run of this fidelity folds (see :func:`simulated_ranks`)."""
     if fidelity != "folded":
         return False
-    ep = s.parallel.ep if s.model.is_moe else 1
-    regridded = ep > 1 and (s.parallel.expert_tp or s.parallel.tp) != s.parallel.tp
-    return not ((regridded or s.parallel.cp > 1) and s.variability.active)
+    return not ((_regridded(s) or s.parallel.cp > 1) and s.variability.active)
 
 
 def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
@@ -171,8 +175,9 @@ def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
     layout = layout_of(s)
     if not _folds(s, fidelity):
         return dict.fromkeys(range(layout.world), 1)
-    return classes(layout, resolve(s.variability, layout.world),
-                   par.ep if s.model.is_moe else 1)
+    # a regridded stage (ep need not divide dp) folds only when symmetric: one class
+    split = par.ep if s.model.is_moe and not _regridded(s) else 1
+    return classes(layout, resolve(s.variability, layout.world), split)
 
 
 def simulated_count(s: Scenario, fidelity: str) -> int:

@@ -194,6 +194,18 @@ def test_folded_equals_full_and_the_step_partitions(sets: list[str]) -> None:
     assert analytic["step_time_s"] == pytest.approx(folded["step_time_s"], rel=0.25)
 
 
+def test_an_ep_group_wider_than_dp_folds() -> None:
+    """expert_tp 1 carves EP 8 out of tp 2 · dp 4: the folded run simulates one rank per
+    stage (it simulated none, and divided by a zero step, when folding split ep out of dp)."""
+    s = scenario_from_dict(apply_overrides(COMPOSED, ["parallel.pp=1", "parallel.dp=4",
+                                                      "parallel.ep=8", "parallel.zero=0",
+                                                      "cluster.nodes=1"]))
+    folded, _ = simulate_scenario(s, "engine", "folded")
+    full, _ = simulate_scenario(s, "engine", "full")
+    assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=1e-9)
+    assert folded["step_time_s"] > 0
+
+
 def test_expert_gradients_reduce_over_the_expert_data_parallel_group() -> None:
     s = scenario_from_dict(COMPOSED)  # etp 1, ep 4: edp = 2·4/4 = 2
     w = build_workload(s, fidelity="full")
