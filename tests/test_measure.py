@@ -91,7 +91,7 @@ def test_scenario_validates_with_the_simulator(tmp_path: Path) -> None:
         ({"tp": 1, "pp": 1, "dp": 2, "zero": 2}, "zero=2"),
         ({"tp": 1, "pp": 1, "dp": 1, "schedule": "interleaved"}, "schedule=interleaved"),
         ({"tp": 1, "pp": 1, "dp": 1, "model": {**TINY, "layer": 2}}, "unknown key"),
-        ({"tp": 1, "pp": 1, "dp": 1024, "device": "cuda"}, "tp*pp*dp=1024"),
+        ({"tp": 1, "pp": 1, "dp": 1024, "device": "cuda"}, "tp*pp*dp*cp=1024"),
     ],
 )
 def test_bad_arguments_are_one_line_value_errors(

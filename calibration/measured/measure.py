@@ -22,7 +22,9 @@ The pieces: :mod:`calibration.measured.measure_config` (what may run),
 :mod:`calibration.measured.measure_launch` (torchrun, timeouts, failure reports),
 :mod:`calibration.measured.measure_scenario` (``scenario.yaml``),
 :mod:`calibration.measured.measure_trace` (compute / communication split) and the
-worker :mod:`calibration.measured.parallel_worker`.  None of them but the worker
+workers :mod:`calibration.measured.parallel_worker` (TP / PP / DP),
+:mod:`calibration.measured.moe_worker` (``--experts``) and
+:mod:`calibration.measured.cp_worker` (``--cp``).  None of them but the workers
 imports torch at module level, so the CLI and the scenario writer work where
 torch is not installed.
 """
@@ -82,9 +84,9 @@ def run_measure(tp: int, pp: int, dp: int, **options: Any) -> dict[str, Any]:
 
     ``options`` are :func:`make_config`'s keywords (schedule, zero, micro_batches,
     micro_batch_size, model, steps, warmup, device, out_dir, threads, timeout_s,
-    sequence_parallel, seed), with its defaults. Raises ``ValueError`` for an
-    impossible configuration (before launching) and :class:`MeasureError` when the
-    launch fails or times out.
+    sequence_parallel, seed, powersgd_rank, experts, ep, cp), with its defaults. Raises
+    ``ValueError`` for an impossible configuration (before launching) and
+    :class:`MeasureError` when the launch fails or times out.
     """
     return run_config(make_config(tp=tp, pp=pp, dp=dp, **options))
 
@@ -190,6 +192,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ep", type=int, default=1, help="expert-parallel degree, dividing dp (default 1)"
     )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each sequence split over this many ranks, K and V "
+        "all-gathered (calibration/measured/cp_worker.py; tp 1, pp 1; default 1)",
+    )
     p.add_argument("--steps", type=int, required=True, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--device", choices=DEVICES, required=True, help="cpu (gloo) or cuda (nccl)")
@@ -234,6 +243,7 @@ def _cli_main(args: argparse.Namespace) -> int:
             powersgd_rank=args.powersgd_rank,
             experts=args.experts,
             ep=args.ep,
+            cp=args.cp,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -250,4 +260,5 @@ def _cli_main(args: argparse.Namespace) -> int:
 
 
 def scenario_name_from(result: dict[str, Any]) -> str:
-    return f"tp{result['tp']}-pp{result['pp']}-dp{result['dp']}-{result['schedule']}"
+    cp = f"-cp{result['cp']}" if result.get("cp", 1) > 1 else ""
+    return f"tp{result['tp']}-pp{result['pp']}-dp{result['dp']}{cp}-{result['schedule']}"

@@ -53,10 +53,11 @@ class MeasureConfig:
     ep: int = 1  # expert-parallel degree (carved out of dp)
     experts_per_token: int = 2  # top-k routing
     capacity_factor: float = 1.0  # each expert's buffer: capacity_factor * k * tokens / experts
+    cp: int = 1  # context-parallel degree: the sequence split (calibration/measured/cp_worker)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
 def resolve_model(
@@ -137,6 +138,8 @@ def validate(cfg: MeasureConfig) -> None:
         )
     if cfg.experts or cfg.ep > 1:
         _moe_problems(cfg)
+    if cfg.cp != 1:
+        _cp_problems(cfg)
     stages = cfg.pp * cfg.virtual_stages
     _require(
         m["layers"] % stages == 0,
@@ -159,7 +162,8 @@ def validate(cfg: MeasureConfig) -> None:
         available = _cuda_device_count()
         _require(
             cfg.world_size <= available,
-            f"tp*pp*dp={cfg.world_size}: only {available} CUDA device(s) here; lower the degrees",
+            f"tp*pp*dp*cp={cfg.world_size}: only {available} CUDA device(s) here; "
+            "lower the degrees",
         )
 
 
@@ -180,6 +184,24 @@ def _moe_problems(cfg: MeasureConfig) -> None:
         f"experts_per_token={cfg.experts_per_token}: use 1 to experts ({cfg.experts})",
     )
     _require(cfg.capacity_factor > 0, f"capacity_factor={cfg.capacity_factor}: must be > 0")
+
+
+def _cp_problems(cfg: MeasureConfig) -> None:
+    """The CP worker splits the sequence over cp ranks of each data-parallel replica,
+    without TP, PP, ZeRO-3, PowerSGD or experts."""
+    _require(isinstance(cfg.cp, int) and cfg.cp >= 1, f"cp={cfg.cp!r}: must be an integer >= 1")
+    _require(
+        cfg.tp == 1 and cfg.pp == 1 and cfg.zero == 0 and not cfg.powersgd_rank
+        and not cfg.experts,
+        f"cp={cfg.cp}: the context-parallel run has context and data parallelism only; use "
+        "tp 1, pp 1, zero 0, no PowerSGD and no experts",
+    )
+    seq = cfg.model["seq_len"]
+    _require(
+        seq % (2 * cfg.cp) == 0,
+        f"model.seq_len={seq}: not divisible by 2·cp={2 * cfg.cp} (two chunks per CP rank); "
+        "use a multiple",
+    )
 
 
 def _cuda_device_count() -> int:
@@ -211,6 +233,7 @@ def make_config(
     powersgd_rank: int = 0,
     experts: int = 0,
     ep: int = 1,
+    cp: int = 1,
 ) -> MeasureConfig:
     """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
     _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -235,6 +258,7 @@ def make_config(
         powersgd_rank=powersgd_rank,
         experts=experts,
         ep=ep,
+        cp=cp,
     )
     validate(cfg)
     return cfg

@@ -30,10 +30,17 @@ def torchrun_command(cfg: MeasureConfig, config_path: Path) -> list[str]:
         f"--log-dir={Path(cfg.out_dir) / 'logs'}",
         "--redirects=3",
         "-m",
-        f"calibration.measured.{'moe_worker' if cfg.experts else 'parallel_worker'}",
+        f"calibration.measured.{worker_module(cfg)}",
         "--config",
         str(config_path),
     ]
+
+
+def worker_module(cfg: MeasureConfig) -> str:
+    """The worker that runs ``cfg``: experts, context parallelism, or the TP/PP/DP GPT."""
+    if cfg.experts:
+        return "moe_worker"
+    return "cp_worker" if cfg.cp > 1 else "parallel_worker"
 
 
 def launch(cfg: MeasureConfig, config_path: Path) -> None:

@@ -57,6 +57,8 @@ def scenario_name(cfg: MeasureConfig) -> str:
         name += f"-powersgd{cfg.powersgd_rank}"
     if cfg.experts:
         name += f"-moe{cfg.experts}-ep{cfg.ep}"
+    if cfg.cp > 1:
+        name += f"-cp{cfg.cp}"
     return name + ("-sp" if cfg.sequence_parallel else "")
 
 
@@ -113,6 +115,10 @@ def scenario_dict(
         model.update(experts=cfg.experts, experts_per_token=cfg.experts_per_token,
                      expert_ffn_hidden=m["ffn_hidden"], capacity_factor=cfg.capacity_factor)
         parallel.update(ep=cfg.ep, dp_bucket_MB=1e6)
+    if cfg.cp > 1:  # calibration/measured/cp_worker.py: K and V all-gathered, DDP over dp·cp
+        parallel = out["parallel"]
+        assert isinstance(parallel, dict)
+        parallel.update(cp=cfg.cp, cp_comm_type="allgather")
     if cfg.powersgd_rank:
         from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
 

@@ -28,17 +28,10 @@ as one flat buffer (the scenario says one DDP bucket).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,15 +41,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.nn.functional import all_to_all_single
 
 from calibration.measured.gpt import GPT, MLP, GPTConfig, loss_fn, synthetic_batch
-from calibration.measured.measure_config import MeasureConfig, write_json_atomic
-from calibration.measured.measure_trace import breakdown_from_trace
-from calibration.measured.parallel_worker import (
-    peak_memory_bytes,
-    profile_one_step,
-    state_bytes,
-    summarize,
-    timed_steps,
-)
+from calibration.measured.measure_config import MeasureConfig
+from calibration.measured.worker_run import autocast_for, record_run, worker_main
 
 
 class MoEMLP(nn.Module):
@@ -159,9 +145,7 @@ class MoETrainer:
         ids = {id(p) for p in self.expert}
         self.dense = [p for p in params if id(p) not in ids]
         self.optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1)
-        self.autocast: Callable[[], AbstractContextManager[Any]] = (
-            (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-            if device.type == "cuda" else nullcontext)
+        self.autocast = autocast_for(device)
 
     def __call__(self) -> torch.Tensor:
         m = self.cfg.micro_batches
@@ -191,47 +175,14 @@ class MoETrainer:
 
 
 def run(cfg: MeasureConfig, device: torch.device) -> None:
-    trainer = MoETrainer(cfg, device)
-    times, losses = timed_steps(trainer, cfg, device)  # type: ignore[arg-type]
-    peak = peak_memory_bytes(device)
-    out = Path(cfg.out_dir)
-    (out / "traces").mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank()
-    trace_path = out / "traces" / f"trace_rank{rank}.json"
-    profiled = profile_one_step(trainer, device, trace_path)  # type: ignore[arg-type]
-    mine = {"rank": rank, **trainer.coords, "step_times_s": times, "losses": losses,
-            "peak_memory_bytes": peak, "state_bytes": state_bytes(trainer),  # type: ignore[arg-type]
-            "profiled_step_s": profiled,
-            **breakdown_from_trace(json.loads(trace_path.read_text()), device.type)}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        write_json_atomic(out / "measured.json", summarize(cfg, device, gathered, None))
-    dist.barrier()
+    start = time.perf_counter()
+    record_run(MoETrainer(cfg, device), cfg, device)
+    print(f"moe worker done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="MeasureConfig JSON written by run_measure")
-    args = parser.parse_args(argv)
-    cfg = MeasureConfig(**json.loads(Path(args.config).read_text()))
-    torch.set_num_threads(cfg.threads)
-    if cfg.device == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=cfg.timeout_s), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
-    start = time.perf_counter()
-    try:
-        run(cfg, device)
-    finally:
-        dist.destroy_process_group()
-    print(f"moe worker done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return 0
+    return worker_main(argv, __doc__.splitlines()[0], run)
 
 
 if __name__ == "__main__":

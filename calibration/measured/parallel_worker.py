@@ -510,7 +510,7 @@ def summarize(
         else "process_peak_rss",
         "state_bytes": [r["state_bytes"] for r in per_rank],
         "per_rank": per_rank,
-        "world_size": cfg.tp * cfg.pp * cfg.dp,
+        "world_size": cfg.world_size,
         **{k: v for k, v in asdict(cfg).items() if k not in ("out_dir", "timeout_s")},
         "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
         "dtype": "bf16" if device.type == "cuda" else "fp32",

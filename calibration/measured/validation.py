@@ -7,8 +7,8 @@ with that profile), and writes ``DIR/validation.md`` and ``DIR/validation.csv``:
 one row per configuration with measured and simulated step time and the error.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
-PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3), and the MoE GPT (4 experts,
-top-2) with EP 2. With more devices
+PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3), the MoE GPT (4 experts,
+top-2) with EP 2, and CP 2 (the sequence split, K and V all-gathered). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
@@ -39,6 +39,7 @@ class Config:
     powersgd_rank: int = 0  # PyTorch's PowerSGD DDP hook (calibration/measured/compression_hook)
     experts: int = 0  # > 0: the MoE GPT with EP (calibration/measured/moe_worker)
     ep: int = 1
+    cp: int = 1  # > 1: the sequence split, K and V all-gathered (calibration/measured/cp_worker)
 
 
 CPU_CONFIGS = (
@@ -49,6 +50,7 @@ CPU_CONFIGS = (
     Config("tp2", tp=2),
     Config("fsdp2", dp=2, zero=3),
     Config("ep2-moe", dp=2, experts=4, ep=2),
+    Config("cp2-allgather", cp=2),
 )
 MULTI_GPU_CONFIGS = (
     Config("tp2-pp2", tp=2, pp=2),
@@ -61,6 +63,19 @@ COLUMNS = ("config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simul
 def configs_for(device: str, devices: int) -> tuple[Config, ...]:
     extra = MULTI_GPU_CONFIGS if device == "cuda" and devices >= 4 else ()
     return CPU_CONFIGS + extra
+
+
+def select(configs: tuple[Config, ...], only: str | None) -> tuple[Config, ...]:
+    """The configurations named in ``only`` (comma-separated), in table order; all without."""
+    if not only:
+        return configs
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = [c.name for c in configs]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError([Problem("--only", only, f"unknown configuration(s) {unknown}; "
+                                 f"choose from {', '.join(known)}")])
+    return tuple(c for c in configs if c.name in names)
 
 
 def _say(text: str) -> None:
@@ -111,7 +126,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
                     warmup=args.warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
                     micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank,
-                    experts=cfg.experts, ep=cfg.ep)
+                    experts=cfg.experts, ep=cfg.ep, cp=cfg.cp)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
@@ -175,7 +190,7 @@ def run_validation(args: argparse.Namespace) -> int:
                                  "needs at least 2 (use --device cpu)")])
     profile = _profile(args, out)
     rows = []
-    configs = configs_for(args.device, devices)
+    configs = select(configs_for(args.device, devices), args.only)
     for i, cfg in enumerate(configs, 1):
         _say(f"[validation {i}/{len(configs)}] {cfg.name}: measure + compare ...")
         t0 = time.perf_counter()
@@ -219,5 +234,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--only", metavar="NAME[,NAME]",
+                   help="run only these configurations (e.g. cp2-allgather)")
     p.add_argument("--tiny", action="store_true", help="smoke-test calibration size (tests)")
     p.set_defaults(func=run_validation)
