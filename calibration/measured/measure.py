@@ -199,6 +199,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="context-parallel degree: each sequence split over this many ranks, K and V "
         "all-gathered (calibration/measured/cp_worker.py; tp 1, pp 1; default 1)",
     )
+    p.add_argument(
+        "--slow-rank", type=int, default=-1,
+        help="make this rank a straggler: its compute takes --slowdown times as long "
+        "(calibration/measured/slow_rank.py; default: none)",
+    )
+    p.add_argument(
+        "--slowdown", type=float, default=2.0,
+        help="with --slow-rank: K, how many times as long its compute takes (default 2)",
+    )
     p.add_argument("--steps", type=int, required=True, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--device", choices=DEVICES, required=True, help="cpu (gloo) or cuda (nccl)")
@@ -244,6 +253,8 @@ def _cli_main(args: argparse.Namespace) -> int:
             experts=args.experts,
             ep=args.ep,
             cp=args.cp,
+            slow_rank=args.slow_rank,
+            slowdown=args.slowdown if args.slow_rank >= 0 else 1.0,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -54,6 +54,8 @@ class MeasureConfig:
     experts_per_token: int = 2  # top-k routing
     capacity_factor: float = 1.0  # each expert's buffer: capacity_factor * k * tokens / experts
     cp: int = 1  # context-parallel degree: the sequence split (calibration/measured/cp_worker)
+    slow_rank: int = -1  # >= 0: this rank's compute takes `slowdown` times as long
+    slowdown: float = 1.0  # (calibration/measured/slow_rank.py)
 
     @property
     def world_size(self) -> int:
@@ -140,6 +142,15 @@ def validate(cfg: MeasureConfig) -> None:
         _moe_problems(cfg)
     if cfg.cp != 1:
         _cp_problems(cfg)
+    if cfg.slow_rank >= 0 or cfg.slowdown != 1.0:
+        _require(0 <= cfg.slow_rank < cfg.world_size,
+                 f"slow_rank={cfg.slow_rank}: name a rank 0..{cfg.world_size - 1} "
+                 "(--slow-rank R with --slowdown K)")
+        _require(1.0 <= cfg.slowdown <= 100.0,
+                 f"slowdown={cfg.slowdown}: must lie in [1, 100] (K times as long)")
+        _require(not cfg.experts and cfg.cp == 1,
+                 f"slow_rank={cfg.slow_rank}: the straggler option is in the dense TP/PP/DP "
+                 "worker only; use it without --experts and --cp")
     stages = cfg.pp * cfg.virtual_stages
     _require(
         m["layers"] % stages == 0,
@@ -234,6 +245,8 @@ def make_config(
     experts: int = 0,
     ep: int = 1,
     cp: int = 1,
+    slow_rank: int = -1,
+    slowdown: float = 1.0,
 ) -> MeasureConfig:
     """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
     _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -259,6 +272,8 @@ def make_config(
         experts=experts,
         ep=ep,
         cp=cp,
+        slow_rank=slow_rank,
+        slowdown=float(slowdown),
     )
     validate(cfg)
     return cfg

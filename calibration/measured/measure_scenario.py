@@ -59,6 +59,8 @@ def scenario_name(cfg: MeasureConfig) -> str:
         name += f"-moe{cfg.experts}-ep{cfg.ep}"
     if cfg.cp > 1:
         name += f"-cp{cfg.cp}"
+    if cfg.slow_rank >= 0:
+        name += f"-slow{cfg.slow_rank}x{cfg.slowdown:g}"
     return name + ("-sp" if cfg.sequence_parallel else "")
 
 
@@ -125,6 +127,9 @@ def scenario_dict(
         parallel = out["parallel"]
         assert isinstance(parallel, dict)
         parallel["dp_bucket_MB"] = POWERSGD_BUCKET_MB
+    if cfg.slow_rank >= 0:  # calibration/measured/slow_rank.py: one straggler on purpose
+        out["variability"] = {"slow_gpus": [{"ranks": [cfg.slow_rank],
+                                             "compute_slowdown": cfg.slowdown}]}
     return out
 
 

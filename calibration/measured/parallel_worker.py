@@ -79,6 +79,8 @@ from calibration.measured.compression_hook import powersgd_ddp_options, register
 from calibration.measured.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
 from calibration.measured.measure_config import MeasureConfig, write_json_atomic
 from calibration.measured.measure_trace import breakdown_from_trace
+from calibration.measured.slow_rank import report as slow_report
+from calibration.measured.slow_rank import slow_down
 
 CRASH_ENV = "CLUSTERSIM_TEST_CRASH_RANK"
 HANG_ENV = "CLUSTERSIM_TEST_HANG_RANK"
@@ -445,6 +447,8 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
         device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp")
     )
     trainer = Trainer(cfg, mesh, device)
+    slow = slow_down(trainer.models, trainer.optimizer, cfg.slowdown) \
+        if dist.get_rank() == cfg.slow_rank else None
     times, losses = timed_steps(trainer, cfg, device)
     peak = peak_memory_bytes(device)
     out = Path(cfg.out_dir)
@@ -462,6 +466,7 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
         "state_bytes": state_bytes(trainer),
         "profiled_step_s": profiled,
         **breakdown_from_trace(json.loads(trace_path.read_text()), device.type),
+        **slow_report(slow),
     }
     tied_diff = trainer.tied_weight_diff()
     gathered: list[Any] = [None] * dist.get_world_size()

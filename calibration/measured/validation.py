@@ -8,7 +8,9 @@ one row per configuration with measured and simulated step time and the error.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
 PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3), the MoE GPT (4 experts,
-top-2) with EP 2, and CP 2 (the sequence split, K and V all-gathered). With more devices
+top-2) with EP 2, CP 2 (the sequence split, K and V all-gathered), and DP 2 and PP 2
+(1F1B) with rank 1 a straggler on purpose (its compute twice as long, ``measure
+--slow-rank 1 --slowdown 2``, simulated with ``variability.slow_gpus``). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
@@ -40,6 +42,8 @@ class Config:
     experts: int = 0  # > 0: the MoE GPT with EP (calibration/measured/moe_worker)
     ep: int = 1
     cp: int = 1  # > 1: the sequence split, K and V all-gathered (calibration/measured/cp_worker)
+    slow_rank: int = -1  # a straggler on purpose (calibration/measured/slow_rank.py) ...
+    slowdown: float = 1.0  # ... whose compute takes this many times as long
 
 
 CPU_CONFIGS = (
@@ -51,6 +55,8 @@ CPU_CONFIGS = (
     Config("fsdp2", dp=2, zero=3),
     Config("ep2-moe", dp=2, experts=4, ep=2),
     Config("cp2-allgather", cp=2),
+    Config("dp2-slow1x2", dp=2, slow_rank=1, slowdown=2.0),
+    Config("pp2-1f1b-slow1x2", pp=2, schedule="1f1b", slow_rank=1, slowdown=2.0),
 )
 MULTI_GPU_CONFIGS = (
     Config("tp2-pp2", tp=2, pp=2),
@@ -126,7 +132,8 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
                     warmup=args.warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
                     micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank,
-                    experts=cfg.experts, ep=cfg.ep, cp=cfg.cp)
+                    experts=cfg.experts, ep=cfg.ep, cp=cfg.cp, slow_rank=cfg.slow_rank,
+                    slowdown=cfg.slowdown)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")

@@ -1,0 +1,98 @@
+"""A straggler on purpose: ``clustersim measure --slow-rank R --slowdown K``.
+
+Rank R's compute takes K times as long; the other ranks and every transfer are
+untouched, so the run measures what one slow GPU costs its peers (the waits of
+the data-parallel reductions, the pipeline stage that everyone else waits for).
+It is the measured side of the simulator's ``variability: {slow_gpus: [{ranks:
+[R], compute_slowdown: K}]}`` (:mod:`simulator.variability`), which multiplies
+that rank's compute task durations by K.
+
+How: after each piece of compute finishes, the rank sleeps K − 1 times as long
+as it took. The pieces are the model's top-level modules (the embedding, every
+transformer block, the final norm, the output layer): forward hooks time each
+forward; full backward pre-hooks and hooks time each backward (from the gradient
+of the module's output to the gradient of its input; the embedding, whose input
+is token ids, has no such point, and its backward is a scatter of one
+micro-batch's rows); the optimizer's step hooks time the step. Sleeping rather
+than repeating the work keeps the numerics and the memory unchanged, and on a
+CPU process it frees the core as a slower device would. Communication threads
+(gloo, DDP's bucket reductions) keep running while the main thread sleeps, as a
+slow GPU's NCCL kernels would on their own stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class SlowDown:
+    """Sleeps ``factor − 1`` times the duration of each timed piece; counts what it slept."""
+
+    def __init__(self, factor: float) -> None:
+        if factor < 1:
+            raise ValueError(f"slowdown must be >= 1 (a rank cannot be made faster); got {factor}")
+        self.extra = factor - 1.0
+        self.slept_s = 0.0
+        self.pieces = 0
+        self._starts: dict[tuple[int, str], float] = {}
+
+    def start(self, key: tuple[int, str]) -> None:
+        self._starts[key] = time.perf_counter()
+
+    def stop(self, key: tuple[int, str]) -> None:
+        begun = self._starts.pop(key, None)
+        if begun is None or self.extra <= 0:
+            return
+        pause = self.extra * (time.perf_counter() - begun)
+        time.sleep(pause)
+        self.slept_s += pause
+        self.pieces += 1
+
+    def watch(self, module: nn.Module) -> None:
+        """Time ``module``'s forward and backward."""
+        fwd, bwd = (id(module), "F"), (id(module), "B")
+        module.register_forward_pre_hook(lambda m, a: self.start(fwd))
+        module.register_forward_hook(lambda m, a, out: self.stop(fwd))
+        module.register_full_backward_pre_hook(lambda m, g: self.start(bwd))
+        module.register_full_backward_hook(lambda m, gi, go: self.stop(bwd))
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        key = (id(optimizer), "step")
+        optimizer.register_step_pre_hook(lambda opt, a, k: self.start(key))
+        optimizer.register_step_post_hook(lambda opt, a, k: self.stop(key))
+
+
+def pieces(model: nn.Module) -> list[nn.Module]:
+    """The top-level modules of a (stage of the) GPT whose compute is timed: the
+    embedding, each block, the final norm and the head, whichever the stage has."""
+    out: list[nn.Module] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            out.extend(child.children())
+        elif child is not None:
+            out.append(child)
+        del name
+    return out
+
+
+def slow_down(models: Iterable[nn.Module], optimizer: torch.optim.Optimizer,
+              factor: float) -> SlowDown:
+    """Make this rank's compute ``factor`` times as long (see the module note)."""
+    slow = SlowDown(factor)
+    for model in models:
+        for piece in pieces(model):
+            slow.watch(piece)
+    slow.watch_optimizer(optimizer)
+    return slow
+
+
+def report(slow: SlowDown | None) -> dict[str, Any]:
+    """What the rank slept (for measured.json), or nothing when it was not slowed."""
+    if slow is None:
+        return {}
+    return {"slowdown_slept_s": slow.slept_s, "slowdown_pieces": slow.pieces}

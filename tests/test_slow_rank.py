@@ -1,0 +1,126 @@
+"""``clustersim measure --slow-rank R --slowdown K``: a straggler on purpose.
+
+- The hooks make every timed piece (forward, backward, optimizer step) take K times
+  as long: with a fake clock, a piece of 1 s sleeps K − 1 s after it.
+- The run's scenario carries the same straggler (``variability.slow_gpus``) and the
+  simulator makes that rank slower; bad options are refused before launching.
+- One tiny real DP 2 run with rank 1 slowed (a few seconds) sleeps only on rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from calibration.measured.measure import make_config, run_measure
+from calibration.measured.measure_scenario import scenario_dict
+from simulator.api import simulate_scenario
+from simulator.scenario import scenario_from_dict
+
+TINY = {"layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_every_piece_takes_k_times_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from calibration.measured import slow_rank
+
+    clock = FakeClock()
+    monkeypatch.setattr(slow_rank.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(slow_rank.time, "sleep", clock.sleep)
+
+    class Piece(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            clock.now += 1.0  # one second of forward compute
+            return Tick.apply(self.lin(x))
+
+    class Tick(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+            clock.now += 2.0  # two seconds of backward compute
+            return g
+
+    model = torch.nn.Sequential(Piece(), Piece())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    slow = slow_rank.slow_down([model], opt, 3.0)
+    x = torch.ones(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    opt.step()
+    # two forwards of 1 s, two backwards of 2 s, one optimizer step of 0 s: K − 1 = 2×
+    assert clock.slept[:2] == [2.0, 2.0]
+    assert clock.slept[2:4] == [4.0, 4.0]
+    assert slow.slept_s == pytest.approx(12.0) and slow.pieces == 5
+    assert slow_rank.report(slow) == {"slowdown_slept_s": slow.slept_s, "slowdown_pieces": 5}
+    assert slow_rank.report(None) == {}
+
+
+def test_pieces_are_the_top_level_modules() -> None:
+    pytest.importorskip("torch")
+    from calibration.measured.gpt import GPT, GPTConfig
+    from calibration.measured.slow_rank import pieces
+
+    model = GPT(GPTConfig.from_dict(TINY))
+    got = pieces(model)
+    assert got[0] is model.embed and got[-1] is model.head and got[-2] is model.norm
+    assert got[1:-2] == list(model.layers.values())
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "schedule"), [(1, 1, 2, "1f1b"), (1, 2, 1, "1f1b")])
+def test_the_scenario_carries_the_straggler(tmp_path: Path, tp: int, pp: int, dp: int,
+                                            schedule: str) -> None:
+    slow = make_config(tp=tp, pp=pp, dp=dp, schedule=schedule, model=TINY, device="cpu",
+                       out_dir=tmp_path, slow_rank=1, slowdown=2.0)
+    base = make_config(tp=tp, pp=pp, dp=dp, schedule=schedule, model=TINY, device="cpu",
+                       out_dir=tmp_path)
+    data = scenario_dict(slow)
+    assert data["variability"] == {"slow_gpus": [{"ranks": [1], "compute_slowdown": 2.0}]}
+    assert str(data["name"]).endswith("-slow1x2") and "variability" not in scenario_dict(base)
+    fast, _ = simulate_scenario(scenario_from_dict(scenario_dict(base)), "engine")
+    slowed, _ = simulate_scenario(scenario_from_dict(data), "engine")
+    assert slowed["step_time_s"] > 1.3 * fast["step_time_s"]
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"slow_rank": 2}, "slow_rank=2: name a rank 0..1"),
+    ({"slow_rank": -3, "slowdown": 2.0}, "slow_rank=-3"),
+    ({"slow_rank": 0, "slowdown": 0.5}, "slowdown=0.5: must lie in [1, 100]"),
+    ({"slow_rank": 0, "slowdown": 2.0, "experts": 4, "ep": 2}, "dense TP/PP/DP worker only"),
+])
+def test_bad_straggler_options_are_refused(tmp_path: Path, options: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        make_config(tp=1, pp=1, dp=2, model=TINY, device="cpu", out_dir=tmp_path, **options)
+
+
+def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    result = run_measure(1, 1, 2, model=TINY, micro_batches=2, steps=2, warmup=1,
+                         device="cpu", out_dir=str(tmp_path), slow_rank=1, slowdown=2.0,
+                         timeout_s=300)
+    by_rank = {r["rank"]: r for r in result["per_rank"]}
+    assert "slowdown_slept_s" not in by_rank[0]
+    assert by_rank[1]["slowdown_slept_s"] > 0 and by_rank[1]["slowdown_pieces"] > 0
+    scenario = (tmp_path / "scenario.yaml").read_text()
+    assert "compute_slowdown" in scenario
+    assert json.loads((tmp_path / "measured.json").read_text())["dp"] == 2
