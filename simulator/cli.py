@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 from simulator import __version__
 from simulator.errors import Problem, UserError
 
+MAX_STEPS = 100_000  # --steps: each step is one simulation
+
 if TYPE_CHECKING:
     from simulator.cache import ResultCache
 
@@ -241,6 +243,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or default_out_dir(s.name)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
+    if args.steps > MAX_STEPS:
+        raise UserError([Problem("--steps", args.steps, f"at most {MAX_STEPS:,} steps (each is "
+                                 "a simulation); sample fewer")])
     if args.steps > 1 and (args.method or s.simulation.method) != "engine":
         raise UserError([Problem("--steps", args.steps, "many steps need the engine (the "
                                  "analytic method has no jitter); drop --method analytic")])

@@ -64,7 +64,7 @@ class SlowGPUs(_Frozen):
 
     ranks: list[int] | None = None  # these ranks ...
     random: int | None = Field(default=None, gt=0, le=10**7)  # ... or k drawn with the seed
-    compute_slowdown: float = Field(gt=0, le=1000)
+    compute_slowdown: float = Field(ge=1e-3, le=1000)
 
 
 class SlowLink(_Frozen):
@@ -72,7 +72,7 @@ class SlowLink(_Frozen):
 
     rank: int = Field(ge=0, le=10**9)
     link: LinkClass
-    bandwidth_factor: float = Field(gt=0, le=1)
+    bandwidth_factor: float = Field(ge=1e-6, le=1)
 
 
 class JitterSpec(_Frozen):

@@ -313,3 +313,10 @@ def test_bad_stage_systems_are_one_line(entries: list[dict[str, Any]], needle: s
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_steps_are_bounded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _scenario_file(tmp_path, {"jitter": {"sigma": 0.1}})
+    assert main(["run", str(path), "--out", str(tmp_path / "o"), "--steps", "1000000"]) == 2
+    assert "--steps = 1000000: at most 100,000 steps" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
