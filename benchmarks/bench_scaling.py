@@ -42,11 +42,11 @@ def scenario_text(gpus: int) -> str:
 
 
 def measure(gpus: int, fidelity: str) -> dict[str, Any]:
+    import yaml  # a dependency of the project already
+
     from simulator.engine import simulate
     from simulator.scenario import scenario_from_dict
     from simulator.workload import build_workload
-
-    import yaml  # a dependency of the project already
 
     s = scenario_from_dict(yaml.safe_load(scenario_text(gpus)))
     t0 = time.process_time()
