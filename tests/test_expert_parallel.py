@@ -117,8 +117,16 @@ def test_hierarchical_variant_on_an_ep_group_across_nodes() -> None:
              "simulation.collective_algorithm=hierarchical")
     plans = {t.plan.algorithm for t in build_workload(s).tasks if t.kind == "ep" and t.plan}
     assert plans == {"hierarchical"}
+    hw, size = s.hardware, 128 * 256 * 2 * 2
+    intra, inter = hw.intra_node, hw.inter_node  # 2 per node: NVLink, then the rails
+    one = (1 / 2 * size / intra.bytes_per_s + intra.alpha_s
+           + 1 / 2 * size / inter.bytes_per_s + inter.alpha_s)
+    per_rank = s.model.layers * s.microbatches * 4
     engine, _ = simulate_scenario(s, "engine")
-    assert engine["step_breakdown_s"]["ep_transfer"] > 0
+    assert engine["step_breakdown_s"]["ep_transfer"] == pytest.approx(per_rank * one, rel=1e-9)
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert analytic["step_breakdown_s"]["ep_transfer"] == pytest.approx(per_rank * one,
+                                                                        rel=1e-12)
     assert_partition(engine)
 
 
