@@ -52,7 +52,7 @@ def test_full_fidelity_scales_with_simulated_ranks() -> None:
 
 
 # 16,384 GPUs: full fidelity would build ~3e7 tasks; it runs folded (its point)
-FOLDED_ONLY = {"llama3-405b-16k-h100"}
+FOLDED_ONLY = {"llama3-405b-16k-h100", "llama3-405b-131k-16k-h100-cp16"}
 
 
 def test_every_bundled_scenario_runs_by_default_even_at_full_fidelity() -> None:
