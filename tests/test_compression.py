@@ -127,6 +127,19 @@ def test_engine_reduces_the_closed_form_bytes(method: str, zero: int, pp: int) -
 
 # Where the uncompressed analytic step matches the engine (pure DP; with PP or TP on
 # these slow links the analytic method's neglect of contention already differs 5-25%)
+@pytest.mark.parametrize("extra", [
+    {"schedule": "interleaved", "virtual_stages": 2, "m": 4, "model": {**GPT, "layers": 8}},
+    {"layers_per_stage": [1, 3]},
+])
+def test_engine_bytes_with_chunks_and_uneven_stages(extra: dict[str, Any]) -> None:
+    s = make("powersgd", dtype="fp32", pp=2, dp_bucket_MB=0.05, **extra)
+    _, spans = simulate_scenario(s)
+    assert spans is not None
+    for row in cmp.traffic(s)["per_stage"]:  # type: ignore[attr-defined]
+        rank = int(spans[spans["stage"] == row["stage"]]["rank"].min())
+        assert dp_collective_bytes(spans, rank) == pytest.approx(row["reduced_bytes"])
+
+
 CASES = [
     ("powersgd", {}, "dgx-a100-80gb"),
     ("powersgd", {"m": 8, "dp_bucket_MB": 0.05}, "dgx-a100-80gb"),
