@@ -159,13 +159,28 @@ def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: 
 
 
 def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
-                         pass_: Pass, cp: int) -> tuple[Op, ...]:
+                         pass_: Pass, cp: int, kv_gathered: bool = False) -> tuple[Op, ...]:
     """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
-    against the whole sequence's keys (:func:`_attention_core`)."""
-    if cp == 1:
+    against the whole sequence's keys (:func:`_attention_core`). With ``kv_gathered``
+    (the all-gather variant) the gathered keys and values are put in sequence order
+    before the core, and in backward their gradients back in chunk order after it:
+    one read and one write of the gathered bytes each (Transformer Engine's
+    ``AttnFuncWithCPAndKVAllGather``, ``get_seq_chunk_ids_for_reordering_before_attn``
+    and ``..._after_attn``)."""
+    if cp == 1 or pass_ == "bwd_weight":
         return ops
     core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
-    return tuple(core if op.name == "attn_core" else op for op in ops)
+    out: list[Op] = []
+    for op in ops:
+        if op.name == "attn_core":
+            if kv_gathered:
+                copies = 1 if pass_ == "fwd" else 2
+                out.append(Op("cp_reorder", "memory", 0.0,
+                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0))
+            out.append(core)
+        else:
+            out.append(op)
+    return tuple(out)
 
 
 def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:

@@ -92,11 +92,11 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
                            s.parallel.sequence_parallel, s.training.dtype)
     routed = spec.is_moe_layer(layer)
 
-    cp = s.parallel.cp
+    cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
 
     def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
         out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer), spec, b,
-                                       tp, dt, p, cp)
+                                       tp, dt, p, cp, gathered)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
@@ -110,7 +110,7 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     else:
         rec = mdl.context_parallel_ops(
             mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer), spec, b,
-            tp, dt, "fwd", cp)
+            tp, dt, "fwd", cp, gathered)
         rec_t = (cost.ops_time(rec), 0.0)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)

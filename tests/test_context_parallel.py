@@ -171,3 +171,21 @@ def test_cp_without_dp_still_reduces_gradients_over_cp() -> None:
     assert {t.group for t in w.tasks if t.kind == "dp" and t.plan is not None} == {(0, 1)}
     z = build_workload(make(cp=2, dp=1, zero=3), fidelity="full")
     assert any(t.kind == "zero" for t in z.tasks)
+
+
+def test_allgather_reorders_the_gathered_kv_in_the_attention_block() -> None:
+    """The all-gather variant puts the gathered K and V in sequence order before the
+    core (and their gradients back after it in backward): one read and one write of
+    the gathered bytes each, in the attention block; the ring does not."""
+    from simulator.costs import CostModel
+    from simulator.workload import block_costs
+
+    ring, gathered = make(tp=2, cp=4), make(tp=2, cp=4, cp_comm_type="allgather")
+    cost = CostModel(ring.hardware, "bf16")
+    a, b = block_costs(ring, cost), block_costs(gathered, cost)
+    nbytes = 2 * 4 * _kv_bytes(4, 2)
+    fwd = cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, nbytes, 0.0)])
+    bwd = cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, 2 * nbytes, 0.0)])
+    assert b.fwd[0] - a.fwd[0] == pytest.approx(fwd, rel=1e-9)
+    assert b.bwd_input[0] - a.bwd_input[0] == pytest.approx(bwd, rel=1e-9)
+    assert b.fwd[1] == a.fwd[1] and b.bwd_weight == a.bwd_weight
