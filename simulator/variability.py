@@ -43,14 +43,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from simulator.errors import Problem, UserError
 from simulator.hardware import load_system
 from simulator.layout import Layout
+
+if TYPE_CHECKING:  # numpy only where draws are made: loading a scenario stays light
+    import numpy as np
 
 LinkClass = Literal["intra_node", "inter_node"]
 
@@ -167,6 +169,8 @@ NOMINAL = Attributes({}, {})
 def resolve(v: VariabilitySpec, world: int) -> Attributes:
     """The section as per-rank factors. Factors of one rank named twice multiply; a
     ``random`` entry draws its ranks without replacement from the seed."""
+    import numpy as np
+
     rng = np.random.default_rng([v.seed, 0])
     compute: dict[int, float] = {}
     for g in v.slow_gpus:
@@ -243,10 +247,10 @@ def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
     rank otherwise)."""
     dp_classes = replica_classes(layout, attrs, ep)
     odd_tp = odd_tp_indices(layout, attrs)
-    if clean_tp_index(layout, attrs) is None:  # no common stand-in: split every stage alike
+    clean = clean_tp_index(layout, attrs)
+    if clean is None:  # no common stand-in: split every stage alike
         every = set().union(*odd_tp.values())
         odd_tp = dict.fromkeys(odd_tp, every)
-    clean = clean_tp_index(layout, attrs)
     out: dict[int, int] = {}
     for p in range(layout.pp):
         n_clean = layout.tp - len(odd_tp[p])
@@ -261,6 +265,8 @@ def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
 def jitter_factors(spec: JitterSpec, seed: int, step: int, rank: int, n: int) -> np.ndarray:
     """``n`` duration factors of mean 1 for ``rank``'s compute tasks in ``step``: the
     same rank, seed and step give the same draws in any fidelity."""
+    import numpy as np
+
     rng = np.random.default_rng([seed, 1, step, rank])
     if spec.distribution == "lognormal":
         return np.asarray(rng.lognormal(-spec.sigma ** 2 / 2, spec.sigma, n))

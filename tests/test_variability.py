@@ -186,6 +186,16 @@ def test_jitter_same_rank_same_draws_in_both_fidelities() -> None:
     assert full["step_time_s"] != nominal["step_time_s"]
 
 
+def _scenario_file(tmp_path: Path, var: dict[str, Any]) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({
+        "name": "steps", "model": GPT,
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 8},
+        "parallel": {"tp": 2, "pp": 2, "dp": 2},
+        "training": {"global_batch": 8}, "variability": var}))
+    return path
+
+
 @pytest.mark.parametrize(("var", "field"), [
     (slow([99], 1.2), "variability.slow_gpus[0].ranks = 99"),
     ({"slow_gpus": [{"ranks": [1], "random": 1, "compute_slowdown": 1.2}]},
@@ -201,25 +211,9 @@ def test_jitter_same_rank_same_draws_in_both_fidelities() -> None:
 ])
 def test_bad_variability_is_one_line(var: dict[str, Any], field: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "s.yaml"
-    path.write_text(json.dumps({
-        "name": "bad", "model": GPT,
-        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 8},
-        "parallel": {"tp": 2, "pp": 2, "dp": 2},
-        "training": {"global_batch": 8}, "variability": var}))
-    assert main(["validate", str(path)]) == 2
+    assert main(["validate", str(_scenario_file(tmp_path, var))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0], err
-
-
-def _scenario_file(tmp_path: Path, var: dict[str, Any]) -> Path:
-    path = tmp_path / "s.yaml"
-    path.write_text(json.dumps({
-        "name": "steps", "model": GPT,
-        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 8},
-        "parallel": {"tp": 2, "pp": 2, "dp": 2},
-        "training": {"global_batch": 8}, "variability": var}))
-    return path
 
 
 def test_steps_distribution_through_the_cli(tmp_path: Path,

@@ -44,7 +44,6 @@ process group is up; ``CLUSTERSIM_TEST_HANG_RANK=r`` makes it sleep forever.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -54,7 +53,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -413,25 +411,14 @@ def profile_one_step(trainer: Trainer, device: torch.device, path: Path) -> floa
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="MeasureConfig JSON written by run_measure")
-    args = parser.parse_args(argv)
-    cfg = MeasureConfig(**json.loads(Path(args.config).read_text()))
-    torch.set_num_threads(cfg.threads)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if cfg.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=cfg.timeout_s), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
-    try:
+    # worker_run imports this module's timing helpers: import its entry point here
+    from calibration.measured.worker_run import worker_main
+
+    def checked(cfg: MeasureConfig, device: torch.device) -> None:
         _inject_test_faults(dist.get_rank())
         run(cfg, device)
-    finally:
-        dist.destroy_process_group()
-    return 0
+
+    return worker_main(argv, __doc__.splitlines()[0], checked)
 
 
 def _inject_test_faults(rank: int) -> None:

@@ -62,6 +62,17 @@ class Context:
         # a mixed-generation cluster: stage -> its system's cost model and block costs
         self.stage_cost: dict[int, CostModel] = {}
         self.stage_c: dict[int, BlockCosts] = {}
+        self._last_backward: dict[int, dict[int, int]] = {}  # pp rank -> stage -> index
+
+    def last_backward(self, pp_rank: int) -> dict[int, int]:
+        """Per stage, the index of pipeline rank ``pp_rank``'s last action that computes
+        weight gradients (where accumulated gradients are complete)."""
+        final = self._last_backward.get(pp_rank)
+        if final is None:
+            final = {a.stage: i for i, a in enumerate(self.sched.actions[pp_rank])
+                     if a.kind in ("B", "W")}
+            self._last_backward[pp_rank] = final
+        return final
 
     def c_of(self, rank: int) -> BlockCosts:
         """The block costs on ``rank``'s system."""

@@ -40,21 +40,11 @@ class DataPass(Pass):
         super().__init__(ctx)
         par = ctx.s.parallel
         self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
-        self.final: dict[int, dict[int, int]] = {}  # pp rank -> stage -> its last B/W index
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
         self.compressor = Compressor(ctx, self.stream) \
             if effective_method(ctx.s) != "none" else None
-
-    def last_backward(self, pp_rank: int) -> dict[int, int]:
-        """Per stage, the index of the rank's last action that computes weight gradients."""
-        final = self.final.get(pp_rank)
-        if final is None:
-            final = {a.stage: i for i, a in enumerate(self.ctx.sched.actions[pp_rank])
-                     if a.kind in ("B", "W")}
-            self.final[pp_rank] = final
-        return final
 
     def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
                      chunk: int) -> None:
@@ -66,7 +56,7 @@ class DataPass(Pass):
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
-        elif self.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
+        elif self.ctx.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
             self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
 
     def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,

@@ -52,7 +52,6 @@ class ExpertPass(Pass):
         self.mlp_seen: dict[int, tuple[bool, int]] = {}  # rank -> (forward, mlp blocks so far)
         self.group_of: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
-        self.final: dict[int, dict[int, int]] = {}
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
 
@@ -114,7 +113,7 @@ class ExpertPass(Pass):
         group = epar.edp_group(ctx.layout, rank, self.etp, self.ep)
         if len(group) == 1:
             return
-        if par.zero < 2 and self.last_backward(ctx.layout.coord(rank).pp).get(action.stage) \
+        if par.zero < 2 and ctx.last_backward(ctx.layout.coord(rank).pp).get(action.stage) \
                 != index:
             return  # gradients accumulate until the stage's last backward
         for layer, task in zip(reversed(ctx.layers_of(action.stage)), done, strict=False):
@@ -125,15 +124,6 @@ class ExpertPass(Pass):
             if t is not None:
                 t.deps.append(task.id)
                 self.reduced[rank].append(t)
-
-    def last_backward(self, pp_rank: int) -> dict[int, int]:
-        """Per stage, the index of the rank's last action that computes weight gradients."""
-        final = self.final.get(pp_rank)
-        if final is None:
-            final = {a.stage: i for i, a in enumerate(self.ctx.sched.actions[pp_rank])
-                     if a.kind in ("B", "W")}
-            self.final[pp_rank] = final
-        return final
 
     def expert_params(self, rank: int) -> float:
         ctx = self.ctx
