@@ -11,6 +11,14 @@ size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamp
 at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
 latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
 
+Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
+in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
+its kind (:meth:`GPUSpec.efficiency`). ``gpu.interference`` says how much compute
+slows while a collective on a link class overlaps it, and ``uncertainty`` keeps the
+relative spread calibration measured for each fitted term (:data:`UNCERTAINTY_TERMS`),
+which ``clustersim run --uncertainty`` propagates. All three are optional: a profile
+without them keeps the generic curves, no slowdown and no spread.
+
 A profile file is read strictly (:func:`load_system`): every field stated (a
 profile without calibrated collectives says ``collectives: {}``, and calibrated
 collectives need the provenance ``calibrate`` writes after them, so a file cut
@@ -27,7 +35,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -50,6 +58,20 @@ TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
 EFFICIENCY = Field(gt=1e-4, le=1)  # achieved / peak
 
 Rate = Annotated[float, RATE]
+
+#: The op inventory's cost classes: GEMMs and attention are sized by the FLOPs of
+#: one call, the memory-bound classes by the bytes one kernel moves.
+CostClass = Literal["gemm_fwd", "gemm_dgrad", "gemm_wgrad", "attention_fwd", "attention_bwd",
+                    "softmax", "elementwise", "norm", "reduction", "copy", "optimizer"]
+COST_CLASSES: tuple[str, ...] = get_args(CostClass)
+LINK_NAMES: tuple[str, ...] = get_args(LinkName)
+#: The terms calibration fits and whose relative spread a profile may record.
+UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
+                                      "kernel_overhead", *LINK_NAMES, "interference")
+#: A factor by which overlapped communication slows compute (1 = not at all).
+Interference = Annotated[float, Field(ge=1, le=10)]
+#: A relative standard deviation (σ / mean).
+RelativeStd = Annotated[float, Field(ge=0, le=1)]
 
 
 class _Frozen(BaseModel):
@@ -83,6 +105,20 @@ class EfficiencyCurve(_Frozen):
         return interpolate_log(self.points, size)
 
 
+def _known_keys(data: Any, known: Sequence[str], what: str) -> Any:
+    """``data`` unchanged when it is a mapping whose keys all lie in ``known``; else a
+    ValueError naming the first unknown key, the nearest known one and the choices."""
+    if isinstance(data, dict):
+        for key in data:
+            if key not in known:
+                import difflib
+
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean '{near[0]}'? " if near else ""
+                raise ValueError(f"unknown {what} '{key}'; {hint}use one of {', '.join(known)}")
+    return data
+
+
 def interpolate_log(points: Sequence[tuple[float, float]], size: float) -> float:
     """Piecewise-linear in log10(size) through ``points`` (sorted by size), clamped at
     both ends: the one rule every efficiency curve follows, calibrated or preset."""
@@ -110,6 +146,39 @@ class GPUSpec(_Frozen):
     # communication runs beside compute: true on GPUs (NCCL on its own stream), false for
     # a CPU process whose one core also does gloo's copies and reductions
     comm_overlaps_compute: bool = True
+    # a curve per cost class; a class without one uses the generic curve of its kind
+    class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
+    # compute slowdown while a collective on that link class overlaps it (absent = 1)
+    interference: dict[LinkName, Interference] = Field(default_factory=dict)
+
+    @field_validator("class_efficiency", mode="before")
+    @classmethod
+    def _cost_classes(cls, data: Any) -> Any:
+        return _known_keys(data, COST_CLASSES, "cost class")
+
+    @field_validator("interference", mode="before")
+    @classmethod
+    def _link_names(cls, data: Any) -> Any:
+        return _known_keys(data, LINK_NAMES, "link class")
+
+    def efficiency(self, cost_class: str, size: float) -> float:
+        """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
+        and attention, bytes moved otherwise): the class's own curve when the profile
+        has one, else ``gemm_efficiency``, ``attention_efficiency`` or
+        ``memory_efficiency`` by the class's kind."""
+        if cost_class not in COST_CLASSES:
+            raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
+        curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
+        if curve is None:
+            curve = (self.gemm_efficiency if cost_class.startswith("gemm_")
+                     else self.attention_efficiency if cost_class.startswith("attention_")
+                     else self.memory_efficiency)
+        return curve(size)
+
+    def interference_factor(self, link_class: str) -> float:
+        """How many times slower compute runs while a collective on ``link_class``
+        overlaps it (1.0 when the profile does not say)."""
+        return self.interference.get(link_class, 1.0)  # type: ignore[call-overload]
 
     def peak_flops(self, dtype: Dtype) -> float:
         if dtype not in self.peak_tflops:
@@ -174,6 +243,13 @@ class HardwareProfile(_Frozen):
     # link-derived α/β for that collective (see costs.py)
     collectives: dict[CollectiveName, dict[LinkName, AlphaBeta]] = Field(default_factory=dict)
     provenance: dict[str, Any] = Field(default_factory=dict)
+    # relative standard deviation of each fitted term (calibration's repeat spread)
+    uncertainty: dict[str, RelativeStd] = Field(default_factory=dict)
+
+    @field_validator("uncertainty", mode="before")
+    @classmethod
+    def _terms(cls, data: Any) -> Any:
+        return _known_keys(data, UNCERTAINTY_TERMS, "uncertainty term")
 
     def link(self, name: LinkName) -> LinkSpec:
         return self.intra_node if name == "intra_node" else self.inter_node
@@ -217,6 +293,11 @@ def preset_system_names() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.yaml"))
 
 
+#: Fields a profile file may leave out (older profiles predate them).
+OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
+                   "uncertainty")
+
+
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
     """Fields of ``model`` (and its sections) that ``data`` does not state."""
     if not isinstance(data, dict):
@@ -224,7 +305,7 @@ def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
     out = []
     for name, field in model.model_fields.items():
         ann = field.annotation
-        if name not in data and name not in ("description", "provenance", "power"):
+        if name not in data and name not in OPTIONAL_FIELDS:
             out.append(loc + name)
         elif isinstance(ann, type) and issubclass(ann, BaseModel) \
                 and ann is not EfficiencyCurve:
