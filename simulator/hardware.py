@@ -203,6 +203,13 @@ class LinkSpec(_Frozen):
         return self.latency_us * 1e-6
 
 
+class IntraNodeSpec(LinkSpec):
+    # NVLink SHARP: the NVSwitch (third generation, H100/H200/H800 HGX) reduces and
+    # multicasts, which NCCL's NVLS algorithm uses (simulator/nccl.py); optional in a
+    # profile file, absent = false
+    nvls: bool = False
+
+
 class InterNodeSpec(LinkSpec):
     nics_per_node: int = Field(gt=0, le=10_000)
     nic_Gbps: float = RATE  # line rate of one NIC, gigabits/s
@@ -235,7 +242,7 @@ class HardwareProfile(_Frozen):
     description: str = ""
     gpu: GPUSpec
     gpus_per_node: int = Field(gt=0, le=10_000)
-    intra_node: LinkSpec  # NVSwitch (or NVLink) port of one GPU
+    intra_node: IntraNodeSpec  # NVSwitch (or NVLink) port of one GPU
     inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
     host: HostSpec
     power: PowerSpec | None = None  # absent in calibrated profiles (not measured)
@@ -295,7 +302,7 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "uncertainty")
+                   "uncertainty", "nvls")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

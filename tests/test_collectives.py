@@ -17,6 +17,7 @@ from simulator.collectives import (
     estimate,
     expand,
     make_plan,
+    nccl_plans,
 )
 from simulator.engine import simulate
 from simulator.hardware import load_system
@@ -137,8 +138,11 @@ def test_hierarchical_all_reduce_closed_form():
                                    GroupShape(4, 1)])
 @pytest.mark.parametrize("size", [1e4, 1e8])
 def test_auto_picks_cheapest_candidate(op, shape, size):
+    """auto is NCCL's tuner: the cheapest of NCCL's (algorithm, protocol) plans."""
     auto = make_plan(op, size, shape, "auto", HW)
-    best = min(estimate(make_plan(op, size, shape, a, HW), HW) for a in candidates(op, shape))
+    plans = nccl_plans(op, size, shape, HW)
+    assert {p.algorithm for p in plans} == set(candidates(op, shape))
+    best = min(estimate(p, HW) for p in plans)
     assert estimate(auto, HW) == pytest.approx(best, rel=1e-15)
 
 
@@ -163,7 +167,7 @@ def test_send_recv_within_node():
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical", "auto"])
 @pytest.mark.parametrize("shape", [GroupShape(2, 2), GroupShape(8, 8), GroupShape(16, 8),
                                    GroupShape(8, 2), GroupShape(4, 1)])
 @pytest.mark.parametrize("size", [1e4, 1e6, 1e9])
@@ -235,7 +239,7 @@ def test_engine_ring_all_reduce_one_gpu_per_node(n):
     assert res.link_busy.get("intra_node", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical", "auto"])
 @pytest.mark.parametrize("shape", [GroupShape(4, 4), GroupShape(8, 8), GroupShape(8, 4),
                                    GroupShape(4, 2)])
 @pytest.mark.parametrize("size", [1e5, 32e6])

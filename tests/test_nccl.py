@@ -1,0 +1,244 @@
+"""Collectives as NCCL runs them (simulator/nccl.py): the algorithm set of a version,
+the tuner's choice of algorithm and protocol, and its latency and bandwidth terms
+against closed forms worked out by hand from the constants of NCCL's tuning.cc."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator import nccl
+from simulator.collectives import (
+    GroupShape,
+    candidates,
+    estimate,
+    expand,
+    make_plan,
+    nccl_plans,
+    nccl_time,
+)
+from simulator.hardware import AlphaBeta, load_system
+
+A100 = load_system("dgx-a100-80gb")  # no NVLS
+H100 = load_system("dgx-h100")  # NVLS
+B_INTRA = A100.intra_node.bytes_per_s
+A_INTRA = A100.intra_node.alpha_s
+B_INTER = A100.inter_node.bytes_per_s
+A_INTER = A100.inter_node.alpha_s
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+S_NV = A_INTRA / 3.4e-6  # the profile's α over NCCL's NVLink ring/Simple hop (3.4 µs)
+S_NET = A_INTER / 14e-6  # ... and over its network ring/Simple hop (14 µs)
+
+
+# ------------------------------------------------------------------ what NCCL offers
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("size", [1e3, 1e6, 1e9])
+def test_ring_all_gather_has_n_minus_1_steps(n: int, size: float) -> None:
+    for op in ("all_gather", "reduce_scatter"):
+        plan = make_plan(op, size, GroupShape(n, n), "auto", A100)
+        assert plan.algorithm == "ring"
+        assert [ph.steps for ph in plan.phases] == [n - 1]
+        assert len(expand(plan).phases) == n - 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(op=st.sampled_from(OPS), nodes=st.integers(1, 64), per_node=st.sampled_from([1, 2, 4, 8]),
+       exponent=st.floats(0, 10.5), version=st.sampled_from(["2.12", "2.18", "2.23", "2.27"]),
+       hw=st.sampled_from([A100, H100]))
+def test_auto_never_hierarchical(op, nodes, per_node, exponent, version, hw) -> None:  # type: ignore[no-untyped-def]
+    shape = GroupShape(nodes * per_node, per_node)
+    plan = make_plan(op, 10**exponent, shape, "auto", hw, nccl_version=version)
+    assert plan.algorithm != "hierarchical"
+    assert "hierarchical" not in candidates(op, shape, version, hw.intra_node.nvls)
+    if shape.n > 1:
+        assert plan.algorithm in candidates(op, shape, version, hw.intra_node.nvls)
+        if op != "all_reduce":
+            assert plan.algorithm in ("ring", "pat")
+
+
+def test_hierarchical_only_when_asked_for() -> None:
+    shape = GroupShape(16, 8)
+    assert make_plan("all_gather", 1e3, shape, "hierarchical", A100).algorithm == "hierarchical"
+    assert make_plan("all_gather", 1e3, shape, "auto", A100).algorithm == "ring"
+
+
+@pytest.mark.parametrize("shape", [GroupShape(8, 8), GroupShape(16, 8), GroupShape(64, 1)])
+def test_tree_only_for_all_reduce(shape: GroupShape) -> None:
+    for op in OPS:
+        assert ("tree" in candidates(op, shape)) == (op == "all_reduce")
+    # an explicit tree for an op NCCL has no tree for runs as a ring
+    assert make_plan("broadcast", 1e6, shape, "tree", A100).algorithm == "ring"
+
+
+def test_pat_only_from_2_23_with_one_rank_per_node() -> None:
+    one_per_node, two_per_node = GroupShape(16, 1), GroupShape(32, 2)
+    for op in ("all_gather", "reduce_scatter"):
+        assert "pat" in candidates(op, one_per_node, "2.23")
+        assert "pat" in candidates(op, one_per_node, "2.27.3")
+        assert "pat" not in candidates(op, one_per_node, "2.22")
+        assert "pat" not in candidates(op, two_per_node, "2.23")
+    assert "pat" not in candidates("all_reduce", one_per_node, "2.23")
+    # with one rank per node 2.23 charges a ring's network hop as a tree's (LL 5 µs);
+    # PAT's 8 + log2(N)·14/3.5 + 2.8·n µs then beats a ring's 6.6 + 5·(n − 1)
+    plan = make_plan("all_gather", 1e3, GroupShape(16, 1), "auto", A100, nccl_version="2.23")
+    assert (plan.algorithm, plan.protocol) == ("pat", "Simple")
+    pat = (8 + 4 * 14 / 3.5 + 16 * 2.8) * S_NET * 1e-6 + 15 / 16 * 1e3 / (B_INTER * 0.75)
+    assert estimate(plan, A100) == pytest.approx(pat, rel=1e-12)
+    assert make_plan("all_gather", 1e3, GroupShape(16, 1), "auto", A100).algorithm == "ring"
+
+
+def test_nvls_on_one_nvswitch_gen3_node_from_2_17() -> None:
+    assert "nvls" in candidates("all_reduce", GroupShape(8, 8), "2.18", nvls=True)
+    assert "nvls" not in candidates("all_reduce", GroupShape(8, 8), "2.16", nvls=True)
+    assert "nvls" not in candidates("all_reduce", GroupShape(16, 8), "2.18", nvls=True)
+    assert "nvls" not in candidates("all_gather", GroupShape(8, 8), "2.18", nvls=True)
+    assert H100.intra_node.nvls and not A100.intra_node.nvls
+    big = make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", H100)
+    assert (big.algorithm, big.protocol) == ("nvls", "Simple")
+    # NVLS: the whole buffer through the port at 5/6 of its rate, NVLink NVLS latency
+    expected = 1e9 / (H100.intra_node.bytes_per_s * 5 / 6) \
+        + 23.0 / 3.4 * H100.intra_node.alpha_s
+    assert estimate(big, H100) == pytest.approx(expected, rel=1e-12)
+    assert make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", A100).algorithm == "ring"
+
+
+def test_version_must_parse() -> None:
+    with pytest.raises(ValueError, match=r"MAJOR\.MINOR"):
+        candidates("all_reduce", GroupShape(8, 8), "latest")
+
+
+# ------------------------------------------------------------------ protocols
+
+
+def _ring_all_reduce_times(n: int, size: float) -> dict[str, float]:
+    """NCCL's ring all-reduce on one node of n by hand (tuning.cc 2.20.3): baseLat +
+    2(n−1) × hwLat[NVLink][Ring], scaled by α / 3.4 µs, plus 2(n−1)/n·S over the
+    link's rate × (LL 1/4, LL128 0.92, Simple 1)."""
+    hops = 2 * (n - 1)
+    volume = 2 * (n - 1) / n * size
+    return {
+        "LL": (6.6 + hops * 0.6) * S_NV * 1e-6 + volume / (B_INTRA / 4),
+        "LL128": (14.0 + hops * 1.9) * S_NV * 1e-6 + volume / (B_INTRA * 0.92),
+        "Simple": (8.4 + hops * 3.4) * S_NV * 1e-6 + volume / B_INTRA,
+    }
+
+
+def _crossover(n: int, a: str, b: str) -> float:
+    """The size where protocol b's time meets protocol a's (linear in S)."""
+    t0, t1 = _ring_all_reduce_times(n, 0.0), _ring_all_reduce_times(n, 1.0)
+    return (t0[b] - t0[a]) / ((t1[a] - t0[a]) - (t1[b] - t0[b]))
+
+
+@pytest.mark.parametrize(("n", "path"), [(2, ("LL", "Simple")), (4, ("LL", "LL128", "Simple")),
+                                         (8, ("LL", "LL128", "Simple"))])
+def test_protocol_follows_size_with_crossovers_from_the_constants(n: int, path) -> None:  # type: ignore[no-untyped-def]
+    """LL for small messages, Simple for large ones, switching where NCCL's model says
+    (on two GPUs LL128's 14 µs base never pays: LL straight to Simple)."""
+    shape = GroupShape(n, n)
+    cuts = [_crossover(n, a, b) for a, b in itertools.pairwise(path)]
+    assert all(c > 0 for c in cuts) and cuts == sorted(cuts)
+    checks = [(1e2, path[0]), (1e10, path[-1])]
+    for cut, (before, after) in zip(cuts, itertools.pairwise(path), strict=True):
+        checks += [(cut * 0.95, before), (cut * 1.05, after)]
+    for size, want in checks:
+        plan = make_plan("all_reduce", size, shape, "auto", A100)
+        assert (plan.algorithm, plan.protocol) == ("ring", want), size
+        assert estimate(plan, A100) == pytest.approx(_ring_all_reduce_times(n, size)[want],
+                                                     rel=1e-12)
+
+
+def test_crossovers_in_nccls_absolute_units() -> None:
+    """With the profile's α equal to NCCL's own hops (3.4 µs), the 8-GPU crossovers are
+    NCCL's: LL → LL128 at (14 − 6.6 + 14·1.3) µs / (1.75 (4 − 1/0.92) / B)."""
+    hw = A100.model_copy(update={"intra_node": A100.intra_node.model_copy(
+        update={"latency_us": 3.4})})
+    volume = 2 * 7 / 8
+    size = (14.0 - 6.6 + 14 * (1.9 - 0.6)) * 1e-6 / (volume * (4 - 1 / 0.92) / B_INTRA)
+    assert make_plan("all_reduce", size * 0.97, GroupShape(8, 8), "auto", hw).protocol == "LL"
+    assert make_plan("all_reduce", size * 1.03, GroupShape(8, 8), "auto", hw).protocol == "LL128"
+
+
+def test_multi_node_ring_latency_splits_nvlink_and_network_hops() -> None:
+    """All-gather on N nodes of k: N − 1 network hops, the other n − N NVLink hops
+    floored at the network post overhead (3 µs for Simple)."""
+    k, nodes = 8, 4
+    n = k * nodes
+    plan = make_plan("all_gather", 1e10, GroupShape(n, k), "auto", A100)
+    assert (plan.algorithm, plan.protocol) == ("ring", "Simple")
+    intra_hop = max(3.4 * S_NV, 3.0 * S_NET) * 1e-6
+    latency = 8.4 * S_NET * 1e-6 + (n - nodes) * intra_hop + (nodes - 1) * 14.0 * S_NET * 1e-6
+    bandwidth = max((nodes - 1) / nodes * 1e10 / k / B_INTER, (n - 1) / n * 1e10 / B_INTRA)
+    assert estimate(plan, A100) == pytest.approx(latency + bandwidth, rel=1e-12)
+
+
+def test_tree_bandwidth_and_latency_as_nccl_models_them() -> None:
+    """Tree all-reduce (Simple): busBw × 0.92 × treeCorrectionFactor, latency
+    2((k − 1)·hwLat[NVLink][Tree] + log2(N)·hwLat[NET][Tree])."""
+    shape, size = GroupShape(64, 8), 2**27  # 128 MiB: log2(size / 64) = 21, factor .9
+    plan = next(p for p in nccl_plans("all_reduce", size, shape, A100)
+                if (p.algorithm, p.protocol) == ("tree", "Simple"))
+    factor = 0.92 * 0.9
+    latency = (0.0 + 2 * (7 * 28.0 * S_NV + 3 * 28.0 * S_NET)) * 1e-6
+    inter = 2 * 7 / 8 * size / 8 / (B_INTER * factor)
+    intra = 2 * 63 / 64 * size / (B_INTRA * factor)
+    assert estimate(plan, A100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
+    assert nccl.tree_correction("Simple", 64) == 0.9
+    assert nccl.tree_correction("LL", 64 * 2**12) == 0.4
+    assert nccl.tree_correction("Simple", 1e12) == 1.0
+
+
+def test_small_multi_node_all_reduce_is_a_tree() -> None:
+    """Latency-bound all-reduce across many nodes: the tree's log2(N) network hops beat
+    the ring's 2(N − 1), as NCCL picks."""
+    plan = make_plan("all_reduce", 1e4, GroupShape(128, 8), "auto", A100)
+    assert plan.algorithm == "tree"
+    assert make_plan("all_reduce", 1e10, GroupShape(128, 8), "auto", A100).algorithm == "ring"
+
+
+# ------------------------------------------------------------------ time and what moves it
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [GroupShape(8, 8), GroupShape(32, 8), GroupShape(16, 1)])
+def test_auto_is_the_cheapest_of_nccls_plans(op: str, shape: GroupShape) -> None:
+    for size in (1e3, 1e6, 1e9):
+        plans = nccl_plans(op, size, shape, H100)  # type: ignore[arg-type]
+        auto = make_plan(op, size, shape, "auto", H100)  # type: ignore[arg-type]
+        assert nccl_time(auto, H100) == min(nccl_time(p, H100) for p in plans)
+        assert estimate(auto, H100) == pytest.approx(nccl_time(auto, H100), rel=1e-12)
+
+
+def test_faster_link_scales_nccls_latency_too() -> None:
+    """NCCL's latency is in units of the link's α: a link 2× faster halves it."""
+    for shape in (GroupShape(8, 8), GroupShape(4, 1)):
+        plan = make_plan("all_reduce", 1e3, shape, "auto", A100)
+        link = "intra_node" if shape.nodes == 1 else "inter_node"
+        fast = A100.with_faster_link(link, 2.0)
+        assert estimate(plan, fast) == pytest.approx(estimate(plan, A100) / 2, rel=1e-12)
+
+
+def test_zero_latency_links_make_latency_free() -> None:
+    free = A100.model_copy(update={
+        "intra_node": A100.intra_node.model_copy(update={"latency_us": 0.0}),
+        "inter_node": A100.inter_node.model_copy(update={"latency_us": 0.0})})
+    plan = make_plan("all_reduce", 1e6, GroupShape(16, 8), "auto", free)
+    assert plan.protocol == "Simple"  # nothing to save on latency: the fastest protocol
+    assert estimate(plan, free) == pytest.approx(
+        max(2 * 15 / 16 * 1e6 / B_INTRA, 2 * 1 / 2 * 1e6 / 8 / B_INTER), rel=1e-12)
+
+
+def test_calibrated_collective_replaces_protocol_terms() -> None:
+    """A measured α and busbw already hold the library's protocol: the time of an auto
+    plan is the α-β form on them, whatever protocol NCCL's model picked."""
+    cal = AlphaBeta(alpha_us=5.0, busbw_GBps=100.0)
+    hw = A100.model_copy(update={"collectives": {"all_gather": {"intra_node": cal}}})
+    for size in (1e3, 1e9):
+        plan = make_plan("all_gather", size, GroupShape(8, 8), "auto", hw)
+        assert plan == make_plan("all_gather", size, GroupShape(8, 8), "auto", A100)
+        assert estimate(plan, hw) == pytest.approx(7 / 8 * size / 100e9 + 7 * 5e-6, rel=1e-12)
+    assert make_plan("all_gather", 1e3, GroupShape(8, 8), "auto", hw).protocol == "LL"
