@@ -58,7 +58,8 @@ from simulator import nccl
 from simulator.hardware import CollectiveName, HardwareProfile, LinkName
 from simulator.nccl import DEFAULT_NCCL_VERSION, NcclAlgorithm, Protocol
 
-AlgorithmName = Literal["ring", "tree", "hierarchical", "direct", "pairwise", "nvls", "pat"]
+AlgorithmName = Literal["ring", "tree", "hierarchical", "direct", "pairwise", "nvls", "nvls_tree",
+                        "pat"]
 NCCL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 NCCL_HW: dict[LinkName, nccl.HwKind] = {"intra_node": "nvlink", "inter_node": "net"}
 
@@ -240,6 +241,10 @@ def _nccl_plan(op: CollectiveName, size: float, shape: GroupShape, algo: NcclAlg
     legs: tuple[Leg, ...]
     if algo == "nvls":
         legs, steps = (Leg("intra_node", size, factor),), 1
+    elif algo == "nvls_tree":
+        inter = Leg("inter_node", size / shape.per_node, nccl.nvls_tree_inter_factor(ns))
+        legs, steps = (Leg("intra_node", size, factor), inter), 1 + _tree_steps(
+            GroupShape(shape.nodes, 1))
     else:
         legs = tuple(replace(g, rate_factor=factor) for g in ring.legs)
         steps = {"tree": _tree_steps(shape), "pat": nccl.pat_steps(shape.nodes)}.get(

@@ -13,11 +13,12 @@ Sources (NVIDIA/nccl, re-expressed here, never copied):
 
 What NCCL decides, per collective (``ncclTopoTuneModel``): all-gather and
 reduce-scatter run as rings (or PAT from 2.23, one rank per node, Simple only);
-broadcast as a ring; all-reduce as a ring or a tree (or NVLS, NVLink SHARP, from
-2.17 on one NVSwitch-gen-3 node; multi-node NVLS needs CollNet, which we do not
-model). Each algorithm comes in LL, LL128 and Simple. NCCL's time is
+broadcast as a ring; all-reduce as a ring or a tree, and on NVSwitch gen 3 as NVLS
+(NVLink SHARP, from 2.17, one node; across nodes it needs CollNet, which we do not
+model) or NVLS-tree (from 2.18: NVLS in each node, a tree over the NICs). Ring and
+tree come in LL, LL128 and Simple, the others in Simple. NCCL's time is
 ``latency + size / algbw`` and the tuner takes the smallest (the first in its loop
-order on a tie: tree, ring, ..., NVLS, PAT; LL, LL128, Simple).
+order on a tie: tree, ring, ..., NVLS, NVLS-tree, PAT; LL, LL128, Simple).
 
 How the tables meet ours:
 
@@ -27,8 +28,9 @@ How the tables meet ours:
   that busbw and each protocol is a *factor* on the link rate: ring LL 1/4 (1/3 on
   one node for all-gather, reduce-scatter, broadcast), ring LL128 0.92 (0.7 with one
   rank per node), tree 0.92 × (LL 1/3.8, LL128 7/9 on one node and 120/128 across
-  nodes) × ``treeCorrectionFactor`` of the size, NVLS 5/6 of the whole buffer, PAT
-  0.75. NCCL's per-channel caps (``llMaxBws``, ``perChMaxRingLL128Bws``,
+  nodes) × ``treeCorrectionFactor`` of the size, NVLS 5/6 of the whole buffer
+  (NVLS-tree too, and S/k per NIC at 5/6, halved beyond two nodes), PAT 0.75.
+  NCCL's per-channel caps (``llMaxBws``, ``perChMaxRingLL128Bws``,
   ``perChMaxTreeBws``) need a channel count and are left out.
 - **Latency**: a profile's link α is read as NCCL's ring/Simple per-hop latency on
   that link (``hwLat`` 3.4 µs NVLink, 14 µs network); every other entry of NCCL's
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Protocol = Literal["LL", "LL128", "Simple"]
-NcclAlgorithm = Literal["tree", "ring", "nvls", "pat"]
+NcclAlgorithm = Literal["tree", "ring", "nvls", "nvls_tree", "pat"]
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 HwKind = Literal["nvlink", "net"]
 
@@ -53,17 +55,21 @@ PROTOCOLS: tuple[Protocol, ...] = ("LL", "LL128", "Simple")  # NCCL_PROTO_* orde
 DEFAULT_NCCL_VERSION = "2.18"
 PAT_SINCE = (2, 23)  # NCCL_ALGO_PAT first appears in 2.23's tuning.cc
 NVLS_SINCE = (2, 17)  # NVLink SHARP all-reduce: NCCL 2.17 release notes
+NVLS_TREE_SINCE = (2, 18)  # NVLS + tree across nodes: NCCL 2.18.1 release notes
 
 # tuning.cc (2.20.3) ``baseLat``, µs, per algorithm and protocol (LL, LL128, Simple)
 BASE_LAT_US: dict[NcclAlgorithm, tuple[float, float, float]] = {
     "tree": (6.8, 14.0, 0.0),
     "ring": (6.6, 14.0, 8.4),
     "nvls": (0.0, 0.0, 0.0),
+    "nvls_tree": (0.0, 0.0, 0.0),
 }
 # tuning.cc (2.20.3) ``hwLat``, µs per hop, by hardware (NVLink, NET) and algorithm
 HW_LAT_US: dict[HwKind, dict[NcclAlgorithm, tuple[float, float, float]]] = {
-    "nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4), "nvls": (0.0, 0.0, 23.0)},
-    "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0), "nvls": (0.0, 0.0, 18.0)},
+    "nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4), "nvls": (0.0, 0.0, 23.0),
+               "nvls_tree": (0.0, 0.0, 23.0)},
+    "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0), "nvls": (0.0, 0.0, 18.0),
+            "nvls_tree": (0.0, 0.0, 14.0)},
 }
 # the entry a profile's α stands for: ring/Simple per hop
 REFERENCE_HOP_US: dict[HwKind, float] = {"nvlink": 3.4, "net": 14.0}
@@ -79,7 +85,8 @@ TREE_BW = 0.92  # tree's lower bandwidth than a ring's (busBw × .92)
 TREE_LL = 1 / 3.8
 TREE_LL128_ONE_NODE = 7 / 9
 TREE_LL128 = 120 / 128
-NVLS_BW = 5 / 6  # NVLS busBw → algbw ratio
+NVLS_BW = 5 / 6  # NVLS and NVLS-tree busBw → algbw ratio
+NVLS_TREE_INTER = 1 / 2  # NVLS tree over more than 2 nodes: bwInter / 2
 # tuning.cc (2.20.3) ``treeCorrectionFactor``: tree bandwidth × factor[log2(size / 64)]
 TREE_CORRECTION: dict[Protocol, tuple[float, ...]] = {
     "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9,
@@ -127,12 +134,15 @@ def algorithms(op: Op, shape: Shape, version: str = DEFAULT_NCCL_VERSION,
                nvls: bool = False) -> list[NcclAlgorithm]:
     """The algorithms NCCL ``version`` may run ``op`` with on this group, in the tuner's
     loop order. Tree only for all-reduce; PAT for all-gather / reduce-scatter from 2.23
-    with one rank per node; NVLS for a one-node all-reduce on NVSwitch gen 3."""
+    with one rank per node; on NVSwitch gen 3 NVLS for a one-node all-reduce (across
+    nodes it needs CollNet, not modelled) and NVLS-tree for a multi-node one."""
     ver = parse_version(version)
     if op == "all_reduce":
         out: list[NcclAlgorithm] = ["tree", "ring"]
         if nvls and ver >= NVLS_SINCE and shape.nodes == 1 and shape.ranks > 1:
             out.append("nvls")
+        if nvls and ver >= NVLS_TREE_SINCE and shape.nodes > 1 and shape.per_node > 1:
+            out.append("nvls_tree")
         return out
     out = ["ring"]
     if op in ("all_gather", "reduce_scatter") and ver >= PAT_SINCE \
@@ -142,15 +152,16 @@ def algorithms(op: Op, shape: Shape, version: str = DEFAULT_NCCL_VERSION,
 
 
 def protocols(algorithm: NcclAlgorithm) -> tuple[Protocol, ...]:
-    """NVLS and PAT run Simple only; ring and tree all three."""
-    return ("Simple",) if algorithm in ("nvls", "pat") else PROTOCOLS
+    """NVLS, NVLS-tree and PAT run Simple only; ring and tree all three."""
+    return PROTOCOLS if algorithm in ("ring", "tree") else ("Simple",)
 
 
 def bandwidth_factor(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: Shape,
                      size: float) -> float:
     """NCCL's algorithm bandwidth relative to a ring/Simple on the same links (the
     channel-count caps left out, see the module notes). NVLS's applies to the whole
-    buffer (its leg carries S), the others to the ring volumes."""
+    buffer (its leg carries S; NVLS-tree's NVLink leg too, its network legs
+    :func:`nvls_tree_inter_factor`), the others to the ring volumes."""
     if algorithm == "ring":
         if protocol == "LL":
             return RING_LL if shape.nodes > 1 or op == "all_reduce" else RING_LL_ONE_NODE
@@ -161,7 +172,13 @@ def bandwidth_factor(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape
         proto = {"LL": TREE_LL, "Simple": 1.0,
                  "LL128": TREE_LL128_ONE_NODE if shape.nodes == 1 else TREE_LL128}[protocol]
         return TREE_BW * proto * tree_correction(protocol, size)
-    return NVLS_BW if algorithm == "nvls" else PAT_BW
+    return PAT_BW if algorithm == "pat" else NVLS_BW
+
+
+def nvls_tree_inter_factor(shape: Shape) -> float:
+    """NVLS-tree's network share, S / k per NIC: 5/6, halved beyond two nodes
+    (``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter / 2)``)."""
+    return NVLS_BW * (NVLS_TREE_INTER if shape.nodes > 2 else 1.0)
 
 
 def tree_correction(protocol: Protocol, size: float) -> float:
@@ -202,6 +219,10 @@ def latency_units(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: S
     intra_kind: HwKind = "nvlink"
     if nodes > 1 and protocol == "LL":
         intra *= LL_INTRA_MULTINODE
+    if algorithm == "nvls_tree":  # one NVLS hop, 2 log2(N) network hops
+        us["nvlink"] += intra
+        us["net"] += 2 * _log2i(nodes) * inter
+        return _units(us)
     if algorithm == "tree":
         us[intra_kind] += 2 * (k - 1) * intra
         us["net"] += 2 * _log2i(nodes) * inter

@@ -107,6 +107,31 @@ def test_nvls_on_one_nvswitch_gen3_node_from_2_17() -> None:
     assert make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", A100).algorithm == "ring"
 
 
+@pytest.mark.parametrize("nodes", [2, 8])
+def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
+    """NVLS inside each node, a tree over the NICs (tuning.cc: one NVLS hop + 2 log2(N)
+    network hops; bandwidth 5/6 of min(NVLink, network, halved beyond two nodes))."""
+    shape = GroupShape(8 * nodes, 8)
+    assert "nvls_tree" in candidates("all_reduce", shape, "2.18", nvls=True)
+    assert "nvls_tree" not in candidates("all_reduce", shape, "2.17", nvls=True)
+    assert "nvls_tree" not in candidates("all_reduce", shape, "2.18", nvls=False)
+    assert "nvls_tree" not in candidates("all_reduce", GroupShape(8, 8), "2.18", nvls=True)
+    assert "nvls_tree" not in candidates("all_reduce", GroupShape(nodes, 1), "2.18", nvls=True)
+    assert "nvls_tree" not in candidates("all_gather", shape, "2.18", nvls=True)
+    size = 1e9
+    plan = next(p for p in nccl_plans("all_reduce", size, shape, H100)
+                if p.algorithm == "nvls_tree")
+    s_nv, s_net = H100.intra_node.alpha_s / 3.4e-6, H100.inter_node.alpha_s / 14e-6
+    log_n = nodes.bit_length() - 1
+    latency = (23.0 * s_nv + 2 * log_n * 14.0 * s_net) * 1e-6
+    inter = size / 8 / (H100.inter_node.bytes_per_s * 5 / 6 * (0.5 if nodes > 2 else 1.0))
+    intra = size / (H100.intra_node.bytes_per_s * 5 / 6)
+    assert estimate(plan, H100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
+    # on two nodes NVLS-tree halves a large ring all-reduce's network share: it wins
+    if nodes == 2:
+        assert make_plan("all_reduce", size, shape, "auto", H100).algorithm == "nvls_tree"
+
+
 def test_version_must_parse() -> None:
     with pytest.raises(ValueError, match=r"MAJOR\.MINOR"):
         candidates("all_reduce", GroupShape(8, 8), "latest")
