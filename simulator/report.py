@@ -34,11 +34,12 @@ def spans_frame(result: SimResult) -> pd.DataFrame:
     return span_table(result)
 
 
-def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, float]]:
+def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, Any]]:
     """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
     algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
     × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
-    from the moment the whole group had arrived (time waiting for peers excluded)."""
+    from the moment the whole group had arrived (time waiting for peers excluded);
+    ``algorithms``: how many ran as each ``algorithm/protocol`` (e.g. ``ring/LL``)."""
     coll = [t for t in result.workload.tasks if t.plan is not None]
     if not coll:
         return {}
@@ -52,7 +53,9 @@ def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[
                           "bytes": np.fromiter((t.nbytes for t in coll), float, len(coll)),
                           "seconds": timing.end_a[ids] - timing.begin_a[ids],
                           "factor": np.fromiter((factors[id(t.plan)] for t in coll), float,
-                                                len(coll))})
+                                                len(coll)),
+                          "algorithm": [f"{t.plan.algorithm}/{t.plan.protocol}" for t in coll
+                                        if t.plan is not None]})
     frame = frame[frame["seconds"] > 0]
     frame["algbw"] = frame["bytes"] / frame["seconds"]
     frame["busbw"] = frame["algbw"] * frame["factor"]
@@ -61,7 +64,9 @@ def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[
         out[str(op)] = {"count": float(len(g)), "bytes": float(g["bytes"].sum()),
                         "seconds": float(g["seconds"].sum()),
                         "algbw_GBps": float(g["algbw"].mean()) / 1e9,
-                        "busbw_GBps": float(g["busbw"].mean()) / 1e9}
+                        "busbw_GBps": float(g["busbw"].mean()) / 1e9,
+                        "algorithms": {str(a): float(c) for a, c
+                                       in g["algorithm"].value_counts(sort=False).items()}}
     return out
 
 

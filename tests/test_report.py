@@ -27,6 +27,20 @@ def test_tp_all_reduce_busbw_is_the_link_rate() -> None:
     assert ar["algbw_GBps"] == pytest.approx(link * 8 / (2 * 7), rel=1e-9)
 
 
+def test_collectives_report_nccls_algorithm_and_protocol() -> None:
+    """auto: every TP all-reduce counted under the algorithm/protocol NCCL's tuner takes
+    for its size (tiny activations on 8 GPUs: a ring in LL)."""
+    s = scenario_from_dict({
+        "name": "protocols", "model": {"preset": "tiny-gpt", "heads": 8},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1},
+        "parallel": {"tp": 8, "pp": 1, "dp": 1},
+        "training": {"global_batch": 2, "micro_batch": 1},
+    })
+    results, _ = simulate_scenario(s)
+    ar = results["collectives"]["tp.all_reduce"]
+    assert ar["algorithms"] == {"ring/LL": ar["count"]}
+
+
 def test_tp_communication_is_its_own_category_not_bubble() -> None:
     """TP collectives on the compute stream are time of the pass they sit in: the
     breakdown shows them as ``tp_transfer`` (one simulated member per group when
