@@ -251,6 +251,20 @@ def test_engine_expand_agrees_with_aggregated(algorithm, shape, size):
     assert stp == pytest.approx(agg, rel=0.01)
 
 
+@pytest.mark.parametrize(("shape", "algorithm"), [(GroupShape(8, 8), "nvls"),
+                                                  (GroupShape(16, 8), "nvls_tree")])
+def test_engine_runs_nvls_plans_at_their_estimate(shape, algorithm):
+    """NVLS plans (H100: NVSwitch gen 3) through the engine: the legs at the protocol's
+    rate factor, NCCL's latency after them; the step-by-step form agrees."""
+    hw = load_system("dgx-h100")
+    plan = make_plan("all_reduce", 1e9, shape, "auto", hw)
+    assert plan.algorithm == algorithm
+    agg = simulate(_collective_workload([plan], shape.n, shape.per_node), hw).end_time
+    stp = simulate(_collective_workload([expand(plan)], shape.n, shape.per_node), hw).end_time
+    assert agg == pytest.approx(estimate(plan, hw), rel=1e-9)
+    assert stp == pytest.approx(agg, rel=0.01)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_engine_two_concurrent_all_reduces_share_links(n):
     """Two identical all-reduces on the same ranks at once (compute and dp streams):

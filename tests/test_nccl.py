@@ -201,6 +201,22 @@ def test_multi_node_ring_latency_splits_nvlink_and_network_hops() -> None:
     assert estimate(plan, A100) == pytest.approx(latency + bandwidth, rel=1e-12)
 
 
+def test_multi_node_ll_nvlink_hops_cost_1_8_times() -> None:
+    """LL across nodes: an NVLink hop is hwLat × 1.8 (0.6 → 1.08 µs), which here beats
+    the network post overhead's floor (1 µs for LL, scaled by the NIC's α)."""
+    k, nodes = 8, 2
+    n = k * nodes
+    plan = next(p for p in nccl_plans("all_reduce", 1e3, GroupShape(n, k), A100)
+                if (p.algorithm, p.protocol) == ("ring", "LL"))
+    intra_hop = max(0.6 * 1.8 * S_NV, 1.0 * S_NET)
+    assert intra_hop == 0.6 * 1.8 * S_NV
+    hops, inter_hops = 2 * (n - 1), 2 * (nodes - 1)
+    latency = (6.6 * S_NET + (hops - inter_hops) * intra_hop + inter_hops * 2.7 * S_NET) * 1e-6
+    bandwidth = max(2 * (n - 1) / n * 1e3 / (B_INTRA / 4),
+                    2 * (nodes - 1) / nodes * 1e3 / k / (B_INTER / 4))
+    assert estimate(plan, A100) == pytest.approx(latency + bandwidth, rel=1e-12)
+
+
 def test_tree_bandwidth_and_latency_as_nccl_models_them() -> None:
     """Tree all-reduce (Simple): busBw × 0.92 × treeCorrectionFactor, latency
     2((k − 1)·hwLat[NVLink][Tree] + log2(N)·hwLat[NET][Tree])."""
@@ -267,3 +283,20 @@ def test_calibrated_collective_replaces_protocol_terms() -> None:
         assert plan == make_plan("all_gather", size, GroupShape(8, 8), "auto", A100)
         assert estimate(plan, hw) == pytest.approx(7 / 8 * size / 100e9 + 7 * 5e-6, rel=1e-12)
     assert make_plan("all_gather", 1e3, GroupShape(8, 8), "auto", hw).protocol == "LL"
+
+
+def test_profile_may_leave_nvls_out() -> None:
+    """``intra_node.nvls`` is optional (profiles written before it load as false) and
+    strict (a string is refused with the field named)."""
+    import yaml
+
+    from simulator.errors import UserError
+    from simulator.hardware import SYSTEMS_DIR, validate_profile
+
+    data = yaml.safe_load((SYSTEMS_DIR / "dgx-h100.yaml").read_text())
+    assert validate_profile(data, "h100").intra_node.nvls
+    del data["intra_node"]["nvls"]
+    assert not validate_profile(data, "h100").intra_node.nvls
+    data["intra_node"]["nvls"] = "yes"
+    with pytest.raises(UserError, match=r"intra_node\.nvls"):
+        validate_profile(data, "h100")
