@@ -1,20 +1,27 @@
 """The discrete-event engine: SimPy processes replaying per-rank programs.
 
-One SimPy process per (simulated rank, stream) walks its task list in order. A
+One SimPy process per (simulated rank, stream) walks its program in order. A
 task waits for its dependencies (events of other tasks), then:
 
 - compute: holds the stream for its duration;
-- collective: rendezvous with the other *simulated* members of its group (key
-  ``group_key``), then runs its plan phase by phase — each leg one flow over
-  every simulated member's link of the leg's class (a ring advances in lock-step,
-  at its slowest member's share), counted once per member on shared links; the
-  phase ends when its flows end plus ``steps × α``;
+- collective: rendezvous with the other *simulated* members of its group, then
+  runs its plan phase by phase — each leg one flow over every simulated member's
+  link of the leg's class (a ring advances in lock-step, at its slowest member's
+  share), counted once per member on shared links; the phase ends when its flows
+  end plus ``steps × α``;
 - point-to-point send: one flow from sender to receiver over the link class
   between them, plus one α.
 
-Runs of compute tasks that nobody waits on are held with a single timeout and
-their spans computed arithmetically (an optimisation that changes no result).
-Spans are flat records; nothing here knows what a transformer is.
+**Compact form.** Before running, each distinct program is compiled once into
+steps (:class:`_Template`): a run of compute tasks that nobody waits on is one
+step held with a single timeout, a collective or a send one step each,
+dependencies are (owner, local index) pairs. At full fidelity the ranks of a
+stage share their stage's prototype (:mod:`simulator.program`) and differ only
+in their ids, so the engine holds no object per task: times go into flat
+arrays by task id, a run's tasks get their spans arithmetically after the run
+(start = run start + the durations before it, summed in order as the run's
+timeout was), and :class:`SimResult` makes the span list and the dictionaries
+of collective starts on demand. Nothing here knows what a transformer is.
 
 Determinism: no randomness, insertion-ordered containers only; the same
 workload gives bit-identical spans.
@@ -22,30 +29,60 @@ workload gives bit-identical spans.
 
 from __future__ import annotations
 
+import math
 import time
+from array import array
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import simpy
 
 from simulator.collectives import Plan, leg_rate, phase_alpha
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
+from simulator.program import SharedPrograms, TaskView, is_work
 from simulator.tasks import Task, Workload, gc_paused
 from simulator.topology import Topology
+
+RUN, COLL, SEND = 0, 1, 2
 
 
 @dataclass
 class SimResult:
+    """Times by task id (``start``, ``end``; ``begin``: a collective's transfer start,
+    else NaN; ``last``: the member task that arrived last, else -1) and totals."""
+
     workload: Workload
-    spans: list[tuple[int, float, float]]  # (task id, start, end)
-    comm_start: dict[int, float]  # collective task id -> when its transfer began
-    last_arrival: dict[int, int]  # collective task id -> the member task that arrived last
+    start: np.ndarray
+    end: np.ndarray
+    begin: np.ndarray
+    last: np.ndarray
     link_busy: dict[str, float]  # seconds per link class, summed over simulated links
     end_time: float
     events: int
     wall_s: float
+
+    @cached_property
+    def spans(self) -> list[tuple[int, float, float]]:
+        """(task id, start, end) of every task, by id."""
+        return list(zip(range(len(self.start)), self.start.tolist(), self.end.tolist(),
+                        strict=True))
+
+    @cached_property
+    def comm_start(self) -> dict[int, float]:
+        """Collective task id -> when its transfer began (every member had arrived)."""
+        ids = np.flatnonzero(~np.isnan(self.begin))
+        return dict(zip(ids.tolist(), self.begin[ids].tolist(), strict=True))
+
+    @cached_property
+    def last_arrival(self) -> dict[int, int]:
+        """Collective task id -> the member task that arrived last (for the members
+        that waited)."""
+        ids = np.flatnonzero(self.last >= 0)
+        return dict(zip(ids.tolist(), self.last[ids].tolist(), strict=True))
 
 
 class _Rendezvous:
@@ -53,10 +90,107 @@ class _Rendezvous:
 
     def __init__(self, env: simpy.Environment, members: int) -> None:
         self.members = members
-        self.arrived: list[int] = []
+        self.arrived = 0
         self.done = env.event()
         self.start = 0.0
         self.last = -1
+
+
+class _Template:
+    """One program compiled to steps, per stream. Local index = position in
+    ``tasks``; a dependency is (owner rank of the template, local index)."""
+
+    def __init__(self, tasks: list[Task], streams: list[tuple[str, list[int]]],
+                 where: Callable[[int], tuple[int, int]], phases: Callable[[Plan], Any],
+                 shared: bool) -> None:
+        self.n = len(tasks)
+        self.phases, self.shared = phases, shared
+        self.durations = [t.duration for t in tasks]
+        self.work = [i for i, t in enumerate(tasks) if is_work(t)]
+        self.groups: list[tuple[int, ...]] = []
+        gidx: dict[tuple[int, ...], int] = {}
+        self.runs: list[list[int]] = []  # run -> local indices
+        self.streams: list[list[tuple[Any, ...]]] = []
+        for _, order in streams:
+            if order:
+                self.streams.append(self._steps(tasks, order, where, gidx))
+        self.totals = self.run_totals(self.durations)
+
+    def _steps(self, tasks: list[Task], order: list[int],
+               where: Callable[[int], tuple[int, int]],
+               gidx: dict[tuple[int, ...], int]) -> list[tuple[Any, ...]]:
+        steps: list[tuple[Any, ...]] = []
+        i, n = 0, len(order)
+        while i < n:
+            local = order[i]
+            t = tasks[local]
+            deps = tuple(where(d) for d in t.deps)
+            if t.plan is None and t.dst < 0:  # a run of plain compute
+                j, run = i, []
+                while j < n:
+                    tj = tasks[order[j]]
+                    if tj.plan is not None or tj.dst >= 0 or (j > i and tj.deps):
+                        break
+                    run.append(order[j])
+                    j += 1
+                    if tj.dependents:
+                        break
+                last = run[-1] if tasks[run[-1]].dependents else -1
+                steps.append((RUN, deps, len(self.runs), last))
+                self.runs.append(run)
+                i = j
+                continue
+            if t.dst >= 0:
+                steps.append((SEND, deps, local, t.dst, t.nbytes, t.dependents))
+            else:
+                g = gidx.get(t.group)
+                if g is None:
+                    g = gidx[t.group] = len(self.groups)
+                    self.groups.append(t.group)
+                assert t.plan is not None
+                # a rendezvous is (group, tail): a shared program's n-th collective of
+                # the group, else the task's own group key
+                tail = t.group_key[1] if self.shared else t.group_key
+                steps.append((COLL, deps, local, self.phases(t.plan), g, tail, t.dependents))
+            i += 1
+        return steps
+
+    def run_totals(self, durations: list[float]) -> list[float]:
+        """Each run's timeout: its durations summed in order."""
+        out = []
+        for run in self.runs:
+            total = 0.0
+            for i in run:
+                total += durations[i]
+            out.append(total)
+        return out
+
+    def prefixes(self, durations: list[float]) -> list[float]:
+        """Per task of every run, in run order: the durations before it in its run,
+        summed in the order the run's timeout summed them."""
+        out: list[float] = []
+        append = out.append
+        for run in self.runs:
+            total = 0.0
+            for i in run:
+                append(total)
+                total += durations[i]
+        return out
+
+
+class _Instance:
+    """A simulated rank: its template, its task ids, its groups' ids, its durations."""
+
+    __slots__ = ("delta", "durations", "groups", "ids", "keys", "rank", "run_base",
+                 "template", "totals")
+
+    def __init__(self, rank: int, template: _Template, ids: range | list[int], delta: int,
+                 run_base: int) -> None:
+        self.rank, self.template, self.ids, self.delta = rank, template, ids, delta
+        self.run_base = run_base
+        self.durations, self.totals = template.durations, template.totals
+        self.groups: list[int] = []
+        self.keys: list[Any] = []  # per template group: how its group keys map
 
 
 class Engine:
@@ -67,16 +201,100 @@ class Engine:
         self.topo = Topology(workload.layout, hw, workload.link_factors)
         self.net = FlowNetwork(self.env, self.topo.capacity, self.topo.shared)
         self.events: dict[int, simpy.Event] = {}
-        self.spans: list[tuple[int, float, float]] = []
         self.rendezvous: dict[tuple[Any, ...], _Rendezvous] = {}
-        self.simulated = set(workload.programs)
-        self.comm_start: dict[int, float] = {}  # collective task -> all members arrived
-        self.last_arrival: dict[int, int] = {}  # collective task -> member that arrived last
-        self._members: dict[tuple[int, ...], list[int]] = {}
-        self._links: dict[tuple[tuple[int, ...], LinkName], tuple[Any, ...]] = {}
+        self._group_id: dict[tuple[int, ...], int] = {}
+        self._members: list[list[int]] = []  # per group id, its simulated members
+        self._size: list[int] = []  # and how many
+        self._links: dict[tuple[int, LinkName], tuple[Any, ...]] = {}
         self._plan_cache: dict[int, list[tuple[list[tuple[LinkName, float]], float]]] = {}
         self._plans_alive: list[Plan] = []
-        self._weights: dict[tuple[Any, ...], float] = {}
+        self._weights: dict[int, float] = {}
+        self._sends: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.instances = self._compile()
+        self.ids_of = {inst.rank: inst.ids for inst in self.instances}
+        n = len(workload.tasks)
+        nan = array("d", [math.nan])
+        self.start, self.end, self.begin = nan * n, nan * n, nan * n
+        self.last = array("q", [-1]) * n
+        runs = sum(len(inst.template.runs) for inst in self.instances)
+        self.run_t0 = nan * runs
+
+    # ------------------------------------------------------------ compile
+    def _compile(self) -> list[_Instance]:
+        shared = self.w.shared
+        if shared is not None:
+            return self._compile_shared(shared)
+        programs = self.w.programs
+        where: dict[int, tuple[int, int]] = {}
+        per_rank: dict[int, list[Task]] = {}
+        for rank, prog in programs.items():
+            mine = [t for ts in prog.streams.values() for t in ts]
+            per_rank[rank] = mine
+            for local, t in enumerate(mine):
+                where[t.id] = (rank, local)
+        out, run_base = [], 0
+        for rank, prog in programs.items():
+            mine = per_rank[rank]
+            streams, k = [], 0
+            for name, ts in prog.streams.items():
+                streams.append((name, list(range(k, k + len(ts)))))
+                k += len(ts)
+            tmpl = _Template(mine, streams, where.__getitem__, self._phases, False)
+            inst = _Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
+            run_base += len(tmpl.runs)
+            for g in tmpl.groups:
+                inst.groups.append(self._intern(g))
+            out.append(inst)
+        return out
+
+    def _compile_shared(self, shared: SharedPrograms) -> list[_Instance]:
+        layout, per = shared.layout, shared.layout.per_stage
+        owner = shared.owner
+
+        def where(proto_id: int) -> tuple[int, int]:
+            q, local = owner[proto_id]
+            return q * per, local
+
+        # ranks whose task objects were made (and may have been changed) run those
+        made = self.w.tasks.made() if isinstance(self.w.tasks, TaskView) else {}
+        out, run_base = [], 0
+        for q in range(layout.pp):
+            streams = list(shared.streams[q].items())
+            tmpl = _Template(shared.protos[q], streams, where, self._phases, True)
+            for delta in range(per):
+                rank = q * per + delta
+                first = shared.first_id(rank)
+                if rank in made:
+                    own = _Template(made[rank], streams, shared.rank_of, self._phases, True)
+                    inst = _Instance(rank, own, range(first, first + own.n), 0, run_base)
+                    run_base += len(own.runs)
+                    inst.groups = [self._intern(g) for g in own.groups]
+                    out.append(inst)
+                    continue
+                inst = _Instance(rank, tmpl, range(first, first + tmpl.n), delta, run_base)
+                run_base += len(tmpl.runs)
+                for g in tmpl.groups:
+                    inst.groups.append(self._intern(shared.group(rank, g)))
+                f = shared.factors.get(rank)
+                if f is not None:
+                    durations = list(tmpl.durations)
+                    for i, x in zip(tmpl.work, f.tolist(), strict=True):
+                        durations[i] *= x
+                    inst.durations, inst.totals = durations, tmpl.run_totals(durations)
+                out.append(inst)
+        return out
+
+    def _intern(self, group: tuple[int, ...]) -> int:
+        g = self._group_id.get(group)
+        if g is None:
+            g = self._group_id[group] = len(self._members)
+            self._members.append([r for r in group if r in self.ids_of_all])
+            self._size.append(len(self._members[-1]))
+        return g
+
+    @cached_property
+    def ids_of_all(self) -> set[int]:
+        return set(self.w.programs)
 
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
@@ -84,14 +302,15 @@ class Engine:
             ev = self.events[task_id] = self.env.event()
         return ev
 
+    # ------------------------------------------------------------ run
     def run(self, progress: Callable[[float], None] | None = None,
             horizon: float = 0.0) -> SimResult:
         """Run to the end. With ``progress`` and an expected end time ``horizon`` (the
         analytic estimate), the run advances in twentieths of it and reports the
         fraction of simulated time done (it may pass 1 when the estimate is short)."""
         start = time.perf_counter()
-        procs = [self.env.process(self.stream(tasks)) for prog in self.w.programs.values()
-                 for tasks in prog.streams.values() if tasks]
+        procs = [self.env.process(self.stream(inst, steps)) for inst in self.instances
+                 for steps in inst.template.streams]
         # stop when every stream is done: stale completions of rescheduled flows may
         # still sit in the queue, later than the step's end
         finished = self.env.all_of(procs)
@@ -110,20 +329,50 @@ class Engine:
                 if progress is not None and horizon > 0:
                     progress(self.env.now / horizon)
         wall = time.perf_counter() - start
-        unfinished: list[Task] = []
-        if len(self.spans) != len(self.w.tasks):  # every task that ran left one span
-            ran = {tid for tid, _, _ in self.spans}
-            unfinished = [t for t in self.w.tasks if t.id not in ran]
-        if unfinished:
+        start_a, end_a = self._spans()
+        unfinished = np.flatnonzero(np.isnan(end_a))
+        if len(unfinished):
+            first = self.w.tasks[int(unfinished[0])]
             raise RuntimeError(f"deadlock: {len(unfinished)} tasks never ran, first "
-                               f"{unfinished[0].name} on rank {unfinished[0].rank}")
+                               f"{first.name} on rank {first.rank}")
         busy: dict[str, float] = {}
         for link, secs in self.net.busy.items():
             key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
             busy[key] = busy.get(key, 0.0) + secs
-        end = max((e for _, _, e in self.spans), default=0.0)
-        return SimResult(self.w, self.spans, self.comm_start, self.last_arrival, busy, end,
+        end = float(end_a.max()) if len(end_a) else 0.0
+        return SimResult(self.w, start_a, end_a, np.frombuffer(self.begin, np.float64),
+                         np.frombuffer(self.last, np.int64), busy, end,
                          self._event_count(), wall)
+
+    def _spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end by task id: collectives and sends as they ran, a run's tasks
+        from the run's start and their durations summed in order."""
+        start = np.frombuffer(self.start, np.float64).copy()
+        end = np.frombuffer(self.end, np.float64).copy()
+        t0 = np.frombuffer(self.run_t0, np.float64)
+        layouts: dict[int, tuple[np.ndarray, ...]] = {}
+        for inst in self.instances:
+            tmpl = inst.template
+            if not tmpl.runs:
+                continue
+            got = layouts.get(id(tmpl))
+            if got is None:
+                locals_ = np.fromiter((i for run in tmpl.runs for i in run), np.int64)
+                run_no = np.repeat(np.arange(len(tmpl.runs)),
+                                   [len(run) for run in tmpl.runs])
+                got = layouts[id(tmpl)] = (
+                    locals_, run_no, np.asarray(tmpl.durations, np.float64)[locals_],
+                    np.asarray(tmpl.prefixes(tmpl.durations), np.float64))
+            locals_, run_no, dur, prefix = got
+            if inst.durations is not tmpl.durations:  # a slow or jittered rank's own
+                dur = np.asarray(inst.durations, np.float64)[locals_]
+                prefix = np.asarray(tmpl.prefixes(inst.durations), np.float64)
+            ids = (locals_ + inst.ids.start if isinstance(inst.ids, range)
+                   else np.asarray(inst.ids)[locals_])
+            s = t0[inst.run_base + run_no] + prefix
+            start[ids] = s
+            end[ids] = s + dur
+        return start, end
 
     def _event_count(self) -> int:
         """Events SimPy scheduled: its private heap counter (simpy 4's ``_eid``)."""
@@ -131,111 +380,121 @@ class Engine:
         return int(next(counter)) if counter is not None else 0
 
     # ------------------------------------------------------------ streams
-    def stream(self, tasks: list[Task]) -> Generator[simpy.Event, Any, None]:
-        env, spans = self.env, self.spans
-        i, n = 0, len(tasks)
-        while i < n:
-            task = tasks[i]
-            if task.deps:
-                waits = [self.event_of(d) for d in task.deps]
-                pending = [e for e in waits if not e.triggered]
+    def _waits(self, inst: _Instance, deps: tuple[tuple[int, int], ...]) -> list[simpy.Event]:
+        ids_of, delta, event_of = self.ids_of, inst.delta, self.event_of
+        waits = [event_of(ids_of[owner + delta][local]) for owner, local in deps]
+        return [e for e in waits if not e.triggered]
+
+    def stream(self, inst: _Instance, steps: list[tuple[Any, ...]],
+               ) -> Generator[simpy.Event, Any, None]:
+        env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
+        starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
+        for step in steps:
+            if step[1]:
+                pending = self._waits(inst, step[1])
                 if pending:
                     yield env.all_of(pending)
-            if task.plan is None and task.dst < 0:
-                # a run of plain compute: one timeout, spans computed in place
-                j, t0 = i, env.now
-                total = 0.0
-                while j < n:
-                    tj = tasks[j]
-                    if tj.plan is not None or tj.dst >= 0 or (j > i and tj.deps):
-                        break
-                    spans.append((tj.id, t0 + total, t0 + total + tj.duration))
-                    total += tj.duration
-                    j += 1
-                    if tj.dependents:
-                        break
+            kind = step[0]
+            if kind == RUN:
+                k = step[2]
+                t0 = env.now
+                total = totals[k]
                 if total > 0:
                     yield env.timeout(total)
-                last = tasks[j - 1]
-                if last.dependents:
-                    self.event_of(last.id).succeed()
-                i = j
+                run_t0[base + k] = t0
+                if step[3] >= 0:
+                    event_of(ids[step[3]]).succeed()
                 continue
             t0 = env.now
-            if task.dst >= 0:
-                yield from self.send(task)
+            gid = ids[step[2]]
+            if kind == SEND:
+                yield self.send(inst.rank, self._dst(inst, step[3]), step[4])
             else:
-                yield from self.collective(task)
-            spans.append((task.id, t0, env.now))
-            if task.dependents:
-                self.event_of(task.id).succeed()
-            i += 1
+                _, _, _, phases, g, tail, _ = step
+                grp = inst.groups[g]
+                rv = None
+                if self._size[grp] > 1:
+                    key = (grp, tail)
+                    rv = self.rendezvous.get(key)
+                    if rv is None:
+                        rv = self.rendezvous[key] = _Rendezvous(env, self._size[grp])
+                    rv.arrived += 1
+                    if rv.arrived < rv.members:  # wait for the last member to run it
+                        yield rv.done
+                        self.begin[gid] = rv.start
+                        self.last[gid] = rv.last
+                        starts[gid] = t0
+                        ends[gid] = env.now
+                        if step[6]:
+                            event_of(gid).succeed()
+                        continue
+                    del self.rendezvous[key]
+                    rv.start = env.now
+                    rv.last = gid
+                self.begin[gid] = env.now
+                yield from self.transfer(grp, phases)
+                if rv is not None:
+                    rv.done.succeed()
+            starts[gid] = t0
+            ends[gid] = env.now
+            if step[-1]:
+                event_of(gid).succeed()
 
-    def send(self, task: Task) -> Generator[simpy.Event, Any, None]:
-        link_class = self.topo.link_class(task.rank, task.dst)
-        rate = self.topo.rate(link_class)
-        cal = self.hw.collectives.get("send_recv", {}).get(link_class)
-        nbytes = task.nbytes if cal is None else task.nbytes * rate / (cal.busbw_GBps * 1e9)
-        alpha = self.topo.alpha(link_class) if cal is None else cal.alpha_us * 1e-6
-        yield self.net.transfer(nbytes, self.topo.send_links(task.rank, task.dst, link_class),
-                                self.w.weight_of(task.rank), alpha)
-
-    def collective(self, task: Task) -> Generator[simpy.Event, Any, None]:
-        members = self._members.get(task.group)
-        if members is None:
-            members = self._members[task.group] = [r for r in task.group if r in self.simulated]
-        rv = None
-        if len(members) > 1:
-            rv = self.rendezvous.get(task.group_key)
-            if rv is None:
-                rv = self.rendezvous[task.group_key] = _Rendezvous(self.env, len(members))
-            rv.arrived.append(task.rank)
-            if len(rv.arrived) < rv.members:
-                yield rv.done
-                self.comm_start[task.id] = rv.start
-                self.last_arrival[task.id] = rv.last
-                return
-            del self.rendezvous[task.group_key]
-            rv.start = self.env.now
-            rv.last = task.id
-        self.comm_start[task.id] = self.env.now
-        plan = task.plan
-        assert plan is not None
-        weight = self._group_weight(task.group, members)
-        for legs, alpha in self._phases(plan):
+    def transfer(self, grp: int, phases: list[tuple[list[tuple[LinkName, float]], float]],
+                 ) -> Generator[simpy.Event, Any, None]:
+        """A collective's plan, phase by phase, once every member has arrived."""
+        weight = self._group_weight(grp)
+        for legs, alpha in phases:
             if len(legs) == 1:  # the common case: α rides on the flow's completion
                 link_class, nbytes = legs[0]
-                yield self.net.transfer(nbytes, self._group_links(task.group, link_class),
-                                        weight, alpha)
+                yield self.net.transfer(nbytes, self._group_links(grp, link_class), weight,
+                                        alpha)
                 continue
-            flows = [self.net.transfer(nbytes, self._group_links(task.group, link_class),
-                                       weight) for link_class, nbytes in legs]
+            flows = [self.net.transfer(nbytes, self._group_links(grp, link_class), weight)
+                     for link_class, nbytes in legs]
             pending = [f for f in flows if not f.triggered]
             if pending:
                 yield self.env.all_of(pending)
             if alpha > 0:
                 yield self.env.timeout(alpha)
-        if rv is not None:
-            rv.done.succeed()
 
-    def _group_weight(self, group: tuple[int, ...], members: list[int]) -> float:
+    def _dst(self, inst: _Instance, dst: int) -> int:
+        """A send's destination: the prototype's peer of the rank (or itself)."""
+        shared = self.w.shared
+        return dst if shared is None or inst.delta == 0 else shared.peer(inst.rank, dst)
+
+    def send(self, rank: int, dst: int, nbytes: float) -> simpy.Event:
+        route = self._sends.get((rank, dst))
+        if route is None:
+            link_class = self.topo.link_class(rank, dst)
+            rate = self.topo.rate(link_class)
+            cal = self.hw.collectives.get("send_recv", {}).get(link_class)
+            alpha = self.topo.alpha(link_class) if cal is None else cal.alpha_us * 1e-6
+            route = self._sends[(rank, dst)] = (
+                rate, cal, alpha, self.topo.send_links(rank, dst, link_class),
+                self.w.weight_of(rank))
+        rate, cal, alpha, links, weight = route
+        if cal is not None:
+            nbytes = nbytes * rate / (cal.busbw_GBps * 1e9)
+        return self.net.transfer(nbytes, links, weight, alpha)
+
+    def _group_weight(self, grp: int) -> float:
         """How many ranks the simulated members stand for on shared links."""
-        if self.w.weights is None:
-            return self.w.weight * len(members)
-        key = (group, "weight")
-        weight = self._weights.get(key)
+        weight = self._weights.get(grp)
         if weight is None:
-            weight = self._weights[key] = sum(self.w.weights[r] for r in members)
+            members = self._members[grp]
+            weight = self._weights[grp] = self.w.weight * len(members) \
+                if self.w.weights is None else sum(self.w.weights[r] for r in members)
         return weight
 
-    def _group_links(self, group: tuple[int, ...], link_class: LinkName) -> tuple[Any, ...]:
+    def _group_links(self, grp: int, link_class: LinkName) -> tuple[Any, ...]:
         """Every simulated member's link of a class (shared links once): a ring moves in
         lock-step, so one flow over all of them proceeds at the slowest member's share."""
-        key = (group, link_class)
+        key = (grp, link_class)
         links = self._links.get(key)
         if links is None:
             seen: dict[Any, None] = {}
-            for r in self._members[group]:
+            for r in self._members[grp]:
                 seen.update(dict.fromkeys(self.topo.links(r, link_class)))
             links = self._links[key] = tuple(seen)
         return links

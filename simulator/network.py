@@ -47,6 +47,7 @@ class FlowNetwork:
         self.capacity = capacity
         self.shared = shared
         self._cap: dict[LinkId, float] = {}  # capacity of each link seen so far
+        self._weighted: dict[LinkId, bool] = {}  # whether a flow counts its weight there
         self.flows_on: dict[LinkId, dict[Flow, None]] = {}
         self.load: dict[LinkId, float] = {}
         self.busy: dict[LinkId, float] = {}  # seconds each link carried at least one flow
@@ -64,15 +65,19 @@ class FlowNetwork:
         now = self.env.now
         flow = Flow(done, tuple(links), float(nbytes), weight, now, latency)
         affected = self._neighbours(flow.links)
-        self._settle(affected, now)
+        if affected:
+            self._settle(affected, now)
+        flows_on, load, weighted = self.flows_on, self.load, self._weighted
         for link in flow.links:
-            if link not in self._cap:
+            on = flows_on.get(link)
+            if on is None:
+                on = flows_on[link] = {}
                 self._cap[link] = self.capacity(link)
-            on = self.flows_on.setdefault(link, {})
+                weighted[link] = self.shared(link)
             if not on:
                 self._busy_since[link] = now
             on[flow] = None
-            self.load[link] = self.load.get(link, 0.0) + (weight if self.shared(link) else 1.0)
+            load[link] = load.get(link, 0.0) + (weight if weighted[link] else 1.0)
         affected[flow] = None
         self._reschedule(affected, now)
         self.flows_started += 1
@@ -80,8 +85,9 @@ class FlowNetwork:
 
     def _neighbours(self, links: tuple[LinkId, ...]) -> dict[Flow, None]:
         out: dict[Flow, None] = {}
+        flows_on = self.flows_on
         for link in links:
-            on = self.flows_on.get(link)
+            on = flows_on.get(link)
             if on:
                 out.update(on)
         return out
@@ -92,13 +98,14 @@ class FlowNetwork:
             f.updated = now
 
     def _reschedule(self, flows: dict[Flow, None], now: float) -> None:
+        cap, load = self._cap, self.load
         for f in flows:
-            cap, load = self._cap, self.load
-            if len(f.links) == 1:
-                link = f.links[0]
-                rate = cap[link] / load[link]
-            else:
-                rate = min(cap[link] / load[link] for link in f.links)
+            links = f.links
+            link = links[0]
+            rate = cap[link] / load[link]
+            for link in links[1:]:
+                r = cap[link] / load[link]
+                rate = min(rate, r)
             if rate == f.rate and f.gen:
                 continue  # unchanged: its pending completion stays valid
             f.rate = rate
@@ -117,16 +124,18 @@ class FlowNetwork:
         now = self.env.now
         flow.remaining = 0.0
         flow.gen = -1
+        flows_on, load, weighted = self.flows_on, self.load, self._weighted
         for link in flow.links:
-            on = self.flows_on[link]
+            on = flows_on[link]
             del on[flow]
-            self.load[link] -= flow.weight if self.shared(link) else 1.0
+            load[link] -= flow.weight if weighted[link] else 1.0
             if not on:
-                self.load[link] = 0.0
+                load[link] = 0.0
                 self.busy[link] = self.busy.get(link, 0.0) + now - self._busy_since.pop(link)
         affected = self._neighbours(flow.links)
-        self._settle(affected, now)
-        self._reschedule(affected, now)
+        if affected:
+            self._settle(affected, now)
+            self._reschedule(affected, now)
         _succeed_after(self.env, flow.done, flow.latency)
 
 

@@ -23,7 +23,7 @@ factorised once, and coordinates follow from the rank arithmetically.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -107,7 +107,7 @@ def normalize_spans(spans: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(columns)
 
 
-def _column(tasks: list[Any], attr: str, dtype: Any) -> np.ndarray:
+def _column(tasks: Sequence[Any], attr: str, dtype: Any) -> np.ndarray:
     return np.fromiter(map(attrgetter(attr), tasks), dtype, len(tasks))
 
 
@@ -120,7 +120,7 @@ class _Codes(dict[str, int]):
         return code
 
 
-def _categorical(tasks: list[Any], attr: str, order: np.ndarray) -> pd.Categorical:
+def _categorical(tasks: Sequence[Any], attr: str, order: np.ndarray) -> pd.Categorical:
     """One text attribute of every task as a categorical, in span order. A handful of
     values (stream, op, kind) are coded through a dict in the same pass that reads
     them; many (names) are factorised by pandas' hash table, faster there."""

@@ -1,7 +1,8 @@
 """Task and program types: the plain data that the builder writes and the engine runs.
 
 A :class:`Workload` is, per simulated rank, an ordered list of :class:`Task` per
-stream. A task is compute (a fixed duration), a collective over a group (a
+stream (at full fidelity made on demand from one prototype per stage:
+:mod:`simulator.program`). A task is compute (a fixed duration), a collective over a group (a
 :class:`~simulator.collectives.Plan`), or a point-to-point transfer (``dst``).
 Cross-stream and cross-rank dependencies are task ids. This module knows nothing
 of transformers or of SimPy: importing the engine loads no model arithmetic.
@@ -10,14 +11,17 @@ of transformers or of SimPy: importing the engine loads no model arithmetic.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from simulator.collectives import Plan
 from simulator.layout import Layout
 from simulator.schedules import Schedule
+
+if TYPE_CHECKING:
+    from simulator.program import SharedPrograms
 
 Stream = Literal["compute", "pp", "dp", "zero", "host", "cp"]
 
@@ -52,8 +56,8 @@ class Program:
 
 @dataclass
 class Workload:
-    programs: dict[int, Program]
-    tasks: list[Task]
+    programs: Mapping[int, Program]
+    tasks: Sequence[Task]
     layout: Layout
     schedule: Schedule
     weight: float  # how many ranks one simulated rank stands for on shared links
@@ -62,6 +66,9 @@ class Workload:
     weights: dict[int, float] | None = None
     # per (rank, link class), a degraded port's bandwidth factor
     link_factors: dict[tuple[int, str], float] = field(default_factory=dict)
+    # full fidelity: one prototype program per stage for all its ranks (then
+    # ``programs`` and ``tasks`` are views that make task objects on first use)
+    shared: SharedPrograms | None = None
 
     def weight_of(self, rank: int) -> float:
         return self.weight if self.weights is None else self.weights[rank]

@@ -33,8 +33,9 @@ group's plan and its flows stand for every rank of its class on shared links
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from simulator import model as mdl
 from simulator import moe
@@ -44,10 +45,14 @@ from simulator.layout import Layout
 from simulator.passes import build_programs
 from simulator.passes.context import Context
 from simulator.passes.data import OPTIMIZER_BYTES_PER_PARAM
+from simulator.program import ProgramView, SharedPrograms, TaskView, is_work, share
 from simulator.scenario import Scenario
-from simulator.schedules import build_schedule
-from simulator.tasks import Task, Workload
+from simulator.schedules import Schedule, build_schedule
+from simulator.tasks import Program, Task, Workload
 from simulator.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["OPTIMIZER_BYTES_PER_PARAM", "BlockCosts", "block_costs", "build_workload"]
 
@@ -187,10 +192,12 @@ def simulated_count(s: Scenario, fidelity: str) -> int:
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
                    costs: BlockCosts | None = None, fidelity: str | None = None,
-                   step: int = 0) -> Workload:
+                   step: int = 0, share_stages: bool = True) -> Workload:
     """Per-rank programs for one training step (``step`` indexes the jitter draws).
     ``costs`` may be given to price blocks differently (tests make stages exactly
-    balanced this way)."""
+    balanced this way). At full fidelity the ranks of a stage share one prototype
+    program (:mod:`simulator.program`) where that is exact; ``share_stages=False``
+    builds every rank's (what tests compare it with)."""
     layout = layout or layout_of(s)
     cost = cost or CostModel(s.hardware, s.training.dtype)
     costs = costs or block_costs(s, cost)
@@ -199,20 +206,39 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
                               s.parallel.virtual_stages)
     attrs = resolve(s.variability, layout.world)
     weights = simulated_ranks(s, fidelity)
-    ctx = Context(local_scenario(s), layout, cost, costs, schedule, tuple(weights))
-    if _folds(s, fidelity) and attrs.asymmetric:
+    folded = _folds(s, fidelity)
+    shared = None
+    if share_stages and not folded and not s.model.is_moe and layout.per_stage > 1:
+        ctx = _build(s, layout, cost, costs, schedule, layout.representatives(), attrs, False)
+        shared = share(layout, ctx.tasks, ctx.programs)
+    if shared is None:
+        ctx = _build(s, layout, cost, costs, schedule, tuple(weights), attrs, folded)
+        _vary_compute(ctx.programs, attrs, s, step)
+        programs: Mapping[int, Program] = ctx.programs
+        tasks: Sequence[Task] = ctx.tasks
+    else:
+        shared.factors = _shared_factors(shared, attrs, s, step)
+        tasks = TaskView(shared)
+        programs = ProgramView(tasks)
+    weight = float(layout.per_stage) if folded else 1.0
+    symmetric = not attrs.asymmetric or not folded
+    return Workload(programs, tasks, layout, schedule, weight, fidelity,
+                    None if symmetric else {r: float(n) for r, n in weights.items()},
+                    _link_factors(s, layout, attrs, weights), shared)
+
+
+def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
+           schedule: Schedule, ranks: tuple[int, ...], attrs: Attributes,
+           folded: bool) -> Context:
+    """Run the builder passes for ``ranks``."""
+    ctx = Context(local_scenario(s), layout, cost, costs, schedule, ranks)
+    if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
         ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed)
         ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])
     build_programs(ctx)
-    _vary_compute(ctx.programs, attrs, s, step)
-    folded = _folds(s, fidelity)
-    weight = float(layout.per_stage) if folded else 1.0
-    symmetric = not attrs.asymmetric or not folded
-    return Workload(ctx.programs, ctx.tasks, layout, schedule, weight, fidelity,
-                    None if symmetric else {r: float(n) for r, n in weights.items()},
-                    _link_factors(s, layout, attrs, weights))
+    return ctx
 
 
 def _link_factors(s: Scenario, layout: Layout, attrs: Attributes,
@@ -233,7 +259,31 @@ def _link_factors(s: Scenario, layout: Layout, attrs: Attributes,
     return out
 
 
-def _vary_compute(programs: dict[int, Any], attrs: Attributes, s: Scenario, step: int) -> None:
+def _shared_factors(shared: SharedPrograms, attrs: Attributes, s: Scenario,
+                    step: int) -> dict[int, np.ndarray]:
+    """Per rank, the factors :func:`_vary_compute` would multiply its work tasks'
+    durations by (ranks without any are left out)."""
+    jitter = s.variability.jitter
+    if not attrs.compute and jitter is None:
+        return {}
+    import numpy as np
+
+    per = shared.layout.per_stage
+    work = {q: sum(1 for t in protos if is_work(t)) for q, protos in shared.protos.items()}
+    out = {}
+    for rank in range(shared.world):
+        factor = attrs.compute.get(rank, 1.0)
+        n = work[rank // per]
+        if jitter is not None:
+            draws = jitter_factors(jitter, s.variability.seed, step, rank, n)
+            out[rank] = factor * np.asarray(draws, np.float64)
+        elif factor != 1.0:
+            out[rank] = np.full(n, factor)
+    return out
+
+
+def _vary_compute(programs: Mapping[int, Any], attrs: Attributes, s: Scenario,
+                  step: int) -> None:
     """A slow rank's compute durations times its factor, then every simulated rank's
     times its jitter draws (in program order; host-stream work is the CPU's)."""
     jitter = s.variability.jitter

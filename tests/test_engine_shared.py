@@ -1,0 +1,125 @@
+"""Shared per-stage programs (:mod:`simulator.program`) against building every rank.
+
+At full fidelity the builder builds one prototype per stage and the engine runs
+every rank of the stage from it. Both the task objects it makes on demand and
+the simulation must equal what building every rank's program gives, exactly:
+every field of every task, every span, every collective's start and last
+arrival, and the number of SimPy events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulator.collectives import GroupShape, make_plan
+from simulator.engine import simulate
+from simulator.layout import Layout
+from simulator.program import ProgramView, TaskView, share
+from simulator.scenario import load_scenario, scenario_from_dict
+from simulator.tasks import Program, Task, Workload
+from simulator.workload import build_workload
+from tests.test_workload_golden import digest
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+GPT = {"layers": 4, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64}
+
+CASES: list[tuple[str, tuple[str, ...]]] = [
+    ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
+                                 "parallel.recompute=full")),
+    ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000")),
+    ("gpt2-xl-16gpu-slow-net-powersgd", ()),
+    ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",)),
+    ("llama2-7b-8gpu-fsdp", ()),
+]
+
+
+def _both(s: Any) -> tuple[Workload, Workload]:
+    shared = build_workload(s, fidelity="full")
+    per_rank = build_workload(s, fidelity="full", share_stages=False)
+    return shared, per_rank
+
+
+def _same_run(a: Workload, b: Workload, s: Any) -> None:
+    ra, rb = simulate(a, s.hardware), simulate(b, s.hardware)
+    assert ra.spans == rb.spans
+    assert ra.comm_start == rb.comm_start
+    assert ra.last_arrival == rb.last_arrival
+    assert (ra.end_time, ra.events, ra.link_busy) == (rb.end_time, rb.events, rb.link_busy)
+
+
+@pytest.mark.parametrize(("name", "sets"), CASES, ids=[f"{n}-{len(s)}" for n, s in CASES])
+def test_shared_programs_equal_every_rank_built(name: str, sets: tuple[str, ...]) -> None:
+    s = load_scenario(SCENARIOS / f"{name}.yaml", list(sets))
+    shared, per_rank = _both(s)
+    assert shared.shared is not None and per_rank.shared is None
+    assert isinstance(shared.tasks, TaskView) and isinstance(shared.programs, ProgramView)
+    assert len(shared.tasks) == len(per_rank.tasks)
+    assert digest(shared) == digest(per_rank)
+    _same_run(shared, per_rank, s)
+
+
+def _scenario(variability: dict[str, Any], **parallel: Any) -> Any:
+    world = parallel["tp"] * parallel["pp"] * parallel["dp"] * parallel.get("cp", 1)
+    return scenario_from_dict({
+        "name": "shared", "model": GPT,
+        "cluster": {"system": "dgx-a100-80gb", "nodes": world // 4, "gpus_per_node": 4},
+        "parallel": parallel,
+        "training": {"global_batch": 4 * parallel["dp"], "micro_batch": 1},
+        "variability": variability})
+
+
+@pytest.mark.parametrize("variability", [
+    {"jitter": {"sigma": 0.2}, "seed": 3,
+     "slow_gpus": [{"ranks": [3], "compute_slowdown": 1.25}]},
+    {"slow_gpus": [{"ranks": [5], "compute_slowdown": 1.5}],
+     "slow_links": [{"rank": 2, "link": "inter_node", "bandwidth_factor": 0.5}]},
+], ids=["jitter-and-slow-gpu", "slow-gpu-and-nic"])
+def test_shared_programs_keep_each_ranks_variability(variability: dict[str, Any]) -> None:
+    """Slow GPUs and jitter scale one rank's durations, never its stage's prototype."""
+    s = _scenario(variability, tp=2, pp=2, dp=2)
+    shared, per_rank = _both(s)
+    assert shared.shared is not None and shared.shared.factors
+    assert digest(shared) == digest(per_rank)
+    _same_run(shared, per_rank, s)
+
+
+def test_shared_programs_with_context_parallel_and_tied_embeddings() -> None:
+    s = _scenario({}, tp=2, pp=2, dp=1, cp=2, cp_comm_type="p2p")
+    shared, per_rank = _both(s)
+    assert shared.shared is not None
+    assert digest(shared) == digest(per_rank)
+    _same_run(shared, per_rank, s)
+
+
+def _one_collective(group: tuple[int, ...], layout: Layout) -> Any:
+    plan = make_plan("all_reduce", 1e6, GroupShape(len(group), 1), "ring",
+                     load_scenario(SCENARIOS / "llama2-7b-8gpu-ddp.yaml").hardware)
+    t = Task(id=0, rank=0, stream="compute", op="tp.all_reduce", kind="tp", name="ar",
+             plan=plan, group=group, group_key=(group, 0), nbytes=1e6)
+    return share(layout, [t], {0: Program(0, {"compute": [t]})})
+
+
+def test_share_refuses_what_the_permutation_does_not_map() -> None:
+    """A group whose image spans other nodes (its plan would differ), or that is no
+    group the builder gives the rank, keeps every rank's program."""
+    assert _one_collective((0, 1), Layout(tp=2, pp=1, dp=2, gpus_per_node=2)) is not None
+    # TP pairs straddle nodes of three GPUs: (0, 1) spans one node, (2, 3) two
+    assert _one_collective((0, 1), Layout(tp=2, pp=1, dp=3, gpus_per_node=3)) is None
+    assert _one_collective((0, 3), Layout(tp=2, pp=1, dp=2, gpus_per_node=4)) is None
+
+
+def test_moe_builds_every_rank() -> None:
+    """Experts' token loads differ by EP rank: a mixture of experts never shares."""
+    moe = {**GPT, "experts": 4, "experts_per_token": 2, "activation": "swiglu",
+           "bias": False, "router_skew": {"concentration": 2.0, "seed": 1}}
+    s = scenario_from_dict({
+        "name": "moe", "model": moe,
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 4},
+        "parallel": {"tp": 1, "pp": 2, "dp": 2, "ep": 2},
+        "training": {"global_batch": 8, "micro_batch": 1}})
+    w = build_workload(s, fidelity="full")
+    assert w.shared is None and isinstance(w.tasks, list)
+    assert simulate(w, s.hardware).end_time > 0
