@@ -33,7 +33,7 @@ from calibration.microbench.fit import (
 )
 from simulator.cli import main
 from simulator.errors import UserError
-from simulator.hardware import HardwareProfile, load_system
+from simulator.hardware import COST_CLASSES, HardwareProfile, load_system
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +106,24 @@ def test_tiny_cpu_collective_fits_within_25_percent(tiny: Path) -> None:
     assert prof.intra_node.efficiency == 1.0
 
 
+def test_tiny_cpu_profile_reaches_every_term(tiny: Path) -> None:
+    """The real run measures the overhead, every cost class, the interference factor and
+    each one's spread; the inter-node link (one machine) is marked preset."""
+    prof = load_system(str(tiny))
+    assert prof.gpu.kernel_overhead_us > 0
+    assert set(prof.gpu.class_efficiency) == set(COST_CLASSES)
+    assert prof.gpu.interference_factor("intra_node") >= 1.0
+    terms = prof.provenance["terms"]
+    assert terms["inter_node"]["source"] == "preset"
+    measured = {t for t, row in terms.items() if row["source"] == "measured"}
+    assert measured >= {*COST_CLASSES, "kernel_overhead", "intra_node", "interference",
+                        "point_to_point"}
+    assert set(prof.uncertainty) == measured - {"point_to_point"}
+    guard = prof.provenance["busy_guard"]
+    assert guard["reference_start_ms"] > 0 and guard["reference_end_ms"] > 0
+    assert (guard["warning"] is not None) == guard["busy"]
+
+
 def test_failures_are_recorded_and_skipped(tiny: Path) -> None:
     prof = yaml.safe_load(tiny.read_text())
     recs = {r["key"]: r for r in read_records(tiny.with_suffix(".results.jsonl"))}
@@ -158,6 +176,8 @@ def test_report_writes_plots_and_error_table(tiny: Path, tmp_path: Path) -> None
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     md = (out / "fit_errors.md").read_text()
     assert "| gemm |" in md and "| all_reduce (intra_node) |" in md
+    assert "| class gemm_wgrad |" in md and "| inter_node | preset (cpu-1thread) |" in md
+    assert "Reference GEMM:" in md
     assert "algbw" in md and "busbw" in md
     assert FAILING_COLL in md
 
@@ -270,6 +290,8 @@ def test_calibrate_from_nccl_tests(tmp_path: Path) -> None:
     (["calibrate", "--device", "cpu", "--out", "p.json"], "end the name in .yaml"),
     (["calibrate", "--device", "cpu", "--threads", "0", "--out", "p.yaml"], "--threads"),
     (["calibrate", "--device", "cpu", "--nproc", "0", "--out", "p.yaml"], "--nproc"),
+    (["calibrate", "--device", "cpu", "--retry-busy", "-1", "--out", "p.yaml"],
+     "--retry-busy = -1: use 0 to 10"),
     (["calibrate", "--device", "cpu", "--base", "no-such-system", "--out", "p.yaml"],
      "--base = 'no-such-system': not a preset"),
     (["calibrate", "--device", "cpu", "--from-nccl-tests", "missing.txt", "--out", "p.yaml"],
@@ -384,6 +406,7 @@ def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from calibration.microbench.bench_collectives import run_collectives
     from calibration.microbench.bench_timing import Device
+    from calibration.microbench.interference import interference_key
 
     hung = "cpu/t1/collective/all_reduce/n2/4096"
     monkeypatch.setenv(HANG_ENV, hung)
@@ -392,5 +415,7 @@ def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
     run_collectives(Device("cpu", 1), 2, budget, store, timeout_s=25, ops=("all_reduce",))
     latest = store.latest()
     assert latest[hung]["ok"] is False and "timed out" in latest[hung]["error"]
-    ok = [k for k, r in latest.items() if r["ok"]]
+    # whole measurements only: not their rounds, nor the interference factor's record
+    ok = [k for k, r in latest.items() if r["ok"] and r.get("kind") == "collective"]
     assert len(ok) == len(message_sizes(budget)) - 1
+    assert latest[interference_key("cpu", 1)]["ok"]

@@ -23,6 +23,7 @@ from calibration.host import kill_process_group, worker_pythonpath
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
 from calibration.microbench.collectives_worker import collective_key
+from calibration.microbench.interference import interference_key
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 MAX_LAUNCHES = 3
@@ -47,11 +48,14 @@ def group_sizes(nproc: int) -> list[int]:
 
 
 def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsStore,
-                    timeout_s: float, ops: tuple[str, ...] = OPS) -> None:
-    """Measure every (op, group size, message size) not yet in the results file."""
+                    timeout_s: float, ops: tuple[str, ...] = OPS,
+                    interference: bool = True) -> None:
+    """Measure every (op, group size, message size) not yet in the results file, and
+    (``interference``) the GEMM slowdown under all-reduces in the same launch."""
     sizes = message_sizes(budget)
     groups = group_sizes(nproc)
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
+    ikey = interference_key(device.kind, device.threads)
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()
@@ -59,11 +63,12 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
 
     for launch in range(1, MAX_LAUNCHES + 1):
         todo = missing()
-        if not todo:
+        want_interference = interference and ikey not in store.done()
+        if not todo and not want_interference:
             return
         todo_ops = tuple(op for op in ops if any(x[0] == op for x in todo))
         rc, tail, timed_out, running = _launch(device, nproc, budget, store.path, todo_ops, sizes,
-                                               groups, timeout_s)
+                                               groups, timeout_s, want_interference)
         still = missing()
         if rc == 0 and not still:
             return
@@ -89,8 +94,8 @@ def _record_failed(store: ResultsStore, device: Device, op: str, n: int, size: i
 
 
 def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tuple[str, ...],
-            sizes: list[int], groups: list[int],
-            timeout_s: float) -> tuple[int, list[str], bool, str | None]:
+            sizes: list[int], groups: list[int], timeout_s: float,
+            interference: bool = False) -> tuple[int, list[str], bool, str | None]:
     """Run one torchrun; returns (status, output tail, timed out, last key it started)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "calibration.microbench.collectives_worker",
@@ -99,7 +104,8 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
            "--results", str(results), "--device", device.kind, "--threads", str(device.threads),
            "--target-s", str(budget.target_s), "--min-reps", str(budget.min_reps),
            "--max-reps", str(budget.max_reps), "--min-batch-s", str(budget.min_batch_s),
-           "--rounds", str(budget.rounds), "--op-timeout-s", str(max(30.0, timeout_s / 2))]
+           "--rounds", str(budget.rounds), "--op-timeout-s", str(max(30.0, timeout_s / 2)),
+           *(["--interference"] if interference else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(device.threads), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": worker_pythonpath(),
            "PYTHONWARNINGS": "ignore"}
@@ -116,7 +122,7 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
                 running[:] = [line.split(" ", 1)[1]]
                 continue
             tail.append(line)
-            if line.startswith("["):  # rank 0's progress lines
+            if line.startswith("["):  # rank 0's progress lines (interference's too)
                 print(line, file=sys.stderr, flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)

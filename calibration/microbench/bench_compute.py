@@ -18,10 +18,15 @@ What each record's size means — the cost model's size axis:
 
 - GEMM and attention: FLOPs (2mnk; 4·b·a·s²·d forward, causal not discounted).
 - memory-bound kernels: logical bytes moved, reading inputs and writing outputs
-  once (norms, softmax, GELU: 2N elements; SwiGLU silu(g)·u and add: 3N; AdamW:
-  parameter, gradient and two moments read, three written, 7 fp32 words per
-  parameter). Attention and GEMMs are timed forward; the simulator scales
-  backward by its FLOPs at the same efficiency.
+  once (norms, softmax, GELU, copy: 2N elements; SwiGLU silu(g)·u, add and mul:
+  3N; a sum over the last dimension: N, its output a row per 1/hidden of that;
+  AdamW: parameter, gradient and two moments read, three written, 7 fp32 words
+  per parameter). Each kernel belongs to one cost class (:data:`KERNEL_CLASS`),
+  whose own curve calibration fits beside the shared one. The backward GEMM
+  layouts and attention backward are timed in :mod:`calibration.microbench.bench_terms`.
+
+A busy-machine re-measure (``Budget.retry`` > 0) times every job again, whatever
+the results already hold; the fitter keeps each key's fastest reading.
 """
 
 from __future__ import annotations
@@ -55,10 +60,15 @@ from calibration.microbench.bench_timing import (
     torch_dtype,
 )
 
-MEMORY_KERNELS = ("layer_norm", "rms_norm", "softmax", "gelu", "swiglu", "add", "adamw")
+MEMORY_KERNELS = ("layer_norm", "rms_norm", "softmax", "gelu", "swiglu", "add", "mul", "sum",
+                  "copy", "adamw")
 # logical bytes per output element, in units of the element size (adamw: fp32 words)
 _MEM_WORDS = {"layer_norm": 2, "rms_norm": 2, "softmax": 2, "gelu": 2, "swiglu": 3, "add": 3,
-              "adamw": 7}
+              "mul": 3, "sum": 1, "copy": 2, "adamw": 7}
+#: The op inventory's cost class of each memory-bound kernel timed.
+KERNEL_CLASS = {"layer_norm": "norm", "rms_norm": "norm", "softmax": "softmax",
+                "gelu": "elementwise", "swiglu": "elementwise", "add": "elementwise",
+                "mul": "elementwise", "sum": "reduction", "copy": "copy", "adamw": "optimizer"}
 RECHECK_SLOWER_THAN = 1.15
 Runner = Callable[[], tuple[float, dict[str, Any]]]
 
@@ -80,8 +90,12 @@ def key_prefix(device: Device, dtype: str) -> str:
 
 def run_jobs(stage: str, jobs: list[Job], store: ResultsStore, budget: Budget,
              unit: str) -> None:
-    """Measure every job not yet in the results, then the recheck passes."""
+    """Measure every job not yet in the results, then the recheck passes; on a
+    busy-machine retry, every job once more."""
     done = store.done()
+    if budget.retry:
+        _retry(stage, jobs, store, unit, budget.retry, done)
+        return
     for i, job in enumerate(jobs, 1):
         if job.key in done:
             progress(stage, i, len(jobs), f"{job.label}: already in results, skipped")
@@ -100,8 +114,22 @@ def run_jobs(stage: str, jobs: list[Job], store: ResultsStore, budget: Budget,
         store.append({"key": marker, "kind": "pass", "ok": True, "rechecked": len(slow)})
 
 
+def _retry(stage: str, jobs: list[Job], store: ResultsStore, unit: str, attempt: int,
+           done: set[str]) -> None:
+    """Re-time every job (a marker per finished attempt lets a resumed run skip it)."""
+    if not jobs:
+        return
+    m = jobs[0].meta
+    marker = f"{m['device']}/{m['dtype']}/t{m['threads']}/{stage}#retry{attempt}"
+    if marker in done:
+        return
+    for i, job in enumerate(jobs, 1):
+        _measure(f"{stage} retry {attempt}", i, len(jobs), job, store, unit, f"retry{attempt}")
+    store.append({"key": marker, "kind": "pass", "ok": True, "retried": len(jobs)})
+
+
 def _measure(stage: str, i: int, total: int, job: Job, store: ResultsStore, unit: str,
-             recheck: int) -> None:
+             recheck: int | str) -> None:
     try:
         check_injected_failure(job.key)
         time_s, extra = job.runner()
@@ -173,23 +201,35 @@ def gemm_jobs(device: Device, dtype: str, budget: Budget, shapes: list[GemmShape
     return [Job(f"{prefix}/gemm/{s.label}", "gemm", f"{s.label} {dtype}", s.flops, "gemm",
                 {"dtype": dtype, "device": device.kind, "threads": device.threads, "m": s.m,
                  "n": s.n, "k": s.k, "flops": s.flops, "source": s.source},
-                _gemm_runner(device, budget, dtype, s)) for s in shapes]
+                gemm_runner(device, budget, dtype, s)) for s in shapes]
 
 
-def _gemm_runner(device: Device, budget: Budget, dtype: str, shape: GemmShape) -> Runner:
+#: The three GEMMs of a linear layer Y[m, n] = X[m, k] · W[k, n], as (A, B, C) shapes
+#: and whether A and B are used transposed: forward, the input gradient
+#: dX = dY · Wᵀ and the weight gradient dW = Xᵀ · dY (2mnk FLOPs each).
+GEMM_LAYOUTS = {"fwd": ("mk", "kn", "mn", False, False), "dgrad": ("mn", "kn", "mk", False, True),
+                "wgrad": ("mk", "mn", "kn", True, False)}
+
+
+def gemm_runner(device: Device, budget: Budget, dtype: str, shape: GemmShape,
+                 layout: str = "fwd") -> Runner:
     def run() -> tuple[float, dict[str, Any]]:
         import torch
 
+        dim = {"m": shape.m, "n": shape.n, "k": shape.k}
+        sa, sb, sc, ta, tb = GEMM_LAYOUTS[layout]
         dt = torch_dtype(dtype)
         elt = torch.tensor([], dtype=dt).element_size()
         per_set = (shape.m * shape.k + shape.k * shape.n + shape.m * shape.n) * elt
         nbuf = rotation_count(device, per_set, 0.25 * device.free_bytes())
-        a = [random_tensor((shape.m, shape.k), dt, device.torch_device) for _ in range(nbuf)]
-        b = [random_tensor((shape.k, shape.n), dt, device.torch_device) for _ in range(nbuf)]
-        c = [torch.empty((shape.m, shape.n), dtype=dt, device=device.torch_device)
-             for _ in range(nbuf)]
-        t = time_calls(device, lambda i: torch.mm(a[i], b[i], out=c[i]), nbuf, budget.target_s,
-                       budget.min_reps, budget.max_reps, budget.min_batch_s)
+        dev = device.torch_device
+        a = [random_tensor((dim[sa[0]], dim[sa[1]]), dt, dev) for _ in range(nbuf)]
+        b = [random_tensor((dim[sb[0]], dim[sb[1]]), dt, dev) for _ in range(nbuf)]
+        c = [torch.empty((dim[sc[0]], dim[sc[1]]), dtype=dt, device=dev) for _ in range(nbuf)]
+        t = time_calls(device, lambda i: torch.mm(a[i].t() if ta else a[i],
+                                                  b[i].t() if tb else b[i], out=c[i]),
+                       nbuf, budget.target_s, budget.min_reps, budget.max_reps,
+                       budget.min_batch_s)
         return t.time_s, {"reps": t.reps, "calls": t.calls_per_rep, "spread": round(t.spread, 4),
                           "buffers": nbuf}
     return run
@@ -270,17 +310,22 @@ def memory_plan(budget: Budget, device: Device) -> list[tuple[str, int, int]]:
     return plan
 
 
+def memory_job(device: Device, dtype: str, budget: Budget, kernel: str, rows: int,
+               hidden: int, kind: str = "memory") -> Job:
+    """One memory-bound kernel of ``rows`` × ``hidden`` elements, sized by bytes moved."""
+    dt_bytes = 4 if kernel == "adamw" or dtype == "fp32" else 2
+    nbytes = float(_MEM_WORDS[kernel] * rows * hidden * dt_bytes)
+    return Job(f"{key_prefix(device, dtype)}/{kind}/{kernel}/{rows}x{hidden}", kind,
+               f"{kernel} {rows}x{hidden} {dtype}", nbytes, kernel,
+               {"dtype": dtype, "device": device.kind, "threads": device.threads,
+                "kernel": kernel, "cost_class": KERNEL_CLASS[kernel], "rows": rows,
+                "hidden": hidden, "bytes": nbytes},
+               _memory_runner(device, budget, dtype, kernel, rows, hidden))
+
+
 def run_memory(device: Device, dtype: str, budget: Budget, store: ResultsStore) -> None:
-    prefix = key_prefix(device, dtype)
-    jobs = []
-    for kernel, rows, hidden in memory_plan(budget, device):
-        dt_bytes = 4 if kernel == "adamw" or dtype == "fp32" else 2
-        nbytes = float(_MEM_WORDS[kernel] * rows * hidden * dt_bytes)
-        jobs.append(Job(f"{prefix}/memory/{kernel}/{rows}x{hidden}", "memory",
-                        f"{kernel} {rows}x{hidden} {dtype}", nbytes, kernel,
-                        {"dtype": dtype, "device": device.kind, "threads": device.threads,
-                         "kernel": kernel, "rows": rows, "hidden": hidden, "bytes": nbytes},
-                        _memory_runner(device, budget, dtype, kernel, rows, hidden)))
+    jobs = [memory_job(device, dtype, budget, kernel, rows, hidden)
+            for kernel, rows, hidden in memory_plan(budget, device)]
     run_jobs("memory", jobs, store, budget, "bytes")
 
 
@@ -317,11 +362,17 @@ def _memory_kernel(kernel: str, shape: tuple[int, int], dt: Any, dev: str,
         return lambda i: torch.softmax(xs[i], dim=-1)
     if kernel == "gelu":
         return lambda i: F.gelu(xs[i])
+    if kernel == "sum":
+        return lambda i: xs[i].sum(dim=-1)
     ys = [random_tensor(shape, dt, dev) for _ in range(nbuf)]
     if kernel == "swiglu":
         return lambda i: F.silu(xs[i]) * ys[i]
     if kernel == "add":
         return lambda i: torch.add(xs[i], ys[i])
+    if kernel == "mul":
+        return lambda i: torch.mul(xs[i], ys[i])
+    if kernel == "copy":
+        return lambda i: ys[i].copy_(xs[i])
     if kernel == "adamw":
         return _adamw_step(xs, ys, dev)
     raise ValueError(f"unknown memory kernel {kernel}")

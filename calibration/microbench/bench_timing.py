@@ -52,6 +52,7 @@ class Budget:
     rounds: int = 3  # interleaved passes over a sweep; each point keeps its best pass
     recheck_passes: int = 2  # re-time compute points that read >15% slow (bench_compute)
     coll_steps_per_octave: int = 2  # message sizes per doubling (2: steps of √2)
+    retry: int = 0  # > 0: a busy-machine re-measure, every compute job timed again
 
     @property
     def min_batch_s(self) -> float:

@@ -5,10 +5,15 @@ The profile has the schema of the bundled presets, so a scenario uses it with
 
 - GEMMs from the bundled models' layers (several TP degrees and micro-batch
   sizes; scaled down on a CPU) plus a grid, in the chosen dtype → peak FLOP/s
-  and ``gemm_efficiency``; a few of them in the other dtypes → their peaks;
-- ``scaled_dot_product_attention`` → ``attention_efficiency``;
-- layer/RMS norm, softmax, GELU, SwiGLU, add and an AdamW step → HBM bandwidth
-  and ``memory_efficiency``;
+  and ``gemm_efficiency``; a few of them in the other dtypes → their peaks; a
+  spread of them in the backward layouts (dY·Wᵀ, Xᵀ·dY) → ``class_efficiency``
+  ``gemm_dgrad`` and ``gemm_wgrad`` (the forward ones give ``gemm_fwd``);
+- ``scaled_dot_product_attention`` forward and backward → ``attention_efficiency``,
+  ``attention_fwd`` and ``attention_bwd``;
+- layer/RMS norm, softmax, GELU, SwiGLU, add, mul, a sum, a copy and an AdamW
+  step → HBM bandwidth, ``memory_efficiency`` and a curve per memory-bound cost
+  class; tiny adds and copies → ``kernel_overhead_us`` (the intercept);
+- a GEMM alone and under all-reduces, in the collectives' launch → ``interference``;
 - all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
@@ -19,6 +24,10 @@ Cost semantics and fitting rules: :mod:`calibration.microbench.fit`. Timing rule
 the moment it is taken, so an interrupted run resumes where it stopped
 (:mod:`calibration.microbench.bench_results`). On a CPU a "GPU" is one process with
 ``--threads`` threads (one by default), the same device the measured CPU runs use.
+A reference GEMM timed at the start and the end guards against a busy machine
+(:mod:`calibration.microbench.busy_guard`; ``--retry-busy N`` re-measures), and
+every fitted term's spread goes to the profile's ``uncertainty``
+(:mod:`calibration.microbench.fit_terms`).
 
 torch is imported only when a calibration runs: ``import calibration.microbench.calibrate``
 works without it.
@@ -39,9 +48,14 @@ from simulator.errors import Problem, UserError
 DESCRIPTION = """\
 Measure this machine and write a hardware profile (the presets' schema; a scenario
 uses it with cluster.system: PROFILE.yaml): GEMMs shaped like the bundled models'
-layers, scaled_dot_product_attention, memory-bound kernels (norms, softmax, GELU,
-SwiGLU, add, AdamW), and all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
-under torchrun (gloo on cpu, NCCL on cuda). Every measurement is appended to a
+layers (forward and both backward layouts), scaled_dot_product_attention forward
+and backward, memory-bound kernels (norms, softmax, GELU, SwiGLU, add, mul, sum,
+copy, AdamW) with a curve per cost class, the per-kernel overhead (tiny kernels'
+intercept), all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
+under torchrun (gloo on cpu, NCCL on cuda) and a GEMM's slowdown under them.
+A reference GEMM timed at the start and the end warns of a busy machine; each
+fitted term's spread goes to the profile's uncertainty section (used by
+'clustersim run --uncertainty N'). Every measurement is appended to a
 results file at once: rerun the same command to resume an interrupted run.
 'calibrate report PROFILE.yaml --out DIR' plots measured vs fitted."""
 
@@ -49,6 +63,8 @@ EPILOG = """\
 examples:
   clustersim calibrate --device cpu --quick --out cpu.yaml
       a few minutes: 1-thread CPU "GPUs", 2 gloo processes, GEMM/attention/memory/collectives
+  clustersim calibrate --device cpu --quick --retry-busy 2 --out cpu.yaml
+      re-measure the compute part up to twice while the machine looks busy
   clustersim calibrate --device cuda --dtype bf16 --out calibration/profiles/h100.yaml
       all GPUs of this node; resumable: rerun the same command after an interruption
   clustersim calibrate --device cuda --from-nccl-tests all_reduce.json all_gather.txt --out p.yaml
@@ -102,6 +118,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default 300 on cpu, 1800 on cuda)")
     p.add_argument("--retry-failed", action="store_true",
                    help="re-measure what the results file records as failed")
+    p.add_argument("--retry-busy", type=int, default=0, metavar="N",
+                   help="when the reference GEMM drifts >15%% between start and end or repeats "
+                   "scatter >12%%, re-measure the compute part up to N times (default 0: "
+                   "only warn)")
     p.set_defaults(func=run_calibrate)
     sub = p.add_subparsers(dest="calibrate_action", metavar="{report}")
     r = sub.add_parser("report", help="plot a calibrated profile's measured vs fitted numbers",
@@ -141,6 +161,7 @@ class Options:
     timeout_s: float
     retry_failed: bool
     device_name: str
+    retry_busy: int = 0
 
 
 def require_torch() -> Any:
@@ -165,6 +186,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
         problems.append(Problem("--threads", args.threads, "use 1 or more"))
     if args.nproc is not None and args.nproc < 1:
         problems.append(Problem("--nproc", args.nproc, "use 1 or more"))
+    if not 0 <= args.retry_busy <= 10:
+        problems.append(Problem("--retry-busy", args.retry_busy, "use 0 to 10 re-measures"))
     if args.timeout is not None and args.timeout <= 0:
         problems.append(Problem("--timeout", args.timeout, "use a positive number of seconds"))
     if args.from_nccl_tests and "collectives" in args.skip:
@@ -196,7 +219,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
                    args.threads, out, results, tuple(args.from_nccl_tests or ()),
                    frozenset(args.skip), base, args.name or f"calibrated-{slug}",
                    args.timeout or (1800.0 if device == "cuda" else 300.0), args.retry_failed,
-                   device_name)
+                   device_name, args.retry_busy)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -237,16 +260,48 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
     try:
         device.setup()
         info = device_info(device, opts.nproc)
-        _measure(opts, device, budget, store, bool(nccl_runs))
+        guard = _guarded(opts, device, budget, store, bool(nccl_runs))
     finally:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - started
-    return _fit_and_write(opts, base, store, info, nccl_runs, elapsed)
+    return _fit_and_write(opts, base, store, info, nccl_runs, elapsed, guard)
 
 
-def _measure(opts: Options, device: Any, budget: Any, store: Any, have_nccl: bool) -> None:
+def _guarded(opts: Options, device: Any, budget: Any, store: Any,
+             have_nccl: bool) -> dict[str, Any]:
+    """Measure between two timings of the reference GEMM; while the machine looks busy
+    and ``--retry-busy`` allows, measure the compute part again. Returns the verdict
+    (with the attempts taken and the warning, if any) for the provenance."""
+    import dataclasses
+
+    from calibration.microbench.bench_terms import time_reference
+    from calibration.microbench.busy_guard import judge
+
+    first = len(store.records())
+    start = time_reference(device, opts.dtype, budget, "start")
+    _measure_compute(opts, device, budget, store)
+    _measure_collectives(opts, device, budget, store, have_nccl)
+    verdict = judge(start, time_reference(device, opts.dtype, budget, "end"),
+                    store.records()[first:])
+    attempt = 0
+    while verdict.busy and attempt < opts.retry_busy:
+        attempt += 1
+        _say(f"{verdict.warning()} Re-measuring the compute part "
+             f"(--retry-busy: attempt {attempt} of {opts.retry_busy}).")
+        first = len(store.records())
+        start = time_reference(device, opts.dtype, budget, f"retry{attempt}-start")
+        _measure_compute(opts, device, dataclasses.replace(budget, retry=attempt), store)
+        verdict = judge(start, time_reference(device, opts.dtype, budget,
+                                              f"retry{attempt}-end"), store.records()[first:])
+    warning = verdict.warning()
+    if warning:
+        _say(warning)
+    return {**verdict.as_dict(), "retries": attempt, "warning": warning}
+
+
+def _measure_compute(opts: Options, device: Any, budget: Any, store: Any) -> None:
     from calibration.microbench import bench_compute as bc
-    from calibration.microbench.bench_collectives import run_collectives
+    from calibration.microbench import bench_terms as bt
 
     if "gemm" not in opts.skip:
         bc.run_gemm(device, opts.dtype, budget, store)
@@ -255,10 +310,19 @@ def _measure(opts: Options, device: Any, budget: Any, store: Any, have_nccl: boo
                 if other != opts.dtype:
                     bc.run_gemm(device, other, budget, store, bc.probe_shapes(budget, device),
                                 stage=f"gemm-{other}")
+        bt.run_gemm_layouts(device, opts.dtype, budget, store)
     if "attention" not in opts.skip:
         bc.run_attention(device, opts.dtype, budget, store)
+        bt.run_attention_bwd(device, opts.dtype, budget, store)
     if "memory" not in opts.skip:
         bc.run_memory(device, opts.dtype, budget, store)
+        bt.run_overhead(device, opts.dtype, budget, store)
+
+
+def _measure_collectives(opts: Options, device: Any, budget: Any, store: Any,
+                         have_nccl: bool) -> None:
+    from calibration.microbench.bench_collectives import run_collectives
+
     if have_nccl or "collectives" in opts.skip:
         return
     if opts.nproc < 2:
@@ -274,7 +338,7 @@ def _datasheet(opts: Options) -> bool:
 
 
 def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
-                   nccl_runs: list[Any], elapsed: float) -> Path:
+                   nccl_runs: list[Any], elapsed: float, guard: dict[str, Any]) -> Path:
     from calibration.microbench.fit_profile import (
         build_profile,
         fit_collectives,
@@ -282,10 +346,11 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         samples_from_records,
         write_profile,
     )
-    from calibration.microbench.report_tables import collective_table
+    from calibration.microbench.report_tables import collective_table, summary_text
 
     records = store.records()
-    fits = fit_compute(records, opts.device, opts.dtype, opts.threads, opts.device_name)
+    fits = fit_compute(records, opts.device, opts.dtype, opts.threads, opts.device_name,
+                       guard.get("drift"))
     if nccl_runs:
         samples: dict[str, dict[str, list[Any]]] = {}
         for run in nccl_runs:
@@ -307,7 +372,9 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "measured_from": min((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
-                    for k in ("gemm", "attention", "memory", "collective")},
+                    for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
+                              "overhead", "collective", "interference")},
+        "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),
         "nccl_tests_files": [{"op": r.op, "link": r.link, "nranks": r.nranks,
@@ -323,7 +390,7 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
                             memory_GB=mem_GB, provenance=prov,
                             datasheet=opts.device == "cuda" and _datasheet(opts))
     write_profile(profile, opts.out)
-    _summary(profile, failed, elapsed)
+    _say(summary_text(profile, failed, elapsed))
     return opts.out
 
 
@@ -344,32 +411,6 @@ def _relative(path: Path, start: Path) -> str:
         return os.path.relpath(path.resolve(), start.resolve())
     except ValueError:  # another drive (Windows)
         return str(path.resolve())
-
-
-def _summary(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed: float) -> None:
-    gpu = profile["gpu"]
-    fit = profile["provenance"]["fit"]
-    intra = profile["intra_node"]
-    lines = [f"profile {profile['name']}: peak {gpu['peak_tflops']} TFLOP/s, "
-             f"HBM {gpu['hbm_bandwidth_GBps']} GB/s, intra-node {intra['bandwidth_GBps']} GB/s "
-             f"x {intra['efficiency']}, alpha {intra['latency_us']} us ({elapsed:.0f} s)"]
-    for part in ("gemm", "attention", "memory"):
-        if fit.get(part):
-            lines.append(f"  {part}: held-out median error "
-                         f"{_pct(fit[part]['holdout_median_rel_error'])} "
-                         f"({fit[part]['samples']} samples)")
-    for op, by_link in profile.get("collectives", {}).items():
-        for link, ab in by_link.items():
-            lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "
-                         f"GB/s, held-out median error {_pct(ab['median_rel_error'])}")
-    if failed:
-        lines.append(f"  {len(failed)} measurement(s) failed and were skipped, e.g. "
-                     f"{failed[0]['key']}: {failed[0].get('error')}")
-    _say("\n".join(lines))
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1%}"
 
 
 def _say(text: str) -> None:

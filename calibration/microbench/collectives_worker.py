@@ -50,7 +50,7 @@ def collective_key(device: str, threads: int, op: str, n: int, size: int) -> str
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--op", action="append", required=True)
+    p.add_argument("--op", action="append", default=[])
     p.add_argument("--sizes", required=True, help="comma-separated bytes")
     p.add_argument("--groups", required=True, help="comma-separated group sizes")
     p.add_argument("--results", required=True)
@@ -62,6 +62,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-batch-s", type=float, default=2e-4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--op-timeout-s", type=float, default=120.0)
+    p.add_argument("--interference", action="store_true",
+                   help="also time a GEMM alone and under all-reduces (ranks 0 and 1)")
     return p.parse_args(argv)
 
 
@@ -94,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                 if collective_key(args.device, args.threads, op, n, s) not in done]
         if todo and rank < n:
             _sweep(args, store, n, todo, group, dev, rank, saved)
+        dist.barrier()
+    if args.interference and 2 in groups:
+        from calibration.microbench import interference
+
+        if interference.interference_key(args.device, args.threads) not in done and rank < 2:
+            interference.measure(args.device, args.threads, store, groups[2], dev, rank)
         dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -3,9 +3,13 @@
 Cost semantics the simulator uses with a calibrated profile (and that these fits
 minimise relative error against):
 
-- GEMM of F FLOPs:        t = F / (peak × gemm_efficiency(F))
-- attention of F FLOPs:   t = F / (peak × attention_efficiency(F))
-- memory-bound, B bytes:  t = B / (hbm_bandwidth × memory_efficiency(B))
+- GEMM of F FLOPs:        t = F / (peak × gemm_efficiency(F)) + o
+- attention of F FLOPs:   t = F / (peak × attention_efficiency(F)) + o
+- memory-bound, B bytes:  t = B / (hbm_bandwidth × memory_efficiency(B)) + o
+- o, the per-kernel overhead, is the intercept of a straight line through
+  tiny-to-small kernels' times, t = o + B / bandwidth (:func:`fit_intercept`),
+  and the curves are fitted to the time net of it (``offset_s``), so a kernel's
+  overhead is charged once; the same applies to every class curve.
 - collective of S bytes over n ranks:
       t = α · steps(op, n) + S · factor(op, n) / busbw
   factor is nccl-tests' bus-bandwidth factor (2(n−1)/n all-reduce, (n−1)/n
@@ -16,10 +20,13 @@ minimise relative error against):
 
 Efficiency curves are piecewise linear in log10(size), clamped at both ends
 (:class:`simulator.hardware.EfficiencyCurve`). The knots are the measured
-points smoothed by a running median of five (see :func:`knots`); GEMM and
-attention curves are then made non-decreasing (bigger problems do not get less
-efficient on a GPU; on a CPU it is roughly flat), memory curves are not (a
-CPU's caches make mid-sized kernels faster than DRAM-sized ones).
+points smoothed by a running median of five (see :func:`knots`); on a GPU, GEMM
+and attention curves are then made non-decreasing (bigger problems do not get
+less efficient there), on a CPU they are not (a small GEMM runs from cache, and
+with the overhead taken out its net efficiency reads high: an envelope would
+carry that to every larger size; the monotone envelope made the held-out error
+of this machine's GEMM fits 2-3× larger), and memory curves never are (a CPU's
+caches make mid-sized kernels faster than DRAM-sized ones).
 
 α and busbw are fitted per collective and link class, over all group sizes at
 once, by least absolute relative deviation (:func:`fit_alpha_beta`).
@@ -84,27 +91,98 @@ class CurveFit:
     train_error: float | None  # median relative time error on fitted points
     holdout_error: float | None  # median relative time error on held-out points
     holdout: list[bool]  # per input point, size-sorted order
+    offset_s: float = 0.0  # per-kernel overhead added to every predicted time
+    resid_sigma: float | None = None  # robust σ of the relative time error, all points
 
     def efficiency(self, size: float) -> float:
         return interpolate_log(self.points, size)
 
     def predict_time(self, size: float) -> float:
-        return size / (self.peak * self.efficiency(size))
+        return size / (self.peak * self.efficiency(size)) + self.offset_s
+
+
+#: A kernel's time net of the overhead is kept at no less than this share of its time
+#: (an overhead estimate above a kernel's whole time would otherwise leave it none).
+NET_FLOOR = 0.05
+
+
+#: A kernel shorter than this many overheads leaves too little of its own time to read
+#: an efficiency off (a few percent of error in the overhead would swing it wildly, and a
+#: monotone curve would carry the swing to every larger size): it is left out of the
+#: knots, though it still counts in the fit's errors.
+READABLE_OVER_OFFSET = 2.0
+
+
+def net_time(time_s: float, offset_s: float) -> float:
+    """Seconds of a kernel's own work: its time less the per-kernel overhead."""
+    return max(time_s - offset_s, NET_FLOOR * time_s)
 
 
 def fit_efficiency(sizes: Sequence[float], times: Sequence[float], peak: float,
-                   monotone: bool) -> CurveFit:
-    """Fit achieved/peak vs size from (size, seconds) samples; evaluate on held-out ones."""
+                   monotone: bool, offset_s: float = 0.0) -> CurveFit:
+    """Fit achieved/peak vs size from (size, seconds) samples; evaluate on held-out ones.
+
+    With ``offset_s`` the efficiency is read off the time net of that per-kernel
+    overhead, and predictions add it back; kernels shorter than twice the overhead
+    do not shape the knots (:data:`READABLE_OVER_OFFSET`)."""
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     xs = [float(sizes[i]) for i in order]
     ts = [float(times[i]) for i in order]
     mask = holdout_mask(len(xs))
-    train = [(x, x / t / peak) for x, t, h in zip(xs, ts, mask, strict=True) if not h]
-    points = knots(train, monotone)
-    fit = CurveFit(points, peak, len(train), sum(mask), None, None, mask)
+    train = [(x, x / net_time(t, offset_s) / peak)
+             for x, t, h in zip(xs, ts, mask, strict=True) if not h]
+    readable = [(x, e) for (x, e), t in zip(train, (t for t, h in zip(ts, mask, strict=True)
+                                                     if not h), strict=True)
+                if t >= READABLE_OVER_OFFSET * offset_s]
+    points = knots(readable if len(readable) >= 2 else train, monotone)
+    fit = CurveFit(points, peak, len(train), sum(mask), None, None, mask, offset_s)
     tr = [rel_error(fit.predict_time(x), t) for x, t, h in zip(xs, ts, mask, strict=True) if not h]
     ho = [rel_error(fit.predict_time(x), t) for x, t, h in zip(xs, ts, mask, strict=True) if h]
-    return CurveFit(points, peak, len(train), len(ho), median_or_none(tr), median_or_none(ho), mask)
+    sigma = robust_sigma([fit.predict_time(x) / t - 1.0 for x, t in zip(xs, ts, strict=True)])
+    return CurveFit(points, peak, len(train), len(ho), median_or_none(tr), median_or_none(ho),
+                    mask, offset_s, sigma)
+
+
+def robust_sigma(rel_errors: Sequence[float]) -> float | None:
+    """σ of relative errors from their median absolute value (1.4826 × MAD about 0),
+    which one wild reading does not move."""
+    return 1.4826 * float(statistics.median(abs(e) for e in rel_errors)) if rel_errors else None
+
+
+# ---------------------------------------------------------------- a line's intercept
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """t = intercept + slope · size, fitted by least absolute relative deviation."""
+
+    intercept_s: float
+    slope_s: float  # seconds per unit of size (1 / bandwidth for bytes)
+    n: int
+    median_rel_error: float | None
+    intercept_rel_se: float | None  # jackknife standard error of the intercept, relative
+
+    def predict(self, size: float) -> float:
+        return self.intercept_s + self.slope_s * size
+
+
+def fit_intercept(sizes: Sequence[float], times: Sequence[float]) -> LineFit:
+    """The fixed cost of a call: the intercept of t = o + size·β (o, β ≥ 0) through
+    tiny-to-small kernels' times, each point weighted alike (relative error), with a
+    leave-one-out jackknife for the intercept's standard error."""
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError("an intercept needs two or more (size, time) samples")
+    pts = [(float(x), float(t)) for x, t in zip(sizes, times, strict=True)]
+    o, b = _irls_l1([(1.0 / t, x / t) for x, t in pts])
+    errs = [rel_error(o + b * x, t) for x, t in pts]
+    se = None
+    if len(pts) >= 3 and o > 0:
+        loo = [_irls_l1([(1.0 / t, x / t) for j, (x, t) in enumerate(pts) if j != i])[0]
+               for i in range(len(pts))]
+        mean = statistics.fmean(loo)
+        var = (len(loo) - 1) / len(loo) * sum((v - mean) ** 2 for v in loo)
+        se = math.sqrt(var) / o
+    return LineFit(o, b, len(pts), median_or_none(errs), se)
 
 
 MAX_KNOTS = 16

@@ -30,9 +30,17 @@ import yaml
 from calibration.microbench.fit import (
     AlphaBetaFit,
     CurveFit,
+    LineFit,
     Sample,
     fit_alpha_beta,
     fit_efficiency,
+)
+from calibration.microbench.fit_terms import (
+    TermFits,
+    best_rate,
+    fit_classes,
+    fit_overhead,
+    interference_factor,
 )
 from simulator.hardware import HardwareProfile, load_system
 
@@ -64,6 +72,10 @@ class Fits:
     memory_kernels: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: dict[str, dict[str, AlphaBetaFit]] = field(default_factory=dict)
     collective_samples: dict[str, dict[str, list[Sample]]] = field(default_factory=dict)
+    overhead: dict[str, LineFit] = field(default_factory=dict)  # per tiny kernel
+    terms: TermFits = field(default_factory=TermFits)
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # by kind, fitted
+    drift: float | None = None  # the busy guard's reference drift (spreads include it)
 
 
 def _ok(records: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, Any]]:
@@ -78,15 +90,22 @@ def _ok(records: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str
 
 
 def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads: int,
-                device_name: str) -> Fits:
-    fits = Fits(dtype)
+                device_name: str, drift: float | None = None) -> Fits:
+    fits = Fits(dtype, drift=drift)
     sel = {"device": device, "threads": threads}
-    gemm = _ok(records, "gemm", dtype=dtype, **sel)
-    att = _ok(records, "attention", dtype=dtype, **sel)
-    mem = _ok(records, "memory", dtype=dtype, **sel)
+    by_kind = {kind: _ok(records, kind, dtype=dtype, **sel)
+               for kind in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
+                            "overhead")}
+    fits.records = by_kind
+    gemm, att, mem = by_kind["gemm"], by_kind["attention"], by_kind["memory"]
+    fits.overhead, ov = fit_overhead(by_kind["overhead"])
     sheet = load_system(p) if device == "cuda" and (p := datasheet_preset(device_name)) else None
+    peak: float | None = None
+    # a GPU's GEMMs do not get less efficient with size (the envelope shrugs off a slow
+    # reading); a CPU's do (a small GEMM runs from cache), so its curve follows the data
+    gpu_like = device == "cuda"
     if gemm:
-        best = max(r["flops"] / r["time_s"] for r in gemm) / 1e12
+        best = best_rate(gemm + by_kind["gemm_layout"], "flops", ov) / 1e12
         if sheet and sheet.gpu.peak_tflops.get(dtype, 0) >= best:  # type: ignore[call-overload]
             fits.peak_tflops = {str(k): v for k, v in sheet.gpu.peak_tflops.items()}
             fits.peak_source = f"datasheet (preset {sheet.name})"
@@ -96,20 +115,25 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
             fits.peak_tflops.update(_other_dtype_peaks(records, gemm, best, sel, dtype))
         peak = fits.peak_tflops[dtype] * 1e12
         fits.gemm = fit_efficiency([r["flops"] for r in gemm], [r["time_s"] for r in gemm],
-                                   peak, monotone=True)
+                                   peak, monotone=gpu_like, offset_s=ov)
         if att:
             fits.attention = fit_efficiency([r["flops"] for r in att], [r["time_s"] for r in att],
-                                            peak, monotone=True)
+                                            peak, monotone=gpu_like, offset_s=ov)
     if mem:
-        best_bw = max(r["bytes"] / r["time_s"] for r in mem) / 1e9
+        best_bw = best_rate(mem, "bytes", ov) / 1e9
         if sheet and sheet.gpu.hbm_bandwidth_GBps >= best_bw:
             fits.hbm_GBps = sheet.gpu.hbm_bandwidth_GBps
             fits.hbm_source = f"datasheet ({sheet.name})"
         else:
             fits.hbm_GBps, fits.hbm_source = _sig(best_bw), "best measured memory-bound kernel"
         fits.memory = fit_efficiency([r["bytes"] for r in mem], [r["time_s"] for r in mem],
-                                     fits.hbm_GBps * 1e9, monotone=False)
+                                     fits.hbm_GBps * 1e9, monotone=False, offset_s=ov)
         fits.memory_kernels = _per_kernel(mem, fits.memory)
+    fits.terms = fit_classes(by_kind, peak, fits.hbm_GBps * 1e9 if fits.hbm_GBps else None, ov,
+                             gpu_like)
+    fits.terms.interference, fits.terms.interference_record = interference_factor(
+        [r for r in records if r.get("kind") == "interference"
+         and all(r.get(k) == v for k, v in sel.items())])
     return fits
 
 
@@ -213,7 +237,7 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
     if fits.gemm:
         gpu["peak_tflops"] = fits.peak_tflops
         gpu["gemm_efficiency"] = {"points": [list(p) for p in fits.gemm.points]}
-        gpu["kernel_overhead_us"] = 0.0  # launch cost is inside the measured curves
+        gpu["kernel_overhead_us"] = 0.0  # without an overhead fit it is inside the curves
     else:
         not_measured += ["gpu.peak_tflops", "gpu.gemm_efficiency"]
     if fits.attention:
@@ -227,6 +251,7 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
         not_measured += ["gpu.hbm_bandwidth_GBps", "gpu.memory_efficiency"]
     if memory_GB:
         gpu["memory_GB"] = _sig(memory_GB)
+    terms = _terms_into(gpu, prof, fits, base, not_measured)
     prof["gpus_per_node"] = gpus_per_node
     for link in ("intra_node", "inter_node"):
         ab = _link_fit(fits, link)
@@ -248,6 +273,7 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
     prof["description"] = f"calibrated on {device_name} ({kind}) by clustersim calibrate"
     prof["provenance"] = {
         **provenance,
+        "terms": terms,
         "base_preset": base.name,
         "not_measured": not_measured,
         "peak_source": fits.peak_source or None,
@@ -257,6 +283,16 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
             "attention": _curve_summary(fits.attention),
             "memory": ({**summary, "per_kernel": fits.memory_kernels}
                        if (summary := _curve_summary(fits.memory)) else None),
+            "kernel_overhead": {k: {"intercept_us": _sig(f.intercept_s * 1e6),
+                                    "GBps": _sig(1 / f.slope_s / 1e9) if f.slope_s else None,
+                                    "samples": f.n, "median_rel_error": _round(f.median_rel_error),
+                                    "intercept_rel_se": _round(f.intercept_rel_se)}
+                                for k, f in fits.overhead.items()},
+            "classes": {cls: _curve_summary(f) for cls, f in fits.terms.classes.items()},
+            "interference": fits.terms.interference_record and {
+                k: fits.terms.interference_record.get(k)
+                for k in ("factor", "round_ratios", "alone_s", "overlapped_s", "covered",
+                          "bytes")},
             "collectives_holdout_median_rel_error": _round(_pooled_holdout_error(fits)),
             "collectives": {op: {link: {"n_train": f.n_train, "n_holdout": f.n_holdout,
                                         "train_median_rel_error": _round(f.train_error),
@@ -266,6 +302,26 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
         },
     }
     return prof
+
+
+def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: HardwareProfile,
+                not_measured: list[str]) -> dict[str, dict[str, Any]]:
+    """Overhead, class curves, interference and the spreads over the base's; returns
+    each term's source for ``provenance.terms``."""
+    from calibration.microbench.fit_terms import term_sources
+
+    if fits.overhead:
+        gpu["kernel_overhead_us"] = _sig(fits.terms.overhead_s * 1e6)
+    else:
+        not_measured.append("gpu.kernel_overhead_us")
+    gpu["class_efficiency"] = {**gpu.get("class_efficiency", {}),
+                               **{cls: {"points": [list(p) for p in f.points]}
+                                  for cls, f in fits.terms.classes.items()}}
+    gpu["interference"] = {**gpu.get("interference", {}),
+                           **{k: _sig(v) for k, v in fits.terms.interference.items()}}
+    terms, spread = term_sources(fits, base.name)
+    prof["uncertainty"] = {**prof.get("uncertainty", {}), **spread}
+    return terms
 
 
 def _plain(obj: Any) -> Any:

@@ -29,6 +29,7 @@ from calibration.microbench.fit import (
     busbw_factor,
     collective_steps,
     holdout_mask,
+    net_time,
 )
 from simulator.errors import Problem, UserError
 
@@ -56,7 +57,8 @@ def write_report(profile_path: Path, out_dir: Path, results: Path | None = None)
         curve = gpu[f"{part if part != 'memory' else 'memory'}_efficiency"]["points"]
         path = out_dir / f"{part}.png"
         _efficiency_plot(path, part, recs, size_key, denom, curve, label,
-                         (prov.get("fit") or {}).get(part))
+                         (prov.get("fit") or {}).get(part),
+                         float(gpu.get("kernel_overhead_us", 0.0)) * 1e-6)
         written.append(path)
     samples = _collective_samples(records, prov, sel)
     path = out_dir / "collectives.png"
@@ -146,7 +148,9 @@ def _figure(width: float = 6.4, height: float = 4.4) -> Any:
 
 def _efficiency_plot(path: Path, part: str, recs: list[dict[str, Any]], size_key: str,
                      denom: float, curve: list[list[float]], xlabel: str,
-                     fit: dict[str, Any] | None) -> None:
+                     fit: dict[str, Any] | None, overhead_s: float = 0.0) -> None:
+    """Measured efficiency (net of the per-kernel overhead, as the curve is fitted)
+    against the fitted curve."""
     from simulator.hardware import interpolate_log
 
     fig = _figure()
@@ -156,8 +160,8 @@ def _efficiency_plot(path: Path, part: str, recs: list[dict[str, Any]], size_key
     groups: dict[str, list[tuple[float, float, bool]]] = {}
     for r, is_held in zip(recs, mask, strict=True):
         label = r.get("kernel", "measured") if part == "memory" else "measured"
-        groups.setdefault(label, []).append((r[size_key], r[size_key] / r["time_s"] / denom,
-                                             is_held))
+        groups.setdefault(label, []).append(
+            (r[size_key], r[size_key] / net_time(r["time_s"], overhead_s) / denom, is_held))
     for label, members in groups.items():
         train = [(x, y) for x, y, h in members if not h]
         held = [(x, y) for x, y, h in members if h]
@@ -231,7 +235,11 @@ def _predict(ab: dict[str, Any], op: str, n: int, size: float) -> float:
 def _markdown(profile: dict[str, Any], profile_path: Path,
               samples: dict[str, dict[str, list[Sample]]], records: list[dict[str, Any]]) -> str:
     from calibration.microbench.fit import fit_alpha_beta
-    from calibration.microbench.report_tables import collective_table, fit_error_markdown
+    from calibration.microbench.report_tables import (
+        collective_table,
+        fit_error_markdown,
+        terms_markdown,
+    )
 
     prov = profile.get("provenance", {})
     out = [f"# Calibration report: {profile.get('name')}", "",
@@ -240,7 +248,8 @@ def _markdown(profile: dict[str, Any], profile_path: Path,
            f"{prov.get('date', '?')} ({prov.get('level', '?')} level, {prov.get('threads', '?')} "
            f"thread(s) per process, {prov.get('nproc', '?')} process(es)).", "",
            f"Every {HOLDOUT_EVERY}th size (by size order) is held out of each fit; errors are "
-           "median relative errors of predicted time.", "", fit_error_markdown(profile)]
+           "median relative errors of predicted time.", "", fit_error_markdown(profile),
+           "## Cost terms: source and spread", "", terms_markdown(profile)]
     if samples:
         fits = {op: {link: fit_alpha_beta(ss) for link, ss in by.items() if ss}
                 for op, by in samples.items()}

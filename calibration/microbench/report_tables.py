@@ -1,4 +1,5 @@
-"""Plain-text tables: collectives in nccl-tests' columns, and the fit-error summary.
+"""Plain-text tables: collectives in nccl-tests' columns, the fit-error summary, each
+term's source and spread, and the calibration's closing summary.
 
 algbw = S / t and busbw = algbw × factor(op, n), exactly as nccl-tests
 (``doc/PERFORMANCE.md``) defines them, so a user can hold this table next to an
@@ -55,6 +56,14 @@ def fit_error_markdown(profile: dict[str, Any]) -> str:
         if row:
             out.append(f"| {name} | {row['samples']} | {_pct(row['train_median_rel_error'])} | "
                        f"{_pct(row['holdout_median_rel_error'])} | {fitted[name]} |")
+    for cls, row in (fit.get("classes") or {}).items():
+        if row:
+            out.append(f"| class {cls} | {row['samples']} | "
+                       f"{_pct(row['train_median_rel_error'])} | "
+                       f"{_pct(row['holdout_median_rel_error'])} | own curve, same peak |")
+    for kernel, row in (fit.get("kernel_overhead") or {}).items():
+        out.append(f"| overhead ({kernel}) | {row['samples']} | "
+                   f"{_pct(row['median_rel_error'])} | n/a | intercept {row['intercept_us']} us |")
     colls = profile.get("collectives", {})
     for op, by_link in fit.get("collectives", {}).items():
         for link, row in by_link.items():
@@ -68,3 +77,68 @@ def fit_error_markdown(profile: dict[str, Any]) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
+
+
+def terms_markdown(profile: dict[str, Any]) -> str:
+    """Each cost term: measured or preset, its samples and relative spread; and the
+    busy-machine guard's figures (with its warning when it fired)."""
+    prov = profile.get("provenance", {})
+    out = ["| term | source | samples | relative std |", "| --- | --- | ---: | ---: |"]
+    for term, row in (prov.get("terms") or {}).items():
+        src = row.get("source", "?") + (f" ({row['from']})" if row.get("from") else "")
+        out.append(f"| {term} | {src} | {row.get('samples', '')} | "
+                   f"{_pct(row.get('rel_std')) if row.get('source') == 'measured' else ''} |")
+    guard = prov.get("busy_guard")
+    if guard:
+        out += ["", f"Reference GEMM: {guard.get('reference_start_ms')} ms at the start, "
+                f"{guard.get('reference_end_ms')} ms at the end (drift {_pct(guard.get('drift'))},"
+                f" limit {_pct(guard.get('drift_limit'))}); median repeat spread "
+                f"{_pct(guard.get('median_repeat_spread'))} (limit "
+                f"{_pct(guard.get('spread_limit'))}); re-measures {guard.get('retries', 0)}."]
+        if guard.get("warning"):
+            out += ["", f"**{guard['warning']}**"]
+    return "\n".join(out) + "\n"
+
+
+def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed: float) -> str:
+    """What ``calibrate`` prints when it has written the profile."""
+    gpu = profile["gpu"]
+    fit = profile["provenance"]["fit"]
+    intra = profile["intra_node"]
+    lines = [f"profile {profile['name']}: peak {gpu['peak_tflops']} TFLOP/s, "
+             f"HBM {gpu['hbm_bandwidth_GBps']} GB/s, intra-node {intra['bandwidth_GBps']} GB/s "
+             f"x {intra['efficiency']}, alpha {intra['latency_us']} us ({elapsed:.0f} s)"]
+    for part in ("gemm", "attention", "memory"):
+        if fit.get(part):
+            lines.append(f"  {part}: held-out median error "
+                         f"{_pct(fit[part]['holdout_median_rel_error'])} "
+                         f"({fit[part]['samples']} samples)")
+    if fit.get("kernel_overhead"):
+        lines.append(f"  kernel overhead: {gpu['kernel_overhead_us']} us per kernel (intercepts "
+                     + ", ".join(f"{k} {r['intercept_us']} us" for k, r in
+                                 fit["kernel_overhead"].items()) + ")")
+    classes = fit.get("classes") or {}
+    if classes:
+        lines.append("  class curves: " + ", ".join(
+            f"{c} {_pct(r['holdout_median_rel_error'])}" for c, r in classes.items() if r)
+            + " (held-out median error)")
+    for link, factor in (gpu.get("interference") or {}).items():
+        lines.append(f"  interference ({link}): compute x{factor} while a collective overlaps it")
+    for op, by_link in profile.get("collectives", {}).items():
+        for link, ab in by_link.items():
+            lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "
+                         f"GB/s, held-out median error {_pct(ab['median_rel_error'])}")
+    spread = profile.get("uncertainty") or {}
+    if spread:
+        lines.append("  relative spread: " + ", ".join(f"{k} {v:.1%}" for k, v in spread.items()))
+    preset = [t for t, r in (profile["provenance"].get("terms") or {}).items()
+              if r.get("source") == "preset"]
+    if preset:
+        lines.append(f"  from the base preset (not measured): {', '.join(preset)}")
+    if failed:
+        lines.append(f"  {len(failed)} measurement(s) failed and were skipped, e.g. "
+                     f"{failed[0]['key']}: {failed[0].get('error')}")
+    warning = (profile["provenance"].get("busy_guard") or {}).get("warning")
+    if warning:
+        lines.append(warning)
+    return "\n".join(lines)

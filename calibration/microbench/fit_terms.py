@@ -1,0 +1,222 @@
+"""Fitting the cost terms: overhead, a curve per cost class, interference, and each one's spread.
+
+- ``kernel_overhead``: the intercept of t = o + bytes / bandwidth through the tiny
+  add and copy kernels (:func:`calibration.microbench.fit.fit_intercept`), the
+  median of the kernels' intercepts. Every curve is then fitted to times net of
+  it, so the cost model's ``max(compute, memory) + overhead`` charges it once.
+- ``class_efficiency``: each cost class's own records (:data:`CLASS_SOURCES`)
+  fitted like the shared curves, against the same peak (GEMM and attention
+  curves monotone on a GPU, as the shared ones are).
+- ``interference``: the measured factor per link class (one node: ``intra_node``).
+
+The spread of each fitted term (``uncertainty``, a relative σ) is how far a
+rerun of the calibration could plausibly move the term as a whole — the Monte
+Carlo of ``clustersim run --uncertainty`` scales each term by one factor per
+sample, so this is the uncertainty of the curve's level, not one kernel's
+scatter about it. Three sources, added in quadrature: the standard error of the
+level (the robust σ of the relative residuals about the curve, 1.4826 × their
+median absolute value, over √n points); the machine's state, as the scatter of
+one timing between repeats (the median (p75 − p25) / median of the term's
+records, / 1.349 to read as a σ; about 1.5–4% on an idle machine), which does
+not average away over points; and the machine's drift during the run (the
+reference kernel's start-to-end drift d as a uniform spread, d / √12). The
+overhead's spread is its jackknife standard error, the standard error of the
+mean over kernels, and the drift; a link's the standard error of its α-β fit's
+level (residual σ / √n); the interference factor's the standard error of the
+mean over its rounds. A term that was not measured gets no spread (the run
+reports a point estimate for it) and ``source: preset`` in ``provenance.terms``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from calibration.microbench.bench_compute import KERNEL_CLASS
+from calibration.microbench.fit import (
+    AlphaBetaFit,
+    CurveFit,
+    LineFit,
+    Sample,
+    fit_efficiency,
+    fit_intercept,
+    net_time,
+    robust_sigma,
+)
+
+#: Record kind (and, for memory, the kernels) that feed each class's curve.
+CLASS_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gemm_fwd": ("gemm", ()), "gemm_dgrad": ("gemm_layout", ("dgrad",)),
+    "gemm_wgrad": ("gemm_layout", ("wgrad",)), "attention_fwd": ("attention", ()),
+    "attention_bwd": ("attention_bwd", ()),
+    **{cls: ("memory", tuple(k for k, c in KERNEL_CLASS.items() if c == cls))
+       for cls in ("softmax", "elementwise", "norm", "reduction", "copy", "optimizer")},
+}
+if TYPE_CHECKING:
+    from calibration.microbench.fit_profile import Fits
+
+IQR_PER_SIGMA = 1.349  # a normal distribution's interquartile range in σ
+
+
+@dataclass
+class TermFits:
+    overhead: dict[str, LineFit] = field(default_factory=dict)  # per kernel
+    overhead_s: float = 0.0
+    classes: dict[str, CurveFit] = field(default_factory=dict)
+    class_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    interference: dict[str, float] = field(default_factory=dict)  # link class -> factor
+    interference_record: dict[str, Any] | None = None
+
+
+def fit_overhead(records: list[dict[str, Any]]) -> tuple[dict[str, LineFit], float]:
+    """Per-kernel intercept fits of the tiny kernels, and the overhead (their median)."""
+    by_kernel: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_kernel.setdefault(r["kernel"], []).append(r)
+    fits = {k: fit_intercept([r["bytes"] for r in rs], [r["time_s"] for r in rs])
+            for k, rs in sorted(by_kernel.items()) if len(rs) >= 2}
+    overhead = statistics.median(f.intercept_s for f in fits.values()) if fits else 0.0
+    return fits, overhead
+
+
+def class_records(cls: str, by_kind: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    kind, which = CLASS_SOURCES[cls]
+    rs = by_kind.get(kind, [])
+    if kind == "memory":
+        return [r for r in rs if r.get("kernel") in which]
+    if kind == "gemm_layout":
+        return [r for r in rs if r.get("layout") in which]
+    return rs
+
+
+def fit_classes(by_kind: dict[str, list[dict[str, Any]]], flops_peak: float | None,
+                bytes_peak: float | None, overhead_s: float,
+                monotone_flops: bool = True) -> TermFits:
+    """A curve per cost class that has records (two or more), against the shared peaks."""
+    out = TermFits(overhead_s=overhead_s)
+    for cls in CLASS_SOURCES:
+        rs = class_records(cls, by_kind)
+        flops = CLASS_SOURCES[cls][0] != "memory"
+        peak = flops_peak if flops else bytes_peak
+        if len(rs) < 2 or not peak:
+            continue
+        size = "flops" if flops else "bytes"
+        out.classes[cls] = fit_efficiency([r[size] for r in rs], [r["time_s"] for r in rs],
+                                          peak, monotone=flops and monotone_flops,
+                                          offset_s=overhead_s)
+        out.class_records[cls] = rs
+    return out
+
+
+def best_rate(records: list[dict[str, Any]], size: str, overhead_s: float) -> float:
+    """The fastest size per net second among kernels whose own work is at least the
+    overhead (smaller ones' net times are mostly the overhead's error)."""
+    big = [r for r in records if r["time_s"] >= 2 * overhead_s] or records
+    return max(r[size] / net_time(r["time_s"], overhead_s) for r in big)
+
+
+def interference_factor(records: list[dict[str, Any]]) -> tuple[dict[str, float],
+                                                                 dict[str, Any] | None]:
+    ok = [r for r in records if r.get("ok") and "factor" in r]
+    if not ok:
+        return {}, None
+    rec = ok[-1]
+    return {str(rec.get("link", "intra_node")): float(rec["factor"])}, rec
+
+
+# ---------------------------------------------------------------- spreads
+
+
+def quadrature(*parts: float | None) -> float:
+    return math.sqrt(sum(p * p for p in parts if p is not None))
+
+
+def repeat_sigma(records: list[dict[str, Any]]) -> float | None:
+    spreads = [float(r["spread"]) for r in records if "spread" in r]
+    return statistics.median(spreads) / IQR_PER_SIGMA if spreads else None
+
+
+def curve_spread(fit: CurveFit, records: list[dict[str, Any]], drift: float | None) -> float:
+    n = fit.n_train + fit.n_holdout
+    level = fit.resid_sigma / math.sqrt(n) if fit.resid_sigma is not None and n else None
+    return _clamp(quadrature(level, repeat_sigma(records),
+                             drift / math.sqrt(12) if drift else None))
+
+
+def overhead_spread(fits: dict[str, LineFit], drift: float | None) -> float | None:
+    if not fits:
+        return None
+    vals = [f.intercept_s for f in fits.values()]
+    mean = statistics.fmean(vals)
+    if mean <= 0:
+        return None
+    between = statistics.stdev(vals) / mean / math.sqrt(len(vals)) if len(vals) > 1 else None
+    se = [f.intercept_rel_se for f in fits.values() if f.intercept_rel_se is not None]
+    return _clamp(quadrature(between, math.sqrt(statistics.fmean(x * x for x in se)) if se
+                             else None, drift / math.sqrt(12) if drift else None))
+
+
+def link_spread(fit: AlphaBetaFit, samples: list[Sample]) -> float | None:
+    errs = [fit.predict(s.op, s.n, s.size) / s.time_s - 1.0 for s in samples]
+    sigma = robust_sigma(errs)
+    return None if sigma is None else _clamp(sigma / math.sqrt(len(errs)))
+
+
+def interference_spread(rec: dict[str, Any] | None) -> float | None:
+    ratios = [float(x) for x in (rec or {}).get("round_ratios", [])]
+    if len(ratios) < 2:
+        return None
+    return _clamp(statistics.stdev(ratios) / statistics.fmean(ratios) / math.sqrt(len(ratios)))
+
+
+def _clamp(x: float) -> float:
+    return round(min(max(x, 0.0), 1.0), 4)
+
+
+# ---------------------------------------------------------------- what the profile says
+
+
+def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
+                                                      dict[str, float]]:
+    """``provenance.terms`` (each term: measured, with its samples and spread, or
+    preset) and the ``uncertainty`` section (measured terms only)."""
+    terms: dict[str, dict[str, Any]] = {}
+    spread: dict[str, float] = {}
+
+    def measured(term: str, samples: int, sigma: float | None, **extra: Any) -> None:
+        terms[term] = {"source": "measured", "samples": samples, "rel_std": sigma, **extra}
+        if sigma is not None:
+            spread[term] = sigma
+
+    for term, fit in (("gemm", fits.gemm), ("attention", fits.attention),
+                      ("memory", fits.memory)):
+        if fit is not None:
+            measured(term, fit.n_train + fit.n_holdout,
+                     curve_spread(fit, fits.records.get(term, []), fits.drift))
+    for cls, fit in fits.terms.classes.items():
+        measured(cls, fit.n_train + fit.n_holdout,
+                 curve_spread(fit, fits.terms.class_records[cls], fits.drift))
+    if fits.overhead:
+        measured("kernel_overhead", sum(f.n for f in fits.overhead.values()),
+                 overhead_spread(fits.overhead, fits.drift))
+    for link in ("intra_node", "inter_node"):
+        op = next((o for o in ("all_reduce", "reduce_scatter", "all_gather")
+                   if link in fits.collectives.get(o, {})), None)
+        if op is not None:
+            ab = fits.collectives[op][link]
+            measured(link, ab.n_train + ab.n_holdout,
+                     link_spread(ab, fits.collective_samples[op][link]), fitted_from=op)
+    p2p = fits.collectives.get("send_recv", {})
+    if p2p:
+        terms["point_to_point"] = {"source": "measured", "links": sorted(p2p)}
+    rec = fits.terms.interference_record
+    if rec is not None:
+        measured("interference", len(rec.get("round_ratios", [])), interference_spread(rec),
+                 link=rec.get("link", "intra_node"), covered=rec.get("covered"))
+    names = ("gemm", "attention", "memory", *CLASS_SOURCES, "kernel_overhead", "intra_node",
+             "inter_node", "point_to_point", "interference")
+    for term in names:
+        terms.setdefault(term, {"source": "preset", "from": base_name})
+    return terms, spread

@@ -1,0 +1,130 @@
+"""The interference factor: how much slower a GEMM runs while a collective overlaps it.
+
+Measured inside the collective benchmark's torchrun launch
+(:mod:`calibration.microbench.collectives_worker`), on its group of two ranks, so
+no extra processes start. Both ranks time the same square GEMM, in rounds:
+
+1. alone: samples of back-to-back GEMMs between group barriers;
+2. overlapped: the ranks issue a train of asynchronous all-reduces (gloo's worker
+   threads on a CPU, NCCL's stream on a GPU), sized to outlast the GEMM samples
+   twice over, then time the same GEMM samples while the train runs, then wait
+   for it.
+
+A round's ratio is the overlapped median over the alone median; the factor is
+the median ratio over three rounds, the slowest rank's (compute is done when the
+last rank is), clamped to [1, 10] as the profile's schema requires. Whether the
+train was still running when the last GEMM sample ended is recorded
+(``covered``): a train that ended early would understate the slowdown. GEMM
+samples on a GPU are timed with events on the compute stream, which the NCCL
+stream does not join. One node holds one link class, ``intra_node``; the
+inter-node factor stays the preset's (none).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from calibration.microbench.bench_results import (
+    ResultsStore,
+    check_injected_failure,
+    failure_record,
+)
+from calibration.microbench.collectives_worker import _max, _sync
+
+GEMM_SIZE = {"cpu": 256, "cuda": 4096}
+COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
+ROUNDS = 3
+SAMPLES = 7
+MAX_FACTOR = 10.0
+
+
+def interference_key(device: str, threads: int) -> str:
+    return f"{device}/t{threads}/interference/intra_node/all_reduce/n2/{COMM_BYTES[device]}"
+
+
+def measure(device: str, threads: int, store: ResultsStore, group: Any, dev: str,
+            rank: int) -> None:
+    """Ranks 0 and 1 of ``group`` measure; rank 0 appends the record (or the failure)."""
+    key = interference_key(device, threads)
+    meta = {"link": "intra_node", "op": "all_reduce", "nranks": 2, "bytes": COMM_BYTES[device],
+            "device": device, "threads": threads}
+    try:
+        check_injected_failure(key)
+        rec = _rounds(device, group, dev)
+    except Exception as exc:  # recorded and skipped: the factor then stays the preset's
+        if rank == 0:
+            store.append(failure_record(key, "interference", exc, **meta))
+        return
+    if rank == 0:
+        store.append({"key": key, "kind": "interference", "ok": True, **meta, **rec})
+        print(f"[interference] GEMM {GEMM_SIZE[device]}^3 alone {rec['alone_s'] * 1e3:.3f} ms, "
+              f"with all-reduce {rec['overlapped_s'] * 1e3:.3f} ms: factor {rec['factor']:.3f}",
+              flush=True)
+
+
+def _rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    n = GEMM_SIZE[device]
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = (torch.empty((n, n), dtype=dt, device=dev).uniform_(-1, 1) for _ in range(2))
+    c = torch.empty((n, n), dtype=dt, device=dev)
+    buf = torch.empty(COMM_BYTES[device] // 4, device=dev).uniform_(-1, 1)
+    gemm = _timer(lambda: torch.mm(a, b, out=c), dev)
+    for _ in range(2):  # warm-up: allocator, kernels, the communicator
+        gemm(1)
+        dist.all_reduce(buf, group=group)
+    per_call = min(gemm(1) for _ in range(3))
+    k = max(1, math.ceil((2e-3 if device == "cpu" else 1e-3) / per_call))
+    dist.barrier(group=group)
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(buf, group=group)
+    _sync(dev)
+    comm = _max((time.perf_counter() - t0) / 3, group, dev)
+    window = _max(SAMPLES * k * per_call, group, dev)
+    trains = min(1000, max(2, math.ceil(2 * window / comm)))
+    ratios, alone, over, covered = [], [], [], True
+    for _ in range(ROUNDS):
+        dist.barrier(group=group)
+        alone.append(statistics.median(gemm(k) for _ in range(SAMPLES)))
+        dist.barrier(group=group)
+        works = [dist.all_reduce(buf, group=group, async_op=True) for _ in range(trains)]
+        over.append(statistics.median(gemm(k) for _ in range(SAMPLES)))
+        covered = covered and not works[-1].is_completed()
+        for w in works:
+            w.wait()
+        _sync(dev)
+        ratios.append(over[-1] / alone[-1])
+    worst = [_max(r, group, dev) for r in ratios]
+    factor = min(max(statistics.median(worst), 1.0), MAX_FACTOR)
+    return {"factor": factor, "round_ratios": [round(r, 4) for r in worst],
+            "alone_s": statistics.median(alone) / k, "overlapped_s": statistics.median(over) / k,
+            "calls": k, "trains": trains, "comm_call_s": comm, "covered": bool(covered)}
+
+
+def _timer(call: Callable[[], object], dev: str) -> Callable[[int], float]:
+    """Seconds for ``k`` back-to-back calls, timed on the compute stream only."""
+    import torch
+
+    def run(k: int) -> float:
+        if dev.startswith("cuda"):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(k):
+                call()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(k):
+            call()
+        return time.perf_counter() - t0
+    return run
