@@ -57,7 +57,9 @@ EXAMPLES = {
     "run": ("examples:\n  clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3\n"
             "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
             "--no-plots\n  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic\n"
-            "  clustersim run scenarios/gpt3-175b-1024.yaml --what-if --no-plots"),
+            "  clustersim run scenarios/gpt3-175b-1024.yaml --what-if --no-plots\n"
+            "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set cluster.system=cpu.yaml "
+            "--uncertainty 200 --seed 1 --method analytic"),
     "memory": "example:\n  clustersim memory scenarios/gpt3-175b-1024.yaml --set parallel.zero=1",
     "presets": "example:\n  clustersim presets",
     "schema": "example:\n  clustersim schema > scenario.schema.json",
@@ -114,6 +116,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="simulate N consecutive steps with fresh jitter (variability.jitter) "
                         "and report the step-time distribution (p50, p95, p99, max) and the "
                         "wait for the slowest rank (engine)")
+    q.add_argument("--uncertainty", default=None, metavar="N",
+                   help="also simulate N samples of the hardware profile's fitted terms, "
+                   "each scaled by a lognormal factor with the profile's relative spread "
+                   "(its uncertainty section, written by calibrate), and report step time "
+                   "and MFU as p5/p50/p95 (results.json: uncertainty, step_time_s_p5 ...)")
+    q.add_argument("--seed", default="0", metavar="S",
+                   help="seed of the --uncertainty samples (default 0)")
     q.add_argument("--max-tasks", type=_positive_int, default=None, metavar="N",
                    help="refuse engine runs estimated above N tasks (default 2e7, about "
                    "32 GB); checked before building")
@@ -239,6 +248,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from simulator.rank_selection import parse_rank_selection
     from simulator.run_dir import check_out_dir, default_out_dir, staged_run
 
+    samples, seed = None, 0
+    if args.uncertainty is not None:  # a bad flag fails before the scenario is read
+        from simulator.uncertainty import parse_samples, parse_seed
+
+        samples, seed = parse_samples(args.uncertainty), parse_seed(args.seed)
     s = _load(args)
     trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or default_out_dir(s.name)
@@ -264,6 +278,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         from simulator.steps import many_steps
 
         results["steps"] = many_steps(s, args.steps, results, args.fidelity)
+    if samples is not None:
+        from simulator.uncertainty import flat_keys, monte_carlo, print_start
+
+        print_start(samples, s.hardware)
+        results["uncertainty"] = monte_carlo(s, samples, seed, results)
+        results.update(flat_keys(results["uncertainty"]))
     if args.what_if:
         from simulator.whatif import CLASS_LABELS, what_if, what_if_lines
 
@@ -280,6 +300,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from simulator.steps import summary_lines as steps_lines
 
         print("\n".join(steps_lines(results["steps"])))
+    if samples is not None:
+        from simulator.uncertainty import summary_lines as uncertainty_lines
+
+        print("\n".join(uncertainty_lines(results["uncertainty"])))
     if args.what_if:
         print("\n".join(what_if_lines(results["what_if"])))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
