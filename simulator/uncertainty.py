@@ -121,7 +121,7 @@ def monte_carlo(s: Scenario, n: int, seed: int, point: dict[str, Any],
     block: dict[str, Any] = {"samples": n, "seed": seed, "relative_std": dict(spread)}
     t0, mfu0 = float(point["step_time_s"]), float(point["mfu"])
     if not spread:
-        times = [t0]
+        times, mfus = [t0], [mfu0]
         block["samples"] = 0
         block["note"] = (f"profile {s.hardware.name} has no uncertainty section (or only zero "
                          "spreads): step time and MFU are the point estimate")
@@ -134,9 +134,10 @@ def monte_carlo(s: Scenario, n: int, seed: int, point: dict[str, Any],
                 hw = perturbed(s.hardware, draw_factors(spread, seed, i))
                 times.append(price(with_hardware(s, hw)))
                 bar.update(1)
+        # MFU = model FLOPs / (step time × GPUs × peak); the peak is not a fitted term
+        mfus = [mfu0 * t0 / t for t in times]
     block["step_time_s"] = percentiles(times)
-    # MFU = model FLOPs / (step time × GPUs × peak); the peak is not a fitted term
-    block["mfu"] = percentiles([mfu0 * t0 / t for t in times])
+    block["mfu"] = percentiles(mfus)
     return block
 
 
