@@ -222,3 +222,33 @@ def test_retry_retimes_every_job_once_per_attempt(tmp_path: Path) -> None:
     assert calls == ["k0", "k1", "k2"] * 2
     run_jobs("gemm", jobs, store, dataclasses.replace(budget, retry=2), "flops")
     assert len(calls) == 9
+
+
+@pytest.mark.parametrize(("refs", "retry_busy", "attempts", "warned"), [
+    ([1.0, 1.05], 2, 0, False),  # steady: measured once, no warning
+    ([1.0, 1.5, 1.0, 1.02], 2, 1, False),  # drifted, re-measured once, then quiet
+    ([1.0, 1.5, 1.0, 1.4, 1.0, 1.3], 2, 2, True),  # busy throughout: two retries, warned
+    ([1.0, 1.5], 0, 0, True),  # no --retry-busy: only the warning
+])
+def test_busy_machine_is_remeasured_until_quiet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        refs: list[float], retry_busy: int, attempts: int, warned: bool) -> None:
+    from calibration.microbench import bench_terms
+    from calibration.microbench import calibrate as cal
+
+    times = iter(refs)
+    monkeypatch.setattr(bench_terms, "time_reference", lambda *a: {
+        "kind": "reference", "time_s": next(times) * 1e-3, "spread": 0.01})
+    retries: list[int] = []
+    monkeypatch.setattr(cal, "_measure_compute", lambda o, d, budget, s: retries.append(
+        budget.retry))
+    monkeypatch.setattr(cal, "_measure_collectives", lambda *a: None)
+    opts = cal.Options("cpu", "fp32", "tiny", 2, 1, tmp_path / "p.yaml", tmp_path / "r.jsonl",
+                       (), frozenset(), "cpu-1thread", "t", 60.0, False, "cpu", retry_busy)
+    guard = cal._guarded(opts, None, budget_for("cpu", "tiny"), ResultsStore(opts.results),
+                         False)
+    assert retries == list(range(attempts + 1))  # budget.retry: 0, then 1, 2, ...
+    assert guard["retries"] == attempts and guard["busy"] is warned
+    assert (guard["warning"] is not None) is warned
+    err = capsys.readouterr().err
+    assert ("WARNING: the machine looked busy" in err) is (warned or attempts > 0)

@@ -86,8 +86,9 @@ def terms_markdown(profile: dict[str, Any]) -> str:
     out = ["| term | source | samples | relative std |", "| --- | --- | ---: | ---: |"]
     for term, row in (prov.get("terms") or {}).items():
         src = row.get("source", "?") + (f" ({row['from']})" if row.get("from") else "")
+        sigma = row.get("rel_std")
         out.append(f"| {term} | {src} | {row.get('samples', '')} | "
-                   f"{_pct(row.get('rel_std')) if row.get('source') == 'measured' else ''} |")
+                   f"{'' if sigma is None else _pct(sigma)} |")
     guard = prov.get("busy_guard")
     if guard:
         out += ["", f"Reference GEMM: {guard.get('reference_start_ms')} ms at the start, "
