@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import simpy
+from simpy.events import AllOf, Event, Timeout
 
 from simulator.collectives import Plan, leg_rate, phase_alpha
 from simulator.hardware import HardwareProfile, LinkName
@@ -91,7 +92,7 @@ class _Rendezvous:
     def __init__(self, env: simpy.Environment, members: int) -> None:
         self.members = members
         self.arrived = 0
-        self.done = env.event()
+        self.done = Event(env)
         self.start = 0.0
         self.last = -1
 
@@ -136,12 +137,12 @@ class _Template:
                     if tj.dependents:
                         break
                 last = run[-1] if tasks[run[-1]].dependents else -1
-                steps.append((RUN, deps, len(self.runs), last))
+                steps.append((RUN, deps, len(self.runs), last, None, None, 0))
                 self.runs.append(run)
                 i = j
                 continue
             if t.dst >= 0:
-                steps.append((SEND, deps, local, t.dst, t.nbytes, t.dependents))
+                steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents))
             else:
                 g = gidx.get(t.group)
                 if g is None:
@@ -299,7 +300,7 @@ class Engine:
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
         if ev is None:
-            ev = self.events[task_id] = self.env.event()
+            ev = self.events[task_id] = Event(self.env)
         return ev
 
     # ------------------------------------------------------------ run
@@ -387,30 +388,30 @@ class Engine:
 
     def stream(self, inst: _Instance, steps: list[tuple[Any, ...]],
                ) -> Generator[simpy.Event, Any, None]:
+        # the hottest loop: SimPy's classes called directly (``env.timeout`` makes a
+        # bound method per call) and the clock read from ``_now`` (``now`` is a property)
         env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
-        for step in steps:
-            if step[1]:
-                pending = self._waits(inst, step[1])
+        for kind, deps, a, b, g, tail, dependents in steps:
+            if deps:
+                pending = self._waits(inst, deps)
                 if pending:
-                    yield env.all_of(pending)
-            kind = step[0]
-            if kind == RUN:
-                k = step[2]
-                t0 = env.now
-                total = totals[k]
+                    yield AllOf(env, pending)
+            if kind == RUN:  # a: the run, b: its last task when someone waits for it
+                t0 = env._now
+                total = totals[a]
                 if total > 0:
-                    yield env.timeout(total)
-                run_t0[base + k] = t0
-                if step[3] >= 0:
-                    event_of(ids[step[3]]).succeed()
+                    yield Timeout(env, total)
+                run_t0[base + a] = t0
+                if b >= 0:
+                    event_of(ids[b]).succeed()
                 continue
-            t0 = env.now
-            gid = ids[step[2]]
-            if kind == SEND:
-                yield self.send(inst.rank, self._dst(inst, step[3]), step[4])
-            else:
-                _, _, _, phases, g, tail, _ = step
+            t0 = env._now
+            gid = ids[a]
+            if kind == SEND:  # b: the destination, g: the bytes
+                yield self.send(inst.rank, self._dst(inst, b), g)
+            else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
+                phases = b
                 grp = inst.groups[g]
                 rv = None
                 if self._size[grp] > 1:
@@ -424,20 +425,20 @@ class Engine:
                         self.begin[gid] = rv.start
                         self.last[gid] = rv.last
                         starts[gid] = t0
-                        ends[gid] = env.now
-                        if step[6]:
+                        ends[gid] = env._now
+                        if dependents:
                             event_of(gid).succeed()
                         continue
                     del self.rendezvous[key]
-                    rv.start = env.now
+                    rv.start = env._now
                     rv.last = gid
-                self.begin[gid] = env.now
+                self.begin[gid] = env._now
                 yield from self.transfer(grp, phases)
                 if rv is not None:
                     rv.done.succeed()
             starts[gid] = t0
-            ends[gid] = env.now
-            if step[-1]:
+            ends[gid] = env._now
+            if dependents:
                 event_of(gid).succeed()
 
     def transfer(self, grp: int, phases: list[tuple[list[tuple[LinkName, float]], float]],
@@ -454,9 +455,9 @@ class Engine:
                      for link_class, nbytes in legs]
             pending = [f for f in flows if not f.triggered]
             if pending:
-                yield self.env.all_of(pending)
+                yield AllOf(self.env, pending)
             if alpha > 0:
-                yield self.env.timeout(alpha)
+                yield Timeout(self.env, alpha)
 
     def _dst(self, inst: _Instance, dst: int) -> int:
         """A send's destination: the prototype's peer of the rank (or itself)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import simpy
+from simpy.events import Event, Timeout
 
 from simulator.topology import LinkId
 
@@ -58,11 +59,11 @@ class FlowNetwork:
                  latency: float = 0.0) -> simpy.Event:
         """An event that fires ``latency`` seconds after ``nbytes`` have crossed ``links``
         (the links are free again during the latency)."""
-        done = self.env.event()
+        done = Event(self.env)
         if nbytes <= 0 or not links:
             _succeed_after(self.env, done, latency)
             return done
-        now = self.env.now
+        now = self.env._now
         flow = Flow(done, tuple(links), float(nbytes), weight, now, latency)
         affected = self._neighbours(flow.links)
         if affected:
@@ -111,7 +112,7 @@ class FlowNetwork:
             f.rate = rate
             f.gen += 1
             delay = max(f.remaining, 0.0) / rate
-            ev = self.env.timeout(delay)
+            ev = Timeout(self.env, delay)
             ev.callbacks.append(self._make_finisher(f, f.gen))
 
     def _make_finisher(self, flow: Flow, gen: int) -> Callable[[Any], None]:
@@ -121,7 +122,7 @@ class FlowNetwork:
         return finish
 
     def _finish(self, flow: Flow) -> None:
-        now = self.env.now
+        now = self.env._now
         flow.remaining = 0.0
         flow.gen = -1
         flows_on, load, weighted = self.flows_on, self.load, self._weighted
