@@ -44,7 +44,7 @@ from simpy.events import AllOf, Event, Timeout
 from simulator.collectives import Plan, leg_rate, phase_alpha
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
-from simulator.program import SharedPrograms, TaskView, is_work
+from simulator.program import SharedPrograms, TaskView
 from simulator.tasks import Task, Workload, gc_paused
 from simulator.topology import Topology
 
@@ -99,15 +99,18 @@ class _Rendezvous:
 
 class _Template:
     """One program compiled to steps, per stream. Local index = position in
-    ``tasks``; a dependency is (owner rank of the template, local index)."""
+    ``tasks``; a dependency is (owner rank of the template, local index), or the task
+    id where programs are not shared."""
 
     def __init__(self, tasks: list[Task], streams: list[tuple[str, list[int]]],
-                 where: Callable[[int], tuple[int, int]], phases: Callable[[Plan], Any],
-                 shared: bool) -> None:
+                 where: Callable[[int], tuple[int, int]] | None,
+                 phases: Callable[[Plan], Any], shared: bool) -> None:
         self.n = len(tasks)
         self.phases, self.shared = phases, shared
         self.durations = [t.duration for t in tasks]
-        self.work = [i for i, t in enumerate(tasks) if is_work(t)]
+        # what slow GPUs and jitter scale (program.is_work, inline: this runs per task)
+        self.work = [i for i, t in enumerate(tasks)
+                     if t.plan is None and t.dst < 0 and t.stream == "compute"]
         self.groups: list[tuple[int, ...]] = []
         gidx: dict[tuple[int, ...], int] = {}
         self.runs: list[list[int]] = []  # run -> local indices
@@ -118,14 +121,17 @@ class _Template:
         self.totals = self.run_totals(self.durations)
 
     def _steps(self, tasks: list[Task], order: list[int],
-               where: Callable[[int], tuple[int, int]],
+               where: Callable[[int], tuple[int, int]] | None,
                gidx: dict[tuple[int, ...], int]) -> list[tuple[Any, ...]]:
         steps: list[tuple[Any, ...]] = []
+        by_id: dict[int, tuple[int, Any]] = {}  # id(group), id(plan) -> group index, phases
         i, n = 0, len(order)
         while i < n:
             local = order[i]
             t = tasks[local]
-            deps = tuple(where(d) for d in t.deps)
+            # (owner, local index) pairs; without ``where`` the task ids themselves
+            deps = (tuple(t.deps) if where is None else tuple(map(where, t.deps))) \
+                if t.deps else ()
             if t.plan is None and t.dst < 0:  # a run of plain compute
                 j, run = i, []
                 while j < n:
@@ -144,15 +150,21 @@ class _Template:
             if t.dst >= 0:
                 steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents))
             else:
-                g = gidx.get(t.group)
-                if g is None:
-                    g = gidx[t.group] = len(self.groups)
-                    self.groups.append(t.group)
-                assert t.plan is not None
+                # the builder hands out one tuple per group and one plan per (op, size,
+                # group): identities find them without hashing (the tasks keep them alive)
+                key = (id(t.group), id(t.plan))
+                found = by_id.get(key)
+                if found is None:
+                    g = gidx.get(t.group)
+                    if g is None:
+                        g = gidx[t.group] = len(self.groups)
+                        self.groups.append(t.group)
+                    assert t.plan is not None
+                    found = by_id[key] = (g, self.phases(t.plan))
                 # a rendezvous is (group, tail): a shared program's n-th collective of
                 # the group, else the task's own group key
                 tail = t.group_key[1] if self.shared else t.group_key
-                steps.append((COLL, deps, local, self.phases(t.plan), g, tail, t.dependents))
+                steps.append((COLL, deps, local, found[1], found[0], tail, t.dependents))
             i += 1
         return steps
 
@@ -225,22 +237,14 @@ class Engine:
         shared = self.w.shared
         if shared is not None:
             return self._compile_shared(shared)
-        programs = self.w.programs
-        where: dict[int, tuple[int, int]] = {}
-        per_rank: dict[int, list[Task]] = {}
-        for rank, prog in programs.items():
-            mine = [t for ts in prog.streams.values() for t in ts]
-            per_rank[rank] = mine
-            for local, t in enumerate(mine):
-                where[t.id] = (rank, local)
         out, run_base = [], 0
-        for rank, prog in programs.items():
-            mine = per_rank[rank]
+        for rank, prog in self.w.programs.items():
+            mine = [t for ts in prog.streams.values() for t in ts]
             streams, k = [], 0
             for name, ts in prog.streams.items():
                 streams.append((name, list(range(k, k + len(ts)))))
                 k += len(ts)
-            tmpl = _Template(mine, streams, where.__getitem__, self._phases, False)
+            tmpl = _Template(mine, streams, None, self._phases, False)
             inst = _Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
             run_base += len(tmpl.runs)
             for g in tmpl.groups:
@@ -381,9 +385,13 @@ class Engine:
         return int(next(counter)) if counter is not None else 0
 
     # ------------------------------------------------------------ streams
-    def _waits(self, inst: _Instance, deps: tuple[tuple[int, int], ...]) -> list[simpy.Event]:
-        ids_of, delta, event_of = self.ids_of, inst.delta, self.event_of
-        waits = [event_of(ids_of[owner + delta][local]) for owner, local in deps]
+    def _waits(self, inst: _Instance, deps: tuple[Any, ...]) -> list[simpy.Event]:
+        event_of = self.event_of
+        if self.w.shared is None:  # task ids
+            waits = [event_of(d) for d in deps]
+        else:  # (owner, local index): the owner's peer of this rank's
+            ids_of, delta = self.ids_of, inst.delta
+            waits = [event_of(ids_of[owner + delta][local]) for owner, local in deps]
         return [e for e in waits if not e.triggered]
 
     def stream(self, inst: _Instance, steps: list[tuple[Any, ...]],
