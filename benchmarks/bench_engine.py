@@ -7,8 +7,9 @@ with ``fidelity: folded`` (one rank per pipeline stage stands for its peers) and
 program: :mod:`simulator.program`), counts what the engine did — tasks executed
 and SimPy events scheduled (``SimResult.events``) — and measures, in the same
 process, a bare SimPy loop of 200,000 request → timeout → release operations on
-Resources, before and after the engine runs (the ratios use the two loops' mean). The target's ratio is the engine's event rate over the bare loop's,
-both per CPU second (the ratio to trust when other processes share the cores);
+Resources, before and after the engine runs (the ratios use the two loops' mean).
+The target's ratio is the engine's event rate over the bare loop's, both per CPU
+second (the ratio to trust when other processes share the cores);
 the operation rate (engine tasks — a compute op, a collective, a send — against
 bare request/timeout/release cycles) is printed too.
 
