@@ -124,7 +124,7 @@ class _Template:
                where: Callable[[int], tuple[int, int]] | None,
                gidx: dict[tuple[int, ...], int]) -> list[tuple[Any, ...]]:
         steps: list[tuple[Any, ...]] = []
-        by_id: dict[int, tuple[int, Any]] = {}  # id(group), id(plan) -> group index, phases
+        by_id: dict[tuple[int, int], tuple[int, Any]] = {}  # (id(group), id(plan)) -> g, phases
         i, n = 0, len(order)
         while i < n:
             local = order[i]
