@@ -123,3 +123,21 @@ def test_moe_builds_every_rank() -> None:
     w = build_workload(s, fidelity="full")
     assert w.shared is None and isinstance(w.tasks, list)
     assert simulate(w, s.hardware).end_time > 0
+
+
+def test_a_changed_task_object_is_what_runs() -> None:
+    """Code may edit the task objects of a shared workload, as of a list's: the engine
+    runs the ranks whose objects were made from those objects, the rest from the
+    prototypes, and matches every rank built with the same edit."""
+    s = _scenario({}, tp=2, pp=2, dp=2)
+    runs = []
+    for share_stages in (True, False):
+        w = build_workload(s, fidelity="full", share_stages=share_stages)
+        slow = next(t for t in w.programs[5].streams["compute"] if t.kind == "forward")
+        slow.duration += 1e-3
+        runs.append((w, simulate(w, s.hardware)))
+    (shared, a), (_, b) = runs
+    assert isinstance(shared.tasks, TaskView) and set(shared.tasks.made()) == {5}
+    assert a.spans == b.spans and a.comm_start == b.comm_start
+    assert a.end_time == b.end_time > simulate(build_workload(s, fidelity="full"),
+                                               s.hardware).end_time
