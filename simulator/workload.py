@@ -28,7 +28,9 @@ A profile whose device cannot overlap communication with compute
 the compute stream, whatever ``parallel.overlap`` asks. Symmetry folding builds
 programs for one representative per stage; its collectives carry their full
 group's plan and its flows stand for every rank of its class on shared links
-(``Workload.weight``).
+(``Workload.weight``). Full fidelity builds the same prototypes (one rank per
+stage) and lets every rank of a stage share its stage's
+(:mod:`simulator.program`), where that is exact.
 """
 
 from __future__ import annotations
