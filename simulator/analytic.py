@@ -46,7 +46,6 @@ from simulator.scenario import Scenario
 from simulator.schedules import build_schedule, execute, schedule_spec
 from simulator.variability import resolve
 from simulator.workload import (
-    OPTIMIZER_BYTES_PER_PARAM,
     BlockCosts,
     block_costs,
     layout_of,
@@ -63,7 +62,8 @@ def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: floa
     if len(group) <= 1 or size <= 0:
         return 0.0
     shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
-    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw)
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
+                     s.stack.nccl_version)
     return estimate(plan, hw)
 
 
@@ -242,8 +242,9 @@ def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
         return 0.0
-    size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype)
-    t_ag = _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+    parts = mdl.zero3_collectives(spec, s.stack) if not spec.is_moe else 1  # per module
+    size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype) / parts
+    t_ag = parts * _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
         and hw.gpu.comm_overlaps_compute
     fwd = layers * (max(0.0, t_ag - t_f / layers) if prefetch else t_ag)
@@ -260,10 +261,11 @@ def _compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
     evenly over the last backward, ``window`` long; 0 without overlap) and the previous
     chain has ended; what runs after the backward is exposed."""
     par, spec, g = s.parallel, s.model, cmp.spec_of(s)
-    method, dt = cmp.effective_method(s), mdl.dtype_bytes(s.training.dtype)
+    method = cmp.effective_method(s)
+    dt = s.stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))  # what the buckets hold
     if method == "onebit_adam":
         return 0.0, 0.0
-    fp32 = CostModel(hw, "fp32", cost.speed)
+    fp32 = CostModel(hw, "fp32", cost.speed, cost.host_us)
     group = layout.dp_group(0)
     op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     units = cmp.stage_units(s, stage)
@@ -301,7 +303,7 @@ def _momentum_exchange(s: Scenario, layout: Layout, hw: HardwareProfile,
     if cmp.effective_method(s) != "onebit_adam":
         return 0.0, 0.0
     par, n = s.parallel, s.parallel.dp
-    fp32 = CostModel(hw, "fp32", cost.speed)
+    fp32 = CostModel(hw, "fp32", cost.speed, cost.host_us)
     elements = cmp.stage_elements(s, stage)
     compute = sum(fp32.ops_time(ops) for ops in cmp.onebit_ops(elements, n))
     comm = sum(_collective_time(s, layout, op, size, layout.dp_group(0), hw)
@@ -321,10 +323,10 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
     hardware profile (``--what-if`` prices the same step with one class faster)."""
     hw = hw or s.hardware
-    cost = cost or CostModel(hw, s.training.dtype)
+    cost = cost or CostModel(hw, s.training.dtype, host_us=s.stack.host_us)
     c = costs or block_costs(s, cost)
     # a mixed-generation cluster: each stage's blocks on its own system
-    stage_cost = {st: CostModel(h, s.training.dtype, cost.speed)
+    stage_cost = {st: CostModel(h, s.training.dtype, cost.speed, cost.host_us)
                   for st, h in s.stage_hardware.items()}
     per_stage = {st: block_costs(s, sc) for st, sc in stage_cost.items()}
     s = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
@@ -365,22 +367,30 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         by_stage = [_stage_params(s, st) for st in range(par.pp)]
         dense_tp, expert_params = max(by_stage, key=lambda d: sum(d[1]))
         params = dense_tp * par.tp
-    grad_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
+    rdt = s.stack.reduce_bytes(mdl.dtype_bytes(trn.dtype))  # the reduction's dtype
+    grad_bytes = params / par.tp * rdt
+    param_bytes = params / par.tp * mdl.dtype_bytes(trn.dtype)
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group, hw)
+    if par.zero == 3 and layers[busiest] and not spec.is_moe:  # one per layer (per module)
+        count = layers[busiest] * mdl.zero3_collectives(spec, s.stack)
+        t_dp = count * _collective_time(s, layout, dp_op, grad_bytes / count, dp_group, hw)
     edp_group = epar.edp_group(layout, rank0, par.etp, par.ep)
-    t_dp += sum(_collective_time(s, layout, dp_op, e * mdl.dtype_bytes(trn.dtype), edp_group,
-                                 hw) for e in expert_params)
+    t_dp += sum(_collective_time(s, layout, dp_op, e * rdt, edp_group, hw)
+                for e in expert_params)
     overlaps = hw.gpu.comm_overlaps_compute
-    hidden = (b + w) / par.virtual_stages if par.overlap.dp and overlaps else 0.0
+    overlap = s.stack.overlap(par.overlap)  # blocking sends, after-backward reduce
+    hidden = (b + w) / par.virtual_stages if overlap.dp and overlaps else 0.0
     t_comp = 0.0  # compression compute on the exposed path (counted as optimizer)
     exposed_dp = max(0.0, t_dp - hidden)
     if cmp.effective_method(s) != "none":
         exposed_dp, t_comp = _compressed_reduction(s, layout, hw, cost, hidden, busiest)
     t_exch, t_exch_comp = _momentum_exchange(s, layout, hw, cost, busiest)
-    if not (par.overlap.pp and overlaps) and par.pp > 1:  # every send in line
-        t_p2p *= m
+    if not (overlap.pp and overlaps) and par.pp > 1:  # every send in line: in the steady
+        # state a forward's send and the next backward's receive are one batched exchange
+        # (Megatron's send_forward_recv_backward), so each stage waits for v·m transfers
+        t_p2p += t_p2p / (par.pp - 1) * m / 2
     shard = params / par.tp / (par.dp * par.cp if par.zero >= 1 else 1)
     if expert_params:
         shard += sum(expert_params) / (par.edp if par.zero >= 1 else 1)
@@ -389,15 +399,15 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
-        t_opt = max(sc.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM)
-                    for sc in (cost, *stage_cost.values()))
+        opt = mdl.optimizer_op_of(s, shard, layers[busiest])
+        t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values()))
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = _zero3_exposed(s, layout, f, b, hw, layers[slowest]) * m if par.zero == 3 \
         else 0.0
-    gathered = grad_bytes if par.zero in (1, 2) else 0.0
+    gathered = param_bytes if par.zero in (1, 2) else 0.0
     if par.zero == 3:  # the replicated embedding/head are gathered after the step
-        gathered = grad_bytes - layers[busiest] * mdl.layer_params(spec) / par.tp \
+        gathered = param_bytes - layers[busiest] * mdl.layer_params(spec) / par.tp \
             * mdl.dtype_bytes(trn.dtype)
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     if expert_params and par.zero in (1, 2):

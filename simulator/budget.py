@@ -15,12 +15,12 @@ block; with DP, ZeRO-2/3 reduce gradients per micro-batch and ZeRO-3 gathers
 each unit before forward and backward; sends and bookkeeping add one or two.
 On the bundled scenarios this is within 12% of the built count (tested to 30%).
 
-Above :data:`DEFAULT_MAX_TASKS` (twice the largest bundled run,
-``gpt3-175b-1024`` at full fidelity, ~1e7 tasks) ``clustersim run`` refuses with
-one line saying how big the run would be and how to proceed: ``--fidelity
-folded`` (one rank per stage), ``--method analytic``, or ``--max-tasks N`` to
-accept it. The analytic method and the memory table cost O(pipeline stages), which
-:data:`MAX_STAGES` bounds for every command.
+Above :data:`DEFAULT_MAX_TASKS` (above ``gpt3-175b-1024`` at full fidelity with full
+recomputation, ~1.5e7 tasks, and below the 16,384-GPU Llama 3 scenarios' ~3e7)
+``clustersim run`` refuses with one line saying how big the run would be and how
+to proceed: ``--fidelity folded`` (one rank per stage), ``--method analytic``, or
+``--max-tasks N`` to accept it. The analytic method and the memory table cost
+O(pipeline stages), which :data:`MAX_STAGES` bounds for every command.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.errors import Problem, UserError
+from simulator.inventory import zero3_collectives
 from simulator.placement import stage_layer_count
 from simulator.scenario import MAX_STAGES, Scenario
 from simulator.workload import simulated_count
 
-DEFAULT_MAX_TASKS = 20_000_000
+DEFAULT_MAX_TASKS = 25_000_000
 BYTES_PER_TASK = 1_600  # task, engine state and span row; measured on llama2-70b-128xh100
 
 
@@ -58,8 +59,8 @@ def tasks_per_layer(s: Scenario) -> int:
     n += {"none": 0, "selective": 1, "full": forward}[par.recompute]
     if par.schedule == "zb-h1":
         n += 1
-    if par.dp > 1 and par.zero >= 2:
-        n += 3 if par.zero == 3 else 1
+    if par.dp > 1 and par.zero >= 2:  # ZeRO-3: two gathers and a reduce-scatter per part
+        n += 3 * zero3_collectives(s.model, s.stack) if par.zero == 3 else 1
     if s.model.is_moe:  # per MoE layer and pass: all-to-all, experts, all-to-all (+ gather,
         # scatter with expert TP), averaged over the layers
         per_pass = 3 + (2 if par.etp > 1 else 0)

@@ -1,17 +1,24 @@
 """Cost model: seconds for an operation on a given hardware profile.
 
-Compute ops are rooflined: ``max(flops / (peak × eff(size)), bytes / (hbm × eff(bytes)))``
-plus a fixed per-kernel overhead, where the efficiency curves come from the
-profile (datasheet presets or calibration) — GEMMs use ``gemm_efficiency`` over
-the FLOPs of the single GEMM call, attention its own curve, memory-bound kernels
-``memory_efficiency`` over bytes moved. Nothing here knows what a transformer is:
-it prices :class:`simulator.model.Op` records by kind, FLOPs and bytes.
+An op's device time is its roofline,
+``max(flops·scale / (peak × eff(class, call FLOPs)), bytes / (hbm × eff_mem(class, bytes)))``,
+plus the profile's per-kernel overhead for each of its kernels; the efficiency curves
+come from the profile (datasheet presets or calibration) per cost class, falling back
+to ``gemm_efficiency`` / ``attention_efficiency`` / ``memory_efficiency`` where the
+profile has no curve of its own for the class. ``scale`` is the fraction of the counted
+FLOPs the kernel executes (a causal flash kernel skips the masked half).
 
-Cost classes: an op's kind (``gemm``, ``attention``, ``memory``) is its class,
-and a pass over memory (the optimizer step) is ``memory``. ``speed`` makes a
-class that many times faster — every op of the class, kernel overhead included,
-takes its roofline time divided by the factor — which is how ``clustersim run
---what-if`` asks what bounds a step without touching the hardware profile.
+Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
+so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
+0 under CUDA graphs): ``time = max(device, kernels × host_us)``. Short kernels cost
+their launch time; long ones hide it.
+
+Nothing here knows what a transformer is: it prices :class:`simulator.inventory.Op`
+records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
+``memory``) are what ``speed`` addresses: it makes a kind that many times faster —
+every op of the kind, overheads included, takes its time divided by the factor —
+which is how ``clustersim run --what-if`` asks what bounds a step without touching
+the hardware profile.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ from simulator.hardware import Dtype, HardwareProfile
 class CostedOp(Protocol):
     @property
     def kind(self) -> str: ...
+    @property
+    def cost_class(self) -> str: ...
+    @property
+    def kernels(self) -> int: ...
+    @property
+    def compute_scale(self) -> float: ...
     @property
     def flops(self) -> float: ...
     @property
@@ -45,6 +58,8 @@ class CostModel:
     dtype: Dtype
     #: how many times faster than the profile each class runs (absent: 1, as profiled)
     speed: Mapping[str, float] = field(default_factory=dict)
+    #: host time to issue one kernel (the stack's ``host_us``): an op costs at least that
+    host_us: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.speed.items() if k not in COMPUTE_CLASSES or not v > 0}
@@ -59,16 +74,30 @@ class CostModel:
     def hbm(self) -> float:
         return self.hw.gpu.hbm_bandwidth_GBps * 1e9
 
-    def op_time(self, op: CostedOp) -> float:
-        gpu = self.hw.gpu
-        mem = op.bytes / (self.hbm * gpu.memory_efficiency(max(op.bytes, 1.0))) if op.bytes else 0.0
+    def op_parts(self, op: CostedOp) -> tuple[float, float, float, float]:
+        """(compute, memory, device overhead, host) seconds of one op, before ``speed``."""
+        gpu, cls = self.hw.gpu, op.cost_class
+        mem = op.bytes / (self.hbm * gpu.efficiency(_memory_class(cls), max(op.bytes, 1.0))) \
+            if op.bytes else 0.0
         if op.kind == "memory" or op.flops <= 0:
             compute = 0.0
         else:
-            curve = gpu.attention_efficiency if op.kind == "attention" else gpu.gemm_efficiency
-            compute = op.flops / (self.peak * curve(max(op.gemm_flops, 1.0)))
-        seconds = max(compute, mem) + gpu.kernel_overhead_us * 1e-6
+            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0))
+            compute = op.flops * op.compute_scale / (self.peak * eff)
+        return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
+                op.kernels * self.host_us * 1e-6)
+
+    def op_time(self, op: CostedOp) -> float:
+        compute, mem, overhead, host = self.op_parts(op)
+        seconds = max(max(compute, mem) + overhead, host)
         return seconds / self.speed.get(op.kind, 1.0)
+
+    def bound(self, op: CostedOp) -> str:
+        """What sets the op's time: compute, memory, or overhead (launch or host)."""
+        compute, mem, overhead, host = self.op_parts(op)
+        if host > max(compute, mem) + overhead or overhead > max(compute, mem):
+            return "overhead"
+        return "compute" if compute >= mem else "memory"
 
     def ops_time(self, ops: Iterable[CostedOp]) -> float:
         return sum(self.op_time(op) for op in ops)
@@ -79,3 +108,9 @@ class CostModel:
             return 0.0
         return nbytes / (self.hbm * self.hw.gpu.memory_efficiency(nbytes)) \
             / self.speed.get("memory", 1.0)
+
+
+def _memory_class(cls: str) -> str:
+    """The curve a class's bytes are priced on: its own for memory-bound classes, the
+    plain memory curve for the operands of GEMM and attention kernels."""
+    return "elementwise" if cls.startswith(("gemm", "attention")) else cls

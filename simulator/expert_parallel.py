@@ -148,4 +148,4 @@ def expert_grad_bytes(s: Scenario, layer: int) -> float:
     """Gradient bytes of ``layer``'s routed experts on one rank (0 for a dense layer)."""
     par = s.parallel
     return moe.expert_params(s.model, layer) / (par.etp * par.ep) \
-        * mdl.dtype_bytes(s.training.dtype)
+        * s.stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))

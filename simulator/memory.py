@@ -41,8 +41,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator import compression, moe
+from simulator.inventory import kept_for_backward
 from simulator.model import (
     RecomputeMode,
+    default_stack,
     dtype_bytes,
     embedding_params,
     head_params,
@@ -51,6 +53,7 @@ from simulator.model import (
 from simulator.placement import stage_layer_count, stage_layers
 from simulator.scenario import ModelSpec, Scenario
 from simulator.schedules import schedule_spec
+from simulator.stack import StackSpec
 
 ADAMW_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
 
@@ -81,8 +84,10 @@ class MemoryBreakdown:
 # ---------------------------------------------------------------- model states
 
 
-def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16") -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter on one rank."""
+def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: int | None = None
+                          ) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank; ``grad_bytes``
+    overrides the gradients' width (4 where the stack keeps fp32 main grads)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {zero}")
     if n_d < 1:
@@ -91,6 +96,8 @@ def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16") -> tuple[flo
         weights, grads, optimizer = 4.0, 4.0, 8.0  # fp32: master weights are the weights
     else:
         weights, grads, optimizer = 2.0, 2.0, float(ADAMW_K)
+    if grad_bytes is not None:
+        grads = float(grad_bytes)
     return (weights / n_d if zero >= 3 else weights,
             grads / n_d if zero >= 2 else grads,
             optimizer / n_d if zero >= 1 else optimizer)
@@ -107,35 +114,36 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
+    stack: StackSpec | None = None,
 ) -> float:
-    """Stored activations of one layer on one TP rank (Korthikanti et al. 2022, Table 2).
+    """Stored activations of one layer on one TP rank.
 
-    In 16-bit elements of s·b: 10h replicated over TP ranks (two norm inputs,
-    the QKV and MLP-up inputs, two dropout masks; divided by t with sequence
-    parallelism), Q and the out-proj input (2h), K and V (2·kv·head_dim each),
-    the MLP activation's input and output (gelu 4f, swiglu 6f) divided by t,
-    and 5·a·s/t for the attention scores, softmax and its dropout, which
-    selective recomputation drops. For GPT (kv = a, f = 4h, gelu) this is
-    s·b·h·(10 + 24/t + 5as/(ht)). fp32 scales everything by 2. Context parallelism
-    keeps s/cp tokens per rank, whose scores span the whole sequence. MoE and latent
-    attention layers count their own widths (:func:`simulator.moe.activation_bytes`).
+    A dense layer keeps what its forward ops save in the op inventory
+    (:func:`simulator.inventory.kept_for_backward`), so compute and memory describe
+    one program: under an unfused-attention stack with dropout (Megatron-LM 2021/2022)
+    that is Korthikanti et al. 2022, Table 2 exactly, s·b·h·(34 + 5as/h) for GPT at
+    t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
+    recomputation); a flash-attention stack keeps no s×s matrix, and a stack without
+    dropout no masks. Context parallelism keeps s/cp tokens per rank with a fused
+    attention core. MoE and latent attention layers count their own widths
+    (:func:`simulator.moe.activation_bytes`) and, like their ops, a flash core.
     """
+    st = stack or default_stack()
+    if not (spec.is_moe or spec.mla is not None):
+        if cp > 1:  # the local chunk, with the fused core context parallelism runs
+            spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
+            st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
+        return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st)
     s, b, h, t = spec.seq_len, micro_batch, spec.hidden, tp
-    full_s = s
     if cp > 1:
         s = s // cp if s % cp == 0 else s / cp  # type: ignore[assignment]
     scale = dtype_bytes(dtype) / 2
     replicated = 1 / t if sequence_parallel else 1.0
     if recompute == "full":
         return 2.0 * s * b * h * replicated * scale
-    scores = 0.0 if recompute == "selective" else 5.0 * spec.heads * s * full_s * b / t
-    if spec.is_moe or spec.mla is not None:
-        rest = moe.activation_bytes(spec, layer, s * b, t, sequence_parallel)
-        return (s * b * 10 * h * replicated + rest + scores) * scale
-    kv_width = max(spec.kv / t, 1.0) * spec.head_dim  # KV heads replicated when t > kv
-    mlp = (6.0 if spec.activation == "swiglu" else 4.0) * spec.ffn / t
-    linear = s * b * (10 * h * replicated + 4 * h / t + 4 * kv_width + mlp)
-    return (linear + scores) * scale
+    masks = 2.0 if st.hidden_dropout > 0 else 0.0  # two 1-byte dropout masks per token·h
+    rest = moe.activation_bytes(spec, layer, s * b, t, sequence_parallel)
+    return (s * b * (8 + masks) * h * replicated + rest) * scale
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
@@ -202,15 +210,16 @@ def _activations(scenario: Scenario, stage: int) -> float:
     runs = stage_layers(spec.layers, par, stage)
     if spec.is_moe or spec.mla is not None or par.cp > 1:
         total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
-                                                   par.cp)
+                                                   par.cp, scenario.stack)
                     for i, n in _kinds(spec, runs))
     else:
-        per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype)
+        per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype,
+                                               stack=scenario.stack)
         total = per_layer * sum(len(r) for r in runs)
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
     if par.cp > 1:
         tokens_h /= par.cp
-    if stage == 0:
+    if stage == 0 and scenario.stack.hidden_dropout > 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
     if stage == par.pp - 1:
         total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
@@ -267,12 +276,13 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     total = stage_params(scenario.model, par.pp, stage, runs)
     experts = stage_expert_params(scenario.model, par.pp, stage, runs)
     psi = _rank_params(scenario, total - experts, 0)
-    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype)
+    grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
+    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes)
     gradients, optimizer = psi * g, psi * o
     weights = psi * w
     if experts:
         psi_e = experts / (par.etp * par.ep)
-        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype)
+        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes)
         weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
             optimizer + psi_e * oe
     if par.zero_offload:

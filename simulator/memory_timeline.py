@@ -95,12 +95,20 @@ def component_bytes(s: Scenario) -> dict[str, float]:
     tokens_h = b * spec.seq_len * spec.hidden * mdl.dtype_bytes(dt) / 2 / (t if sp else 1)
     logits = 4.0 * b * spec.seq_len * spec.vocab / t
     return {
-        "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, par.recompute, dt),
-        "embed": tokens_h,  # embedding dropout mask (first virtual stage)
+        "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, par.recompute, dt,
+                                                          stack=s.stack),
+        # embedding dropout mask (first virtual stage), when the stack drops out
+        "embed": tokens_h if s.stack.hidden_dropout > 0 else 0.0,
         "head": 4 * tokens_h + logits,  # final-norm + logits-GEMM inputs, fp32 logits (last)
         "dlogits": logits,  # the loss gradient's copy while the head's backward runs
-        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt),  # ZeRO-3 gathered layer
+        # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
+        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt) / _zero3_parts(s),
     }
+
+
+def _zero3_parts(s: Scenario) -> int:
+    """Gathers per layer under ZeRO-3 (:func:`simulator.inventory.zero3_collectives`)."""
+    return mdl.zero3_collectives(s.model, s.stack) if not s.model.is_moe else 1
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
@@ -170,8 +178,9 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
     if par.zero == 3 and par.dp > 1:
         for (layer, mb), items in gathers.items():
             items.sort()  # creation order: the forward's gather, then the backward's
+            parts = _zero3_parts(s)
             for i, (_, t0) in enumerate(items):
-                forward = i == 0
+                forward = i < parts
                 if forward and par.reshard_after_forward:
                     t1 = fwd_end.get((layer, mb), t0)
                 else:

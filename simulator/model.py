@@ -9,16 +9,18 @@ Assumptions (Megatron-LM's, so the closed forms of Narayanan et al. SC'21 come
 out exactly for a GPT block):
 
 - FLOPs count matrix multiplies only, 2·M·N·K per GEMM; bias adds, norms,
-  activations, softmax and residual adds are ``memory`` ops with zero FLOPs,
-  costed by the bytes they read and write. Dropout is not modelled.
+  activations, softmax, dropout and residual adds are ``memory`` ops with zero FLOPs,
+  costed by the bytes they read and write. A dense layer's ops are the kernel-level
+  inventory of :mod:`simulator.inventory`, derived from model + training stack.
 - Tensor parallelism splits QKV and MLP-up by columns and out-proj and
   MLP-down by rows (Megatron), so every GEMM's FLOPs divide by ``tp``. KV heads
   are split over TP ranks, or replicated when ``tp > kv_heads``. Fused QKV and,
   for SwiGLU, fused gate+up are one GEMM each.
-- The attention core (QKᵀ, softmax, AV) is one fused FlashAttention-style call:
-  4·b·s²·h/tp FLOPs forward (the full square, no causal halving, as Megatron
-  counts), twice that backward, all of it in ``bwd_input``; its bytes are Q, K,
-  V, O (and the gradients), never the s×s matrix.
+- The attention core counts 4·b·s²·h/tp FLOPs forward (the full square, no causal
+  halving, as Megatron counts), twice that backward, all of it in ``bwd_input``; the
+  stack decides whether it runs as one FlashAttention call (Q, K, V, O bytes, causal
+  blocks skipped) or unfused through the s×s scores. MoE and latent-attention layers
+  (:mod:`simulator.moe`) keep the flash form.
 - Backward is split as zero-bubble schedules need it: ``bwd_input`` holds the
   input-gradient GEMMs, the attention backward and the memory ops' backward;
   ``bwd_weight`` holds the weight-gradient GEMMs (and the embedding's scatter-add).
@@ -31,37 +33,39 @@ out exactly for a GPT block):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from simulator import moe
-from simulator.scenario import ModelSpec
+from simulator.inventory import (
+    CORE_OPS,
+    Op,
+    OpKind,
+    Pass,
+    dense_layer_ops,
+    dtype_bytes,
+    layer_tensors,
+    optimizer_op,
+    zero3_collectives,
+)
+from simulator.inventory import act_elements as _act_elements
+from simulator.inventory import gemm as _gemm
+from simulator.inventory import kv_per_rank as _kv_per_rank
+from simulator.inventory import mem as _mem
+from simulator.inventory import norm_elements as _norm_elements
+from simulator.scenario import ModelSpec, Scenario
+from simulator.stack import DEFAULT_STACK, StackSpec, load_stack
 
-OpKind = Literal["gemm", "attention", "memory"]
-Pass = Literal["fwd", "bwd_input", "bwd_weight"]
+__all__ = ["CORE_OPS", "Op", "OpKind", "Pass", "_act_elements", "_gemm", "_kv_per_rank",
+           "_mem", "_norm_elements", "dtype_bytes", "zero3_collectives"]
+
 RecomputeMode = Literal["none", "selective", "full"]
-
 PASSES: tuple[Pass, ...] = ("fwd", "bwd_input", "bwd_weight")
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-@dataclass(frozen=True)
-class Op:
-    """One kernel (group) of one micro-batch on one TP rank."""
-
-    name: str  # "ln1", "qkv", "attn_core", "out_proj", "residual", "logits", ...
-    kind: OpKind  # gemm / attention are FLOP-bound; memory is bandwidth-bound
-    flops: float  # on one TP rank, for one micro-batch
-    bytes: float  # HBM bytes read + written on one TP rank
-    gemm_flops: float  # FLOPs of the single underlying call (efficiency-curve lookup)
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element: bf16/fp16 2, fp32 4."""
-    try:
-        return _DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPE_BYTES)}") from None
+@lru_cache(maxsize=1)
+def default_stack() -> StackSpec:
+    return load_stack(DEFAULT_STACK)
 
 
 # ---------------------------------------------------------------- parameters
@@ -117,66 +121,46 @@ def active_param_count(spec: ModelSpec, embedding: bool = True) -> int:
 # ---------------------------------------------------------------- operations
 
 
-def _gemm(name: str, m: float, k: float, n: float, dt: int) -> Op:
-    """An (m×k)·(k×n) product; its dgrad and wgrad read/write the same three shapes."""
-    flops = 2.0 * m * k * n
-    return Op(name, "gemm", flops, dt * (m * k + k * n + m * n), flops)
-
-
-def _mem(name: str, elements: float, dt: int) -> Op:
-    return Op(name, "memory", 0.0, dt * elements, 0.0)
-
-
-def _norm_elements(spec: ModelSpec, tokens: float, pass_: Pass) -> float:
-    # forward reads x, writes y; backward reads x and dy, writes dx (stats are tiny)
-    return (2.0 if pass_ == "fwd" else 3.0) * tokens * spec.hidden
-
-
-def _act_elements(spec: ModelSpec, tokens: float, tp: int, pass_: Pass) -> float:
-    f = spec.ffn / tp
-    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
-        return (3.0 if pass_ == "fwd" else 5.0) * tokens * f
-    return (2.0 if pass_ == "fwd" else 3.0) * tokens * f  # gelu: x -> y; x, dy -> dx
-
-
-def _kv_per_rank(spec: ModelSpec, tp: int) -> float:
-    return max(spec.kv / tp, 1.0)  # replicated when tp > kv_heads
-
-
 def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
-    """The attention core of ``spec.seq_len`` queries per sequence against ``cp`` times as
-    many keys (context parallelism: a rank's chunk of queries meets every chunk's keys
-    and values, as ring attention and the KV all-gather do)."""
+    """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
+    times as many keys (context parallelism: a rank's chunk of queries meets every
+    chunk's keys and values, as ring attention and the KV all-gather do, one flash call
+    per chunk). Causal: half the counted FLOPs execute (load-balanced chunks)."""
     tokens, q_width = b * spec.seq_len, spec.hidden / tp
     kv_width = _kv_per_rank(spec, tp) * spec.head_dim
     fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
     if pass_ == "fwd":  # read q, k, v; write o
         return Op("attn_core", "attention", fwd_flops,
-                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops)
+                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
+                  "attention_fwd", cp, 0.0, 0.5)
     # read q, k, v, o, do; write dq, dk, dv
     return Op("attn_core", "attention", 2 * fwd_flops,
-              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops)
+              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops / cp,
+              "attention_bwd", 3 * cp, 0.0, 0.5)
 
 
 def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
                          pass_: Pass, cp: int, kv_gathered: bool = False) -> tuple[Op, ...]:
     """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
-    against the whole sequence's keys (:func:`_attention_core`). With ``kv_gathered``
-    (the all-gather variant) the gathered keys and values are put in sequence order
-    before the core, and in backward their gradients back in chunk order after it:
-    one read and one write of the gathered bytes each (Transformer Engine's
-    ``AttnFuncWithCPAndKVAllGather``, ``get_seq_chunk_ids_for_reordering_before_attn``
-    and ``..._after_attn``)."""
+    against the whole sequence's keys (:func:`_attention_core`; context parallelism runs
+    a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
+    requires). With ``kv_gathered`` (the all-gather variant) the gathered keys and
+    values are put in sequence order before the core, and in backward their gradients
+    back in chunk order after it: one read and one write of the gathered bytes each
+    (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
+    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``)."""
     if cp == 1 or pass_ == "bwd_weight":
         return ops
     core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
     out: list[Op] = []
     for op in ops:
-        if op.name == "attn_core":
+        if op.name in CORE_OPS:
+            if core in out:
+                continue  # an unfused core's other kernels: replaced by the one core
             if kv_gathered:
                 copies = 1 if pass_ == "fwd" else 2
                 out.append(Op("cp_reorder", "memory", 0.0,
-                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0))
+                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
             out.append(core)
         else:
             out.append(op)
@@ -190,95 +174,98 @@ def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
 
 def layer_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    dtype: str = "bf16", pass_: Pass = "fwd", layer: int = 0,
+    dtype: str = "bf16", pass_: Pass = "fwd", layer: int = 0, stack: StackSpec | None = None,
 ) -> tuple[Op, ...]:
     """One transformer layer's ops on one TP rank, in execution order (``layer``
-    matters only for a mixture of experts, whose layers differ)."""
+    matters only for a mixture of experts, whose layers differ), as ``stack`` runs it
+    (default :data:`simulator.stack.DEFAULT_STACK`)."""
     if spec.is_moe or spec.mla is not None:
         return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer)
-    dt, h = dtype_bytes(dtype), spec.hidden
-    tokens = micro_batch * spec.seq_len
-    local = tokens / tp if sequence_parallel else tokens  # norm/residual tokens per rank
-    mlp_up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
-    gemms = {
-        "qkv": _gemm("qkv", tokens, h, h / tp + 2 * _kv_per_rank(spec, tp) * spec.head_dim, dt),
-        "out_proj": _gemm("out_proj", tokens, h / tp, h, dt),
-        "mlp_up": _gemm("mlp_up", tokens, h, mlp_up, dt),
-        "mlp_down": _gemm("mlp_down", tokens, spec.ffn / tp, h, dt),
-    }
-    if pass_ == "bwd_weight":
-        return tuple(gemms.values())
-    residual = _mem("residual", 3.0 * local * h, dt)  # two reads, one write (either pass)
-    ops = (
-        _mem("ln1", _norm_elements(spec, local, pass_), dt),
-        gemms["qkv"],
-        _attention_core(spec, micro_batch, tp, dt, pass_),
-        gemms["out_proj"],
-        residual,
-        _mem("ln2", _norm_elements(spec, local, pass_), dt),
-        gemms["mlp_up"],
-        _mem("act", _act_elements(spec, tokens, tp, pass_), dt),
-        gemms["mlp_down"],
-        residual,
-    )
-    return ops if pass_ == "fwd" else ops[::-1]
+    return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_,
+                           stack or default_stack())
 
 
 def embedding_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    dtype: str = "bf16", pass_: Pass = "fwd",
+    dtype: str = "bf16", pass_: Pass = "fwd", stack: StackSpec | None = None,
 ) -> tuple[Op, ...]:
-    """First stage: the vocab-parallel lookup (and learned-position add).
+    """First stage: the vocab-parallel lookup (and learned-position add), then the
+    stack's embedding dropout.
 
     Every TP rank writes the full b·s·h output (zeros outside its vocabulary
     slice) before the all-reduce or reduce-scatter, so sequence parallelism does
     not change the bytes here. The input is token ids, so there is no input
-    gradient: the backward is the scatter-add into the table, a weight gradient.
+    gradient: the backward (dropout's, then the scatter-add into the table) is a
+    weight gradient.
     """
     del sequence_parallel  # see docstring
+    st = stack or default_stack()
     dt, elements = dtype_bytes(dtype), micro_batch * spec.seq_len * spec.hidden
     per_token = 3.0 if spec.position == "learned" else 0.0  # read word + position, write sum
+    keep = elements if pass_ == "fwd" else 0.0  # the 1-byte mask, kept for backward
+    dropout = (Op("embedding_dropout", "memory", 0.0, (2 * dt + 1) * elements, 0.0,
+                  "elementwise", 1, keep),) if st.hidden_dropout > 0 else ()
     if pass_ == "fwd":
-        return (_mem("embedding", (2.0 + per_token) * elements, dt),)
+        return (_mem("embedding", (2.0 + per_token) * elements, dt, "copy", 1 + (per_token > 0)),
+                *dropout)
     if pass_ == "bwd_weight":  # read dy, read-modify-write the touched rows (and positions)
-        return (_mem("embedding", (3.0 + per_token) * elements, dt),)
+        return (*dropout, _mem("embedding", (3.0 + per_token) * elements, dt, "copy",
+                               1 + (per_token > 0)))
     return ()
 
 
 def head_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-    dtype: str = "bf16", pass_: Pass = "fwd",
+    dtype: str = "bf16", pass_: Pass = "fwd", stack: StackSpec | None = None,
 ) -> tuple[Op, ...]:
     """Last stage: final norm, vocab-parallel logits GEMM, softmax + cross-entropy.
 
     The loss reads the 16-bit logits and keeps the softmax in fp32 for the
-    backward, which reads it and writes the logits' gradient.
+    backward, which reads it and writes the logits' gradient. Fused (one kernel each
+    way) or as Megatron's vocab-parallel cross-entropy runs it: max, subtract, exp,
+    sum, log, gather in fp32, about four fp32 passes over the logits in six kernels.
     """
+    st = stack or default_stack()
     dt, tokens = dtype_bytes(dtype), micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
-    logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt)
+    cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
+    logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
     if pass_ == "bwd_weight":
+        if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
+            logits = Op(logits.name, "gemm", logits.flops, logits.bytes
+                        + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
         return (logits,)
-    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (dt + 4), 0.0)
-    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), dt), logits, loss)
+    fused = st.fused("cross_entropy")
+    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (dt + (4 if fused else 16)), 0.0,
+              "softmax", 1 if fused else 6)
+    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), dt, "norm"), logits, loss)
     return ops if pass_ == "fwd" else ops[::-1]
 
 
 def layer_recompute_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", recompute: RecomputeMode = "none", layer: int = 0,
+    stack: StackSpec | None = None,
 ) -> tuple[Op, ...]:
     """Forward ops one layer re-runs before its backward.
 
     ``selective`` recomputes the attention core once (Korthikanti et al. 2022:
-    QKᵀ, softmax, AV); ``full`` re-runs the whole layer forward from its input.
+    QKᵀ, softmax, dropout, AV, or the one flash kernel); ``full`` re-runs the whole
+    layer forward from its input.
     """
-    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer)
+    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer, stack)
     if recompute == "full":
         return fwd
     if recompute == "selective":
-        return tuple(op for op in fwd if op.name == "attn_core")
+        return tuple(op for op in fwd if op.name in CORE_OPS)
     return ()
+
+
+def optimizer_op_of(s: Scenario, shard: float, layers: int) -> Op:
+    """The optimizer step on ``shard`` parameters of a rank holding ``layers`` layers, as
+    the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`)."""
+    tensors = layers * layer_tensors(s.model, s.stack) + 4  # + embedding(s), final norm
+    return optimizer_op(shard, tensors, s.stack, s.training.dtype)
 
 
 def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:

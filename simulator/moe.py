@@ -218,8 +218,9 @@ def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: b
 def activation_bytes(spec: ModelSpec, layer: int, tokens: float, tp: int,
                      sequence_parallel: bool) -> float:
     """16-bit bytes a MoE or latent-attention layer stores for its backward, beyond
-    the norm inputs and dropout masks (``10h`` per token, replicated) and the
-    attention scores, which :mod:`simulator.memory` adds as for any layer.
+    the norm and projection inputs and dropout masks (``8h`` per token, replicated,
+    plus ``2h`` of masks with dropout), which :mod:`simulator.memory` adds as for any
+    layer; its flash attention core keeps no s×s scores.
 
     Attention: Q and K of width H·d_qk, V and the out-proj input of width H·d_v
     (split over TP), and with latent attention the two latents and the RoPE key

@@ -39,6 +39,7 @@ from simulator.hardware import Dtype, HardwareProfile, load_system
 from simulator.loading import MAX_DEPTH, parse_override, read_yaml
 from simulator.placement import placement_problems
 from simulator.schedules import SCHEDULES, requirements
+from simulator.stack import DEFAULT_STACK, StackSpec, load_stack
 from simulator.variability import VariabilitySpec, variability_problems
 
 MODELS_DIR = Path(__file__).parent / "presets" / "models"
@@ -436,6 +437,8 @@ class Scenario(_Frozen):
     checkpoint: CheckpointSpec = CheckpointSpec()  # checkpoints (clustersim train)
     cost: CostSpec = CostSpec()  # energy and price (clustersim train)
     variability: VariabilitySpec = VariabilitySpec()  # stragglers, slow links, jitter
+    # the training framework: a preset name or {preset: NAME, overrides} (simulator/stack.py)
+    stack: StackSpec = Field(default_factory=lambda: load_stack(DEFAULT_STACK))
 
     _name_printable = field_validator("name")(_printable)
 
@@ -636,6 +639,9 @@ def not_yet_simulated(s: Scenario) -> list[Problem]:
                            f"tp({par.tp}) > 1 needs sequence parallelism (Megatron-LM's "
                            "arguments.py requires it: each TP rank dispatches its sequence "
                            "shard); set sequence_parallel: true"))
+    if s.stack.tp_overlap != "none":
+        out.append(Problem("stack.tp_overlap", s.stack.tp_overlap, "not yet simulated (TP "
+                           "collectives block the compute stream); use none"))
     if mdl.is_moe and (par.zero == 3 or par.zero_offload):
         field, value = ("parallel.zero", 3) if par.zero == 3 else ("parallel.zero_offload", True)
         out.append(Problem(field, value, "not yet simulated for a mixture of experts (expert "

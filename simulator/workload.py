@@ -46,7 +46,6 @@ from simulator.expert_parallel import expert_layer
 from simulator.layout import Layout
 from simulator.passes import build_programs
 from simulator.passes.context import Context
-from simulator.passes.data import OPTIMIZER_BYTES_PER_PARAM
 from simulator.program import ProgramView, SharedPrograms, TaskView, is_work, share
 from simulator.scenario import Scenario
 from simulator.schedules import Schedule, build_schedule
@@ -56,7 +55,7 @@ from simulator.variability import Attributes, classes, clean_tp_index, jitter_fa
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "BlockCosts", "block_costs", "build_workload"]
+__all__ = ["BlockCosts", "block_costs", "build_workload"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,8 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
 
     def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
-        out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer), spec, b,
-                                       tp, dt, p, cp, gathered)
+        out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
+                                       spec, b, tp, dt, p, cp, gathered)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
@@ -116,8 +115,8 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
         rec_t = _split(fwd, cost, True)
     else:
         rec = mdl.context_parallel_ops(
-            mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer), spec, b,
-            tp, dt, "fwd", cp, gathered)
+            mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
+            spec, b, tp, dt, "fwd", cp, gathered)
         rec_t = (cost.ops_time(rec), 0.0)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
@@ -141,7 +140,8 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
                            s.parallel.sequence_parallel, s.training.dtype)
 
     def three(fn: Any) -> tuple[float, float, float]:
-        return tuple(cost.ops_time(fn(spec, b, tp, sp, dt, p)) for p in mdl.PASSES)  # type: ignore[return-value]
+        return tuple(cost.ops_time(fn(spec, b, tp, sp, dt, p, s.stack))  # type: ignore[return-value]
+                     for p in mdl.PASSES)
 
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
@@ -201,7 +201,7 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     program (:mod:`simulator.program`) where that is exact; ``share_stages=False``
     builds every rank's (what tests compare it with)."""
     layout = layout or layout_of(s)
-    cost = cost or CostModel(s.hardware, s.training.dtype)
+    cost = cost or CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
     costs = costs or block_costs(s, cost)
     fidelity = fidelity or s.simulation.fidelity
     schedule = build_schedule(s.parallel.schedule, s.parallel.pp, s.microbatches,
@@ -237,7 +237,7 @@ def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
-        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed)
+        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed, cost.host_us)
         ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])
     build_programs(ctx)
     return ctx

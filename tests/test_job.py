@@ -160,7 +160,9 @@ checkpoint: {storage_write_GBps: 0.01}
 def test_train_cli_writes_percentiles_and_figure(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "s.yaml"
-    path.write_text(SMALL)
+    # no host cost per kernel: a launch-bound tiny model's step is so short that three
+    # seeds' failures spread the days beyond the breakdown's 5%
+    path.write_text(SMALL + "stack: {host_overhead_us: 0.0}\n")
     out = tmp_path / "out"
     assert main(["train", str(path), "--tokens", "2e9", "--seeds", "3", "--method", "analytic",
                  "--out", str(out)]) == 0

@@ -23,14 +23,19 @@ from simulator.memory import (
 from simulator.model import layer_params, param_count
 from simulator.scenario import Scenario, load_preset_model, scenario_from_dict
 from simulator.schedules import build_schedule
+from simulator.stack import load_stack
 
 GB = 1e9
 
 
 def scenario(model: dict[str, Any], system: str = "dgx-a100-80gb", gpus_per_node: int = 8,
-             nodes: int = 1, training: dict[str, Any] | None = None, **parallel: Any) -> Scenario:
+             nodes: int = 1, training: dict[str, Any] | None = None, stack: str = "deepspeed",
+             **parallel: Any) -> Scenario:
+    """A scenario under ``stack`` (default DeepSpeed's: the ZeRO paper's 16-bit gradients
+    and Megatron's unfused attention with dropout, Korthikanti's Table 2)."""
     return scenario_from_dict({
         "name": "test",
+        "stack": stack,
         "model": model,
         "cluster": {"system": system, "nodes": nodes, "gpus_per_node": gpus_per_node},
         "parallel": parallel,
@@ -105,7 +110,7 @@ def test_llama_7b_selective_activations_in_reference_range() -> None:
     # 32 layers hold s·b·h·(10 + 8 + 6f/h) 16-bit bytes each: 18.3 GB at s = 4096
     s = scenario({"preset": "llama2-7b"}, gpus_per_node=1, recompute="selective",
                  training={"global_batch": 8, "micro_batch": 1})
-    per_layer = activation_bytes_per_layer(s.model, 1, recompute="selective")
+    per_layer = activation_bytes_per_layer(s.model, 1, recompute="selective", stack=s.stack)
     assert 8 * GB < 32 * per_layer < 20 * GB
     assert not peak_memory(s).fits  # 108 GB of model states alone
 
@@ -137,16 +142,39 @@ KORTHIKANTI = [
 
 @pytest.mark.parametrize(("tp", "sp", "recompute", "expected"), KORTHIKANTI)
 def test_korthikanti_table_2(tp: int, sp: bool, recompute: str, expected: float) -> None:
-    got = activation_bytes_per_layer(GPT3, 1, tp, sp, recompute)  # type: ignore[arg-type]
+    # Megatron-LM 2022's program (unfused attention, dropout 0.1): the op inventory's
+    # saved tensors add up to Table 2 exactly
+    mega = load_stack("megatron-2022")
+    got = activation_bytes_per_layer(GPT3, 1, tp, sp, recompute, stack=mega)  # type: ignore[arg-type]
     assert got == pytest.approx(expected, rel=1e-12)
-    assert activation_bytes_per_layer(GPT3, 3, tp, sp, recompute) == pytest.approx(3 * got)  # type: ignore[arg-type]
-    assert activation_bytes_per_layer(GPT3, 1, tp, sp, recompute,  # type: ignore[arg-type]
-                                      dtype="fp32") == pytest.approx(2 * got)
+    assert activation_bytes_per_layer(GPT3, 3, tp, sp, recompute, stack=mega) \
+        == pytest.approx(3 * got)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (8, False), (8, True)])
+def test_flash_stack_keeps_no_scores_and_no_masks(tp: int, sp: bool) -> None:
+    # torchtitan: flash attention (Q, K, V, O and the fp32 log-sum-exp, 4·a·s·b), no dropout:
+    # s·b·h·(8·r + 24/t) + 4·a·s·b/t with r = 1/t under sequence parallelism
+    titan = load_stack("torchtitan")
+    r = 1 / tp if sp else 1.0
+    expected = _sbh() * (8 * r + 24 / tp) + 4 * GPT3.heads * GPT3.seq_len / tp
+    got = activation_bytes_per_layer(GPT3, 1, tp, sp, "none", stack=titan)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert activation_bytes_per_layer(GPT3, 1, tp, sp, "none", dtype="fp32", stack=titan) \
+        == pytest.approx(2 * got - 4 * GPT3.heads * GPT3.seq_len / tp)  # the LSE is fp32 anyway
 
 
 def test_full_recompute_with_sequence_parallel_keeps_a_sharded_input() -> None:
     # Table 2 lists 2sbh; with sequence parallelism the stored input is the s/t shard
     assert activation_bytes_per_layer(GPT3, 1, 8, True, "full") == pytest.approx(2 * _sbh() / 8)
+
+
+def test_fp32_main_grads_take_four_bytes() -> None:
+    # Megatron keeps fp32 main grads: 2 + 4 + 12 bytes per parameter without ZeRO
+    s = scenario(GPT_10B, tp=2, pp=2, dp=2, stack="megatron-2021")
+    first = stage_breakdown(s, 0)
+    psi0 = stage_params(s.model, 2, 0) / 2
+    assert (first.weights, first.gradients, first.optimizer) == (2 * psi0, 4 * psi0, 12 * psi0)
 
 
 # ---------------------------------------------------------------- in-flight micro-batches

@@ -30,6 +30,7 @@ from simulator.model import (
     tp_comm_bytes_per_layer,
 )
 from simulator.scenario import ModelSpec, load_preset_model
+from simulator.stack import load_stack
 
 REL = 1e-9
 
@@ -213,7 +214,9 @@ def test_backward_is_twice_forward(spec: ModelSpec, tp: int) -> None:
     attn = [[op for op in ops if op.kind == "attention"] for ops in (fwd, bwd_i, bwd_w)]
     assert attn[2] == []  # no attention work in the weight gradient
     assert attn[1][0].flops == 2 * attn[0][0].flops
-    assert all(op.kind == "gemm" for op in bwd_w)
+    # the weight gradient: the four wgrad GEMMs, then bias/norm-parameter reductions
+    assert [op.cls for op in bwd_w if op.kind == "gemm"] == ["gemm_wgrad"] * 4
+    assert all(op.flops == 0 for op in bwd_w if op.kind != "gemm")
 
 
 def test_layer_forward_is_24bsh2_plus_4bs2h() -> None:
@@ -226,8 +229,14 @@ def test_layer_forward_is_24bsh2_plus_4bs2h() -> None:
     assert ops_flops(ops) == 24 * b * s * h**2 + 4 * b * s**2 * h
     assert all(op.flops == 0 and op.bytes > 0 for op in ops if op.kind == "memory")
     assert all(op.gemm_flops == op.flops for op in ops)
-    bwd = layer_ops(spec, b, pass_="bwd_input")
-    assert [op.name for op in bwd] == [op.name for op in reversed(ops)]
+    bwd = layer_ops(spec, b, pass_="bwd_input")  # plus the gradient sums at the two forks
+    assert [op.name for op in bwd if op.name != "grad_sum"] == [op.name for op in reversed(ops)]
+    assert [op.name for op in bwd].count("grad_sum") == 2
+    # the unfused attention of Megatron-LM 2021: same counted FLOPs, through the s×s scores
+    old = layer_ops(spec, b, stack=load_stack("megatron-2021"))
+    assert [op.name for op in old][2:6] == ["attn_scores", "attn_softmax", "attn_dropout",
+                                            "attn_av"]
+    assert ops_flops(old) == ops_flops(ops)
 
 
 def test_head_and_embedding_ops() -> None:
@@ -237,9 +246,11 @@ def test_head_and_embedding_ops() -> None:
     assert [op.name for op in head] == ["final_norm", "logits", "loss"]
     assert ops_flops(head) == 2 * b * s * h * V / 8
     assert ops_flops(head_ops(spec, b, 8, pass_="bwd_weight")) == 2 * b * s * h * V / 8
-    assert [op.name for op in embedding_ops(spec, b)] == ["embedding"]
+    assert [op.name for op in embedding_ops(spec, b)] == ["embedding", "embedding_dropout"]
+    assert [op.name for op in embedding_ops(spec, b, stack=load_stack("torchtitan"))] \
+        == ["embedding"]  # no dropout
     assert embedding_ops(spec, b, pass_="bwd_input") == ()
-    assert [op.kind for op in embedding_ops(spec, b, pass_="bwd_weight")] == ["memory"]
+    assert [op.kind for op in embedding_ops(spec, b, pass_="bwd_weight")] == ["memory"] * 2
 
 
 def test_sequence_parallel_divides_norm_and_residual_bytes() -> None:
@@ -249,7 +260,9 @@ def test_sequence_parallel_divides_norm_and_residual_bytes() -> None:
     for name in ("ln1", "ln2", "residual"):
         assert sp[name].bytes * 8 == pytest.approx(plain[name].bytes)
     for name in ("qkv", "attn_core", "act", "mlp_down"):
-        assert sp[name] == plain[name]
+        assert (sp[name].flops, sp[name].bytes) == (plain[name].flops, plain[name].bytes)
+    # under SP a projection keeps its sharded input (Megatron re-gathers it in backward)
+    assert sp["qkv"].saved * 8 == plain["qkv"].saved
     assert plain["ln1"].bytes == 2 * 2 * spec.seq_len * spec.hidden  # read x, write y, bf16
 
 
@@ -265,6 +278,8 @@ def test_recompute_ops() -> None:
     spec = gpt()
     assert layer_recompute_ops(spec, 1, recompute="none") == ()
     assert [op.name for op in layer_recompute_ops(spec, 1, recompute="selective")] == ["attn_core"]
+    unfused = layer_recompute_ops(spec, 1, recompute="selective", stack=load_stack("megatron-2021"))
+    assert [op.name for op in unfused] == ["attn_scores", "attn_softmax", "attn_dropout", "attn_av"]
     assert layer_recompute_ops(spec, 1, recompute="full") == layer_ops(spec, 1)
 
 

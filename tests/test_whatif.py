@@ -37,7 +37,9 @@ def scenario(*, tp: int = 1, pp: int = 1, dp: int = 1, gpn: int = 8, m: int = 8,
         "cluster": {"system": "dgx-a100-80gb", "nodes": world // gpn, "gpus_per_node": gpn,
                     **(cluster or {})},
         "parallel": {"tp": tp, "pp": pp, "dp": dp},
-        "training": {"global_batch": m * dp, "micro_batch": 1}})
+        "training": {"global_batch": m * dp, "micro_batch": 1},
+        # no host cost per kernel: a tiny model would be launch-bound, not what these test
+        "stack": {"host_overhead_us": 0.0}})
 
 
 def sensitivities(s: Scenario, method: str, fidelity: str = "folded") -> dict[str, Any]:

@@ -37,7 +37,7 @@ class Compressor:
         self.ctx, self.stream = ctx, stream
         self.method = cmp.effective_method(ctx.s)
         self.g = cmp.spec_of(ctx.s)
-        self.cost = CostModel(ctx.cost.hw, "fp32", ctx.cost.speed)
+        self.cost = CostModel(ctx.cost.hw, "fp32", ctx.cost.speed, ctx.cost.host_us)
         self.shapes: dict[int, list[list[tuple[int, int]]]] = {}
 
     @property
@@ -78,7 +78,7 @@ class Compressor:
         if self.method == "powersgd":
             return self._powersgd(rank, units, after, chunk)
         wire = cmp.WIRE_BYTES[self.method]
-        dt, s = self.ctx.dt_bytes, self.stream
+        dt, s = self.ctx.grad_dt, self.stream
         down, up = cmp.cast_ops(size / dt, dt, wire)
         t = self._compute(rank, s, f"{self.method}.cast", down, after, chunk)
         t = self._collective(rank, s, op, size * wire / dt,

@@ -53,8 +53,12 @@ class Context:
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
         self.last_stage = schedule.total_stages - 1
         self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
+        self.grad_dt = s.stack.reduce_bytes(self.dt_bytes)  # gradients as they are reduced
+        # ZeRO-3 collectives per layer: one, or one per linear module (the stack's unit)
+        self.zero3_parts = mdl.zero3_collectives(s.model, s.stack) if not s.model.is_moe else 1
         # a device that cannot overlap communication with compute runs it all in line
-        self.overlap = s.parallel.overlap if s.hardware.gpu.comm_overlaps_compute \
+        # and the stack decides whether sends block and gradients reduce after backward
+        self.overlap = s.stack.overlap(s.parallel.overlap) if s.hardware.gpu.comm_overlaps_compute \
             else OverlapSpec(dp=False, pp=False, zero3_prefetch=False)
         self.hooks = Hooks.of([])  # the installed passes' hooks (see ``install``)
         # asymmetric folding: the TP index whose ranks stand for the clean ones
@@ -112,7 +116,7 @@ class Context:
         if plan is None:
             shape = GroupShape(len(group), len(group) // self.layout.nodes_spanned(group))
             plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
-                             self.s.hardware)
+                             self.s.hardware, self.s.stack.nccl_version)
             self.plans[(op, size, group)] = plan
         # the n-th collective of this group *on this rank*: equal on every member
         seq = self.seq[rank]
@@ -140,12 +144,12 @@ class Context:
         return spec.vocab * spec.hidden if spec.tied_embeddings and self.s.parallel.pp > 1 else 0
 
     def grad_bytes(self, stage: int) -> list[float]:
-        """Gradient bytes each 'done' task of a backward of ``stage`` completes, in order:
-        one per layer (the head's on the first, as the backward runs it first; its own
-        when the stage has no layers), then the embedding's on stage 0. A MoE layer's
-        routed experts are not among them: they reduce over the expert data-parallel
-        group (:mod:`simulator.passes.expert`)."""
-        spec, tp, dt = self.s.model, self.s.parallel.tp, self.dt_bytes
+        """Gradient bytes (in the stack's reduction dtype) each 'done' task of a backward
+        of ``stage`` completes, in order: one per layer (the head's on the first, as the
+        backward runs it first; its own when the stage has no layers), then the
+        embedding's on stage 0. A MoE layer's routed experts are not among them: they
+        reduce over the expert data-parallel group (:mod:`simulator.passes.expert`)."""
+        spec, tp, dt = self.s.model, self.s.parallel.tp, self.grad_dt
         if spec.is_moe:
             sizes = [(mdl.layer_params(spec, i) - moe.expert_params(spec, i)) / tp * dt
                      for i in reversed(self.layers_of(stage))]
@@ -168,7 +172,13 @@ class Context:
 
     def params_of(self, rank: int) -> float:
         """Parameters ``rank`` holds (its TP shard of every chunk)."""
-        return sum(sum(self.grad_bytes(st)) for st in self.stages_of(rank)) / self.dt_bytes
+        return sum(sum(self.grad_bytes(st)) for st in self.stages_of(rank)) / self.grad_dt
+
+    def optimizer_time(self, rank: int, shard: float) -> float:
+        """The optimizer step on ``shard`` parameters of ``rank`` (its stack's kernels)."""
+        layers = sum(len(self.layers_of(st)) for st in self.stages_of(rank))
+        op = mdl.optimizer_op_of(self.s, shard, layers)
+        return self.cost_of(rank).op_time(op)
 
 
 class Pass:

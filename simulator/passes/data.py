@@ -17,9 +17,9 @@ ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
 replicated under ZeRO-3 (small next to the layers) and are all-gathered after
 the step like ZeRO-1/2's.
 
-The optimizer step (AdamW on the rank's shard, memory-bound:
-``OPTIMIZER_BYTES_PER_PARAM``) runs on the compute stream after every
-reduction; under ZeRO-Offload the offload pass runs it on the host instead.
+The optimizer step (AdamW on the rank's shard as the stack runs it:
+:func:`simulator.inventory.optimizer_op`, clipping included) runs on the compute
+stream after every reduction; under ZeRO-Offload the offload pass runs it on the host instead.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
 from simulator.schedules import Action
 from simulator.tasks import Stream, Task
-
-OPTIMIZER_BYTES_PER_PARAM = 28.0  # AdamW: read fp32 w, m, v, grad(bf16); write w, m, v, bf16 copy
 
 
 class DataPass(Pass):
@@ -80,10 +78,13 @@ class DataPass(Pass):
         if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
             t = self.compressor.reduce(rank, op, size, units, after, chunk)
         else:
-            t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank), size,
-                               f"dp.{op} bucket {size / 1e6:.1f} MB", chunk=chunk)
-            if t is not None:
-                t.deps.append(after.id)
+            parts = ctx.zero3_parts if ctx.s.parallel.zero == 3 else 1  # one per module
+            for part in range(parts):
+                t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank),
+                                   size / parts, f"dp.{op} bucket {size / 1e6:.1f} MB"
+                                   f"{_part(part, parts)}", chunk=chunk)
+                if t is not None and part == 0:
+                    t.deps.append(after.id)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
 
@@ -99,8 +100,7 @@ class DataPass(Pass):
         params = ctx.params_of(rank)
         shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
-                        ctx.cost_of(rank).memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1,
-                        -1, 0)
+                        ctx.optimizer_time(rank, shard), -1, -1, 0)
         streams = ctx.programs[rank].streams
         t.deps.extend(d.id for d in streams["dp"])
         t.deps.extend(d.id for d in streams["zero"][-1:])
@@ -130,7 +130,8 @@ class Zero3Pass(Pass):
         super().__init__(ctx)
         par = ctx.s.parallel
         self.unit_done: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
-        self.size = mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes
+        self.parts = ctx.zero3_parts  # collectives per layer (the stack's ZeRO-3 unit)
+        self.size = mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes / self.parts
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
@@ -138,12 +139,22 @@ class Zero3Pass(Pass):
         par, ctx = self.ctx.s.parallel, self.ctx
         if not forward and not par.reshard_after_forward:
             return None
-        t = ctx.collective(rank, self.stream, "all_gather", "zero", ctx.layout.dp_group(rank),
-                           self.size, f"zero3.all_gather L{layer} mb{mb}", mb, layer, chunk)
         done = self.unit_done[rank]
-        if t is not None and self.stream == "zero" and len(done) > par.fsdp_prefetch:
-            t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        t: Task | None = None
+        for part in range(self.parts):  # one per module, in order, on the stream
+            t = ctx.collective(rank, self.stream, "all_gather", "zero",
+                               ctx.layout.dp_group(rank), self.size,
+                               f"zero3.all_gather L{layer}{_part(part, self.parts)} mb{mb}",
+                               mb, layer, chunk)
+            if t is not None and part == 0 and self.stream == "zero" \
+                    and len(done) > par.fsdp_prefetch:
+                t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
         return t
 
     def layer_end(self, rank: int, last: Task) -> None:
         self.unit_done[rank].append(last)
+
+
+def _part(part: int, parts: int) -> str:
+    """A task-name suffix for one of a unit's per-module collectives."""
+    return f" part {part + 1}/{parts}" if parts > 1 else ""

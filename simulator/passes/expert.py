@@ -33,9 +33,9 @@ block's tokens come home before its TP reduce-scatter).
 from __future__ import annotations
 
 from simulator import expert_parallel as epar
+from simulator import model as mdl
 from simulator.hardware import CollectiveName
 from simulator.passes.context import Context, Pass
-from simulator.passes.data import OPTIMIZER_BYTES_PER_PARAM
 from simulator.schedules import Action
 from simulator.tasks import Stream, Task
 
@@ -128,14 +128,14 @@ class ExpertPass(Pass):
     def expert_params(self, rank: int) -> float:
         ctx = self.ctx
         return sum(epar.expert_grad_bytes(ctx.s, layer) for st in ctx.stages_of(rank)
-                   for layer in ctx.layers_of(st)) / ctx.dt_bytes
+                   for layer in ctx.layers_of(st)) / ctx.grad_dt
 
     def step(self, rank: int) -> None:
         """The optimizer on the experts' shard, once their gradients are reduced."""
         ctx, par = self.ctx, self.ctx.s.parallel
         shard = self.expert_params(rank) / (par.edp if par.zero >= 1 else 1)
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step experts",
-                        ctx.cost.memory_time(shard * OPTIMIZER_BYTES_PER_PARAM), -1, -1, 0)
+                        ctx.cost.op_time(mdl.optimizer_op_of(ctx.s, shard, 0)), -1, -1, 0)
         t.deps.extend(r.id for r in self.reduced[rank])
 
     def after_step(self, rank: int) -> None:

@@ -1,0 +1,349 @@
+"""The kernel-level op inventory of a dense transformer layer, its ends and the optimizer.
+
+Derived from model + stack (:class:`simulator.stack.StackSpec`): every forward,
+backward-input, backward-weight and recompute op of one micro-batch on one TP rank,
+each an :class:`Op` with its FLOPs, HBM bytes read and written, its cost class, how
+many kernels it launches and the bytes it keeps for backward. The same records price
+the step (:mod:`simulator.costs`) and size the stored activations
+(:func:`kept_for_backward`, read by :mod:`simulator.memory`), so compute and memory
+always describe one program. docs/model.md lists every op with its formula.
+
+The layer, in execution order (T = b·s tokens, L = T/t with sequence parallelism else
+T, widths per TP rank: q = h/t, kv = KV heads/t · head_dim, f = ffn/t):
+
+- ``ln1``, ``ln2``: a norm kernel over L·h; keeps its input.
+- ``qkv``: one GEMM, or three with separate q/k/v projections; keeps its input (the
+  sharded one under sequence parallelism, which Megatron re-gathers in backward).
+- ``rope`` (rotary models): one fused kernel, or the eager rotate-half sequence.
+- attention: with ``flash2``/``flash3`` one ``attn_core`` kernel that keeps Q, K, V and
+  the softmax statistics and, under a causal mask, executes half the counted FLOPs
+  (masked blocks are skipped); unfused: ``attn_scores`` (baddbmm QKᵀ, writes the s×s
+  scores), ``attn_softmax`` (fused scale-mask-softmax, or mask and softmax apart),
+  ``attn_dropout`` and ``attn_av`` (bmm), which keep Q and K, the softmax output, the
+  dropout mask and output, and V (Korthikanti et al. 2022, Table 2: 5·a·s²·b).
+- ``out_proj``, ``mlp_up``, ``mlp_down``: GEMMs, each keeping its input.
+- ``act``: GeLU (with its bias when fused) or SwiGLU; keeps its input.
+- ``residual``: bias, dropout and residual add (one kernel when fused); keeps the
+  1-byte dropout mask.
+- backward only: ``grad_sum`` where the residual stream forks into a norm (autograd
+  adds the two gradients), one per norm.
+- backward weight: the wgrad GEMMs (writing, or with fp32 main grads read-modify-writing
+  the fp32 ``main_grad``), ``bias_grad`` reductions of dY, ``norm_grad`` (the γ/β
+  partial sums), and ``grad_accum`` (AccumulateGrad's add of 16-bit grads).
+
+FLOPs count matrix multiplies only (2·M·N·K), so the counted FLOPs of a layer do not
+depend on the stack; what the GPU executes does (``compute_scale``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from simulator.scenario import ModelSpec
+from simulator.stack import StackSpec
+
+OpKind = Literal["gemm", "attention", "memory"]
+Pass = Literal["fwd", "bwd_input", "bwd_weight"]
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: the ops inside the attention core (what selective recomputation re-runs)
+CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av")
+FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 2}  # dO·O preprocess, main kernel(, dQ convert)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel (group) of one micro-batch on one TP rank."""
+
+    name: str  # "ln1", "qkv", "attn_core", "out_proj", "residual", "logits", ...
+    kind: OpKind  # gemm / attention are FLOP-bound; memory is bandwidth-bound
+    flops: float  # counted FLOPs on one TP rank, for one micro-batch
+    bytes: float  # HBM bytes read + written on one TP rank
+    gemm_flops: float  # FLOPs of the single underlying call (efficiency-curve lookup)
+    cls: str = ""  # cost class (gemm_fwd, attention_bwd, softmax, norm, ...); "" = by kind
+    kernels: int = 1  # kernel launches
+    saved: float = 0.0  # bytes this forward op keeps for the backward
+    compute_scale: float = 1.0  # executed / counted FLOPs (0.5: causal flash skips blocks)
+
+    @property
+    def cost_class(self) -> str:
+        if self.cls:
+            return self.cls
+        return {"gemm": "gemm_fwd", "attention": "attention_fwd"}.get(self.kind, "elementwise")
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element: bf16/fp16 2, fp32 4."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPE_BYTES)}") from None
+
+
+def gemm(name: str, m: float, k: float, n: float, dt: int, cls: str = "", kernels: int = 1,
+         saved: float = 0.0) -> Op:
+    """An (m×k)·(k×n) product in ``kernels`` equal calls; its dgrad and wgrad read and
+    write the same three shapes."""
+    flops = 2.0 * m * k * n
+    return Op(name, "gemm", flops, dt * (m * k + k * n + m * n), flops / kernels, cls, kernels,
+              saved)
+
+
+def mem(name: str, elements: float, dt: int, cls: str = "", kernels: int = 1,
+        saved: float = 0.0) -> Op:
+    return Op(name, "memory", 0.0, dt * elements, 0.0, cls, kernels, saved)
+
+
+def kv_per_rank(spec: ModelSpec, tp: int) -> float:
+    return max(spec.kv / tp, 1.0)  # replicated when tp > kv_heads
+
+
+def norm_elements(spec: ModelSpec, tokens: float, pass_: Pass) -> float:
+    # forward reads x, writes y; backward reads x and dy, writes dx (stats are tiny)
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * spec.hidden
+
+
+def act_elements(spec: ModelSpec, tokens: float, tp: int, pass_: Pass) -> float:
+    f = spec.ffn / tp
+    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
+        return (3.0 if pass_ == "fwd" else 5.0) * tokens * f
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * f  # gelu: x -> y; x, dy -> dx
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One layer on one TP rank for one micro-batch."""
+
+    spec: ModelSpec
+    b: int
+    tp: int
+    sp: bool
+    dt: int
+    st: StackSpec
+
+    @property
+    def tokens(self) -> float:
+        return float(self.b * self.spec.seq_len)
+
+    @property
+    def local(self) -> float:  # tokens of norms, residuals and dropouts on this rank
+        return self.tokens / self.tp if self.sp else self.tokens
+
+    @property
+    def q(self) -> float:
+        return self.spec.hidden / self.tp
+
+    @property
+    def kv(self) -> float:
+        return kv_per_rank(self.spec, self.tp) * self.spec.head_dim
+
+    @property
+    def scores(self) -> float:  # elements of the s×s matrices of this rank's heads
+        return self.b * (self.spec.heads / self.tp) * float(self.spec.seq_len) ** 2
+
+    @property
+    def up(self) -> float:
+        return (2 if self.spec.activation == "swiglu" else 1) * self.spec.ffn / self.tp
+
+    @property
+    def up_kernels(self) -> int:
+        return 2 if self.spec.activation == "swiglu" and not self.st.fused("projections") else 1
+
+    @property
+    def qkv_kernels(self) -> int:
+        return 1 if self.st.fused("projections") else 3
+
+
+def _gemms(x: _Shape, pass_: Pass) -> dict[str, Op]:
+    h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
+    cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
+    keep = pass_ == "fwd"
+    out = {
+        "qkv": gemm("qkv", T, h, x.q + 2 * x.kv, dt, cls, x.qkv_kernels, dt * L * h * keep),
+        "out_proj": gemm("out_proj", T, x.q, h, dt, cls, 1, dt * T * x.q * keep),
+        "mlp_up": gemm("mlp_up", T, h, x.up, dt, cls, x.up_kernels, dt * L * h * keep),
+        "mlp_down": gemm("mlp_down", T, x.spec.ffn / x.tp, h, dt, cls, 1,
+                         dt * T * x.spec.ffn / x.tp * keep),
+    }
+    return out
+
+
+def _weight_elements(x: _Shape, name: str) -> float:
+    h, f = x.spec.hidden, x.spec.ffn / x.tp
+    return {"qkv": h * (x.q + 2 * x.kv), "out_proj": x.q * h, "mlp_up": h * x.up,
+            "mlp_down": f * h}[name]
+
+
+def _attention(x: _Shape, pass_: Pass) -> list[Op]:
+    """The attention core: one flash kernel, or the unfused sequence."""
+    T, dt, S = x.tokens, x.dt, x.scores
+    fwd_flops = 4.0 * x.b * x.spec.seq_len ** 2 * x.q  # QKᵀ and AV, the full square
+    heads = x.spec.heads / x.tp
+    if x.st.flash:
+        if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
+            return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
+                       fwd_flops, "attention_fwd", 1,
+                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, 0.5)]
+        return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
+                   2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
+                   0.5)]
+    fused_softmax = x.st.attention == "unfused_fused_softmax"
+    dropout = x.st.attention_dropout > 0
+    half = fwd_flops / 2
+    if pass_ == "fwd":
+        ops = [Op("attn_scores", "gemm", half, dt * (T * (x.q + x.kv) + S), half, "gemm_fwd",
+                  1, dt * T * (x.q + x.kv)),
+               mem("attn_softmax", (2 if fused_softmax else 4) * S, dt, "softmax",
+                   1 if fused_softmax else 2, dt * S)]
+        if dropout:  # read p, write p' and the 1-byte mask; keep both
+            ops.append(Op("attn_dropout", "memory", 0.0, (2 * dt + 1) * S, 0.0, "elementwise",
+                          1, (dt + 1) * S))
+        ops.append(Op("attn_av", "gemm", half, dt * (S + T * (x.kv + x.q)), half, "gemm_fwd",
+                      1, dt * T * x.kv))
+        return ops
+    # backward in forward order (the caller reverses): dQ, dK from dS; dS from dP; dP, dV
+    ops = [Op("attn_scores", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
+              "gemm_dgrad", 2),
+           mem("attn_softmax", 3 * S, dt, "softmax", 1 if fused_softmax else 2)]
+    if dropout:
+        ops.append(Op("attn_dropout", "memory", 0.0, (2 * dt + 1) * S, 0.0, "elementwise"))
+    ops.append(Op("attn_av", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
+                  "gemm_dgrad", 2))
+    return ops
+
+
+def _rope(x: _Shape, pass_: Pass) -> list[Op]:
+    """Rotary embedding on q and k: one fused kernel each, or the eager sequence
+    (slice, neg, cat, two muls, add: ~6 passes over the tensor, 5 kernels)."""
+    if x.spec.position != "rope" or pass_ == "bwd_weight":
+        return []
+    elements = x.tokens * (x.q + x.kv)
+    if x.st.fused("rope"):
+        return [mem("rope", 2 * elements, x.dt, "elementwise", 2)]
+    return [mem("rope", 12 * elements, x.dt, "elementwise", 10)]
+
+
+def _act(x: _Shape, pass_: Pass) -> Op:
+    T, f, dt = x.tokens, x.spec.ffn / x.tp, x.dt
+    fused, bias = x.st.fused("bias_act"), x.spec.bias
+    if x.spec.activation == "swiglu":
+        if pass_ == "fwd":
+            return mem("act", (3 if fused else 5) * T * f, dt, "elementwise", 1 if fused else 2,
+                       dt * 2 * T * f)
+        return mem("act", (5 if fused else 8) * T * f, dt, "elementwise", 1 if fused else 3)
+    extra = 0 if fused or not bias else 1  # a separate bias-add kernel, read + write
+    if pass_ == "fwd":
+        return mem("act", (2 + 2 * extra) * T * f, dt, "elementwise", 1 + extra, dt * T * f)
+    return mem("act", 3 * T * f, dt, "elementwise")
+
+
+def _residual(x: _Shape, pass_: Pass) -> list[Op]:
+    """Bias, dropout and residual add after the out-proj and after the MLP."""
+    E, dt = x.local * x.spec.hidden, x.dt
+    dropout, bias = x.st.hidden_dropout > 0, x.spec.bias
+    if pass_ == "bwd_input":  # the add passes gradients through; dropout scales by its mask
+        return [Op("residual", "memory", 0.0, (2 * dt + 1) * E, 0.0, "elementwise")] \
+            if dropout else []
+    mask = E if dropout else 0.0
+    if x.st.fused("bias_dropout_add"):
+        return [Op("residual", "memory", 0.0, 3 * dt * E + mask, 0.0, "elementwise", 1, mask)]
+    kernels = 1 + bias + dropout  # bias add, dropout, add: read + write each, the add reads 2
+    nbytes = 3 * dt * E + 2 * dt * E * (bias + dropout) + mask
+    return [Op("residual", "memory", 0.0, nbytes, 0.0, "elementwise", kernels, mask)]
+
+
+def _norm(x: _Shape, name: str, pass_: Pass) -> Op:
+    elements = norm_elements(x.spec, x.local, pass_)
+    return mem(name, elements, x.dt, "norm", 1, x.dt * x.local * x.spec.hidden * (pass_ == "fwd"))
+
+
+def _weight_ops(x: _Shape) -> list[Op]:
+    """Bias and norm-parameter gradients, and AccumulateGrad for 16-bit grads."""
+    T, L, h, dt = x.tokens, x.local, x.spec.hidden, x.dt
+    ops: list[Op] = []
+    if x.spec.bias:  # dbias = Σ_tokens dY: one reduction per biased linear
+        elements = T * (x.q + 2 * x.kv) + T * x.up + 2 * L * h
+        ops.append(mem("bias_grad", elements, dt, "reduction", x.qkv_kernels + x.up_kernels + 2))
+    per_norm = 2 if x.spec.norm == "layernorm" else 1  # γ (and β) partial sums, then the sum
+    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * per_norm))
+    weights = sum(_weight_elements(x, n) for n in ("qkv", "out_proj", "mlp_up", "mlp_down"))
+    if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's 16-bit grads
+        ops.append(mem("grad_accum", 3 * weights, dt, "elementwise", layer_tensors(x.spec, x.st)))
+    else:  # the wgrad GEMMs read-modify-write the fp32 main_grad in their epilogue
+        # (gradient_accumulation_fusion): 8 bytes per weight instead of the 16-bit write
+        ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
+    return ops
+
+
+def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                    dtype: str, pass_: Pass, stack: StackSpec) -> tuple[Op, ...]:
+    """One dense layer's ops on one TP rank, in execution order."""
+    x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    g = _gemms(x, pass_)
+    if pass_ == "bwd_weight":
+        return (*g.values(), *_weight_ops(x))
+    grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.dt, "elementwise")] \
+        if pass_ == "bwd_input" else []
+    ops = (*grad_sum, _norm(x, "ln1", pass_), g["qkv"], *_rope(x, pass_), *_attention(x, pass_),
+           g["out_proj"], *_residual(x, pass_), *grad_sum, _norm(x, "ln2", pass_),
+           g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
+    return ops if pass_ == "fwd" else ops[::-1]
+
+
+def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
+    """Parameter tensors of one dense layer as the stack builds it (optimizer kernels)."""
+    qkv = 1 if stack.fused("projections") else 3
+    mlp = 2 if spec.activation == "gelu" else (2 if stack.fused("projections") else 3)
+    norms = 2 * (2 if spec.norm == "layernorm" else 1)
+    biases = (qkv + 1 + mlp) if spec.bias else 0
+    return qkv + 1 + mlp + norms + biases
+
+
+def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
+    """All-gathers (and reduce-scatters) one dense layer's parameters take under ZeRO-3:
+    one per layer, or one per linear module (QKV, or q, k, v; out-proj; MLP up, or
+    gate and up; down)."""
+    if stack.zero3_unit == "layer":
+        return 1
+    qkv = 1 if stack.fused("projections") else 3
+    up = 1 if spec.activation == "gelu" or stack.fused("projections") else 2
+    return qkv + 1 + up + 1
+
+
+def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                      dtype: str, recompute: str, stack: StackSpec) -> float:
+    """Bytes one dense layer keeps between its forward and backward: what its forward ops
+    save; under selective recomputation the core's internals (scores, softmax, dropout,
+    statistics) are dropped and only its inputs Q, K, V kept; under full recomputation
+    only the layer's input (sharded under sequence parallelism)."""
+    x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    if recompute == "full":
+        return x.dt * x.local * spec.hidden
+    ops = dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
+    if recompute == "selective":
+        core_inputs = x.dt * x.tokens * (x.q + 2 * x.kv)
+        return sum(op.saved for op in ops if op.name not in CORE_OPS) + core_inputs
+    return sum(op.saved for op in ops)
+
+
+def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str) -> Op:
+    """AdamW on ``params`` parameters in ``tensors`` tensors (one rank's shard).
+
+    Per parameter: read the gradient (main-grad dtype), read and write the fp32 master
+    weight, momentum and variance, write the 16-bit copy (fp32 training: the weights are
+    the master); global-norm clipping reads the gradients once more and scales them in
+    place. Kernels: fused multi-tensor apply launches one kernel per ~110 tensors or
+    2.1e7 elements (apex ``multi_tensor_apply``: 110 tensors, 320 blocks × 65,536);
+    ``foreach`` runs its ~7 foreach ops over the same chunks; ``per_tensor`` (the for-loop
+    AdamW) runs ~7 kernels per tensor."""
+    dt = dtype_bytes(dtype)
+    g = stack.main_grad_bytes(dt)
+    # fp32 training: w, m, v read + write; else the fp32 master too, and the 16-bit copy
+    per_param = g + 24.0 if dt == 4 else g + 24.0 + dt
+    clip = 3 * g if stack.grad_clip else 0
+    chunks = max(1, math.ceil(tensors / 110), math.ceil(params / 2.1e7))
+    kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 7 * tensors}[stack.optimizer]
+    if stack.grad_clip:
+        kernels += 2 * chunks
+    return mem("optimizer", params * (per_param + clip), 1, "optimizer", int(kernels))

@@ -1,0 +1,136 @@
+"""The training software stack as data: what a framework actually runs.
+
+The same model on the same GPUs runs different programs under Megatron-LM 2021,
+Megatron Core with Transformer Engine, torchtitan, DeepSpeed or plain PyTorch: the
+attention kernel (unfused baddbmm + softmax + dropout + bmm, or one FlashAttention
+call), which elementwise ops are fused, the dtype gradients accumulate and reduce in,
+how the optimizer launches its kernels, whether pipeline sends block, whether the
+gradient reduction overlaps the backward, and what the host pays per kernel. A
+:class:`StackSpec` says all of it; :mod:`simulator.model` derives the kernel-level op
+inventory (compute and what is kept for backward) from model + stack, and
+:mod:`simulator.memory` reads the same inventory, so compute and memory describe one
+program.
+
+Presets live in ``simulator/presets/stacks/*.yaml``, every value with its source (the
+framework's file and flag, or its documentation) in a comment; none is fitted to
+published end-to-end throughput. A scenario names one with ``stack: NAME`` or
+``stack: {preset: NAME, <field>: <value>, ...}``; without a ``stack`` section it runs
+:data:`DEFAULT_STACK`, and a mapping without a preset overrides that default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from simulator.loading import read_yaml
+
+if TYPE_CHECKING:
+    from simulator.scenario import OverlapSpec
+
+STACKS_DIR = Path(__file__).parent / "presets" / "stacks"
+DEFAULT_STACK = "megatron-core"
+
+#: unfused: baddbmm, scale + mask + softmax as separate kernels, dropout, bmm;
+#: unfused_fused_softmax: the same with one fused scale-mask-softmax kernel (Megatron's
+#: FusedScaleMaskSoftmax); flash2 / flash3: one FlashAttention kernel forward (and its
+#: backward), no s×s matrix in memory, masked blocks of a causal mask skipped.
+Attention = Literal["unfused", "unfused_fused_softmax", "flash2", "flash3"]
+#: projections: QKV as one GEMM and SwiGLU's gate and up as one; bias_act: bias add and
+#: GeLU (or SwiGLU's silu · up) in one kernel; bias_dropout_add: bias, dropout and
+#: residual add in one kernel; rope: rotary embedding as one kernel; cross_entropy: the
+#: loss as one fused kernel.
+Fusion = Literal["projections", "bias_act", "bias_dropout_add", "rope", "cross_entropy"]
+GradDtype = Literal["fp32", "param"]
+
+
+class StackSpec(BaseModel):
+    """One training framework's choices (a preset, optionally overridden field by field)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    preset: str | None = None  # the bundled preset these fields started from
+    name: str = Field(min_length=1, max_length=100)
+    description: str = Field(default="", max_length=2000)
+    attention: Attention
+    attention_dropout: float = Field(ge=0, lt=1)  # on the softmax output (unfused kernels)
+    hidden_dropout: float = Field(ge=0, lt=1)  # after out-proj, after the MLP, on embeddings
+    fusions: tuple[Fusion, ...] = ()
+    main_grads: GradDtype  # dtype gradients accumulate in across micro-batches
+    grad_reduce_dtype: GradDtype  # dtype of the data-parallel reduction
+    grad_reduce: Literal["overlapped", "after_backward"]  # DP reduce during or after backward
+    optimizer: Literal["fused", "foreach", "per_tensor"]  # how AdamW launches its kernels
+    grad_clip: bool = True  # global-norm clipping before the step (read + scale the grads)
+    pipeline_send: Literal["blocking", "async"]  # compute waits for its sends, or not
+    #: TP collectives against the GEMMs next to them; only ``none`` (blocking, on the
+    #: compute stream) is simulated so far, the others are refused by name
+    tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
+    cuda_graphs: bool = False  # kernels replayed from a graph: no per-kernel host cost
+    host_overhead_us: float = Field(ge=0, le=1e4)  # host time to issue one kernel (eager)
+    nccl_version: str = Field(default="2.18", pattern=r"^\d+\.\d+(\.\d+)?$")
+    #: ZeRO-3 / FSDP collectives per layer: one for the whole layer (FSDP's unit, a
+    #: transformer block), or one per linear module (DeepSpeed fetches each submodule's
+    #: parameters; parameters under its persistence threshold, norms and biases, stay
+    #: whole and are not gathered)
+    zero3_unit: Literal["layer", "module"] = "layer"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict) and "preset" not in data and "name" not in data:
+            data = {"preset": DEFAULT_STACK, **data}  # overrides of the default stack
+        if isinstance(data, dict) and data.get("preset") is not None:
+            data = {**preset_fields(data["preset"]), **data}
+        if isinstance(data, dict) and isinstance(data.get("fusions"), list):
+            data = {**data, "fusions": tuple(data["fusions"])}  # YAML lists; strict tuples
+        return data
+
+    def fused(self, what: Fusion) -> bool:
+        return what in self.fusions
+
+    @property
+    def flash(self) -> bool:
+        return self.attention in ("flash2", "flash3")
+
+    @property
+    def host_us(self) -> float:
+        """Host time per kernel launch: none when a CUDA graph replays the step."""
+        return 0.0 if self.cuda_graphs else self.host_overhead_us
+
+    def main_grad_bytes(self, dtype_bytes: int) -> int:
+        return 4 if self.main_grads == "fp32" else dtype_bytes
+
+    def reduce_bytes(self, dtype_bytes: int) -> int:
+        return 4 if self.grad_reduce_dtype == "fp32" else dtype_bytes
+
+    def overlap(self, requested: OverlapSpec) -> OverlapSpec:
+        """What overlaps under this stack: a blocking send or an after-backward
+        reduction is in line whatever ``parallel.overlap`` asks for."""
+        return requested.model_copy(update={
+            "pp": requested.pp and self.pipeline_send == "async",
+            "dp": requested.dp and self.grad_reduce == "overlapped"})
+
+
+def preset_stack_names() -> list[str]:
+    return sorted(p.stem for p in STACKS_DIR.glob("*.yaml"))
+
+
+def preset_fields(name: object) -> dict[str, Any]:
+    if not isinstance(name, str) or not (STACKS_DIR / f"{name}.yaml").exists():
+        near = difflib.get_close_matches(str(name), preset_stack_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ValueError(f"unknown stack preset; {hint}bundled: "
+                         f"{', '.join(preset_stack_names())}")
+    data = read_yaml(STACKS_DIR / f"{name}.yaml", "stack.preset")
+    assert isinstance(data, dict), f"stack preset {name} is not a mapping"
+    return data
+
+
+def load_stack(name: str) -> StackSpec:
+    """A bundled preset by name."""
+    return StackSpec.model_validate({"preset": name})

@@ -1,0 +1,225 @@
+"""The training stack as data, the op inventory it derives, and the terms it adds.
+
+Closed forms pin each term: what a layer keeps for backward under every stack (the
+memory model and the op inventory must agree, property-tested over models and
+stacks), the host-bound regime, causal flash attention, the optimizer's bytes, fp32
+gradient reductions, blocking sends. Every bundled scenario names a stack and has an
+op table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator import model as mdl
+from simulator.costs import CostModel
+from simulator.errors import ScenarioError
+from simulator.inventory import CORE_OPS, Op, kept_for_backward, optimizer_op
+from simulator.memory import activation_bytes_per_layer
+from simulator.ops_table import op_rows
+from simulator.scenario import (
+    ModelSpec,
+    OverlapSpec,
+    load_scenario,
+    not_yet_simulated,
+    scenario_from_dict,
+)
+from simulator.stack import STACKS_DIR, StackSpec, load_stack, preset_stack_names
+from simulator.workload import build_workload
+
+SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
+STACKS = preset_stack_names()
+
+
+def test_presets_load_and_every_value_has_its_source() -> None:
+    assert set(STACKS) == {"megatron-2021", "megatron-2022", "megatron-core", "torchtitan",
+                           "deepspeed", "pytorch-eager"}
+    for name in STACKS:
+        stack = load_stack(name)
+        assert stack.name == name
+        lines = (STACKS_DIR / f"{name}.yaml").read_text().splitlines()
+        for i, line in enumerate(lines):
+            key = re.match(r"^([a-z_]+):", line)
+            if not key or key.group(1) in ("name", "description", "fusions"):
+                continue
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            assert "#" in line or nxt.lstrip().startswith("#"), f"{name}: {line!r} has no source"
+
+
+def _scenario(**stack: object) -> dict[str, object]:
+    return {"name": "t", "model": {"preset": "tiny-gpt"},
+            "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 2},
+            "parallel": {"dp": 2}, "training": {"global_batch": 4}, **stack}
+
+
+def test_stack_section_forms() -> None:
+    assert scenario_from_dict(_scenario()).stack.name == "megatron-core"  # the default
+    assert scenario_from_dict(_scenario(stack="torchtitan")).stack.attention == "flash2"
+    over = scenario_from_dict(_scenario(stack={"preset": "megatron-2021",
+                                               "hidden_dropout": 0.0})).stack
+    assert (over.name, over.hidden_dropout, over.attention_dropout) == ("megatron-2021", 0, 0.1)
+    partial = scenario_from_dict(_scenario(stack={"host_overhead_us": 3.0})).stack
+    assert (partial.name, partial.host_us) == ("megatron-core", 3.0)
+
+
+@pytest.mark.parametrize(("stack", "field", "fix"), [
+    ("megatron-202", "stack", "did you mean 'megatron-2022'"),
+    ({"attention": "flash9"}, "stack.attention", "must be one of"),
+    ({"hidden_dropout": 1.5}, "stack.hidden_dropout", "must be <"),
+    ({"fusions": ["qkv"]}, "stack.fusions", "must be one of"),
+])
+def test_bad_stack_is_one_line_naming_the_field(stack: object, field: str, fix: str) -> None:
+    with pytest.raises(ScenarioError) as err:
+        scenario_from_dict(_scenario(stack=stack))
+    text = str(err.value)
+    assert field in text and fix in text and "\n" not in text.strip()
+
+
+def test_tp_overlap_other_than_none_is_refused_by_name() -> None:
+    s = scenario_from_dict(_scenario(stack={"tp_overlap": "pipelined"}))
+    [problem] = not_yet_simulated(s)
+    assert problem.field == "stack.tp_overlap" and "not yet simulated" in problem.fix
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_every_bundled_scenario_names_its_stack_and_has_an_op_table(path: Path) -> None:
+    assert re.search(r"^stack:", path.read_text(), flags=re.M), path.name
+    s = load_scenario(path)
+    rows = op_rows(s)
+    layer = [r for r in rows if r["part"].startswith("layer")]
+    assert layer and sum(r["share"] for r in layer) == pytest.approx(
+        len({r["part"] for r in layer}))
+    assert {r["bound"] for r in rows} <= {"compute", "memory", "overhead"}
+
+
+def test_gpt3_megatron_2021_table_lists_unfused_attention_dropouts_and_fp32_main_grads() -> None:
+    s = load_scenario(Path(__file__).parent.parent / "scenarios" / "gpt3-175b-1024.yaml")
+    assert s.stack.name == "megatron-2021"
+    names = {(r["pass"], r["op"]) for r in op_rows(s)}
+    for op in ("attn_scores", "attn_softmax", "attn_dropout", "attn_av", "residual"):
+        assert ("forward", op) in names
+    assert ("backward weight", "main_grad") in names
+    assert ("forward", "embedding_dropout") in names
+
+
+# ---------------------------------------------------------------- kept for backward
+
+dense_specs = st.builds(
+    lambda layers, heads, head_dim, kv_div, ffn_mul, s, act, norm, bias, pos: ModelSpec(
+        layers=layers, hidden=heads * head_dim, heads=heads, kv_heads=heads // kv_div,
+        ffn_hidden=ffn_mul * heads * head_dim, vocab=1000, seq_len=s, activation=act,
+        norm=norm, bias=bias, position=pos),
+    st.integers(1, 4), st.sampled_from([4, 8, 16]), st.sampled_from([16, 32, 64]),
+    st.sampled_from([1, 2, 4]), st.integers(2, 4), st.sampled_from([64, 128, 512]),
+    st.sampled_from(["gelu", "swiglu"]), st.sampled_from(["layernorm", "rmsnorm"]),
+    st.booleans(), st.sampled_from(["learned", "rope"]))
+
+
+def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
+                 recompute: str) -> float:
+    """What one layer keeps, written out independently of the inventory."""
+    dt, h, s = 2, spec.hidden, spec.seq_len
+    T = b * s
+    L = T / tp if sp else T
+    if recompute == "full":
+        return dt * L * h
+    q, kv, f = h / tp, max(spec.kv / tp, 1) * spec.head_dim, spec.ffn / tp
+    heads = spec.heads / tp
+    S = b * heads * s * s
+    out = dt * 4 * L * h  # the two norms' and the QKV and MLP-up projections' inputs
+    out += 2 * L * h if stack.hidden_dropout > 0 else 0  # two 1-byte masks
+    out += dt * T * (q + 2 * kv)  # Q, K, V
+    out += dt * T * q  # the out-projection's input
+    out += dt * T * f * (3 if spec.activation == "swiglu" else 2)  # act in (and MLP-down in)
+    if recompute == "selective":
+        return out
+    if stack.flash:
+        return out + 4 * T * heads  # the fp32 log-sum-exp
+    return out + dt * S + ((dt + 1) * S if stack.attention_dropout > 0 else 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(dense_specs, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.booleans(),
+       st.sampled_from(STACKS), st.sampled_from(["none", "selective", "full"]))
+def test_memory_and_inventory_agree_on_what_is_kept(spec: ModelSpec, b: int, tp: int, sp: bool,
+                                                   name: str, recompute: str) -> None:
+    stack = load_stack(name)
+    memory = activation_bytes_per_layer(spec, b, tp, sp, recompute, stack=stack)  # type: ignore[arg-type]
+    inventory = kept_for_backward(spec, b, tp, sp, "bf16", recompute, stack)
+    assert memory == inventory
+    assert memory == pytest.approx(_closed_form(spec, b, tp, sp, stack, recompute), rel=1e-12)
+    fwd = mdl.layer_ops(spec, b, tp, sp, "bf16", "fwd", stack=stack)
+    if recompute == "none":
+        assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12)
+    if recompute == "selective":  # what it drops is exactly what it re-runs
+        rerun = mdl.layer_recompute_ops(spec, b, tp, sp, "bf16", "selective", stack=stack)
+        assert {op.name for op in rerun} <= set(CORE_OPS)
+    assert all(op.saved == 0 for p in ("bwd_input", "bwd_weight")
+               for op in mdl.layer_ops(spec, b, tp, sp, "bf16", p, stack=stack))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_memory_reads_the_inventory_of_every_scenario(path: Path) -> None:
+    s = load_scenario(path)
+    spec, par = s.model, s.parallel
+    if spec.is_moe or spec.mla is not None or par.cp > 1:
+        return  # their layers keep the flash core's widths (simulator.moe)
+    b, dt = s.training.micro_batch, s.training.dtype
+    fwd = mdl.layer_ops(spec, b, par.tp, par.sequence_parallel, dt, "fwd", stack=s.stack)
+    memory = activation_bytes_per_layer(spec, b, par.tp, par.sequence_parallel, "none", dt,
+                                        stack=s.stack)
+    assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12)
+
+
+# ---------------------------------------------------------------- cost terms
+
+
+def test_host_bound_regime_and_cuda_graphs() -> None:
+    s = scenario_from_dict(_scenario())
+    tiny = Op("tiny", "memory", 0.0, 1e3, 0.0, "elementwise", 5)
+    eager = CostModel(s.hardware, "bf16", host_us=10.0)
+    assert eager.op_time(tiny) == pytest.approx(5 * 10e-6)  # five launches' host time
+    assert eager.bound(tiny) == "overhead"
+    graphs = load_stack("megatron-core").model_copy(update={"cuda_graphs": True})
+    assert graphs.host_us == 0.0
+    big = Op("big", "memory", 0.0, 1e10, 0.0, "elementwise", 1)
+    assert eager.op_time(big) == CostModel(s.hardware, "bf16").op_time(big)  # hidden
+
+
+def test_causal_flash_executes_half_the_counted_flops() -> None:
+    spec = mdl.default_stack()
+    gpt = scenario_from_dict({**_scenario(), "model": {"preset": "gpt3-175b"}}).model
+    flash = next(op for op in mdl.layer_ops(gpt, 1, 8, stack=spec) if op.name == "attn_core")
+    assert flash.compute_scale == 0.5
+    assert flash.flops == 4 * gpt.seq_len**2 * gpt.hidden / 8  # counted: the full square
+
+
+def test_optimizer_bytes_per_parameter() -> None:
+    # bf16 with fp32 main grads: read g (4), read+write master, m, v (24), write bf16 (2);
+    # clipping reads the grads and scales them in place (3 × 4)
+    mega = load_stack("megatron-2021")
+    assert optimizer_op(1e9, 100, mega, "bf16").bytes == pytest.approx(1e9 * (30 + 12))
+    ds = load_stack("deepspeed")  # 16-bit gradients
+    assert optimizer_op(1e9, 100, ds, "bf16").bytes == pytest.approx(1e9 * (28 + 6))
+    eager = load_stack("pytorch-eager")  # for-loop AdamW, no clipping: ~7 kernels a tensor
+    assert optimizer_op(1e6, 40, eager, "fp32").kernels == 7 * 40
+
+
+def test_fp32_reduction_doubles_the_gradient_bytes() -> None:
+    def dp_bytes(stack: str) -> float:
+        s = scenario_from_dict(_scenario(stack=stack))
+        w = build_workload(s)
+        return sum(t.nbytes for t in w.tasks if t.kind == "dp" and t.rank == 0)
+    assert dp_bytes("megatron-core") == pytest.approx(2 * dp_bytes("deepspeed"))
+
+
+def test_blocking_sends_and_after_backward_reduction() -> None:
+    want = OverlapSpec()
+    assert load_stack("megatron-2021").overlap(want) == OverlapSpec(dp=False, pp=False)
+    assert load_stack("torchtitan").overlap(want) == want
+    assert load_stack("megatron-core").overlap(want) == OverlapSpec(pp=False)
