@@ -61,6 +61,8 @@ EXAMPLES = {
             "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set cluster.system=cpu.yaml "
             "--uncertainty 200 --seed 1 --method analytic"),
     "memory": "example:\n  clustersim memory scenarios/gpt3-175b-1024.yaml --set parallel.zero=1",
+    "ops": ("examples:\n  clustersim ops scenarios/gpt3-175b-1024.yaml --set stack=megatron-2021\n"
+            "  clustersim ops scenarios/llama2-7b-8gpu-fsdp.yaml --csv ops.csv"),
     "presets": "example:\n  clustersim presets",
     "schema": "example:\n  clustersim schema > scenario.schema.json",
     "plot": "example:\n  clustersim plot out/gpt3",
@@ -124,8 +126,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q.add_argument("--seed", default="0", metavar="S",
                    help="seed of the --uncertainty samples (default 0)")
     q.add_argument("--max-tasks", type=_positive_int, default=None, metavar="N",
-                   help="refuse engine runs estimated above N tasks (default 2e7, about "
-                   "32 GB); checked before building")
+                   help="refuse engine runs estimated above N tasks (default 2.5e7, about "
+                   "40 GB); checked before building")
     q.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet",
                    help="span table format: timeline.parquet (default), timeline.csv, or both")
     q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
@@ -135,6 +137,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     q = add("memory", "per-rank memory table and out-of-memory verdict")
     scenario_args(q)
     q.set_defaults(func=cmd_memory)
+    q = add("ops", "one layer's kernel-level ops under the scenario's stack: time, bound, share")
+    scenario_args(q)
+    q.add_argument("--csv", metavar="FILE", help="also write the table as CSV to FILE")
+    q.set_defaults(func=cmd_ops)
     q = add("presets", "list bundled models and systems")
     q.set_defaults(func=cmd_presets)
     q = add("schema", "print the scenario JSON Schema (for editors)")
@@ -327,6 +333,20 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 m.total)
         print("  ".join([f"{m.stage:>11}", *(f"{v / gb:>11.2f}" for v in vals),
                          f"{'yes' if m.fits else 'NO':>11}"]))
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    from simulator.ops_table import format_table, op_rows, to_csv
+    from simulator.trace_export import atomic_output
+
+    s = _load(args)
+    rows = op_rows(s)
+    print(format_table(s, rows))
+    if args.csv:
+        with atomic_output(args.csv) as tmp:
+            tmp.write_text(to_csv(rows), encoding="utf-8")
+        print(f"wrote {args.csv}")
     return 0
 
 
