@@ -52,7 +52,7 @@ FITS = {
     "gpt-10b-8xa100-40gb-zero0": False,
     "gpt-10b-8xa100-40gb-zero3": True,
     "gpt-2.7b-32gpu-4pernode": True,
-    GPIPE: False,
+    GPIPE: True,  # 51 GB under torchtitan's flash attention (95 GB with Megatron's unfused)
     ONE_F_ONE_B: True,
     "llama2-70b-128xh100": True,
 }
@@ -234,7 +234,11 @@ def test_pair_bubble_matches_theory(run_dir: Path) -> None:
         assert r["bubble_fraction"] == pytest.approx(theory, abs=0.03)
         assert r["bubble_fraction"] <= theory * (1 + 1e-9)  # imbalance is reported apart
     assert g["memory_peak_bytes"] > f["memory_peak_bytes"]
-    assert (g["fits_in_memory"], f["fits_in_memory"]) == (False, True)
+    assert (g["fits_in_memory"], f["fits_in_memory"]) == (True, True)
+    # with Megatron's unfused attention the stored scores push GPipe over 80 GB, not 1F1B
+    unfused = [memory_report(load_scenario(SCENARIOS / f"{n}.yaml", ["stack=megatron-2022"]))
+               for n in (GPIPE, ONE_F_ONE_B)]
+    assert [all(m.fits for m in stages) for stages in unfused] == [False, True]
 
 
 def test_hetero_bubble_reduces_to_theory() -> None:
