@@ -162,10 +162,12 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
     qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
     if pass_ == "fwd":  # read q, k, v; write o
         ops["attn_core"] = mdl.Op("attn_core", "attention", core,
-                                  dt * tokens * (2 * qk + 2 * v), core)
+                                  dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
+                                  0.0, 0.5)  # causal: a flash kernel skips masked blocks
     else:  # read q, k, v, o, do; write dq, dk, dv
         ops["attn_core"] = mdl.Op("attn_core", "attention", 2 * core,
-                                  dt * tokens * (4 * qk + 4 * v), 2 * core)
+                                  dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd", 3,
+                                  0.0, 0.5)
     ops["out_proj"] = mdl._gemm("out_proj", tokens, v, h, dt)
     return ops
 
@@ -284,6 +286,7 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     if pass_ == "bwd_weight":
         return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
     residual = mdl._mem("residual", 3.0 * local * spec.hidden, dt)
-    ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt), *attention, residual,
-           mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt), *mlp, residual)
+    ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt, "norm"), *attention,
+           residual, mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt, "norm"), *mlp,
+           residual)
     return ops if pass_ == "fwd" else ops[::-1]

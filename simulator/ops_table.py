@@ -19,7 +19,7 @@ from typing import Any
 from simulator import model as mdl
 from simulator import moe
 from simulator.costs import CostModel
-from simulator.memory import stage_params
+from simulator.memory import activation_bytes_per_layer, stage_params
 from simulator.placement import stage_layer_count
 from simulator.scenario import Scenario
 from simulator.workload import local_scenario
@@ -89,11 +89,15 @@ def format_table(s: Scenario, rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['part']:<16}{r['pass']:<16}{r['op']:<18}{r['class']:<14}"
                      f"{r['kernels']:>5}{r['gflop']:>10.2f}{r['mb']:>10.1f}{r['saved_mb']:>10.1f}"
                      f"{r['time_us']:>11.1f}  {r['bound']:<9}{share:>6}")
-    layer = [r for r in rows if r["part"].startswith("layer")]
-    lines.append(f"layer total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
+    first = rows[0]["part"]
+    layer = [r for r in rows if r["part"] == first]
+    par, b = s.parallel, s.training.micro_batch
+    kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, par.recompute,
+                                      s.training.dtype, 0, par.cp, s.stack)
+    lines.append(f"{first} total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
                  f"{sum(r['kernels'] for r in layer)} kernels; kept for backward "
-                 f"{sum(r['saved_mb'] for r in layer if r['pass'] == 'forward'):.1f} MB "
-                 f"(before recomputation)")
+                 f"{kept / 1e6:.1f} MB (the memory model's, under recompute "
+                 f"{par.recompute})")
     return "\n".join(lines)
 
 
