@@ -58,6 +58,7 @@ def test_scenario_yaml_matches_the_documented_layout(tmp_path: Path) -> None:
     )
     assert scenario_yaml(cfg) == (
         "name: measured-tp1-pp2-dp1-1f1b\n"
+        "stack: pytorch-eager\n"
         "model: {layers: 4, hidden: 128, heads: 4, kv_heads: 4, ffn_hidden: 512, vocab: 512, "
         "seq_len: 64, activation: gelu, norm: layernorm, bias: true, tied_embeddings: true, "
         "position: learned}\n"
@@ -78,6 +79,9 @@ def test_scenario_validates_with_the_simulator(tmp_path: Path) -> None:
     s = scenario.load_scenario(path)
     assert (s.parallel.tp, s.parallel.pp, s.parallel.dp) == (2, 2, 2)
     assert s.parallel.virtual_stages == 2
+    # the measured run is plain PyTorch eager: its stack, not the default (megatron-core)
+    assert s.stack.name == "pytorch-eager"
+    assert s.stack.optimizer == "per_tensor" and s.stack.attention == "flash2"
     assert s.training.global_batch == 2 * 4 * 2
 
 

@@ -32,8 +32,12 @@ ROWS = [
 
 def test_configs_cover_the_issue_list() -> None:
     names = [c.name for c in CPU_CONFIGS]
-    assert names == ["dp2-ddp", "dp2-powersgd", "pp2-gpipe", "pp2-1f1b", "tp2", "fsdp2",
+    assert names == ["dp2-ddp", "dp2-powersgd", "pp2-gpipe", "pp2-1f1b", "tp2", "tp2-sp",
+                     "fsdp2",
                      "ep2-moe", "cp2-allgather", "dp2-slow1x2", "pp2-1f1b-slow1x2"]
+    sp = next(c for c in CPU_CONFIGS if c.name == "tp2-sp")
+    assert (sp.tp, sp.sequence_parallel) == (2, True)
+    assert not any(c.sequence_parallel for c in CPU_CONFIGS if c is not sp)
     assert len(configs_for("cuda", 8)) > len(configs_for("cuda", 2)) == len(CPU_CONFIGS)
 
 

@@ -1,8 +1,8 @@
 """The simulator scenario of a measured run (``scenario.yaml``).
 
 Written in the layout of hand-written scenarios, one flow mapping per section,
-so that ``clustersim compare`` simulates exactly what ran: one device per rank
-on one node, the GPT-2 model features of :mod:`calibration.measured.gpt`, fp32 on CPU
+so that ``clustersim compare`` simulates exactly what ran: the ``pytorch-eager``
+stack (the kernels plain PyTorch eager launches), one device per rank on one node, the GPT-2 model features of :mod:`calibration.measured.gpt`, fp32 on CPU
 and bf16 (autocast) on CUDA.  No torch here unless a CUDA name must be looked up.
 """
 
@@ -12,6 +12,10 @@ import re
 from typing import Any
 
 from calibration.measured.measure_config import MeasureConfig
+
+
+#: The software stack every measured run executes (simulator/presets/stacks/pytorch-eager.yaml).
+STACK = "pytorch-eager"
 
 
 def _flow(mapping: dict[str, Any]) -> str:
@@ -79,6 +83,9 @@ def scenario_dict(
                                             "start_step": cfg.warmup}
     out: dict[str, dict[str, Any] | str] = {
         "name": scenario_name(cfg),
+        # what calibration/measured/gpt.py runs: separate q/k/v, SDPA, DDP / FSDP2 /
+        # torch.distributed.pipelining / DTensor TP, torch.optim.AdamW (the preset's comments)
+        "stack": STACK,
         "model": {
             "layers": m["layers"],
             "hidden": m["hidden"],

@@ -7,7 +7,8 @@ with that profile), and writes ``DIR/validation.md`` and ``DIR/validation.csv``:
 one row per configuration with measured and simulated step time and the error.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
-PP 2 with GPipe and with 1F1B, TP 2, FSDP 2 (ZeRO-3), the MoE GPT (4 experts,
+PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
+``SequenceParallel`` on the norms, simulated with ``parallel.sequence_parallel``), FSDP 2 (ZeRO-3), the MoE GPT (4 experts,
 top-2) with EP 2, CP 2 (the sequence split, K and V all-gathered), and DP 2 and PP 2
 (1F1B) with rank 1 a straggler on purpose (its compute twice as long, ``measure
 --slow-rank 1 --slowdown 2``, simulated with ``variability.slow_gpus``). With more devices
@@ -44,6 +45,7 @@ class Config:
     cp: int = 1  # > 1: the sequence split, K and V all-gathered (calibration/measured/cp_worker)
     slow_rank: int = -1  # a straggler on purpose (calibration/measured/slow_rank.py) ...
     slowdown: float = 1.0  # ... whose compute takes this many times as long
+    sequence_parallel: bool = False  # TP with DTensor SequenceParallel (parallel_worker.tp_plan)
 
 
 CPU_CONFIGS = (
@@ -52,6 +54,7 @@ CPU_CONFIGS = (
     Config("pp2-gpipe", pp=2, schedule="gpipe"),
     Config("pp2-1f1b", pp=2, schedule="1f1b"),
     Config("tp2", tp=2),
+    Config("tp2-sp", tp=2, sequence_parallel=True),
     Config("fsdp2", dp=2, zero=3),
     Config("ep2-moe", dp=2, experts=4, ep=2),
     Config("cp2-allgather", cp=2),
@@ -133,7 +136,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> d
                     threads=args.threads, timeout_s=args.timeout,
                     micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank,
                     experts=cfg.experts, ep=cfg.ep, cp=cfg.cp, slow_rank=cfg.slow_rank,
-                    slowdown=cfg.slowdown)
+                    slowdown=cfg.slowdown, sequence_parallel=cfg.sequence_parallel)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
