@@ -26,7 +26,8 @@ T, widths per TP rank: q = h/t, kv = KV heads/t · head_dim, f = ffn/t):
 - ``residual``: bias, dropout and residual add (one kernel when fused); keeps the
   1-byte dropout mask.
 - backward only: ``grad_sum`` where the residual stream forks into a norm (autograd
-  adds the two gradients), one per norm.
+  adds the two gradients), one per norm; ``qkv_grad_sum`` / ``up_grad_sum`` where
+  separate q, k, v (or gate and up) projections read the same normed input.
 - backward weight: the wgrad GEMMs (writing, or with fp32 main grads read-modify-writing
   the fp32 ``main_grad``), ``bias_grad`` reductions of dY, ``norm_grad`` (the γ/β
   partial sums), and ``grad_accum`` (AccumulateGrad's add of 16-bit grads).
@@ -232,7 +233,8 @@ def _act(x: _Shape, pass_: Pass) -> Op:
             return mem("act", (3 if fused else 5) * T * f, dt, "elementwise", 1 if fused else 2,
                        dt * 2 * T * f)
         return mem("act", (5 if fused else 8) * T * f, dt, "elementwise", 1 if fused else 3)
-    extra = 0 if fused or not bias else 1  # a separate bias-add kernel, read + write
+    # a separate bias-add kernel (read + write) unless fused here or inside the GEMM (addmm)
+    extra = 0 if fused or not bias or x.st.fused("bias_gemm") else 1
     if pass_ == "fwd":
         return mem("act", (2 + 2 * extra) * T * f, dt, "elementwise", 1 + extra, dt * T * f)
     return mem("act", 3 * T * f, dt, "elementwise")
@@ -241,7 +243,8 @@ def _act(x: _Shape, pass_: Pass) -> Op:
 def _residual(x: _Shape, pass_: Pass) -> list[Op]:
     """Bias, dropout and residual add after the out-proj and after the MLP."""
     E, dt = x.local * x.spec.hidden, x.dt
-    dropout, bias = x.st.hidden_dropout > 0, x.spec.bias
+    dropout = x.st.hidden_dropout > 0
+    bias = x.spec.bias and not x.st.fused("bias_gemm")  # addmm adds it inside the GEMM
     if pass_ == "bwd_input":  # the add passes gradients through; dropout scales by its mask
         return [Op("residual", "memory", 0.0, (2 * dt + 1) * E, 0.0, "elementwise")] \
             if dropout else []
@@ -285,10 +288,22 @@ def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_paralle
         return (*g.values(), *_weight_ops(x))
     grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.dt, "elementwise")] \
         if pass_ == "bwd_input" else []
-    ops = (*grad_sum, _norm(x, "ln1", pass_), g["qkv"], *_rope(x, pass_), *_attention(x, pass_),
+    ops = (*grad_sum, _norm(x, "ln1", pass_), *_fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels,
+                                                               pass_), g["qkv"],
+           *_rope(x, pass_), *_attention(x, pass_),
            g["out_proj"], *_residual(x, pass_), *grad_sum, _norm(x, "ln2", pass_),
-           g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
+           *_fork_grad_sum(x, "up_grad_sum", x.up_kernels, pass_), g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
     return ops if pass_ == "fwd" else ops[::-1]
+
+
+def _fork_grad_sum(x: _Shape, name: str, gemms: int, pass_: Pass) -> list[Op]:
+    """Separate projections reading the same normed input (q, k and v; SwiGLU's gate and
+    up): autograd adds their input gradients (one add over T·h per extra GEMM) before
+    the norm's backward."""
+    if pass_ != "bwd_input" or gemms == 1:
+        return []
+    adds = gemms - 1
+    return [mem(name, 3 * adds * x.tokens * x.spec.hidden, x.dt, "elementwise", adds)]
 
 
 def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
@@ -336,14 +351,16 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str) -> O
     place. Kernels: fused multi-tensor apply launches one kernel per ~110 tensors or
     2.1e7 elements (apex ``multi_tensor_apply``: 110 tensors, 320 blocks × 65,536);
     ``foreach`` runs its ~7 foreach ops over the same chunks; ``per_tensor`` (the for-loop
-    AdamW) runs ~7 kernels per tensor."""
+    AdamW, torch/optim/adamw.py ``_single_tensor_adamw``) runs 10 ops per tensor: the
+    step count's add, the weight decay's mul, lerp, mul and addcmul on the moments, the
+    step's ``item``, sqrt, div and add for the denominator, the update's addcdiv."""
     dt = dtype_bytes(dtype)
     g = stack.main_grad_bytes(dt)
     # fp32 training: w, m, v read + write; else the fp32 master too, and the 16-bit copy
     per_param = g + 24.0 if dt == 4 else g + 24.0 + dt
     clip = 3 * g if stack.grad_clip else 0
     chunks = max(1, math.ceil(tensors / 110), math.ceil(params / 2.1e7))
-    kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 7 * tensors}[stack.optimizer]
+    kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 10 * tensors}[stack.optimizer]
     if stack.grad_clip:
         kernels += 2 * chunks
     return mem("optimizer", params * (per_param + clip), 1, "optimizer", int(kernels))

@@ -42,8 +42,10 @@ Attention = Literal["unfused", "unfused_fused_softmax", "flash2", "flash3"]
 #: projections: QKV as one GEMM and SwiGLU's gate and up as one; bias_act: bias add and
 #: GeLU (or SwiGLU's silu · up) in one kernel; bias_dropout_add: bias, dropout and
 #: residual add in one kernel; rope: rotary embedding as one kernel; cross_entropy: the
-#: loss as one fused kernel.
-Fusion = Literal["projections", "bias_act", "bias_dropout_add", "rope", "cross_entropy"]
+#: loss as one fused kernel; bias_gemm: the bias added inside the GEMM (nn.Linear's
+#: ``addmm``), so neither the activation nor the residual launches a bias kernel.
+Fusion = Literal["projections", "bias_act", "bias_dropout_add", "rope", "cross_entropy",
+                 "bias_gemm"]
 GradDtype = Literal["fp32", "param"]
 
 

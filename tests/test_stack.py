@@ -206,8 +206,8 @@ def test_optimizer_bytes_per_parameter() -> None:
     assert optimizer_op(1e9, 100, mega, "bf16").bytes == pytest.approx(1e9 * (30 + 12))
     ds = load_stack("deepspeed")  # 16-bit gradients
     assert optimizer_op(1e9, 100, ds, "bf16").bytes == pytest.approx(1e9 * (28 + 6))
-    eager = load_stack("pytorch-eager")  # for-loop AdamW, no clipping: ~7 kernels a tensor
-    assert optimizer_op(1e6, 40, eager, "fp32").kernels == 7 * 40
+    eager = load_stack("pytorch-eager")  # for-loop AdamW, no clipping: 10 ops a tensor
+    assert optimizer_op(1e6, 40, eager, "fp32").kernels == 10 * 40
 
 
 def test_fp32_reduction_doubles_the_gradient_bytes() -> None:

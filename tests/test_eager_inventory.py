@@ -1,0 +1,125 @@
+"""The ``pytorch-eager`` inventory against what calibration/measured/gpt.py executes.
+
+Closed forms for the eager kernels (bias inside ``addmm``, the gradient sums where
+separate q, k, v read one input, the for-loop AdamW's ops per tensor), and a
+``torch.profiler`` count of the aten compute ops one more layer adds to a CPU training
+step of the measured GPT, put beside the inventory's kernels for that layer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from simulator.inventory import FLASH_BWD_KERNELS, dense_layer_ops, optimizer_op
+from simulator.scenario import ModelSpec
+from simulator.stack import StackSpec, load_stack
+
+TINY = {"layers": 1, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128, "seq_len": 32}
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec.model_validate({**TINY, "kv_heads": 4, "activation": "gelu",
+                                     "norm": "layernorm", "bias": True,
+                                     "tied_embeddings": True, "position": "learned"})
+
+
+def _kernels(stack: StackSpec, pass_: str) -> Counter[str]:
+    ops = dense_layer_ops(_spec(), 2, 1, False, "fp32", pass_, stack)  # type: ignore[arg-type]
+    out: Counter[str] = Counter()
+    for op in ops:
+        out[op.name] += op.kernels
+    return out
+
+
+def test_bias_inside_the_gemm_launches_no_bias_kernel() -> None:
+    eager = load_stack("pytorch-eager")
+    fwd = _kernels(eager, "fwd")
+    assert fwd["act"] == 1 and fwd["residual"] == 2  # F.gelu; x + y twice
+    apart = eager.model_copy(update={"fusions": ()})  # a separate bias add before each
+    fwd_apart = _kernels(apart, "fwd")
+    assert fwd_apart["act"] == 2 and fwd_apart["residual"] == 4
+
+
+def test_separate_projections_sum_their_input_gradients() -> None:
+    eager = load_stack("pytorch-eager")
+    assert _kernels(eager, "bwd_input")["qkv_grad_sum"] == 2  # q, k, v: two adds
+    fused = eager.model_copy(update={"fusions": ("projections", "bias_gemm")})
+    assert _kernels(fused, "bwd_input")["qkv_grad_sum"] == 0  # one QKV GEMM: nothing to sum
+    grad_sums = [op for op in dense_layer_ops(_spec(), 2, 1, False, "fp32", "bwd_input", eager)
+                 if op.name == "qkv_grad_sum"]
+    assert grad_sums[0].bytes == 4 * 3 * 2 * (2 * 32 * 64)  # two adds: read 2, write 1
+
+
+def test_for_loop_adamw_runs_ten_ops_per_tensor() -> None:
+    eager = load_stack("pytorch-eager")
+    assert optimizer_op(1e5, 7, eager, "fp32").kernels == 70
+
+
+# --------------------------------------------------------------- against torch.profiler
+#: aten ops that move no data (views, metadata) or only wrap another op
+_NOT_KERNELS = {"aten::view", "aten::t", "aten::transpose", "aten::reshape", "aten::expand",
+                "aten::as_strided", "aten::_unsafe_view", "aten::detach", "aten::linear",
+                "aten::matmul", "aten::layer_norm", "aten::scaled_dot_product_attention",
+                "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::resolve_conj",
+                "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze",
+                "aten::contiguous", "aten::to", "aten::lift_fresh", "aten::alias",
+                "aten::result_type", "aten::resize_", "aten::size", "aten::stride"}
+
+
+def _phase_counts(layers: int) -> dict[str, int]:
+    """Top-level aten compute ops of one fwd + bwd + AdamW step of the measured GPT."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from calibration.measured.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**TINY, "layers": layers})
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = synthetic_batch(cfg, 2, 0)
+    loss_fn(model(x), y).backward()
+    opt.step()  # states exist; the profiled step is a steady one
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("FWD"):
+            loss = loss_fn(model(x), y)
+        with record_function("BWD"):
+            loss.backward()
+        with record_function("OPT"):
+            opt.step()
+    counts: Counter[str] = Counter()
+    for ev in prof.events():
+        if not ev.name.startswith("aten::") or ev.name in _NOT_KERNELS:
+            continue
+        parent: Any = ev.cpu_parent
+        while parent is not None and parent.name in _NOT_KERNELS:
+            parent = parent.cpu_parent
+        if parent is not None and parent.name.startswith("aten::"):
+            continue  # inside another counted op
+        while parent is not None and parent.name not in ("FWD", "OPT"):
+            parent = parent.cpu_parent
+        counts[parent.name if parent is not None else "BWD"] += 1
+    return dict(counts)
+
+
+def test_one_more_layer_adds_the_inventory_kernels() -> None:
+    one, two = _phase_counts(1), _phase_counts(2)
+    eager = load_stack("pytorch-eager")
+    fwd = sum(_kernels(eager, "fwd").values())
+    assert two["FWD"] - one["FWD"] == fwd  # 2 norms, 6 addmm, SDPA, gelu, 2 adds
+    # backward: the inventory's dgrad + wgrad + weight-side ops, less AccumulateGrad
+    # (grads were set to None, so the first micro-batch's grads are stolen, not added)
+    # and less norm_grad (CPU's native_layer_norm_backward computes γ/β grads in its kernel)
+    bwd = sum(_kernels(eager, "bwd_input").values())
+    weight = _kernels(eager, "bwd_weight")
+    bwd += sum(weight.values()) - weight["grad_accum"] - weight["norm_grad"]
+    # on CPU the flash backward is one op (_scaled_dot_product_flash_attention_for_cpu_
+    # backward); the inventory counts CUDA's three (dO·O preprocess, main, dQ convert)
+    cpu_flash_bwd = 1 - FLASH_BWD_KERNELS["flash2"]
+    assert two["BWD"] - one["BWD"] == bwd + cpu_flash_bwd
+    tensors = 16  # q, k, v, out, up, down weights and biases; two norms' γ and β
+    assert two["OPT"] - one["OPT"] == optimizer_op(1e5, tensors, eager, "fp32").kernels
