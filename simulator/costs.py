@@ -10,8 +10,10 @@ FLOPs the kernel executes (a causal flash kernel skips the masked half).
 
 Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
 so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
-0 under CUDA graphs): ``time = max(device, kernels × host_us)``. Short kernels cost
-their launch time; long ones hide it.
+0 under CUDA graphs): ``time = max(device, kernels × host_us)``. On a CPU "device"
+(``gpu.host_serial``) one thread runs both, so ``time = device + kernels × host_us``,
+with the host cost measured on that CPU (``gpu.host_overhead_us``) when the profile
+has it. Short kernels cost their launch time; long ones hide it.
 
 Nothing here knows what a transformer is: it prices :class:`simulator.inventory.Op`
 records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
@@ -84,11 +86,16 @@ class CostModel:
         else:
             eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0))
             compute = op.flops * op.compute_scale / (self.peak * eff)
+        host_us = self.host_us
+        if gpu.host_overhead_us is not None and host_us > 0:  # measured on this device
+            host_us = gpu.host_overhead_us
         return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
-                op.kernels * self.host_us * 1e-6)
+                op.kernels * host_us * 1e-6)
 
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)
+        if self.hw.gpu.host_serial:  # one thread runs the framework and the kernels
+            return (max(compute, mem) + overhead + host) / self.speed.get(op.kind, 1.0)
         seconds = max(max(compute, mem) + overhead, host)
         return seconds / self.speed.get(op.kind, 1.0)
 

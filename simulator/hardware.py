@@ -146,6 +146,12 @@ class GPUSpec(_Frozen):
     # communication runs beside compute: true on GPUs (NCCL on its own stream), false for
     # a CPU process whose one core also does gloo's copies and reductions
     comm_overlaps_compute: bool = True
+    # a CPU "device": the thread that runs the kernels also runs the framework around them
+    # (Python, dispatcher, autograd), so the host cost adds to each op instead of hiding
+    # behind it, at this measured cost per kernel (calibration/microbench/bench_host.py)
+    # in place of the stack's GPU-host figure
+    host_serial: bool = False
+    host_overhead_us: float | None = Field(default=None, ge=0, le=1e5)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
@@ -302,7 +308,7 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "uncertainty", "nvls")
+                   "uncertainty", "nvls", "host_serial", "host_overhead_us")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

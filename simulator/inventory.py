@@ -288,11 +288,12 @@ def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_paralle
         return (*g.values(), *_weight_ops(x))
     grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.dt, "elementwise")] \
         if pass_ == "bwd_input" else []
-    ops = (*grad_sum, _norm(x, "ln1", pass_), *_fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels,
-                                                               pass_), g["qkv"],
-           *_rope(x, pass_), *_attention(x, pass_),
-           g["out_proj"], *_residual(x, pass_), *grad_sum, _norm(x, "ln2", pass_),
-           *_fork_grad_sum(x, "up_grad_sum", x.up_kernels, pass_), g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
+    qkv_sum = _fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_)
+    up_sum = _fork_grad_sum(x, "up_grad_sum", x.up_kernels, pass_)
+    ops = (*grad_sum, _norm(x, "ln1", pass_), *qkv_sum, g["qkv"], *_rope(x, pass_),
+           *_attention(x, pass_), g["out_proj"], *_residual(x, pass_), *grad_sum,
+           _norm(x, "ln2", pass_), *up_sum, g["mlp_up"], _act(x, pass_), g["mlp_down"],
+           *_residual(x, pass_))
     return ops if pass_ == "fwd" else ops[::-1]
 
 

@@ -123,3 +123,41 @@ def test_one_more_layer_adds_the_inventory_kernels() -> None:
     assert two["BWD"] - one["BWD"] == bwd + cpu_flash_bwd
     tensors = 16  # q, k, v, out, up, down weights and biases; two norms' γ and β
     assert two["OPT"] - one["OPT"] == optimizer_op(1e5, tensors, eager, "fp32").kernels
+
+
+# --------------------------------------------------------------- the CPU host cost
+def test_cpu_host_cost_adds_to_each_kernel_at_the_measured_rate() -> None:
+    """On a CPU "device" one thread runs the framework and the kernels: an op costs its
+    device time plus kernels × the profile's measured host cost (not the stack's GPU
+    figure, not a max), and nothing when the stack replays a CUDA graph."""
+    from simulator.costs import CostModel
+    from simulator.inventory import Op
+    from simulator.scenario import scenario_from_dict
+
+    s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"},
+                            "cluster": {"system": "cpu-1thread", "nodes": 1,
+                                        "gpus_per_node": 2},
+                            "parallel": {"dp": 2}, "training": {"global_batch": 4,
+                                                                "dtype": "fp32"}})
+    assert s.hardware.gpu.host_serial
+    big = Op("big", "memory", 0.0, 1e8, 0.0, "elementwise", 4)
+    device = CostModel(s.hardware, "fp32").op_time(big)  # no host cost at all
+    assert CostModel(s.hardware, "fp32", host_us=10.0).op_time(big) == \
+        pytest.approx(device + 4 * 10e-6)  # added, though the device time is far longer
+    gpu = s.hardware.gpu.model_copy(update={"host_overhead_us": 3.0})
+    hw = s.hardware.model_copy(update={"gpu": gpu})
+    assert CostModel(hw, "fp32", host_us=10.0).op_time(big) == pytest.approx(device + 4 * 3e-6)
+    assert CostModel(hw, "fp32", host_us=0.0).op_time(big) == pytest.approx(device)
+
+
+def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
+    pytest.importorskip("torch")
+    from calibration.microbench.bench_host import HOST_GPT, measure_host_us, step_kernels
+
+    layers = HOST_GPT["layers"]
+    one = step_kernels({**HOST_GPT, "layers": 1})
+    assert step_kernels() - one == (layers - 1) * (step_kernels({**HOST_GPT, "layers": 2}) - one)
+    host = measure_host_us(1, 0.0, repeats=2, steps=2)
+    assert host["kernels"] == step_kernels()
+    assert host["host_overhead_us"] == pytest.approx(host["step_s_min"] / host["kernels"] * 1e6,
+                                                     abs=1e-3)

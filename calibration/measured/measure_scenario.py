@@ -2,8 +2,9 @@
 
 Written in the layout of hand-written scenarios, one flow mapping per section,
 so that ``clustersim compare`` simulates exactly what ran: the ``pytorch-eager``
-stack (the kernels plain PyTorch eager launches), one device per rank on one node, the GPT-2 model features of :mod:`calibration.measured.gpt`, fp32 on CPU
-and bf16 (autocast) on CUDA.  No torch here unless a CUDA name must be looked up.
+stack (the kernels plain PyTorch eager launches), one device per rank on one node,
+the GPT-2 model features of :mod:`calibration.measured.gpt`, fp32 on CPU and bf16
+(autocast) on CUDA.  No torch here unless a CUDA name must be looked up.
 """
 
 from __future__ import annotations
