@@ -14,7 +14,6 @@ from typing import Any
 
 from calibration.measured.measure_config import MeasureConfig
 
-
 #: The software stack every measured run executes (simulator/presets/stacks/pytorch-eager.yaml).
 STACK = "pytorch-eager"
 
