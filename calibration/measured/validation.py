@@ -10,8 +10,9 @@ The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
 PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
 ``SequenceParallel`` on the norms, simulated with ``parallel.sequence_parallel``),
 FSDP 2 (ZeRO-3), the MoE GPT (4 experts, top-2) with EP 2, CP 2 (the sequence split,
-K and V all-gathered), and DP 2 and PP 2 (1F1B) with rank 1 a straggler on purpose (its compute twice as long, ``measure
---slow-rank 1 --slowdown 2``, simulated with ``variability.slow_gpus``). With more devices
+K and V all-gathered), and DP 2 and PP 2 (1F1B) with rank 1 a straggler on purpose
+(its compute twice as long, ``measure --slow-rank 1 --slowdown 2``, simulated with
+``variability.slow_gpus``). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
