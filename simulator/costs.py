@@ -10,7 +10,8 @@ FLOPs the kernel executes (a causal flash kernel skips the masked half).
 
 Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
 so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
-0 under CUDA graphs): ``time = max(device, kernels × host_us)``. On a CPU "device"
+0 under CUDA graphs, plus DTensor's dispatch per op on DTensors where the profile measured
+it, ``gpu.dtensor_overhead_us``): ``time = max(device, kernels × host_us)``. On a CPU "device"
 (``gpu.host_serial``) one thread runs both, so ``time = device + kernels × host_us``,
 with the host cost measured on that CPU (``gpu.host_overhead_us``) when the profile
 has it. Short kernels cost their launch time; long ones hide it.
@@ -47,6 +48,8 @@ class CostedOp(Protocol):
     def bytes(self) -> float: ...
     @property
     def gemm_flops(self) -> float: ...
+    @property
+    def dtensor(self) -> int: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -89,8 +92,10 @@ class CostModel:
         host_us = self.host_us
         if gpu.host_overhead_us is not None and host_us > 0:  # measured on this device
             host_us = gpu.host_overhead_us
+        # DTensor's dispatch on the host, measured on this device (none under CUDA graphs)
+        host_us_dt = op.dtensor * (gpu.dtensor_overhead_us or 0.0) if host_us > 0 else 0.0
         return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
-                op.kernels * host_us * 1e-6)
+                (op.kernels * host_us + host_us_dt) * 1e-6)
 
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)

@@ -152,6 +152,9 @@ class GPUSpec(_Frozen):
     # in place of the stack's GPU-host figure
     host_serial: bool = False
     host_overhead_us: float | None = Field(default=None, ge=0, le=1e5)
+    # the host time DTensor adds to each op on DTensor operands (calibration/microbench/
+    # bench_host.py: the measured GPT under TP on a one-rank mesh against plain)
+    dtensor_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
@@ -308,7 +311,8 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "uncertainty", "nvls", "host_serial", "host_overhead_us")
+                   "uncertainty", "nvls", "host_serial", "host_overhead_us",
+                   "dtensor_overhead_us")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

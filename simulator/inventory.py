@@ -39,7 +39,7 @@ depend on the stack; what the GPU executes does (``compute_scale``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from simulator.scenario import ModelSpec
@@ -66,6 +66,7 @@ class Op:
     kernels: int = 1  # kernel launches
     saved: float = 0.0  # bytes this forward op keeps for the backward
     compute_scale: float = 1.0  # executed / counted FLOPs (0.5: causal flash skips blocks)
+    dtensor: int = 0  # of its kernels, those dispatched on DTensor operands (TP as DTensor)
 
     @property
     def cost_class(self) -> str:
@@ -279,10 +280,41 @@ def _weight_ops(x: _Shape) -> list[Op]:
     return ops
 
 
+#: ops on DTensor operands when TP runs as DTensor (torch.distributed.tensor.parallel):
+#: the Colwise/Rowwise linears (their GEMMs, bias and weight grads); under sequence
+#: parallelism also the norms (``SequenceParallel`` replicates their parameters) and the
+#: residual stream, which stays a sequence-sharded DTensor between layers
+DTENSOR_OPS = ("qkv", "out_proj", "mlp_up", "mlp_down", "bias_grad", "grad_accum")
+DTENSOR_SP_OPS = ("ln1", "ln2", "residual", "grad_sum", "norm_grad")
+
+
+def _dtensor(x: _Shape, ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """Mark the ops DTensor dispatches (each pays its sharding propagation on the host)."""
+    if not x.st.tp_dtensor or x.tp == 1:
+        return ops
+    names = DTENSOR_OPS + (DTENSOR_SP_OPS if x.sp else ())
+    return tuple(replace(op, dtensor=op.kernels) if op.name in names else op for op in ops)
+
+
+def dtensor_tensors(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool) -> int:
+    """Parameter tensors of one dense layer that are DTensors under TP (their optimizer
+    ops dispatch through DTensor): the linears' weights and biases, and with sequence
+    parallelism the norms' too."""
+    if not stack.tp_dtensor or tp == 1:
+        return 0
+    norms = 2 * (2 if spec.norm == "layernorm" else 1)
+    return layer_tensors(spec, stack) - (0 if sp else norms)
+
+
 def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                     dtype: str, pass_: Pass, stack: StackSpec) -> tuple[Op, ...]:
     """One dense layer's ops on one TP rank, in execution order."""
     x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    return _dtensor(x, _dense_layer_ops(x, pass_))
+
+
+def _dense_layer_ops(x: _Shape, pass_: Pass) -> tuple[Op, ...]:
+    spec = x.spec
     g = _gemms(x, pass_)
     if pass_ == "bwd_weight":
         return (*g.values(), *_weight_ops(x))
@@ -343,7 +375,8 @@ def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_paral
     return sum(op.saved for op in ops)
 
 
-def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str) -> Op:
+def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
+                 dtensors: int = 0) -> Op:
     """AdamW on ``params`` parameters in ``tensors`` tensors (one rank's shard).
 
     Per parameter: read the gradient (main-grad dtype), read and write the fp32 master
@@ -364,4 +397,7 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str) -> O
     kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 10 * tensors}[stack.optimizer]
     if stack.grad_clip:
         kernels += 2 * chunks
-    return mem("optimizer", params * (per_param + clip), 1, "optimizer", int(kernels))
+    op = mem("optimizer", params * (per_param + clip), 1, "optimizer", int(kernels))
+    if stack.optimizer == "per_tensor" and dtensors:  # each op on a DTensor dispatches as one
+        op = replace(op, dtensor=10 * dtensors)
+    return op

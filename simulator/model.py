@@ -43,6 +43,7 @@ from simulator.inventory import (
     OpKind,
     Pass,
     dense_layer_ops,
+    dtensor_tensors,
     dtype_bytes,
     layer_tensors,
     optimizer_op,
@@ -265,7 +266,9 @@ def optimizer_op_of(s: Scenario, shard: float, layers: int) -> Op:
     """The optimizer step on ``shard`` parameters of a rank holding ``layers`` layers, as
     the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`)."""
     tensors = layers * layer_tensors(s.model, s.stack) + 4  # + embedding(s), final norm
-    return optimizer_op(shard, tensors, s.stack, s.training.dtype)
+    p = s.parallel
+    dtensors = layers * dtensor_tensors(s.model, s.stack, p.tp, p.sequence_parallel)
+    return optimizer_op(shard, tensors, s.stack, s.training.dtype, dtensors)
 
 
 def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:

@@ -78,6 +78,9 @@ class StackSpec(BaseModel):
     #: parameters; parameters under its persistence threshold, norms and biases, stay
     #: whole and are not gathered)
     zero3_unit: Literal["layer", "module"] = "layer"
+    #: TP as DTensor (torch.distributed.tensor.parallel): every op on a sharded module's
+    #: DTensors pays DTensor's dispatch and sharding propagation on the host
+    tp_dtensor: bool = False
 
     @model_validator(mode="before")
     @classmethod

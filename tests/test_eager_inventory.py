@@ -161,3 +161,48 @@ def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
     assert host["kernels"] == step_kernels()
     assert host["host_overhead_us"] == pytest.approx(host["step_s_min"] / host["kernels"] * 1e6,
                                                      abs=1e-3)
+
+
+def test_dtensor_ops_under_tp_and_sequence_parallelism() -> None:
+    """TP as DTensor: the sharded linears' GEMMs, bias and weight grads dispatch through
+    DTensor; with sequence parallelism the norms and the residual stream do too; the
+    optimizer's ops on DTensor parameters as well; nothing without TP or off DTensor."""
+    from simulator.inventory import dtensor_tensors, layer_tensors
+
+    eager, spec = load_stack("pytorch-eager"), _spec()
+
+    def marked(tp: int, sp: bool, stack: StackSpec = eager) -> set[str]:
+        return {op.name for p in ("fwd", "bwd_input", "bwd_weight")
+                for op in dense_layer_ops(spec, 2, tp, sp, "fp32", p, stack)  # type: ignore[arg-type]
+                if op.dtensor == op.kernels > 0}
+
+    assert marked(1, False) == set()
+    assert marked(2, False) == {"qkv", "out_proj", "mlp_up", "mlp_down", "bias_grad",
+                                "grad_accum"}
+    assert marked(2, True) - marked(2, False) == {"ln1", "ln2", "residual", "grad_sum",
+                                                  "norm_grad"}
+    assert marked(2, True, eager.model_copy(update={"tp_dtensor": False})) == set()
+    assert dtensor_tensors(spec, eager, 2, False) == 12  # 6 linears' weights and biases
+    assert dtensor_tensors(spec, eager, 2, True) == layer_tensors(spec, eager) == 16
+    assert optimizer_op(1e5, 20, eager, "fp32", 12).dtensor == 120
+
+
+def test_dtensor_host_cost_is_charged_per_dtensor_op() -> None:
+    from simulator.costs import CostModel
+    from simulator.inventory import Op
+    from simulator.scenario import scenario_from_dict
+
+    s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"},
+                            "cluster": {"system": "cpu-1thread", "nodes": 1,
+                                        "gpus_per_node": 2},
+                            "parallel": {"tp": 2}, "training": {"global_batch": 4,
+                                                                "dtype": "fp32"}})
+    gpu = s.hardware.gpu.model_copy(update={"host_overhead_us": 3.0,
+                                            "dtensor_overhead_us": 50.0})
+    hw = s.hardware.model_copy(update={"gpu": gpu})
+    plain = Op("a", "memory", 0.0, 1e8, 0.0, "elementwise", 4)
+    on_dtensor = Op("a", "memory", 0.0, 1e8, 0.0, "elementwise", 4, dtensor=4)
+    cost = CostModel(hw, "fp32", host_us=10.0)
+    assert cost.op_time(on_dtensor) - cost.op_time(plain) == pytest.approx(4 * 50e-6)
+    graphs = CostModel(hw, "fp32", host_us=0.0)  # no host cost at all under CUDA graphs
+    assert graphs.op_time(on_dtensor) == graphs.op_time(plain)

@@ -13,6 +13,11 @@ kernels the simulator's inventory counts for that step under the ``pytorch-eager
 stack (:mod:`simulator.inventory`), less the bare per-kernel overhead. The model is
 the measured runs' own code, not a fit to their step times: what is measured is a
 per-kernel constant at a size where the step is nothing else.
+
+DTensor's share (``gpu.dtensor_overhead_us``): the same step with the measured runs'
+TP plan (:func:`calibration.measured.parallel_worker.apply_tp`, with sequence
+parallelism, so every kind of DTensor op is there) on a one-rank mesh, less the plain
+step, divided by the ops the inventory marks as DTensor-dispatched for that plan.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ HOST_GPT = {"layers": 4, "hidden": 8, "heads": 1, "ffn_hidden": 8, "vocab": 8, "
 BATCH = 1
 
 
-def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH) -> int:
+def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
+                 dtensor: bool = False) -> int:
     """Kernels of one step of the measured GPT as the simulator counts them (the
-    ``pytorch-eager`` stack, fp32, one micro-batch, grads set to None before it)."""
+    ``pytorch-eager`` stack, fp32, one micro-batch, grads set to None before it); with
+    ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
+    (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
     from simulator import model as mdl
-    from simulator.inventory import layer_tensors
+    from simulator.inventory import dtensor_tensors, layer_tensors
     from simulator.scenario import ModelSpec
     from simulator.stack import load_stack
 
@@ -37,49 +45,95 @@ def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH) -> int:
     spec = ModelSpec.model_validate({**sizes, "kv_heads": sizes["heads"], "activation": "gelu",
                                      "norm": "layernorm", "bias": True,
                                      "tied_embeddings": True, "position": "learned"})
+    tp, sp = (2, True) if dtensor else (1, False)
+    if dtensor:
+        spec = spec.model_copy(update={"heads": 2, "kv_heads": 2})
     total = 0
     for pass_ in ("fwd", "bwd_input", "bwd_weight"):
-        ops = (*mdl.layer_ops(spec, batch, 1, False, "fp32", pass_, 0, stack) * spec.layers,
+        layer = mdl.layer_ops(spec, batch, tp, sp, "fp32", pass_, 0, stack)
+        if dtensor:
+            total += sum(op.dtensor for op in layer if op.name != "grad_accum") * spec.layers
+            continue
+        ops = (*layer * spec.layers,
                *mdl.embedding_ops(spec, batch, 1, False, "fp32", pass_, stack),
                *mdl.head_ops(spec, batch, 1, False, "fp32", pass_, stack))
         # the first micro-batch's grads are stolen by AccumulateGrad, not added
         total += sum(op.kernels for op in ops if op.name != "grad_accum")
     tensors = spec.layers * layer_tensors(spec, stack) + 4
-    return total + mdl.optimizer_op(1.0, tensors, stack, "fp32").kernels
+    dtensors = spec.layers * dtensor_tensors(spec, stack, tp, sp)
+    opt = mdl.optimizer_op(1.0, tensors, stack, "fp32", dtensors)
+    return total + (opt.dtensor if dtensor else opt.kernels)
 
 
-def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
-                    steps: int = 20) -> dict[str, Any]:
-    """Host microseconds per kernel of eager PyTorch on this CPU (see the module note)."""
+def _step_seconds(tp: bool, threads: int, repeats: int, steps: int) -> float:
+    """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh)."""
     import torch
 
     from calibration.measured.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
 
+    torch.manual_seed(0)
+    cfg = GPTConfig(**HOST_GPT)
+    model = GPT(cfg)
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from calibration.measured.parallel_worker import apply_tp
+
+        apply_tp(model, init_device_mesh("cpu", (1,)), sequence_parallel=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = synthetic_batch(cfg, BATCH, 0)
+
+    def step() -> None:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append((time.perf_counter() - t0) / steps)
+    return min(times)
+
+
+def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
+                       steps: int = 5) -> float | None:
+    """Host microseconds DTensor adds per op it dispatches; None when this process
+    already has a process group (a one-rank gloo group is made and torn down here)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tp_s = _step_seconds(True, threads, repeats, steps)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(before)
+    return round(max(tp_s - plain_s, 0.0) / step_kernels(dtensor=True) * 1e6, 3)
+
+
+def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
+                    steps: int = 20) -> dict[str, Any]:
+    """Host microseconds per kernel of eager PyTorch on this CPU, and DTensor's extra per
+    op it dispatches (see the module note)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
-        cfg = GPTConfig(**HOST_GPT)
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x, y = synthetic_batch(cfg, BATCH, 0)
-
-        def step() -> None:
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
-        for _ in range(5):
-            step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times.append((time.perf_counter() - t0) / steps)
+        plain_s = _step_seconds(False, threads, repeats, steps)
     finally:
         torch.set_num_threads(before)
     kernels = step_kernels()
-    per_kernel = min(times) / kernels * 1e6
+    per_kernel = plain_s / kernels * 1e6
     return {"host_overhead_us": round(max(per_kernel - kernel_overhead_us, 0.0), 3),
-            "step_s_min": min(times), "step_s_max": max(times), "kernels": kernels}
+            "dtensor_overhead_us": measure_dtensor_us(threads, plain_s),
+            "step_s_min": plain_s, "kernels": kernels,
+            "dtensor_ops": step_kernels(dtensor=True)}

@@ -404,9 +404,12 @@ def _measure_host(opts: Options, profile: dict[str, Any]) -> None:
     host = measure_host_us(opts.threads, float(gpu.get("kernel_overhead_us", 0.0)))
     gpu["host_serial"] = True
     gpu["host_overhead_us"] = host["host_overhead_us"]
+    if host["dtensor_overhead_us"] is not None:
+        gpu["dtensor_overhead_us"] = host["dtensor_overhead_us"]
     profile.setdefault("provenance", {})["host_overhead"] = host
     _say(f"eager host cost: {host['host_overhead_us']:.1f} us per kernel "
-         f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms)")
+         f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms); DTensor adds "
+         f"{host['dtensor_overhead_us']} us per op it dispatches")
 
 
 def _memory_GB(opts: Options) -> float | None:
