@@ -290,7 +290,7 @@ DTENSOR_SP_OPS = ("ln1", "ln2", "residual", "grad_sum", "norm_grad")
 
 def _dtensor(x: _Shape, ops: tuple[Op, ...]) -> tuple[Op, ...]:
     """Mark the ops DTensor dispatches (each pays its sharding propagation on the host)."""
-    if not x.st.tp_dtensor or x.tp == 1:
+    if not x.st.dtensor or x.tp == 1:
         return ops
     names = DTENSOR_OPS + (DTENSOR_SP_OPS if x.sp else ())
     return tuple(replace(op, dtensor=op.kernels) if op.name in names else op for op in ops)
@@ -300,7 +300,7 @@ def dtensor_tensors(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool) -> int
     """Parameter tensors of one dense layer that are DTensors under TP (their optimizer
     ops dispatch through DTensor): the linears' weights and biases, and with sequence
     parallelism the norms' too."""
-    if not stack.tp_dtensor or tp == 1:
+    if not stack.dtensor or tp == 1:
         return 0
     norms = 2 * (2 if spec.norm == "layernorm" else 1)
     return layer_tensors(spec, stack) - (0 if sp else norms)

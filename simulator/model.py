@@ -268,6 +268,8 @@ def optimizer_op_of(s: Scenario, shard: float, layers: int) -> Op:
     tensors = layers * layer_tensors(s.model, s.stack) + 4  # + embedding(s), final norm
     p = s.parallel
     dtensors = layers * dtensor_tensors(s.model, s.stack, p.tp, p.sequence_parallel)
+    if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
+        dtensors = tensors
     return optimizer_op(shard, tensors, s.stack, s.training.dtype, dtensors)
 
 

@@ -78,9 +78,11 @@ class StackSpec(BaseModel):
     #: parameters; parameters under its persistence threshold, norms and biases, stay
     #: whole and are not gathered)
     zero3_unit: Literal["layer", "module"] = "layer"
-    #: TP as DTensor (torch.distributed.tensor.parallel): every op on a sharded module's
-    #: DTensors pays DTensor's dispatch and sharding propagation on the host
-    tp_dtensor: bool = False
+    #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
+    #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
+    #: sharded parameters are DTensors, so its optimizer step does; its forward and
+    #: backward run on plain unsharded tensors)
+    dtensor: bool = False
 
     @model_validator(mode="before")
     @classmethod

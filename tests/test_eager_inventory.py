@@ -181,7 +181,7 @@ def test_dtensor_ops_under_tp_and_sequence_parallelism() -> None:
                                 "grad_accum"}
     assert marked(2, True) - marked(2, False) == {"ln1", "ln2", "residual", "grad_sum",
                                                   "norm_grad"}
-    assert marked(2, True, eager.model_copy(update={"tp_dtensor": False})) == set()
+    assert marked(2, True, eager.model_copy(update={"dtensor": False})) == set()
     assert dtensor_tensors(spec, eager, 2, False) == 12  # 6 linears' weights and biases
     assert dtensor_tensors(spec, eager, 2, True) == layer_tensors(spec, eager) == 16
     assert optimizer_op(1e5, 20, eager, "fp32", 12).dtensor == 120
@@ -206,3 +206,22 @@ def test_dtensor_host_cost_is_charged_per_dtensor_op() -> None:
     assert cost.op_time(on_dtensor) - cost.op_time(plain) == pytest.approx(4 * 50e-6)
     graphs = CostModel(hw, "fp32", host_us=0.0)  # no host cost at all under CUDA graphs
     assert graphs.op_time(on_dtensor) == graphs.op_time(plain)
+
+
+def test_fsdp2_optimizer_steps_on_dtensor_parameters() -> None:
+    from simulator import model as mdl
+    from simulator.scenario import scenario_from_dict
+
+    def opt(zero: int, stack: str) -> int:
+        s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"}, "stack": stack,
+                                "cluster": {"system": "cpu-1thread", "nodes": 1,
+                                            "gpus_per_node": 2},
+                                "parallel": {"dp": 2, "zero": zero},
+                                "training": {"global_batch": 4, "dtype": "fp32"}})
+        op = mdl.optimizer_op_of(s, 1e5, s.model.layers)
+        assert op.dtensor in (0, op.kernels)
+        return op.dtensor
+
+    assert opt(0, "pytorch-eager") == 0  # DDP: plain parameters
+    assert opt(3, "pytorch-eager") > 0  # FSDP2: sharded DTensor parameters
+    assert opt(3, "deepspeed") == 0  # DeepSpeed's ZeRO-3 flattens into plain tensors
