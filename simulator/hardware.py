@@ -148,12 +148,12 @@ class GPUSpec(_Frozen):
     comm_overlaps_compute: bool = True
     # a CPU "device": the thread that runs the kernels also runs the framework around them
     # (Python, dispatcher, autograd), so the host cost adds to each op instead of hiding
-    # behind it, at this measured cost per kernel (calibration/microbench/bench_host.py)
+    # behind it, at this measured cost per kernel (calibration/measured/host_cost.py)
     # in place of the stack's GPU-host figure
     host_serial: bool = False
     host_overhead_us: float | None = Field(default=None, ge=0, le=1e5)
-    # the host time DTensor adds to each op on DTensor operands (calibration/microbench/
-    # bench_host.py: the measured GPT under TP on a one-rank mesh against plain)
+    # the host time DTensor adds to each op on DTensor operands (calibration/measured/
+    # host_cost.py: the measured GPT under TP on a one-rank mesh against plain)
     dtensor_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)

@@ -9,6 +9,7 @@ step of the measured GPT, put beside the inventory's kernels for that layer.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,7 +153,7 @@ def test_cpu_host_cost_adds_to_each_kernel_at_the_measured_rate() -> None:
 
 def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
     pytest.importorskip("torch")
-    from calibration.microbench.bench_host import HOST_GPT, measure_host_us, step_kernels
+    from calibration.measured.host_cost import HOST_GPT, measure_host_us, step_kernels
 
     layers = HOST_GPT["layers"]
     one = step_kernels({**HOST_GPT, "layers": 1})
@@ -225,3 +226,19 @@ def test_fsdp2_optimizer_steps_on_dtensor_parameters() -> None:
     assert opt(0, "pytorch-eager") == 0  # DDP: plain parameters
     assert opt(3, "pytorch-eager") > 0  # FSDP2: sharded DTensor parameters
     assert opt(3, "deepspeed") == 0  # DeepSpeed's ZeRO-3 flattens into plain tensors
+
+
+def test_validation_adds_the_host_costs_to_its_cpu_profile(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import shutil
+
+    from calibration.measured.host_cost import add_to_profile
+    from simulator.hardware import SYSTEMS_DIR, load_system
+
+    path = tmp_path / "cpu.yaml"
+    shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", path)
+    host = add_to_profile(str(path), 1)
+    gpu = load_system(str(path)).gpu
+    assert gpu.host_serial and gpu.host_overhead_us == host["host_overhead_us"] > 0
+    assert gpu.dtensor_overhead_us == host["dtensor_overhead_us"] is not None
+    assert not list(tmp_path.glob(".*tmp*"))

@@ -110,6 +110,13 @@ def _profile(args: argparse.Namespace, out: Path) -> str:
         raise UserError([*exc.problems, Problem("calibrate", args.device, "calibration "
                                                 "failed; or pass --profile PROFILE.yaml")]
                         ) from None
+    if args.device == "cpu":  # the eager host cost, serial with the kernels on a CPU
+        from calibration.measured.host_cost import add_to_profile
+
+        host = add_to_profile(str(path), args.threads)
+        _say(f"[validation] eager host cost {host['host_overhead_us']:.1f} us per kernel "
+             f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms), DTensor "
+             f"{host['dtensor_overhead_us']} us per op it dispatches -> {path}")
     return str(path)
 
 

@@ -389,27 +389,9 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
                             device_name=opts.device_name, gpus_per_node=per_node,
                             memory_GB=mem_GB, provenance=prov,
                             datasheet=opts.device == "cuda" and _datasheet(opts))
-    if opts.device == "cpu":
-        _measure_host(opts, profile)
     write_profile(profile, opts.out)
     _say(summary_text(profile, failed, elapsed))
     return opts.out
-
-
-def _measure_host(opts: Options, profile: dict[str, Any]) -> None:
-    """CPU: the eager framework's host cost per kernel, serial with the kernels."""
-    from calibration.microbench.bench_host import measure_host_us
-
-    gpu = profile["gpu"]
-    host = measure_host_us(opts.threads, float(gpu.get("kernel_overhead_us", 0.0)))
-    gpu["host_serial"] = True
-    gpu["host_overhead_us"] = host["host_overhead_us"]
-    if host["dtensor_overhead_us"] is not None:
-        gpu["dtensor_overhead_us"] = host["dtensor_overhead_us"]
-    profile.setdefault("provenance", {})["host_overhead"] = host
-    _say(f"eager host cost: {host['host_overhead_us']:.1f} us per kernel "
-         f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms); DTensor adds "
-         f"{host['dtensor_overhead_us']} us per op it dispatches")
 
 
 def _memory_GB(opts: Options) -> float | None:

@@ -1,5 +1,9 @@
 """The eager framework's host cost per kernel on a CPU "device" (``gpu.host_overhead_us``).
 
+``clustersim validation --device cpu`` measures it right after calibrating and adds it
+to the profile (:func:`add_to_profile`): it runs the measured runs' own model code,
+which the kernel microbenchmarks (``calibration/microbench``) never import.
+
 On a CPU the thread that runs a kernel also runs everything PyTorch eager does around
 it: the Python module calls, the dispatcher, autograd's graph recording and backward
 engine, the for-loop optimizer's Python. None of that is in the bare-kernel timings
@@ -137,3 +141,24 @@ def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
             "dtensor_overhead_us": measure_dtensor_us(threads, plain_s),
             "step_s_min": plain_s, "kernels": kernels,
             "dtensor_ops": step_kernels(dtensor=True)}
+
+
+def add_to_profile(path: str, threads: int) -> dict[str, Any]:
+    """Measure and write ``gpu.host_serial``, ``host_overhead_us`` and
+    ``dtensor_overhead_us`` into the CPU profile at ``path`` (atomically, validated)."""
+    from pathlib import Path
+
+    import yaml
+
+    from calibration.microbench.fit_profile import write_profile
+
+    profile = yaml.safe_load(Path(path).read_text())
+    gpu = profile["gpu"]
+    host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)))
+    gpu["host_serial"] = True
+    gpu["host_overhead_us"] = host["host_overhead_us"]
+    if host["dtensor_overhead_us"] is not None:
+        gpu["dtensor_overhead_us"] = host["dtensor_overhead_us"]
+    profile.setdefault("provenance", {})["host_overhead"] = host
+    write_profile(profile, Path(path))
+    return host
