@@ -3,9 +3,10 @@
 ``clustersim validation --device cpu --out DIR`` calibrates this machine once (or
 takes ``--profile``; on CPU it then adds the eager host cost per kernel and DTensor's
 per op, calibration/measured/host_cost.py), then for each configuration runs
-``measure`` (torchrun, the small GPT with real TP / PP / DP) and ``compare`` (the same scenario simulated
-with that profile), and writes ``DIR/validation.md`` and ``DIR/validation.csv``:
-one row per configuration with measured and simulated step time and the error.
+``measure`` (torchrun, the small GPT with real TP / PP / DP) and ``compare`` (the same
+scenario simulated with that profile), and writes ``DIR/validation.md`` and
+``DIR/validation.csv``: one row per configuration with measured and simulated step
+time and the error.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
 PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
