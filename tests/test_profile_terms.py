@@ -58,7 +58,11 @@ def test_presets_load_without_the_new_terms(name: str) -> None:
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
 def test_older_calibrated_profiles_still_load(path: Path) -> None:
-    assert load_system(str(path)).uncertainty == {}
+    """Every committed profile loads; one written before the uncertainty section has
+    none (the validation's newer profiles carry their spreads)."""
+    profile = load_system(str(path))
+    if "uncertainty:" not in path.read_text():
+        assert profile.uncertainty == {}
 
 
 def test_a_class_curve_replaces_only_its_own_class() -> None:
