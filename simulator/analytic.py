@@ -242,7 +242,7 @@ def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
         return 0.0
-    parts = mdl.zero3_collectives(spec, s.stack) if not spec.is_moe else 1  # per module
+    parts = mdl.zero3_collectives(spec, s.stack)  # per layer or per module
     size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype) / parts
     t_ag = parts * _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \

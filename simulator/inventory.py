@@ -351,8 +351,9 @@ def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
 def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
     """All-gathers (and reduce-scatters) one dense layer's parameters take under ZeRO-3:
     one per layer, or one per linear module (QKV, or q, k, v; out-proj; MLP up, or
-    gate and up; down)."""
-    if stack.zero3_unit == "layer":
+    gate and up; down). A mixture of experts gathers whole layers (the expert pass
+    regroups the experts)."""
+    if stack.zero3_unit == "layer" or spec.is_moe:
         return 1
     qkv = 1 if stack.fused("projections") else 3
     up = 1 if spec.activation == "gelu" or stack.fused("projections") else 2

@@ -102,13 +102,9 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         "head": 4 * tokens_h + logits,  # final-norm + logits-GEMM inputs, fp32 logits (last)
         "dlogits": logits,  # the loss gradient's copy while the head's backward runs
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
-        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt) / _zero3_parts(s),
+        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt)
+        / mdl.zero3_collectives(spec, s.stack),
     }
-
-
-def _zero3_parts(s: Scenario) -> int:
-    """Gathers per layer under ZeRO-3 (:func:`simulator.inventory.zero3_collectives`)."""
-    return mdl.zero3_collectives(s.model, s.stack) if not s.model.is_moe else 1
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
@@ -178,7 +174,7 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
     if par.zero == 3 and par.dp > 1:
         for (layer, mb), items in gathers.items():
             items.sort()  # creation order: the forward's gather, then the backward's
-            parts = _zero3_parts(s)
+            parts = mdl.zero3_collectives(s.model, s.stack)
             for i, (_, t0) in enumerate(items):
                 forward = i < parts
                 if forward and par.reshard_after_forward:

@@ -55,7 +55,7 @@ class Context:
         self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
         self.grad_dt = s.stack.reduce_bytes(self.dt_bytes)  # gradients as they are reduced
         # ZeRO-3 collectives per layer: one, or one per linear module (the stack's unit)
-        self.zero3_parts = mdl.zero3_collectives(s.model, s.stack) if not s.model.is_moe else 1
+        self.zero3_parts = mdl.zero3_collectives(s.model, s.stack)
         # a device that cannot overlap communication with compute runs it all in line
         # and the stack decides whether sends block and gradients reduce after backward
         self.overlap = s.stack.overlap(s.parallel.overlap) if s.hardware.gpu.comm_overlaps_compute \
