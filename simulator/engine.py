@@ -4,7 +4,8 @@ One SimPy process per (simulated rank, stream) walks its program in order. A
 task waits for its dependencies (events of other tasks), then:
 
 - compute: holds the stream for its duration;
-- collective: rendezvous with the other *simulated* members of its group, then
+- collective: rendezvous with the other *simulated* members of its group (each
+  registers when it will arrive; the transfer starts at the latest arrival), then
   runs its plan phase by phase — each leg one flow over every simulated member's
   link of the leg's class (a ring advances in lock-step, at its slowest member's
   share), counted once per member on shared links; the phase ends when its flows
@@ -15,7 +16,9 @@ task waits for its dependencies (events of other tasks), then:
 **Compact form.** Before running, each distinct program is compiled once into
 steps (:class:`_Template`): a run of compute tasks that nobody waits on is one
 step held with a single timeout, a collective or a send one step each,
-dependencies are (owner, local index) pairs. At full fidelity the ranks of a
+a run followed by a collective that waits on nothing else is one step (the rank
+registers its arrival at the run's end, so a collective of k members costs one
+timeout, not k), dependencies are (owner, local index) pairs. At full fidelity the ranks of a
 stage share their stage's prototype (:mod:`simulator.program`) and differ only
 in their ids, so the engine holds no object per task: times go into flat
 arrays by task id, a run's tasks get their spans arithmetically after the run
@@ -132,6 +135,7 @@ class _Template:
             # (owner, local index) pairs; without ``where`` the task ids themselves
             deps = (tuple(t.deps) if where is None else tuple(map(where, t.deps))) \
                 if t.deps else ()
+            lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
                 j, run = i, []
                 while j < n:
@@ -143,12 +147,19 @@ class _Template:
                     if tj.dependents:
                         break
                 last = run[-1] if tasks[run[-1]].dependents else -1
-                steps.append((RUN, deps, len(self.runs), last, None, None, 0))
+                lead = len(self.runs)
                 self.runs.append(run)
-                i = j
-                continue
+                nxt = tasks[order[j]] if j < n else None
+                if last >= 0 or nxt is None or nxt.plan is None or nxt.dst >= 0 \
+                        or nxt.deps:
+                    steps.append((RUN, deps, lead, last, None, None, 0, -1))
+                    i = j
+                    continue
+                # the run leads straight into a collective nobody else gates: one step
+                # that registers its arrival time (no timeout of its own, see ``stream``)
+                i, local, t = j, order[j], nxt
             if t.dst >= 0:
-                steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents))
+                steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents, -1))
             else:
                 # the builder hands out one tuple per group and one plan per (op, size,
                 # group): identities find them without hashing (the tasks keep them alive)
@@ -164,7 +175,8 @@ class _Template:
                 # a rendezvous is (group, tail): a shared program's n-th collective of
                 # the group, else the task's own group key
                 tail = t.group_key[1] if self.shared else t.group_key
-                steps.append((COLL, deps, local, found[1], found[0], tail, t.dependents))
+                steps.append((COLL, deps, local, found[1], found[0], tail, t.dependents,
+                              lead))
             i += 1
         return steps
 
@@ -400,7 +412,7 @@ class Engine:
         # bound method per call) and the clock read from ``_now`` (``now`` is a property)
         env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
-        for kind, deps, a, b, g, tail, dependents in steps:
+        for kind, deps, a, b, g, tail, dependents, lead in steps:
             if deps:
                 pending = self._waits(inst, deps)
                 if pending:
@@ -414,7 +426,10 @@ class Engine:
                 if b >= 0:
                     event_of(ids[b]).succeed()
                 continue
-            t0 = env._now
+            t0 = env._now  # this task's start: when the rank arrives at it
+            if lead >= 0:  # a run first: the rank arrives when the run ends
+                run_t0[base + lead] = t0
+                t0 += totals[lead]
             gid = ids[a]
             if kind == SEND:  # b: the destination, g: the bytes
                 yield self.send(inst.rank, self._dst(inst, b), g)
@@ -423,23 +438,33 @@ class Engine:
                 grp = inst.groups[g]
                 rv = None
                 if self._size[grp] > 1:
+                    # members register when they will arrive; the last to register
+                    # waits for the latest arrival and runs the transfer, the others
+                    # wait for it to end (one timeout per collective, not per member)
                     key = (grp, tail)
                     rv = self.rendezvous.get(key)
                     if rv is None:
                         rv = self.rendezvous[key] = _Rendezvous(env, self._size[grp])
                     rv.arrived += 1
-                    if rv.arrived < rv.members:  # wait for the last member to run it
+                    if t0 >= rv.start:
+                        rv.start, rv.last = t0, gid
+                    if rv.arrived < rv.members:
                         yield rv.done
                         self.begin[gid] = rv.start
-                        self.last[gid] = rv.last
+                        if rv.last != gid:  # it waited for the latest arrival
+                            self.last[gid] = rv.last
                         starts[gid] = t0
                         ends[gid] = env._now
                         if dependents:
                             event_of(gid).succeed()
                         continue
                     del self.rendezvous[key]
-                    rv.start = env._now
-                    rv.last = gid
+                    if rv.last != gid:
+                        self.last[gid] = rv.last
+                    if rv.start > env._now:
+                        yield Timeout(env, rv.start - env._now)
+                elif t0 > env._now:
+                    yield Timeout(env, t0 - env._now)
                 self.begin[gid] = env._now
                 yield from self.transfer(grp, phases)
                 if rv is not None:
