@@ -254,6 +254,46 @@ def test_engine_reports_unmatched_collective():
         Engine(w, s.hardware).run()
 
 
+def _compute_then_all_reduce(k: int, durations: list[float]) -> tuple[Workload, Scenario]:
+    """k ranks of one TP group: compute of the given durations, then one all-reduce."""
+    from simulator.collectives import GroupShape, make_plan
+
+    s = make_scenario(tp=k, m=1)
+    plan = make_plan("all_reduce", 1e6, GroupShape(k, k), "ring", s.hardware)
+    layout = Layout(tp=k, pp=1, dp=1, gpus_per_node=k)
+    tasks, programs = [], {}
+    group = tuple(range(k))
+    for r in range(k):
+        c = Task(id=2 * r, rank=r, stream="compute", op="F", kind="forward", name="f",
+                 duration=durations[r])
+        t = Task(id=2 * r + 1, rank=r, stream="compute", op="tp.all_reduce", kind="tp",
+                 name="ar", plan=plan, group=group, group_key=("g", 0), nbytes=1e6)
+        tasks += [c, t]
+        programs[r] = Program(r, {"compute": [c, t], "pp": [], "dp": []})
+    return Workload(programs, tasks, layout, build_schedule("1f1b", 1, 1), 1.0, "full"), s
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_collective_starts_at_the_latest_arrival_with_one_timeout(k):
+    """Members register when their compute will end; the transfer starts at the latest
+    arrival, each member's collective span starts at its own arrival, the late member is
+    named, and the collective costs the same events whatever the group size (one
+    timeout for the latest arrival, not one per member)."""
+    durations = [1.0 + 0.5 * ((r * 3) % k) for r in range(k)]
+    w, s = _compute_then_all_reduce(k, durations)
+    result = Engine(w, s.hardware).run()
+    latest = max(durations)
+    late = 2 * max(range(k), key=lambda r: (durations[r], r)) + 1
+    for r in range(k):
+        assert result.start[2 * r + 1] == durations[r]
+        assert result.begin[2 * r + 1] == latest
+        assert result.end[2 * r + 1] == result.end[1] > latest
+        assert result.last[2 * r + 1] == (-1 if 2 * r + 1 == late else late)
+    # beyond each process's own two (its start and its end), the same events for any k
+    w2, s2 = _compute_then_all_reduce(2, [1.0, 2.0])
+    assert result.events - 2 * k == Engine(w2, s2.hardware).run().events - 2 * 2
+
+
 # ------------------------------------------------------------------ determinism
 
 
