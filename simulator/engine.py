@@ -412,6 +412,8 @@ class Engine:
         # bound method per call) and the clock read from ``_now`` (``now`` is a property)
         env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
+        begin, last, size, meetings = self.begin, self.last, self._size, self.rendezvous
+        groups = inst.groups
         for kind, deps, a, b, g, tail, dependents, lead in steps:
             if deps:
                 pending = self._waits(inst, deps)
@@ -435,37 +437,37 @@ class Engine:
                 yield self.send(inst.rank, self._dst(inst, b), g)
             else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
                 phases = b
-                grp = inst.groups[g]
+                grp = groups[g]
                 rv = None
-                if self._size[grp] > 1:
+                if size[grp] > 1:
                     # members register when they will arrive; the last to register
                     # waits for the latest arrival and runs the transfer, the others
                     # wait for it to end (one timeout per collective, not per member)
                     key = (grp, tail)
-                    rv = self.rendezvous.get(key)
+                    rv = meetings.get(key)
                     if rv is None:
-                        rv = self.rendezvous[key] = _Rendezvous(env, self._size[grp])
+                        rv = meetings[key] = _Rendezvous(env, size[grp])
                     rv.arrived += 1
                     if t0 >= rv.start:
                         rv.start, rv.last = t0, gid
                     if rv.arrived < rv.members:
                         yield rv.done
-                        self.begin[gid] = rv.start
+                        begin[gid] = rv.start
                         if rv.last != gid:  # it waited for the latest arrival
-                            self.last[gid] = rv.last
+                            last[gid] = rv.last
                         starts[gid] = t0
                         ends[gid] = env._now
                         if dependents:
                             event_of(gid).succeed()
                         continue
-                    del self.rendezvous[key]
+                    del meetings[key]
                     if rv.last != gid:
-                        self.last[gid] = rv.last
+                        last[gid] = rv.last
                     if rv.start > env._now:
                         yield Timeout(env, rv.start - env._now)
                 elif t0 > env._now:
                     yield Timeout(env, t0 - env._now)
-                self.begin[gid] = env._now
+                begin[gid] = env._now
                 yield from self.transfer(grp, phases)
                 if rv is not None:
                     rv.done.succeed()

@@ -17,6 +17,7 @@ The network owns no global state; it lives in the SimPy environment it is given.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,10 +27,26 @@ from simpy.events import Event, Timeout
 from simulator.topology import LinkId
 
 
+class _Link:
+    """One link's state: its capacity, its load (weighted flow count), the flows on it
+    and how long it has carried at least one."""
+
+    __slots__ = ("busy", "cap", "flows", "id", "load", "since", "weighted")
+
+    def __init__(self, link: LinkId, cap: float, weighted: bool) -> None:
+        self.id = link
+        self.cap = cap
+        self.weighted = weighted  # whether a flow counts its weight here (shared links)
+        self.flows: dict[Flow, None] = {}
+        self.load = 0.0
+        self.busy = 0.0
+        self.since = 0.0
+
+
 class Flow:
     __slots__ = ("done", "gen", "latency", "links", "rate", "remaining", "updated", "weight")
 
-    def __init__(self, done: simpy.Event, links: tuple[LinkId, ...], nbytes: float,
+    def __init__(self, done: simpy.Event, links: tuple[_Link, ...], nbytes: float,
                  weight: float, now: float, latency: float = 0.0) -> None:
         self.done = done
         self.latency = latency
@@ -47,13 +64,30 @@ class FlowNetwork:
         self.env = env
         self.capacity = capacity
         self.shared = shared
-        self._cap: dict[LinkId, float] = {}  # capacity of each link seen so far
-        self._weighted: dict[LinkId, bool] = {}  # whether a flow counts its weight there
-        self.flows_on: dict[LinkId, dict[Flow, None]] = {}
-        self.load: dict[LinkId, float] = {}
-        self.busy: dict[LinkId, float] = {}  # seconds each link carried at least one flow
-        self._busy_since: dict[LinkId, float] = {}
+        self._links: dict[LinkId, _Link] = {}  # every link seen so far
+        # a links tuple (by identity: callers pass the same tuple for a group's every
+        # collective) -> (that tuple, kept alive so its id stays unique, its links)
+        self._resolved: dict[int, tuple[Sequence[LinkId], tuple[_Link, ...]]] = {}
         self.flows_started = 0
+
+    @property
+    def busy(self) -> dict[LinkId, float]:
+        """Seconds each link carried at least one flow (links that carried any)."""
+        return {link.id: link.busy for link in self._links.values() if link.busy > 0}
+
+    def _resolve(self, links: Sequence[LinkId]) -> tuple[_Link, ...]:
+        got = self._resolved.get(id(links))
+        if got is not None and got[0] is links:
+            return got[1]
+        objs = []
+        for link in links:
+            obj = self._links.get(link)
+            if obj is None:
+                obj = self._links[link] = _Link(link, self.capacity(link), self.shared(link))
+            objs.append(obj)
+        out = tuple(objs)
+        self._resolved[id(links)] = (links, out)
+        return out
 
     def transfer(self, nbytes: float, links: Sequence[LinkId], weight: float = 1.0,
                  latency: float = 0.0) -> simpy.Event:
@@ -64,55 +98,38 @@ class FlowNetwork:
             _succeed_after(self.env, done, latency)
             return done
         now = self.env._now
-        flow = Flow(done, tuple(links), float(nbytes), weight, now, latency)
-        affected = self._neighbours(flow.links)
+        objs = self._resolve(links)
+        flow = Flow(done, objs, float(nbytes), weight, now, latency)
+        affected: dict[Flow, None] = {}
+        for link in objs:
+            on = link.flows
+            if on:
+                affected.update(on)
+            else:
+                link.since = now
         if affected:
-            self._settle(affected, now)
-        flows_on, load, weighted = self.flows_on, self.load, self._weighted
-        for link in flow.links:
-            on = flows_on.get(link)
-            if on is None:
-                on = flows_on[link] = {}
-                self._cap[link] = self.capacity(link)
-                weighted[link] = self.shared(link)
-            if not on:
-                self._busy_since[link] = now
-            on[flow] = None
-            load[link] = load.get(link, 0.0) + (weight if weighted[link] else 1.0)
+            _settle(affected, now)
+        for link in objs:
+            link.flows[flow] = None
+            link.load += weight if link.weighted else 1.0
         affected[flow] = None
-        self._reschedule(affected, now)
+        self._reschedule(affected)
         self.flows_started += 1
         return done
 
-    def _neighbours(self, links: tuple[LinkId, ...]) -> dict[Flow, None]:
-        out: dict[Flow, None] = {}
-        flows_on = self.flows_on
-        for link in links:
-            on = flows_on.get(link)
-            if on:
-                out.update(on)
-        return out
-
-    def _settle(self, flows: dict[Flow, None], now: float) -> None:
+    def _reschedule(self, flows: dict[Flow, None]) -> None:
+        env = self.env
         for f in flows:
-            f.remaining -= f.rate * (now - f.updated)
-            f.updated = now
-
-    def _reschedule(self, flows: dict[Flow, None], now: float) -> None:
-        cap, load = self._cap, self.load
-        for f in flows:
-            links = f.links
-            link = links[0]
-            rate = cap[link] / load[link]
-            for link in links[1:]:
-                r = cap[link] / load[link]
-                rate = min(rate, r)
+            rate = math.inf
+            for link in f.links:
+                r = link.cap / link.load
+                if r < rate:
+                    rate = r
             if rate == f.rate and f.gen:
                 continue  # unchanged: its pending completion stays valid
             f.rate = rate
             f.gen += 1
-            delay = max(f.remaining, 0.0) / rate
-            ev = Timeout(self.env, delay)
+            ev = Timeout(env, max(f.remaining, 0.0) / rate)
             ev.callbacks.append(self._make_finisher(f, f.gen))
 
     def _make_finisher(self, flow: Flow, gen: int) -> Callable[[Any], None]:
@@ -125,19 +142,26 @@ class FlowNetwork:
         now = self.env._now
         flow.remaining = 0.0
         flow.gen = -1
-        flows_on, load, weighted = self.flows_on, self.load, self._weighted
+        affected: dict[Flow, None] = {}
         for link in flow.links:
-            on = flows_on[link]
+            on = link.flows
             del on[flow]
-            load[link] -= flow.weight if weighted[link] else 1.0
-            if not on:
-                load[link] = 0.0
-                self.busy[link] = self.busy.get(link, 0.0) + now - self._busy_since.pop(link)
-        affected = self._neighbours(flow.links)
+            if on:
+                link.load -= flow.weight if link.weighted else 1.0
+                affected.update(on)
+            else:
+                link.load = 0.0
+                link.busy += now - link.since
         if affected:
-            self._settle(affected, now)
-            self._reschedule(affected, now)
+            _settle(affected, now)
+            self._reschedule(affected)
         _succeed_after(self.env, flow.done, flow.latency)
+
+
+def _settle(flows: dict[Flow, None], now: float) -> None:
+    for f in flows:
+        f.remaining -= f.rate * (now - f.updated)
+        f.updated = now
 
 
 def _succeed_after(env: simpy.Environment, event: simpy.Event, delay: float) -> None:
