@@ -413,7 +413,7 @@ class Engine:
         env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
         begin, last, size, meetings = self.begin, self.last, self._size, self.rendezvous
-        groups = inst.groups
+        groups, net = inst.groups, self.net
         for kind, deps, a, b, g, tail, dependents, lead in steps:
             if deps:
                 pending = self._waits(inst, deps)
@@ -468,9 +468,18 @@ class Engine:
                 elif t0 > env._now:
                     yield Timeout(env, t0 - env._now)
                 begin[gid] = env._now
-                yield from self.transfer(grp, phases)
-                if rv is not None:
-                    rv.done.succeed()
+                if len(phases) == 1 and len(phases[0][0]) == 1:
+                    # one flow, whose completion is the members' event: no generator,
+                    # no second event to wake them
+                    legs, alpha = phases[0]
+                    link_class, nbytes = legs[0]
+                    yield net.transfer(nbytes, self._group_links(grp, link_class),
+                                       self._group_weight(grp), alpha,
+                                       None if rv is None else rv.done)
+                else:
+                    yield from self.transfer(grp, phases)
+                    if rv is not None:
+                        rv.done.succeed()
             starts[gid] = t0
             ends[gid] = env._now
             if dependents:

@@ -90,10 +90,12 @@ class FlowNetwork:
         return out
 
     def transfer(self, nbytes: float, links: Sequence[LinkId], weight: float = 1.0,
-                 latency: float = 0.0) -> simpy.Event:
+                 latency: float = 0.0, done: simpy.Event | None = None) -> simpy.Event:
         """An event that fires ``latency`` seconds after ``nbytes`` have crossed ``links``
-        (the links are free again during the latency)."""
-        done = Event(self.env)
+        (the links are free again during the latency): ``done`` if given (an event
+        others already wait on), else a new one."""
+        if done is None:
+            done = Event(self.env)
         if nbytes <= 0 or not links:
             _succeed_after(self.env, done, latency)
             return done
@@ -101,24 +103,31 @@ class FlowNetwork:
         objs = self._resolve(links)
         flow = Flow(done, objs, float(nbytes), weight, now, latency)
         affected: dict[Flow, None] = {}
+        rate = math.inf
         for link in objs:
             on = link.flows
             if on:
                 affected.update(on)
             else:
                 link.since = now
-        if affected:
-            _settle(affected, now)
-        for link in objs:
-            link.flows[flow] = None
+            on[flow] = None
             link.load += weight if link.weighted else 1.0
-        affected[flow] = None
-        self._reschedule(affected)
+            r = link.cap / link.load
+            if r < rate:
+                rate = r
         self.flows_started += 1
+        if affected:  # the neighbours' rates change: settle them at the old ones first
+            _settle(affected, now)
+            affected[flow] = None
+            self._reschedule(affected)
+        else:  # alone on its links: its rate is the smallest capacity share
+            flow.rate, flow.gen = rate, 1
+            ev = Timeout(self.env, flow.remaining / rate, (flow, 1))
+            ev.callbacks.append(self._on_timeout)
         return done
 
     def _reschedule(self, flows: dict[Flow, None]) -> None:
-        env = self.env
+        env, on_timeout = self.env, self._on_timeout
         for f in flows:
             rate = math.inf
             for link in f.links:
@@ -129,14 +138,14 @@ class FlowNetwork:
                 continue  # unchanged: its pending completion stays valid
             f.rate = rate
             f.gen += 1
-            ev = Timeout(env, max(f.remaining, 0.0) / rate)
-            ev.callbacks.append(self._make_finisher(f, f.gen))
+            ev = Timeout(env, max(f.remaining, 0.0) / rate, (f, f.gen))
+            ev.callbacks.append(on_timeout)
 
-    def _make_finisher(self, flow: Flow, gen: int) -> Callable[[Any], None]:
-        def finish(_: Any) -> None:
-            if flow.gen == gen:
-                self._finish(flow)
-        return finish
+    def _on_timeout(self, event: Any) -> None:
+        """A flow's completion as last scheduled: stale when its rate changed since."""
+        flow, gen = event._value
+        if flow.gen == gen:
+            self._finish(flow)
 
     def _finish(self, flow: Flow) -> None:
         now = self.env._now
