@@ -113,8 +113,7 @@ class FlowNetwork:
             on[flow] = None
             link.load += weight if link.weighted else 1.0
             r = link.cap / link.load
-            if r < rate:
-                rate = r
+            rate = min(rate, r)
         self.flows_started += 1
         if affected:  # the neighbours' rates change: settle them at the old ones first
             _settle(affected, now)
@@ -132,8 +131,7 @@ class FlowNetwork:
             rate = math.inf
             for link in f.links:
                 r = link.cap / link.load
-                if r < rate:
-                    rate = r
+                rate = min(rate, r)
             if rate == f.rate and f.gen:
                 continue  # unchanged: its pending completion stays valid
             f.rate = rate
