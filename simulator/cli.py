@@ -204,6 +204,12 @@ def _add_plan(q: argparse.ArgumentParser) -> None:
     q.add_argument("--top", type=int, default=5, help="re-simulate the K best with the engine")
     q.add_argument("--micro-batches", default="1,2,4,8,16", metavar="B1,B2,...",
                    help="micro-batch sizes to try")
+    q.add_argument("--context-parallel", default=None, metavar="C1,C2,...",
+                   help="CP degrees to try (default: 1, and powers of two while each CP rank "
+                   "keeps >= 4096 tokens; 1 for a mixture of experts)")
+    q.add_argument("--expert-parallel", default=None, metavar="E1,E2,...",
+                   help="EP degrees to try, a mixture of experts only (default: every divisor "
+                   "of the experts that divides a stage's cp * dp)")
     q.add_argument("--tp-beyond-node", action="store_true",
                    help="also try TP groups larger than a node")
     q.add_argument("--out", type=Path, default=None, help="output directory "
@@ -433,12 +439,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from simulator.plan import PlanRequest, plan_lines, run_plan, write_plan
     from simulator.run_dir import check_out_dir, default_out_dir
 
-    batches = tuple(int(b) for b in args.micro_batches.split(",") if b.strip().isdigit())
-    if not batches or min(batches) < 1 or len(batches) != len(args.micro_batches.split(",")):
-        raise UserError([Problem("--micro-batches", args.micro_batches, "expected positive "
-                                 "whole numbers separated by commas, e.g. 1,2,4")])
+    cp, ep = (None if text is None else _int_list(flag, text) for flag, text in
+              (("--context-parallel", args.context_parallel),
+               ("--expert-parallel", args.expert_parallel)))
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
-                      args.top, batches, tp_beyond_node=args.tp_beyond_node)
+                      args.top, _int_list("--micro-batches", args.micro_batches),
+                      context_parallel=cp, expert_parallel=ep,
+                      tp_beyond_node=args.tp_beyond_node)
     out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
     check_out_dir(out)
     cache = _cache(args, out)
@@ -450,6 +457,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\n".join(plan_lines(plan)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    """``1,2,4`` as (1, 2, 4)."""
+    values = tuple(int(v) for v in text.split(",") if v.strip().isdigit())
+    if not values or min(values) < 1 or len(values) != len(text.split(",")):
+        raise UserError([Problem(flag, text, "expected positive whole numbers separated by "
+                                 "commas, e.g. 1,2,4")])
+    return values
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

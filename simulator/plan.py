@@ -4,32 +4,52 @@
 --global-batch 1536`` answers in four passes over every candidate layout:
 
 1. **Enumerate**: TP dividing the model's heads and at most a node (unless
-   ``tp_beyond_node``), PP dividing its layers, DP = N / (TP · PP) whole; then
-   every ZeRO stage, recompute mode, sequence parallelism (when TP > 1),
-   micro-batch size and schedule (GPipe, 1F1B, ZB-H1, and interleaved with
-   every virtual-stage count that gives each chunk whole layers). With one
-   pipeline stage the schedules are all the same step, so only 1F1B is kept.
+   ``tp_beyond_node``), CP from :func:`cp_degrees`, PP dividing its layers,
+   DP = N / (TP · CP · PP) whole; for a mixture of experts every EP degree the
+   schema accepts for that stage (:func:`~simulator.scenario.expert_parallel_degrees`:
+   a divisor of the experts dividing CP · DP, expert TP left at TP); then every
+   ZeRO stage, recompute mode, sequence parallelism (when TP > 1), micro-batch
+   size and schedule (GPipe, 1F1B, ZB-H1, and interleaved with every
+   virtual-stage count that gives each chunk whole layers). With one pipeline
+   stage the schedules are all the same step, so only 1F1B is kept.
+
+   CP by default: powers of two while each CP rank keeps at least
+   :data:`CP_MIN_TOKENS` tokens of a sequence, so a 2,048- or 4,096-token model
+   gets none and an 8,192-token one CP 2. The shortest chunks of published CP
+   runs are that long: NeMo's ``llm/recipes/llama3_70b.py`` pre-trains at 8,192
+   tokens with ``context_parallelism=2``, and the Llama 3 report (Table 4) runs
+   131,072 tokens at CP 16 (8,192 a rank); shorter chunks only add KV exchange
+   to thinner GEMMs. Where the simulator has no CP workload for the model
+   (:func:`~simulator.scenario.not_yet_simulated`: a mixture of experts, latent
+   attention) the default is CP 1.
 2. **Validate** each candidate with the scenario schema's own rules (the
    section models' field checks and :func:`~simulator.scenario.consistency_problems`,
    on a copy of one validated base scenario: presets are read once, not per
-   candidate). Invalid candidates are rows with their error lines.
+   candidate). Invalid candidates are rows with their error lines; so are valid
+   ones the engine cannot run yet (:func:`~simulator.scenario.not_yet_simulated`,
+   e.g. ZeRO-3 with experts), counted apart, since the choice is the engine's.
 3. **Prune by memory** with :mod:`simulator.memory`: the peak is the larger of
    the first and last stages (a middle stage holds no more weights, no more
    in-flight micro-batches and no embedding or logits, so it never exceeds the
-   first); candidates above the GPU's capacity are rows marked as not fitting.
+   first) when all layers are alike; with dense and MoE layers mixed (DeepSeek-V3's
+   first three are dense) a middle stage can hold the most experts, so every
+   stage is computed. Candidates above the GPU's capacity are rows marked as not
+   fitting.
 4. **Rank** the survivors by :func:`~simulator.analytic.analytic_estimate`,
    then re-simulate the best ``top_k`` with the engine (folded) and choose the
    fastest by the engine's step time.
 
 Passes 2–4 run on any ``concurrent.futures.Executor`` in chunks of
 :data:`CHUNK` candidates; engine results go through the on-disk cache. The
-table has a row per candidate (:data:`KNOBS`, the memory verdict and peak, the
-analytic estimate where it fits, the engine's figures where simulated).
+table has a row per candidate (:data:`KNOBS`, its :data:`VERDICTS` entry, the error
+lines, the memory peak, the analytic estimate where it fits, the engine's figures
+where simulated).
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import time
@@ -53,11 +73,14 @@ from simulator.cache import (
 from simulator.errors import Problem, UserError
 from simulator.hardware import load_system
 from simulator.memory import stage_breakdown
+from simulator.moe import layer_kinds
 from simulator.scenario import (
     ParallelSpec,
     Scenario,
     TrainingSpec,
     consistency_problems,
+    expert_parallel_degrees,
+    not_yet_simulated,
     preset_model_names,
     scenario_from_dict,
 )
@@ -65,9 +88,12 @@ from simulator.sweep import write_table
 from simulator.trace_export import atomic_output
 
 #: A candidate's settings, in the order of :data:`Candidate`'s fields.
-KNOBS = ("tp", "pp", "dp", "schedule", "virtual_stages", "zero", "recompute",
+KNOBS = ("tp", "cp", "pp", "dp", "ep", "schedule", "virtual_stages", "zero", "recompute",
          "sequence_parallel", "micro_batch")
-Candidate = tuple[int, int, int, str, int, int, str, bool, int]
+Candidate = tuple[int, int, int, int, int, str, int, int, str, bool, int]
+#: What becomes of a candidate, one per row (the ``verdict`` column), in pass order.
+VERDICTS = ("invalid", "not yet simulated", "out of memory", "fits")
+CP_MIN_TOKENS = 4096  # default CP: each rank keeps at least this many tokens (module note)
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 CHUNK = 250  # candidates per task: big enough to amortise a submit, small enough to balance
@@ -88,6 +114,11 @@ class PlanRequest:
     schedules: tuple[str, ...] = SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
+    # CP degrees; None: powers of two down to CP_MIN_TOKENS tokens a rank (cp_degrees)
+    context_parallel: tuple[int, ...] | None = None
+    # EP degrees (a mixture of experts only), each kept where the stage admits it;
+    # None: every degree the schema accepts
+    expert_parallel: tuple[int, ...] | None = None
     tp_beyond_node: bool = False  # allow TP groups that span nodes
     dtype: str = "bf16"
 
@@ -158,32 +189,54 @@ def _schedules(req: PlanRequest, layers: int, pp: int) -> Iterator[tuple[str, in
                 yield schedule, v
 
 
+def cp_degrees(req: PlanRequest, base: Scenario) -> tuple[int, ...]:
+    """The CP degrees to try: the request's, or the default of the module note."""
+    if req.context_parallel is not None:
+        return req.context_parallel
+    probe = base.model_copy(update={"parallel": ParallelSpec(cp=2)})
+    if any(p.field == "parallel.cp" for p in not_yet_simulated(probe)):
+        return (1,)
+    out = [1]
+    while base.model.seq_len // (2 * out[-1]) >= CP_MIN_TOKENS:
+        out.append(2 * out[-1])
+    return tuple(out)
+
+
+def _ep_degrees(req: PlanRequest, base: Scenario, tp: int, cp: int, dp: int) -> list[int]:
+    """The EP degrees of a stage of tp · cp · dp ranks (1 for a dense model)."""
+    if not base.model.is_moe:
+        return [1]
+    valid = expert_parallel_degrees(base.model.experts, tp * cp * dp, tp)
+    wanted = valid if req.expert_parallel is None else req.expert_parallel
+    return [ep for ep in wanted if ep in valid]
+
+
 def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
     """Every layout of pass 1, in a fixed order."""
     spec, gpn = base.model, base.cluster.gpus_per_node or 1
+    if not spec.is_moe and any(ep > 1 for ep in req.expert_parallel or ()):
+        raise UserError([Problem("--expert-parallel", req.expert_parallel, f"{req.model} has "
+                                 "no routed experts (model.experts = 0); leave it out")])
     out: list[Candidate] = []
-    for tp in divisors(spec.heads):
-        if tp > gpn and not req.tp_beyond_node:
+    for tp, cp, pp in itertools.product(divisors(spec.heads), cp_degrees(req, base),
+                                        divisors(spec.layers)):
+        if (tp > gpn and not req.tp_beyond_node) or req.gpus % (tp * cp * pp):
             continue
-        for pp in divisors(spec.layers):
-            if req.gpus % (tp * pp):
-                continue
-            dp = req.gpus // (tp * pp)
-            batches = [b for b in req.micro_batches if b * dp <= req.global_batch]
-            for schedule, v in _schedules(req, spec.layers, pp):
-                for zero in req.zero_stages:
-                    for recompute in req.recompute:
-                        for sp in (False, True) if tp > 1 else (False,):
-                            out.extend((tp, pp, dp, schedule, v, zero, recompute, sp, b)
-                                       for b in batches)
+        dp = req.gpus // (tp * cp * pp)
+        batches = [b for b in req.micro_batches if b * dp <= req.global_batch]
+        for ep, (schedule, v), zero, recompute, sp in itertools.product(
+                _ep_degrees(req, base, tp, cp, dp), _schedules(req, spec.layers, pp),
+                req.zero_stages, req.recompute, (False, True) if tp > 1 else (False,)):
+            out.extend((tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b)
+                       for b in batches)
     return out
 
 
 def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
     """``base`` with a candidate's settings (field checks run; cross-field ones do not)."""
-    tp, pp, dp, schedule, v, zero, recompute, sp, b = cand
-    par = ParallelSpec(tp=tp, pp=pp, dp=dp, schedule=cast(Any, schedule), virtual_stages=v,
-                       zero=cast(Any, zero), recompute=cast(Any, recompute),
+    tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b = cand
+    par = ParallelSpec(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, schedule=cast(Any, schedule),
+                       virtual_stages=v, zero=cast(Any, zero), recompute=cast(Any, recompute),
                        sequence_parallel=sp)
     trn = TrainingSpec(global_batch=base.training.global_batch, micro_batch=b,
                        dtype=base.training.dtype)
@@ -194,23 +247,29 @@ def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
 
 
 def peak_memory_bytes(s: Scenario) -> float:
-    """The largest stage total: the first or the last stage (see the module note)."""
-    return max(stage_breakdown(s, 0).total, stage_breakdown(s, s.parallel.pp - 1).total)
+    """The largest stage total: the first or the last stage when all layers are alike,
+    else every stage (see the module note)."""
+    pp = s.parallel.pp
+    stages = (0, pp - 1) if len(layer_kinds(s.model)) == 1 else range(pp)
+    return max(stage_breakdown(s, stage).total for stage in stages)
 
 
 def assess(base: Scenario, cand: Candidate) -> dict[str, Any]:
     """One candidate's row: validity, memory verdict and, if it fits, the estimate."""
     row: dict[str, Any] = dict(zip(KNOBS, cand, strict=True))
-    row.update(microbatches=0, error="", peak_memory_GB=math.nan, fits=False,
-               analytic_step_time_s=math.nan)
+    row.update(microbatches=0, verdict="invalid", error="", peak_memory_GB=math.nan,
+               fits=False, analytic_step_time_s=math.nan)
     s = candidate_scenario(base, cand)
     problems = consistency_problems(s)
+    if not problems:
+        row["verdict"], problems = "not yet simulated", not_yet_simulated(s)
     if problems:
         row["error"] = "; ".join(map(str, problems))
         return row
     peak = peak_memory_bytes(s)
     row.update(microbatches=s.microbatches, peak_memory_GB=peak / 1e9,
                fits=peak <= s.hardware.gpu.memory_GB * 1e9)
+    row["verdict"] = "fits" if row["fits"] else "out of memory"
     if row["fits"]:
         row["analytic_step_time_s"] = analytic_estimate(s)["step_time_s"]
     return row
@@ -240,8 +299,8 @@ def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor) -> p
         for future, chunk in zip(futures, chunks, strict=True):
             rows.extend(future.result()["rows"])
             bar.update(len(chunk))
-    return pd.DataFrame(rows, columns=[*KNOBS, "microbatches", "error", "peak_memory_GB",
-                                       "fits", "analytic_step_time_s"])
+    return pd.DataFrame(rows, columns=[*KNOBS, "microbatches", "verdict", "error",
+                                       "peak_memory_GB", "fits", "analytic_step_time_s"])
 
 
 def pareto_mask(memory: pd.Series, step: pd.Series) -> pd.Series:
@@ -282,9 +341,10 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
     if len(ranked):
         chosen = int(table.loc[ranked.index, "engine_step_time_s"].astype(float).idxmin())
     table["chosen"] = table.index == chosen
-    invalid = int((table["error"] != "").sum())
-    counts = {"candidates": len(table), "invalid": invalid,
-              "out_of_memory": len(table) - invalid - int(fits.sum()), "fit": int(fits.sum()),
+    n = table["verdict"].value_counts()
+    counts = {"candidates": len(table), "invalid": int(n.get("invalid", 0)),
+              "not_yet_simulated": int(n.get("not yet simulated", 0)),
+              "out_of_memory": int(n.get("out of memory", 0)), "fit": int(n.get("fits", 0)),
               "simulated": len(ranked)}
     return Plan(req, table, chosen, time.perf_counter() - start,
                 base.hardware.gpu.memory_GB, counts)
@@ -323,11 +383,18 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def degrees_label(row: Any) -> str:
+    """``TP 8 · CP 2 · PP 16 · DP 8 · EP 4`` for a table row (CP and EP when above 1;
+    a table written before they were planned has neither)."""
+    cp, ep = int(row.get("cp", 1)), int(row.get("ep", 1))
+    return " · ".join([f"TP {row['tp']}", *([f"CP {cp}"] if cp > 1 else []), f"PP {row['pp']}",
+                       f"DP {row['dp']}", *([f"EP {ep}"] if ep > 1 else [])])
+
+
 def layout_label(row: Any) -> str:
     """``TP 8 · PP 16 · DP 8, 1f1b, ZeRO-1, selective, SP, b 1`` for a table row."""
     sched = row["schedule"] + (f" v{row['virtual_stages']}" if row["virtual_stages"] > 1 else "")
-    parts = [f"TP {row['tp']} · PP {row['pp']} · DP {row['dp']}", sched, f"ZeRO-{row['zero']}",
-             f"recompute {row['recompute']}"]
+    parts = [degrees_label(row), sched, f"ZeRO-{row['zero']}", f"recompute {row['recompute']}"]
     if row["sequence_parallel"]:
         parts.append("SP")
     parts.append(f"b {row['micro_batch']}")
@@ -337,19 +404,26 @@ def layout_label(row: Any) -> str:
 def plan_lines(plan: Plan) -> list[str]:
     """The summary the CLI prints: counts, the simulated candidates, the choice."""
     req, c, t = plan.request, plan.counts, plan.table
+    unsupported = (f"{c['not_yet_simulated']:,} not yet simulated, "
+                   if c["not_yet_simulated"] else "")
     lines = [f"planned {req.model} on {req.gpus:,} GPUs of {req.system}, global batch "
              f"{req.global_batch}: {c['candidates']:,} candidates considered, {c['invalid']:,} "
-             f"invalid, {c['out_of_memory']:,} do not fit, {c['fit']:,} fit; "
+             f"invalid, {unsupported}{c['out_of_memory']:,} do not fit, {c['fit']:,} fit; "
              f"{c['simulated']} simulated in {plan.wall_s:.1f} s"]
+    if plan.chosen is None and c["fit"]:
+        return [*lines, "nothing re-simulated (--top 0): no choice"]
     if plan.chosen is None:
         return [*lines, "no candidate fits in memory: add GPUs, a smaller global batch or "
                 "--tp-beyond-node"]
     top = t[t["engine_step_time_s"].notna()].sort_values("engine_step_time_s", kind="stable")
-    cols = {"tp": "tp", "pp": "pp", "dp": "dp", "schedule": "schedule", "virtual_stages": "v",
-            "zero": "zero", "recompute": "recompute", "sequence_parallel": "sp",
-            "micro_batch": "b", "microbatches": "m", "peak_memory_GB": "mem GB",
-            "analytic_step_time_s": "analytic s", "engine_step_time_s": "engine s",
-            "engine_mfu": "MFU"}
+    cols = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "schedule": "schedule",
+            "virtual_stages": "v", "zero": "zero", "recompute": "recompute",
+            "sequence_parallel": "sp", "micro_batch": "b", "microbatches": "m",
+            "peak_memory_GB": "mem GB", "analytic_step_time_s": "analytic s",
+            "engine_step_time_s": "engine s", "engine_mfu": "MFU"}
+    for degree in ("cp", "ep"):  # a column only where the plan tried more than 1
+        if (t[degree] == 1).all():
+            del cols[degree]
     shown = top[list(cols)].rename(columns=cols)
     lines.append(shown.to_string(index=False, formatters={
         "mem GB": "{:.1f}".format, "analytic s": "{:.3f}".format, "engine s": "{:.3f}".format,

@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from simulator.errors import Problem, UserError
+from simulator.plan import degrees_label
 from simulator.plots import _save
 
 _CLOUD = "#9FB4CC"
@@ -62,7 +63,7 @@ def _chosen_label(row: pd.Series) -> str:
     extras = [f"ZeRO-{row['zero']}", f"recompute {row['recompute']}"]
     if bool(row["sequence_parallel"]):
         extras.append("SP")
-    return (f"chosen: TP {row['tp']} · PP {row['pp']} · DP {row['dp']}, {sched}, b "
+    return (f"chosen: {degrees_label(row)}, {sched}, b "
             f"{row['micro_batch']}\n{', '.join(extras)}\n{row['engine_step_time_s']:.2f} s "
             f"(engine), {row['peak_memory_GB']:.1f} GB")
 

@@ -591,13 +591,20 @@ def expert_parallel_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("parallel.ep", par.ep, f"model.experts ({mdl.experts}) is not "
                            f"divisible by ep; use one of {_divisors(mdl.experts)}"))
     if stage % (par.etp * par.ep):  # its fix lists only degrees that divide the experts too
-        fits = [d for d in _divisor_list(mdl.experts) if stage % (par.etp * d) == 0][:12]
+        fits = expert_parallel_degrees(mdl.experts, stage, par.etp)[:12]
         out.append(Problem("parallel.ep", par.ep, f"expert_tp({par.etp}) * ep({par.ep}) = "
                            f"{par.etp * par.ep} does not divide tp({par.tp}) * cp({par.cp}) * "
                            f"dp({par.dp}) = {stage}: expert-parallel ranks are carved out of a "
                            f"stage's tp * cp * dp ranks; use ep one of "
                            f"{', '.join(map(str, fits)) or 'none (change expert_tp)'}"))
     return out
+
+
+def expert_parallel_degrees(experts: int, stage: int, etp: int) -> list[int]:
+    """The ep degrees :func:`expert_parallel_problems` accepts for ``experts`` routed
+    experts on a stage of ``stage`` = tp · cp · dp ranks with expert tensor parallelism
+    ``etp``: divisors of the experts whose etp · ep divides the stage, ascending."""
+    return [d for d in _divisor_list(experts) if stage % (etp * d) == 0]
 
 
 def context_parallel_problems(s: Scenario) -> list[Problem]:

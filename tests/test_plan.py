@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -18,16 +20,27 @@ from simulator.cli import main
 from simulator.errors import ScenarioError, UserError
 from simulator.memory import peak_memory
 from simulator.plan import (
+    CP_MIN_TOKENS,
     KNOBS,
     PlanRequest,
     assess,
     base_scenario,
     candidate_scenario,
     candidates,
+    cp_degrees,
+    degrees_label,
     pareto_mask,
+    peak_memory_bytes,
+    plan_lines,
     run_plan,
 )
-from simulator.scenario import load_scenario, scenario_from_dict
+from simulator.scenario import (
+    consistency_problems,
+    expert_parallel_problems,
+    load_scenario,
+    not_yet_simulated,
+    scenario_from_dict,
+)
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 # Llama-2 7B on 16 A100 (2 nodes): 32 heads, 32 layers
@@ -42,10 +55,11 @@ def test_enumeration_covers_the_space_once() -> None:
     assert len(set(cands)) == len(cands)
     # TP: divisors of 32 heads up to a node (1, 2, 4, 8); PP: divisors of 32 layers
     # dividing 16 / tp; DP the rest
-    pairs = {(c[0], c[1]) for c in cands}
+    pairs = {(c[0], c[2]) for c in cands}
     assert pairs == {(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8, 16) if 16 % (t * p) == 0}
-    for tp, pp, dp, schedule, v, zero, recompute, sp, b in cands:
-        assert tp * pp * dp == 16
+    for tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b in cands:
+        # 2,048 tokens: below two CP chunks of CP_MIN_TOKENS; a dense model: no EP
+        assert cp == 1 and ep == 1 and tp * pp * dp == 16
         assert (schedule == "interleaved") == (v > 1)
         assert v == 1 or (32 // pp) % v == 0
         assert pp > 1 or schedule == "1f1b"  # one stage: every schedule is the same step
@@ -169,6 +183,8 @@ def test_cli_plan_writes_table_figure_and_summary(tmp_path: Path,
     (["--micro-batches", "1,x"], "--micro-batches"),
     (["--global-batch", "0"], "--global-batch = 0"),
     (["--system", "nope"], "--system = 'nope': not a preset"),
+    (["--context-parallel", "1,0"], "--context-parallel = '1,0': expected positive"),
+    (["--expert-parallel", "1,2"], "llama2-7b has no routed experts"),
 ])
 def test_cli_plan_bad_input(args: list[str], needle: str, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,3 +241,129 @@ def test_base_scenario_rejects_what_no_candidate_can_fix() -> None:
     with pytest.raises(UserError, match="--gpus"):
         base_scenario(PlanRequest("llama2-7b", 12, "dgx-a100-80gb", 64))
     assert base_scenario(PlanRequest("llama2-7b", 4, "dgx-a100-80gb", 64)).cluster.gpus == 4
+
+
+# ---------------------------------------------------------------- CP and EP
+
+# one schedule, ZeRO stage, recompute mode and micro-batch: the CP and EP axes alone
+ONE_EACH = {"micro_batches": (1,), "schedules": ("1f1b",), "zero_stages": (1,),
+            "recompute": ("selective",)}
+# Mixtral 8x7B (8 experts, 32 layers) on 16 H100; ZeRO-3 is not simulated with experts
+MOE = PlanRequest("mixtral-8x7b", 16, "dgx-h100", 32, seq_len=4096, top_k=2,
+                  **{**ONE_EACH, "zero_stages": (1, 3)})
+
+
+@pytest.mark.parametrize(("seq_len", "expected"), [
+    (2048, (1,)), (4096, (1,)), (8192, (1, 2)), (16384, (1, 2, 4)),
+    (131072, (1, 2, 4, 8, 16, 32)),
+])
+def test_default_cp_keeps_cp_min_tokens_on_each_rank(seq_len: int,
+                                                     expected: tuple[int, ...]) -> None:
+    req = PlanRequest("llama3-8b", 16, "dgx-h100", 64, seq_len=seq_len)
+    assert cp_degrees(req, base_scenario(req)) == expected
+    assert min(seq_len // cp for cp in expected) >= min(seq_len, CP_MIN_TOKENS)
+
+
+def test_cp_candidates_for_long_sequences_only() -> None:
+    long = PlanRequest("llama3-8b", 16, "dgx-h100", 64, **ONE_EACH)  # the preset's 8,192
+    cands = candidates(long, base_scenario(long))
+    # TP up to a node, PP dividing 32 layers, CP 1 or 2, DP the rest of 16
+    assert {c[:4] for c in cands} == {(t, cp, p, 16 // (t * cp * p)) for t in (1, 2, 4, 8)
+                                      for cp in (1, 2) for p in (1, 2, 4, 8, 16)
+                                      if 16 % (t * cp * p) == 0}
+    short = replace(long, seq_len=4096)
+    assert {c[1] for c in candidates(short, base_scenario(short))} == {1}
+    # a mixture of experts has no CP workload yet: none by default, however long
+    mixtral = PlanRequest("mixtral-8x7b", 16, "dgx-h100", 32)
+    assert base_scenario(mixtral).model.seq_len == 32768
+    assert cp_degrees(mixtral, base_scenario(mixtral)) == (1,)
+
+
+def test_requested_cp_is_judged_by_the_schema() -> None:
+    # 6,002 tokens: two chunks of 3,001 for CP 2 are not whole (2 * cp must divide them)
+    req = PlanRequest("llama3-8b", 8, "dgx-h100", 16, seq_len=6002, context_parallel=(1, 2, 3),
+                      **ONE_EACH)
+    base = base_scenario(req)
+    cands = candidates(req, base)
+    assert {c[1] for c in cands} == {1, 2}  # 3 divides no layout of 8 GPUs
+    rows = [assess(base, cand) for cand in cands]
+    assert all(r["verdict"] == "invalid" and "parallel.cp = 2" in r["error"]
+               for r in rows if r["cp"] == 2)
+    assert any(r["verdict"] == "fits" for r in rows if r["cp"] == 1)
+
+
+def test_ep_candidates_only_for_experts_and_each_valid() -> None:
+    base = base_scenario(MOE)
+    cands = candidates(MOE, base)
+    by_stage: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for cand in cands:
+        by_stage[cand[:4]].add(cand[4])
+    # every divisor of the 8 experts that divides cp * dp (expert TP = TP), and only those
+    for (_, cp, _, dp), eps in by_stage.items():
+        assert eps == {e for e in (1, 2, 4, 8) if (cp * dp) % e == 0}
+    assert {c[4] for c in cands} == {1, 2, 4, 8}
+    for cand in cands:
+        assert expert_parallel_problems(candidate_scenario(base, cand)) == []
+    # a requested list keeps, per stage, the degrees the stage admits
+    only = candidates(replace(MOE, expert_parallel=(2, 8)), base)
+    assert {c[4] for c in only} == {2, 8} and all(c[1] * c[3] % c[4] == 0 for c in only)
+    # a dense model: EP 1 only, and asking for more is an error
+    assert {c[4] for c in SMALL_CANDIDATES} == {1}
+    with pytest.raises(UserError, match="--expert-parallel"):
+        candidates(replace(SMALL, expert_parallel=(1, 2)), SMALL_BASE)
+
+
+def test_moe_plan_chooses_a_layout_the_engine_runs() -> None:
+    plan = run_plan(MOE, ThreadPoolExecutor(2))
+    t, c = plan.table, plan.counts
+    assert c["candidates"] == len(t) == (c["invalid"] + c["not_yet_simulated"]
+                                         + c["out_of_memory"] + c["fit"])
+    # what the engine refuses (ZeRO-3 with experts; TP without SP) is counted, not ranked
+    refused = t[t["verdict"] == "not yet simulated"]
+    assert len(refused) == c["not_yet_simulated"] > 0
+    assert ((refused["zero"] == 3) | ((refused["tp"] > 1) & ~refused["sequence_parallel"])).all()
+    assert refused["error"].str.contains("zero = 3: not yet simulated|sequence_parallel = "
+                                         "False: a mixture").all()
+    assert refused["analytic_step_time_s"].isna().all() and not refused["fits"].any()
+    assert t.loc[t["fits"], "ep"].nunique() > 1
+    assert plan.chosen is not None and c["simulated"] == 2
+    best = t.loc[plan.chosen]
+    s = candidate_scenario(base_scenario(MOE), tuple(best[list(KNOBS)]))
+    assert not_yet_simulated(s) == []
+    results, _ = simulate_scenario(s, "engine", "folded")
+    assert best["engine_step_time_s"] == results["step_time_s"]
+    lines = plan_lines(plan)
+    assert "not yet simulated" in lines[0] and " ep " in lines[1]
+    assert lines[-1].startswith(f"best: {degrees_label(best)},")
+
+
+def test_peak_of_mixed_dense_and_moe_layers_is_every_stage() -> None:
+    """With the first 8 of 32 layers dense, PP 4's first stage holds no experts: a
+    middle stage can be the peak, which the first-and-last shortcut would miss."""
+    base = base_scenario(MOE)
+    base = base.model_copy(update={"model": base.model.model_copy(
+        update={"first_dense_layers": 8})})
+    middle = 0
+    for cand in candidates(MOE, base):
+        s = candidate_scenario(base, cand)
+        if cand[2] == 4 and not consistency_problems(s):
+            peak = peak_memory(s)
+            assert peak_memory_bytes(s) == pytest.approx(peak.total, rel=1e-12)
+            middle += peak.stage not in (0, 3)
+    assert middle > 0
+
+
+def test_degrees_label() -> None:
+    assert degrees_label({"tp": 2, "cp": 2, "pp": 4, "dp": 8, "ep": 4}) == \
+        "TP 2 · CP 2 · PP 4 · DP 8 · EP 4"
+    # CP and EP of 1, or a table written before they were planned: not shown
+    assert degrees_label({"tp": 8, "cp": 1, "pp": 16, "dp": 8, "ep": 1}) == \
+        degrees_label({"tp": 8, "pp": 16, "dp": 8}) == "TP 8 · PP 16 · DP 8"
+
+
+def test_plan_help_names_the_cp_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "--context-parallel" in help_ and "--expert-parallel" in help_
+    assert f">= {CP_MIN_TOKENS} tokens" in help_
