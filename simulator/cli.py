@@ -76,7 +76,9 @@ EXAMPLES = {
               "--grid training.micro_batch=1,2 --method engine --dask local:2 --out out/sw"),
     "plan": ("examples:\n  clustersim plan --model gpt3-175b --gpus 1024 --system dgx-a100-80gb "
              "--global-batch 1536\n  clustersim plan --model llama3-70b --gpus 512 --system "
-             "dgx-h100 --global-batch 1024 --seq-len 8192 --dask local:2 --out out/llama"),
+             "dgx-h100 --global-batch 1024 --seq-len 8192 --dask local:2 --out out/llama\n"
+             "  clustersim plan --model mixtral-8x7b --gpus 64 --system dgx-h100 "
+             "--global-batch 256 --expert-parallel 2,4,8"),
 }
 
 

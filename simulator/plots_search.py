@@ -53,8 +53,10 @@ def _pareto_title(meta: dict[str, Any]) -> str:
     req, counts = meta.get("request", {}), meta.get("counts", {})
     if not req:
         return "plan: step time against peak memory"
+    refused = counts.get("not_yet_simulated", 0)
     return (f"{req['model']} on {req['gpus']:,} GPUs ({req['system']}), global batch "
-            f"{req['global_batch']}: {counts.get('candidates', 0):,} candidates, "
+            f"{req['global_batch']}: {counts.get('candidates', 0):,} candidates"
+            f"{f' ({refused:,} not yet simulated)' if refused else ''}, "
             f"{counts.get('fit', 0):,} fit, {counts.get('simulated', 0)} simulated")
 
 

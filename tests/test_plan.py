@@ -33,7 +33,9 @@ from simulator.plan import (
     peak_memory_bytes,
     plan_lines,
     run_plan,
+    write_plan,
 )
+from simulator.plots_search import pareto_figure
 from simulator.scenario import (
     consistency_problems,
     expert_parallel_problems,
@@ -313,7 +315,7 @@ def test_ep_candidates_only_for_experts_and_each_valid() -> None:
         candidates(replace(SMALL, expert_parallel=(1, 2)), SMALL_BASE)
 
 
-def test_moe_plan_chooses_a_layout_the_engine_runs() -> None:
+def test_moe_plan_chooses_a_layout_the_engine_runs(tmp_path: Path) -> None:
     plan = run_plan(MOE, ThreadPoolExecutor(2))
     t, c = plan.table, plan.counts
     assert c["candidates"] == len(t) == (c["invalid"] + c["not_yet_simulated"]
@@ -335,6 +337,12 @@ def test_moe_plan_chooses_a_layout_the_engine_runs() -> None:
     lines = plan_lines(plan)
     assert "not yet simulated" in lines[0] and " ep " in lines[1]
     assert lines[-1].startswith(f"best: {degrees_label(best)},")
+    write_plan(plan, tmp_path, plots=False)
+    table = pd.read_csv(tmp_path / "plan.csv", keep_default_na=False, na_values=[""])
+    fig = pareto_figure(table, json.loads((tmp_path / "plan.json").read_text()))
+    assert f"({c['not_yet_simulated']:,} not yet simulated)" in fig.axes[0].get_title()
+    label = next(x.get_text() for x in fig.axes[0].texts if x.get_text().startswith("chosen"))
+    assert label.startswith(f"chosen: {degrees_label(best)},")
 
 
 def test_peak_of_mixed_dense_and_moe_layers_is_every_stage() -> None:
