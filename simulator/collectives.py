@@ -45,6 +45,12 @@ hierarchical algorithm, which NCCL does not have, only this way. A calibrated
 collective (``hw.collectives``) already holds what the library did, so its measured α
 and busbw replace the protocol's factor and latency in the time; the choice is still
 NCCL's, made on the links.
+
+A collective that follows compute also pays the profile's sync cost once
+(``gpu.collective_sync_us``, :func:`sync_cost`): the back-to-back α-β fit misses the
+communication threads waking and the ranks arriving skewed. It rides on the first
+phase's latency (:func:`phase_latencies`), which the engine and the analytic estimate
+both use.
 """
 
 from __future__ import annotations
@@ -340,12 +346,34 @@ def phase_alpha(phase: Phase, op: CollectiveName, hw: HardwareProfile) -> float:
     return max(alphas, default=0.0) * phase.steps
 
 
+def sync_cost(plan: Plan, hw: HardwareProfile) -> float:
+    """What the collective costs after compute beyond its back-to-back time, once per
+    collective: ``gpu.collective_sync_us`` of the slowest link class it crosses (0 for a
+    group of one, or a profile without the term)."""
+    if plan.n <= 1:
+        return 0.0
+    return max((hw.gpu.collective_sync_s(leg.link_class) for phase in plan.phases
+                for leg in phase.legs), default=0.0)
+
+
+def phase_latencies(plan: Plan, hw: HardwareProfile) -> list[float]:
+    """Each phase's latency (:func:`phase_alpha`), the first phase's with the collective's
+    :func:`sync_cost`: the one place the engine and the analytic estimate take a plan's
+    latencies from, so the sync cost is charged once however the plan is split
+    (:func:`expand`)."""
+    out = [phase_alpha(phase, plan.op, hw) for phase in plan.phases]
+    if out:
+        out[0] += sync_cost(plan, hw)
+    return out
+
+
 def estimate(plan: Plan, hw: HardwareProfile) -> float:
-    """Uncontended time: per phase, the slowest leg plus its latency steps."""
+    """Uncontended time: per phase, the slowest leg plus its latency steps (the first
+    phase's with the sync cost)."""
     total = 0.0
-    for phase in plan.phases:
+    for phase, alpha in zip(plan.phases, phase_latencies(plan, hw), strict=True):
         legs = [leg.bytes_per_rank / leg_rate(leg, plan.op, hw) for leg in phase.legs]
-        total += max(legs, default=0.0) + phase_alpha(phase, plan.op, hw)
+        total += max(legs, default=0.0) + alpha
     return total
 
 

@@ -9,7 +9,8 @@ task waits for its dependencies (events of other tasks), then:
   runs its plan phase by phase — each leg one flow over every simulated member's
   link of the leg's class (a ring advances in lock-step, at its slowest member's
   share), counted once per member on shared links; the phase ends when its flows
-  end plus ``steps × α``;
+  end plus ``steps × α`` (the first phase's plus the profile's sync cost,
+  :func:`simulator.collectives.phase_latencies`);
 - point-to-point send: one flow from sender to receiver over the link class
   between them, plus one α.
 
@@ -44,7 +45,7 @@ import numpy as np
 import simpy
 from simpy.events import AllOf, Event, Timeout
 
-from simulator.collectives import Plan, leg_rate, phase_alpha
+from simulator.collectives import Plan, leg_rate, phase_latencies
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
 from simulator.program import SharedPrograms, TaskView
@@ -545,15 +546,16 @@ class Engine:
         return links
 
     def _phases(self, plan: Plan) -> list[tuple[list[tuple[LinkName, float]], float]]:
-        """Per phase: (link class, bytes to put on that class's link) legs and α × steps.
-        A calibrated busbw becomes equivalent bytes at the link's rate."""
+        """Per phase: (link class, bytes to put on that class's link) legs and α × steps
+        (the first phase's with the sync cost). A calibrated busbw becomes equivalent
+        bytes at the link's rate."""
         out = self._plan_cache.get(id(plan))
         if out is None:
             out = []
-            for phase in plan.phases:
+            for phase, alpha in zip(plan.phases, phase_latencies(plan, self.hw), strict=True):
                 legs = [(leg.link_class, leg.bytes_per_rank * self.topo.rate(leg.link_class)
                          / leg_rate(leg, plan.op, self.hw)) for leg in phase.legs]
-                out.append((legs, phase_alpha(phase, plan.op, self.hw)))
+                out.append((legs, alpha))
             self._plan_cache[id(plan)] = out
             self._plans_alive.append(plan)  # keeps id(plan) unique while cached
         return out

@@ -14,10 +14,12 @@ latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
 Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
 in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
 its kind (:meth:`GPUSpec.efficiency`). ``gpu.interference`` says how much compute
-slows while a collective on a link class overlaps it, and ``uncertainty`` keeps the
-relative spread calibration measured for each fitted term (:data:`UNCERTAINTY_TERMS`),
-which ``clustersim run --uncertainty`` propagates. All three are optional: a profile
-without them keeps the generic curves, no slowdown and no spread.
+slows while a collective on a link class overlaps it, ``gpu.collective_sync_us`` what
+a collective issued after compute costs beyond its back-to-back α-β time, and
+``uncertainty`` keeps the relative spread calibration measured for each fitted term
+(:data:`UNCERTAINTY_TERMS`), which ``clustersim run --uncertainty`` propagates. All
+are optional: a profile without them keeps the generic curves, no slowdown, no sync
+cost and no spread.
 
 A profile file is read strictly (:func:`load_system`): every field stated (a
 profile without calibrated collectives says ``collectives: {}``, and calibrated
@@ -67,7 +69,8 @@ COST_CLASSES: tuple[str, ...] = get_args(CostClass)
 LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.
 UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
-                                      "kernel_overhead", *LINK_NAMES, "interference")
+                                      "kernel_overhead", *LINK_NAMES, "interference",
+                                      "collective_sync")
 #: A factor by which overlapped communication slows compute (1 = not at all).
 Interference = Annotated[float, Field(ge=1, le=10)]
 #: A relative standard deviation (σ / mean).
@@ -159,13 +162,17 @@ class GPUSpec(_Frozen):
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
+    # what a collective that follows compute costs beyond its back-to-back α-β time, once
+    # per collective, per link class, µs: the communication threads wake and the ranks
+    # arrive skewed (calibration/microbench/collective_sync.py; absent = 0)
+    collective_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
 
     @field_validator("class_efficiency", mode="before")
     @classmethod
     def _cost_classes(cls, data: Any) -> Any:
         return _known_keys(data, COST_CLASSES, "cost class")
 
-    @field_validator("interference", mode="before")
+    @field_validator("interference", "collective_sync_us", mode="before")
     @classmethod
     def _link_names(cls, data: Any) -> Any:
         return _known_keys(data, LINK_NAMES, "link class")
@@ -188,6 +195,11 @@ class GPUSpec(_Frozen):
         """How many times slower compute runs while a collective on ``link_class``
         overlaps it (1.0 when the profile does not say)."""
         return self.interference.get(link_class, 1.0)  # type: ignore[call-overload]
+
+    def collective_sync_s(self, link_class: str) -> float:
+        """Seconds a collective over ``link_class`` that follows compute costs beyond its
+        back-to-back time (0 when the profile does not say)."""
+        return self.collective_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
 
     def peak_flops(self, dtype: Dtype) -> float:
         if dtype not in self.peak_tflops:
@@ -311,7 +323,7 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "uncertainty", "nvls", "host_serial", "host_overhead_us",
+                   "collective_sync_us", "uncertainty", "nvls", "host_serial", "host_overhead_us",
                    "dtensor_overhead_us")
 
 

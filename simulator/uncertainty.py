@@ -15,6 +15,7 @@ run's own method and fidelity (Monte Carlo):
   faster (bandwidth, latency and its calibrated collectives, as
   :meth:`HardwareProfile.with_faster_link` does it); ``interference``
   multiplies each link class's slowdown factor by f, kept within [1, 10];
+  ``collective_sync`` multiplies each link class's sync cost by f;
 - sample i draws from the generator seeded with (seed, i), so a seed gives the
   same samples whatever N, and the same N and seed the same percentiles.
 
@@ -76,6 +77,9 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
     if "interference" in factors:
         gpu["interference"] = {link: min(max(f * factors["interference"], 1.0), 10.0)
                                for link, f in hw.gpu.interference.items()}
+    if "collective_sync" in factors:
+        gpu["collective_sync_us"] = {link: us * factors["collective_sync"]
+                                     for link, us in hw.gpu.collective_sync_us.items()}
     out = hw.model_copy(update={"gpu": hw.gpu.model_copy(update=gpu)}) if gpu else hw
     for link in LINK_NAMES:
         if link in factors:
