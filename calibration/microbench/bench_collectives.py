@@ -22,6 +22,7 @@ from pathlib import Path
 from calibration.host import kill_process_group, worker_pythonpath
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
+from calibration.microbench.collective_sync import sync_key
 from calibration.microbench.collectives_worker import collective_key
 from calibration.microbench.interference import interference_key
 
@@ -49,13 +50,15 @@ def group_sizes(nproc: int) -> list[int]:
 
 def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsStore,
                     timeout_s: float, ops: tuple[str, ...] = OPS,
-                    interference: bool = True) -> None:
+                    terms: bool = True) -> None:
     """Measure every (op, group size, message size) not yet in the results file, and
-    (``interference``) the GEMM slowdown under all-reduces in the same launch."""
+    (``terms``) in the same launch the GEMM slowdown under all-reduces and the
+    collective sync cost (all-reduces after compute against back to back)."""
     sizes = message_sizes(budget)
     groups = group_sizes(nproc)
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
-    ikey = interference_key(device.kind, device.threads)
+    term_flags = {interference_key(device.kind, device.threads): "--interference",
+                  sync_key(device.kind, device.threads): "--collective-sync"}
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()
@@ -63,12 +66,12 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
 
     for launch in range(1, MAX_LAUNCHES + 1):
         todo = missing()
-        want_interference = interference and ikey not in store.done()
-        if not todo and not want_interference:
+        flags = [f for key, f in term_flags.items() if terms and key not in store.done()]
+        if not todo and not flags:
             return
         todo_ops = tuple(op for op in ops if any(x[0] == op for x in todo))
         rc, tail, timed_out, running = _launch(device, nproc, budget, store.path, todo_ops, sizes,
-                                               groups, timeout_s, want_interference)
+                                               groups, timeout_s, flags)
         still = missing()
         if rc == 0 and not still:
             return
@@ -95,7 +98,7 @@ def _record_failed(store: ResultsStore, device: Device, op: str, n: int, size: i
 
 def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tuple[str, ...],
             sizes: list[int], groups: list[int], timeout_s: float,
-            interference: bool = False) -> tuple[int, list[str], bool, str | None]:
+            flags: list[str] | None = None) -> tuple[int, list[str], bool, str | None]:
     """Run one torchrun; returns (status, output tail, timed out, last key it started)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "calibration.microbench.collectives_worker",
@@ -105,7 +108,7 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
            "--target-s", str(budget.target_s), "--min-reps", str(budget.min_reps),
            "--max-reps", str(budget.max_reps), "--min-batch-s", str(budget.min_batch_s),
            "--rounds", str(budget.rounds), "--op-timeout-s", str(max(30.0, timeout_s / 2)),
-           *(["--interference"] if interference else [])]
+           *(flags or [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(device.threads), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": worker_pythonpath(),
            "PYTHONWARNINGS": "ignore"}
@@ -122,7 +125,7 @@ def _launch(device: Device, nproc: int, budget: Budget, results: Path, ops: tupl
                 running[:] = [line.split(" ", 1)[1]]
                 continue
             tail.append(line)
-            if line.startswith("["):  # rank 0's progress lines (interference's too)
+            if line.startswith("["):  # rank 0's progress lines (the terms' too)
                 print(line, file=sys.stderr, flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,25 @@ def failure_record(key: str, kind: str, exc: BaseException | str, **meta: Any) -
     error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
     first = error.strip().splitlines()[0] if error.strip() else error
     return {"key": key, "kind": kind, "ok": False, "error": first[:500], **meta}
+
+
+def measure_term(store: ResultsStore, key: str, kind: str, rank: int,
+                 measure: Callable[[], dict[str, Any]], summary: Callable[[dict[str, Any]], str],
+                 **meta: Any) -> None:
+    """A term that the ranks of a group measure together (``measure`` runs on each):
+    rank 0 appends the record and prints its ``summary``, or appends the failure if it
+    raised (the term then stays the preset's)."""
+    try:
+        check_injected_failure(key)
+        rec = measure()
+    except Exception as exc:  # recorded and skipped
+        if rank == 0:
+            store.append(failure_record(key, kind, exc, **meta))
+        return
+    if rank == 0:
+        rec = {"key": key, "kind": kind, "ok": True, **meta, **rec}
+        store.append(rec)
+        print(summary(rec), flush=True)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

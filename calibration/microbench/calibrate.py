@@ -14,6 +14,8 @@ The profile has the schema of the bundled presets, so a scenario uses it with
   step → HBM bandwidth, ``memory_efficiency`` and a curve per memory-bound cost
   class; tiny adds and copies → ``kernel_overhead_us`` (the intercept);
 - a GEMM alone and under all-reduces, in the collectives' launch → ``interference``;
+- all-reduces after a compute burst against back to back, in the same launch →
+  ``collective_sync_us`` (:mod:`calibration.microbench.collective_sync`);
 - all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
@@ -52,7 +54,8 @@ layers (forward and both backward layouts), scaled_dot_product_attention forward
 and backward, memory-bound kernels (norms, softmax, GELU, SwiGLU, add, mul, sum,
 copy, AdamW) with a curve per cost class, the per-kernel overhead (tiny kernels'
 intercept), all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
-under torchrun (gloo on cpu, NCCL on cuda) and a GEMM's slowdown under them.
+under torchrun (gloo on cpu, NCCL on cuda), a GEMM's slowdown under them and
+what an all-reduce after compute costs beyond back to back.
 A reference GEMM timed at the start and the end warns of a busy machine; each
 fitted term's spread goes to the profile's uncertainty section (used by
 'clustersim run --uncertainty N'). Every measurement is appended to a
@@ -373,7 +376,7 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
                     for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
-                              "overhead", "collective", "interference")},
+                              "overhead", "collective", "interference", "collective_sync")},
         "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),

@@ -34,12 +34,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from calibration.microbench.bench_results import (
     ResultsStore,
     check_injected_failure,
     failure_record,
+    measure_term,
 )
 from calibration.microbench.fit import Sample, busbw_factor, fit_alpha_beta
 
@@ -64,6 +66,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--op-timeout-s", type=float, default=120.0)
     p.add_argument("--interference", action="store_true",
                    help="also time a GEMM alone and under all-reduces (ranks 0 and 1)")
+    p.add_argument("--collective-sync", action="store_true",
+                   help="also time all-reduces after compute against back to back (ranks 0, 1)")
     return p.parse_args(argv)
 
 
@@ -97,14 +101,31 @@ def main(argv: list[str] | None = None) -> int:
         if todo and rank < n:
             _sweep(args, store, n, todo, group, dev, rank, saved)
         dist.barrier()
-    if args.interference and 2 in groups:
-        from calibration.microbench import interference
-
-        if interference.interference_key(args.device, args.threads) not in done and rank < 2:
-            interference.measure(args.device, args.threads, store, groups[2], dev, rank)
-        dist.barrier()
+    if 2 in groups:
+        _pair_terms(args, store, done, groups[2], dev, rank)
     dist.destroy_process_group()
     return 0
+
+
+def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], group: Any,
+                dev: str, rank: int) -> None:
+    """The terms ranks 0 and 1 measure together after the sweep, each asked for by its
+    flag and not yet in the results file: rank 0 records it (or its failure)."""
+    import torch.distributed as dist
+
+    from calibration.microbench import collective_sync, interference
+
+    meta = {"link": "intra_node", "op": "all_reduce", "nranks": 2, "device": args.device,
+            "threads": args.threads}
+    for wanted, key, term in ((args.interference, interference.interference_key, interference),
+                              (args.collective_sync, collective_sync.sync_key, collective_sync)):
+        if not wanted:
+            continue
+        k = key(args.device, args.threads)
+        if k not in done and rank < 2:
+            rounds: Callable[[], dict[str, Any]] = partial(term.rounds, args.device, group, dev)
+            measure_term(store, k, term.KIND, rank, rounds, term.summary, **meta)
+        dist.barrier()
 
 
 @dataclass

@@ -38,6 +38,7 @@ from calibration.microbench.fit import (
 from calibration.microbench.fit_terms import (
     TermFits,
     best_rate,
+    collective_sync,
     fit_classes,
     fit_overhead,
     interference_factor,
@@ -133,6 +134,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
                              gpu_like)
     fits.terms.interference, fits.terms.interference_record = interference_factor(
         [r for r in records if r.get("kind") == "interference"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.collective_sync, fits.terms.collective_sync_record = collective_sync(
+        [r for r in records if r.get("kind") == "collective_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     return fits
 
@@ -293,6 +297,9 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
                 k: fits.terms.interference_record.get(k)
                 for k in ("factor", "round_ratios", "alone_s", "overlapped_s", "covered",
                           "bytes")},
+            "collective_sync": fits.terms.collective_sync_record and {
+                k: fits.terms.collective_sync_record.get(k)
+                for k in ("burst_s", "gemms", "iterations", "sizes")},
             "collectives_holdout_median_rel_error": _round(_pooled_holdout_error(fits)),
             "collectives": {op: {link: {"n_train": f.n_train, "n_holdout": f.n_holdout,
                                         "train_median_rel_error": _round(f.train_error),
@@ -306,8 +313,8 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
 
 def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: HardwareProfile,
                 not_measured: list[str]) -> dict[str, dict[str, Any]]:
-    """Overhead, class curves, interference and the spreads over the base's; returns
-    each term's source for ``provenance.terms``."""
+    """Overhead, class curves, interference, the sync cost and the spreads over the
+    base's; returns each term's source for ``provenance.terms``."""
     from calibration.microbench.fit_terms import term_sources
 
     if fits.overhead:
@@ -319,6 +326,9 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
                                   for cls, f in fits.terms.classes.items()}}
     gpu["interference"] = {**gpu.get("interference", {}),
                            **{k: _sig(v) for k, v in fits.terms.interference.items()}}
+    gpu["collective_sync_us"] = {**gpu.get("collective_sync_us", {}),
+                                 **{k: _sig(v * 1e6) for k, v in
+                                    fits.terms.collective_sync.items()}}
     terms, spread = term_sources(fits, base.name)
     prof["uncertainty"] = {**prof.get("uncertainty", {}), **spread}
     return terms

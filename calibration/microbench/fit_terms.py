@@ -1,4 +1,5 @@
-"""Fitting the cost terms: overhead, a curve per cost class, interference, and each one's spread.
+"""Fitting the cost terms: overhead, a curve per cost class, interference, the collective
+sync cost, and each one's spread.
 
 - ``kernel_overhead``: the intercept of t = o + bytes / bandwidth through the tiny
   add and copy kernels (:func:`calibration.microbench.fit.fit_intercept`), the
@@ -8,6 +9,8 @@
   fitted like the shared curves, against the same peak (GEMM and attention
   curves monotone on a GPU, as the shared ones are).
 - ``interference``: the measured factor per link class (one node: ``intra_node``).
+- ``collective_sync``: the cost of a collective after compute beyond back to back,
+  per link class (:func:`calibration.microbench.collective_sync.sync_seconds`).
 
 The spread of each fitted term (``uncertainty``, a relative σ) is how far a
 rerun of the calibration could plausibly move the term as a whole — the Monte
@@ -23,7 +26,8 @@ reference kernel's start-to-end drift d as a uniform spread, d / √12). The
 overhead's spread is its jackknife standard error, the standard error of the
 mean over kernels, and the drift; a link's the standard error of its α-β fit's
 level (residual σ / √n); the interference factor's the standard error of the
-mean over its rounds. A term that was not measured gets no spread (the run
+mean over its rounds, and the sync cost's the standard error of its rounds' figures
+relative to it. A term that was not measured gets no spread (the run
 reports a point estimate for it) and ``source: preset`` in ``provenance.terms``.
 """
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from calibration.microbench.bench_compute import KERNEL_CLASS
+from calibration.microbench.collective_sync import excess_by_size, round_figures, sync_seconds
 from calibration.microbench.fit import (
     AlphaBetaFit,
     CurveFit,
@@ -68,6 +73,8 @@ class TermFits:
     class_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     interference: dict[str, float] = field(default_factory=dict)  # link class -> factor
     interference_record: dict[str, Any] | None = None
+    collective_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
+    collective_sync_record: dict[str, Any] | None = None
 
 
 def fit_overhead(records: list[dict[str, Any]]) -> tuple[dict[str, LineFit], float]:
@@ -126,6 +133,16 @@ def interference_factor(records: list[dict[str, Any]]) -> tuple[dict[str, float]
     return {str(rec.get("link", "intra_node")): float(rec["factor"])}, rec
 
 
+def collective_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float],
+                                                            dict[str, Any] | None]:
+    """The sync cost in seconds per link class, from the latest successful record."""
+    ok = [r for r in records if r.get("ok") and r.get("rounds")]
+    if not ok:
+        return {}, None
+    rec = ok[-1]
+    return {str(rec.get("link", "intra_node")): sync_seconds(rec)}, rec
+
+
 # ---------------------------------------------------------------- spreads
 
 
@@ -169,6 +186,13 @@ def interference_spread(rec: dict[str, Any] | None) -> float | None:
     if len(ratios) < 2:
         return None
     return _clamp(statistics.stdev(ratios) / statistics.fmean(ratios) / math.sqrt(len(ratios)))
+
+
+def collective_sync_spread(rec: dict[str, Any] | None) -> float | None:
+    if not rec or len(rec.get("rounds", [])) < 2 or sync_seconds(rec) <= 0:
+        return None
+    figures = round_figures(rec)
+    return _clamp(statistics.stdev(figures) / sync_seconds(rec) / math.sqrt(len(figures)))
 
 
 def _clamp(x: float) -> float:
@@ -215,8 +239,13 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
     if rec is not None:
         measured("interference", len(rec.get("round_ratios", [])), interference_spread(rec),
                  link=rec.get("link", "intra_node"), covered=rec.get("covered"))
+    rec = fits.terms.collective_sync_record
+    if rec is not None:
+        measured("collective_sync", len(rec["rounds"]), collective_sync_spread(rec),
+                 link=rec.get("link", "intra_node"),
+                 by_size_us={s: round(t * 1e6, 1) for s, t in excess_by_size(rec).items()})
     names = ("gemm", "attention", "memory", *CLASS_SOURCES, "kernel_overhead", "intra_node",
-             "inter_node", "point_to_point", "interference")
+             "inter_node", "point_to_point", "interference", "collective_sync")
     for term in names:
         terms.setdefault(term, {"source": "preset", "from": base_name})
     return terms, spread

@@ -28,11 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from calibration.microbench.bench_results import (
-    ResultsStore,
-    check_injected_failure,
-    failure_record,
-)
 from calibration.microbench.collectives_worker import _max, _sync
 
 GEMM_SIZE = {"cpu": 256, "cuda": 4096}
@@ -40,42 +35,37 @@ COMM_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
 ROUNDS = 3
 SAMPLES = 7
 MAX_FACTOR = 10.0
+KIND = "interference"
 
 
 def interference_key(device: str, threads: int) -> str:
     return f"{device}/t{threads}/interference/intra_node/all_reduce/n2/{COMM_BYTES[device]}"
 
 
-def measure(device: str, threads: int, store: ResultsStore, group: Any, dev: str,
-            rank: int) -> None:
-    """Ranks 0 and 1 of ``group`` measure; rank 0 appends the record (or the failure)."""
-    key = interference_key(device, threads)
-    meta = {"link": "intra_node", "op": "all_reduce", "nranks": 2, "bytes": COMM_BYTES[device],
-            "device": device, "threads": threads}
-    try:
-        check_injected_failure(key)
-        rec = _rounds(device, group, dev)
-    except Exception as exc:  # recorded and skipped: the factor then stays the preset's
-        if rank == 0:
-            store.append(failure_record(key, "interference", exc, **meta))
-        return
-    if rank == 0:
-        store.append({"key": key, "kind": "interference", "ok": True, **meta, **rec})
-        print(f"[interference] GEMM {GEMM_SIZE[device]}^3 alone {rec['alone_s'] * 1e3:.3f} ms, "
-              f"with all-reduce {rec['overlapped_s'] * 1e3:.3f} ms: factor {rec['factor']:.3f}",
-              flush=True)
+def summary(rec: dict[str, Any]) -> str:
+    return (f"[interference] GEMM {GEMM_SIZE[rec['device']]}^3 alone "
+            f"{rec['alone_s'] * 1e3:.3f} ms, with all-reduce {rec['overlapped_s'] * 1e3:.3f} ms: "
+            f"factor {rec['factor']:.3f}")
 
 
-def _rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
+def square_gemm(device: str, dev: str) -> Callable[[], object]:
+    """One call of the square GEMM (``GEMM_SIZE``, bf16 on a GPU, fp32 on a CPU) on
+    random operands."""
     import torch
-    import torch.distributed as dist
 
     n = GEMM_SIZE[device]
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     a, b = (torch.empty((n, n), dtype=dt, device=dev).uniform_(-1, 1) for _ in range(2))
     c = torch.empty((n, n), dtype=dt, device=dev)
+    return lambda: torch.mm(a, b, out=c)
+
+
+def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
     buf = torch.empty(COMM_BYTES[device] // 4, device=dev).uniform_(-1, 1)
-    gemm = _timer(lambda: torch.mm(a, b, out=c), dev)
+    gemm = _timer(square_gemm(device, dev), dev)
     for _ in range(2):  # warm-up: allocator, kernels, the communicator
         gemm(1)
         dist.all_reduce(buf, group=group)
@@ -104,7 +94,8 @@ def _rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
         ratios.append(over[-1] / alone[-1])
     worst = [_max(r, group, dev) for r in ratios]
     factor = min(max(statistics.median(worst), 1.0), MAX_FACTOR)
-    return {"factor": factor, "round_ratios": [round(r, 4) for r in worst],
+    return {"bytes": COMM_BYTES[device], "factor": factor,
+            "round_ratios": [round(r, 4) for r in worst],
             "alone_s": statistics.median(alone) / k, "overlapped_s": statistics.median(over) / k,
             "calls": k, "trains": trains, "comm_call_s": comm, "covered": bool(covered)}
 

@@ -1,0 +1,152 @@
+"""The collective sync cost: what a blocking collective costs after compute, beyond its
+back-to-back time.
+
+The collective benchmark times calls back to back between barriers: both ranks hot
+and aligned. In training every collective follows compute, so the communication
+threads (gloo's workers, ``ProcessGroupGloo::runLoop`` in PyTorch's
+``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``; NCCL's kernel on a GPU) must wake
+and the ranks arrive with the skew of their own timing noise, the earlier one waiting
+(the noise a collective amplifies: Hoefler, Schneider and Lumsdaine, SC 2010). This
+measures that cost inside the collective benchmark's torchrun launch
+(:mod:`calibration.microbench.collectives_worker`), on its group of two ranks, so no
+extra processes start. Both ranks, in rounds, for each message size S
+(:data:`SIZES`):
+
+1. ``alone``: K iterations of a compute burst (square GEMMs, about 1 ms);
+2. ``with``: K iterations of the same burst, each followed by a blocking all-reduce
+   of S bytes;
+3. ``b2b``: K back-to-back all-reduces of S bytes.
+
+Each loop starts after a group barrier and is timed between device synchronisations;
+times are per iteration. A rank's excess is ``with − alone − b2b``; a round's is the
+slowest rank's (:func:`round_excess`), a size's the median over rounds, and the
+figure (``gpu.collective_sync_us``) the median over the sizes, at least 0
+(:func:`sync_seconds`). The per-size medians are kept so a trend with S shows. One
+node holds one link class, ``intra_node``; the inter-node figure stays the preset's
+(none).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from calibration.microbench.collectives_worker import _human, _max, _sync
+from calibration.microbench.interference import GEMM_SIZE, square_gemm
+
+BURST_S = 1e-3  # the compute between two collectives, as a layer's GEMMs in a small model
+SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 << 20)}
+ITERATIONS = 16
+ROUNDS = 5
+KIND = "collective_sync"
+
+
+# ---------------------------------------------------------------- the figure (no torch)
+
+
+def round_excess(row: dict[str, Any]) -> float:
+    """Seconds per collective beyond back to back at one size in one round, the
+    slowest rank's: max over ranks of ``with − alone − b2b``."""
+    return max(w - a - c for a, w, c in zip(row["alone_s"], row["with_s"], row["b2b_s"],
+                                            strict=True))
+
+
+def excess_by_size(rec: dict[str, Any]) -> dict[int, float]:
+    """Each size's median excess over the rounds, seconds, by bytes."""
+    by: dict[int, list[float]] = {}
+    for rnd in rec["rounds"]:
+        for row in rnd:
+            by.setdefault(int(row["bytes"]), []).append(round_excess(row))
+    return {s: statistics.median(v) for s, v in sorted(by.items())}
+
+
+def sync_seconds(rec: dict[str, Any]) -> float:
+    """The figure: the median over sizes of :func:`excess_by_size`, at least 0."""
+    return max(statistics.median(excess_by_size(rec).values()), 0.0)
+
+
+def round_figures(rec: dict[str, Any]) -> list[float]:
+    """Each round's median excess over its sizes: the samples of the figure's spread."""
+    return [statistics.median(round_excess(row) for row in rnd) for rnd in rec["rounds"]]
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def sync_key(device: str, threads: int) -> str:
+    return f"{device}/t{threads}/collective_sync/intra_node/all_reduce/n2"
+
+
+def summary(rec: dict[str, Any]) -> str:
+    sizes = ", ".join(f"{_human(s)} {t * 1e6:.0f} us" for s, t in excess_by_size(rec).items())
+    return (f"[collective sync] burst {rec['burst_s'] * 1e3:.2f} ms; excess after compute "
+            f"{sizes}: {sync_seconds(rec) * 1e6:.0f} us")
+
+
+def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    mm = square_gemm(device, dev)
+    bufs = {s: torch.empty(s // 4, device=dev).uniform_(-1, 1) for s in SIZES[device]}
+    gemm = _loop(mm, group, dev)
+    gemm(2)  # warm-up: allocator, kernels
+    per_gemm = _max(min(gemm(1) for _ in range(3)), group, dev)
+    gemms = max(1, math.ceil(BURST_S / per_gemm))  # both ranks run the same burst
+
+    def burst() -> None:
+        for _ in range(gemms):
+            mm()
+
+    def reduce(buf: Any, after_burst: bool) -> Callable[[], None]:
+        def call() -> None:
+            if after_burst:
+                burst()
+            dist.all_reduce(buf, group=group)
+        return call
+
+    loops = {s: (_loop(burst, group, dev), _loop(reduce(buf, True), group, dev),
+                 _loop(reduce(buf, False), group, dev))
+             for s, buf in bufs.items()}
+    for trio in loops.values():  # warm-up: the communicator, each size
+        for loop in trio:
+            loop(2)
+    rounds = []
+    for r in range(ROUNDS):
+        rows: dict[int, dict[str, Any]] = {}
+        for s in SIZES[device] if r % 2 == 0 else reversed(SIZES[device]):
+            times = [loop(ITERATIONS) / ITERATIONS for loop in loops[s]]
+            rows[s] = {"bytes": s, **dict(zip(("alone_s", "with_s", "b2b_s"),
+                                              _gather(times, group, dev), strict=True))}
+        rounds.append([rows[s] for s in SIZES[device]])
+    return {"burst_s": per_gemm * gemms, "gemms": gemms, "gemm_size": GEMM_SIZE[device],
+            "iterations": ITERATIONS, "sizes": list(SIZES[device]), "rounds": rounds}
+
+
+def _loop(call: Callable[[], object], group: Any, dev: str) -> Callable[[int], float]:
+    """Seconds for ``k`` calls started after a group barrier, between synchronisations."""
+    import torch.distributed as dist
+
+    def run(k: int) -> float:
+        dist.barrier(group=group)
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            call()
+        _sync(dev)
+        return time.perf_counter() - t0
+    return run
+
+
+def _gather(values: list[float], group: Any, dev: str) -> list[list[float]]:
+    """Every rank's ``values``, transposed: one list per value, one entry per rank."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(values, dtype=torch.float64, device=dev)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [list(col) for col in zip(*(t.tolist() for t in out), strict=True)]
