@@ -125,18 +125,22 @@ def test_tiny_cpu_collective_fits_within_25_percent(tiny: Path) -> None:
 
 
 def test_tiny_cpu_profile_reaches_every_term(tiny: Path) -> None:
-    """The real run measures the overhead, every cost class, the interference factor and
-    each one's spread; the inter-node link (one machine) is marked preset."""
+    """The real run measures the overhead, every cost class, the interference factor,
+    the collective sync cost and each one's spread (the sync's only when above 0); the
+    inter-node link (one machine) is marked preset."""
     prof = load_system(str(tiny))
     assert prof.gpu.kernel_overhead_us > 0
     assert set(prof.gpu.class_efficiency) == set(COST_CLASSES)
     assert prof.gpu.interference_factor("intra_node") >= 1.0
+    assert set(prof.gpu.collective_sync_us) == {"intra_node"}
     terms = prof.provenance["terms"]
     assert terms["inter_node"]["source"] == "preset"
     measured = {t for t, row in terms.items() if row["source"] == "measured"}
     assert measured >= {*COST_CLASSES, "kernel_overhead", "intra_node", "interference",
-                        "point_to_point"}
-    assert set(prof.uncertainty) == measured - {"point_to_point"}
+                        "collective_sync", "point_to_point"}
+    no_spread = {"point_to_point"} | ({"collective_sync"}
+                                      if prof.gpu.collective_sync_us["intra_node"] == 0 else set())
+    assert set(prof.uncertainty) == measured - no_spread
     guard = prof.provenance["busy_guard"]
     assert guard["reference_start_ms"] > 0 and guard["reference_end_ms"] > 0
     assert (guard["warning"] is not None) == guard["busy"]
@@ -424,6 +428,7 @@ def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from calibration.microbench.bench_collectives import run_collectives
     from calibration.microbench.bench_timing import Device
+    from calibration.microbench.collective_sync import sync_key
     from calibration.microbench.interference import interference_key
 
     hung = "cpu/t1/collective/all_reduce/n2/4096"
@@ -433,7 +438,8 @@ def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
     run_collectives(Device("cpu", 1), 2, budget, store, timeout_s=25, ops=("all_reduce",))
     latest = store.latest()
     assert latest[hung]["ok"] is False and "timed out" in latest[hung]["error"]
-    # whole measurements only: not their rounds, nor the interference factor's record
+    # whole measurements only: not their rounds, nor the in-launch terms' records
     ok = [k for k, r in latest.items() if r["ok"] and r.get("kind") == "collective"]
     assert len(ok) == len(message_sizes(budget)) - 1
     assert latest[interference_key("cpu", 1)]["ok"]
+    assert latest[sync_key("cpu", 1)]["ok"]

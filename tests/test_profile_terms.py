@@ -29,7 +29,7 @@ def _data(**gpu: Any) -> dict[str, Any]:
     """A preset's data with ``gpu`` fields added (a fresh copy each call)."""
     data = load_system("dgx-h100").model_dump(mode="json")
     data["gpu"].update(gpu)
-    for key in ("class_efficiency", "interference"):
+    for key in ("class_efficiency", "interference", "collective_sync_us"):
         if key not in gpu:
             del data["gpu"][key]
     del data["uncertainty"]
@@ -54,6 +54,7 @@ def test_presets_load_without_the_new_terms(name: str) -> None:
         for cls in ("softmax", "elementwise", "norm", "reduction", "copy", "optimizer"):
             assert gpu.efficiency(cls, size) == gpu.memory_efficiency(size)
     assert gpu.interference_factor("intra_node") == gpu.interference_factor("inter_node") == 1
+    assert gpu.collective_sync_us == {} and gpu.collective_sync_s("intra_node") == 0
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
@@ -91,8 +92,8 @@ def test_interference_and_uncertainty_round_trip(tmp_path: Path) -> None:
 
 def test_every_cost_class_is_an_uncertainty_term() -> None:
     assert set(COST_CLASSES) <= set(UNCERTAINTY_TERMS)
-    assert {"gemm", "attention", "memory", "kernel_overhead", "interference"} <= \
-        set(UNCERTAINTY_TERMS)
+    assert {"gemm", "attention", "memory", "kernel_overhead", "interference",
+            "collective_sync"} <= set(UNCERTAINTY_TERMS)
 
 
 def test_unknown_cost_class_is_refused_by_the_method() -> None:

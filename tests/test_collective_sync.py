@@ -1,0 +1,209 @@
+"""The collective sync cost: what a collective after compute costs beyond its back-to-back
+α-β time (``gpu.collective_sync_us``).
+
+- the fit, from synthetic timings whose excess is known: the slowest rank's
+  with − alone − back to back, median over rounds, then over sizes; its spread;
+- the cost model charges it exactly once per collective: a plan's estimate, its
+  step-by-step form, and a TP-only step in the engine and the analytic estimate,
+  which grow by (collectives on the critical path, counted from the workload) × the
+  cost;
+- the profile: round trip, provenance when measured and when absent, the
+  uncertainty draw;
+- a smoke of the microbenchmark itself in one process (the two-rank run is part of
+  the tiny calibration in ``test_calibration.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from calibration.microbench import collective_sync as cs
+from calibration.microbench.fit_profile import build_profile, fit_compute, write_profile
+from calibration.microbench.fit_terms import collective_sync_spread
+from simulator.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
+from simulator.errors import UserError
+from simulator.hardware import HardwareProfile, load_system, validate_profile
+from simulator.scenario import Scenario, scenario_from_dict
+from simulator.uncertainty import perturbed, step_time_of, with_hardware
+from simulator.workload import build_workload
+
+# µs per round (rank 0, rank 1) beyond back to back, by message size
+EXCESS_US = {
+    4096: [(300, 250), (320, 280), (310, 260), (290, 350), (305, 200)],
+    262144: [(400, 380), (390, 420), (410, 300), (405, 395), (380, 100)],
+    1048576: [(500, 450), (520, 600), (480, 470), (510, 505), (490, 495)],
+}
+# the slowest rank's, median over rounds: 310, 405, 500; median over sizes: 405
+BY_SIZE_US = {4096: 310.0, 262144: 405.0, 1048576: 500.0}
+SYNC_US = 405.0
+ROUND_FIGURES_US = [400.0, 420.0, 410.0, 405.0, 380.0]  # each round's median over sizes
+
+
+def _record(excess_us: dict[int, list[tuple[float, float]]] | None = None) -> dict[str, Any]:
+    """A record as the microbenchmark writes it: bursts of 1.0 / 1.1 ms (the ranks
+    differ), back to back 0.2 ms + S / 2 GB/s, and the excess on top."""
+    excess_us = excess_us or EXCESS_US
+    rounds = []
+    for r in range(len(next(iter(excess_us.values())))):
+        rows = []
+        for size, per_round in excess_us.items():
+            alone = [1.0e-3, 1.1e-3]
+            b2b = [2e-4 + size / 2e9] * 2
+            rows.append({"bytes": size, "alone_s": alone, "b2b_s": b2b,
+                         "with_s": [a + c + e * 1e-6 for a, c, e in
+                                    zip(alone, b2b, per_round[r], strict=True)]})
+        rounds.append(rows)
+    return {"key": cs.sync_key("cpu", 1), "kind": "collective_sync", "ok": True,
+            "device": "cpu", "threads": 1, "link": "intra_node", "op": "all_reduce",
+            "nranks": 2, "burst_s": 1e-3, "gemms": 2, "iterations": 16,
+            "sizes": list(excess_us), "rounds": rounds}
+
+
+# ---------------------------------------------------------------- the fit
+
+
+def test_the_figure_is_the_median_over_sizes_of_the_slowest_ranks_median_excess() -> None:
+    rec = _record()
+    assert {s: t * 1e6 for s, t in cs.excess_by_size(rec).items()} == pytest.approx(BY_SIZE_US)
+    assert cs.sync_seconds(rec) * 1e6 == pytest.approx(SYNC_US)
+    assert [t * 1e6 for t in cs.round_figures(rec)] == pytest.approx(ROUND_FIGURES_US)
+    assert collective_sync_spread(rec) == pytest.approx(
+        statistics.stdev(ROUND_FIGURES_US) / SYNC_US / len(ROUND_FIGURES_US) ** 0.5, abs=1e-4)
+
+
+def test_a_negative_excess_gives_no_cost_and_no_spread() -> None:
+    rec = _record({4096: [(-20, -30), (-10, -40), (-25, -5)]})
+    assert cs.sync_seconds(rec) == 0.0
+    assert collective_sync_spread(rec) is None
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+def _with_sync(hw: HardwareProfile, **us: float) -> HardwareProfile:
+    return hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"collective_sync_us": us})})
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "hierarchical"])
+def test_a_collective_pays_the_sync_once_however_its_plan_is_split(algorithm: str) -> None:
+    hw = load_system("dgx-a100-80gb")  # no NVLS: every plan has several steps to split
+    synced = _with_sync(hw, intra_node=30.0, inter_node=70.0)
+    one_node = make_plan("all_reduce", 64e6, GroupShape(8, 8), algorithm, hw)
+    two_nodes = make_plan("all_reduce", 64e6, GroupShape(16, 8), algorithm, hw)
+    for plan, sync_us in ((one_node, 30.0), (two_nodes, 70.0)):  # the slowest class's
+        assert estimate(plan, synced) - estimate(plan, hw) == pytest.approx(sync_us * 1e-6)
+        steps = expand(plan)
+        assert len(steps.phases) > 1
+        assert sum(phase_latencies(steps, synced)) - sum(phase_latencies(steps, hw)) \
+            == pytest.approx(sync_us * 1e-6)
+
+
+def test_a_group_of_one_pays_nothing() -> None:
+    hw = load_system("dgx-h100")
+    plan = make_plan("all_reduce", 1e6, GroupShape(1, 1), "ring", hw)
+    assert estimate(plan, _with_sync(hw, intra_node=30.0)) == estimate(plan, hw)
+
+
+def _tp_only(sync_us: float) -> Scenario:
+    """TP 2 on one node, nothing overlapped: every collective is on the compute stream."""
+    s = scenario_from_dict({
+        "name": "sync", "model": {"layers": 3, "hidden": 256, "heads": 4, "vocab": 1024,
+                                  "seq_len": 128},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 2},
+        "parallel": {"tp": 2, "pp": 1, "dp": 1},
+        "training": {"global_batch": 3, "micro_batch": 1}})
+    return with_hardware(s, _with_sync(s.hardware, intra_node=sync_us))
+
+
+def test_a_tp_step_grows_by_its_collectives_times_the_sync_in_engine_and_analytic() -> None:
+    """The engine pays it for every collective task of a rank (all on the compute
+    stream, so all on the critical path); the analytic estimate for the layers' TP
+    collectives (it leaves out the vocab-parallel ends: embedding, output layer, loss)."""
+    sync_us = 250.0
+    base, synced = _tp_only(0.0), _tp_only(sync_us)
+    wl = build_workload(base)
+    colls = [t for tasks in wl.programs[0].streams.values() for t in tasks if t.plan is not None]
+    assert colls and {t.stream for t in colls} == {"compute"}
+    layer_colls = [t for t in colls if t.layer >= 0]
+    assert len(layer_colls) == 4 * base.model.layers * base.microbatches  # 2 fwd, 2 bwd
+    for method, count in (("engine", len(colls)), ("analytic", len(layer_colls))):
+        grown = step_time_of(synced, method, None) - step_time_of(base, method, None)
+        assert grown == pytest.approx(count * sync_us * 1e-6, rel=1e-9), method
+
+
+# ---------------------------------------------------------------- the profile
+
+
+def _profile(records: list[dict[str, Any]]) -> dict[str, Any]:
+    fits = fit_compute(records, "cpu", "fp32", 1, "test cpu")
+    return build_profile(fits, load_system("cpu-1thread"), name="t", device="cpu",
+                         device_name="test cpu", gpus_per_node=2, memory_GB=8.0,
+                         provenance={}, datasheet=False)
+
+
+def test_measured_sync_round_trips_with_its_provenance_and_spread(tmp_path: Path) -> None:
+    written = write_profile(_profile([_record()]), tmp_path / "p.yaml")
+    assert load_system(str(tmp_path / "p.yaml")) == written
+    assert written.gpu.collective_sync_s("intra_node") == pytest.approx(SYNC_US * 1e-6)
+    assert written.gpu.collective_sync_s("inter_node") == 0.0
+    term = written.provenance["terms"]["collective_sync"]
+    assert term["source"] == "measured" and term["samples"] == 5
+    assert {int(s): us for s, us in term["by_size_us"].items()} == BY_SIZE_US
+    assert written.uncertainty["collective_sync"] == pytest.approx(
+        collective_sync_spread(_record()), abs=1e-4)
+
+
+def test_without_a_measurement_the_sync_is_the_presets_none() -> None:
+    prof = _profile([{**_record(), "ok": False}])
+    assert prof["provenance"]["terms"]["collective_sync"] == {"source": "preset",
+                                                             "from": "cpu-1thread"}
+    assert prof["gpu"]["collective_sync_us"] == {}
+    assert "collective_sync" not in prof["uncertainty"]
+    assert load_system("cpu-1thread").gpu.collective_sync_s("intra_node") == 0.0
+
+
+@pytest.mark.parametrize(("value", "fix"), [({"nvlink": 10.0}, "unknown link class 'nvlink'"),
+                                            ({"intra_node": -1.0}, "greater than or equal to 0")])
+def test_a_bad_sync_is_refused_by_name(value: dict[str, float], fix: str) -> None:
+    data = load_system("dgx-h100").model_dump(mode="json")
+    data["gpu"]["collective_sync_us"] = value
+    with pytest.raises(UserError, match=fix):
+        validate_profile(data, "p.yaml")
+
+
+def test_the_uncertainty_draw_scales_the_sync() -> None:
+    hw = _with_sync(load_system("dgx-h100"), intra_node=100.0)
+    out = perturbed(hw, {"collective_sync": 1.5})
+    assert out.gpu.collective_sync_us == {"intra_node": pytest.approx(150.0)}
+
+
+# ---------------------------------------------------------------- the microbenchmark
+
+
+def test_the_microbenchmark_runs_on_a_cpu_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One gloo process (the two-rank run is the tiny calibration's): every loop is timed
+    and the record is what the fit reads."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    monkeypatch.setitem(cs.SIZES, "cpu", (1024, 8192))
+    monkeypatch.setattr(cs, "ITERATIONS", 2)
+    monkeypatch.setattr(cs, "ROUNDS", 2)
+    monkeypatch.setattr(cs, "BURST_S", 1e-4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rec = cs.rounds("cpu", dist.group.WORLD, "cpu")
+    finally:
+        dist.destroy_process_group()
+    assert rec["sizes"] == [1024, 8192] and len(rec["rounds"]) == 2
+    for rnd in rec["rounds"]:
+        assert [row["bytes"] for row in rnd] == [1024, 8192]
+        for row in rnd:
+            assert all(len(row[k]) == 1 and row[k][0] > 0 for k in ("alone_s", "with_s",
+                                                                     "b2b_s"))
+    assert set(cs.excess_by_size(rec)) == {1024, 8192}
+    assert cs.sync_seconds(rec) >= 0.0
