@@ -12,13 +12,19 @@ measures that cost inside the collective benchmark's torchrun launch
 extra processes start. Both ranks, in rounds, for each message size S
 (:data:`SIZES`):
 
-1. ``alone``: K iterations of a compute burst (square GEMMs, about 1 ms);
+1. ``alone``: K iterations of a compute burst (square GEMMs, about 1 ms), their
+   median;
 2. ``with``: K iterations of the same burst, each followed by a blocking all-reduce
-   of S bytes;
-3. ``b2b``: K back-to-back all-reduces of S bytes.
+   of S bytes, their mean (a step pays every iteration, its slow ones too);
+3. ``b2b``: K all-reduces of S bytes, each after a group barrier as the collective
+   benchmark times them (both ranks hot and aligned), their median.
 
-Each loop starts after a group barrier and is timed between device synchronisations;
-times are per iteration. A rank's excess is ``with − alone − b2b``; a round's is the
+The medians are what the simulator already charges: the compute and collective
+benchmarks keep medians of single calls (a CPU call of 0.2 ms or more is timed on its
+own), so the excess holds what those miss, heavy tail included. Each loop starts after
+a group barrier and each iteration is timed to a device synchronisation (on a GPU the
+excess then reads one synchronisation short). A rank's excess is
+``with − alone − b2b``; a round's is the
 slowest rank's (:func:`round_excess`), a size's the median over rounds, and the
 figure (``gpu.collective_sync_us``) the median over the sizes, at least 0
 (:func:`sync_seconds`). The per-size medians are kept so a trend with S shows. One
@@ -40,7 +46,7 @@ from calibration.microbench.interference import GEMM_SIZE, square_gemm
 BURST_S = 1e-3  # the compute between two collectives, as a layer's GEMMs in a small model
 SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 << 20)}
 ITERATIONS = 16
-ROUNDS = 5
+ROUNDS = 9  # gloo on a shared VM has slow spells: the median round shrugs off a few
 KIND = "collective_sync"
 
 
@@ -91,10 +97,11 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     mm = square_gemm(device, dev)
-    bufs = {s: torch.empty(s // 4, device=dev).uniform_(-1, 1) for s in SIZES[device]}
+    # zeros: a sum repeated hundreds of times stays finite (random values would reach inf)
+    bufs = {s: torch.zeros(s // 4, device=dev) for s in SIZES[device]}
     gemm = _loop(mm, group, dev)
     gemm(2)  # warm-up: allocator, kernels
-    per_gemm = _max(min(gemm(1) for _ in range(3)), group, dev)
+    per_gemm = _max(min(gemm(3)), group, dev)
     gemms = max(1, math.ceil(BURST_S / per_gemm))  # both ranks run the same burst
 
     def burst() -> None:
@@ -109,7 +116,7 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
         return call
 
     loops = {s: (_loop(burst, group, dev), _loop(reduce(buf, True), group, dev),
-                 _loop(reduce(buf, False), group, dev))
+                 _loop(reduce(buf, False), group, dev, aligned=True))
              for s, buf in bufs.items()}
     for trio in loops.values():  # warm-up: the communicator, each size
         for loop in trio:
@@ -118,7 +125,8 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     for r in range(ROUNDS):
         rows: dict[int, dict[str, Any]] = {}
         for s in SIZES[device] if r % 2 == 0 else reversed(SIZES[device]):
-            times = [loop(ITERATIONS) / ITERATIONS for loop in loops[s]]
+            alone, with_, b2b = (loop(ITERATIONS) for loop in loops[s])
+            times = [statistics.median(alone), statistics.fmean(with_), statistics.median(b2b)]
             rows[s] = {"bytes": s, **dict(zip(("alone_s", "with_s", "b2b_s"),
                                               _gather(times, group, dev), strict=True))}
         rounds.append([rows[s] for s in SIZES[device]])
@@ -126,18 +134,26 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
             "iterations": ITERATIONS, "sizes": list(SIZES[device]), "rounds": rounds}
 
 
-def _loop(call: Callable[[], object], group: Any, dev: str) -> Callable[[int], float]:
-    """Seconds for ``k`` calls started after a group barrier, between synchronisations."""
+def _loop(call: Callable[[], object], group: Any, dev: str,
+          aligned: bool = False) -> Callable[[int], list[float]]:
+    """Seconds of each of ``k`` calls started after a group barrier (``aligned``: each
+    call after its own, as the collective benchmark times a call), each timed to a
+    device synchronisation."""
     import torch.distributed as dist
 
-    def run(k: int) -> float:
+    def run(k: int) -> list[float]:
         dist.barrier(group=group)
         _sync(dev)
-        t0 = time.perf_counter()
+        out: list[float] = []
         for _ in range(k):
+            if aligned and out:
+                dist.barrier(group=group)
+                _sync(dev)
+            t0 = time.perf_counter()
             call()
-        _sync(dev)
-        return time.perf_counter() - t0
+            _sync(dev)
+            out.append(time.perf_counter() - t0)
+        return out
     return run
 
 
