@@ -39,6 +39,7 @@ from simulator import moe
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
+from simulator.inventory import tp_block_collectives
 from simulator.layout import Layout
 from simulator.memory import stage_params
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
@@ -89,8 +90,13 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
     one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
     context-parallel exchange, all passes (:func:`_cp_exposed`)."""
     par, spec = s.parallel, s.model
-    tp_per_pass = t_tp * (4 if par.sequence_parallel else 2) if par.tp > 1 else 0.0
     passes = 3 if par.recompute == "full" else 2
+    # a layer's TP collectives: forward (again when fully recomputed) and backward
+    gather = 1 if par.sequence_parallel else 0
+    fwd_n, bwd_n = (sum(tp_block_collectives(spec, s.stack, par.tp, par.sequence_parallel,
+                                             label, backward) + gather
+                        for label in ("attn", "mlp")) for backward in (False, True))
+    tp_layer = t_tp * (fwd_n * (passes - 1) + bwd_n)
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
                          "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
     for layer, count in kinds:
@@ -99,7 +105,7 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
         out["backward_input"] += count * sum(lc.bwd_input)
         out["backward_weight"] += count * sum(lc.bwd_weight)
         out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
-        out["tp_transfer"] += count * tp_per_pass * passes
+        out["tp_transfer"] += count * tp_layer
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
             fwd, bwd, a2a, etp = experts

@@ -306,6 +306,28 @@ def dtensor_tensors(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool) -> int
     return layer_tensors(spec, stack) - (0 if sp else norms)
 
 
+def tp_block_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool, label: str,
+                         backward: bool) -> int:
+    """TP collectives after one block (``attn`` or ``mlp``) in one pass, besides the
+    all-gather before it under sequence parallelism.
+
+    Megatron-LM: one (Shoeybi et al. 2019, §3: the row-parallel output's all-reduce in
+    forward, the column-parallel input gradient's in backward). TP as DTensor without
+    sequence parallelism, in backward: every ``ColwiseParallel`` module wraps its plain
+    input in a replicated DTensor of its own (torch/distributed/tensor/parallel/style.py,
+    ``ColwiseParallel._prepare_input_fn``: ``DTensor.from_local(input, mesh,
+    Replicate())``), so each one's partial input gradient is all-reduced on its own: q,
+    k and v (one with fused projections), and gate and up of a gated MLP. Under
+    sequence parallelism one ``PrepareModuleInput`` gathers the block's input, which
+    its projections share, so one reduce-scatter serves them all."""
+    if tp == 1:
+        return 0
+    if not (stack.dtensor and backward and not sp):
+        return 1
+    x = _Shape(spec, 1, tp, sp, 2, stack)
+    return x.qkv_kernels if label == "attn" else x.up_kernels
+
+
 def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                     dtype: str, pass_: Pass, stack: StackSpec) -> tuple[Op, ...]:
     """One dense layer's ops on one TP rank, in execution order."""

@@ -242,3 +242,86 @@ def test_validation_adds_the_host_costs_to_its_cpu_profile(tmp_path: Path) -> No
     assert gpu.host_serial and gpu.host_overhead_us == host["host_overhead_us"] > 0
     assert gpu.dtensor_overhead_us == host["dtensor_overhead_us"] is not None
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def _tp_collectives(stack: str, sp: bool, layers: int = 4, m: int = 4) -> Counter[tuple[str, float]]:
+    """Rank 0's TP collectives of one step of the measured GPT's shape at TP 2."""
+    from simulator.scenario import scenario_from_dict
+    from simulator.workload import build_workload
+
+    s = scenario_from_dict({
+        "name": "t", "stack": stack,
+        "model": {"layers": layers, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128,
+                  "seq_len": 32, "activation": "gelu", "norm": "layernorm", "bias": True,
+                  "tied_embeddings": True, "position": "learned"},
+        "cluster": {"system": "cpu-1thread", "nodes": 1, "gpus_per_node": 2},
+        "parallel": {"tp": 2, "sequence_parallel": sp},
+        "training": {"global_batch": 2 * m, "micro_batch": 2, "dtype": "fp32"}})
+    w = build_workload(s)
+    return Counter((t.op, t.nbytes) for t in w.tasks if t.plan is not None and t.rank == 0)
+
+
+def test_dtensor_tp_issues_the_collectives_of_its_parallel_styles() -> None:
+    """TP 2 as DTensor, per micro-batch of the measured GPT (L layers, activations
+    A = b·s·h, logits b·s·V in fp32), as the profiler of our measured small-gpt run
+    counts them (104 gloo all-reduces and 4 all-gathers a step for L = 4, m = 4):
+    forward the embedding's all-reduce and two per layer, the logits all-gathered;
+    backward the head input's all-reduce and one per ColwiseParallel projection
+    (q, k, v and up: four per layer). Megatron's: two per layer each way and the
+    vocab-parallel loss's three small ones."""
+    L, m, a, logits = 4, 4, 2 * 32 * 64 * 4.0, 2 * 32 * 128 * 4.0
+    assert _tp_collectives("pytorch-eager", False) == {
+        ("tp.all_reduce", a): m * (1 + 2 * L + 1 + 4 * L), ("tp.all_gather", logits): m}
+    assert _tp_collectives("megatron-core", False) == {
+        ("tp.all_reduce", a): m * (1 + 2 * L + 1 + 2 * L), ("tp.all_reduce", 2 * 32 * 4.0): 3 * m}
+
+
+def test_dtensor_sequence_parallel_tp_and_its_partial_norm_gradients() -> None:
+    """With sequence parallelism (measured: 76 all-gathers, and 126 all-reduces where
+    gloo runs each reduce-scatter as an all-reduce): per layer and pass an all-gather
+    before and a reduce-scatter after each block; the embedding's output all-reduced
+    (replicated, then cut) and its gradient all-gathered; the head's input gathered,
+    the logits gathered, its input gradient reduce-scattered; and AdamW all-reducing
+    each norm parameter's partial gradient three times (2·L + 1 layernorms, γ and β)."""
+    L, m, a, logits = 4, 4, 2 * 32 * 64 * 4.0, 2 * 32 * 128 * 4.0
+    got = _tp_collectives("pytorch-eager", True)
+    assert got == {("tp.all_gather", a): m * (4 * L + 2), ("tp.all_gather", logits): m,
+                   ("tp.reduce_scatter", a): m * (4 * L + 1), ("tp.all_reduce", a): m,
+                   ("tp.all_reduce", 64 * 4.0): 3 * 2 * (2 * L + 1)}
+    assert sum(n for (op, _), n in got.items() if op == "tp.all_gather") == 76
+    assert sum(n for (op, _), n in got.items() if op != "tp.all_gather") == 126
+
+
+def test_analytic_counts_the_dtensor_backward_collectives() -> None:
+    """The analytic method's TP time per layer follows the same count: forward 2,
+    backward 4 (q, k, v, up) under DTensor without sequence parallelism, against
+    Megatron's 2 and 2; full recomputation repeats the forward's."""
+    from simulator.analytic import _passes
+    from simulator.costs import CostModel
+    from simulator.inventory import tp_block_collectives
+    from simulator.scenario import scenario_from_dict
+    from simulator.workload import block_costs
+
+    def analytic_tp(stack: str, recompute: str = "none") -> float:
+        s = scenario_from_dict({"name": "t", "stack": stack, "model": {"preset": "tiny-gpt"},
+                                "cluster": {"system": "cpu-1thread", "nodes": 1,
+                                            "gpus_per_node": 2},
+                                "parallel": {"tp": 2, "recompute": recompute},
+                                "training": {"global_batch": 4, "dtype": "fp32"}})
+        cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
+        return _passes(s, block_costs(s, cost), 1.0, [(0, 1)], False, False)["tp_transfer"]
+
+    assert analytic_tp("pytorch-eager") == 2 + 4
+    assert analytic_tp("megatron-core") == 2 + 2
+    assert analytic_tp("pytorch-eager", "full") == 2 + 2 + 4
+
+    eager, mcore, spec = load_stack("pytorch-eager"), load_stack("megatron-core"), _spec()
+
+    def per_layer(stack: StackSpec, backward: bool, sp: bool = False) -> int:
+        return sum(tp_block_collectives(spec, stack, 2, sp, label, backward)
+                   for label in ("attn", "mlp"))
+
+    assert (per_layer(eager, False), per_layer(eager, True)) == (2, 4)
+    assert (per_layer(mcore, False), per_layer(mcore, True)) == (2, 2)
+    assert per_layer(eager, True, sp=True) == 2  # one reduce-scatter per block
+    assert tp_block_collectives(spec, eager, 1, False, "attn", True) == 0

@@ -188,7 +188,8 @@ class Pass:
     per F, B or I action, per layer: ``layer_start`` (a task the layer's first
     compute waits for, or None), then per block (``label`` attn or mlp, forward
     order in F, reverse in B/I, and the recomputed blocks of full recomputation)
-    ``block(before=True)``, the block's compute, ``block(before=False)``; then
+    ``block(before=True)``, the block's compute, ``block(before=False)`` (the last
+    argument, ``backward``, true in B and I); then
     ``layer_end`` with the layer's last compute task. At the model's ends
     ``edge`` ("embed" after the embedding's forward and before its backward,
     "head" before the output layer's forward and after its backward) and after
@@ -206,7 +207,7 @@ class Pass:
         return None
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int) -> None:
+              chunk: int, backward: bool) -> None:
         return None
 
     def layer_end(self, rank: int, last: Task) -> None:
@@ -247,7 +248,7 @@ class Hooks:
     """Per hook, the bound methods of the installed passes that override it, in order."""
 
     layer_start: list[Callable[[int, bool, int, int, int], Task | None]]
-    block: list[Callable[[int, str, bool, int, int, int], None]]
+    block: list[Callable[[int, str, bool, int, int, int, bool], None]]
     layer_end: list[Callable[[int, Task], None]]
     edge: list[Callable[[int, str, bool, int, int], None]]
     loss: list[Callable[[int, int, int], None]]

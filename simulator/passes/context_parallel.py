@@ -42,7 +42,7 @@ class ContextParallelPass(Pass):
             prog.streams.setdefault("cp", [])
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int) -> None:
+              chunk: int, backward: bool) -> None:
         if label != "attn":
             return
         ctx = self.ctx

@@ -62,7 +62,7 @@ class ExpertPass(Pass):
         return None
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int) -> None:
+              chunk: int, backward: bool) -> None:
         if label != "mlp" or not self.ctx.s.model.is_moe_layer(layer):
             return
         forward, seen = self.mlp_seen[rank]

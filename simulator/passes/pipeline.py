@@ -106,14 +106,14 @@ class PipelinePass:
             waits = self.layer_start(rank, True, mb, layer, chunk)
             for blk, label in ((0, "attn"), (1, "mlp")):
                 for block in hooks.block:
-                    block(rank, label, True, mb, layer, chunk)
+                    block(rank, label, True, mb, layer, chunk, False)
                 t = ctx.compute(rank, "F", "forward", f"fwd.{label} L{layer} mb{mb}",
                                 c.layer(layer).fwd[blk], mb, layer, chunk)
                 if blk == 0:
                     t.deps.extend(waits)
                 head = head or t
                 for block in hooks.block:
-                    block(rank, label, False, mb, layer, chunk)
+                    block(rank, label, False, mb, layer, chunk, False)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
         if a.stage == ctx.last_stage:
@@ -155,7 +155,7 @@ class PipelinePass:
             lc = c.layer(layer)
             for blk, label in ((1, "mlp"), (0, "attn")):
                 for block in hooks.block:
-                    block(rank, label, True, mb, layer, chunk)
+                    block(rank, label, True, mb, layer, chunk, True)
                 t = ctx.compute(rank, op, "backward", f"bwd.{label} L{layer} mb{mb}",
                                 lc.bwd_input[blk] + w * lc.bwd_weight[blk], mb, layer, chunk)
                 t.weight_s = w * lc.bwd_weight[blk]
@@ -163,7 +163,7 @@ class PipelinePass:
                     t.deps.extend(waits)
                 first = first or t
                 for block in hooks.block:
-                    block(rank, label, False, mb, layer, chunk)
+                    block(rank, label, False, mb, layer, chunk, True)
             done.append(t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
@@ -195,12 +195,12 @@ class PipelinePass:
         first = None
         for blk, label in ((0, "attn"), (1, "mlp")):
             for block in ctx.hooks.block:
-                block(rank, label, True, mb, layer, chunk)
+                block(rank, label, True, mb, layer, chunk, False)
             t = ctx.compute(rank, "R", "recompute", f"recompute.{label} L{layer} mb{mb}",
                             c.recompute[blk], mb, layer, chunk)
             first = first or t
             for block in ctx.hooks.block:
-                block(rank, label, False, mb, layer, chunk)
+                block(rank, label, False, mb, layer, chunk, False)
         assert first is not None
         return first
 

@@ -16,6 +16,21 @@ input (all-gathered with SP) and all-reduces (reduce-scatters) its input
 gradient in backward; the cross-entropy all-reduces three fp32 values per
 token (the logits' max, the target logit, the sum of exponentials).
 
+TP as DTensor (a stack with ``dtensor: true``, PyTorch's ``parallelize_module`` as
+our measured runs use it) issues what its parallel styles do instead: in backward
+without sequence parallelism one all-reduce per ``ColwiseParallel`` projection
+(:func:`~simulator.inventory.tp_block_collectives`); the embedding's output is
+all-reduced to a replicated tensor even under sequence parallelism (then cut
+locally); the output layer (``ColwiseParallel`` with a replicated output)
+all-gathers the logits, b·s·V, and the cross-entropy runs on them whole, with no
+collective of its own. Under sequence parallelism the norms' replicated parameters
+get partial gradients (their inputs are sequence shards) that stay partial until
+the per-tensor AdamW reads them: each op with the gradient as an operand all-reduces
+it (torch/optim/adam.py ``_single_tensor_adam``: ``exp_avg.lerp_(grad)`` and
+``exp_avg_sq.mul_(beta2).addcmul_(grad, grad)``), three small all-reduces per norm
+parameter tensor before the step (the profiler of our measured TP 2 run shows them
+inside ``aten::lerp_`` and ``aten::addcmul_``).
+
 Installed only when tp > 1 (a group of one has no collective).
 """
 
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 from simulator import model as mdl
 from simulator.hardware import CollectiveName
+from simulator.inventory import tp_block_collectives
 from simulator.passes.context import Context, Pass
 
 
@@ -34,31 +50,59 @@ class TensorPass(Pass):
         self.tp_bytes = mdl.tp_comm_bytes_per_layer(s.model, s.training.micro_batch,
                                                     s.training.dtype)
         self.loss_bytes = 4.0 * (s.training.micro_batch * s.model.seq_len)  # fp32 per token
+        self.dtensor = s.stack.dtensor
+        self.logits_bytes = float(s.training.micro_batch * s.model.seq_len * s.model.vocab
+                                  * mdl.dtype_bytes(s.training.dtype))
+        tp = s.parallel.tp
+        self.after = {(label, bwd): tp_block_collectives(s.model, s.stack, tp, self.sp, label,
+                                                         bwd)
+                      for label in ("attn", "mlp") for bwd in (False, True)}
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int) -> None:
+              chunk: int, backward: bool) -> None:
         """All-reduce after a block, or with SP all-gather before and reduce-scatter after."""
         if before and not self.sp:
             return
         op: CollectiveName = ("all_gather" if before else "reduce_scatter") if self.sp \
             else "all_reduce"
-        self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
-                            self.tp_bytes, f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
+        for _ in range(1 if before else self.after[label, backward]):
+            self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
+                                self.tp_bytes, f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
 
     def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
         sp = self.sp
         if where == "embed":
-            op: CollectiveName | None = ("reduce_scatter" if sp else "all_reduce") if forward \
+            op: CollectiveName | None = \
+                ("reduce_scatter" if sp and not self.dtensor else "all_reduce") if forward \
                 else ("all_gather" if sp else None)
         else:
             op = ("all_gather" if sp else None) if forward \
                 else ("reduce_scatter" if sp else "all_reduce")
+        group = self.ctx.layout.tp_group(rank)
         if op is not None:
-            self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
-                                self.tp_bytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
+            self.ctx.collective(rank, "compute", op, "tp", group, self.tp_bytes,
+                                f"tp.{op} {where} mb{mb}", mb, -1, chunk)
 
     def loss(self, rank: int, mb: int, chunk: int) -> None:
+        if self.dtensor:  # the replicated logits of the output layer: gathered whole
+            self.ctx.collective(rank, "compute", "all_gather", "tp",
+                                self.ctx.layout.tp_group(rank), self.logits_bytes,
+                                f"tp.all_gather logits mb{mb}", mb, -1, chunk)
+            return
         for what in ("max", "target", "sum"):
             self.ctx.collective(rank, "compute", "all_reduce", "tp",
                                 self.ctx.layout.tp_group(rank), self.loss_bytes,
                                 f"tp.all_reduce loss {what} mb{mb}", mb, -1, chunk)
+
+    def step(self, rank: int) -> None:
+        ctx, s = self.ctx, self.ctx.s
+        if not (self.dtensor and self.sp) or s.stack.optimizer != "per_tensor":
+            return
+        stages = ctx.stages_of(rank)
+        norms = 2 * sum(len(ctx.layers_of(st)) for st in stages) \
+            + (1 if ctx.last_stage in stages else 0)
+        tensors = norms * (2 if s.model.norm == "layernorm" else 1)
+        group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
+        for i in range(3 * tensors):
+            ctx.collective(rank, "compute", "all_reduce", "tp", group, nbytes,
+                           f"tp.all_reduce norm grad {i // 3} (optimizer)")
