@@ -244,7 +244,8 @@ def test_validation_adds_the_host_costs_to_its_cpu_profile(tmp_path: Path) -> No
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-def _tp_collectives(stack: str, sp: bool, layers: int = 4, m: int = 4) -> Counter[tuple[str, float]]:
+def _tp_collectives(stack: str, sp: bool, layers: int = 4,
+                    m: int = 4) -> Counter[tuple[str, float]]:
     """Rank 0's TP collectives of one step of the measured GPT's shape at TP 2."""
     from simulator.scenario import scenario_from_dict
     from simulator.workload import build_workload
