@@ -113,6 +113,21 @@ def act_elements(spec: ModelSpec, tokens: float, tp: int, pass_: Pass) -> float:
     return (2.0 if pass_ == "fwd" else 3.0) * tokens * f  # gelu: x -> y; x, dy -> dx
 
 
+def qkv_linears(stack: StackSpec) -> int:
+    """The attention's input projections: one QKV GEMM, or separate q, k and v."""
+    return 1 if stack.fused("projections") else 3
+
+
+def up_linears(spec: ModelSpec, stack: StackSpec) -> int:
+    """The MLP's input projections: up, or separate gate and up of a gated MLP."""
+    return 2 if spec.activation == "swiglu" and not stack.fused("projections") else 1
+
+
+def norm_tensors(spec: ModelSpec) -> int:
+    """Parameter tensors of one norm: γ and β of a LayerNorm, γ of an RMSNorm."""
+    return 2 if spec.norm == "layernorm" else 1
+
+
 @dataclass(frozen=True)
 class _Shape:
     """One layer on one TP rank for one micro-batch."""
@@ -150,11 +165,11 @@ class _Shape:
 
     @property
     def up_kernels(self) -> int:
-        return 2 if self.spec.activation == "swiglu" and not self.st.fused("projections") else 1
+        return up_linears(self.spec, self.st)
 
     @property
     def qkv_kernels(self) -> int:
-        return 1 if self.st.fused("projections") else 3
+        return qkv_linears(self.st)
 
 
 def _gemms(x: _Shape, pass_: Pass) -> dict[str, Op]:
@@ -269,8 +284,8 @@ def _weight_ops(x: _Shape) -> list[Op]:
     if x.spec.bias:  # dbias = Σ_tokens dY: one reduction per biased linear
         elements = T * (x.q + 2 * x.kv) + T * x.up + 2 * L * h
         ops.append(mem("bias_grad", elements, dt, "reduction", x.qkv_kernels + x.up_kernels + 2))
-    per_norm = 2 if x.spec.norm == "layernorm" else 1  # γ (and β) partial sums, then the sum
-    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * per_norm))
+    # γ (and β) partial sums, then the sum
+    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)))
     weights = sum(_weight_elements(x, n) for n in ("qkv", "out_proj", "mlp_up", "mlp_down"))
     if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's 16-bit grads
         ops.append(mem("grad_accum", 3 * weights, dt, "elementwise", layer_tensors(x.spec, x.st)))
@@ -302,8 +317,7 @@ def dtensor_tensors(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool) -> int
     parallelism the norms' too."""
     if not stack.dtensor or tp == 1:
         return 0
-    norms = 2 * (2 if spec.norm == "layernorm" else 1)
-    return layer_tensors(spec, stack) - (0 if sp else norms)
+    return layer_tensors(spec, stack) - (0 if sp else 2 * norm_tensors(spec))
 
 
 def tp_block_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool, label: str,
@@ -324,8 +338,7 @@ def tp_block_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool, l
         return 0
     if not (stack.dtensor and backward and not sp):
         return 1
-    x = _Shape(spec, 1, tp, sp, 2, stack)
-    return x.qkv_kernels if label == "attn" else x.up_kernels
+    return qkv_linears(stack) if label == "attn" else up_linears(spec, stack)
 
 
 def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -363,11 +376,8 @@ def _fork_grad_sum(x: _Shape, name: str, gemms: int, pass_: Pass) -> list[Op]:
 
 def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
     """Parameter tensors of one dense layer as the stack builds it (optimizer kernels)."""
-    qkv = 1 if stack.fused("projections") else 3
-    mlp = 2 if spec.activation == "gelu" else (2 if stack.fused("projections") else 3)
-    norms = 2 * (2 if spec.norm == "layernorm" else 1)
-    biases = (qkv + 1 + mlp) if spec.bias else 0
-    return qkv + 1 + mlp + norms + biases
+    linears = qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
+    return linears * (2 if spec.bias else 1) + 2 * norm_tensors(spec)
 
 
 def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
@@ -377,9 +387,7 @@ def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
     regroups the experts)."""
     if stack.zero3_unit == "layer" or spec.is_moe:
         return 1
-    qkv = 1 if stack.fused("projections") else 3
-    up = 1 if spec.activation == "gelu" or stack.fused("projections") else 2
-    return qkv + 1 + up + 1
+    return qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
 
 
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from simulator import model as mdl
 from simulator.hardware import CollectiveName
-from simulator.inventory import tp_block_collectives
+from simulator.inventory import norm_tensors, tp_block_collectives
 from simulator.passes.context import Context, Pass
 
 
@@ -101,7 +101,7 @@ class TensorPass(Pass):
         stages = ctx.stages_of(rank)
         norms = 2 * sum(len(ctx.layers_of(st)) for st in stages) \
             + (1 if ctx.last_stage in stages else 0)
-        tensors = norms * (2 if s.model.norm == "layernorm" else 1)
+        tensors = norms * norm_tensors(s.model)
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
         for i in range(3 * tensors):
             ctx.collective(rank, "compute", "all_reduce", "tp", group, nbytes,
