@@ -278,7 +278,7 @@ def _compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
     sizes = [sum(n * m for n, m in u) / par.tp * dt for u in units]
     per_unit = par.zero == 3
     groups = [[i] for i in range(len(sizes))] if per_unit \
-        else cmp.buckets(sizes, par.dp_bucket_MB * 1e6)
+        else cmp.buckets(sizes, cmp.bucket_caps(s))
     times = s.microbatches if par.zero >= 2 else 1
     layers = max(stage_layer_count(spec.layers, par, stage), 1)
     clock = exposed = compute = 0.0

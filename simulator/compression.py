@@ -419,15 +419,24 @@ def compression_warnings(s: Scenario) -> list[str]:
     return []
 
 
-def buckets(sizes: Sequence[float], cap_bytes: float) -> list[list[int]]:
+def bucket_caps(s: Scenario) -> tuple[float, float]:
+    """DDP's bucket caps in bytes: (the first bucket's, every later one's). The stack's
+    ``ddp_first_bucket_MB`` when it is smaller than ``parallel.dp_bucket_MB``."""
+    rest = s.parallel.dp_bucket_MB * 1e6
+    first = s.stack.ddp_first_bucket_MB * 1e6
+    return (first if 0 < first < rest else rest), rest
+
+
+def buckets(sizes: Sequence[float], caps: tuple[float, float]) -> list[list[int]]:
     """DDP's buckets as the data pass fills them: units in backward order, a bucket
-    closed once it holds ``cap_bytes``, the rest in a last bucket."""
+    closed once it holds its cap (:func:`bucket_caps`: the first bucket's, then the
+    others'), the rest in a last bucket."""
     out: list[list[int]] = [[]]
     total = 0.0
     for i, size in enumerate(sizes):
         out[-1].append(i)
         total += size
-        if total >= cap_bytes:
+        if total >= caps[len(out) > 1]:
             out.append([])
             total = 0.0
     return [b for b in out if b]

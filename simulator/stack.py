@@ -78,6 +78,11 @@ class StackSpec(BaseModel):
     #: parameters; parameters under its persistence threshold, norms and biases, stay
     #: whole and are not gathered)
     zero3_unit: Literal["layer", "module"] = "layer"
+    #: torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
+    #: ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap
+    #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after
+    #: the first step keeps it); 0: every bucket ``dp_bucket_MB``
+    ddp_first_bucket_MB: float = Field(default=0.0, ge=0, le=1e6)
     #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
     #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
     #: sharded parameters are DTensors, so its optimizer step does; its forward and

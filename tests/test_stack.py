@@ -223,3 +223,24 @@ def test_blocking_sends_and_after_backward_reduction() -> None:
     assert load_stack("megatron-2021").overlap(want) == OverlapSpec(dp=False, pp=False)
     assert load_stack("torchtitan").overlap(want) == want
     assert load_stack("megatron-core").overlap(want) == OverlapSpec(pp=False)
+
+
+def test_ddp_first_bucket_closes_at_its_own_cap() -> None:
+    """torch DDP's first bucket of a backward holds 1 MiB (``ddp_first_bucket_MB`` of the
+    ``pytorch-eager`` stack), the rest ``dp_bucket_MB``: a model of a few MB reduces in
+    two all-reduces, the first one the size of the first units that reach 1 MiB."""
+    from simulator import compression as cmp
+
+    assert cmp.buckets([0.6e6] * 5, (1.048576e6, 25e6)) == [[0, 1], [2, 3, 4]]
+    assert cmp.buckets([0.6e6] * 5, (25e6, 25e6)) == [[0, 1, 2, 3, 4]]
+
+    def reductions(**stack: object) -> list[float]:
+        s = scenario_from_dict(_scenario(stack={"preset": "pytorch-eager", **stack}))
+        assert cmp.bucket_caps(s)[0] == min(s.stack.ddp_first_bucket_MB or 25.0, 25.0) * 1e6
+        w = build_workload(s)
+        return [t.nbytes for t in w.tasks if t.kind == "dp" and t.rank == 0]
+
+    plain, torch_ddp = reductions(ddp_first_bucket_MB=0), reductions()
+    assert len(plain) == 1 and len(torch_ddp) == 2
+    assert sum(torch_ddp) == pytest.approx(plain[0])
+    assert 1.048576e6 <= torch_ddp[0] < plain[0]

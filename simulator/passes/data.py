@@ -1,7 +1,8 @@
 """Data-parallel pass: gradient synchronisation, ZeRO sharding and the optimizer step.
 
-DDP (Li et al. 2020): gradients are bucketed (``dp_bucket_MB``) in the order
-the last micro-batch's backward produces them, each bucket all-reduced on the
+DDP (Li et al. 2020): gradients are bucketed (``dp_bucket_MB``; the stack's
+``ddp_first_bucket_MB`` for the first bucket of a backward, as torch DDP does) in the
+order the last micro-batch's backward produces them, each bucket all-reduced on the
 ``dp`` stream as soon as it is full (on the compute stream without
 ``overlap.dp``); the optimizer step waits for all of them. Gradients
 accumulate locally over the other micro-batches.
@@ -25,7 +26,7 @@ stream after every reduction; under ZeRO-Offload the offload pass runs it on the
 from __future__ import annotations
 
 from simulator import model as mdl
-from simulator.compression import effective_method
+from simulator.compression import bucket_caps, effective_method
 from simulator.hardware import CollectiveName
 from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
@@ -38,6 +39,8 @@ class DataPass(Pass):
         super().__init__(ctx)
         par = ctx.s.parallel
         self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
+        self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
+        self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
@@ -51,6 +54,7 @@ class DataPass(Pass):
             return
         if self.compressor is not None and not self.compressor.in_backward:
             return  # 1-bit Adam exchanges the momentum in the optimizer step instead
+        self.flushed[rank] = False  # a backward's buckets start with the first one's cap
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
@@ -64,8 +68,9 @@ class DataPass(Pass):
         per_unit = par.zero == 3  # FSDP reduce-scatters each unit's gradients
         for i, (size, task) in enumerate(zip(self.ctx.grad_bytes(stage), done, strict=True)):
             pending.append((size, task, (stage, i)))
-            if per_unit or sum(p[0] for p in pending) >= par.dp_bucket_MB * 1e6:
+            if per_unit or sum(p[0] for p in pending) >= self.caps[self.flushed[rank]]:
                 self.flush(rank, pending, chunk)
+                self.flushed[rank] = True
 
     def flush(self, rank: int, pending: list[tuple[float, Task, Unit]], chunk: int) -> None:
         if not pending:
