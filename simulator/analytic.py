@@ -68,6 +68,30 @@ def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: floa
     return estimate(plan, hw)
 
 
+def _interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
+                  group: tuple[int, ...], hw: HardwareProfile) -> float:
+    """How many times slower compute runs while this collective is in flight: the
+    largest ``gpu.interference`` of the link classes its plan crosses (1 where
+    transfers run in line with compute, as the engine has it)."""
+    if len(group) <= 1 or size <= 0 or not hw.gpu.interference \
+            or not hw.gpu.comm_overlaps_compute:
+        return 1.0
+    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
+                     s.stack.nccl_version)
+    return max((hw.gpu.interference_factor(leg.link_class) for phase in plan.phases
+                for leg in phase.legs), default=1.0)
+
+
+def _stretch(t_comm: float, window: float, factor: float) -> float:
+    """What a transfer of ``t_comm`` adds to the ``window`` of compute it overlaps when
+    that compute runs ``factor`` times slower while it is in flight: (f − 1) × the work
+    done meanwhile, min(window, t_comm / f)."""
+    if factor <= 1.0 or window <= 0 or t_comm <= 0:
+        return 0.0
+    return (factor - 1.0) * min(window, t_comm / factor)
+
+
 def _kinds(s: Scenario, runs: list[range]) -> list[tuple[int, int]]:
     """(a representative layer, how many like it) over the layer ``runs``."""
     if not s.model.is_moe:
@@ -389,8 +413,11 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     overlap = s.stack.overlap(par.overlap)  # blocking sends, after-backward reduce
     hidden = (b + w) / par.virtual_stages if overlap.dp and overlaps else 0.0
     t_comp = 0.0  # compression compute on the exposed path (counted as optimizer)
-    exposed_dp = max(0.0, t_dp - hidden)
+    # the backward the reduction overlaps runs 1/f as fast while it is in flight
+    stretch = _stretch(t_dp, hidden, _interference(s, layout, dp_op, grad_bytes, dp_group, hw))
+    exposed_dp = max(0.0, t_dp - hidden - stretch)
     if cmp.effective_method(s) != "none":
+        stretch = 0.0
         exposed_dp, t_comp = _compressed_reduction(s, layout, hw, cost, hidden, busiest)
     t_exch, t_exch_comp = _momentum_exchange(s, layout, hw, cost, busiest)
     if not (overlap.pp and overlaps) and par.pp > 1:  # every send in line: in the steady
@@ -419,8 +446,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     if expert_params and par.zero in (1, 2):
         t_gather += _collective_time(s, layout, "all_gather",
                                      sum(expert_params) * mdl.dtype_bytes(trn.dtype), edp_group, hw)
-    step = t_pipe + t_p2p + exposed_dp + t_opt + t_gather + t_zero + t_exch
-    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero,
+    step = t_pipe + t_p2p + exposed_dp + stretch + t_opt + t_gather + t_zero + t_exch
+    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero, "backward_input": stretch,
              "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}
     if par.zero_offload:
         host = hw.host

@@ -14,6 +14,16 @@ task waits for its dependencies (events of other tasks), then:
 - point-to-point send: one flow from sender to receiver over the link class
   between them, plus one α.
 
+**Interference.** With ``gpu.interference`` in the profile (and a device whose
+communication overlaps its compute), a rank's compute runs slow down by the
+factor of a link class while a transfer of that rank over that class is in
+flight (a collective's from its start to its end, a send's at both ends; the
+largest factor when several are): a run holds its remaining work, and each time
+its rank's factor changes the run's end is rescheduled (a stale end is
+ignored by its generation, as :class:`simulator.network.FlowNetwork` does for
+flows). Its tasks' spans follow the run's piecewise rate. Runs then never fuse
+into the collective after them, since the arrival they would register moves.
+
 **Compact form.** Before running, each distinct program is compiled once into
 steps (:class:`_Template`): a run of compute tasks that nobody waits on is one
 step held with a single timeout, a collective or a send one step each,
@@ -101,16 +111,49 @@ class _Rendezvous:
         self.last = -1
 
 
+class _Pace:
+    """A rank's compute speed under interference: the factors of its transfers in
+    flight, the largest of them (1 with none), and its compute run in progress."""
+
+    __slots__ = ("active", "factor", "run")
+
+    def __init__(self) -> None:
+        self.active: list[float] = []
+        self.factor = 1.0
+        self.run: _SlowRun | None = None
+
+
+class _SlowRun:
+    """A compute run that interference may stretch: work left (seconds at full speed)
+    as of ``since``, the generation of its scheduled end, and its (work done, time)
+    breakpoints once its speed was ever not 1."""
+
+    __slots__ = ("done", "gen", "index", "left", "points", "since", "t0", "total")
+
+    def __init__(self, done: Event, index: int, total: float, now: float) -> None:
+        self.done, self.index, self.total, self.left = done, index, total, total
+        self.since = self.t0 = now
+        self.gen = 0
+        self.points: list[tuple[float, float]] | None = None
+
+    def mark(self, runs: dict[int, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+        """Its breakpoints, started (at its start, full speed so far) when first needed."""
+        if self.points is None:
+            self.points = runs[self.index] = [(0.0, self.t0)]
+        return self.points
+
+
 class _Template:
     """One program compiled to steps, per stream. Local index = position in
     ``tasks``; a dependency is (owner rank of the template, local index), or the task
-    id where programs are not shared."""
+    id where programs are not shared. ``fuse``: a run may lead into the collective
+    after it as one step."""
 
     def __init__(self, tasks: list[Task], streams: list[tuple[str, list[int]]],
                  where: Callable[[int], tuple[int, int]] | None,
-                 phases: Callable[[Plan], Any], shared: bool) -> None:
+                 phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
         self.n = len(tasks)
-        self.phases, self.shared = phases, shared
+        self.phases, self.shared, self.fuse = phases, shared, fuse
         self.durations = [t.duration for t in tasks]
         # what slow GPUs and jitter scale (program.is_work, inline: this runs per task)
         self.work = [i for i, t in enumerate(tasks)
@@ -152,8 +195,10 @@ class _Template:
                 self.runs.append(run)
                 nxt = tasks[order[j]] if j < n else None
                 if last >= 0 or nxt is None or nxt.plan is None or nxt.dst >= 0 \
-                        or nxt.deps:
-                    steps.append((RUN, deps, lead, last, None, None, 0, -1))
+                        or nxt.deps or not self.fuse:
+                    # the fifth field: whether interference may slow the run
+                    steps.append((RUN, deps, lead, last, t.stream == "compute", None, 0,
+                                  -1))
                     i = j
                     continue
                 # the run leads straight into a collective nobody else gates: one step
@@ -236,7 +281,18 @@ class Engine:
         self._plans_alive: list[Plan] = []
         self._weights: dict[int, float] = {}
         self._sends: dict[tuple[int, int], tuple[Any, ...]] = {}
+        # interference: link class -> how much slower compute runs while a transfer of
+        # the rank over it is in flight (none when transfers run in line with compute)
+        gpu = hw.gpu
+        self._slowing: dict[str, float] = {
+            c: f for c, f in gpu.interference.items() if f > 1
+        } if gpu.comm_overlaps_compute else {}
+        self._pace: dict[int, _Pace] = {}
+        self._slow_factor: dict[Any, float] = {}  # id(phases) or (src, dst) -> factor
+        self.slow_points: dict[int, list[tuple[float, float]]] = {}  # run -> breakpoints
         self.instances = self._compile()
+        if self._slowing:
+            self._pace = {inst.rank: _Pace() for inst in self.instances}
         self.ids_of = {inst.rank: inst.ids for inst in self.instances}
         n = len(workload.tasks)
         nan = array("d", [math.nan])
@@ -257,7 +313,7 @@ class Engine:
             for name, ts in prog.streams.items():
                 streams.append((name, list(range(k, k + len(ts)))))
                 k += len(ts)
-            tmpl = _Template(mine, streams, None, self._phases, False)
+            tmpl = _Template(mine, streams, None, self._phases, False, not self._slowing)
             inst = _Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
             run_base += len(tmpl.runs)
             for g in tmpl.groups:
@@ -278,12 +334,14 @@ class Engine:
         out, run_base = [], 0
         for q in range(layout.pp):
             streams = list(shared.streams[q].items())
-            tmpl = _Template(shared.protos[q], streams, where, self._phases, True)
+            tmpl = _Template(shared.protos[q], streams, where, self._phases, True,
+                             not self._slowing)
             for delta in range(per):
                 rank = q * per + delta
                 first = shared.first_id(rank)
                 if rank in made:
-                    own = _Template(made[rank], streams, shared.rank_of, self._phases, True)
+                    own = _Template(made[rank], streams, shared.rank_of, self._phases, True,
+                                    not self._slowing)
                     inst = _Instance(rank, own, range(first, first + own.n), 0, run_base)
                     run_base += len(own.runs)
                     inst.groups = [self._intern(g) for g in own.groups]
@@ -369,6 +427,7 @@ class Engine:
         end = np.frombuffer(self.end, np.float64).copy()
         t0 = np.frombuffer(self.run_t0, np.float64)
         layouts: dict[int, tuple[np.ndarray, ...]] = {}
+        slow = np.fromiter(sorted(self.slow_points), np.int64)  # runs interference stretched
         for inst in self.instances:
             tmpl = inst.template
             if not tmpl.runs:
@@ -380,8 +439,9 @@ class Engine:
                                    [len(run) for run in tmpl.runs])
                 got = layouts[id(tmpl)] = (
                     locals_, run_no, np.asarray(tmpl.durations, np.float64)[locals_],
-                    np.asarray(tmpl.prefixes(tmpl.durations), np.float64))
-            locals_, run_no, dur, prefix = got
+                    np.asarray(tmpl.prefixes(tmpl.durations), np.float64),
+                    np.concatenate(([0], np.cumsum([len(run) for run in tmpl.runs]))))
+            locals_, run_no, dur, prefix, offsets = got
             if inst.durations is not tmpl.durations:  # a slow or jittered rank's own
                 dur = np.asarray(inst.durations, np.float64)[locals_]
                 prefix = np.asarray(tmpl.prefixes(inst.durations), np.float64)
@@ -390,6 +450,13 @@ class Engine:
             s = t0[inst.run_base + run_no] + prefix
             start[ids] = s
             end[ids] = s + dur
+            lo, hi = np.searchsorted(slow, (inst.run_base, inst.run_base + len(tmpl.runs)))
+            for run in slow[lo:hi].tolist():  # work done -> time, piecewise linear
+                work, when = zip(*self.slow_points[run], strict=True)
+                k = run - inst.run_base
+                sl = slice(int(offsets[k]), int(offsets[k + 1]))
+                start[ids[sl]] = np.interp(prefix[sl], work, when)
+                end[ids[sl]] = np.interp(prefix[sl] + dur[sl], work, when)
         return start, end
 
     def _event_count(self) -> int:
@@ -414,17 +481,20 @@ class Engine:
         env, ids, totals, run_t0 = self.env, inst.ids, inst.totals, self.run_t0
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
         begin, last, size, meetings = self.begin, self.last, self._size, self.rendezvous
-        groups, net = inst.groups, self.net
+        groups, net, slowing = inst.groups, self.net, bool(self._slowing)
         for kind, deps, a, b, g, tail, dependents, lead in steps:
             if deps:
                 pending = self._waits(inst, deps)
                 if pending:
                     yield AllOf(env, pending)
-            if kind == RUN:  # a: the run, b: its last task when someone waits for it
-                t0 = env._now
+            if kind == RUN:  # a: the run, b: its last task when someone waits for it,
+                t0 = env._now  # g: whether interference may slow it
                 total = totals[a]
                 if total > 0:
-                    yield Timeout(env, total)
+                    if slowing and g:
+                        yield self._slow_run(inst.rank, base + a, total)
+                    else:
+                        yield Timeout(env, total)
                 run_t0[base + a] = t0
                 if b >= 0:
                     event_of(ids[b]).succeed()
@@ -435,7 +505,11 @@ class Engine:
                 t0 += totals[lead]
             gid = ids[a]
             if kind == SEND:  # b: the destination, g: the bytes
-                yield self.send(inst.rank, self._dst(inst, b), g)
+                dst = self._dst(inst, b)
+                ev = self.send(inst.rank, dst, g)
+                if slowing:
+                    self._slow_while(ev, (inst.rank, dst), self._send_factor(inst.rank, dst))
+                yield ev
             else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
                 phases = b
                 grp = groups[g]
@@ -474,17 +548,99 @@ class Engine:
                     # no second event to wake them
                     legs, alpha = phases[0]
                     link_class, nbytes = legs[0]
-                    yield net.transfer(nbytes, self._group_links(grp, link_class),
-                                       self._group_weight(grp), alpha,
-                                       None if rv is None else rv.done)
+                    ev = net.transfer(nbytes, self._group_links(grp, link_class),
+                                      self._group_weight(grp), alpha,
+                                      None if rv is None else rv.done)
+                    if slowing:
+                        self._slow_while(ev, self._members[grp], self._coll_factor(phases))
+                    yield ev
                 else:
+                    ev = Event(env)
+                    if slowing:
+                        self._slow_while(ev, self._members[grp], self._coll_factor(phases))
                     yield from self.transfer(grp, phases)
+                    ev.succeed()
                     if rv is not None:
                         rv.done.succeed()
             starts[gid] = t0
             ends[gid] = env._now
             if dependents:
                 event_of(gid).succeed()
+
+    # ------------------------------------------------------------ interference
+    def _slow_run(self, rank: int, run: int, total: float) -> Event:
+        """The event that ends a compute run of ``total`` seconds at full speed, at the
+        rank's speed as it changes (:meth:`_pace_to`)."""
+        pace, now = self._pace[rank], self.env._now
+        sr = pace.run = _SlowRun(Event(self.env), run, total, now)
+        if pace.factor != 1.0:
+            sr.mark(self.slow_points)
+        self._schedule(pace, sr)
+        return sr.done
+
+    def _schedule(self, pace: _Pace, sr: _SlowRun) -> None:
+        sr.gen += 1
+        gen = sr.gen
+
+        def end(_: Event) -> None:
+            if sr.gen == gen:  # not rescheduled since
+                if sr.points is not None:
+                    sr.points.append((sr.total, self.env._now))
+                pace.run = None
+                sr.done.succeed()
+
+        Timeout(self.env, max(sr.left, 0.0) * pace.factor).callbacks.append(end)
+
+    def _pace_to(self, rank: int, add: float, remove: float) -> None:
+        """Add and/or remove a transfer's factor on a rank (0: none); reschedule its
+        run's end when its speed changes."""
+        pace = self._pace.get(rank)
+        if pace is None:  # not simulated here
+            return
+        if add:
+            pace.active.append(add)
+        if remove:
+            pace.active.remove(remove)
+        factor = max(pace.active, default=1.0)
+        if factor == pace.factor:
+            return
+        sr, now = pace.run, self.env._now
+        if sr is not None:
+            sr.left -= (now - sr.since) / pace.factor
+            sr.since = now
+            sr.mark(self.slow_points).append((sr.total - sr.left, now))
+        pace.factor = factor
+        if sr is not None:
+            self._schedule(pace, sr)
+
+    def _slow_while(self, ev: Event, ranks: Any, factor: float) -> None:
+        """Slow ``ranks``' compute by ``factor`` until ``ev`` (a transfer's end) fires."""
+        if factor <= 1.0:
+            return
+        for r in ranks:
+            self._pace_to(r, factor, 0.0)
+
+        def release(_: Event) -> None:
+            for r in ranks:
+                self._pace_to(r, 0.0, factor)
+
+        ev.callbacks.append(release)
+
+    def _coll_factor(self, phases: list[tuple[list[tuple[LinkName, float]], float]]) -> float:
+        """A collective's interference: the largest of its link classes'."""
+        f = self._slow_factor.get(id(phases))
+        if f is None:
+            f = self._slow_factor[id(phases)] = max(
+                (self._slowing.get(c, 1.0) for legs, _ in phases for c, _ in legs),
+                default=1.0)
+        return f
+
+    def _send_factor(self, src: int, dst: int) -> float:
+        f = self._slow_factor.get((src, dst))
+        if f is None:
+            f = self._slow_factor[(src, dst)] = self._slowing.get(
+                self.topo.link_class(src, dst), 1.0)
+        return f
 
     def transfer(self, grp: int, phases: list[tuple[list[tuple[LinkName, float]], float]],
                  ) -> Generator[simpy.Event, Any, None]:

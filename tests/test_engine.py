@@ -506,3 +506,117 @@ def test_importing_the_engine_loads_no_model_arithmetic() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ interference
+
+
+def _with_interference(s: Scenario, factor: float) -> Any:
+    gpu = s.hardware.gpu.model_copy(update={"interference": {"intra_node": factor}})
+    return s.hardware.model_copy(update={"gpu": gpu})
+
+
+def _compute_beside_all_reduce() -> tuple[Workload, Scenario]:
+    """Two DP ranks: compute ``a`` (1 s), then an all-reduce on the dp stream that waits
+    for it, beside compute ``b`` and ``c`` (1 s each, one run) on the compute stream."""
+    from simulator.collectives import GroupShape, make_plan
+
+    s = make_scenario(dp=2, m=1)
+    plan = make_plan("all_reduce", 500e9, GroupShape(2, 2), "ring", s.hardware)
+    layout = Layout(tp=1, pp=1, dp=2, gpus_per_node=2)
+    tasks, programs = [], {}
+    for r in (0, 1):
+        a, b, c = (Task(id=4 * r + i, rank=r, stream="compute", op="F", kind="forward",
+                        name=n, duration=1.0) for i, n in enumerate("abc"))
+        a.dependents = 1
+        ar = Task(id=4 * r + 3, rank=r, stream="dp", op="dp.all_reduce", kind="dp",
+                  name="ar", plan=plan, group=(0, 1), group_key=("g", 0), nbytes=500e9,
+                  deps=[a.id])
+        tasks += [a, b, c, ar]
+        programs[r] = Program(r, {"compute": [a, b, c], "pp": [], "dp": [ar]})
+    return Workload(programs, tasks, layout, build_schedule("1f1b", 1, 1), 1.0, "full"), s
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 4.0])
+def test_interference_slows_the_compute_a_transfer_overlaps(factor):
+    """While the all-reduce (from 1 s to 1 + T) is in flight, ``b`` and ``c`` progress
+    at 1/f: work (T / f) is done by its end, the rest at full speed; each task's span
+    follows the piecewise rate; a profile without interference leaves them at 1 s."""
+    w, s = _compute_beside_all_reduce()
+    plain = Engine(w, s.hardware).run()
+    assert (plain.start[1], plain.end[2]) == (1.0, 3.0)
+    got = Engine(w, _with_interference(s, factor)).run()
+    t_ar = got.end[3] - got.begin[3]
+    assert got.begin[3] == 1.0 and t_ar == pytest.approx(plain.end[3] - plain.begin[3])
+    assert 0.5 < t_ar / factor < 2.0  # the transfer ends inside the run (a real test)
+
+    def at(work: float) -> float:  # when the run (from 1 s) has done this much work
+        return 1.0 + work * factor if work <= t_ar / factor else 1.0 + t_ar + work - t_ar / factor
+    for r in (0, 1):
+        b, c = 4 * r + 1, 4 * r + 2
+        assert got.start[b] == 1.0
+        assert got.end[b] == pytest.approx(at(1.0), abs=EXACT)
+        assert got.start[c] == pytest.approx(at(1.0), abs=EXACT)
+        assert got.end[c] == pytest.approx(at(2.0), abs=EXACT)
+        assert got.end[4 * r] == 1.0  # ``a`` ran before the transfer: untouched
+    assert got.end_time == pytest.approx(max(at(2.0), got.end[3]), abs=EXACT)
+
+
+def test_interference_needs_overlap_and_a_factor_above_one():
+    """A device whose transfers run in line (a CPU process) has nothing to slow, and a
+    factor of 1 is no interference: both give the plain spans bit for bit."""
+    w, s = _compute_beside_all_reduce()
+    plain = Engine(w, s.hardware).run()
+    one = Engine(w, _with_interference(s, 1.0)).run()
+    hw = _with_interference(s, 3.0)
+    inline = hw.model_copy(update={"gpu": hw.gpu.model_copy(
+        update={"comm_overlaps_compute": False})})
+    for other in (one, Engine(w, inline).run()):
+        assert other.spans == plain.spans
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.sampled_from([1, 2]), dp=st.sampled_from([2, 4]), m=st.integers(1, 4),
+       factor=st.floats(1.0, 4.0), fidelity=st.sampled_from(["full", "folded"]))
+def test_interference_bounds(pp, dp, m, factor, fidelity):
+    """With overlapped DP reductions and sends, interference never shortens the step,
+    and lengthens it by at most (f − 1) × each rank's transfer time (compute runs at
+    1/f only while a transfer of its rank is in flight)."""
+    s = make_scenario(pp=pp, dp=dp, m=m, gpus_per_node=pp * dp,
+                      parallel={"overlap": {"dp": True, "pp": True}})
+    w = build_workload(s, fidelity=fidelity)
+    plain = simulate(w, s.hardware)
+    slowed = simulate(build_workload(s, fidelity=fidelity), _with_interference(s, factor))
+    comm = max(sum(plain.end[t.id] - plain.start[t.id] for t in w.tasks
+                   if t.rank == r and (t.plan is not None or t.dst >= 0))
+               for r in w.programs)
+    assert plain.end_time - EXACT <= slowed.end_time
+    assert slowed.end_time <= plain.end_time + (factor - 1) * comm * (pp + 1) + EXACT
+
+
+def test_analytic_follows_the_engine_under_interference():
+    """The closed form charges the backward (f − 1) × min(window, T / f) for the DP
+    reduction it overlaps; its growth with f follows the engine's."""
+    from simulator.analytic import _stretch
+
+    assert _stretch(3.0, 2.0, 1.0) == 0.0
+    assert _stretch(3.0, 2.0, 2.0) == pytest.approx(1.5)  # work T/f = 1.5 done at half speed
+    assert _stretch(3.0, 1.0, 2.0) == pytest.approx(1.0)  # the window ends first
+    s = make_scenario(dp=8, m=2, cluster={"nodes": 2, "gpus_per_node": 4},
+                      model={"layers": 8, "hidden": 2048, "heads": 16, "vocab": 32000,
+                             "seq_len": 2048})
+    w = build_workload(s)
+    base = analytic_estimate(s)
+    base_e = simulate(w, s.hardware).end_time
+    for factor in (1.3, 2.0):
+        gpu = s.hardware.gpu.model_copy(update={"interference": {"intra_node": factor,
+                                                                 "inter_node": factor}})
+        hw = s.hardware.model_copy(update={"gpu": gpu})
+        grow_e = simulate(build_workload(s), hw).end_time - base_e
+        got = analytic_estimate(s, hw=hw)
+        grow_a = got["step_time_s"] - base["step_time_s"]
+        assert grow_e > 0 and 0.5 < grow_a / grow_e < 2.0
+        # the stretch is the backward's, and the breakdown still sums to the step
+        before, after = base["step_breakdown_s"], got["step_breakdown_s"]
+        assert after["backward_input"] > before["backward_input"]
+        assert sum(after.values()) == pytest.approx(got["step_time_s"])
