@@ -18,7 +18,8 @@ stage sets the pace, e.g. 1F1B with the last stage slowest takes Σ_i (t_F,i + t
 and pass, its routed experts' compute and two all-to-alls (and the expert-TP all-
 gather and reduce-scatter) to the pass they sit in, its experts' gradient reductions
 over the expert data-parallel group to the DP reduction and their shard to the
-optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them) are
+optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them, each
+with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) are
 exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
 of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
 all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
@@ -384,7 +385,10 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
         if par.sequence_parallel:
             nbytes /= par.tp
-        t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s)
+        # each send also pays the sync cost after compute, as the engine's sends do
+        sync = hw.gpu.send_sync_s("intra_node" if same else "inter_node")
+        t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s
+                                                         + sync)
     # the busiest stage's parameters: its layers plus the embedding (first stage) and
     # the output layer (last stage, with a tied embedding's copy), as memory counts them
     layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]

@@ -666,12 +666,16 @@ class Engine:
         return dst if shared is None or inst.delta == 0 else shared.peer(inst.rank, dst)
 
     def send(self, rank: int, dst: int, nbytes: float) -> simpy.Event:
+        """One point-to-point transfer: a flow over the links between the two ranks
+        after one α, the calibrated send/recv's when the profile has one, plus the
+        profile's send sync cost (``gpu.send_sync_us``, once per send)."""
         route = self._sends.get((rank, dst))
         if route is None:
             link_class = self.topo.link_class(rank, dst)
             rate = self.topo.rate(link_class)
             cal = self.hw.collectives.get("send_recv", {}).get(link_class)
             alpha = self.topo.alpha(link_class) if cal is None else cal.alpha_us * 1e-6
+            alpha += self.hw.gpu.send_sync_s(link_class)
             route = self._sends[(rank, dst)] = (
                 rate, cal, alpha, self.topo.send_links(rank, dst, link_class),
                 self.w.weight_of(rank))

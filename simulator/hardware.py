@@ -15,7 +15,9 @@ Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own cu
 in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
 its kind (:meth:`GPUSpec.efficiency`). ``gpu.interference`` says how much compute
 slows while a collective on a link class overlaps it, ``gpu.collective_sync_us`` what
-a collective issued after compute costs beyond its back-to-back α-β time, and
+a collective issued after compute costs beyond its back-to-back α-β time,
+``gpu.send_sync_us`` the same for a point-to-point send (a pipeline stage's
+activations or gradients), and
 ``uncertainty`` keeps the relative spread calibration measured for each fitted term
 (:data:`UNCERTAINTY_TERMS`), which ``clustersim run --uncertainty`` propagates. All
 are optional: a profile without them keeps the generic curves, no slowdown, no sync
@@ -70,7 +72,7 @@ LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.
 UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
                                       "kernel_overhead", *LINK_NAMES, "interference",
-                                      "collective_sync")
+                                      "collective_sync", "send_sync")
 #: A factor by which overlapped communication slows compute (1 = not at all).
 Interference = Annotated[float, Field(ge=1, le=10)]
 #: A relative standard deviation (σ / mean).
@@ -166,13 +168,17 @@ class GPUSpec(_Frozen):
     # per collective, per link class, µs: the communication threads wake and the ranks
     # arrive skewed (calibration/microbench/collective_sync.py; absent = 0)
     collective_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # the same for a point-to-point send after compute, once per send, per link class, µs:
+    # the receiver's blocking wait and the sender's threads waking
+    # (calibration/microbench/send_sync.py; absent = 0)
+    send_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
 
     @field_validator("class_efficiency", mode="before")
     @classmethod
     def _cost_classes(cls, data: Any) -> Any:
         return _known_keys(data, COST_CLASSES, "cost class")
 
-    @field_validator("interference", "collective_sync_us", mode="before")
+    @field_validator("interference", "collective_sync_us", "send_sync_us", mode="before")
     @classmethod
     def _link_names(cls, data: Any) -> Any:
         return _known_keys(data, LINK_NAMES, "link class")
@@ -200,6 +206,11 @@ class GPUSpec(_Frozen):
         """Seconds a collective over ``link_class`` that follows compute costs beyond its
         back-to-back time (0 when the profile does not say)."""
         return self.collective_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
+
+    def send_sync_s(self, link_class: str) -> float:
+        """Seconds a point-to-point send over ``link_class`` that follows compute costs
+        beyond its back-to-back time (0 when the profile does not say)."""
+        return self.send_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
 
     def peak_flops(self, dtype: Dtype) -> float:
         if dtype not in self.peak_tflops:
@@ -323,8 +334,8 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "collective_sync_us", "uncertainty", "nvls", "host_serial", "host_overhead_us",
-                   "dtensor_overhead_us")
+                   "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
+                   "host_overhead_us", "dtensor_overhead_us")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

@@ -15,7 +15,8 @@ run's own method and fidelity (Monte Carlo):
   faster (bandwidth, latency and its calibrated collectives, as
   :meth:`HardwareProfile.with_faster_link` does it); ``interference``
   multiplies each link class's slowdown factor by f, kept within [1, 10];
-  ``collective_sync`` multiplies each link class's sync cost by f;
+  ``collective_sync`` multiplies each link class's sync cost by f, ``send_sync`` each
+  link class's point-to-point sync cost;
 - sample i draws from the generator seeded with (seed, i), so a seed gives the
   same samples whatever N, and the same N and seed the same percentiles.
 
@@ -80,6 +81,9 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
     if "collective_sync" in factors:
         gpu["collective_sync_us"] = {link: us * factors["collective_sync"]
                                      for link, us in hw.gpu.collective_sync_us.items()}
+    if "send_sync" in factors:
+        gpu["send_sync_us"] = {link: us * factors["send_sync"]
+                               for link, us in hw.gpu.send_sync_us.items()}
     out = hw.model_copy(update={"gpu": hw.gpu.model_copy(update=gpu)}) if gpu else hw
     for link in LINK_NAMES:
         if link in factors:

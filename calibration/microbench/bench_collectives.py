@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from calibration.host import kill_process_group, worker_pythonpath
+from calibration.microbench import send_sync
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
 from calibration.microbench.collective_sync import sync_key
@@ -53,12 +54,14 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
                     terms: bool = True) -> None:
     """Measure every (op, group size, message size) not yet in the results file, and
     (``terms``) in the same launch the GEMM slowdown under all-reduces and the
-    collective sync cost (all-reduces after compute against back to back)."""
+    collective sync cost (all-reduces after compute against back to back) and the send
+    sync cost (a ping-pong of sends after compute against back to back)."""
     sizes = message_sizes(budget)
     groups = group_sizes(nproc)
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
     term_flags = {interference_key(device.kind, device.threads): "--interference",
-                  sync_key(device.kind, device.threads): "--collective-sync"}
+                  sync_key(device.kind, device.threads): "--collective-sync",
+                  send_sync.sync_key(device.kind, device.threads): "--send-sync"}
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()

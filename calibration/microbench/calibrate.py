@@ -16,6 +16,8 @@ The profile has the schema of the bundled presets, so a scenario uses it with
 - a GEMM alone and under all-reduces, in the collectives' launch → ``interference``;
 - all-reduces after a compute burst against back to back, in the same launch →
   ``collective_sync_us`` (:mod:`calibration.microbench.collective_sync`);
+- a ping-pong of sends after a compute burst against back to back, in the same launch →
+  ``send_sync_us`` (:mod:`calibration.microbench.send_sync`);
 - all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
@@ -376,7 +378,8 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
                     for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
-                              "overhead", "collective", "interference", "collective_sync")},
+                              "overhead", "collective", "interference", "collective_sync",
+                              "send_sync")},
         "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),

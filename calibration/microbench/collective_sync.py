@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from calibration.microbench.collectives_worker import _human, _max, _sync
@@ -60,23 +60,27 @@ def round_excess(row: dict[str, Any]) -> float:
                                             strict=True))
 
 
-def excess_by_size(rec: dict[str, Any]) -> dict[int, float]:
+#: A round's excess at one size from its row (:func:`round_excess` for a collective).
+RowExcess = Callable[[dict[str, Any]], float]
+
+
+def excess_by_size(rec: dict[str, Any], excess: RowExcess = round_excess) -> dict[int, float]:
     """Each size's median excess over the rounds, seconds, by bytes."""
     by: dict[int, list[float]] = {}
     for rnd in rec["rounds"]:
         for row in rnd:
-            by.setdefault(int(row["bytes"]), []).append(round_excess(row))
+            by.setdefault(int(row["bytes"]), []).append(excess(row))
     return {s: statistics.median(v) for s, v in sorted(by.items())}
 
 
-def sync_seconds(rec: dict[str, Any]) -> float:
+def sync_seconds(rec: dict[str, Any], excess: RowExcess = round_excess) -> float:
     """The figure: the median over sizes of :func:`excess_by_size`, at least 0."""
-    return max(statistics.median(excess_by_size(rec).values()), 0.0)
+    return max(statistics.median(excess_by_size(rec, excess).values()), 0.0)
 
 
-def round_figures(rec: dict[str, Any]) -> list[float]:
+def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:
     """Each round's median excess over its sizes: the samples of the figure's spread."""
-    return [statistics.median(round_excess(row) for row in rnd) for rnd in rec["rounds"]]
+    return [statistics.median(excess(row) for row in rnd) for rnd in rec["rounds"]]
 
 
 # ---------------------------------------------------------------- measuring
@@ -96,17 +100,9 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    mm = square_gemm(device, dev)
     # zeros: a sum repeated hundreds of times stays finite (random values would reach inf)
     bufs = {s: torch.zeros(s // 4, device=dev) for s in SIZES[device]}
-    gemm = _loop(mm, group, dev)
-    gemm(2)  # warm-up: allocator, kernels
-    per_gemm = _max(min(gemm(3)), group, dev)
-    gemms = max(1, math.ceil(BURST_S / per_gemm))  # both ranks run the same burst
-
-    def burst() -> None:
-        for _ in range(gemms):
-            mm()
+    burst, meta = make_burst(device, group, dev, BURST_S)
 
     def reduce(buf: Any, after_burst: bool) -> Callable[[], None]:
         def call() -> None:
@@ -118,20 +114,50 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     loops = {s: (_loop(burst, group, dev), _loop(reduce(buf, True), group, dev),
                  _loop(reduce(buf, False), group, dev, aligned=True))
              for s, buf in bufs.items()}
+    return {**meta, "iterations": ITERATIONS, "sizes": list(SIZES[device]),
+            "rounds": sweep(loops, group, dev, ROUNDS, ITERATIONS)}
+
+
+def make_burst(device: str, group: Any, dev: str,
+               burst_s: float) -> tuple[Callable[[], None], dict[str, Any]]:
+    """The compute burst (square GEMMs, the same count on every rank, about ``burst_s``
+    on the slowest) and what the record says of it."""
+    mm = square_gemm(device, dev)
+    gemm = _loop(mm, group, dev)
+    gemm(2)  # warm-up: allocator, kernels
+    per_gemm = _max(min(gemm(3)), group, dev)
+    gemms = max(1, math.ceil(burst_s / per_gemm))
+
+    def burst() -> None:
+        for _ in range(gemms):
+            mm()
+    return burst, {"burst_s": per_gemm * gemms, "gemms": gemms,
+                   "gemm_size": GEMM_SIZE[device]}
+
+
+#: Per size: the loops that time ``alone``, ``with`` and ``b2b``.
+Loops = Mapping[int, Sequence[Callable[[int], list[float]]]]
+
+
+def sweep(loops: Loops, group: Any, dev: str, n_rounds: int,
+          iterations: int) -> list[list[dict[str, Any]]]:
+    """Warm every loop up, then ``n_rounds`` rounds over the sizes (direction
+    alternating), each row every rank's median ``alone``, mean ``with`` and median
+    ``b2b`` (one entry per rank)."""
     for trio in loops.values():  # warm-up: the communicator, each size
         for loop in trio:
             loop(2)
-    rounds = []
-    for r in range(ROUNDS):
+    sizes = list(loops)
+    out = []
+    for r in range(n_rounds):
         rows: dict[int, dict[str, Any]] = {}
-        for s in SIZES[device] if r % 2 == 0 else reversed(SIZES[device]):
-            alone, with_, b2b = (loop(ITERATIONS) for loop in loops[s])
+        for s in sizes if r % 2 == 0 else reversed(sizes):
+            alone, with_, b2b = (loop(iterations) for loop in loops[s])
             times = [statistics.median(alone), statistics.fmean(with_), statistics.median(b2b)]
             rows[s] = {"bytes": s, **dict(zip(("alone_s", "with_s", "b2b_s"),
                                               _gather(times, group, dev), strict=True))}
-        rounds.append([rows[s] for s in SIZES[device]])
-    return {"burst_s": per_gemm * gemms, "gemms": gemms, "gemm_size": GEMM_SIZE[device],
-            "iterations": ITERATIONS, "sizes": list(SIZES[device]), "rounds": rounds}
+        out.append([rows[s] for s in sizes])
+    return out
 
 
 def _loop(call: Callable[[], object], group: Any, dev: str,

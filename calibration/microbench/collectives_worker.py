@@ -68,6 +68,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="also time a GEMM alone and under all-reduces (ranks 0 and 1)")
     p.add_argument("--collective-sync", action="store_true",
                    help="also time all-reduces after compute against back to back (ranks 0, 1)")
+    p.add_argument("--send-sync", action="store_true",
+                   help="also time sends after compute (a ping-pong) against back to back "
+                        "(ranks 0, 1)")
     return p.parse_args(argv)
 
 
@@ -113,18 +116,19 @@ def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], g
     flag and not yet in the results file: rank 0 records it (or its failure)."""
     import torch.distributed as dist
 
-    from calibration.microbench import collective_sync, interference
+    from calibration.microbench import collective_sync, interference, send_sync
 
-    meta = {"link": "intra_node", "op": "all_reduce", "nranks": 2, "device": args.device,
-            "threads": args.threads}
-    for wanted, key, term in ((args.interference, interference.interference_key, interference),
-                              (args.collective_sync, collective_sync.sync_key, collective_sync)):
+    meta = {"link": "intra_node", "nranks": 2, "device": args.device, "threads": args.threads}
+    for wanted, key, term, op in (
+            (args.interference, interference.interference_key, interference, "all_reduce"),
+            (args.collective_sync, collective_sync.sync_key, collective_sync, "all_reduce"),
+            (args.send_sync, send_sync.sync_key, send_sync, "send_recv")):
         if not wanted:
             continue
         k = key(args.device, args.threads)
         if k not in done and rank < 2:
             rounds: Callable[[], dict[str, Any]] = partial(term.rounds, args.device, group, dev)
-            measure_term(store, k, term.KIND, rank, rounds, term.summary, **meta)
+            measure_term(store, k, term.KIND, rank, rounds, term.summary, op=op, **meta)
         dist.barrier()
 
 

@@ -42,6 +42,7 @@ from calibration.microbench.fit_terms import (
     fit_classes,
     fit_overhead,
     interference_factor,
+    send_sync,
 )
 from simulator.hardware import HardwareProfile, load_system
 
@@ -137,6 +138,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.collective_sync, fits.terms.collective_sync_record = collective_sync(
         [r for r in records if r.get("kind") == "collective_sync"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
+        [r for r in records if r.get("kind") == "send_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     return fits
 
@@ -300,6 +304,9 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
             "collective_sync": fits.terms.collective_sync_record and {
                 k: fits.terms.collective_sync_record.get(k)
                 for k in ("burst_s", "gemms", "iterations", "sizes")},
+            "send_sync": fits.terms.send_sync_record and {
+                k: fits.terms.send_sync_record.get(k)
+                for k in ("burst_s", "gemms", "iterations", "sizes")},
             "collectives_holdout_median_rel_error": _round(_pooled_holdout_error(fits)),
             "collectives": {op: {link: {"n_train": f.n_train, "n_holdout": f.n_holdout,
                                         "train_median_rel_error": _round(f.train_error),
@@ -313,7 +320,7 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
 
 def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: HardwareProfile,
                 not_measured: list[str]) -> dict[str, dict[str, Any]]:
-    """Overhead, class curves, interference, the sync cost and the spreads over the
+    """Overhead, class curves, interference, the sync costs and the spreads over the
     base's; returns each term's source for ``provenance.terms``."""
     from calibration.microbench.fit_terms import term_sources
 
@@ -329,6 +336,8 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
     gpu["collective_sync_us"] = {**gpu.get("collective_sync_us", {}),
                                  **{k: _sig(v * 1e6) for k, v in
                                     fits.terms.collective_sync.items()}}
+    gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
+                           **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
     terms, spread = term_sources(fits, base.name)
     prof["uncertainty"] = {**prof.get("uncertainty", {}), **spread}
     return terms

@@ -10,7 +10,9 @@ sync cost, and each one's spread.
   curves monotone on a GPU, as the shared ones are).
 - ``interference``: the measured factor per link class (one node: ``intra_node``).
 - ``collective_sync``: the cost of a collective after compute beyond back to back,
-  per link class (:func:`calibration.microbench.collective_sync.sync_seconds`).
+  per link class (:func:`calibration.microbench.collective_sync.sync_seconds`);
+- ``send_sync``: the same for a point-to-point send
+  (:func:`calibration.microbench.send_sync.sync_seconds`).
 
 The spread of each fitted term (``uncertainty``, a relative σ) is how far a
 rerun of the calibration could plausibly move the term as a whole — the Monte
@@ -26,7 +28,7 @@ reference kernel's start-to-end drift d as a uniform spread, d / √12). The
 overhead's spread is its jackknife standard error, the standard error of the
 mean over kernels, and the drift; a link's the standard error of its α-β fit's
 level (residual σ / √n); the interference factor's the standard error of the
-mean over its rounds, and the sync cost's the standard error of its rounds' figures
+mean over its rounds, and each sync cost's the standard error of its rounds' figures
 relative to it. A term that was not measured gets no spread (the run
 reports a point estimate for it) and ``source: preset`` in ``provenance.terms``.
 """
@@ -35,11 +37,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from calibration.microbench import collective_sync as cs
+from calibration.microbench import send_sync as ss
 from calibration.microbench.bench_compute import KERNEL_CLASS
-from calibration.microbench.collective_sync import excess_by_size, round_figures, sync_seconds
 from calibration.microbench.fit import (
     AlphaBetaFit,
     CurveFit,
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
     from calibration.microbench.fit_profile import Fits
 
 IQR_PER_SIGMA = 1.349  # a normal distribution's interquartile range in σ
+#: A sync record's figure in seconds (``sync_seconds`` of its microbenchmark).
+Figure = Callable[[dict[str, Any]], float]
 
 
 @dataclass
@@ -75,6 +81,8 @@ class TermFits:
     interference_record: dict[str, Any] | None = None
     collective_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     collective_sync_record: dict[str, Any] | None = None
+    send_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
+    send_sync_record: dict[str, Any] | None = None
 
 
 def fit_overhead(records: list[dict[str, Any]]) -> tuple[dict[str, LineFit], float]:
@@ -136,11 +144,21 @@ def interference_factor(records: list[dict[str, Any]]) -> tuple[dict[str, float]
 def collective_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float],
                                                             dict[str, Any] | None]:
     """The sync cost in seconds per link class, from the latest successful record."""
+    return _sync_term(records, cs.sync_seconds)
+
+
+def send_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """The send sync cost in seconds per link class, from the latest successful record."""
+    return _sync_term(records, ss.sync_seconds)
+
+
+def _sync_term(records: list[dict[str, Any]], seconds: Figure) -> tuple[dict[str, float],
+                                                                         dict[str, Any] | None]:
     ok = [r for r in records if r.get("ok") and r.get("rounds")]
     if not ok:
         return {}, None
     rec = ok[-1]
-    return {str(rec.get("link", "intra_node")): sync_seconds(rec)}, rec
+    return {str(rec.get("link", "intra_node")): seconds(rec)}, rec
 
 
 # ---------------------------------------------------------------- spreads
@@ -189,10 +207,19 @@ def interference_spread(rec: dict[str, Any] | None) -> float | None:
 
 
 def collective_sync_spread(rec: dict[str, Any] | None) -> float | None:
-    if not rec or len(rec.get("rounds", [])) < 2 or sync_seconds(rec) <= 0:
+    return _sync_spread(rec, cs.sync_seconds, cs.round_figures)
+
+
+def send_sync_spread(rec: dict[str, Any] | None) -> float | None:
+    return _sync_spread(rec, ss.sync_seconds, ss.round_figures)
+
+
+def _sync_spread(rec: dict[str, Any] | None, seconds: Figure,
+                 figures_of: Callable[[dict[str, Any]], list[float]]) -> float | None:
+    if not rec or len(rec.get("rounds", [])) < 2 or seconds(rec) <= 0:
         return None
-    figures = round_figures(rec)
-    return _clamp(statistics.stdev(figures) / sync_seconds(rec) / math.sqrt(len(figures)))
+    figures = figures_of(rec)
+    return _clamp(statistics.stdev(figures) / seconds(rec) / math.sqrt(len(figures)))
 
 
 def _clamp(x: float) -> float:
@@ -239,13 +266,15 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
     if rec is not None:
         measured("interference", len(rec.get("round_ratios", [])), interference_spread(rec),
                  link=rec.get("link", "intra_node"), covered=rec.get("covered"))
-    rec = fits.terms.collective_sync_record
-    if rec is not None:
-        measured("collective_sync", len(rec["rounds"]), collective_sync_spread(rec),
-                 link=rec.get("link", "intra_node"),
-                 by_size_us={s: round(t * 1e6, 1) for s, t in excess_by_size(rec).items()})
+    for term, rec, mod, sync_spread in (
+            ("collective_sync", fits.terms.collective_sync_record, cs, collective_sync_spread),
+            ("send_sync", fits.terms.send_sync_record, ss, send_sync_spread)):
+        if rec is not None:
+            measured(term, len(rec["rounds"]), sync_spread(rec),
+                     link=rec.get("link", "intra_node"),
+                     by_size_us={s: round(t * 1e6, 1) for s, t in mod.excess_by_size(rec).items()})
     names = ("gemm", "attention", "memory", *CLASS_SOURCES, "kernel_overhead", "intra_node",
-             "inter_node", "point_to_point", "interference", "collective_sync")
+             "inter_node", "point_to_point", "interference", "collective_sync", "send_sync")
     for term in names:
         terms.setdefault(term, {"source": "preset", "from": base_name})
     return terms, spread

@@ -128,6 +128,9 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     for link, us in (gpu.get("collective_sync_us") or {}).items():
         lines.append(f"  collective sync ({link}): {us} us per collective after compute, "
                      "beyond back to back")
+    for link, us in (gpu.get("send_sync_us") or {}).items():
+        lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
+                     "beyond back to back")
     for op, by_link in profile.get("collectives", {}).items():
         for link, ab in by_link.items():
             lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "
