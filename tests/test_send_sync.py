@@ -7,9 +7,9 @@ back-to-back time (``gpu.send_sync_us``).
 - the cost model charges it exactly once per send: one engine send, a two-stage
   pipeline whose sends all lie on the critical path, and the analytic estimate,
   which grows by its own count of exposed transfers × the cost;
-- the profile: round trip, provenance when measured and when absent, a bad value
-  refused by name, the uncertainty draw;
-- the microbenchmark itself, two gloo processes on the CPU.
+- the profile: round trip, provenance when measured and when absent, the
+  calibration's summary, a bad value refused by name, the uncertainty draw;
+- the microbenchmark itself, two gloo processes on the CPU (slow).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 from calibration.microbench import send_sync as ss
 from calibration.microbench.fit_profile import build_profile, fit_compute, write_profile
 from calibration.microbench.fit_terms import send_sync_spread
+from calibration.microbench.report_tables import summary_text
 from simulator.analytic import analytic_estimate
 from simulator.engine import Engine
 from simulator.errors import UserError
@@ -175,6 +176,11 @@ def test_measured_sync_round_trips_with_its_provenance_and_spread(tmp_path: Path
     assert written.provenance["fit"]["send_sync"]["sizes"] == list(BY_SIZE_US)
 
 
+def test_the_calibration_summary_says_it() -> None:
+    text = summary_text(_profile([_record()]), [], 1.0)
+    assert "send sync (intra_node): 200.0 us per point-to-point send" in text
+
+
 def test_without_a_measurement_the_sync_is_the_presets_none() -> None:
     prof = _profile([{**_record(), "ok": False}])
     assert prof["provenance"]["terms"]["send_sync"] == {"source": "preset",
@@ -230,9 +236,11 @@ def _worker(rank: int, init: str, out: str) -> None:
         Path(out).write_text(json.dumps(rec))
 
 
+@pytest.mark.slow
 def test_the_microbenchmark_runs_on_two_cpu_processes(tmp_path: Path) -> None:
     """Two gloo processes ping-pong: every loop is timed on both ranks and the record is
-    what the fit reads."""
+    what the fit reads (about 5-10 s for starting torch twice: slow; the tiny calibration
+    in ``test_calibration.py`` runs it in the fast suite, in the torchrun launch)."""
     pytest.importorskip("torch")
     import json
 
