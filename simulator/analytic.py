@@ -23,9 +23,11 @@ with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) a
 exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
 of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
 all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
-compute hides; ZeRO-Offload replaces the optimizer step with CPU Adam and the copy
-back. Contention between concurrent flows is ignored here — that is the engine's
-job, as are degraded links and jitter (a slow GPU slows its stage's compute).
+compute hides and, per micro-batch, the root unit's gather (embedding, head), which
+waits for the compute before it (FSDP2's root pre-forward); ZeRO-Offload replaces
+the optimizer step with CPU Adam and the copy back. Contention between concurrent
+flows is ignored here — that is the engine's job, as are degraded links and jitter
+(a slow GPU slows its stage's compute).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.inventory import tp_block_collectives
 from simulator.layout import Layout
-from simulator.memory import stage_params
+from simulator.memory import stage_params, zero3_root_bytes
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule, execute, schedule_spec
@@ -265,6 +267,33 @@ def _stage_params(s: Scenario, stage: int) -> tuple[float, list[float]]:
     return dense / par.tp, experts
 
 
+def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
+    """ZeRO-3's collectives per step on one rank of pipeline ``stage``, as the engine's
+    workload issues them: per micro-batch, each layer's gathers (before its forward
+    and, with ``reshard_after_forward``, before its backward) and reduce-scatter, one
+    per part (:func:`simulator.model.zero3_collectives`), and the root unit's gather
+    and reduce-scatter on a stage holding the embedding or the head (FSDP2 keeps the
+    root gathered from its forward to its backward). A step of FSDP2 with L layers on
+    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters."""
+    par = s.parallel
+    if par.zero != 3 or par.dp * par.cp == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}
+    parts = mdl.zero3_collectives(s.model, s.stack)
+    layers = stage_layer_count(s.model.layers, par, stage) * parts
+    root = 1 if stage in (0, par.pp - 1) else 0
+    gathers = (2 if par.reshard_after_forward else 1) * layers + root
+    return {"all_gather": s.microbatches * gathers,
+            "reduce_scatter": s.microbatches * (layers + root)}
+
+
+def _zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
+    """The largest root unit's gather, once per micro-batch on its stage: it waits for
+    the compute issued before it, so no prefetch hides it."""
+    sizes = [zero3_root_bytes(s, st)[0] for st in {0, s.parallel.pp - 1}]
+    return max(_collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+               for size in sizes)
+
+
 def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
                    hw: HardwareProfile, layers: int) -> float:
     """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
@@ -407,9 +436,14 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     dp_group = layout.dp_group(rank0)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = _collective_time(s, layout, dp_op, grad_bytes, dp_group, hw)
-    if par.zero == 3 and layers[busiest] and not spec.is_moe:  # one per layer (per module)
-        count = layers[busiest] * mdl.zero3_collectives(spec, s.stack)
-        t_dp = count * _collective_time(s, layout, dp_op, grad_bytes / count, dp_group, hw)
+    if par.zero == 3 and par.dp * par.cp > 1 and not spec.is_moe:  # per layer (module), root
+        parts = mdl.zero3_collectives(spec, s.stack)
+        units = layers[busiest] * parts
+        roots = zero3_collective_counts(s, busiest)["reduce_scatter"] // m - units
+        unit = mdl.layer_params(spec) / par.tp * rdt / parts
+        root = zero3_root_bytes(s, busiest)[0] / mdl.dtype_bytes(trn.dtype) * rdt
+        t_dp = units * _collective_time(s, layout, dp_op, unit, dp_group, hw) \
+            + roots * _collective_time(s, layout, dp_op, root, dp_group, hw)
     edp_group = epar.edp_group(layout, rank0, par.etp, par.ep)
     t_dp += sum(_collective_time(s, layout, dp_op, e * rdt, edp_group, hw)
                 for e in expert_params)
@@ -440,12 +474,9 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values()))
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
-    t_zero = _zero3_exposed(s, layout, f, b, hw, layers[slowest]) * m if par.zero == 3 \
-        else 0.0
-    gathered = param_bytes if par.zero in (1, 2) else 0.0
-    if par.zero == 3:  # the replicated embedding/head are gathered after the step
-        gathered = param_bytes - layers[busiest] * mdl.layer_params(spec) / par.tp \
-            * mdl.dtype_bytes(trn.dtype)
+    t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest])
+              + _zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    gathered = param_bytes if par.zero in (1, 2) else 0.0  # ZeRO-3 gathers at use
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     if expert_params and par.zero in (1, 2):
         t_gather += _collective_time(s, layout, "all_gather",

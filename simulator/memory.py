@@ -26,7 +26,13 @@ whose backward has not run yet, plus one more copy for the loss gradient.
 
 Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
 ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers and one
-layer's unsharded gradient before its reduce-scatter. ZeRO-Offload moves the
+layer's unsharded gradient before its reduce-scatter, plus the stage's root unit
+(FSDP2's ``fully_shard`` on the stage's module: embedding, final norm, output
+layer), gathered for the whole micro-batch since the root is not resharded after
+forward, and on the last stage the output layer's unsharded gradient, produced
+first in the backward and reduce-scattered after it (the embedding's is produced
+last, when the micro-batch's activations are freed, and is not counted).
+ZeRO-Offload moves the
 optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
 
 Gradient compression (:func:`simulator.compression.memory_extra`) adds PowerSGD's
@@ -253,7 +259,24 @@ def _comm_buffers(scenario: Scenario, stage: int) -> float:
     else:  # the running layer plus the prefetched ones
         ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
         gathered = 1 + (par.fsdp_prefetch if ahead else 0)
-    return layer * gathered + layer  # gathered params + one unsharded grad
+    root = sum(zero3_root_bytes(scenario, stage))
+    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
+
+
+def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
+    """ZeRO-3 on one GPU of pipeline ``stage``: bytes of the root unit's gathered
+    parameters (the embedding on the first stage, the final norm, output layer and a
+    tied embedding's copy on the last) and of the output layer's unsharded gradient
+    (last stage: the head's parameters, or the shared embedding's when tied)."""
+    spec, par = scenario.model, scenario.parallel
+    dt = dtype_bytes(scenario.training.dtype) / par.tp
+    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
+    gathered = embedding_params(spec) if stage == 0 else 0.0
+    grad = 0.0
+    if stage == par.pp - 1:
+        gathered += head_params(spec) + (tied if par.pp > 1 else 0)
+        grad = head_params(spec) + tied
+    return gathered * dt, grad * dt
 
 
 def _rank_params(scenario: Scenario, dense: float, experts: float) -> float:

@@ -29,7 +29,14 @@ times are the spans':
   backward gather of the same layer) is held once. One layer's unsharded
   gradient is held while its weight gradient is computed (the B blocks, or W),
   and for the micro-batch whose backward triggers the layer's reduce-scatter,
-  until that reduce-scatter ends.
+  until that reduce-scatter ends. The stage's root unit
+  (:func:`~simulator.memory.zero3_root_bytes`: embedding, head) is held from its
+  gather's start to the end of the micro-batch's backward (FSDP2 keeps its root
+  gathered for the backward, reshards it after), once however many micro-batches
+  overlap; on the last stage the output layer's unsharded gradient from the head's
+  weight-gradient compute (B, or W) until the root's reduce-scatter ends. The
+  embedding's gradient, made at the backward's end, is not counted (nor by
+  memory.py).
 
 At one timestamp the allocations made by work that ended there are applied
 first and the curve records that value, then the frees and the allocations
@@ -80,7 +87,7 @@ MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
-_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD = range(6)
+_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD = range(8)
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
@@ -129,8 +136,17 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
     wgrad_ids: dict[int, tuple[int, int]] = {}  # task producing a layer's weight grads
     gathers: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
     reduce_end: dict[int, float] = {}  # producing task id -> end of the RS that waits on it
+    root_gather: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's gather start
+    root_grad: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the head's backward start
+    root_reduce: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's RS end
+    bwd_last: dict[tuple[int, int], float] = {}  # (chunk, mb) -> end of the chunk's backward
     for t, start, end in spans:
         op, layer, mb = t.op, t.layer, t.microbatch
+        if op in ("B", "I", "W"):
+            key = (t.chunk, mb)
+            bwd_last[key] = max(bwd_last.get(key, end), end)
+            if layer < 0 and op != "I" and t.name.startswith("head"):
+                root_grad[t.chunk, mb] = start
         if op == "F":
             if layer >= 0:
                 fwd_end[layer, mb] = max(fwd_end.get((layer, mb), end), end)
@@ -149,8 +165,12 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
             w = wgrad.setdefault((layer, mb), [start, end])
             w[0], w[1] = min(w[0], start), max(w[1], end)
             wgrad_ids[t.id] = (layer, mb)
+        elif op == "zero.all_gather" and layer < 0:
+            root_gather[t.chunk, mb] = start
         elif op == "zero.all_gather":
             gathers[layer, mb].append((t.id, start))
+        elif t.kind == "dp" and op.endswith("reduce_scatter") and " root " in t.name:
+            root_reduce[t.chunk, mb] = end
         elif t.kind == "dp" and op.endswith("reduce_scatter"):
             for d in t.deps:
                 reduce_end[d] = max(reduce_end.get(d, end), end)
@@ -188,6 +208,11 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
                 ends[key] = max(ends.get(key, 0.0), reduce_end[tid])
         for key, (t0, t1) in wgrad.items():
             hold(_GRAD, key, t0, _START_ALLOC, max(t1, ends.get(key, t1)))
+        for (chunk, mb), t0 in root_gather.items():
+            hold(_ROOT, chunk, t0, _START_ALLOC, bwd_last.get((chunk, mb), t0))
+        for (chunk, mb), t0 in root_grad.items():
+            t1 = bwd_last.get((chunk, mb), t0)
+            hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, root_reduce.get((chunk, mb), t1)))
     # the engine adds durations along a run of compute tasks, so one task's end and the
     # next one's start may differ in the last bits: times within ``tol`` are one instant
     ev.sort(key=lambda e: e[0])
@@ -291,14 +316,16 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
     size = component_bytes(s)
     sizes = (size["activation_layer"], size["embed"], size["head"], size["dlogits"],
              size["unit"], size["unit"])
+    roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
     out: Curve = []
     for rank in sorted(wanted):
         stage = layout.coord(rank).pp
         if stage not in statics:
             statics[stage] = static_bytes(s, stage)
+            roots[stage] = mem.zero3_root_bytes(s, stage)
         events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time)
-        points = _curve(statics[stage], sizes, events)
+        points = _curve(statics[stage], (*sizes, *roots[stage]), events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
     return out
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from simulator.engine import SimResult, simulate
-from simulator.memory import activation_bytes_per_layer, stage_breakdown
+from simulator.memory import activation_bytes_per_layer, stage_breakdown, zero3_root_bytes
 from simulator.memory_timeline import (
     component_bytes,
     downsample,
@@ -183,11 +183,14 @@ def test_zero3_single_stage() -> None:
 
 
 def test_zero3_zb_h1_has_no_gradient_buffer_at_the_activation_peak() -> None:
-    """ZB-H1's I computes no weight gradient: the unsharded gradient (W, later) never
-    coincides with the activation peak, which is memory.py's total less that layer."""
-    _, got, total, z = _zero3(schedule="zb-h1")
+    """ZB-H1's I computes no weight gradient: the unsharded gradients (W, later: a
+    layer's, and on the last stage the output layer's) never coincide with the
+    activation peak, which is memory.py's total less those."""
+    s, got, total, z = _zero3(schedule="zb-h1")
     for st in total:
-        assert got[st] == pytest.approx(total[st] - z["unit"], rel=EXACT)
+        head_grad = zero3_root_bytes(s, st)[1]
+        assert head_grad == 0 or st == s.parallel.pp - 1
+        assert got[st] == pytest.approx(total[st] - z["unit"] - head_grad, rel=EXACT)
 
 
 def test_zero3_interleaved_with_tp() -> None:
@@ -233,7 +236,8 @@ def test_zero3_gathered_units_follow_the_trace() -> None:
                        if result.workload.tasks[tid].op == "zero.all_gather")
     assert pts[0].tolist() == [0.0, base]
     assert pts[1, 0] == pytest.approx(first_gather)
-    assert pts[1, 1] == pytest.approx(base + sizes(s)["unit"], rel=EXACT)
+    # the first gather is the root unit's (embedding and head), before the embedding
+    assert pts[1, 1] == pytest.approx(base + zero3_root_bytes(s, 0)[0], rel=EXACT)
     assert (pts[:, 1] >= base - 1e-6).all()
 
 
@@ -241,17 +245,26 @@ def test_zero3_gathered_units_follow_the_trace() -> None:
 def test_zero3_last_gradients_held_until_their_reduce_scatter_ends(case: dict[str, Any]) -> None:
     """Each micro-batch's unsharded layer gradient is freed when the reduce-scatter that
     waits on it ends (ZeRO-3 reduces after every micro-batch): the curve steps down by
-    one layer exactly there."""
+    one layer exactly there; the root unit's reduce-scatter frees the output layer's
+    gradient on the last stage."""
     s = make(zero=3, **case)
     result, tl = run(s)
     tasks, unit = result.workload.tasks, sizes(s)["unit"]
-    checked = 0
+    checked = roots = 0
     for e in tl:
         pts = np.asarray(e["points"])
+        head_grad = zero3_root_bytes(s, e["stage"])[1]
         for tid, _, end in result.spans:
             t = tasks[tid]
-            if (t.rank == e["rank"] and t.op == "dp.reduce_scatter"
-                    and tasks[t.deps[0]].layer >= 0):
+            if t.rank == e["rank"] and t.op == "dp.reduce_scatter" and " root " in t.name \
+                    and head_grad:
+                at = np.searchsorted(pts[:, 0], end * (1 + 1e-12), side="right") - 1
+                before = np.searchsorted(pts[:, 0], end * (1 - 1e-9), side="right") - 1
+                # (the next micro-batch's gathers may start at the same instant)
+                roots += pts[at, 0] == pytest.approx(end, rel=1e-12) \
+                    and pts[before, 1] - pts[at, 1] == pytest.approx(head_grad, rel=EXACT)
+            elif (t.rank == e["rank"] and t.op == "dp.reduce_scatter"
+                    and tasks[t.deps[0]].layer >= 0 and " root " not in t.name):
                 at = np.searchsorted(pts[:, 0], end * (1 + 1e-12), side="right") - 1
                 before = np.searchsorted(pts[:, 0], end * (1 - 1e-9), side="right") - 1
                 if pts[at, 0] != pytest.approx(end, rel=1e-12):
@@ -262,6 +275,7 @@ def test_zero3_last_gradients_held_until_their_reduce_scatter_ends(case: dict[st
                 checked += 1
     # at least every layer of the last micro-batch, on the rank that holds it
     assert s.model.layers <= checked <= s.model.layers * s.microbatches
+    assert roots >= 1  # the last micro-batch's at least: nothing follows it
 
 
 # ---------------------------------------------------------------- curve properties

@@ -12,9 +12,9 @@ installed strategy passes add their tasks at the walk's hooks
 - :mod:`~simulator.passes.context_parallel`: the attention's key/value exchange
   over the CP group, as a ring or an all-gather (cp > 1);
 - :class:`~simulator.passes.data.Zero3Pass`: ZeRO-3 / FSDP unit gathers with
-  prefetch (zero = 3, dp > 1);
+  prefetch, and the stage's root unit before each forward (zero = 3, dp > 1);
 - :class:`~simulator.passes.data.DataPass`: DDP buckets, ZeRO reduce-scatters,
-  the optimizer step and the parameter all-gather after it (always);
+  the optimizer step and ZeRO-1/2's parameter all-gather after it (always);
 - :mod:`~simulator.passes.offload`: ZeRO-Offload's host copies and CPU Adam
   (``zero_offload``).
 

@@ -165,6 +165,18 @@ class Context:
             sizes.append(mdl.embedding_params(spec) / tp * dt)
         return sizes
 
+    def root_params(self, stage: int) -> float:
+        """Parameters of virtual ``stage`` outside its transformer layers, per TP rank: the
+        embedding on the first stage, the final norm and output layer (and a tied
+        embedding's copy) on the last; FSDP2's root unit of the stage's module."""
+        spec, par = self.s.model, self.s.parallel
+        params = 0.0
+        if stage == 0:
+            params += mdl.embedding_params(spec)
+        if stage == self.last_stage:
+            params += mdl.head_params(spec) + self.tied_copy_params()
+        return params / par.tp
+
     def stages_of(self, rank: int) -> list[int]:
         """The virtual stages (model chunks) that ``rank`` holds."""
         pp = self.layout.coord(rank).pp
@@ -185,7 +197,8 @@ class Pass:
     """One strategy's tasks, added at the hooks of the pipeline walk. Every hook is
     called per simulated rank, in the walk's order:
 
-    per F, B or I action, per layer: ``layer_start`` (a task the layer's first
+    per F action, before its first compute: ``forward_start`` (a task that compute
+    waits for, or None); per F, B or I action, per layer: ``layer_start`` (a task the layer's first
     compute waits for, or None), then per block (``label`` attn or mlp, forward
     order in F, reverse in B/I, and the recomputed blocks of full recomputation)
     ``block(before=True)``, the block's compute, ``block(before=False)`` (the last
@@ -201,6 +214,9 @@ class Pass:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+
+    def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
+        return None
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:
@@ -247,6 +263,7 @@ def _overriding(passes: list[Pass], name: str) -> list[Any]:
 class Hooks:
     """Per hook, the bound methods of the installed passes that override it, in order."""
 
+    forward_start: list[Callable[[int, int, int, int], Task | None]]
     layer_start: list[Callable[[int, bool, int, int, int], Task | None]]
     block: list[Callable[[int, str, bool, int, int, int, bool], None]]
     layer_end: list[Callable[[int, Task], None]]

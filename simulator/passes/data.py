@@ -14,9 +14,12 @@ all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
 reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
 behaviour under gradient accumulation: m × the traffic of one reduction).
 ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
-:class:`Zero3Pass` gathers the units' parameters. The embedding and head stay
-replicated under ZeRO-3 (small next to the layers) and are all-gathered after
-the step like ZeRO-1/2's.
+:class:`Zero3Pass` gathers the units' parameters. The parameters outside the
+layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
+sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
+gradients are reduce-scattered as one more unit after the micro-batch's
+backward (FSDP2's root post-backward callback), and nothing is gathered after
+the step.
 
 The optimizer step (AdamW on the rank's shard as the stack runs it:
 :func:`simulator.inventory.optimizer_op`, clipping included) runs on the compute
@@ -65,12 +68,29 @@ class DataPass(Pass):
                pending: list[tuple[float, Task, Unit]]) -> None:
         """Bucket the gradients that ``done`` complete, flushing full buckets."""
         par = self.ctx.s.parallel
-        per_unit = par.zero == 3  # FSDP reduce-scatters each unit's gradients
+        if par.zero == 3:  # FSDP reduce-scatters each unit's gradients
+            for i, (size, task) in enumerate(self.zero3_units(stage, done)):
+                pending.append((size, task, (stage, i)))
+                self.flush(rank, pending, chunk)
+            return
         for i, (size, task) in enumerate(zip(self.ctx.grad_bytes(stage), done, strict=True)):
             pending.append((size, task, (stage, i)))
-            if per_unit or sum(p[0] for p in pending) >= self.caps[self.flushed[rank]]:
+            if sum(p[0] for p in pending) >= self.caps[self.flushed[rank]]:
                 self.flush(rank, pending, chunk)
                 self.flushed[rank] = True
+
+    def zero3_units(self, stage: int, done: list[Task]) -> list[tuple[float, Task]]:
+        """ZeRO-3's gradient units of a backward of ``stage`` with the task each waits for:
+        every layer as its gradients complete, then the root (embedding, head) after the
+        backward's last gradient, as FSDP2's root post-backward reduce-scatters it."""
+        ctx = self.ctx
+        layers = len(ctx.layers_of(stage))
+        layer = mdl.layer_params(ctx.s.model) / ctx.s.parallel.tp * ctx.grad_dt
+        units = [(layer, task) for task in done[:layers]]
+        root = ctx.root_params(stage) * ctx.grad_dt
+        if root and done:
+            units.append((root, done[-1]))
+        return units
 
     def flush(self, rank: int, pending: list[tuple[float, Task, Unit]], chunk: int) -> None:
         if not pending:
@@ -83,11 +103,14 @@ class DataPass(Pass):
         if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
             t = self.compressor.reduce(rank, op, size, units, after, chunk)
         else:
-            parts = ctx.zero3_parts if ctx.s.parallel.zero == 3 else 1  # one per module
+            stage, index = units[0]
+            root = ctx.s.parallel.zero == 3 and index >= len(ctx.layers_of(stage))  # its root
+            parts = ctx.zero3_parts if ctx.s.parallel.zero == 3 and not root else 1
             for part in range(parts):
                 t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank),
-                                   size / parts, f"dp.{op} bucket {size / 1e6:.1f} MB"
-                                   f"{_part(part, parts)}", chunk=chunk)
+                                   size / parts, f"dp.{op} {'root' if root else 'bucket'} "
+                                   f"{size / 1e6:.1f} MB{_part(part, parts)}",
+                                   after.microbatch if root else -1, chunk=chunk)
                 if t is not None and part == 0:
                     t.deps.append(after.id)
         for bucket_reduced in ctx.hooks.bucket_reduced:
@@ -111,17 +134,13 @@ class DataPass(Pass):
         t.deps.extend(d.id for d in streams["zero"][-1:])
 
     def after_step(self, rank: int) -> None:
-        """ZeRO-1/2: all-gather the updated parameters. ZeRO-3: only the embedding and
-        head, which stay replicated; the layers are gathered at use."""
+        """ZeRO-1/2: all-gather the updated parameters (ZeRO-3 gathers every unit at
+        use instead)."""
         ctx, par = self.ctx, self.ctx.s.parallel
-        nbytes = ctx.params_of(rank) * ctx.dt_bytes
-        if par.zero == 3:
-            layers = sum(len(ctx.layers_of(st)) for st in ctx.stages_of(rank))
-            nbytes -= layers * mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes
-        elif par.zero not in (1, 2):
+        if par.zero not in (1, 2):
             return
-        ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank), nbytes,
-                       "dp.all_gather updated params")
+        ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank),
+                       ctx.params_of(rank) * ctx.dt_bytes, "dp.all_gather updated params")
 
 
 class Zero3Pass(Pass):
@@ -129,7 +148,11 @@ class Zero3Pass(Pass):
     forward and, with ``reshard_after_forward``, again before its backward, on the
     ``zero`` stream ``fsdp_prefetch`` units ahead: the gather may start once the unit
     ``fsdp_prefetch + 1`` back has run (on the compute stream, in line, without
-    ``overlap.zero3_prefetch``). Installed when zero = 3 and dp > 1."""
+    ``overlap.zero3_prefetch``). The stage's root unit (:meth:`Context.root_params`)
+    is gathered once per micro-batch before the forward's first compute, after the
+    compute issued before it (FSDP2's root pre-forward: the all-gather stream waits
+    for the current stream, and the root is not resharded after forward, so its
+    backward needs no second gather). Installed when zero = 3 and dp > 1."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -138,6 +161,16 @@ class Zero3Pass(Pass):
         self.parts = ctx.zero3_parts  # collectives per layer (the stack's ZeRO-3 unit)
         self.size = mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes / self.parts
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
+
+    def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
+        ctx = self.ctx
+        size = ctx.root_params(stage) * ctx.dt_bytes
+        compute = ctx.programs[rank].streams["compute"]
+        t = ctx.collective(rank, self.stream, "all_gather", "zero", ctx.layout.dp_group(rank),
+                           size, f"zero3.all_gather root s{stage} mb{mb}", mb, -1, chunk)
+        if t is not None and self.stream == "zero" and compute:
+            t.deps.append(compute[-1].id)
+        return t
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:

@@ -98,6 +98,11 @@ class PipelinePass:
     def forward(self, rank: int, a: Action, chunk: int) -> Task:
         ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
         head: Task | None = None
+        starts = []  # tasks on other streams the forward's first compute waits for
+        for forward_start in hooks.forward_start:
+            g = forward_start(rank, a.stage, mb, chunk)
+            if g is not None and g.stream != "compute":
+                starts.append(g.id)
         if a.stage == 0:
             head = ctx.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
             for edge in hooks.edge:
@@ -125,6 +130,7 @@ class PipelinePass:
                 loss(rank, mb, chunk)
         if head is None:  # a stage without layers passes the activations on
             head = self.relay(rank, "F", mb, chunk)
+        head.deps.extend(starts)
         if a.stage > 0:
             self.waits.append((head, ("act", a.stage - 1, mb, rank)))
         return head
