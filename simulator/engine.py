@@ -12,7 +12,8 @@ task waits for its dependencies (events of other tasks), then:
   end plus ``steps × α`` (the first phase's plus the profile's sync cost,
   :func:`simulator.collectives.phase_latencies`);
 - point-to-point send: one flow from sender to receiver over the link class
-  between them, plus one α.
+  between them, plus one α and the profile's send sync cost
+  (``gpu.send_sync_us`` of that class, the calibrated ping-pong between compute).
 
 **Interference.** With ``gpu.interference`` in the profile (and a device whose
 communication overlaps its compute), a rank's compute runs slow down by the
