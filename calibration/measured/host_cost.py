@@ -129,6 +129,9 @@ def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
     op it dispatches (see the module note)."""
     import torch
 
+    from calibration.host import keep_freed_memory
+
+    keep_freed_memory()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from calibration.host import keep_freed_memory
 from calibration.measured.measure_config import MeasureConfig, write_json_atomic
 from calibration.measured.measure_trace import breakdown_from_trace
 from calibration.measured.parallel_worker import (
@@ -74,6 +75,7 @@ def worker_main(argv: list[str] | None, description: str,
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", timeout=timedelta(seconds=cfg.timeout_s), device_id=device)
     else:
+        keep_freed_memory()  # as a GPU's caching allocator does (calibration.host)
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
     try:

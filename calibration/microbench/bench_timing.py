@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.host import cpu_name
+from calibration.host import cpu_name, keep_freed_memory
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -97,6 +97,8 @@ class Device:
 
         self._torch = torch
         torch.set_num_threads(self.threads)
+        if self.kind == "cpu":  # the measured CPU runs' allocator (calibration.host)
+            keep_freed_memory()
         if self.kind == "cuda":
             torch.cuda.set_device(self.index)
             # PyTorch's default: fp32 matmuls stay fp32 (no TF32), as in the simulated runs
@@ -233,6 +235,7 @@ def device_info(device: Device, nproc: int) -> dict[str, Any]:
     else:
         info["device_name"] = cpu_name()
         info["cpu_count"] = os.cpu_count()
+        info["allocator"] = keep_freed_memory()
         info["backend"] = "gloo"
     return info
 

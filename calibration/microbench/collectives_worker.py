@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parse(argv)
     torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # the measured CPU runs' allocator
+        from calibration.host import keep_freed_memory
+
+        keep_freed_memory()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = f"cuda:{local}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
