@@ -63,3 +63,36 @@ def test_calibrating_once_goes_through_calibrate_and_keeps_its_problems(tmp_path
     assert lines[0] == "--threads = 0: use 1 or more"
     assert "calibration failed" in lines[-1] and "--profile" in lines[-1]
     assert not (tmp_path / "profile-cpu.yaml").exists()
+
+
+def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> None:
+    from calibration.measured.validation import summary
+
+    small = [{**ROWS[0], "model": "small-gpt"},
+             {**ROWS[0], "model": "small-gpt", "config": "tp2", "step_error": 0.02}]
+    tiny = [{**ROWS[0], "model": "tiny-gpt", "step_error": -0.3}, {**ROWS[1], "model": "tiny-gpt"}]
+    md = markdown(small + tiny, {**HEADER, "steps": {"small-gpt": 8, "tiny-gpt": 30}})
+    first, second = md.split("\n\nValidation on ")
+    assert "model small-gpt" in first and "median of 8 steps" in first
+    assert "model tiny-gpt" in second and "median of 30 steps" in second
+    assert first.rstrip().endswith("Mean |step error| 6.0% over 2 rows (target 5%: missed); "
+                                   "largest 10.0% (dp2-ddp); 0 row(s) over 10%.")
+    assert summary(tiny) == ("Mean |step error| 30.0% over 1 rows (target 5%: missed); "
+                             "largest 30.0% (dp2-ddp); 1 row(s) over 10%.")
+    assert summary([ROWS[1]]) == "No configuration ran."
+
+
+def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
+    from calibration.measured.validation import check_profile, models
+
+    assert models("tiny-gpt, small-gpt,tiny-gpt") == ("tiny-gpt", "small-gpt")
+    with pytest.raises(UserError) as exc:
+        models("small-gpt,huge")
+    assert exc.value.lines()[0].startswith("--model = 'small-gpt,huge': unknown model(s) ['huge']")
+    with pytest.raises(UserError) as exc:
+        check_profile(str(tmp_path / "nope.yaml"))
+    line = exc.value.lines()[0]
+    assert line.startswith("--profile = ") and "nor an existing profile" in line
+    assert "drop --profile" in line
+    check_profile(None)
+    check_profile("cpu-1thread")

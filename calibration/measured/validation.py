@@ -68,7 +68,11 @@ MULTI_GPU_CONFIGS = (
     Config("tp2-pp2", tp=2, pp=2),
     Config("dp2-pp2", dp=2, pp=2),
 )
-COLUMNS = ("config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
+#: timed and warm-up steps per run by model, where --steps/--warmup leave them: a
+#: tiny-gpt step is ~50-300 ms, so more of them cost little and steady the median
+MODEL_STEPS = {"small-gpt": (8, 2), "tiny-gpt": (30, 5)}
+MODELS = tuple(MODEL_STEPS)
+COLUMNS = ("model", "config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
            "step_error", "compute_error", "idle_measured", "idle_simulated", "note")
 
 
@@ -88,6 +92,29 @@ def select(configs: tuple[Config, ...], only: str | None) -> tuple[Config, ...]:
         raise UserError([Problem("--only", only, f"unknown configuration(s) {unknown}; "
                                  f"choose from {', '.join(known)}")])
     return tuple(c for c in configs if c.name in names)
+
+
+def models(spec: str) -> tuple[str, ...]:
+    """The models named by ``--model`` (comma-separated), or a UserError naming them."""
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        raise UserError([Problem("--model", spec, f"unknown model(s) {unknown}; use one "
+                                 f"or more of {', '.join(MODELS)}, comma-separated")])
+    return names
+
+
+def check_profile(profile: str | None) -> None:
+    """A ``--profile`` that is no loadable profile fails before any run, not at compare."""
+    if profile:
+        from simulator.hardware import load_system
+
+        try:
+            load_system(profile)
+        except UserError as exc:
+            raise UserError([Problem("--profile", profile, exc.problems[0].fix + "; pass "
+                                     "a 'clustersim calibrate' profile or drop --profile "
+                                     "to calibrate first")]) from None
 
 
 def _say(text: str) -> None:
@@ -122,8 +149,9 @@ def _profile(args: argparse.Namespace, out: Path) -> str:
     return str(path)
 
 
-def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "") -> dict[str, Any]:
-    row: dict[str, Any] = {"config": cfg.name, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
+def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "",
+         model: str = "") -> dict[str, Any]:
+    row: dict[str, Any] = {"model": model, "config": cfg.name, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
                            "schedule": cfg.schedule, "zero": cfg.zero, "note": note}
     if comparison is not None:
         meas, sim, err = (comparison["measured"], comparison["simulated"],
@@ -134,23 +162,25 @@ def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "") -> dict
     return row
 
 
-def run_one(cfg: Config, args: argparse.Namespace, profile: str, out: Path) -> dict[str, Any]:
+def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
+            model: str) -> dict[str, Any]:
     from calibration.measured.compare import run_compare
     from calibration.measured.measure import run_measure
 
-    run_dir = out / "runs" / cfg.name
+    steps, warmup = MODEL_STEPS[model]
     try:
         run_measure(cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,
-                    micro_batches=args.micro_batches, model=args.model, steps=args.steps,
-                    warmup=args.warmup, device=args.device, out_dir=str(run_dir),
+                    micro_batches=args.micro_batches, model=model,
+                    steps=args.steps or steps, warmup=args.warmup if args.warmup is not None
+                    else warmup, device=args.device, out_dir=str(run_dir),
                     threads=args.threads, timeout_s=args.timeout,
                     micro_batch_size=args.micro_batch_size, powersgd_rank=cfg.powersgd_rank,
                     experts=cfg.experts, ep=cfg.ep, cp=cfg.cp, slow_rank=cfg.slow_rank,
                     slowdown=cfg.slowdown, sequence_parallel=cfg.sequence_parallel)
         comparison = run_compare(run_dir, profile)
     except Exception as exc:
-        return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}")
-    return _row(cfg, comparison)
+        return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}", model)
+    return _row(cfg, comparison, model=model)
 
 
 def _fmt(row: dict[str, Any], key: str) -> str:
@@ -166,11 +196,26 @@ def _fmt(row: dict[str, Any], key: str) -> str:
     return str(v)
 
 
-def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Mean and largest |step error| over the rows that ran, against the 10% / 5% target."""
+    errs = [(abs(r["step_error"]), r["config"]) for r in rows if r.get("step_error") is not None]
+    if not errs:
+        return "No configuration ran."
+    mean = sum(e for e, _ in errs) / len(errs)
+    worst, name = max(errs)
+    over = sum(e > 0.10 for e, _ in errs)
+    return (f"Mean |step error| {mean:.1%} over {len(errs)} rows (target 5%: "
+            f"{'met' if mean <= 0.05 else 'missed'}); largest {worst:.1%} ({name}); "
+            f"{over} row(s) over 10%.")
+
+
+def _section(rows: list[dict[str, Any]], header: dict[str, Any], model: str) -> list[str]:
+    steps = header["steps"]
+    steps = steps.get(model) if isinstance(steps, dict) else steps
     lines = [f"Validation on {header['device_name']} ({header['device']}, {header['threads']} "
              f"thread(s) per process), torch {header['torch']}, profile `{header['profile']}`, "
-             f"{header['date']}; model {header['model']}, {header['micro_batches']} "
-             f"micro-batches of {header['micro_batch_size']}, median of {header['steps']} "
+             f"{header['date']}; model {model}, {header['micro_batches']} "
+             f"micro-batches of {header['micro_batch_size']}, median of {steps} "
              "steps.", "",
              "| config | measured ms | simulated ms | step error | compute error | "
              "idle measured | idle simulated | note |",
@@ -180,7 +225,18 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     for row in rows:
         cells = [row["config"], *(_fmt(row, k) for k in keys), row.get("note", "")]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return [*lines, "", summary(rows)]
+
+
+def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    """One table per model (rows without a model are ``header['model']``'s), each with
+    its mean and largest |step error|."""
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_model.setdefault(row.get("model") or header["model"], []).append(row)
+    sections = [_section(r, header, m) for m, r in by_model.items()] or \
+        [_section([], header, header["model"])]
+    return "\n\n".join("\n".join(sec) for sec in sections) + "\n"
 
 
 def write_table(out: Path, rows: list[dict[str, Any]], header: dict[str, Any]) -> list[Path]:
@@ -203,30 +259,38 @@ def run_validation(args: argparse.Namespace) -> int:
     torch = require_torch()
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     devices = torch.cuda.device_count() if args.device == "cuda" else 2
     if args.device == "cuda" and devices < 2:
         raise UserError([Problem("--device", "cuda", f"{devices} GPU(s) visible; the table "
                                  "needs at least 2 (use --device cpu)")])
+    names = models(args.model)
+    configs = select(configs_for(args.device, devices), args.only)
+    check_profile(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
     profile = _profile(args, out)
     rows = []
-    configs = select(configs_for(args.device, devices), args.only)
-    for i, cfg in enumerate(configs, 1):
-        _say(f"[validation {i}/{len(configs)}] {cfg.name}: measure + compare ...")
-        t0 = time.perf_counter()
-        rows.append(run_one(cfg, args, profile, out))
-        err = rows[-1].get("step_error")
-        _say(f"[validation {i}/{len(configs)}] {cfg.name}: "
-             f"{'step error ' + format(err, '+.1%') if err is not None else rows[-1]['note']}"
-             f" ({time.perf_counter() - t0:.0f} s)")
+    total, i = len(configs) * len(names), 0
+    for model in names:
+        for cfg in configs:
+            i += 1
+            label = f"[validation {i}/{total}] {cfg.name}" + \
+                (f" ({model})" if len(names) > 1 else "")
+            _say(f"{label}: measure + compare ...")
+            t0 = time.perf_counter()
+            run_dir = out / "runs" / (f"{model}/{cfg.name}" if len(names) > 1 else cfg.name)
+            rows.append(run_one(cfg, args, profile, run_dir, model))
+            err = rows[-1].get("step_error")
+            _say(f"{label}: "
+                 f"{'step error ' + format(err, '+.1%') if err is not None else rows[-1]['note']}"
+                 f" ({time.perf_counter() - t0:.0f} s)")
     from calibration.host import cpu_name
 
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
     header = {"device": args.device, "device_name": name, "threads": args.threads,
               "torch": torch.__version__, "profile": profile, "date": time.strftime("%Y-%m-%d"),
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
-              "model": args.model,
-              "steps": args.steps}
+              "model": names[0],
+              "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names}}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -241,16 +305,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "its simulation (the README's validation table)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
         epilog="example:\n  clustersim validation --device cpu --out runs/validation\n"
+        "  clustersim validation --device cpu --model small-gpt,tiny-gpt --out runs/val\n"
         "  clustersim validation --device cpu --profile cpu.yaml --out runs/validation",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", required=True, help="directory for the profile, runs and table")
     p.add_argument("--profile", help="use this hardware profile instead of calibrating")
     p.add_argument("--threads", type=int, default=1, help="threads per process on CPU")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run (median)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--model", default="small-gpt", choices=("small-gpt", "tiny-gpt"),
-                   help="measured GPT (default small-gpt: kernels dominate, not overheads)")
+    p.add_argument("--steps", type=int, help="timed steps per run (median; default 8 for "
+                   "small-gpt, 30 for tiny-gpt)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 2 for small-gpt, "
+                   "5 for tiny-gpt)")
+    p.add_argument("--model", default="small-gpt", metavar="MODEL[,MODEL]",
+                   help="measured GPT(s), comma-separated: small-gpt (the default: kernels "
+                   "dominate) and tiny-gpt (overheads dominate); 'small-gpt,tiny-gpt' runs "
+                   "both from the one calibration, one table each")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
