@@ -53,6 +53,13 @@ CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av
 FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 2}  # dO·O preprocess, main kernel(, dQ convert)
 
 
+#: Executed / counted FLOPs of a causal flash-attention kernel: it skips the blocks above
+#: the diagonal (FlashAttention-2, Dao 2023, §3.1.1). Efficiencies of such kernels are
+#: quoted against the executed FLOPs (flash-attn's benchmarks/benchmark_flash_attention.py
+#: halves its FLOP count when causal), and calibration fits them the same way
+#: (calibration/microbench/fit_terms.py ``executed_peak``).
+CAUSAL_FLASH_SCALE = 0.5
+
 @dataclass(frozen=True)
 class Op:
     """One kernel (group) of one micro-batch on one TP rank."""
@@ -65,7 +72,7 @@ class Op:
     cls: str = ""  # cost class (gemm_fwd, attention_bwd, softmax, norm, ...); "" = by kind
     kernels: int = 1  # kernel launches
     saved: float = 0.0  # bytes this forward op keeps for the backward
-    compute_scale: float = 1.0  # executed / counted FLOPs (0.5: causal flash skips blocks)
+    compute_scale: float = 1.0  # executed / counted FLOPs (CAUSAL_FLASH_SCALE: skipped blocks)
     dtensor: int = 0  # of its kernels, those dispatched on DTensor operands (TP as DTensor)
 
     @property
@@ -201,10 +208,10 @@ def _attention(x: _Shape, pass_: Pass) -> list[Op]:
         if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
             return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
                        fwd_flops, "attention_fwd", 1,
-                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, 0.5)]
+                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, CAUSAL_FLASH_SCALE)]
         return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
                    2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
-                   0.5)]
+                   CAUSAL_FLASH_SCALE)]
     fused_softmax = x.st.attention == "unfused_fused_softmax"
     dropout = x.st.attention_dropout > 0
     half = fwd_flops / 2

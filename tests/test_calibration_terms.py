@@ -252,3 +252,27 @@ def test_busy_machine_is_remeasured_until_quiet(
     assert (guard["warning"] is not None) is warned
     err = capsys.readouterr().err
     assert ("WARNING: the machine looked busy" in err) is (warned or attempts > 0)
+
+
+def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:
+    """Attention records count the full square of a causal call; the cost model charges a
+    causal flash kernel ``compute_scale`` of the counted FLOPs. Fitted against the plain
+    peak the skipped half was discounted twice: a calibrated shape cost half its time."""
+    from simulator.costs import CostModel
+    from simulator.inventory import CAUSAL_FLASH_SCALE, Op
+
+    recs = [r if r["kind"] not in ("attention", "attention_bwd") else {**r, "causal": True}
+            for r in _records()]
+    prof = load_system_from(_profile(recs))
+    cost = CostModel(prof, "fp32")
+    for kind, cls in (("attention", "attention_fwd"), ("attention_bwd", "attention_bwd")):
+        for r in (r for r in recs if r["kind"] == kind and r["flops"] >= 1e8):
+            op = Op("attn_core", "attention", r["flops"], 0.0, r["flops"], cls, 1, 0.0,
+                    CAUSAL_FLASH_SCALE)
+            assert cost.op_time(op) == pytest.approx(r["time_s"], rel=1e-3), (cls, r["flops"])
+
+
+def load_system_from(profile: dict[str, Any]) -> Any:
+    from simulator.hardware import validate_profile
+
+    return validate_profile(profile, "test")

@@ -112,7 +112,9 @@ def check_profile(profile: str | None) -> None:
         try:
             load_system(profile)
         except UserError as exc:
-            raise UserError([Problem("--profile", profile, exc.problems[0].fix + "; pass "
+            first = exc.problems[0]
+            why = first.fix if isinstance(first, Problem) else str(first)
+            raise UserError([Problem("--profile", profile, why + "; pass "
                                      "a 'clustersim calibrate' profile or drop --profile "
                                      "to calibrate first")]) from None
 
@@ -151,8 +153,8 @@ def _profile(args: argparse.Namespace, out: Path) -> str:
 
 def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "",
          model: str = "") -> dict[str, Any]:
-    row: dict[str, Any] = {"model": model, "config": cfg.name, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
-                           "schedule": cfg.schedule, "zero": cfg.zero, "note": note}
+    row: dict[str, Any] = {"model": model, "config": cfg.name, "tp": cfg.tp, "pp": cfg.pp,
+                           "dp": cfg.dp, "schedule": cfg.schedule, "zero": cfg.zero, "note": note}
     if comparison is not None:
         meas, sim, err = (comparison["measured"], comparison["simulated"],
                           comparison["relative_error"])

@@ -39,6 +39,7 @@ from calibration.microbench.fit_terms import (
     TermFits,
     best_rate,
     collective_sync,
+    executed_peak,
     fit_classes,
     fit_overhead,
     interference_factor,
@@ -120,7 +121,8 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
                                    peak, monotone=gpu_like, offset_s=ov)
         if att:
             fits.attention = fit_efficiency([r["flops"] for r in att], [r["time_s"] for r in att],
-                                            peak, monotone=gpu_like, offset_s=ov)
+                                            executed_peak(att, peak), monotone=gpu_like,
+                                            offset_s=ov)
     if mem:
         best_bw = best_rate(mem, "bytes", ov) / 1e9
         if sheet and sheet.gpu.hbm_bandwidth_GBps >= best_bw:
