@@ -69,14 +69,11 @@ def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
     return total + (opt.dtensor if dtensor else opt.kernels)
 
 
-def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
-                  neighbours: int = 0) -> float:
-    """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh),
-    with ``neighbours`` forked copies running the same steps meanwhile."""
+def _step_seconds(tp: bool, threads: int, repeats: int, steps: int) -> float:
+    """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh)."""
     import torch
 
     from calibration.measured.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
-    from calibration.microbench.neighbours import busy_neighbours
 
     torch.manual_seed(0)
     cfg = GPTConfig(**HOST_GPT)
@@ -98,19 +95,16 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
     for _ in range(5):
         step()
     times = []
-    with busy_neighbours(step, neighbours):
-        for _ in range(5):  # the neighbours start; this process's pages are copied on write
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
             step()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times.append((time.perf_counter() - t0) / steps)
+        times.append((time.perf_counter() - t0) / steps)
     return min(times)
 
 
 def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
-                       steps: int = 5, neighbours: int = 0) -> float | None:
+                       steps: int = 5) -> float | None:
     """Host microseconds DTensor adds per op it dispatches; None when this process
     already has a process group (a one-rank gloo group is made and torn down here)."""
     import torch
@@ -122,7 +116,7 @@ def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        tp_s = _step_seconds(True, threads, repeats, steps, neighbours)
+        tp_s = _step_seconds(True, threads, repeats, steps)
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(before)
@@ -130,10 +124,9 @@ def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
 
 
 def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
-                    steps: int = 20, neighbours: int = 0) -> dict[str, Any]:
+                    steps: int = 20) -> dict[str, Any]:
     """Host microseconds per kernel of eager PyTorch on this CPU, and DTensor's extra per
-    op it dispatches (see the module note), with ``neighbours`` other processes running
-    the same step meanwhile (:mod:`calibration.microbench.neighbours`)."""
+    op it dispatches (see the module note)."""
     import torch
 
     from calibration.host import keep_freed_memory
@@ -142,15 +135,14 @@ def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        plain_s = _step_seconds(False, threads, repeats, steps, neighbours)
+        plain_s = _step_seconds(False, threads, repeats, steps)
     finally:
         torch.set_num_threads(before)
     kernels = step_kernels()
     per_kernel = plain_s / kernels * 1e6
     return {"host_overhead_us": round(max(per_kernel - kernel_overhead_us, 0.0), 3),
-            "dtensor_overhead_us": measure_dtensor_us(threads, plain_s,
-                                                      neighbours=neighbours),
-            "step_s_min": plain_s, "kernels": kernels, "neighbours": neighbours,
+            "dtensor_overhead_us": measure_dtensor_us(threads, plain_s),
+            "step_s_min": plain_s, "kernels": kernels,
             "dtensor_ops": step_kernels(dtensor=True)}
 
 
@@ -165,10 +157,7 @@ def add_to_profile(path: str, threads: int) -> dict[str, Any]:
 
     profile = yaml.safe_load(Path(path).read_text())
     gpu = profile["gpu"]
-    # as many neighbours as the compute calibration had (its provenance says)
-    neighbours = int((profile.get("provenance") or {}).get("neighbours") or 0)
-    host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)),
-                           neighbours=neighbours)
+    host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)))
     gpu["host_serial"] = True
     gpu["host_overhead_us"] = host["host_overhead_us"]
     if host["dtensor_overhead_us"] is not None:

@@ -59,7 +59,6 @@ from calibration.microbench.bench_timing import (
     time_calls,
     torch_dtype,
 )
-from calibration.microbench.neighbours import busy_neighbours
 
 MEMORY_KERNELS = ("layer_norm", "rms_norm", "softmax", "gelu", "swiglu", "add", "mul", "sum",
                   "copy", "adamw")
@@ -95,13 +94,13 @@ def run_jobs(stage: str, jobs: list[Job], store: ResultsStore, budget: Budget,
     busy-machine retry, every job once more."""
     done = store.done()
     if budget.retry:
-        _retry(stage, jobs, store, unit, budget.retry, done, budget.neighbours)
+        _retry(stage, jobs, store, unit, budget.retry, done)
         return
     for i, job in enumerate(jobs, 1):
         if job.key in done:
             progress(stage, i, len(jobs), f"{job.label}: already in results, skipped")
             continue
-        _measure(stage, i, len(jobs), job, store, unit, 0, budget.neighbours)
+        _measure(stage, i, len(jobs), job, store, unit, 0)
     for p in range(1, budget.recheck_passes + 1):
         if not jobs:
             break
@@ -111,13 +110,12 @@ def run_jobs(stage: str, jobs: list[Job], store: ResultsStore, budget: Budget,
             continue
         slow = _slow_jobs(jobs, best_times(store.records()))
         for i, job in enumerate(slow, 1):
-            _measure(f"{stage} recheck {p}", i, len(slow), job, store, unit, p,
-                     budget.neighbours)
+            _measure(f"{stage} recheck {p}", i, len(slow), job, store, unit, p)
         store.append({"key": marker, "kind": "pass", "ok": True, "rechecked": len(slow)})
 
 
 def _retry(stage: str, jobs: list[Job], store: ResultsStore, unit: str, attempt: int,
-           done: set[str], neighbours: int = 0) -> None:
+           done: set[str]) -> None:
     """Re-time every job (a marker per finished attempt lets a resumed run skip it)."""
     if not jobs:
         return
@@ -126,17 +124,15 @@ def _retry(stage: str, jobs: list[Job], store: ResultsStore, unit: str, attempt:
     if marker in done:
         return
     for i, job in enumerate(jobs, 1):
-        _measure(f"{stage} retry {attempt}", i, len(jobs), job, store, unit, f"retry{attempt}",
-                 neighbours)
+        _measure(f"{stage} retry {attempt}", i, len(jobs), job, store, unit, f"retry{attempt}")
     store.append({"key": marker, "kind": "pass", "ok": True, "retried": len(jobs)})
 
 
 def _measure(stage: str, i: int, total: int, job: Job, store: ResultsStore, unit: str,
-             recheck: int | str, neighbours: int = 0) -> None:
+             recheck: int | str) -> None:
     try:
         check_injected_failure(job.key)
-        with busy_neighbours(job.runner, neighbours):
-            time_s, extra = job.runner()
+        time_s, extra = job.runner()
     except Exception as exc:  # OOM, unsupported kernel/dtype, injected: record, skip
         rec = failure_record(job.key, job.kind, exc, **job.meta)
         store.append(rec)
@@ -144,8 +140,7 @@ def _measure(stage: str, i: int, total: int, job: Job, store: ResultsStore, unit
         _free_cache()
         return
     store.append({"key": job.key, "kind": job.kind, "ok": True, "time_s": time_s,
-                  "pass": recheck, **job.meta, **extra,
-                  **({"neighbours": neighbours} if neighbours else {})})
+                  "pass": recheck, **job.meta, **extra})
     rate = job.size / time_s
     text = (f"{rate / 1e12:.4g} TFLOP/s" if unit == "flops" else f"{rate / 1e9:.3g} GB/s")
     progress(stage, i, total, f"{job.label}: {_fmt_time(time_s)}, {text}")

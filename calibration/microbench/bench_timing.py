@@ -53,7 +53,6 @@ class Budget:
     recheck_passes: int = 2  # re-time compute points that read >15% slow (bench_compute)
     coll_steps_per_octave: int = 2  # message sizes per doubling (2: steps of √2)
     retry: int = 0  # > 0: a busy-machine re-measure, every compute job timed again
-    neighbours: int = 0  # other devices running the same job meanwhile (neighbours.py)
 
     @property
     def min_batch_s(self) -> float:

@@ -40,7 +40,6 @@ works without it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -128,10 +127,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="when the reference GEMM drifts >15%% between start and end or repeats "
                    "scatter >12%%, re-measure the compute part up to N times (default 0: "
                    "only warn)")
-    p.add_argument("--neighbours", type=int, metavar="N",
-                   help="CPU only: other processes running the same kernel while each compute "
-                   "kernel is timed, as the node's other ranks do in a run (they share the "
-                   "cache and memory bus; default: the node's other cores, --nproc - 1)")
     p.set_defaults(func=run_calibrate)
     sub = p.add_subparsers(dest="calibrate_action", metavar="{report}")
     r = sub.add_parser("report", help="plot a calibrated profile's measured vs fitted numbers",
@@ -172,7 +167,6 @@ class Options:
     retry_failed: bool
     device_name: str
     retry_busy: int = 0
-    neighbours: int = 0  # other CPU devices running each compute job meanwhile
 
 
 def require_torch() -> Any:
@@ -201,8 +195,6 @@ def resolve_options(args: argparse.Namespace) -> Options:
         problems.append(Problem("--retry-busy", args.retry_busy, "use 0 to 10 re-measures"))
     if args.timeout is not None and args.timeout <= 0:
         problems.append(Problem("--timeout", args.timeout, "use a positive number of seconds"))
-    if getattr(args, "neighbours", None) is not None and args.neighbours < 0:
-        problems.append(Problem("--neighbours", args.neighbours, "use 0 or more"))
     if args.from_nccl_tests and "collectives" in args.skip:
         problems.append(Problem("--skip", "collectives", "conflicts with --from-nccl-tests; "
                                 "drop one of them"))
@@ -218,12 +210,6 @@ def resolve_options(args: argparse.Namespace) -> Options:
     if device == "cuda" and nproc > count:
         raise UserError([Problem("--nproc", nproc, f"only {count} GPU(s) visible; use "
                                  f"--nproc {count} or fewer")])
-    neighbours = getattr(args, "neighbours", None)
-    if device == "cuda" and neighbours:
-        raise UserError([Problem("--neighbours", neighbours, "a GPU shares no cache with "
-                                 "its neighbours; use it with --device cpu only")])
-    if neighbours is None:
-        neighbours = nproc - 1 if device == "cpu" else 0
     from calibration.host import cpu_name
     from calibration.microbench.fit_profile import datasheet_preset
 
@@ -238,7 +224,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
                    args.threads, out, results, tuple(args.from_nccl_tests or ()),
                    frozenset(args.skip), base, args.name or f"calibrated-{slug}",
                    args.timeout or (1800.0 if device == "cuda" else 300.0), args.retry_failed,
-                   device_name, args.retry_busy, neighbours)
+                   device_name, args.retry_busy)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -271,14 +257,14 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
 
     store = ResultsStore(opts.results, retry_failed=opts.retry_failed)
     device = Device(opts.device, opts.threads)
-    budget = dataclasses.replace(budget_for(opts.device, opts.level), neighbours=opts.neighbours)
+    budget = budget_for(opts.device, opts.level)
     threads_before = torch.get_num_threads()
     started = time.perf_counter()
     _say(f"calibrating {opts.device_name} ({opts.device}, {opts.threads} thread(s) per process, "
          f"{opts.dtype}, {opts.level}); measurements -> {opts.results}")
     try:
         device.setup()
-        info = {**device_info(device, opts.nproc), "neighbours": opts.neighbours}
+        info = device_info(device, opts.nproc)
         guard = _guarded(opts, device, budget, store, bool(nccl_runs))
     finally:
         torch.set_num_threads(threads_before)
