@@ -109,7 +109,7 @@ def _chunk_layers(s: Scenario, stage: int) -> list[tuple[int, int]]:
 
 def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
             first: bool, last: bool, experts: Experts = NO_EXPERTS,
-            t_cp: float = 0.0) -> dict[str, float]:
+            t_cp: float = 0.0, chunks: int = 1) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
@@ -146,6 +146,8 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
             out["forward"] += end[0]
             out["backward_input"] += end[1]
             out["backward_weight"] += end[2]
+    out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
+    out["backward_input"] += chunks * c.action
     return out
 
 
@@ -153,7 +155,8 @@ def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   experts: Experts = NO_EXPERTS, t_cp: float = 0.0) -> dict[str, float]:
     """:func:`_passes` of one pipeline stage (all its chunks)."""
     return _slowed(s, _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
-                              stage == s.parallel.pp - 1, experts, t_cp), stage)
+                              stage == s.parallel.pp - 1, experts, t_cp,
+                              s.parallel.virtual_stages), stage)
 
 
 def _slowdown(s: Scenario) -> dict[int, float]:

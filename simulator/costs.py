@@ -114,6 +114,15 @@ class CostModel:
     def ops_time(self, ops: Iterable[CostedOp]) -> float:
         return sum(self.op_time(op) for op in ops)
 
+    def pipeline_action_s(self, runtime: str) -> float:
+        """Host seconds a pipeline runtime spends per F or B action beyond its kernels and
+        sends: the profile's ``gpu.pipeline_action_us`` under ``torch.distributed.pipelining``
+        (``runtime == "torch"``) where the stack has a per-kernel host cost, else 0."""
+        us = self.hw.gpu.pipeline_action_us
+        if runtime != "torch" or not us or self.host_us <= 0:
+            return 0.0
+        return us * 1e-6
+
     def memory_time(self, nbytes: float) -> float:
         """A bandwidth-bound pass over ``nbytes`` (e.g. the optimizer step)."""
         if nbytes <= 0:

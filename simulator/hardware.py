@@ -160,6 +160,10 @@ class GPUSpec(_Frozen):
     # the host time DTensor adds to each op on DTensor operands (calibration/measured/
     # host_cost.py: the measured GPT under TP on a one-rank mesh against plain)
     dtensor_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
+    # host time torch.distributed.pipelining spends per F or B action beyond the kernels
+    # and sends (calibration/measured/pipeline_cost.py; absent: none), charged under a
+    # stack with pipeline_runtime torch
+    pipeline_action_us: float | None = Field(default=None, ge=0, le=1e6)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
@@ -335,7 +339,7 @@ def preset_system_names() -> list[str]:
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
                    "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
-                   "host_overhead_us", "dtensor_overhead_us")
+                   "host_overhead_us", "dtensor_overhead_us", "pipeline_action_us")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

@@ -67,6 +67,10 @@ class StackSpec(BaseModel):
     optimizer: Literal["fused", "foreach", "per_tensor"]  # how AdamW launches its kernels
     grad_clip: bool = True  # global-norm clipping before the step (read + scale the grads)
     pipeline_send: Literal["blocking", "async"]  # compute waits for its sends, or not
+    #: the code that runs a pipeline stage's actions: Megatron's schedules, DeepSpeed's
+    #: PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
+    #: profile may have measured, ``gpu.pipeline_action_us``)
+    pipeline_runtime: Literal["megatron", "deepspeed", "torch"] = "megatron"
     #: TP collectives against the GEMMs next to them; only ``none`` (blocking, on the
     #: compute stream) is simulated so far, the others are refused by name
     tp_overlap: Literal["none", "bulk", "pipelined"] = "none"

@@ -75,6 +75,9 @@ class BlockCosts:
     moe: BlockCosts | None = None  # the MoE layers' blocks, when they differ
     moe_first: int = 0  # first MoE layer (model.first_dense_layers)
     moe_freq: int = 1  # then every moe_freq-th layer
+    #: host seconds the pipeline runtime adds to each F and each B action of a stage
+    #: (:meth:`simulator.costs.CostModel.pipeline_action_s`; 0 without pipelining)
+    action: float = 0.0
 
     def layer(self, index: int) -> BlockCosts:
         """The blocks of layer ``index``."""
@@ -146,6 +149,8 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
     base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    if s.parallel.pp > 1:
+        base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
     if not spec.is_moe:
         return base
     first_moe = next(i for i, _ in kinds if spec.is_moe_layer(i))

@@ -2,7 +2,8 @@
 
 ``clustersim validation --device cpu --out DIR`` calibrates this machine once (or
 takes ``--profile``; on CPU it then adds the eager host cost per kernel and DTensor's
-per op, calibration/measured/host_cost.py), then for each configuration runs
+per op, calibration/measured/host_cost.py, and torch.distributed.pipelining's per
+action, calibration/measured/pipeline_cost.py), then for each configuration runs
 ``measure`` (torchrun, the small GPT with real TP / PP / DP) and ``compare`` (the same
 scenario simulated with that profile), and writes ``DIR/validation.md`` and
 ``DIR/validation.csv``: one row per configuration with measured and simulated step
@@ -148,6 +149,12 @@ def _profile(args: argparse.Namespace, out: Path) -> str:
         _say(f"[validation] eager host cost {host['host_overhead_us']:.1f} us per kernel "
              f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms), DTensor "
              f"{host['dtensor_overhead_us']} us per op it dispatches -> {path}")
+        from calibration.measured import pipeline_cost
+
+        pipe = pipeline_cost.add_to_profile(str(path), args.threads)
+        _say(f"[validation] pipelining runtime {pipe['pipeline_action_us']:.0f} us per "
+             f"action (two-stage GPipe at a degenerate size, {pipe['micro_batches']} "
+             f"micro-batches) -> {path}")
     return str(path)
 
 

@@ -19,6 +19,12 @@ on the ``pp`` stream as soon as they are produced (on the compute stream
 without ``overlap.pp``); the receiver's first compute of that action waits for
 the transfer. Sends are matched to receivers once every rank is built.
 
+Under ``torch.distributed.pipelining`` (a stack with ``pipeline_runtime: torch``) each F
+and B (or I) action ends with the runtime's own host time where the profile measured it
+(``gpu.pipeline_action_us``, on the host: only where the stack has a per-kernel host
+cost, as DTensor's), on the compute stream before the action's send: the stage's Python
+around the action (its receive and send ops, the chunk's autograd call) runs there.
+
 At the end of the step, a tied word embedding's gradient is all-reduced
 between the first and the last stage (Megatron's embedding group; kind
 ``embedding_tie``), after the data pass's last buckets and before the
@@ -52,6 +58,7 @@ class PipelinePass:
             chunk = sched.chunk_of(a.stage)
             if a.kind == "F":
                 self.forward(rank, a, chunk)
+                self.runtime(rank, a, chunk)
                 if a.stage < ctx.last_stage:
                     self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
                 continue
@@ -59,6 +66,7 @@ class PipelinePass:
                 done = self.weight_grad(rank, a, chunk)
             else:
                 done = self.backward(rank, a, chunk, weights=a.kind == "B")
+                self.runtime(rank, a, chunk)
                 if a.stage > 0:
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
                 if a.kind == "I":
@@ -186,6 +194,15 @@ class PipelinePass:
         if a.stage < ctx.last_stage:
             self.waits.append((first, ("grad", a.stage + 1, mb, rank)))
         return done
+
+    def runtime(self, rank: int, a: Action, chunk: int) -> None:
+        """The pipeline runtime's host time for one F or B/I action (``BlockCosts.action``),
+        on the compute stream before the action's send."""
+        seconds = self.ctx.c_of(rank).action
+        if seconds:
+            kind = "forward" if a.kind == "F" else "backward"
+            self.ctx.compute(rank, a.kind, kind, f"pp.runtime {a.kind} mb{a.microbatch}",
+                             seconds, a.microbatch, -1, chunk)
 
     def relay(self, rank: int, op: str, mb: int, chunk: int) -> Task:
         """A zero-second task of a stage that holds no layers (a Megatron-LM identity
