@@ -96,3 +96,46 @@ def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
     assert "drop --profile" in line
     check_profile(None)
     check_profile("cpu-1thread")
+
+
+def test_step_spread_and_the_note_of_a_re_measured_row() -> None:
+    from calibration.measured.validation import scatter_note, step_spread
+
+    assert step_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
+    # quartiles 2.0 and 3.0 (inclusive method) over the median 2.5
+    assert step_spread([1.0, 2.0, 3.0, 4.0, 2.0, 3.0, 2.5]) == pytest.approx(0.4)
+    assert scatter_note([0.05], 0.05) == ""
+    assert scatter_note([0.3, 0.04], 0.04) == ("steps scattered 30%; measured 2 times, kept "
+                                              "the run at 4%")
+    assert scatter_note([0.3, 0.2], 0.2).endswith("(still scattered: a busy machine)")
+
+
+def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import calibration.measured.compare as cmp
+    import calibration.measured.measure as msr
+    from calibration.measured.validation import run_one
+
+    runs = iter([[2.6, 3.9, 3.8, 2.6, 3.7, 2.6, 3.7, 2.6], [2.6, 2.62, 2.58, 2.6]])
+    launched: list[str] = []
+
+    def fake_measure(*_: object, out_dir: str, **__: object) -> dict[str, object]:
+        launched.append(Path(out_dir).name)
+        return {"step_times_s": next(runs)}
+
+    compared: list[str] = []
+
+    def fake_compare(run_dir: Path, profile: str) -> dict[str, object]:
+        compared.append(run_dir.name)
+        fig = {"step_time_s": 2.6, "compute_s": 2.0, "idle_fraction": 0.1}
+        return {"measured": fig, "simulated": fig,
+                "relative_error": {"step_time_s": 0.0, "compute_s": 0.0}}
+
+    monkeypatch.setattr(msr, "run_measure", fake_measure)
+    monkeypatch.setattr(cmp, "run_compare", fake_compare)
+    args = argparse.Namespace(retries=2, micro_batches=4, steps=None, warmup=None,
+                              device="cpu", threads=1, timeout=60.0, micro_batch_size=2)
+    row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
+    assert launched == ["dp2-ddp", "dp2-ddp-retry1"]  # calm at the second: no third
+    assert compared == ["dp2-ddp-retry1"]
+    assert row["note"].startswith("steps scattered 36%; measured 2 times")
