@@ -123,6 +123,15 @@ class CostModel:
             return 0.0
         return us * 1e-6
 
+    def funcol_s(self, dtensor: bool) -> float:
+        """Host seconds a functional collective (DTensor's redistributions) takes beyond a
+        plain c10d one: the profile's ``gpu.funcol_overhead_us`` under a DTensor stack with a
+        per-kernel host cost, else 0."""
+        us = self.hw.gpu.funcol_overhead_us
+        if not dtensor or not us or self.host_us <= 0:
+            return 0.0
+        return us * 1e-6
+
     def memory_time(self, nbytes: float) -> float:
         """A bandwidth-bound pass over ``nbytes`` (e.g. the optimizer step)."""
         if nbytes <= 0:

@@ -164,6 +164,10 @@ class GPUSpec(_Frozen):
     # and sends (calibration/measured/pipeline_cost.py; absent: none), charged under a
     # stack with pipeline_runtime torch
     pipeline_action_us: float | None = Field(default=None, ge=0, le=1e6)
+    # host time a functional collective (what DTensor's redistributions issue) takes beyond
+    # a plain c10d one (calibration/measured/host_cost.py; absent: none), charged before
+    # each TP collective of a dtensor stack
+    funcol_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
@@ -339,7 +343,8 @@ def preset_system_names() -> list[str]:
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
                    "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
-                   "host_overhead_us", "dtensor_overhead_us", "pipeline_action_us")
+                   "host_overhead_us", "dtensor_overhead_us", "pipeline_action_us",
+                   "funcol_overhead_us")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

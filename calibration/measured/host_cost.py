@@ -22,6 +22,14 @@ DTensor's share (``gpu.dtensor_overhead_us``): the same step with the measured r
 TP plan (:func:`calibration.measured.parallel_worker.apply_tp`, with sequence
 parallelism, so every kind of DTensor op is there) on a one-rank mesh, less the plain
 step, divided by the ops the inventory marks as DTensor-dispatched for that plan.
+
+A functional collective's share (``gpu.funcol_overhead_us``): DTensor's redistributions
+issue ``torch.distributed._functional_collectives`` (an ``AsyncCollectiveTensor``, its
+work registered, ``wait_tensor`` on first use), which the collective benchmark's plain
+``dist.all_reduce`` does not. On the same one-rank group: a functional all-reduce and its
+wait against ``dist.all_reduce`` of 256 KiB, per call (~50 µs here; 110 µs at 1 MiB,
+the functional all-reduce being out of place, a copy more; in a two-rank TP run the
+profiler shows 0.3-0.5 ms per ``_c10d_functional::all_reduce`` on the main thread).
 """
 
 from __future__ import annotations
@@ -103,24 +111,54 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int) -> float:
     return min(times)
 
 
+def _funcol_us(repeats: int = 7, calls: int = 100) -> float:
+    """Host microseconds a functional all-reduce and its wait take beyond
+    ``dist.all_reduce`` on the current (one-rank) group, the minimum over repeats."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.zeros(64 << 10)  # 256 KiB: tiny-gpt's TP activations per micro-batch
+
+    def per_call(fn: Any) -> float:
+        for _ in range(10):
+            fn()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best
+
+    group = dist.group.WORLD
+    assert group is not None  # the caller made the one-rank group
+    plain = per_call(lambda: dist.all_reduce(x))
+    functional = per_call(lambda: funcol.all_reduce(x, "sum", group).wait())
+    return round(max(functional - plain, 0.0) * 1e6, 3)
+
+
 def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
-                       steps: int = 5) -> float | None:
-    """Host microseconds DTensor adds per op it dispatches; None when this process
-    already has a process group (a one-rank gloo group is made and torn down here)."""
+                       steps: int = 5) -> tuple[float | None, float | None]:
+    """Host microseconds DTensor adds per op it dispatches, and per functional collective
+    (``torch.distributed._functional_collectives``, what its redistributions issue) beyond
+    a plain ``dist`` collective; None when this process already has a process group (a
+    one-rank gloo group is made and torn down here)."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
-        return None
+        return None, None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         tp_s = _step_seconds(True, threads, repeats, steps)
+        funcol_us = _funcol_us()
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(before)
-    return round(max(tp_s - plain_s, 0.0) / step_kernels(dtensor=True) * 1e6, 3)
+    return round(max(tp_s - plain_s, 0.0) / step_kernels(dtensor=True) * 1e6, 3), funcol_us
 
 
 def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
@@ -140,8 +178,9 @@ def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
         torch.set_num_threads(before)
     kernels = step_kernels()
     per_kernel = plain_s / kernels * 1e6
+    dtensor_us, funcol_us = measure_dtensor_us(threads, plain_s)
     return {"host_overhead_us": round(max(per_kernel - kernel_overhead_us, 0.0), 3),
-            "dtensor_overhead_us": measure_dtensor_us(threads, plain_s),
+            "dtensor_overhead_us": dtensor_us, "funcol_overhead_us": funcol_us,
             "step_s_min": plain_s, "kernels": kernels,
             "dtensor_ops": step_kernels(dtensor=True)}
 
@@ -162,6 +201,8 @@ def add_to_profile(path: str, threads: int) -> dict[str, Any]:
     gpu["host_overhead_us"] = host["host_overhead_us"]
     if host["dtensor_overhead_us"] is not None:
         gpu["dtensor_overhead_us"] = host["dtensor_overhead_us"]
+    if host["funcol_overhead_us"] is not None:
+        gpu["funcol_overhead_us"] = host["funcol_overhead_us"]
     profile.setdefault("provenance", {})["host_overhead"] = host
     write_profile(profile, Path(path))
     return host

@@ -31,6 +31,11 @@ it (torch/optim/adam.py ``_single_tensor_adam``: ``exp_avg.lerp_(grad)`` and
 parameter tensor before the step (the profiler of our measured TP 2 run shows them
 inside ``aten::lerp_`` and ``aten::addcmul_``).
 
+Under DTensor each of these collectives is a functional collective
+(``torch.distributed._functional_collectives``), whose host time beyond a plain c10d
+call the profile may have measured (``gpu.funcol_overhead_us``): a task of that length
+on the compute stream before each one (:meth:`TensorPass.issue`).
+
 Installed only when tp > 1 (a group of one has no collective).
 """
 
@@ -58,6 +63,13 @@ class TensorPass(Pass):
                                                          bwd)
                       for label in ("attn", "mlp") for bwd in (False, True)}
 
+    def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
+              chunk: int = 0) -> None:
+        """The host time of issuing one functional collective, where it is charged."""
+        seconds = self.ctx.cost_of(rank).funcol_s(self.dtensor)
+        if seconds:
+            self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
+
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
               chunk: int, backward: bool) -> None:
         """All-reduce after a block, or with SP all-gather before and reduce-scatter after."""
@@ -66,6 +78,7 @@ class TensorPass(Pass):
         op: CollectiveName = ("all_gather" if before else "reduce_scatter") if self.sp \
             else "all_reduce"
         for _ in range(1 if before else self.after[label, backward]):
+            self.issue(rank, "backward" if backward else "forward", mb, layer, chunk)
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
                                 self.tp_bytes, f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
 
@@ -80,11 +93,13 @@ class TensorPass(Pass):
                 else ("reduce_scatter" if sp else "all_reduce")
         group = self.ctx.layout.tp_group(rank)
         if op is not None:
+            self.issue(rank, "forward" if forward else "backward", mb, -1, chunk)
             self.ctx.collective(rank, "compute", op, "tp", group, self.tp_bytes,
                                 f"tp.{op} {where} mb{mb}", mb, -1, chunk)
 
     def loss(self, rank: int, mb: int, chunk: int) -> None:
         if self.dtensor:  # the replicated logits of the output layer: gathered whole
+            self.issue(rank, "forward", mb, -1, chunk)
             self.ctx.collective(rank, "compute", "all_gather", "tp",
                                 self.ctx.layout.tp_group(rank), self.logits_bytes,
                                 f"tp.all_gather logits mb{mb}", mb, -1, chunk)
@@ -104,5 +119,6 @@ class TensorPass(Pass):
         tensors = norms * norm_tensors(s.model)
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
         for i in range(3 * tensors):
+            self.issue(rank, "optimizer")
             ctx.collective(rank, "compute", "all_reduce", "tp", group, nbytes,
                            f"tp.all_reduce norm grad {i // 3} (optimizer)")
