@@ -374,7 +374,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--retries", type=int, default=1, metavar="N",
                    help="measure a configuration again, up to N times, while its step times "
-                   f"scatter more than {SPREAD_LIMIT:.0%} (interquartile range over median; "
+                   f"scatter more than {SPREAD_LIMIT:.0%}% (interquartile range over median; "
                    "default 1); the least scattered run is compared")
     p.add_argument("--only", metavar="NAME[,NAME]",
                    help="run only these configurations (e.g. cp2-allgather)")
