@@ -7,7 +7,10 @@ action, calibration/measured/pipeline_cost.py), then for each configuration runs
 ``measure`` (torchrun, the small GPT with real TP / PP / DP) and ``compare`` (the same
 scenario simulated with that profile), and writes ``DIR/validation.md`` and
 ``DIR/validation.csv``: one row per configuration with measured and simulated step
-time and the error.
+time and the error, one table per model (``--model small-gpt,tiny-gpt`` runs both from
+the one calibration), each ending with its mean and largest |step error|. A run whose
+steps scatter more than :data:`SPREAD_LIMIT` is measured again (``--retries``) and the
+least scattered run compared, as the row's note says.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
 PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
@@ -17,7 +20,8 @@ K and V all-gathered), and DP 2 and PP 2 (1F1B) with rank 1 a straggler on purpo
 (its compute twice as long, ``measure --slow-rank 1 --slowdown 2``, simulated with
 ``variability.slow_gpus``). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
-Each measurement and comparison stays in ``DIR/runs/<name>/`` for inspection;
+Each measurement and comparison stays in ``DIR/runs/<name>/`` (``DIR/runs/<model>/<name>/``
+with two models) for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
 """
 
