@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import subprocess
@@ -65,6 +66,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 ALLOCATOR_NOTE = "glibc malloc keeps freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
 
 
+@functools.cache
 def keep_freed_memory() -> str | None:
     """Make this process's allocator keep freed memory, as CUDA's caching allocator
     does on a GPU; returns :data:`ALLOCATOR_NOTE`, or None where glibc is not there.
@@ -79,7 +81,8 @@ def keep_freed_memory() -> str | None:
     blocks and pays none of that, and neither the simulator's cost model nor its
     memory model has such a cost. With ``M_MMAP_MAX`` 0 and no trimming, freed
     memory stays in the heap for the next tensor. Called by CPU calibration and
-    CPU measured runs alike, before the first tensor, so both time the same host.
+    CPU measured runs alike, before the first tensor, so both time the same host;
+    applied once per process (later calls return what the first did).
     """
     name = ctypes.util.find_library("c")
     if name is None:

@@ -118,19 +118,18 @@ class CostModel:
         """Host seconds a pipeline runtime spends per F or B action beyond its kernels and
         sends: the profile's ``gpu.pipeline_action_us`` under ``torch.distributed.pipelining``
         (``runtime == "torch"``) where the stack has a per-kernel host cost, else 0."""
-        us = self.hw.gpu.pipeline_action_us
-        if runtime != "torch" or not us or self.host_us <= 0:
-            return 0.0
-        return us * 1e-6
+        return self._host_term(self.hw.gpu.pipeline_action_us, runtime == "torch")
 
     def funcol_s(self, dtensor: bool) -> float:
         """Host seconds a functional collective (DTensor's redistributions) takes beyond a
         plain c10d one: the profile's ``gpu.funcol_overhead_us`` under a DTensor stack with a
         per-kernel host cost, else 0."""
-        us = self.hw.gpu.funcol_overhead_us
-        if not dtensor or not us or self.host_us <= 0:
-            return 0.0
-        return us * 1e-6
+        return self._host_term(self.hw.gpu.funcol_overhead_us, dtensor)
+
+    def _host_term(self, us: float | None, applies: bool) -> float:
+        """Seconds of a measured host term where it applies and the stack issues kernels
+        from the host (a per-kernel host cost: none under CUDA graphs)."""
+        return us * 1e-6 if applies and us and self.host_us > 0 else 0.0
 
     def memory_time(self, nbytes: float) -> float:
         """A bandwidth-bound pass over ``nbytes`` (e.g. the optimizer step)."""

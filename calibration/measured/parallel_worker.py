@@ -72,7 +72,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from calibration.host import ALLOCATOR_NOTE, cpu_name
+from calibration.host import cpu_name, keep_freed_memory
 from calibration.measured.compression_hook import powersgd_ddp_options, register_powersgd
 from calibration.measured.gpt import GPT, GPTConfig, keep_stage_modules, loss_fn, synthetic_batch
 from calibration.measured.measure_config import MeasureConfig, write_json_atomic
@@ -509,8 +509,8 @@ def summarize(
         "tied_weight_max_abs_diff": tied_diff,
         "torch_version": torch.__version__,
         "device_name": name,
-        # the worker set it before its first tensor (worker_run.worker_main)
-        "allocator": ALLOCATOR_NOTE if device.type == "cpu" else "CUDA caching allocator",
+        # what worker_run.worker_main set before the first tensor (applied once)
+        "allocator": keep_freed_memory() if device.type == "cpu" else "CUDA caching allocator",
         "python_version": sys.version.split()[0],
     }
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -182,10 +181,12 @@ SPREAD_LIMIT = 0.10
 
 
 def step_spread(times: list[float]) -> float:
-    """The interquartile range of a run's step times over their median (the calibration's
-    repeat spread, calibration/microbench/busy_guard.py, applied to steps)."""
-    q = statistics.quantiles(times, n=4, method="inclusive")
-    return (q[2] - q[0]) / statistics.median(times)
+    """The interquartile range of a run's step times over their median: the calibration's
+    repeat spread (:func:`calibration.microbench.bench_timing.repeat_spread`) applied to
+    steps, with inclusive quartiles (a run has few steps)."""
+    from calibration.microbench.bench_timing import repeat_spread
+
+    return repeat_spread(times, "inclusive")
 
 
 def scatter_note(spreads: list[float], kept: float) -> str:
@@ -208,7 +209,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
     spreads: list[float] = []
     best: tuple[float, Path] | None = None
     try:
-        for attempt in range(1 + max(args.retries, 0)):
+        for attempt in range(1 + args.retries):
             out = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-retry{attempt}")
             got = run_measure(
                 cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,

@@ -148,6 +148,15 @@ class Timing:
     spread: float  # (p75 - p25) / median over batches, a noise indicator
 
 
+def repeat_spread(samples: list[float], method: str = "exclusive") -> float:
+    """(p75 − p25) / median of repeated timings, a noise indicator (0 for one sample)."""
+    med = statistics.median(samples)
+    if len(samples) < 2 or med <= 0:
+        return 0.0
+    q = statistics.quantiles(samples, n=4, method=method)  # type: ignore[arg-type]
+    return (q[2] - q[0]) / med
+
+
 def time_calls(device: Device, call: Callable[[int], object], nbuf: int,
                target_s: float, min_reps: int = 5, max_reps: int = 25,
                min_batch_s: float = 2e-3) -> Timing:
@@ -162,9 +171,7 @@ def time_calls(device: Device, call: Callable[[int], object], nbuf: int,
     k = max(1, math.ceil(min_batch_s / est))
     reps = max(min_reps, min(max_reps, round(target_s / (k * est))))
     samples = _batches(device, call, nbuf, k, reps)
-    med = statistics.median(samples)
-    q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
-    return Timing(med, reps, k, (q[2] - q[0]) / med if med > 0 else 0.0)
+    return Timing(statistics.median(samples), reps, k, repeat_spread(samples))
 
 
 def _batches(device: Device, call: Callable[[int], object], nbuf: int, k: int,
