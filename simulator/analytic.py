@@ -48,6 +48,7 @@ from simulator.memory import stage_params, zero3_root_bytes
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
 from simulator.scenario import Scenario
 from simulator.schedules import build_schedule, execute, schedule_spec
+from simulator.tp_overlap import exposed
 from simulator.variability import resolve
 from simulator.workload import (
     BlockCosts,
@@ -124,6 +125,13 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
                                              label, backward) + gather
                         for label in ("attn", "mlp")) for backward in (False, True))
     tp_layer = t_tp * (fwd_n * (passes - 1) + bwd_n)
+    split_f = split_b = 0.0  # what TP overlap's chunked GEMMs add, forward and backward
+    if c.tp_windows:  # TP overlap: each SP collective less what its GEMM hides
+        comm_f, split_f = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, False,
+                                  issue=c.tp_issue)
+        comm_b, split_b = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, True,
+                                  weights=par.schedule != "zb-h1", issue=c.tp_issue)
+        tp_layer = comm_f * (passes - 1) + comm_b
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
                          "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
     for layer, count in kinds:
@@ -133,6 +141,9 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
         out["backward_weight"] += count * sum(lc.bwd_weight)
         out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
         out["tp_transfer"] += count * tp_layer
+        out["forward"] += count * split_f
+        out["recompute"] += count * split_f if par.recompute == "full" else 0.0
+        out["backward_input"] += count * split_b
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
             fwd, bwd, a2a, etp = experts

@@ -508,6 +508,11 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     """Rules across sections; each problem names the field, the value and the fix."""
     par, mdl, trn = s.parallel, s.model, s.training
     out: list[Problem] = []
+    if s.stack.tp_overlap != "none" and par.tp > 1 and not par.sequence_parallel:
+        out.append(Problem("stack.tp_overlap", s.stack.tp_overlap, "needs sequence "
+                           "parallelism (Megatron-LM's arguments.py: TP communication "
+                           "overlap only with --sequence-parallel); set "
+                           "parallel.sequence_parallel: true or tp_overlap: none"))
     if s.cluster.gpus != par.world:
         out.append(Problem("parallel", f"tp({par.tp}) * cp({par.cp}) * pp({par.pp}) * "
                            f"dp({par.dp}) = {par.world}",
@@ -628,9 +633,10 @@ def context_parallel_problems(s: Scenario) -> list[Problem]:
 
 def not_yet_simulated(s: Scenario) -> list[Problem]:
     """What validates and has a memory model but no workload yet: context parallelism
-    with experts or latent attention, latent attention in a dense model, and the
+    with experts or latent attention, latent attention in a dense model, the
     combinations of a mixture of experts that the expert pass
-    (:mod:`simulator.passes.expert`) does not build."""
+    (:mod:`simulator.passes.expert`) does not build, and TP communication overlap with
+    either of those."""
     par, mdl = s.parallel, s.model
     out = []
     if par.cp > 1 and (mdl.is_moe or mdl.mla is not None):
@@ -646,9 +652,11 @@ def not_yet_simulated(s: Scenario) -> list[Problem]:
                            f"tp({par.tp}) > 1 needs sequence parallelism (Megatron-LM's "
                            "arguments.py requires it: each TP rank dispatches its sequence "
                            "shard); set sequence_parallel: true"))
-    if s.stack.tp_overlap != "none":
-        out.append(Problem("stack.tp_overlap", s.stack.tp_overlap, "not yet simulated (TP "
-                           "collectives block the compute stream); use none"))
+    if s.stack.tp_overlap != "none" and par.tp > 1 and (mdl.is_moe or par.cp > 1):
+        field, value = ("model.experts", mdl.experts) if mdl.is_moe else ("parallel.cp", par.cp)
+        out.append(Problem(field, value, f"not yet simulated with stack.tp_overlap "
+                           f"{s.stack.tp_overlap} (TP overlap is modelled for dense layers "
+                           "without context parallelism); use tp_overlap: none"))
     if mdl.is_moe and (par.zero == 3 or par.zero_offload):
         field, value = ("parallel.zero", 3) if par.zero == 3 else ("parallel.zero_offload", True)
         out.append(Problem(field, value, "not yet simulated for a mixture of experts (expert "

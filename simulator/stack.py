@@ -71,8 +71,9 @@ class StackSpec(BaseModel):
     #: PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
     #: profile may have measured, ``gpu.pipeline_action_us``)
     pipeline_runtime: Literal["megatron", "deepspeed", "torch"] = "megatron"
-    #: TP collectives against the GEMMs next to them; only ``none`` (blocking, on the
-    #: compute stream) is simulated so far, the others are refused by name
+    #: TP collectives against the GEMMs next to them (sequence parallelism only):
+    #: ``none`` blocks the compute stream; ``bulk`` and ``pipelined`` as Transformer
+    #: Engine's userbuffers run them (:mod:`simulator.tp_overlap`)
     tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
     cuda_graphs: bool = False  # kernels replayed from a graph: no per-kernel host cost
     host_overhead_us: float = Field(ge=0, le=1e4)  # host time to issue one kernel (eager)

@@ -23,7 +23,7 @@ from simulator.schedules import Schedule
 if TYPE_CHECKING:
     from simulator.program import SharedPrograms
 
-Stream = Literal["compute", "pp", "dp", "zero", "host", "cp"]
+Stream = Literal["compute", "pp", "dp", "zero", "host", "cp", "tp"]
 
 
 @dataclass(slots=True)

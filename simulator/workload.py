@@ -36,7 +36,7 @@ stage) and lets every rank of a stage share its stage's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator import model as mdl
@@ -50,6 +50,7 @@ from simulator.program import ProgramView, SharedPrograms, TaskView, is_work, sh
 from simulator.scenario import Scenario
 from simulator.schedules import Schedule, build_schedule
 from simulator.tasks import Program, Task, Workload
+from simulator.tp_overlap import Windows, overlap_windows
 from simulator.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class BlockCosts:
     #: host seconds the pipeline runtime adds to each F and each B action of a stage
     #: (:meth:`simulator.costs.CostModel.pipeline_action_s`; 0 without pipelining)
     action: float = 0.0
+    #: under TP communication overlap, the GEMM each SP collective of a block meets
+    #: (:func:`simulator.tp_overlap.overlap_windows`; empty without)
+    tp_windows: Windows = field(default_factory=dict)
+    #: with them, the host seconds of issuing one functional collective (DTensor), which
+    #: stay on the compute stream (:meth:`simulator.costs.CostModel.funcol_s`)
+    tp_issue: float = 0.0
 
     def layer(self, index: int) -> BlockCosts:
         """The blocks of layer ``index``."""
@@ -151,6 +158,9 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     base = _layer_costs(s, cost, kinds[0][0], embed, head)
     if s.parallel.pp > 1:
         base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
+    windows = overlap_windows(s, cost)
+    if windows:
+        base = replace(base, tp_windows=windows, tp_issue=cost.funcol_s(s.stack.dtensor))
     if not spec.is_moe:
         return base
     first_moe = next(i for i, _ in kinds if spec.is_moe_layer(i))

@@ -26,7 +26,6 @@ from simulator.scenario import (
     ModelSpec,
     OverlapSpec,
     load_scenario,
-    not_yet_simulated,
     scenario_from_dict,
 )
 from simulator.stack import STACKS_DIR, StackSpec, load_stack, preset_stack_names
@@ -80,10 +79,6 @@ def test_bad_stack_is_one_line_naming_the_field(stack: object, field: str, fix: 
     assert field in text and fix in text and "\n" not in text.strip()
 
 
-def test_tp_overlap_other_than_none_is_refused_by_name() -> None:
-    s = scenario_from_dict(_scenario(stack={"tp_overlap": "pipelined"}))
-    [problem] = not_yet_simulated(s)
-    assert problem.field == "stack.tp_overlap" and "not yet simulated" in problem.fix
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)

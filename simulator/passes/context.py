@@ -202,7 +202,9 @@ class Pass:
     compute waits for, or None), then per block (``label`` attn or mlp, forward
     order in F, reverse in B/I, and the recomputed blocks of full recomputation)
     ``block(before=True)``, the block's compute, ``block(before=False)`` (the last
-    argument, ``backward``, true in B and I); then
+    argument, ``backward``, true in B and I; a pass that splits the block's compute
+    into pieces returns the last of them from ``block(before=False)``, which then
+    stands for the block); then
     ``layer_end`` with the layer's last compute task. At the model's ends
     ``edge`` ("embed" after the embedding's forward and before its backward,
     "head" before the output layer's forward and after its backward) and after
@@ -223,7 +225,7 @@ class Pass:
         return None
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int, backward: bool) -> None:
+              chunk: int, backward: bool) -> Task | None:
         return None
 
     def layer_end(self, rank: int, last: Task) -> None:
@@ -265,7 +267,7 @@ class Hooks:
 
     forward_start: list[Callable[[int, int, int, int], Task | None]]
     layer_start: list[Callable[[int, bool, int, int, int], Task | None]]
-    block: list[Callable[[int, str, bool, int, int, int, bool], None]]
+    block: list[Callable[[int, str, bool, int, int, int, bool], Task | None]]
     layer_end: list[Callable[[int, Task], None]]
     edge: list[Callable[[int, str, bool, int, int], None]]
     loss: list[Callable[[int, int, int], None]]

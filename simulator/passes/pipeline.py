@@ -105,6 +105,8 @@ class PipelinePass:
 
     def forward(self, rank: int, a: Action, chunk: int) -> Task:
         ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
+        compute = ctx.programs[rank].streams["compute"]
+        begin = len(compute)  # the action's first compute-stream task (see below)
         head: Task | None = None
         starts = []  # tasks on other streams the forward's first compute waits for
         for forward_start in hooks.forward_start:
@@ -125,8 +127,7 @@ class PipelinePass:
                 if blk == 0:
                     t.deps.extend(waits)
                 head = head or t
-                for block in hooks.block:
-                    block(rank, label, False, mb, layer, chunk, False)
+                t = self.after_block(rank, label, mb, layer, chunk, False, t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
         if a.stage == ctx.last_stage:
@@ -138,10 +139,23 @@ class PipelinePass:
                 loss(rank, mb, chunk)
         if head is None:  # a stage without layers passes the activations on
             head = self.relay(rank, "F", mb, chunk)
-        head.deps.extend(starts)
+        # what the action receives gates its first task on the compute stream, which may
+        # be a collective before the first block (sequence parallelism's all-gather)
+        first = compute[begin] if len(compute) > begin else head
+        first.deps.extend(starts)
         if a.stage > 0:
-            self.waits.append((head, ("act", a.stage - 1, mb, rank)))
+            self.waits.append((first, ("act", a.stage - 1, mb, rank)))
         return head
+
+    def after_block(self, rank: int, label: str, mb: int, layer: int, chunk: int,
+                    backward: bool, t: Task) -> Task:
+        """The ``block(before=False)`` hooks after block task ``t``; the task that stands
+        for the block afterwards (a pass that split it returns its last piece)."""
+        for block in self.ctx.hooks.block:
+            end = block(rank, label, False, mb, layer, chunk, backward)
+            if end is not None:
+                t = end
+        return t
 
     def backward(self, rank: int, a: Action, chunk: int, weights: bool) -> list[Task]:
         """B (``weights``) or I: head, layers in reverse, embedding; returns the tasks
@@ -149,6 +163,8 @@ class PipelinePass:
         ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
         w = 1.0 if weights else 0.0
         op = "B" if weights else "I"
+        compute = ctx.programs[rank].streams["compute"]
+        begin = len(compute)
         first: Task | None = None
         done: list[Task] = []
         if a.stage == ctx.last_stage:
@@ -176,8 +192,7 @@ class PipelinePass:
                 if blk == 1:
                     t.deps.extend(waits)
                 first = first or t
-                for block in hooks.block:
-                    block(rank, label, False, mb, layer, chunk, True)
+                t = self.after_block(rank, label, mb, layer, chunk, True, t)
             done.append(t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
@@ -191,8 +206,9 @@ class PipelinePass:
             done.append(t)
         if first is None:  # a stage without layers passes the gradients on
             first = self.relay(rank, op, mb, chunk)
-        if a.stage < ctx.last_stage:
-            self.waits.append((first, ("grad", a.stage + 1, mb, rank)))
+        if a.stage < ctx.last_stage:  # as in forward: the action's first compute-stream task
+            self.waits.append((compute[begin] if len(compute) > begin else first,
+                               ("grad", a.stage + 1, mb, rank)))
         return done
 
     def runtime(self, rank: int, a: Action, chunk: int) -> None:
@@ -222,8 +238,7 @@ class PipelinePass:
             t = ctx.compute(rank, "R", "recompute", f"recompute.{label} L{layer} mb{mb}",
                             c.recompute[blk], mb, layer, chunk)
             first = first or t
-            for block in ctx.hooks.block:
-                block(rank, label, False, mb, layer, chunk, False)
+            self.after_block(rank, label, mb, layer, chunk, False, t)
         assert first is not None
         return first
 

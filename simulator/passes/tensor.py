@@ -36,15 +36,27 @@ Under DTensor each of these collectives is a functional collective
 call the profile may have measured (``gpu.funcol_overhead_us``): a task of that length
 on the compute stream before each one (:meth:`TensorPass.issue`).
 
+TP communication overlap (``stack.tp_overlap``; which collective meets which GEMM,
+and why: :mod:`simulator.tp_overlap`): the block's task is split into pieces around
+its overlapped collectives, which run on a ``tp`` stream, [ring chunks ‖ all-gather] →
+``tp.wait`` → the rest of the block → [reduce-scatter ‖ chunks or weight-gradient
+GEMM] → ``tp.wait`` (:meth:`TensorPass.split`; ``block`` returns the last piece, which
+then stands for the block); a zero-second ``tp.wait`` holds the compute stream for
+what the GEMM did not hide. A device that cannot overlap communication (a CPU
+process) runs them all in line.
+
 Installed only when tp > 1 (a group of one has no collective).
 """
 
 from __future__ import annotations
 
 from simulator import model as mdl
+from simulator import tp_overlap
 from simulator.hardware import CollectiveName
 from simulator.inventory import norm_tensors, tp_block_collectives
 from simulator.passes.context import Context, Pass
+from simulator.tasks import Task
+from simulator.tp_overlap import overlap_sides
 
 
 class TensorPass(Pass):
@@ -62,25 +74,110 @@ class TensorPass(Pass):
         self.after = {(label, bwd): tp_block_collectives(s.model, s.stack, tp, self.sp, label,
                                                          bwd)
                       for label in ("attn", "mlp") for bwd in (False, True)}
+        # a device that cannot overlap communication runs every collective in line
+        self.mode = s.stack.tp_overlap if tp_overlap.active(s) else "none"
+        if self.mode != "none":
+            for prog in ctx.programs.values():
+                prog.streams.setdefault("tp", [])
 
     def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
-              chunk: int = 0) -> None:
+              chunk: int = 0) -> Task | None:
         """The host time of issuing one functional collective, where it is charged."""
         seconds = self.ctx.cost_of(rank).funcol_s(self.dtensor)
-        if seconds:
-            self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
+        if not seconds:
+            return None
+        return self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
-              chunk: int, backward: bool) -> None:
-        """All-reduce after a block, or with SP all-gather before and reduce-scatter after."""
+              chunk: int, backward: bool) -> Task | None:
+        """All-reduce after a block, or with SP all-gather before and reduce-scatter after;
+        under TP overlap the block's task split around the overlapped ones (its last
+        piece returned)."""
         if before and not self.sp:
-            return
-        op: CollectiveName = ("all_gather" if before else "reduce_scatter") if self.sp \
-            else "all_reduce"
-        for _ in range(1 if before else self.after[label, backward]):
+            return None
+        ag, rs = overlap_sides(self.mode, backward)
+        if before:
+            if ag:  # where the overlapped all-gather starts: its host issue, or a mark
+                kind = "backward" if backward else "forward"
+                if not self.issue(rank, kind, mb, layer, chunk):
+                    self.ctx.compute(rank, "T", kind, f"tp.start L{layer} mb{mb}", 0.0, mb,
+                                     layer, chunk)
+            else:
+                self.in_line(rank, "all_gather", 1, mb, layer, chunk, backward)
+            return None
+        block = self.ctx.programs[rank].streams["compute"][-1]
+        rs = rs and not (backward and block.op == "I")  # no weight gradient to hide behind
+        end = self.split(rank, label, block, ag, rs, mb, layer, chunk, backward) \
+            if ag or rs else None
+        if not rs:
+            op: CollectiveName = "reduce_scatter" if self.sp else "all_reduce"
+            self.in_line(rank, op, self.after[label, backward], mb, layer, chunk, backward)
+        return end
+
+    def in_line(self, rank: int, op: CollectiveName, count: int, mb: int, layer: int,
+                chunk: int, backward: bool) -> None:
+        """``count`` blocking collectives on the compute stream."""
+        for _ in range(count):
             self.issue(rank, "backward" if backward else "forward", mb, layer, chunk)
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
                                 self.tp_bytes, f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
+
+    def split(self, rank: int, label: str, block: Task, ag: bool, rs: bool, mb: int,
+              layer: int, chunk: int, backward: bool) -> Task:
+        """Split ``block`` (the block's task, just added) around its overlapped
+        collectives: [ring chunks ‖ all-gather] → wait → rest (with the last chunk) →
+        [reduce-scatter ‖ chunks or weight GEMM] → wait. Returns the last compute piece."""
+        ctx = self.ctx
+        compute = ctx.programs[rank].streams["compute"]
+        assert block.plan is None and block.op in ("F", "B", "I", "R"), block.name
+        start = compute[-2].id if ag else None  # the block's tp.start or host issue
+        weight, name = block.weight_s, block.name
+        rest, rest_w = block.duration, weight
+        g = self.ctx.c_of(rank).tp_windows[label, "ag", backward] if ag else None
+        r = self.ctx.c_of(rank).tp_windows[label, "rs", backward] if rs else None
+        if g is not None:  # the block's task becomes the ring's chunks
+            gather = self.side(rank, "all_gather", mb, layer, chunk)
+            assert start is not None
+            gather.deps.append(start)  # with the block (a received input gates the start)
+            block.duration, block.weight_s = (g.parts - 1) * g.chunk, 0.0
+            block.name = f"{name} {g.gemm} chunks ‖ tp.all_gather"
+            self.wait(rank, block, gather, mb, layer, chunk)
+            rest += g.chunk - g.whole
+            piece = ctx.compute(rank, block.op, block.kind, name, 0.0, mb, layer, chunk)
+        else:
+            piece = block
+        if r is not None:  # the reduce-scatter starts after the first chunk (pipelined)
+            rest += (r.chunk if r.parts > 1 else 0.0) - r.whole
+            if backward:  # the bulk overlap hides a weight-gradient GEMM
+                rest_w -= r.whole
+        piece.duration, piece.weight_s = max(rest, 0.0), max(rest_w, 0.0) if backward else 0.0
+        if r is None:
+            return piece
+        self.issue(rank, "backward" if backward else "forward", mb, layer, chunk)
+        scatter = self.side(rank, "reduce_scatter", mb, layer, chunk)
+        scatter.deps.append(compute[-1].id)  # after the rest (and its host issue)
+        what = f"{r.gemm} wgrad" if backward else f"{r.gemm} chunks"
+        last = ctx.compute(rank, piece.op, piece.kind, f"{name} {what} ‖ tp.reduce_scatter",
+                           r.hidden, mb, layer, chunk)
+        last.weight_s = r.hidden if backward else 0.0
+        self.wait(rank, last, scatter, mb, layer, chunk)
+        return last
+
+    def side(self, rank: int, op: CollectiveName, mb: int, layer: int, chunk: int) -> Task:
+        """One overlapped collective on the ``tp`` stream (its host issue, under DTensor,
+        is on the compute stream before the GEMM it meets: :meth:`block`, :meth:`split`)."""
+        t = self.ctx.collective(rank, "tp", op, "tp", self.ctx.layout.tp_group(rank),
+                                self.tp_bytes, f"tp.{op} L{layer} mb{mb} (overlapped)",
+                                mb, layer, chunk)
+        assert t is not None  # tp > 1
+        return t
+
+    def wait(self, rank: int, after: Task, transfer: Task, mb: int, layer: int,
+             chunk: int) -> None:
+        """The compute stream waits for an overlapped collective (zero seconds)."""
+        w = self.ctx.compute(rank, after.op, after.kind, f"tp.wait L{layer} mb{mb}", 0.0, mb,
+                             layer, chunk)
+        w.deps.append(transfer.id)
 
     def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
         sp = self.sp

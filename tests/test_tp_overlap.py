@@ -1,0 +1,203 @@
+"""TP communication overlap (``stack.tp_overlap``, simulator/tp_overlap.py): the
+closed forms of what each overlapped collective leaves exposed, the engine's pieces
+against them (the analytic method is the second, independent implementation), what
+bulk and pipelined each move, the limits (free and very slow links), and the refusals.
+Also the receive of a pipeline stage gating the sequence-parallel all-gather before its
+first block (a bug: the all-gather used to start before the activation arrived)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from simulator.errors import ScenarioError
+from simulator.scenario import Scenario, not_yet_simulated, scenario_from_dict
+from simulator.tp_overlap import Window, exposed, overlap_windows
+from simulator.uncertainty import step_time_of
+from simulator.workload import block_costs, build_workload
+
+
+def _tp(mode: str, *, schedule: str = "1f1b", pp: int = 1, bandwidth: float | None = None,
+        latency: float | None = None, system: str = "dgx-h100", **par: Any) -> Scenario:
+    gpus = 4 * pp * int(par.get("cp", 1))
+    cluster: dict[str, Any] = {"system": system, "nodes": 1, "gpus_per_node": gpus}
+    if bandwidth is not None:
+        cluster["intra_node_bandwidth_GBps"] = bandwidth
+    if latency is not None:
+        cluster["link_latency_us"] = latency
+    return scenario_from_dict({
+        "name": "tp-overlap", "stack": {"preset": "megatron-core", "tp_overlap": mode},
+        "model": {"layers": 2 * pp, "hidden": 4096, "heads": 32, "vocab": 32000,
+                  "seq_len": 2048},
+        "cluster": cluster,
+        "parallel": {"tp": 4, "pp": pp, "dp": 1, "sequence_parallel": True,
+                     "schedule": schedule, **par},
+        "training": {"global_batch": 4, "micro_batch": 1}})
+
+
+def _cost(s: Scenario) -> Any:
+    from simulator.costs import CostModel
+
+    return CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
+
+
+def test_exposed_closed_forms() -> None:
+    """Ring exchange and pipeline: t − (p − 1)·c exposed, p·c − whole added; bulk: t − W."""
+    w = {(label, side, bwd): Window("g", 4.0, 1.25, 4) for label in ("attn", "mlp")
+         for side in ("ag", "rs") for bwd in (False, True)}
+    w["attn", "rs", True] = w["mlp", "rs", True] = Window("g", 3.0, 3.0, 1)
+    # t = 5: each chunked side exposes 5 − 3·1.25 = 1.25 and adds 4·1.25 − 4 = 1
+    assert exposed("pipelined", w, 5.0, False) == pytest.approx((4 * 1.25, 4 * 1.0))
+    # backward: two ring sides as above, two bulk sides expose 5 − 3 = 2 and add nothing
+    assert exposed("pipelined", w, 5.0, True) == pytest.approx((2 * 1.25 + 2 * 2.0, 2.0))
+    assert exposed("bulk", w, 5.0, False) == (20.0, 0.0)  # all in line
+    assert exposed("bulk", w, 5.0, True) == pytest.approx((2 * 5.0 + 2 * 2.0, 0.0))
+    assert exposed("bulk", w, 5.0, True, weights=False) == (20.0, 0.0)  # an I action
+    assert exposed("pipelined", w, 1.0, False) == pytest.approx((0.0, 4.0))  # hidden
+
+
+def test_windows_are_the_blocks_projections_and_chunks_cost_more() -> None:
+    s = _tp("pipelined")
+    w = overlap_windows(s, _cost(s))
+    assert {k: v.gemm for k, v in w.items() if not k[2]} == {
+        ("attn", "ag", False): "qkv", ("attn", "rs", False): "out_proj",
+        ("mlp", "ag", False): "mlp_up", ("mlp", "rs", False): "mlp_down"}
+    assert w["attn", "ag", True].gemm == "out_proj" and w["attn", "rs", True].gemm == "qkv"
+    for v in w.values():
+        if v.parts > 1:  # a quarter of the rows cannot be more efficient than all of them
+            assert v.parts == 4 and v.parts * v.chunk >= v.whole > v.chunk
+        else:
+            assert v.chunk == v.whole
+    assert overlap_windows(_tp("none"), _cost(s)) == {}
+
+
+def _pieces(s: Scenario, prefix: str) -> list[Any]:
+    return [t for t in build_workload(s).programs[0].streams["compute"]
+            if t.name.startswith(prefix)]
+
+
+@pytest.mark.parametrize("mode", ["bulk", "pipelined"])
+def test_the_split_keeps_each_blocks_compute_and_weight_share(mode: str) -> None:
+    """The pieces of a block add up to the block's seconds plus the split's extra, and a
+    backward block's weight-gradient share is kept (the bulk piece is all weights)."""
+    base, s = _tp("none"), _tp(mode)
+    w = block_costs(s, _cost(s)).tp_windows
+    for prefix, label, bwd in (("fwd.attn L0 mb0", "attn", False),
+                               ("fwd.mlp L1 mb2", "mlp", False),
+                               ("bwd.attn L0 mb1", "attn", True),
+                               ("bwd.mlp L1 mb3", "mlp", True)):
+        (whole,) = _pieces(base, prefix)
+        pieces = _pieces(s, prefix)
+        ag = mode == "pipelined"
+        extra = sum(w[label, side, bwd].extra for side, on in (("ag", ag), ("rs", ag or bwd))
+                    if on)
+        assert sum(t.duration for t in pieces) == pytest.approx(whole.duration + extra)
+        assert sum(t.weight_s for t in pieces) == pytest.approx(whole.weight_s)
+        if mode == "bulk" and not bwd:
+            assert [t.duration for t in pieces] == [whole.duration]  # forward in line
+
+
+@pytest.mark.parametrize("mode", ["bulk", "pipelined"])
+@pytest.mark.parametrize("bandwidth", [None, 20.0])
+def test_engine_and_analytic_move_alike(mode: str, bandwidth: float | None) -> None:
+    """The engine's pieces and the analytic closed form save the same seconds, with the
+    preset's NVLink and with links slow enough that nothing is fully hidden."""
+    base, s = _tp("none", bandwidth=bandwidth), _tp(mode, bandwidth=bandwidth)
+    saved = {m: step_time_of(base, m, None) - step_time_of(s, m, None)
+             for m in ("engine", "analytic")}
+    assert saved["engine"] > 0
+    assert saved["engine"] == pytest.approx(saved["analytic"], rel=1e-6)
+
+
+def test_limits_free_links_cost_only_the_split_slow_links_hide_every_window() -> None:
+    free: dict[str, Any] = {"bandwidth": 1e9, "latency": 0.0}
+    s = _tp("pipelined", **free)
+    w = block_costs(s, _cost(s)).tp_windows
+    layers, mbs = 2, 4
+    per_layer = {bwd: sum(w[label, side, bwd].extra for label in ("attn", "mlp")
+                          for side in ("ag", "rs")) for bwd in (False, True)}
+    grown = step_time_of(s, "engine", None) - step_time_of(_tp("none", **free), "engine", None)
+    assert grown == pytest.approx(layers * mbs * (per_layer[False] + per_layer[True]),
+                                  rel=1e-3)
+    slow: dict[str, Any] = {"bandwidth": 0.5}
+    s = _tp("pipelined", **slow)
+    w = block_costs(s, _cost(s)).tp_windows
+    hidden = sum(v.hidden - v.extra for v in w.values())  # per layer, forward + backward
+    saved = step_time_of(_tp("none", **slow), "engine", None) - step_time_of(s, "engine", None)
+    assert saved == pytest.approx(layers * mbs * hidden, rel=1e-3)
+
+
+def test_an_i_action_has_no_weight_gradient_to_hide_the_reduce_scatter() -> None:
+    tasks = build_workload(_tp("bulk", schedule="zb-h1", pp=2)).programs[0].streams
+    assert not [t for t in tasks["tp"] if "reduce_scatter" in t.op]
+    assert [t for t in tasks["compute"] if t.op == "I" and t.kind == "backward"]
+
+
+def test_a_device_that_cannot_overlap_runs_them_in_line() -> None:
+    cpu: dict[str, Any] = {"system": "cpu-1thread"}
+    a, b = build_workload(_tp("none", **cpu)), build_workload(_tp("pipelined", **cpu))
+    assert [(t.name, t.duration) for t in a.tasks] == [(t.name, t.duration) for t in b.tasks]
+    assert "tp" not in b.programs[0].streams
+
+
+def test_without_sequence_parallelism_it_is_one_line_naming_the_field() -> None:
+    with pytest.raises(ScenarioError) as err:
+        _tp("pipelined", sequence_parallel=False)
+    text = str(err.value)
+    assert "stack.tp_overlap" in text and "sequence_parallel: true" in text
+    assert "\n" not in text.strip()
+
+
+def test_with_context_parallelism_it_is_refused_as_not_yet_simulated() -> None:
+    [problem] = not_yet_simulated(_tp("pipelined", cp=2))
+    assert problem.field == "parallel.cp" and "not yet simulated" in problem.fix
+    assert not not_yet_simulated(_tp("none", cp=2))
+
+
+@pytest.mark.parametrize("mode", ["none", "pipelined"])
+def test_the_stage_receive_gates_the_sequence_parallel_all_gather(mode: str) -> None:
+    """A later stage's first compute-stream task of an F is the all-gather before its
+    first block (in line) or the mark it starts from (overlapped); it must wait for the
+    activation from the stage before (the in-line one used to start without it)."""
+    w = build_workload(_tp(mode, pp=2))
+    stage1 = next(r for r in w.programs if w.layout.coord(r).pp == 1)
+    first = w.programs[stage1].streams["compute"][0]
+    sends = {t.id for t in w.tasks if t.op == "pp.send" and t.rank != stage1}
+    assert sends & set(first.deps)
+    if mode == "none":
+        assert first.op == "tp.all_gather"
+    else:
+        assert first.name == "tp.start L2 mb0" and first.duration == 0
+        gather = w.programs[stage1].streams["tp"][0]
+        assert gather.op == "tp.all_gather" and gather.deps == [first.id]
+
+
+@pytest.mark.parametrize("bandwidth", [None, 20.0])
+def test_a_functional_collectives_host_issue_is_never_hidden(bandwidth: float | None) -> None:
+    """Under DTensor the issue of each overlapped collective stays on the compute stream
+    (before the GEMM it meets): the overlap saves what it saves without one, in the
+    engine and in the closed form alike, with a GEMM that hides the transfer (NVLink)
+    and with one that does not."""
+    from simulator.uncertainty import with_hardware
+
+    def dtensor(mode: str, funcol: float | None) -> Scenario:
+        s = _tp(mode, bandwidth=bandwidth)
+        s = s.model_copy(update={"stack": s.stack.model_copy(update={"dtensor": True})})
+        gpu = s.hardware.gpu.model_copy(update={"funcol_overhead_us": funcol})
+        return with_hardware(s, s.hardware.model_copy(update={"gpu": gpu}))
+
+    saved = {}
+    for funcol in (None, 20.0):
+        base, s = dtensor("none", funcol), dtensor("pipelined", funcol)
+        saved[funcol] = {m: step_time_of(base, m, None) - step_time_of(s, m, None)
+                         for m in ("engine", "analytic")}
+    for m in ("engine", "analytic"):
+        assert saved[20.0][m] == pytest.approx(saved[None][m], rel=1e-6)
+        assert saved[20.0][m] > 0
+
+    def issues(mode: str) -> int:
+        return sum(t.name == "tp.funcol issue" for t in build_workload(
+            dtensor(mode, 20.0)).programs[0].streams["compute"])
+
+    assert issues("pipelined") == issues("none") > 0
