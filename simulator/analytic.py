@@ -42,7 +42,7 @@ from simulator import moe
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
-from simulator.inventory import tp_block_collectives
+from simulator.inventory import tp_block_collectives, zero3_blocks
 from simulator.layout import Layout
 from simulator.memory import stage_params, zero3_root_bytes
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
@@ -309,22 +309,46 @@ def _zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
 
 
 def _zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
-                   hw: HardwareProfile, layers: int) -> float:
+                   hw: HardwareProfile, layers: int, c: BlockCosts) -> float:
     """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
-    forward and, resharded, before backward) beyond what the previous layer's compute
-    hides when prefetched."""
+    forward and, resharded, before backward) beyond what the previous unit's compute
+    hides when prefetched: the previous layer's, or with module units
+    (:func:`simulator.inventory.zero3_blocks`) the previous block's."""
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
         return 0.0
-    parts = mdl.zero3_collectives(spec, s.stack)  # per layer or per module
-    size = mdl.layer_params(spec) / par.tp * mdl.dtype_bytes(trn.dtype) / parts
-    t_ag = parts * _collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+    blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
+    group, dt = layout.dp_group(0), mdl.dtype_bytes(trn.dtype)
+    t_ag = {b: sum(_collective_time(s, layout, "all_gather", e * dt, group, hw) for e in es)
+            for b, es in blocks.items()}
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
         and hw.gpu.comm_overlaps_compute
-    fwd = layers * (max(0.0, t_ag - t_f / layers) if prefetch else t_ag)
-    bwd = layers * (max(0.0, t_ag - t_b / layers) if prefetch else t_ag) \
-        if par.reshard_after_forward else 0.0
-    return fwd + bwd
+    if not prefetch:
+        gathers = sum(t_ag.values())
+        return layers * gathers * (2 if par.reshard_after_forward else 1)
+    if len(blocks) == 1:  # a layer unit, hidden behind the layer before
+        fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
+        bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
+        return fwd + (bwd if par.reshard_after_forward else 0.0)
+    # module units: each block's gathers behind the block that runs before it
+    lc = c.layer(0)
+    fwd = max(0.0, t_ag["attn"] - lc.fwd[1]) + max(0.0, t_ag["mlp"] - lc.fwd[0])
+    bwd_blocks = tuple(lc.bwd_input[i] + lc.bwd_weight[i] for i in range(2))
+    # In backward the block gathered second in a layer starts as the layer before's
+    # gradients go out (its reduce-scatters, issued when its backward ends, overlapped):
+    # sharing the links fairly, the gather takes up to twice its time.
+    shared = 0.0
+    if s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute:
+        rdt = s.stack.reduce_bytes(dt)
+        shared = sum(_collective_time(s, layout, "reduce_scatter", e * rdt, group, hw)
+                     for es in blocks.values() for e in es)
+    if par.recompute == "full":  # attention first (recomputed after the attention's backward)
+        second = t_ag["mlp"] + min(t_ag["mlp"], shared)
+        bwd = max(0.0, t_ag["attn"] - bwd_blocks[0]) + max(0.0, second - lc.recompute[0])
+    else:  # MLP first (after the attention's backward), then attention (after the MLP's)
+        second = t_ag["attn"] + min(t_ag["attn"], shared)
+        bwd = max(0.0, t_ag["mlp"] - bwd_blocks[0]) + max(0.0, second - bwd_blocks[1])
+    return layers * (fwd + (bwd if par.reshard_after_forward else 0.0))
 
 
 def _compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
@@ -490,7 +514,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values()))
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
-    t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest])
+    t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest], c)
               + _zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
     gathered = param_bytes if par.zero in (1, 2) else 0.0  # ZeRO-3 gathers at use
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)

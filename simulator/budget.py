@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator import tp_overlap
 from simulator.errors import Problem, UserError
 from simulator.inventory import zero3_collectives
 from simulator.placement import stage_layer_count
@@ -61,6 +62,10 @@ def tasks_per_layer(s: Scenario) -> int:
         n += 1
     if par.dp > 1 and par.zero >= 2:  # ZeRO-3: two gathers and a reduce-scatter per part
         n += 3 * zero3_collectives(s.model, s.stack) if par.zero == 3 else 1
+        if par.zero == 3 and zero3_collectives(s.model, s.stack) > 1:
+            n += 2  # module units: the MLP block's zero3.wait, forward and backward
+    if tp_overlap.active(s):  # per block and pass, the split pieces, side collectives, waits
+        n += 2 * 5 * (3 if par.recompute == "full" else 2)
     if s.model.is_moe:  # per MoE layer and pass: all-to-all, experts, all-to-all (+ gather,
         # scatter with expert TP), averaged over the layers
         per_pass = 3 + (2 if par.etp > 1 else 0)

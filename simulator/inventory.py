@@ -397,6 +397,29 @@ def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
     return qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
 
 
+def zero3_blocks(spec: ModelSpec, stack: StackSpec, tp: int,
+                 layer_elements: float) -> dict[str, tuple[float, ...]]:
+    """The elements of each of one dense layer's ZeRO-3 all-gathers on one TP rank
+    (:func:`zero3_collectives` of them), by the block that needs them first: the whole
+    layer under ``attn`` for a layer unit (FSDP), else each linear module's weight
+    under its block (DeepSpeed: q, k, v or QKV and out-proj under ``attn``; gate and up
+    or up, and down under ``mlp``). ``layer_elements`` (the layer's parameters on the
+    rank) is shared out in proportion to the weights, so the norms and biases that
+    DeepSpeed keeps whole (``stage3_param_persistence_threshold``, 1e5 elements) ride
+    with them; they are under 0.1% of a layer at these sizes."""
+    if stack.zero3_unit == "layer" or spec.is_moe:
+        return {"attn": (layer_elements,)}
+    x = _Shape(spec, 1, tp, False, 2, stack)
+    qkv = [x.spec.hidden * x.q] + [x.spec.hidden * x.kv] * 2 if qkv_linears(stack) == 3 \
+        else [_weight_elements(x, "qkv")]
+    ups = up_linears(spec, stack)
+    up = [_weight_elements(x, "mlp_up") / ups] * ups
+    weights = {"attn": (*qkv, _weight_elements(x, "out_proj")),
+               "mlp": (*up, _weight_elements(x, "mlp_down"))}
+    scale = layer_elements / sum(sum(w) for w in weights.values())
+    return {block: tuple(w * scale for w in ws) for block, ws in weights.items()}
+
+
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                       dtype: str, recompute: str, stack: StackSpec) -> float:
     """Bytes one dense layer keeps between its forward and backward: what its forward ops

@@ -38,7 +38,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
         ("6fcb9ee5ac959770", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("bd4b7d6f51d1f2f8", 4096),
+        ("75a0ad162322565a", 4480),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("2e46a93a946b80e7", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):

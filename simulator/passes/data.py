@@ -31,6 +31,7 @@ from __future__ import annotations
 from simulator import model as mdl
 from simulator.compression import bucket_caps, effective_method
 from simulator.hardware import CollectiveName
+from simulator.inventory import zero3_blocks
 from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
 from simulator.schedules import Action
@@ -152,14 +153,30 @@ class Zero3Pass(Pass):
     is gathered once per micro-batch before the forward's first compute, after the
     compute issued before it (FSDP2's root pre-forward: the all-gather stream waits
     for the current stream, and the root is not resharded after forward, so its
-    backward needs no second gather). Installed when zero = 3 and dp > 1."""
+    backward needs no second gather). Installed when zero = 3 and dp > 1.
+
+    A unit is a layer (FSDP's transformer block), or under a stack whose ZeRO-3 unit is
+    the module (DeepSpeed) a block: each linear module is its own all-gather
+    (:func:`simulator.inventory.zero3_blocks`, sized by its weight), the attention
+    block's (QKV, out-proj) before it and the MLP block's (up, down) before the MLP,
+    each gather starting once the block ``fsdp_prefetch + 1`` back has run, and a
+    zero-second ``zero3.wait`` holding the block for its own. DeepSpeed fetches a
+    submodule's parameters in its pre-forward hook and prefetches the next ones in
+    trace order up to ``stage3_prefetch_bucket_size`` (5e7 elements) at a time while
+    fewer than ``stage3_max_live_parameters`` (1e9) are gathered
+    (runtime/zero/partitioned_param_coordinator.py ``fetch_sub_module``;
+    runtime/zero/config.py): about one block ahead at these sizes, not a layer. In a
+    backward the blocks need their parameters in the order they run: the recomputed
+    forward's (attention, MLP) under full recomputation, else MLP then attention."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        par = ctx.s.parallel
+        par, spec = ctx.s.parallel, ctx.s.model
         self.unit_done: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
-        self.parts = ctx.zero3_parts  # collectives per layer (the stack's ZeRO-3 unit)
-        self.size = mdl.layer_params(ctx.s.model) / par.tp * ctx.dt_bytes / self.parts
+        # elements of each all-gather of one layer, by the block that needs them first
+        self.blocks = zero3_blocks(spec, ctx.s.stack, par.tp, mdl.layer_params(spec) / par.tp)
+        self.by_block = len(self.blocks) > 1
+        self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
 
     def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
@@ -174,23 +191,54 @@ class Zero3Pass(Pass):
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:
-        par, ctx = self.ctx.s.parallel, self.ctx
-        if not forward and not par.reshard_after_forward:
+        if not forward and not self.ctx.s.parallel.reshard_after_forward:
             return None
+        if not self.by_block:
+            return self.gather(rank, "attn", mb, layer, chunk)
+        order = ["attn", "mlp"] if forward or self.ctx.s.parallel.recompute == "full" \
+            else ["mlp", "attn"]
+        self.pending[rank] = order[1:]
+        return self.gather(rank, order[0], mb, layer, chunk)
+
+    def gather(self, rank: int, block: str, mb: int, layer: int, chunk: int) -> Task | None:
+        """The all-gathers of one unit, in order on the stream; the last of them."""
+        par, ctx = self.ctx.s.parallel, self.ctx
         done = self.unit_done[rank]
+        parts = self.blocks[block]
+        count = sum(len(p) for p in self.blocks.values())
+        first = 0 if block == "attn" else len(self.blocks["attn"])
         t: Task | None = None
-        for part in range(self.parts):  # one per module, in order, on the stream
+        for i, elements in enumerate(parts):  # one per module, in order, on the stream
             t = ctx.collective(rank, self.stream, "all_gather", "zero",
-                               ctx.layout.dp_group(rank), self.size,
-                               f"zero3.all_gather L{layer}{_part(part, self.parts)} mb{mb}",
+                               ctx.layout.dp_group(rank), elements * ctx.dt_bytes,
+                               f"zero3.all_gather L{layer}{_part(first + i, count)} mb{mb}",
                                mb, layer, chunk)
-            if t is not None and part == 0 and self.stream == "zero" \
+            if t is not None and i == 0 and self.stream == "zero" \
                     and len(done) > par.fsdp_prefetch:
                 t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
         return t
 
+    def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+              chunk: int, backward: bool) -> Task | None:
+        if not self.by_block:
+            return None
+        ctx = self.ctx
+        if not before:  # the block (and what followed it in line) has run
+            self.unit_done[rank].append(ctx.programs[rank].streams["compute"][-1])
+            return None
+        pending = self.pending.get(rank)
+        if pending and pending[0] == label:
+            pending.pop(0)
+            t = self.gather(rank, label, mb, layer, chunk)
+            if t is not None and self.stream == "zero":
+                w = ctx.compute(rank, "Z", "backward" if backward else "forward",
+                                f"zero3.wait L{layer} {label} mb{mb}", 0.0, mb, layer, chunk)
+                w.deps.append(t.id)
+        return None
+
     def layer_end(self, rank: int, last: Task) -> None:
-        self.unit_done[rank].append(last)
+        if not self.by_block:
+            self.unit_done[rank].append(last)
 
 
 def _part(part: int, parts: int) -> str:
