@@ -390,11 +390,9 @@ def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
 def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:
     """All-gathers (and reduce-scatters) one dense layer's parameters take under ZeRO-3:
     one per layer, or one per linear module (QKV, or q, k, v; out-proj; MLP up, or
-    gate and up; down). A mixture of experts gathers whole layers (the expert pass
-    regroups the experts)."""
-    if stack.zero3_unit == "layer" or spec.is_moe:
-        return 1
-    return qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
+    gate and up; down), as :func:`zero3_blocks` lists them. A mixture of experts gathers
+    whole layers (the expert pass regroups the experts)."""
+    return sum(len(parts) for parts in zero3_blocks(spec, stack, 1, 1.0).values())
 
 
 def zero3_blocks(spec: ModelSpec, stack: StackSpec, tp: int,

@@ -176,6 +176,10 @@ class Zero3Pass(Pass):
         # elements of each all-gather of one layer, by the block that needs them first
         self.blocks = zero3_blocks(spec, ctx.s.stack, par.tp, mdl.layer_params(spec) / par.tp)
         self.by_block = len(self.blocks) > 1
+        count = sum(len(parts) for parts in self.blocks.values())  # the layer's, numbered
+        first = {"attn": 0, "mlp": len(self.blocks["attn"])}
+        self.labels = {block: [_part(first[block] + i, count) for i in range(len(parts))]
+                       for block, parts in self.blocks.items()}
         self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
 
@@ -204,15 +208,12 @@ class Zero3Pass(Pass):
         """The all-gathers of one unit, in order on the stream; the last of them."""
         par, ctx = self.ctx.s.parallel, self.ctx
         done = self.unit_done[rank]
-        parts = self.blocks[block]
-        count = sum(len(p) for p in self.blocks.values())
-        first = 0 if block == "attn" else len(self.blocks["attn"])
         t: Task | None = None
-        for i, elements in enumerate(parts):  # one per module, in order, on the stream
+        for i, (elements, label) in enumerate(zip(self.blocks[block], self.labels[block],
+                                                  strict=True)):  # one per module, in order
             t = ctx.collective(rank, self.stream, "all_gather", "zero",
                                ctx.layout.dp_group(rank), elements * ctx.dt_bytes,
-                               f"zero3.all_gather L{layer}{_part(first + i, count)} mb{mb}",
-                               mb, layer, chunk)
+                               f"zero3.all_gather L{layer}{label} mb{mb}", mb, layer, chunk)
             if t is not None and i == 0 and self.stream == "zero" \
                     and len(done) > par.fsdp_prefetch:
                 t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
