@@ -201,3 +201,22 @@ def test_a_functional_collectives_host_issue_is_never_hidden(bandwidth: float | 
             dtensor(mode, 20.0)).programs[0].streams["compute"])
 
     assert issues("pipelined") == issues("none") > 0
+
+
+def test_an_overlapped_all_gather_starts_with_its_block_whatever_else_precedes_it() -> None:
+    """ZeRO-3 by modules puts a ``zero3.wait`` before the MLP block (after the TP pass's
+    start mark); the TP all-gather must still start from its own mark, not wait for the
+    parameters' gather (it used to take the task just before the block)."""
+    s = scenario_from_dict({
+        "name": "tp-overlap-zero3", "stack": {"preset": "deepspeed", "tp_overlap": "pipelined"},
+        "model": {"layers": 2, "hidden": 1024, "heads": 16, "vocab": 8192, "seq_len": 1024},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 8},
+        "parallel": {"tp": 2, "dp": 4, "zero": 3, "sequence_parallel": True},
+        "training": {"global_batch": 8, "micro_batch": 1}})
+    w = build_workload(s)
+    by_id = {t.id: t for t in w.tasks}
+    gathers = [t for t in w.programs[0].streams["tp"] if t.op == "tp.all_gather"]
+    assert gathers and any(t.name.startswith("zero3.wait")
+                           for t in w.programs[0].streams["compute"])
+    for t in gathers:
+        assert [by_id[d].name.split(" L")[0] for d in t.deps] == ["tp.start"]

@@ -79,6 +79,7 @@ class TensorPass(Pass):
         if self.mode != "none":
             for prog in ctx.programs.values():
                 prog.streams.setdefault("tp", [])
+        self.start: dict[int, Task] = {}  # rank -> where its next overlapped all-gather starts
 
     def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
               chunk: int = 0) -> Task | None:
@@ -99,7 +100,7 @@ class TensorPass(Pass):
         if before:
             if ag:  # where the overlapped all-gather starts: its host issue, or a mark
                 kind = "backward" if backward else "forward"
-                if not self.issue(rank, kind, mb, layer, chunk):
+                self.start[rank] = self.issue(rank, kind, mb, layer, chunk) or \
                     self.ctx.compute(rank, "T", kind, f"tp.start L{layer} mb{mb}", 0.0, mb,
                                      layer, chunk)
             else:
@@ -130,7 +131,8 @@ class TensorPass(Pass):
         ctx = self.ctx
         compute = ctx.programs[rank].streams["compute"]
         assert block.plan is None and block.op in ("F", "B", "I", "R"), block.name
-        start = compute[-2].id if ag else None  # the block's tp.start or host issue
+        # the block's tp.start or host issue (another pass may have added a task since)
+        start = self.start.pop(rank) if ag else None
         weight, name = block.weight_s, block.name
         rest, rest_w = block.duration, weight
         g = self.ctx.c_of(rank).tp_windows[label, "ag", backward] if ag else None
@@ -138,7 +140,7 @@ class TensorPass(Pass):
         if g is not None:  # the block's task becomes the ring's chunks
             gather = self.side(rank, "all_gather", mb, layer, chunk)
             assert start is not None
-            gather.deps.append(start)  # with the block (a received input gates the start)
+            gather.deps.append(start.id)  # with the block (a received input gates the start)
             block.duration, block.weight_s = (g.parts - 1) * g.chunk, 0.0
             block.name = f"{name} {g.gemm} chunks ‖ tp.all_gather"
             self.wait(rank, block, gather, mb, layer, chunk)
