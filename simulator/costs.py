@@ -14,7 +14,10 @@ so an op costs at least ``kernels × host_us`` (the stack's per-kernel host over
 it, ``gpu.dtensor_overhead_us``): ``time = max(device, kernels × host_us)``. On a CPU "device"
 (``gpu.host_serial``) one thread runs both, so ``time = device + kernels × host_us``,
 with the host cost measured on that CPU (``gpu.host_overhead_us``) when the profile
-has it. Short kernels cost their launch time; long ones hide it.
+has it; the optimizer step's kernels (``gpu.host_optimizer_us``) and a GEMM's DTensor
+dispatch (``gpu.dtensor_gemm_us``) use their own measured figures where the profile has
+them.
+Short kernels cost their launch time; long ones hide it.
 
 Nothing here knows what a transformer is: it prices :class:`simulator.inventory.Op`
 records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
@@ -90,10 +93,15 @@ class CostModel:
             eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0))
             compute = op.flops * op.compute_scale / (self.peak * eff)
         host_us = self.host_us
-        if gpu.host_overhead_us is not None and host_us > 0:  # measured on this device
-            host_us = gpu.host_overhead_us
+        step = cls == "optimizer"  # the optimizer's figures where measured apart
+        measured = gpu.host_optimizer_us if step and gpu.host_optimizer_us is not None \
+            else gpu.host_overhead_us
+        if measured is not None and host_us > 0:  # measured on this device
+            host_us = measured
         # DTensor's dispatch on the host, measured on this device (none under CUDA graphs)
-        host_us_dt = op.dtensor * (gpu.dtensor_overhead_us or 0.0) if host_us > 0 else 0.0
+        dt_us = gpu.dtensor_gemm_us if cls.startswith("gemm") and \
+            gpu.dtensor_gemm_us is not None else gpu.dtensor_overhead_us
+        host_us_dt = op.dtensor * (dt_us or 0.0) if host_us > 0 else 0.0
         return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
                 (op.kernels * host_us + host_us_dt) * 1e-6)
 

@@ -160,6 +160,14 @@ class GPUSpec(_Frozen):
     # the host time DTensor adds to each op on DTensor operands (calibration/measured/
     # host_cost.py: the measured GPT under TP on a one-rank mesh against plain)
     dtensor_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
+    # the optimizer step's host cost per kernel, measured apart (its for-loop elementwise
+    # kernels run without autograd around them: host_cost.py times the step at two
+    # micro-batch counts); absent: host_overhead_us
+    host_optimizer_us: float | None = Field(default=None, ge=0, le=1e5)
+    # DTensor's host time for a GEMM on DTensor operands (sharding propagation of a
+    # matmul and the views and transposes around it), measured apart from its other ops
+    # (dtensor_overhead_us, the optimizer's included); absent: dtensor_overhead_us
+    dtensor_gemm_us: float | None = Field(default=None, ge=0, le=1e6)
     # host time torch.distributed.pipelining spends per F or B action beyond the kernels
     # and sends (calibration/measured/pipeline_cost.py; absent: none), charged under a
     # stack with pipeline_runtime torch
@@ -343,7 +351,8 @@ def preset_system_names() -> list[str]:
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
                    "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
-                   "host_overhead_us", "dtensor_overhead_us", "pipeline_action_us",
+                   "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
+                   "dtensor_gemm_us", "pipeline_action_us",
                    "funcol_overhead_us")
 
 

@@ -153,15 +153,63 @@ def test_cpu_host_cost_adds_to_each_kernel_at_the_measured_rate() -> None:
 
 def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
     pytest.importorskip("torch")
-    from calibration.measured.host_cost import HOST_GPT, measure_host_us, step_kernels
+    from calibration.measured.host_cost import (
+        HOST_GPT,
+        MICRO_BATCHES,
+        measure_host_us,
+        split_per_op,
+        step_counts,
+        step_kernels,
+    )
 
     layers = HOST_GPT["layers"]
     one = step_kernels({**HOST_GPT, "layers": 1})
     assert step_kernels() - one == (layers - 1) * (step_kernels({**HOST_GPT, "layers": 2}) - one)
+    counts = step_counts()
+    # a later micro-batch adds its gradients (one add per parameter the layers and ends own)
+    assert counts.later > counts.first > counts.gemm_later == counts.gemm_first > 0
+    assert counts.total(MICRO_BATCHES) == counts.first + 3 * counts.later + counts.optimizer
     host = measure_host_us(1, 0.0, repeats=2, steps=2)
-    assert host["kernels"] == step_kernels()
-    assert host["host_overhead_us"] == pytest.approx(host["step_s_min"] / host["kernels"] * 1e6,
-                                                     abs=1e-3)
+    assert host["kernels"]["first"] == counts.first
+    t = host["step_s_min"]
+    x, y = split_per_op(t["1"], t[str(MICRO_BATCHES)], MICRO_BATCHES, counts)
+    assert host["host_overhead_us"] == pytest.approx(x * 1e6, abs=1e-3)
+    assert host["host_optimizer_us"] == pytest.approx(y * 1e6, abs=1e-3)
+
+
+def test_the_two_micro_batch_counts_tell_the_layers_host_cost_from_the_optimizers() -> None:
+    """Closed form: steps timed at 1 and m micro-batches, built from known per-kernel
+    costs, give those costs back; a noisy difference below 0 gives 0, never less."""
+    from calibration.measured.host_cost import StepCounts, split_per_op
+
+    c = StepCounts(first=200, later=260, optimizer=680)
+    x, y = 5e-6, 3e-6
+    t1 = c.first * x + c.optimizer * y
+    t4 = t1 + 3 * c.later * x
+    assert split_per_op(t1, t4, 4, c) == pytest.approx((x, y))
+    assert split_per_op(t1, t1 * 0.99, 4, c) == (0.0, pytest.approx(t1 / c.optimizer))
+    assert split_per_op(1e-3, 1e-1, 4, c)[1] == 0.0  # micro-batches that explain it all
+
+
+def test_dtensor_gemms_and_other_ops_are_told_apart_by_the_two_steps() -> None:
+    """Closed form of split_gemm: DTensor extras built from a GEMM cost and an other-op
+    cost (optimizer included) come back exactly; where noise makes one negative, it is 0
+    and the other carries the later micro-batches' cost."""
+    from calibration.measured.host_cost import StepCounts, split_gemm, step_counts
+
+    c = step_counts(dtensor=True)
+    assert c.gemm_first == c.gemm_later > 0 and c.optimizer > c.first
+    xg, xo = 140e-6, 12e-6
+    e1 = c.gemm_first * xg + (c.first - c.gemm_first + c.optimizer) * xo
+    e4 = e1 + 3 * (c.gemm_later * xg + (c.later - c.gemm_later) * xo)
+    assert split_gemm(e1, e4, 4, c) == pytest.approx((xg, xo))
+    # later micro-batches cheap against the first step: all on the other ops, GEMMs 0
+    g, o = split_gemm(1e-2, 1e-2 + 3 * 1e-4, 4, c)
+    assert g == 0.0 and o == pytest.approx(1e-4 / (c.later - c.gemm_later))
+    # a one-micro-batch step too short for its GEMMs: the GEMMs carry the later cost
+    g, o = split_gemm(1e-4, 1e-4 + 3 * 1e-2, 4, c)
+    assert o == 0.0 and g == pytest.approx(1e-2 / c.gemm_later)
+    assert split_gemm(1e-3, 1e-3, 4, StepCounts(10, 10, 10, 0, 0)) == (0.0, 0.0)
 
 
 def test_dtensor_ops_under_tp_and_sequence_parallelism() -> None:
@@ -209,6 +257,36 @@ def test_dtensor_host_cost_is_charged_per_dtensor_op() -> None:
     assert graphs.op_time(on_dtensor) == graphs.op_time(plain)
 
 
+def test_gemms_dtensor_cost_and_the_optimizers_host_cost_where_measured_apart() -> None:
+    """A GEMM's DTensor dispatch is priced at gpu.dtensor_gemm_us, every other DTensor op
+    at dtensor_overhead_us; the optimizer's kernels at host_optimizer_us, every other
+    kernel at host_overhead_us; absent, the general figures price all."""
+    from simulator.costs import CostModel
+    from simulator.hardware import load_system
+    from simulator.inventory import Op
+
+    hw = load_system("cpu-1thread")
+    gemm = Op("g", "gemm", 1e3, 1e3, 1e3, "gemm_fwd", 2, dtensor=2)
+    norm = Op("n", "memory", 0.0, 1e3, 0.0, "norm", 2, dtensor=2)
+    opt = Op("o", "memory", 0.0, 1e3, 0.0, "optimizer", 10, dtensor=10)
+
+    def extra(op: Op, **gpu: float) -> float:
+        """Seconds the host figures add to the op over no host cost at all."""
+        base = hw.model_copy(update={"gpu": hw.gpu.model_copy(update={
+            "host_overhead_us": 0.0, "dtensor_overhead_us": 0.0})})
+        with_ = hw.model_copy(update={"gpu": hw.gpu.model_copy(update=gpu)})
+        return CostModel(with_, "fp32", host_us=10.0).op_time(op) - \
+            CostModel(base, "fp32", host_us=10.0).op_time(op)
+
+    one = {"host_overhead_us": 4.0, "dtensor_overhead_us": 12.0}
+    apart = {**one, "host_optimizer_us": 1.5, "dtensor_gemm_us": 140.0}
+    assert extra(gemm, **one) == pytest.approx(2 * (4.0 + 12.0) * 1e-6)
+    assert extra(gemm, **apart) == pytest.approx(2 * (4.0 + 140.0) * 1e-6)
+    assert extra(norm, **apart) == pytest.approx(extra(norm, **one))
+    assert extra(opt, **one) == pytest.approx(10 * (4.0 + 12.0) * 1e-6)
+    assert extra(opt, **apart) == pytest.approx(10 * (1.5 + 12.0) * 1e-6)
+
+
 def test_fsdp2_optimizer_steps_on_dtensor_parameters() -> None:
     from simulator import model as mdl
     from simulator.scenario import scenario_from_dict
@@ -241,6 +319,8 @@ def test_validation_adds_the_host_costs_to_its_cpu_profile(tmp_path: Path) -> No
     gpu = load_system(str(path)).gpu
     assert gpu.host_serial and gpu.host_overhead_us == host["host_overhead_us"] > 0
     assert gpu.dtensor_overhead_us == host["dtensor_overhead_us"] is not None
+    assert gpu.dtensor_gemm_us == host["dtensor_gemm_us"] is not None
+    assert gpu.host_optimizer_us == host["host_optimizer_us"] is not None
     assert not list(tmp_path.glob(".*tmp*"))
 
 

@@ -10,18 +10,33 @@ engine, the for-loop optimizer's Python. None of that is in the bare-kernel timi
 (``kernel_overhead_us`` is the intercept of a tight loop of one op), and none of it
 overlaps the kernels, as a GPU's host would.
 
-The measurement: one training step (forward, backward, AdamW) of the measured GPT
-(:mod:`calibration.measured.gpt`) at a degenerate size, width 8 and 2 tokens, where
-every kernel is a few microseconds, timed as the minimum over repeats; divided by the
-kernels the simulator's inventory counts for that step under the ``pytorch-eager``
-stack (:mod:`simulator.inventory`), less the bare per-kernel overhead. The model is
-the measured runs' own code, not a fit to their step times: what is measured is a
-per-kernel constant at a size where the step is nothing else.
+The measurement: training steps (forward and backward of each micro-batch, then AdamW)
+of the measured GPT (:mod:`calibration.measured.gpt`) at a degenerate size, width 8 and
+2 tokens, where every kernel is a few microseconds, each timed as the minimum over
+repeats, at one micro-batch and at :data:`MICRO_BATCHES` (in turn in each repeat). The
+difference is what the extra micro-batches' kernels cost, the rest of the one-micro-batch
+step what the optimizer's cost (:func:`split_per_op`), each divided by the kernels the
+simulator's inventory counts for that part under the ``pytorch-eager`` stack
+(:mod:`simulator.inventory`, :func:`step_counts`), less the bare per-kernel overhead:
+``host_overhead_us`` for a layer's, the head's and the embedding's kernels,
+``host_optimizer_us`` for the optimizer's. They differ: the for-loop AdamW's kernels
+are small elementwise ops with no autograd around them (here ~3 µs per kernel against
+~5 µs in the micro-batches; one figure for both, as before, priced a four-micro-batch
+step's forward and backward at the optimizer-heavy average of a one-micro-batch step).
+The model is the measured runs' own code, not a fit to their step times: what is
+measured are per-kernel constants at a size where the step is nothing else.
 
-DTensor's share (``gpu.dtensor_overhead_us``): the same step with the measured runs'
-TP plan (:func:`calibration.measured.parallel_worker.apply_tp`, with sequence
-parallelism, so every kind of DTensor op is there) on a one-rank mesh, less the plain
-step, divided by the ops the inventory marks as DTensor-dispatched for that plan.
+DTensor's share (``gpu.dtensor_gemm_us``, ``gpu.dtensor_overhead_us``): the same steps
+with the measured runs' TP plan (:func:`calibration.measured.parallel_worker.apply_tp`,
+with sequence parallelism, so every kind of DTensor op is there) on a one-rank mesh,
+less the plain steps. A GEMM on DTensors carries a matmul's sharding propagation and
+the views and transposes around it; an elementwise, norm or optimizer op on DTensors
+much less. The two steps' extra times give the two per-op figures
+(:func:`split_gemm`: the one-micro-batch step is optimizer-heavy, the later
+micro-batches GEMM-heavy), divided among the ops the inventory marks as
+DTensor-dispatched. Here ~140 µs per GEMM against ~11 µs per other op (one figure for
+all, as before, read ~28 µs, the optimizer's many elementwise ops outweighing the
+layers' GEMMs, so a tiny-gpt TP run with four micro-batches read ~40% short in compute).
 
 A functional collective's share (``gpu.funcol_overhead_us``): DTensor's redistributions
 issue ``torch.distributed._functional_collectives`` (an ``AsyncCollectiveTensor``, its
@@ -35,6 +50,7 @@ profiler shows 0.3-0.5 ms per ``_c10d_functional::all_reduce`` on the main threa
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 #: the degenerate measured GPT: every kernel is tiny, the step is host cost
@@ -42,12 +58,31 @@ HOST_GPT = {"layers": 4, "hidden": 8, "heads": 1, "ffn_hidden": 8, "vocab": 8, "
 BATCH = 1
 
 
-def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
-                 dtensor: bool = False) -> int:
-    """Kernels of one step of the measured GPT as the simulator counts them (the
-    ``pytorch-eager`` stack, fp32, one micro-batch, grads set to None before it); with
-    ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
-    (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
+#: the second micro-batch count the step is timed at (the first is 1): what a
+#: micro-batch's kernels cost and what the optimizer's cost are told apart by the slope
+MICRO_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Kernels (or DTensor ops) of the degenerate step as the simulator counts them."""
+
+    first: int  # the first micro-batch's forward and backward (its grads are stolen)
+    later: int  # each later micro-batch's: the first's plus the gradient accumulation
+    optimizer: int  # the optimizer step's
+    gemm_first: int = 0  # of ``first``, GEMMs (cost classes gemm_*)
+    gemm_later: int = 0  # of ``later``, GEMMs
+
+    def total(self, micro_batches: int = 1) -> int:
+        return self.first + (micro_batches - 1) * self.later + self.optimizer
+
+
+def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
+                dtensor: bool = False) -> StepCounts:
+    """The step's kernels as the simulator counts them (the ``pytorch-eager`` stack,
+    fp32, grads set to None before the first micro-batch), by part; with ``dtensor``
+    the ones it dispatches on DTensors under TP with sequence parallelism (counted at
+    TP 2: which ops are DTensors does not depend on the mesh size)."""
     from simulator import model as mdl
     from simulator.inventory import dtensor_tensors, layer_tensors
     from simulator.scenario import ModelSpec
@@ -60,25 +95,65 @@ def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
     tp, sp = (2, True) if dtensor else (1, False)
     if dtensor:
         spec = spec.model_copy(update={"heads": 2, "kv_heads": 2})
-    total = 0
+    first = accum = gemm = gemm_accum = 0
     for pass_ in ("fwd", "bwd_input", "bwd_weight"):
         layer = mdl.layer_ops(spec, batch, tp, sp, "fp32", pass_, 0, stack)
-        if dtensor:
-            total += sum(op.dtensor for op in layer if op.name != "grad_accum") * spec.layers
-            continue
-        ops = (*layer * spec.layers,
-               *mdl.embedding_ops(spec, batch, 1, False, "fp32", pass_, stack),
-               *mdl.head_ops(spec, batch, 1, False, "fp32", pass_, stack))
-        # the first micro-batch's grads are stolen by AccumulateGrad, not added
-        total += sum(op.kernels for op in ops if op.name != "grad_accum")
+        ops = (*layer * spec.layers,) if dtensor else (
+            *layer * spec.layers,
+            *mdl.embedding_ops(spec, batch, 1, False, "fp32", pass_, stack),
+            *mdl.head_ops(spec, batch, 1, False, "fp32", pass_, stack))
+        for op in ops:
+            n = op.dtensor if dtensor else op.kernels
+            g = n if op.cost_class.startswith("gemm") else 0
+            if op.name == "grad_accum":  # the first micro-batch's grads are stolen, not added
+                accum, gemm_accum = accum + n, gemm_accum + g
+            else:
+                first, gemm = first + n, gemm + g
     tensors = spec.layers * layer_tensors(spec, stack) + 4
     dtensors = spec.layers * dtensor_tensors(spec, stack, tp, sp)
     opt = mdl.optimizer_op(1.0, tensors, stack, "fp32", dtensors)
-    return total + (opt.dtensor if dtensor else opt.kernels)
+    return StepCounts(first, first + accum, opt.dtensor if dtensor else opt.kernels,
+                      gemm, gemm + gemm_accum)
 
 
-def _step_seconds(tp: bool, threads: int, repeats: int, steps: int) -> float:
-    """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh)."""
+def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
+                 dtensor: bool = False) -> int:
+    """Kernels (``dtensor``: DTensor ops) of a one-micro-batch step (:func:`step_counts`)."""
+    return step_counts(sizes, batch, dtensor).total()
+
+
+def split_per_op(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float, float]:
+    """Seconds per op of the micro-batches and of the optimizer step, from the step's
+    time at one micro-batch (``t1``) and at ``m``: ``tm − t1 = (m − 1)·later·x`` and
+    ``t1 = first·x + optimizer·y``; each at least 0 (noise can push a difference below)."""
+    x = max(tm - t1, 0.0) / ((m - 1) * counts.later)
+    y = max(t1 - counts.first * x, 0.0) / counts.optimizer
+    return x, y
+
+
+def split_gemm(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float, float]:
+    """Seconds per GEMM op and per other op (the optimizer's included), from the step's
+    time at one micro-batch (``t1``) and at ``m``:
+    ``t1 = g₁·x_g + (o₁ + optimizer)·x_o`` and ``(tm − t1) / (m − 1) = g·x_g + o·x_o``
+    (``g``, ``o``: a later micro-batch's GEMM and other ops). Where noise drives one
+    below 0 it is 0 and the other takes what the later micro-batches cost."""
+    later = max(tm - t1, 0.0) / (m - 1)
+    g1, o1 = counts.gemm_first, counts.first - counts.gemm_first + counts.optimizer
+    g, o = counts.gemm_later, counts.later - counts.gemm_later
+    det = g1 * o - g * o1
+    xg, xo = ((t1 * o - later * o1) / det, (g1 * later - g * t1) / det) if det else (-1, 0)
+    if xg >= 0 and xo >= 0:
+        return xg, xo
+    if xo < 0 and g:  # the GEMMs carry the later micro-batches' cost
+        return later / g, 0.0
+    return 0.0, later / o if o else 0.0
+
+
+def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
+                  micro_batches: tuple[int, ...] = (1, MICRO_BATCHES)) -> dict[int, float]:
+    """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh)
+    with each of ``micro_batches`` micro-batches, timed in turn in every repeat (the
+    machine's drift then moves both alike)."""
     import torch
 
     from calibration.measured.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
@@ -95,20 +170,23 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = synthetic_batch(cfg, BATCH, 0)
 
-    def step() -> None:
-        loss_fn(model(x), y).backward()
+    def step(m: int) -> None:
+        for _ in range(m):
+            loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
-    for _ in range(5):
-        step()
-    times = []
+    for m in micro_batches:
+        for _ in range(3):
+            step(m)
+    best = {m: float("inf") for m in micro_batches}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - t0) / steps)
-    return min(times)
+        for m in micro_batches:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(m)
+            best[m] = min(best[m], (time.perf_counter() - t0) / steps)
+    return best
 
 
 def _funcol_us(repeats: int = 7, calls: int = 100) -> float:
@@ -138,33 +216,41 @@ def _funcol_us(repeats: int = 7, calls: int = 100) -> float:
     return round(max(functional - plain, 0.0) * 1e6, 3)
 
 
-def measure_dtensor_us(threads: int, plain_s: float, repeats: int = 5,
-                       steps: int = 5) -> tuple[float | None, float | None]:
-    """Host microseconds DTensor adds per op it dispatches, and per functional collective
-    (``torch.distributed._functional_collectives``, what its redistributions issue) beyond
-    a plain ``dist`` collective; None when this process already has a process group (a
-    one-rank gloo group is made and torn down here)."""
+def measure_dtensor_us(threads: int, plain_s: dict[int, float], repeats: int = 9,
+                       steps: int = 3) -> dict[str, Any] | None:
+    """Host microseconds DTensor adds per op it dispatches in the micro-batches and in the
+    optimizer step, and per functional collective (``torch.distributed.
+    _functional_collectives``, what its redistributions issue) beyond a plain ``dist``
+    collective; None when this process already has a process group (a one-rank gloo
+    group is made and torn down here)."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
-        return None, None
+        return None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        tp_s = _step_seconds(True, threads, repeats, steps)
+        tp_s = _step_seconds(True, threads, repeats, steps, tuple(plain_s))
         funcol_us = _funcol_us()
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(before)
-    return round(max(tp_s - plain_s, 0.0) / step_kernels(dtensor=True) * 1e6, 3), funcol_us
+    extra = {m: max(tp_s[m] - plain_s[m], 0.0) for m in plain_s}
+    per_gemm, per_op = split_gemm(extra[1], extra[MICRO_BATCHES], MICRO_BATCHES,
+                                  step_counts(dtensor=True))
+    return {"dtensor_overhead_us": round(per_op * 1e6, 3),
+            "dtensor_gemm_us": round(per_gemm * 1e6, 3),
+            "funcol_overhead_us": funcol_us,
+            "dtensor_step_s_min": {str(m): t for m, t in tp_s.items()}}
 
 
-def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
-                    steps: int = 20) -> dict[str, Any]:
-    """Host microseconds per kernel of eager PyTorch on this CPU, and DTensor's extra per
-    op it dispatches (see the module note)."""
+def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 9,
+                    steps: int = 10) -> dict[str, Any]:
+    """Host microseconds per kernel of eager PyTorch on this CPU in the micro-batches and
+    in the optimizer step, and DTensor's extra per op it dispatches (see the module
+    note)."""
     import torch
 
     from calibration.host import keep_freed_memory
@@ -176,18 +262,25 @@ def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 7,
         plain_s = _step_seconds(False, threads, repeats, steps)
     finally:
         torch.set_num_threads(before)
-    kernels = step_kernels()
-    per_kernel = plain_s / kernels * 1e6
-    dtensor_us, funcol_us = measure_dtensor_us(threads, plain_s)
-    return {"host_overhead_us": round(max(per_kernel - kernel_overhead_us, 0.0), 3),
-            "dtensor_overhead_us": dtensor_us, "funcol_overhead_us": funcol_us,
-            "step_s_min": plain_s, "kernels": kernels,
-            "dtensor_ops": step_kernels(dtensor=True)}
+    counts = step_counts()
+    per_kernel, per_opt_kernel = split_per_op(plain_s[1], plain_s[MICRO_BATCHES],
+                                              MICRO_BATCHES, counts)
+    dt = measure_dtensor_us(threads, plain_s) or {}
+    return {"host_overhead_us": round(max(per_kernel * 1e6 - kernel_overhead_us, 0.0), 3),
+            "host_optimizer_us": round(max(per_opt_kernel * 1e6 - kernel_overhead_us, 0.0), 3),
+            "dtensor_overhead_us": dt.get("dtensor_overhead_us"),
+            "dtensor_gemm_us": dt.get("dtensor_gemm_us"),
+            "funcol_overhead_us": dt.get("funcol_overhead_us"),
+            "micro_batches": [1, MICRO_BATCHES],
+            "step_s_min": {str(m): t for m, t in plain_s.items()},
+            "dtensor_step_s_min": dt.get("dtensor_step_s_min"),
+            "kernels": asdict(counts), "dtensor_ops": asdict(step_counts(dtensor=True))}
 
 
 def add_to_profile(path: str, threads: int) -> dict[str, Any]:
-    """Measure and write ``gpu.host_serial``, ``host_overhead_us`` and
-    ``dtensor_overhead_us`` into the CPU profile at ``path`` (atomically, validated)."""
+    """Measure and write ``gpu.host_serial``, ``host_overhead_us``,
+    ``host_optimizer_us``, ``dtensor_overhead_us``, ``dtensor_gemm_us`` and
+    ``funcol_overhead_us`` into the CPU profile at ``path`` (atomically, validated)."""
     from pathlib import Path
 
     import yaml
@@ -199,8 +292,10 @@ def add_to_profile(path: str, threads: int) -> dict[str, Any]:
     host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)))
     gpu["host_serial"] = True
     gpu["host_overhead_us"] = host["host_overhead_us"]
-    if host["dtensor_overhead_us"] is not None:
-        gpu["dtensor_overhead_us"] = host["dtensor_overhead_us"]
+    gpu["host_optimizer_us"] = host["host_optimizer_us"]
+    for key in ("dtensor_overhead_us", "dtensor_gemm_us"):
+        if host[key] is not None:
+            gpu[key] = host[key]
     if host["funcol_overhead_us"] is not None:
         gpu["funcol_overhead_us"] = host["funcol_overhead_us"]
     profile.setdefault("provenance", {})["host_overhead"] = host

@@ -150,9 +150,12 @@ def _profile(args: argparse.Namespace, out: Path) -> str:
         from calibration.measured.host_cost import add_to_profile
 
         host = add_to_profile(str(path), args.threads)
-        _say(f"[validation] eager host cost {host['host_overhead_us']:.1f} us per kernel "
-             f"({host['kernels']} kernels in {host['step_s_min'] * 1e3:.2f} ms), DTensor "
-             f"{host['dtensor_overhead_us']} us per op it dispatches -> {path}")
+        t = host["step_s_min"]
+        ms = " and ".join(f"{m} micro-batches {t[m] * 1e3:.2f} ms" for m in t)
+        _say(f"[validation] eager host cost {host['host_overhead_us']:.1f} us per kernel, "
+             f"{host['host_optimizer_us']:.1f} us per optimizer kernel (steps of {ms}); "
+             f"DTensor {host['dtensor_gemm_us']} us per GEMM, {host['dtensor_overhead_us']} "
+             f"us per other op it dispatches -> {path}")
         from calibration.measured import pipeline_cost
 
         pipe = pipeline_cost.add_to_profile(str(path), args.threads)
