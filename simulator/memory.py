@@ -25,8 +25,10 @@ The last stage also holds fp32 logits: the saved softmax of every micro-batch
 whose backward has not run yet, plus one more copy for the loss gradient.
 
 Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
-ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers and one
-layer's unsharded gradient before its reduce-scatter, plus the stage's root unit
+ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers (by modules, as
+DeepSpeed gathers them, of 1 + prefetch blocks: with the default prefetch of 1 an
+attention and an MLP block, one layer, not two) and one layer's unsharded gradient
+before its reduce-scatter, plus the stage's root unit
 (FSDP2's ``fully_shard`` on the stage's module: embedding, final norm, output
 layer), gathered for the whole micro-batch since the root is not resharded after
 forward, and on the last stage the output layer's unsharded gradient, produced
@@ -47,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator import compression, moe
-from simulator.inventory import kept_for_backward
+from simulator.inventory import kept_for_backward, zero3_blocks
 from simulator.model import (
     RecomputeMode,
     default_stack,
@@ -254,10 +256,19 @@ def _comm_buffers(scenario: Scenario, stage: int) -> float:
     layer = max(_rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
                              moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
         * dtype_bytes(scenario.training.dtype)
+    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered = stage_layer_count(scenario.model.layers, par, stage)
+        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
+    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
+        # DeepSpeed's modules, gathered by blocks as the engine runs them
+        # (simulator/passes/data.py Zero3Pass): the running block and the fsdp_prefetch
+        # blocks after it (attention and MLP blocks alternate), without prefetch the
+        # running block alone; in layers
+        blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
+        seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
+        n = 1 + (par.fsdp_prefetch if ahead else 0)
+        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
     else:  # the running layer plus the prefetched ones
-        ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
         gathered = 1 + (par.fsdp_prefetch if ahead else 0)
     root = sum(zero3_root_bytes(scenario, stage))
     return layer * gathered + layer + root  # gathered params + one unsharded grad + root

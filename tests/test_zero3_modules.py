@@ -107,3 +107,27 @@ def test_module_units_expose_more_than_layer_units_on_a_slow_link() -> None:
 
     module = step_time_of(_z3("module", bandwidth=40.0), "engine", None)
     assert module > step_time_of(_z3("layer", bandwidth=40.0), "engine", None)
+
+
+@pytest.mark.parametrize(("prefetch", "overlap", "blocks"), [
+    (1, True, ("attn", "mlp")), (2, True, ("mlp", "attn", "mlp")), (1, False, ("mlp",))])
+def test_the_memory_model_holds_the_blocks_the_engine_gathers(
+        prefetch: int, overlap: bool, blocks: tuple[str, ...]) -> None:
+    """Closed form: with module units the gathered parameters are the running block and
+    the fsdp_prefetch blocks after it (attention and MLP alternate; the largest window,
+    here one starting at an MLP), or without prefetch the larger block alone; against
+    layer units' 1 + prefetch layers, the unsharded gradient and the root the same."""
+    from simulator.memory import peak_memory
+
+    def buffers(unit: str) -> float:
+        s = scenario_from_dict({**_z3(unit).model_dump(mode="json", exclude={"hardware"}),
+                                "parallel": {"dp": 8, "zero": 3, "fsdp_prefetch": prefetch,
+                                             "overlap": {"zero3_prefetch": overlap}}})
+        return peak_memory(s).comm_buffers
+
+    s = _z3()
+    layer = mdl.layer_params(s.model) * mdl.dtype_bytes(s.training.dtype)
+    parts = {b: sum(w) for b, w in zero3_blocks(s.model, s.stack, 1, layer).items()}
+    gathered_layers = 1 + (prefetch if overlap else 0)
+    assert buffers("layer") - buffers("module") == pytest.approx(
+        gathered_layers * layer - sum(parts[b] for b in blocks), rel=1e-9)
