@@ -57,8 +57,10 @@ logits' second copy too). Differences, by construction:
   per micro-batch of the first (last) chunk in flight, which can be more or
   fewer (a few b·s·h, under 1 % of a layer's activations per chunk);
 - ZeRO-3: memory.py adds (1 + prefetch) gathered layers (under module units
-  1 + prefetch blocks) and an unsharded gradient to the activation peak; on the curve they coincide with it where
-  the first backward starts on a non-last stage (exact), but on the last stage
+  1 + prefetch blocks) and an unsharded gradient to the activation peak; on the
+  curve they coincide with it where the first backward starts on a non-last
+  stage (exact; under module units the curve holds a layer's parts until its
+  forward ends, so it can exceed memory.py's blocks), but on the last stage
   the logits' second copy is freed before the first layer's gradient exists,
   ZB-H1 computes no weight gradient in I, and without
   ``overlap.zero3_prefetch`` nothing is gathered ahead — the curve is then
