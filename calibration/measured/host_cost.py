@@ -126,9 +126,7 @@ def split_per_op(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[floa
     """Seconds per op of the micro-batches and of the optimizer step, from the step's
     time at one micro-batch (``t1``) and at ``m``: ``tm − t1 = (m − 1)·later·x`` and
     ``t1 = first·x + optimizer·y``; each at least 0 (noise can push a difference below)."""
-    x = max(tm - t1, 0.0) / ((m - 1) * counts.later)
-    y = max(t1 - counts.first * x, 0.0) / counts.optimizer
-    return x, y
+    return _two_terms(t1, tm, m, (counts.first, counts.optimizer), (counts.later, 0))
 
 
 def split_gemm(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float, float]:
@@ -136,17 +134,28 @@ def split_gemm(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float,
     time at one micro-batch (``t1``) and at ``m``:
     ``t1 = g₁·x_g + (o₁ + optimizer)·x_o`` and ``(tm − t1) / (m − 1) = g·x_g + o·x_o``
     (``g``, ``o``: a later micro-batch's GEMM and other ops). Where noise drives one
-    below 0 it is 0 and the other takes what the later micro-batches cost."""
-    later = max(tm - t1, 0.0) / (m - 1)
-    g1, o1 = counts.gemm_first, counts.first - counts.gemm_first + counts.optimizer
-    g, o = counts.gemm_later, counts.later - counts.gemm_later
-    det = g1 * o - g * o1
-    xg, xo = ((t1 * o - later * o1) / det, (g1 * later - g * t1) / det) if det else (-1, 0)
-    if xg >= 0 and xo >= 0:
-        return xg, xo
-    if xo < 0 and g:  # the GEMMs carry the later micro-batches' cost
-        return later / g, 0.0
-    return 0.0, later / o if o else 0.0
+    below 0 it is 0 and the other carries the later micro-batches' cost."""
+    return _two_terms(
+        t1, tm, m, (counts.gemm_first, counts.first - counts.gemm_first + counts.optimizer),
+        (counts.gemm_later, counts.later - counts.gemm_later))
+
+
+def _two_terms(t1: float, tm: float, m: int, first: tuple[int, int],
+               later: tuple[int, int]) -> tuple[float, float]:
+    """Per-op seconds (x, y) ≥ 0 of two kinds of op from a step at one micro-batch and
+    at ``m``: ``t1 = first₀·x + first₁·y`` and ``(tm − t1)/(m − 1) = later₀·x +
+    later₁·y`` (the later micro-batches' ops of each kind). Where the exact solution
+    has a term below 0, that term is 0 and the other carries the later micro-batches'
+    cost."""
+    per = max(tm - t1, 0.0) / (m - 1)
+    (a, b), (c, d) = first, later
+    det = a * d - b * c
+    x, y = ((t1 * d - per * b) / det, (a * per - c * t1) / det) if det else (-1.0, 0.0)
+    if x >= 0 and y >= 0:
+        return x, y
+    if y < 0 and c:
+        return per / c, 0.0
+    return 0.0, per / d if d else 0.0
 
 
 def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,

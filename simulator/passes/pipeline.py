@@ -141,7 +141,7 @@ class PipelinePass:
             head = self.relay(rank, "F", mb, chunk)
         # what the action receives gates its first task on the compute stream, which may
         # be a collective before the first block (sequence parallelism's all-gather)
-        first = compute[begin] if len(compute) > begin else head
+        first = _first_from(compute, begin, head)
         first.deps.extend(starts)
         if a.stage > 0:
             self.waits.append((first, ("act", a.stage - 1, mb, rank)))
@@ -207,7 +207,7 @@ class PipelinePass:
         if first is None:  # a stage without layers passes the gradients on
             first = self.relay(rank, op, mb, chunk)
         if a.stage < ctx.last_stage:  # as in forward: the action's first compute-stream task
-            self.waits.append((compute[begin] if len(compute) > begin else first,
+            self.waits.append((_first_from(compute, begin, first),
                                ("grad", a.stage + 1, mb, rank)))
         return done
 
@@ -280,3 +280,9 @@ class PipelinePass:
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")
+
+
+def _first_from(compute: list[Task], begin: int, fallback: Task) -> Task:
+    """An action's first compute-stream task (it was added at index ``begin``), or
+    ``fallback`` where the action added none."""
+    return compute[begin] if len(compute) > begin else fallback
