@@ -261,3 +261,18 @@ def test_raw_yaml_overrides_long(tmp_path: Path, field: str, raw: str) -> None:
 @given(data=MANGLED)
 def test_mangled_files_long(tmp_path: Path, data: bytes) -> None:
     _mangled_file(tmp_path, data)
+
+
+def test_peak_memory_is_the_invocations_not_the_test_runners() -> None:
+    """The corpus's memory bound reads the child's own peak: under a fork (the
+    ``preexec_fn``), Linux carries the parent's ``ru_maxrss`` across ``exec``, so the
+    bound used to measure how big pytest had grown (1.1 GB late in a full run)."""
+    ballast = bytearray(400 << 20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, not just reserved
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz_cli.py")], input="[]",
+                          capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=_limit_memory, check=True)
+    del ballast
+    usage = json.loads(proc.stdout.splitlines()[-1])
+    assert usage["maxrss_bytes"] < 200 << 20, usage
