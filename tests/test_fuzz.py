@@ -117,13 +117,18 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
-def test_corpus_of_hostile_inputs(tmp_path: Path) -> None:
-    cases = corpus_cases(tmp_path)
+def _fuzz_cli(cases: list[list[str]], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``tests/fuzz_cli.py`` on ``cases`` in a child under the address-space limit."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
            "OPENBLAS_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz_cli.py")],
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz_cli.py")],
                           input=json.dumps(cases), capture_output=True, text=True, env=env,
-                          timeout=900, preexec_fn=_limit_memory, check=False, cwd=tmp_path)
+                          timeout=900, preexec_fn=_limit_memory, check=False, cwd=cwd)
+
+
+def test_corpus_of_hostile_inputs(tmp_path: Path) -> None:
+    cases = corpus_cases(tmp_path)
+    proc = _fuzz_cli(cases, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     *results, usage = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(results) == len(cases)
@@ -263,16 +268,14 @@ def test_mangled_files_long(tmp_path: Path, data: bytes) -> None:
     _mangled_file(tmp_path, data)
 
 
-def test_peak_memory_is_the_invocations_not_the_test_runners() -> None:
+def test_peak_memory_is_the_invocations_not_the_test_runners(tmp_path: Path) -> None:
     """The corpus's memory bound reads the child's own peak: under a fork (the
     ``preexec_fn``), Linux carries the parent's ``ru_maxrss`` across ``exec``, so the
     bound used to measure how big pytest had grown (1.1 GB late in a full run)."""
     ballast = bytearray(400 << 20)
     ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, not just reserved
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz_cli.py")], input="[]",
-                          capture_output=True, text=True, env=env, timeout=120,
-                          preexec_fn=_limit_memory, check=True)
+    proc = _fuzz_cli([], tmp_path)
     del ballast
+    assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout.splitlines()[-1])
     assert usage["maxrss_bytes"] < 200 << 20, usage
