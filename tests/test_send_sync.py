@@ -90,6 +90,16 @@ def test_a_negative_excess_gives_no_cost_and_no_spread() -> None:
     assert send_sync_spread(rec) is None
 
 
+def test_the_excess_is_over_the_quiet_back_to_back_send_not_each_rounds_own() -> None:
+    # a ping-pong of two 1 ms bursts and two sends costing 2 x 1.5 ms after compute;
+    # the ring shift back to back swings between 1 and 2 ms by round: the charged
+    # send is the quiet 1 ms (as the collective benchmark keeps), 0.5 ms per send more
+    rounds = [[{"bytes": 4096, "alone_s": [1e-3, 1e-3], "b2b_s": [c * 1e-3] * 2,
+                "with_s": [5e-3, 5e-3]}] for c in (2.0, 1.0, 2.1, 1.0, 1.9)]
+    rec = {**_record(), "sizes": [4096], "rounds": rounds}
+    assert ss.sync_seconds(rec) * 1e3 == pytest.approx(0.5)
+
+
 # ---------------------------------------------------------------- the cost model
 
 

@@ -19,12 +19,19 @@ extra processes start. Both ranks, in rounds, for each message size S
 3. ``b2b``: K all-reduces of S bytes, each after a group barrier as the collective
    benchmark times them (both ranks hot and aligned), their median.
 
-The medians are what the simulator already charges: the compute and collective
-benchmarks keep medians of single calls (a CPU call of 0.2 ms or more is timed on its
-own), so the excess holds what those miss, heavy tail included. Each loop starts after
-a group barrier and each iteration is timed to a device synchronisation (on a GPU the
-excess then reads one synchronisation short). A rank's excess is
-``with − alone − b2b``; a round's is the
+What is subtracted is what the simulator already charges: the compute benchmark keeps
+medians of single calls (a CPU call of 0.2 ms or more is timed on its own), and the
+collective benchmark the quiet time of its rounds, the second-best round's median
+(:func:`calibration.microbench.collectives_worker._quiet_time`). So ``b2b`` enters as
+the same estimator over this record's rounds (:func:`charged_b2b`, per rank and size),
+never as the round's own median: gloo's back-to-back all-reduce of 1 MiB swings between
+~1 and ~3 ms from round to round on a 2-core VM while the all-reduce after compute
+stays at 2-4 ms, and a slow round's own b2b took its slowness off the excess (the figure
+read 0.7 ms where the collectives of a measured TP step take 2.8 ms, median, from the
+later rank's issue to completion, against ~1.1 ms back to back). The excess holds what
+the α-β fit misses, heavy tail included. Each loop starts after a group barrier and
+each iteration is timed to a device synchronisation (on a GPU the excess then reads one
+synchronisation short). A rank's excess is ``with − alone − b2b``; a round's is the
 slowest rank's (:func:`round_excess`), a size's the median over rounds, and the
 figure (``gpu.collective_sync_us``) the median over the sizes, at least 0
 (:func:`sync_seconds`). The per-size medians are kept so a trend with S shows. One
@@ -40,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from calibration.microbench.collectives_worker import _human, _max, _sync
+from calibration.microbench.collectives_worker import _human, _max, _quiet_time, _sync
 from calibration.microbench.interference import GEMM_SIZE, square_gemm
 
 BURST_S = 1e-3  # the compute between two collectives, as a layer's GEMMs in a small model
@@ -64,10 +71,28 @@ def round_excess(row: dict[str, Any]) -> float:
 RowExcess = Callable[[dict[str, Any]], float]
 
 
+def charged_b2b(rec: dict[str, Any]) -> dict[int, list[float]]:
+    """Per size, each rank's back-to-back time as the simulator charges it: the quiet
+    time over the record's rounds (the second-best round's median, as the collective
+    benchmark keeps), by bytes."""
+    by: dict[int, list[list[float]]] = {}
+    for rnd in rec["rounds"]:
+        for row in rnd:
+            by.setdefault(int(row["bytes"]), []).append(row["b2b_s"])
+    return {s: [_quiet_time(list(r)) for r in zip(*rows, strict=True)]
+            for s, rows in by.items()}
+
+
+def charged_rounds(rec: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The record's rounds with each row's ``b2b_s`` replaced by :func:`charged_b2b`."""
+    b2b = charged_b2b(rec)
+    return [[{**row, "b2b_s": b2b[int(row["bytes"])]} for row in rnd] for rnd in rec["rounds"]]
+
+
 def excess_by_size(rec: dict[str, Any], excess: RowExcess = round_excess) -> dict[int, float]:
     """Each size's median excess over the rounds, seconds, by bytes."""
     by: dict[int, list[float]] = {}
-    for rnd in rec["rounds"]:
+    for rnd in charged_rounds(rec):
         for row in rnd:
             by.setdefault(int(row["bytes"]), []).append(excess(row))
     return {s: statistics.median(v) for s, v in sorted(by.items())}
@@ -80,7 +105,7 @@ def sync_seconds(rec: dict[str, Any], excess: RowExcess = round_excess) -> float
 
 def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:
     """Each round's median excess over its sizes: the samples of the figure's spread."""
-    return [statistics.median(excess(row) for row in rnd) for rnd in rec["rounds"]]
+    return [statistics.median(excess(row) for row in rnd) for rnd in charged_rounds(rec)]
 
 
 # ---------------------------------------------------------------- measuring

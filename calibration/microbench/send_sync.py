@@ -24,7 +24,9 @@ One iteration holds one burst of each rank and two sends, which the simulator
 charges as two bursts and two back-to-back send/recvs; a rank's excess per send is
 ``(with − 2·alone − 2·b2b) / 2``. Both ranks time the same cycle, each against its
 own burst, so a round's excess at S is the ranks' mean (:func:`round_excess`: with
-ranks of unequal speed the mean charges each burst once). As for the collective, a
+ranks of unequal speed the mean charges each burst once), ``b2b`` the quiet time over
+the rounds (:func:`calibration.microbench.collective_sync.charged_b2b`: what the
+collective benchmark keeps and the simulator charges). As for the collective, a
 size's figure is the median over rounds and ``gpu.send_sync_us`` the median over the
 sizes, at least 0 (:func:`sync_seconds`). One node holds one link class,
 ``intra_node``; the inter-node figure stays the preset's (none).
