@@ -329,7 +329,7 @@ def compute_seconds(s: Scenario, stage: int, method: str) -> float:
     par, dt = s.parallel, mdl.dtype_bytes(s.training.dtype)
     if method == "none" or par.dp == 1:
         return 0.0
-    cost = CostModel(s.hardware, "fp32", host_us=s.stack.host_us)
+    cost = CostModel(s.hardware, "fp32", host_us=s.stack.host_us, ranks=par.world)
     elements = stage_elements(s, stage)
     if method == "powersgd":
         b = powersgd_bucket(stage_shapes(s, stage), rank_of(spec_of(s)), min_rate(spec_of(s)))

@@ -19,6 +19,16 @@ dispatch (``gpu.dtensor_gemm_us``) use their own measured figures where the prof
 them.
 Short kernels cost their launch time; long ones hide it.
 
+Rank spread: ranks given the same work do not finish it together, and every
+synchronisation of a step waits for the slowest. With a rank's compute time normal
+with relative spread c (``gpu.rank_spread``, calibrated by
+:mod:`calibration.microbench.rank_spread`; 0 in the presets), the slowest of n ranks
+takes ``1 + c · e_n`` times as long, e_n the expected maximum of n standard normals
+(:func:`expected_max_normal`; Hoefler, Schneider and Lumsdaine, SC 2010, on noise
+amplified by synchronisation). A step's cost model (``ranks``: its world) stretches
+every op by that factor: the wait at each synchronisation grows with the compute
+before it. ``ranks = 1`` prices one rank alone (``clustersim ops``).
+
 Nothing here knows what a transformer is: it prices :class:`simulator.inventory.Op`
 records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
 ``memory``) are what ``speed`` addresses: it makes a kind that many times faster —
@@ -29,8 +39,10 @@ the hardware profile.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from typing import Literal, Protocol
 
 from simulator.hardware import Dtype, HardwareProfile
@@ -68,11 +80,20 @@ class CostModel:
     speed: Mapping[str, float] = field(default_factory=dict)
     #: host time to issue one kernel (the stack's ``host_us``): an op costs at least that
     host_us: float = 0.0
+    #: ranks whose synchronisations the step waits on (its world; 1: one rank alone)
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.speed.items() if k not in COMPUTE_CLASSES or not v > 0}
         if bad:
             raise ValueError(f"speed factors {bad}: classes are {COMPUTE_CLASSES}, factors > 0")
+
+    @cached_property
+    def rank_stretch(self) -> float:
+        """How many times longer the slowest of :attr:`ranks` takes the same compute:
+        ``1 + gpu.rank_spread · e_n`` (1 for one rank or no spread)."""
+        c = self.hw.gpu.rank_spread
+        return 1.0 + c * expected_max_normal(self.ranks) if c and self.ranks > 1 else 1.0
 
     @property
     def peak(self) -> float:
@@ -108,9 +129,10 @@ class CostModel:
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)
         if self.hw.gpu.host_serial:  # one thread runs the framework and the kernels
-            return (max(compute, mem) + overhead + host) / self.speed.get(op.kind, 1.0)
-        seconds = max(max(compute, mem) + overhead, host)
-        return seconds / self.speed.get(op.kind, 1.0)
+            seconds = max(compute, mem) + overhead + host
+        else:
+            seconds = max(max(compute, mem) + overhead, host)
+        return seconds * self.rank_stretch / self.speed.get(op.kind, 1.0)
 
     def bound(self, op: CostedOp) -> str:
         """What sets the op's time: compute, memory, or overhead (launch or host)."""
@@ -144,7 +166,25 @@ class CostModel:
         if nbytes <= 0:
             return 0.0
         return nbytes / (self.hbm * self.hw.gpu.memory_efficiency(nbytes)) \
-            / self.speed.get("memory", 1.0)
+            * self.rank_stretch / self.speed.get("memory", 1.0)
+
+
+@lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n ≤ 1; 1/√π for 2, 3/(2√π) for
+    3): ∫ x · n φ(x) Φ(x)^(n−1) dx by the trapezoid rule on [−12, 12], step 10⁻³, with
+    Φ^(n−1) taken through logarithms so that it holds for millions of ranks."""
+    if n <= 1:
+        return 0.0
+    import numpy as np
+
+    x = np.linspace(-12.0, 12.0, 24001)
+    # log Φ(x): from Φ itself below 0, from 1 − Φ above (each side's accurate tail)
+    log_cdf = np.array([math.log(0.5 * math.erfc(-v / math.sqrt(2.0))) if v < 0
+                        else math.log1p(-0.5 * math.erfc(v / math.sqrt(2.0))) for v in x])
+    density = n * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) * np.exp((n - 1) * log_cdf)
+    y = x * density
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2.0)
 
 
 def _memory_class(cls: str) -> str:

@@ -72,7 +72,7 @@ LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.
 UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
                                       "kernel_overhead", *LINK_NAMES, "interference",
-                                      "collective_sync", "send_sync")
+                                      "collective_sync", "send_sync", "rank_spread")
 #: A factor by which overlapped communication slows compute (1 = not at all).
 Interference = Annotated[float, Field(ge=1, le=10)]
 #: A relative standard deviation (σ / mean).
@@ -188,6 +188,12 @@ class GPUSpec(_Frozen):
     # the receiver's blocking wait and the sender's threads waking
     # (calibration/microbench/send_sync.py; absent = 0)
     send_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # the relative spread c of a rank's compute time on the same work (one device or
+    # core slower than another for a while): every synchronisation of an n-rank step
+    # waits for the slowest, so compute costs 1 + c · e_n times its time
+    # (calibration/microbench/rank_spread.py; simulator.costs.expected_max_normal;
+    # absent = 0)
+    rank_spread: float = Field(default=0.0, ge=0, le=1)
 
     @field_validator("class_efficiency", mode="before")
     @classmethod
@@ -353,7 +359,7 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
-                   "funcol_overhead_us")
+                   "funcol_overhead_us", "rank_spread")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

@@ -73,7 +73,7 @@ def step_time_with(s: Scenario, cost_class: str, factor: float, method: str,
         hw = hw.with_faster_link(cost_class, factor)
     else:
         raise ValueError(f"cost class {cost_class!r} is not one of {cost_classes(s)}")
-    cost = CostModel(s.hardware, s.training.dtype, speed, s.stack.host_us)
+    cost = CostModel(s.hardware, s.training.dtype, speed, s.stack.host_us, s.parallel.world)
     if method == "analytic":
         return float(analytic_estimate(s, cost=cost, hw=hw)["step_time_s"])
     workload = build_workload(s, cost=cost, fidelity=fidelity)

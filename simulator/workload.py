@@ -216,7 +216,8 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     program (:mod:`simulator.program`) where that is exact; ``share_stages=False``
     builds every rank's (what tests compare it with)."""
     layout = layout or layout_of(s)
-    cost = cost or CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
+    cost = cost or CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us,
+                             ranks=s.parallel.world)
     costs = costs or block_costs(s, cost)
     fidelity = fidelity or s.simulation.fidelity
     schedule = build_schedule(s.parallel.schedule, s.parallel.pp, s.microbatches,
@@ -252,7 +253,8 @@ def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
-        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed, cost.host_us)
+        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed, cost.host_us,
+                                          cost.ranks)
         ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])
     build_programs(ctx)
     return ctx

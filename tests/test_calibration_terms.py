@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_profile import profile_from
 
 from calibration.microbench.bench_compute import KERNEL_CLASS, Job, run_jobs
 from calibration.microbench.bench_results import ResultsStore
 from calibration.microbench.bench_timing import budget_for
 from calibration.microbench.busy_guard import DRIFT_LIMIT, SPREAD_LIMIT, judge
 from calibration.microbench.fit import fit_efficiency, fit_intercept
-from calibration.microbench.fit_profile import build_profile, fit_compute, write_profile
+from calibration.microbench.fit_profile import fit_compute, write_profile
 from calibration.microbench.fit_terms import CLASS_SOURCES
 from simulator.hardware import COST_CLASSES, load_system
 
@@ -114,19 +115,12 @@ def test_fit_compute_recovers_overhead_peaks_and_every_class() -> None:
         assert curve.efficiency(1e6) == pytest.approx(eff, rel=1e-3), kernel
 
 
-def _profile(records: list[dict[str, Any]], drift: float | None = None) -> dict[str, Any]:
-    fits = fit_compute(records, "cpu", "fp32", 1, "test cpu", drift)
-    return build_profile(fits, load_system("cpu-1thread"), name="t", device="cpu",
-                         device_name="test cpu", gpus_per_node=2, memory_GB=8.0,
-                         provenance={}, datasheet=False)
-
-
 def test_profile_states_measured_terms_and_marks_the_rest_preset(tmp_path: Path) -> None:
     recs = _records(noise=0.03, seed=1)
     recs.append({"key": "cpu/t1/interference/x", "kind": "interference", "ok": True,
                  "device": "cpu", "threads": 1, "link": "intra_node", "factor": 1.3,
                  "round_ratios": [1.25, 1.3, 1.35]})
-    prof = _profile(recs)
+    prof = profile_from(recs)
     written = write_profile(prof, tmp_path / "p.yaml")
     assert load_system(str(tmp_path / "p.yaml")) == written
     gpu = written.gpu
@@ -147,7 +141,7 @@ def test_profile_states_measured_terms_and_marks_the_rest_preset(tmp_path: Path)
 
 def test_unmeasured_overhead_and_interference_are_preset() -> None:
     recs = [r for r in _records() if r["kind"] not in ("overhead", "memory")]
-    prof = _profile(recs)
+    prof = profile_from(recs)
     terms = prof["provenance"]["terms"]
     assert terms["kernel_overhead"]["source"] == "preset"
     assert terms["interference"]["source"] == "preset"
@@ -159,8 +153,8 @@ def test_unmeasured_overhead_and_interference_are_preset() -> None:
 
 
 def test_drift_widens_every_compute_spread() -> None:
-    quiet = _profile(_records(noise=0.03, seed=2))["uncertainty"]
-    drifting = _profile(_records(noise=0.03, seed=2), drift=0.3)["uncertainty"]
+    quiet = profile_from(_records(noise=0.03, seed=2))["uncertainty"]
+    drifting = profile_from(_records(noise=0.03, seed=2), drift=0.3)["uncertainty"]
     for term in ("gemm", "memory", "softmax", "kernel_overhead"):
         assert drifting[term] > quiet[term] + 0.05, term
 
@@ -263,7 +257,7 @@ def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:
 
     recs = [r if r["kind"] not in ("attention", "attention_bwd") else {**r, "causal": True}
             for r in _records()]
-    prof = load_system_from(_profile(recs))
+    prof = load_system_from(profile_from(recs))
     cost = CostModel(prof, "fp32")
     for kind, cls in (("attention", "attention_fwd"), ("attention_bwd", "attention_bwd")):
         for r in (r for r in recs if r["kind"] == kind and r["flops"] >= 1e8):

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_profile import profile_from
 
 from calibration.microbench import collective_sync as cs
-from calibration.microbench.fit_profile import build_profile, fit_compute, write_profile
+from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import collective_sync_spread
 from simulator.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
 from simulator.errors import UserError
@@ -160,15 +161,8 @@ def test_a_tp_step_grows_by_its_collectives_times_the_sync_in_engine_and_analyti
 # ---------------------------------------------------------------- the profile
 
 
-def _profile(records: list[dict[str, Any]]) -> dict[str, Any]:
-    fits = fit_compute(records, "cpu", "fp32", 1, "test cpu")
-    return build_profile(fits, load_system("cpu-1thread"), name="t", device="cpu",
-                         device_name="test cpu", gpus_per_node=2, memory_GB=8.0,
-                         provenance={}, datasheet=False)
-
-
 def test_measured_sync_round_trips_with_its_provenance_and_spread(tmp_path: Path) -> None:
-    written = write_profile(_profile([_record()]), tmp_path / "p.yaml")
+    written = write_profile(profile_from([_record()]), tmp_path / "p.yaml")
     assert load_system(str(tmp_path / "p.yaml")) == written
     assert written.gpu.collective_sync_s("intra_node") == pytest.approx(SYNC_US * 1e-6)
     assert written.gpu.collective_sync_s("inter_node") == 0.0
@@ -180,7 +174,7 @@ def test_measured_sync_round_trips_with_its_provenance_and_spread(tmp_path: Path
 
 
 def test_without_a_measurement_the_sync_is_the_presets_none() -> None:
-    prof = _profile([{**_record(), "ok": False}])
+    prof = profile_from([{**_record(), "ok": False}])
     assert prof["provenance"]["terms"]["collective_sync"] == {"source": "preset",
                                                              "from": "cpu-1thread"}
     assert prof["gpu"]["collective_sync_us"] == {}

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from calibration.host import kill_process_group, worker_pythonpath
-from calibration.microbench import send_sync
+from calibration.microbench import rank_spread, send_sync
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
 from calibration.microbench.collective_sync import sync_key
@@ -61,7 +61,8 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
     term_flags = {interference_key(device.kind, device.threads): "--interference",
                   sync_key(device.kind, device.threads): "--collective-sync",
-                  send_sync.sync_key(device.kind, device.threads): "--send-sync"}
+                  send_sync.sync_key(device.kind, device.threads): "--send-sync",
+                  rank_spread.spread_key(device.kind, device.threads): "--rank-spread"}
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()

@@ -43,6 +43,7 @@ from calibration.microbench.fit_terms import (
     fit_classes,
     fit_overhead,
     interference_factor,
+    rank_spread,
     send_sync,
 )
 from simulator.hardware import HardwareProfile, load_system
@@ -143,6 +144,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
         [r for r in records if r.get("kind") == "send_sync"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.rank_spread, fits.terms.rank_spread_record = rank_spread(
+        [r for r in records if r.get("kind") == "rank_spread"
          and all(r.get(k) == v for k, v in sel.items())])
     return fits
 
@@ -309,6 +313,9 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
             "send_sync": fits.terms.send_sync_record and {
                 k: fits.terms.send_sync_record.get(k)
                 for k in ("burst_s", "gemms", "iterations", "sizes")},
+            "rank_spread": fits.terms.rank_spread_record and {
+                k: fits.terms.rank_spread_record.get(k)
+                for k in ("burst_s", "gemms", "iterations")},
             "collectives_holdout_median_rel_error": _round(_pooled_holdout_error(fits)),
             "collectives": {op: {link: {"n_train": f.n_train, "n_holdout": f.n_holdout,
                                         "train_median_rel_error": _round(f.train_error),
@@ -340,6 +347,8 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
                                     fits.terms.collective_sync.items()}}
     gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
                            **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
+    if fits.terms.rank_spread is not None:
+        gpu["rank_spread"] = _sig(fits.terms.rank_spread)
     terms, spread = term_sources(fits, base.name)
     prof["uncertainty"] = {**prof.get("uncertainty", {}), **spread}
     return terms

@@ -12,7 +12,9 @@ sync cost, and each one's spread.
 - ``collective_sync``: the cost of a collective after compute beyond back to back,
   per link class (:func:`calibration.microbench.collective_sync.sync_seconds`);
 - ``send_sync``: the same for a point-to-point send
-  (:func:`calibration.microbench.send_sync.sync_seconds`).
+  (:func:`calibration.microbench.send_sync.sync_seconds`);
+- ``rank_spread``: the relative spread of a rank's compute time, from the slower of two
+  ranks running the same burst (:func:`calibration.microbench.rank_spread.spread`).
 
 The spread of each fitted term (``uncertainty``, a relative σ) is how far a
 rerun of the calibration could plausibly move the term as a whole — the Monte
@@ -28,8 +30,9 @@ reference kernel's start-to-end drift d as a uniform spread, d / √12). The
 overhead's spread is its jackknife standard error, the standard error of the
 mean over kernels, and the drift; a link's the standard error of its α-β fit's
 level (residual σ / √n); the interference factor's the standard error of the
-mean over its rounds, and each sync cost's the standard error of its rounds' figures
-relative to it. A term that was not measured gets no spread (the run
+mean over its rounds, each sync cost's the standard error of its rounds' figures
+relative to it, and the rank spread's the standard error of its rounds' excesses
+relative to their mean. A term that was not measured gets no spread (the run
 reports a point estimate for it) and ``source: preset`` in ``provenance.terms``.
 """
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from calibration.microbench import collective_sync as cs
+from calibration.microbench import rank_spread as rs
 from calibration.microbench import send_sync as ss
 from calibration.microbench.bench_compute import KERNEL_CLASS
 from calibration.microbench.fit import (
@@ -83,6 +87,8 @@ class TermFits:
     collective_sync_record: dict[str, Any] | None = None
     send_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     send_sync_record: dict[str, Any] | None = None
+    rank_spread: float | None = None  # relative spread of a rank's compute time
+    rank_spread_record: dict[str, Any] | None = None
 
 
 def fit_overhead(records: list[dict[str, Any]]) -> tuple[dict[str, LineFit], float]:
@@ -171,6 +177,15 @@ def send_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str
     return _sync_term(records, ss.sync_seconds)
 
 
+def rank_spread(records: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
+    """The rank spread (relative σ of a rank's compute time), from the latest successful
+    record."""
+    ok = [r for r in records if r.get("ok") and r.get("rounds")]
+    if not ok:
+        return None, None
+    return rs.spread(ok[-1]), ok[-1]
+
+
 def _sync_term(records: list[dict[str, Any]], seconds: Figure) -> tuple[dict[str, float],
                                                                          dict[str, Any] | None]:
     ok = [r for r in records if r.get("ok") and r.get("rounds")]
@@ -233,6 +248,13 @@ def send_sync_spread(rec: dict[str, Any] | None) -> float | None:
     return _sync_spread(rec, ss.sync_seconds, ss.round_figures)
 
 
+def rank_spread_spread(rec: dict[str, Any] | None) -> float | None:
+    rounds = rs.round_excesses(rec) if rec else []
+    if len(rounds) < 2 or statistics.fmean(rounds) <= 0:
+        return None
+    return _clamp(statistics.stdev(rounds) / statistics.fmean(rounds) / math.sqrt(len(rounds)))
+
+
 def _sync_spread(rec: dict[str, Any] | None, seconds: Figure,
                  figures_of: Callable[[dict[str, Any]], list[float]]) -> float | None:
     if not rec or len(rec.get("rounds", [])) < 2 or seconds(rec) <= 0:
@@ -292,8 +314,13 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
             measured(term, len(rec["rounds"]), sync_spread(rec),
                      link=rec.get("link", "intra_node"),
                      by_size_us={s: round(t * 1e6, 1) for s, t in mod.excess_by_size(rec).items()})
+    rec = fits.terms.rank_spread_record
+    if rec is not None:
+        measured("rank_spread", len(rec["rounds"]), rank_spread_spread(rec),
+                 excess=round(rs.excess(rec), 4), burst_s=rec.get("burst_s"))
     names = ("gemm", "attention", "memory", *CLASS_SOURCES, "kernel_overhead", "intra_node",
-             "inter_node", "point_to_point", "interference", "collective_sync", "send_sync")
+             "inter_node", "point_to_point", "interference", "collective_sync", "send_sync",
+             "rank_spread")
     for term in names:
         terms.setdefault(term, {"source": "preset", "from": base_name})
     return terms, spread

@@ -131,6 +131,9 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     for link, us in (gpu.get("send_sync_us") or {}).items():
         lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
                      "beyond back to back")
+    if gpu.get("rank_spread"):
+        lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
+                     "time; each synchronisation waits for the slowest)")
     for op, by_link in profile.get("collectives", {}).items():
         for link, ab in by_link.items():
             lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "

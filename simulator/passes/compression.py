@@ -37,7 +37,8 @@ class Compressor:
         self.ctx, self.stream = ctx, stream
         self.method = cmp.effective_method(ctx.s)
         self.g = cmp.spec_of(ctx.s)
-        self.cost = CostModel(ctx.cost.hw, "fp32", ctx.cost.speed, ctx.cost.host_us)
+        self.cost = CostModel(ctx.cost.hw, "fp32", ctx.cost.speed, ctx.cost.host_us,
+                              ctx.cost.ranks)
         self.shapes: dict[int, list[list[tuple[int, int]]]] = {}
 
     @property
