@@ -32,6 +32,7 @@ flows is ignored here — that is the engine's job, as are degraded links and ji
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from simulator import accounting as acc
@@ -363,7 +364,7 @@ def _compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
     dt = s.stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))  # what the buckets hold
     if method == "onebit_adam":
         return 0.0, 0.0
-    fp32 = CostModel(hw, "fp32", cost.speed, cost.host_us, cost.ranks)
+    fp32 = replace(cost, hw=hw, dtype="fp32")
     group = layout.dp_group(0)
     op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     units = cmp.stage_units(s, stage)
@@ -401,7 +402,7 @@ def _momentum_exchange(s: Scenario, layout: Layout, hw: HardwareProfile,
     if cmp.effective_method(s) != "onebit_adam":
         return 0.0, 0.0
     par, n = s.parallel, s.parallel.dp
-    fp32 = CostModel(hw, "fp32", cost.speed, cost.host_us, cost.ranks)
+    fp32 = replace(cost, hw=hw, dtype="fp32")
     elements = cmp.stage_elements(s, stage)
     compute = sum(fp32.ops_time(ops) for ops in cmp.onebit_ops(elements, n))
     comm = sum(_collective_time(s, layout, op, size, layout.dp_group(0), hw)
@@ -425,7 +426,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                              ranks=s.parallel.world)
     c = costs or block_costs(s, cost)
     # a mixed-generation cluster: each stage's blocks on its own system
-    stage_cost = {st: CostModel(h, s.training.dtype, cost.speed, cost.host_us, cost.ranks)
+    stage_cost = {st: replace(cost, hw=h)
                   for st, h in s.stage_hardware.items()}
     per_stage = {st: block_costs(s, sc) for st, sc in stage_cost.items()}
     s = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens

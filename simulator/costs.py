@@ -172,13 +172,15 @@ class CostModel:
 @lru_cache(maxsize=1024)
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n ≤ 1; 1/√π for 2, 3/(2√π) for
-    3): ∫ x · n φ(x) Φ(x)^(n−1) dx by the trapezoid rule on [−12, 12], step 10⁻³, with
-    Φ^(n−1) taken through logarithms so that it holds for millions of ranks."""
+    3): ∫ x · n φ(x) Φ(x)^(n−1) dx by the trapezoid rule on [−12, 12], step 10⁻² (for an
+    integrand this smooth that vanishes at both ends the rule converges exponentially:
+    the closed forms agree to 1e-15), with Φ^(n−1) taken through logarithms so that it
+    holds for millions of ranks."""
     if n <= 1:
         return 0.0
     import numpy as np
 
-    x = np.linspace(-12.0, 12.0, 24001)
+    x = np.linspace(-12.0, 12.0, 2401)
     # log Φ(x): from Φ itself below 0, from 1 − Φ above (each side's accurate tail)
     log_cdf = np.array([math.log(0.5 * math.erfc(-v / math.sqrt(2.0))) if v < 0
                         else math.log1p(-0.5 * math.erfc(v / math.sqrt(2.0))) for v in x])

@@ -253,8 +253,7 @@ def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
-        ctx.stage_cost[stage] = CostModel(hw, s.training.dtype, cost.speed, cost.host_us,
-                                          cost.ranks)
+        ctx.stage_cost[stage] = replace(cost, hw=hw)
         ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])
     build_programs(ctx)
     return ctx

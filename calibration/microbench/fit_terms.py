@@ -180,19 +180,21 @@ def send_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str
 def rank_spread(records: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
     """The rank spread (relative σ of a rank's compute time), from the latest successful
     record."""
-    ok = [r for r in records if r.get("ok") and r.get("rounds")]
-    if not ok:
-        return None, None
-    return rs.spread(ok[-1]), ok[-1]
+    rec = _latest_rounds(records)
+    return (None, None) if rec is None else (rs.spread(rec), rec)
 
 
 def _sync_term(records: list[dict[str, Any]], seconds: Figure) -> tuple[dict[str, float],
                                                                          dict[str, Any] | None]:
+    rec = _latest_rounds(records)
+    return ({}, None) if rec is None else ({str(rec.get("link", "intra_node")): seconds(rec)},
+                                           rec)
+
+
+def _latest_rounds(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest successful record that has rounds (a term measured in rounds)."""
     ok = [r for r in records if r.get("ok") and r.get("rounds")]
-    if not ok:
-        return {}, None
-    rec = ok[-1]
-    return {str(rec.get("link", "intra_node")): seconds(rec)}, rec
+    return ok[-1] if ok else None
 
 
 # ---------------------------------------------------------------- spreads
@@ -234,10 +236,15 @@ def link_spread(fit: AlphaBetaFit, samples: list[Sample]) -> float | None:
 
 
 def interference_spread(rec: dict[str, Any] | None) -> float | None:
-    ratios = [float(x) for x in (rec or {}).get("round_ratios", [])]
-    if len(ratios) < 2:
+    return _mean_rel_se([float(x) for x in (rec or {}).get("round_ratios", [])])
+
+
+def _mean_rel_se(values: list[float]) -> float | None:
+    """The standard error of the mean of ``values`` relative to it (None for fewer than
+    two, or a mean of 0 or less)."""
+    if len(values) < 2 or statistics.fmean(values) <= 0:
         return None
-    return _clamp(statistics.stdev(ratios) / statistics.fmean(ratios) / math.sqrt(len(ratios)))
+    return _clamp(statistics.stdev(values) / statistics.fmean(values) / math.sqrt(len(values)))
 
 
 def collective_sync_spread(rec: dict[str, Any] | None) -> float | None:
@@ -249,10 +256,7 @@ def send_sync_spread(rec: dict[str, Any] | None) -> float | None:
 
 
 def rank_spread_spread(rec: dict[str, Any] | None) -> float | None:
-    rounds = rs.round_excesses(rec) if rec else []
-    if len(rounds) < 2 or statistics.fmean(rounds) <= 0:
-        return None
-    return _clamp(statistics.stdev(rounds) / statistics.fmean(rounds) / math.sqrt(len(rounds)))
+    return _mean_rel_se(rs.round_excesses(rec) if rec else [])
 
 
 def _sync_spread(rec: dict[str, Any] | None, seconds: Figure,

@@ -22,8 +22,9 @@ the scenario's cost model (its ``--what-if`` speed factors included).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from simulator import compression as cmp
-from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
 from simulator.model import Op
 from simulator.passes.context import Context
@@ -37,8 +38,7 @@ class Compressor:
         self.ctx, self.stream = ctx, stream
         self.method = cmp.effective_method(ctx.s)
         self.g = cmp.spec_of(ctx.s)
-        self.cost = CostModel(ctx.cost.hw, "fp32", ctx.cost.speed, ctx.cost.host_us,
-                              ctx.cost.ranks)
+        self.cost = replace(ctx.cost, dtype="fp32")
         self.shapes: dict[int, list[list[tuple[int, int]]]] = {}
 
     @property
