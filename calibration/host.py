@@ -1,7 +1,8 @@
 """What both products share about the machine they run on: the CPU's name (a CPU
 calibration's or a measured CPU run's "device"), the ``PYTHONPATH`` torchrun's
-workers need, stopping a torchrun launch, and the host allocator a CPU "device" runs
-with (:func:`keep_freed_memory`).
+workers need, stopping a torchrun launch, the host allocator a CPU "device" runs
+with (:func:`keep_freed_memory`), and the share of the CPU a hypervisor took while
+something ran (:class:`StealMeter`).
 
 Microbenchmarks (:mod:`calibration.microbench`) and measured runs
 (:mod:`calibration.measured`) both launch workers with ``torchrun`` in a process
@@ -94,3 +95,63 @@ def keep_freed_memory() -> str | None:
         return None
     ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     return ALLOCATOR_NOTE if ok else None
+
+
+#: the busy guard's limit on the hypervisor's share of the CPU (steal). On this
+#: project's 2-vCPU VM (2026-12-03) it read 0–2% when calm and 25–37% in spells
+#: (``vmstat``'s ``st``); five back-to-back tiny-gpt PP 2 GPipe runs measured 89.9,
+#: 93.9, 96.9, 100.7 and 113.1 ms a step at 0.7, 2.6, 4.8, 5.5 and 5.9% steal: each
+#: point of steal cost 2–5% of the step (two ranks on two vCPUs wait for whichever
+#: the hypervisor stalls)
+STEAL_LIMIT = 0.05
+
+
+def cpu_times(stat: str | None = None) -> tuple[int, int] | None:
+    """(steal, total) clock ticks of all CPUs since boot, from ``/proc/stat``'s ``cpu``
+    line (``user nice system idle iowait irq softirq steal``; ``guest`` and
+    ``guest_nice`` are already in ``user`` and ``nice``, see proc(5)); None where the
+    file is missing (not Linux) or has no steal field (a kernel before 2.6.11)."""
+    if stat is None:
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            try:
+                ticks = [int(x) for x in fields[1:9]]
+            except ValueError:
+                return None
+            return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
+    return None
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the CPU time between two :func:`cpu_times` readings that the
+    hypervisor gave to other guests (what ``top`` and ``vmstat`` call ``st``); None when
+    either reading is missing or no tick passed."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return max(after[0] - before[0], 0) / (after[1] - before[1])
+
+
+class StealMeter:
+    """``with StealMeter() as m: ...`` then ``m.share``: the steal share over the block.
+
+    On a virtual machine whose host is overcommitted, the hypervisor runs other guests
+    on this VM's CPUs; every timing then reads slow, by an amount no repeat can average
+    out when it lasts. The kernel counts those ticks, so a run can say how much of the
+    machine it had instead of guessing from its timings' spread.
+    """
+
+    def __init__(self) -> None:
+        self.before: tuple[int, int] | None = None
+        self.share: float | None = None
+
+    def __enter__(self) -> StealMeter:
+        self.before = cpu_times()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.share = steal_share(self.before, cpu_times())

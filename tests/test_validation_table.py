@@ -43,8 +43,8 @@ def test_configs_cover_the_issue_list() -> None:
 
 def test_table_markdown_and_csv(tmp_path: Path) -> None:
     md = markdown(ROWS, HEADER)
-    assert "| dp2-ddp | 100.0 | 90.0 | -10.0% | +5.0% | 20% | 10% |  |" in md
-    assert "| tp2 | – | – | – | – | – | – | failed: boom |" in md
+    assert "| dp2-ddp | 100.0 | 90.0 | -10.0% | +5.0% | 20% | 10% | – |  |" in md
+    assert "| tp2 | – | – | – | – | – | – | – | failed: boom |" in md
     paths = write_table(tmp_path, ROWS, HEADER)
     assert [p.name for p in paths] == ["validation.csv", "validation.md"]
     rows = list(csv.DictReader((tmp_path / "validation.csv").open()))
@@ -99,15 +99,18 @@ def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
 
 
 def test_step_spread_and_the_note_of_a_re_measured_row() -> None:
-    from calibration.measured.validation import scatter_note, step_spread
+    from calibration.measured.validation import retry_note, step_spread
 
     assert step_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
     # quartiles 2.0 and 3.0 (inclusive method) over the median 2.5
     assert step_spread([1.0, 2.0, 3.0, 4.0, 2.0, 3.0, 2.5]) == pytest.approx(0.4)
-    assert scatter_note([0.05], 0.05) == ""
-    assert scatter_note([0.3, 0.04], 0.04) == ("steps scattered 30%; measured 2 times, kept "
-                                              "the run at 4%")
-    assert scatter_note([0.3, 0.2], 0.2).endswith("(still scattered: a busy machine)")
+    assert retry_note([(0.05, None)], 0) == ""
+    assert retry_note([(0.3, 0.01), (0.04, 0.0)], 1) == ("steps scattered 30%; measured 2 "
+                                                         "times, kept the run at 4%")
+    assert retry_note([(0.3, None), (0.2, None)], 1).endswith(
+        "(still scattered: a busy machine)")
+    assert retry_note([(0.3, 0.2), (0.04, 0.01)], 1).startswith(
+        "steps scattered 30% and 20% steal; measured 2 times")
 
 
 def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(

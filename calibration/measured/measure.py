@@ -7,7 +7,9 @@ and leaves in the output directory:
 
 * ``measured.json`` - median step time after warm-up, every step time, the
   compute / communication split of one profiled step, peak memory per rank and
-  the configuration that ran (written atomically by rank 0);
+  the configuration that ran (written atomically by rank 0), and the share of
+  the CPU a hypervisor took during the launch (``cpu_steal``, from
+  ``/proc/stat``; None off Linux), with a warning above 5%;
 * ``trace.json`` - rank 0's ``torch.profiler`` Chrome trace of that step
   (every rank's is under ``traces/``);
 * ``scenario.yaml`` - the simulator scenario of the same run, for
@@ -39,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from calibration.host import STEAL_LIMIT, StealMeter
 from calibration.measured.gpt_presets import PRESETS
 from calibration.measured.measure_config import (
     DEFAULT_TIMEOUT_S,
@@ -102,21 +105,31 @@ def run_config(cfg: MeasureConfig) -> dict[str, Any]:
     config_path = out / "run_config.json"
     write_json_atomic(config_path, asdict(cfg))
     result_path = out / "measured.json"
-    try:
-        launch(cfg, config_path)
-    except MeasureError as exc:
-        # Rank 0 writes measured.json (atomically) only after every rank has
-        # reported, so a result on disk means the crash came in teardown.
-        if not result_path.exists():
-            raise
-        measured = json.loads(result_path.read_text())
-        measured["warnings"] = [f"a worker failed after the results were complete: {exc}"]
-        write_json_atomic(result_path, measured)
+    warnings: list[str] = []
+    with StealMeter() as steal:
+        try:
+            launch(cfg, config_path)
+        except MeasureError as exc:
+            # Rank 0 writes measured.json (atomically) only after every rank has
+            # reported, so a result on disk means the crash came in teardown.
+            if not result_path.exists():
+                raise
+            warnings.append(f"a worker failed after the results were complete: {exc}")
     if not result_path.exists():
         raise MeasureError(
             f"measure: workers exited cleanly but wrote no {result_path}; see {out / 'logs'}"
         )
     measured = json.loads(result_path.read_text())
+    # the whole launch's share (start-up included): a run on a VM whose hypervisor took
+    # a tenth of the CPU or more is slowed by it, and its table row says so
+    measured["cpu_steal"] = None if steal.share is None else round(steal.share, 4)
+    if (steal.share or 0.0) > STEAL_LIMIT:
+        warnings.append(f"the hypervisor took {steal.share:.0%} of the CPU time during the "
+                        f"run (steal in /proc/stat, limit {STEAL_LIMIT:.0%}): its times read "
+                        "slow; measure again on a quieter machine")
+    if warnings:
+        measured["warnings"] = [*measured.get("warnings", []), *warnings]
+    write_json_atomic(result_path, measured)
     rank0_trace = out / "traces" / "trace_rank0.json"
     if rank0_trace.exists():
         shutil.copyfile(rank0_trace, out / "trace.json")
@@ -267,6 +280,8 @@ def _cli_main(args: argparse.Namespace) -> int:
         f"(median of {len(result['step_times_s'])}), compute {result['compute_s'] * 1e3:.1f} ms, "
         f"comm {result['comm_s'] * 1e3:.1f} ms -> {args.out}"
     )
+    for warning in result.get("warnings", []):
+        print(f"WARNING: {warning}", file=sys.stderr)
     return 0
 
 

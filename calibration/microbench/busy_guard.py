@@ -12,9 +12,14 @@ came or went) or its timings scatter (it competes for the core in bursts). So:
   during the run;
 - each timing keeps the spread of its repeats ((p75 − p25) / median); the median
   spread over the run's compute measurements above :data:`SPREAD_LIMIT` (12%;
-  about 2–6% on an idle machine here) means the timings are noisy throughout.
+  about 2–6% on an idle machine here) means the timings are noisy throughout;
+- on a virtual machine, the hypervisor's share of the CPU over the attempt
+  (steal, from ``/proc/stat``: :class:`calibration.host.StealMeter`) above
+  :data:`calibration.host.STEAL_LIMIT` (5%) means other guests ran on this
+  machine's CPUs, whatever the timings' spread says: a steady steal slows every
+  kernel alike and leaves neither drift nor spread.
 
-Either finding is a WARNING in the CLI output, in the profile's provenance
+Any finding is a WARNING in the CLI output, in the profile's provenance
 (``busy_guard``) and in the report. With ``--retry-busy N`` the compute part is
 measured again (up to N times; the fitter keeps each kernel's fastest reading),
 with a fresh reference timing after each attempt, until the guard is quiet.
@@ -25,6 +30,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from typing import Any
+
+from calibration.host import STEAL_LIMIT
 
 DRIFT_LIMIT = 0.15
 SPREAD_LIMIT = 0.12
@@ -39,10 +46,12 @@ class Verdict:
     drift: float | None  # |end − start| / min(start, end)
     spread: float | None  # median repeat spread of the attempt's measurements
     samples: int  # measurements the spread is the median of
+    steal: float | None = None  # the hypervisor's share of the CPU over the attempt
 
     @property
     def busy(self) -> bool:
-        return bool((self.drift or 0.0) > DRIFT_LIMIT or (self.spread or 0.0) > SPREAD_LIMIT)
+        return bool((self.drift or 0.0) > DRIFT_LIMIT or (self.spread or 0.0) > SPREAD_LIMIT
+                    or (self.steal or 0.0) > STEAL_LIMIT)
 
     def warning(self) -> str | None:
         """One WARNING line naming the figures, or None when the machine looked quiet."""
@@ -56,6 +65,9 @@ class Verdict:
         if (self.spread or 0.0) > SPREAD_LIMIT:
             why.append(f"the median repeat spread was {self.spread:.1%} over {self.samples} "
                        f"measurements (limit {SPREAD_LIMIT:.0%})")
+        if (self.steal or 0.0) > STEAL_LIMIT:
+            why.append(f"the hypervisor took {self.steal:.0%} of the CPU time (steal in "
+                       f"/proc/stat, limit {STEAL_LIMIT:.0%}): other guests ran on its cores")
         return ("WARNING: the machine looked busy during calibration: " + "; ".join(why)
                 + ". Timings may read slow; rerun on an idle machine or with --retry-busy N.")
 
@@ -63,7 +75,8 @@ class Verdict:
         return {"reference_start_ms": _ms(self.start_s), "reference_end_ms": _ms(self.end_s),
                 "drift": _r(self.drift), "drift_limit": DRIFT_LIMIT,
                 "median_repeat_spread": _r(self.spread), "spread_limit": SPREAD_LIMIT,
-                "spread_samples": self.samples, "busy": self.busy}
+                "spread_samples": self.samples, "steal": _r(self.steal),
+                "steal_limit": STEAL_LIMIT, "busy": self.busy}
 
 
 def _ms(x: float | None) -> float | None:
@@ -80,8 +93,9 @@ def drift(start_s: float, end_s: float) -> float:
 
 
 def judge(start: dict[str, Any] | None, end: dict[str, Any] | None,
-          measured: list[dict[str, Any]]) -> Verdict:
-    """The verdict on one attempt: its reference records and the records it measured."""
+          measured: list[dict[str, Any]], steal: float | None = None) -> Verdict:
+    """The verdict on one attempt: its reference records, the records it measured and
+    the steal share over it (None where the machine does not count steal)."""
     spreads = [float(r["spread"]) for r in measured
                if r.get("ok") and r.get("kind") in TIMED_KINDS and "spread" in r]
     for ref in (start, end):
@@ -90,4 +104,5 @@ def judge(start: dict[str, Any] | None, end: dict[str, Any] | None,
     s = float(start["time_s"]) if start else None
     e = float(end["time_s"]) if end else None
     return Verdict(s, e, drift(s, e) if s and e else None,
-                   float(statistics.median(spreads)) if spreads else None, len(spreads))
+                   float(statistics.median(spreads)) if spreads else None, len(spreads),
+                   steal)

@@ -30,7 +30,8 @@ Cost semantics and fitting rules: :mod:`calibration.microbench.fit`. Timing rule
 the moment it is taken, so an interrupted run resumes where it stopped
 (:mod:`calibration.microbench.bench_results`). On a CPU a "GPU" is one process with
 ``--threads`` threads (one by default), the same device the measured CPU runs use.
-A reference GEMM timed at the start and the end guards against a busy machine
+A reference GEMM timed at the start and the end, and on a VM the hypervisor's steal
+share, guard against a busy machine
 (:mod:`calibration.microbench.busy_guard`; ``--retry-busy N`` re-measures), and
 every fitted term's spread goes to the profile's ``uncertainty``
 (:mod:`calibration.microbench.fit_terms`).
@@ -60,8 +61,9 @@ copy, AdamW) with a curve per cost class, the per-kernel overhead (tiny kernels'
 intercept), all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
 under torchrun (gloo on cpu, NCCL on cuda), a GEMM's slowdown under them and
 what an all-reduce after compute costs beyond back to back.
-A reference GEMM timed at the start and the end warns of a busy machine; each
-fitted term's spread goes to the profile's uncertainty section (used by
+A reference GEMM timed at the start and the end and the hypervisor's steal share
+warn of a busy machine; each fitted term's spread goes to the profile's
+uncertainty section (used by
 'clustersim run --uncertainty N'). Every measurement is appended to a
 results file at once: rerun the same command to resume an interrupted run.
 'calibrate report PROFILE.yaml --out DIR' plots measured vs fitted."""
@@ -126,8 +128,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-failed", action="store_true",
                    help="re-measure what the results file records as failed")
     p.add_argument("--retry-busy", type=int, default=0, metavar="N",
-                   help="when the reference GEMM drifts >15%% between start and end or repeats "
-                   "scatter >12%%, re-measure the compute part up to N times (default 0: "
+                   help="when the reference GEMM drifts >15%% between start and end, repeats "
+                   "scatter >12%% or a hypervisor takes >5%% of the CPU (steal), re-measure "
+                   "the compute part up to N times (default 0: "
                    "only warn)")
     p.set_defaults(func=run_calibrate)
     sub = p.add_subparsers(dest="calibrate_action", metavar="{report}")
@@ -281,25 +284,28 @@ def _guarded(opts: Options, device: Any, budget: Any, store: Any,
     (with the attempts taken and the warning, if any) for the provenance."""
     import dataclasses
 
+    from calibration.host import StealMeter
     from calibration.microbench.bench_terms import time_reference
     from calibration.microbench.busy_guard import judge
 
     first = len(store.records())
-    start = time_reference(device, opts.dtype, budget, "start")
-    _measure_compute(opts, device, budget, store)
-    _measure_collectives(opts, device, budget, store, have_nccl)
-    verdict = judge(start, time_reference(device, opts.dtype, budget, "end"),
-                    store.records()[first:])
+    with StealMeter() as steal:
+        start = time_reference(device, opts.dtype, budget, "start")
+        _measure_compute(opts, device, budget, store)
+        _measure_collectives(opts, device, budget, store, have_nccl)
+        end = time_reference(device, opts.dtype, budget, "end")
+    verdict = judge(start, end, store.records()[first:], steal.share)
     attempt = 0
     while verdict.busy and attempt < opts.retry_busy:
         attempt += 1
         _say(f"{verdict.warning()} Re-measuring the compute part "
              f"(--retry-busy: attempt {attempt} of {opts.retry_busy}).")
         first = len(store.records())
-        start = time_reference(device, opts.dtype, budget, f"retry{attempt}-start")
-        _measure_compute(opts, device, dataclasses.replace(budget, retry=attempt), store)
-        verdict = judge(start, time_reference(device, opts.dtype, budget,
-                                              f"retry{attempt}-end"), store.records()[first:])
+        with StealMeter() as steal:
+            start = time_reference(device, opts.dtype, budget, f"retry{attempt}-start")
+            _measure_compute(opts, device, dataclasses.replace(budget, retry=attempt), store)
+            end = time_reference(device, opts.dtype, budget, f"retry{attempt}-end")
+        verdict = judge(start, end, store.records()[first:], steal.share)
     warning = verdict.warning()
     if warning:
         _say(warning)

@@ -95,7 +95,8 @@ def terms_markdown(profile: dict[str, Any]) -> str:
                 f"{guard.get('reference_end_ms')} ms at the end (drift {_pct(guard.get('drift'))},"
                 f" limit {_pct(guard.get('drift_limit'))}); median repeat spread "
                 f"{_pct(guard.get('median_repeat_spread'))} (limit "
-                f"{_pct(guard.get('spread_limit'))}); re-measures {guard.get('retries', 0)}."]
+                f"{_pct(guard.get('spread_limit'))}); steal {_pct(guard.get('steal'))} (limit "
+                f"{_pct(guard.get('steal_limit'))}); re-measures {guard.get('retries', 0)}."]
         if guard.get("warning"):
             out += ["", f"**{guard['warning']}**"]
     return "\n".join(out) + "\n"
