@@ -121,7 +121,7 @@ def run_config(cfg: MeasureConfig) -> dict[str, Any]:
         )
     measured = json.loads(result_path.read_text())
     # the whole launch's share (start-up included): a run on a VM whose hypervisor took
-    # a tenth of the CPU or more is slowed by it, and its table row says so
+    # more than STEAL_LIMIT of the CPU is slowed by it, and its table row says so
     measured["cpu_steal"] = None if steal.share is None else round(steal.share, 4)
     if (steal.share or 0.0) > STEAL_LIMIT:
         warnings.append(f"the hypervisor took {steal.share:.0%} of the CPU time during the "

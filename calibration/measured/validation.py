@@ -301,7 +301,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def stolen_summary(rows: list[dict[str, Any]]) -> str:
-    """The sentence on rows measured while a hypervisor took over a tenth of the CPU."""
+    """The sentence on rows measured while a hypervisor took over STEAL_LIMIT of the
+    CPU."""
     stolen = [r["cpu_steal"] for r in rows if (r.get("cpu_steal") or 0.0) > STEAL_LIMIT]
     if not stolen:
         return ""
