@@ -438,7 +438,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                                                                           trn.dtype),
                             layout.tp_group(rank0), hw)
     if par.tp > 1:  # DTensor's functional collectives: their host time before each
-        t_tp += cost.funcol_s(s.stack.dtensor)
+        t_tp += cost.funcol_s(s.stack.dtensor, layout.group_link(layout.tp_group(rank0)))
     experts = _expert_times(s, layout, cost, hw)
     t_cp = _cp_exposed(s, layout, c, hw)
     stages = [_stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp)

@@ -150,11 +150,15 @@ class CostModel:
         (``runtime == "torch"``) where the stack has a per-kernel host cost, else 0."""
         return self._host_term(self.hw.gpu.pipeline_action_us, runtime == "torch")
 
-    def funcol_s(self, dtensor: bool) -> float:
-        """Host seconds a functional collective (DTensor's redistributions) takes beyond a
-        plain c10d one: the profile's ``gpu.funcol_overhead_us`` under a DTensor stack with a
-        per-kernel host cost, else 0."""
-        return self._host_term(self.hw.gpu.funcol_overhead_us, dtensor)
+    def funcol_s(self, dtensor: bool, link_class: str = "intra_node") -> float:
+        """Seconds a functional collective (DTensor's redistributions) takes beyond a plain
+        c10d one, under a DTensor stack with a per-kernel host cost (else 0): the
+        profile's ``gpu.funcol_sync_us`` of the group's link class where two ranks
+        measured it after compute (it holds the host time too), else the one-rank host
+        figure ``gpu.funcol_overhead_us``."""
+        pair = self.hw.gpu.funcol_sync_us.get(link_class)  # type: ignore[call-overload]
+        return self._host_term(self.hw.gpu.funcol_overhead_us if pair is None else pair,
+                               dtensor)
 
     def _host_term(self, us: float | None, applies: bool) -> float:
         """Seconds of a measured host term where it applies and the stack issues kernels

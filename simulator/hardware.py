@@ -72,7 +72,8 @@ LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.
 UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
                                       "kernel_overhead", *LINK_NAMES, "interference",
-                                      "collective_sync", "send_sync", "rank_spread")
+                                      "collective_sync", "send_sync", "funcol_sync",
+                                      "rank_spread")
 #: A factor by which overlapped communication slows compute (1 = not at all).
 Interference = Annotated[float, Field(ge=1, le=10)]
 #: A relative standard deviation (σ / mean).
@@ -188,6 +189,11 @@ class GPUSpec(_Frozen):
     # the receiver's blocking wait and the sender's threads waking
     # (calibration/microbench/send_sync.py; absent = 0)
     send_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # what a DTensor redistribution (a functional collective) that follows compute costs
+    # beyond a plain c10d collective of the same bytes, host time included, per link
+    # class, µs (calibration/microbench/funcol_sync.py; absent: the one-rank
+    # funcol_overhead_us), charged before each TP collective of a dtensor stack
+    funcol_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
     # the relative spread c of a rank's compute time on the same work (one device or
     # core slower than another for a while): every synchronisation of an n-rank step
     # waits for the slowest, so compute costs 1 + c · e_n times its time
@@ -200,7 +206,8 @@ class GPUSpec(_Frozen):
     def _cost_classes(cls, data: Any) -> Any:
         return _known_keys(data, COST_CLASSES, "cost class")
 
-    @field_validator("interference", "collective_sync_us", "send_sync_us", mode="before")
+    @field_validator("interference", "collective_sync_us", "send_sync_us", "funcol_sync_us",
+                     mode="before")
     @classmethod
     def _link_names(cls, data: Any) -> Any:
         return _known_keys(data, LINK_NAMES, "link class")
@@ -359,7 +366,7 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "collective_sync_us", "send_sync_us", "uncertainty", "nvls", "host_serial",
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
-                   "funcol_overhead_us", "rank_spread")
+                   "funcol_overhead_us", "funcol_sync_us", "rank_spread")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

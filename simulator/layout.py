@@ -73,6 +73,10 @@ class Layout:
     def nodes_spanned(self, group: tuple[int, ...]) -> int:
         return len({self.node(r) for r in group})
 
+    def group_link(self, group: tuple[int, ...]) -> str:
+        """The slowest link class a collective over ``group`` crosses."""
+        return "intra_node" if self.nodes_spanned(group) <= 1 else "inter_node"
+
     def representatives(self) -> tuple[int, ...]:
         """One rank per pipeline stage (dp 0, tp 0): what folded simulation runs."""
         return tuple(self.rank(p, 0, 0) for p in range(self.pp))

@@ -16,7 +16,8 @@ run's own method and fidelity (Monte Carlo):
   :meth:`HardwareProfile.with_faster_link` does it); ``interference``
   multiplies each link class's slowdown factor by f, kept within [1, 10];
   ``collective_sync`` multiplies each link class's sync cost by f, ``send_sync`` each
-  link class's point-to-point sync cost, ``rank_spread`` the rank spread (at most 1);
+  link class's point-to-point sync cost, ``funcol_sync`` each link class's DTensor
+  redistribution cost, ``rank_spread`` the rank spread (at most 1);
 - sample i draws from the generator seeded with (seed, i), so a seed gives the
   same samples whatever N, and the same N and seed the same percentiles.
 
@@ -84,6 +85,9 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
     if "send_sync" in factors:
         gpu["send_sync_us"] = {link: us * factors["send_sync"]
                                for link, us in hw.gpu.send_sync_us.items()}
+    if "funcol_sync" in factors:
+        gpu["funcol_sync_us"] = {link: us * factors["funcol_sync"]
+                                 for link, us in hw.gpu.funcol_sync_us.items()}
     if "rank_spread" in factors:
         gpu["rank_spread"] = min(hw.gpu.rank_spread * factors["rank_spread"], 1.0)
     out = hw.model_copy(update={"gpu": hw.gpu.model_copy(update=gpu)}) if gpu else hw

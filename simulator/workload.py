@@ -160,7 +160,10 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
         base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
     windows = overlap_windows(s, cost)
     if windows:
-        base = replace(base, tp_windows=windows, tp_issue=cost.funcol_s(s.stack.dtensor))
+        layout = layout_of(s)
+        base = replace(base, tp_windows=windows,
+                       tp_issue=cost.funcol_s(s.stack.dtensor,
+                                              layout.group_link(layout.tp_group(0))))
     if not spec.is_moe:
         return base
     first_moe = next(i for i, _ in kinds if spec.is_moe_layer(i))

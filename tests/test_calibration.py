@@ -126,7 +126,7 @@ def test_tiny_cpu_collective_fits_within_25_percent(tiny: Path) -> None:
 
 def test_tiny_cpu_profile_reaches_every_term(tiny: Path) -> None:
     """The real run measures the overhead, every cost class, the interference factor,
-    the collective and send sync costs, the rank spread and each one's spread (a sync's
+    the collective, send and funcol sync costs, the rank spread and each one's spread (a sync's
     or the rank spread's only when above 0); the inter-node link (one machine) is marked
     preset."""
     prof = load_system(str(tiny))
@@ -135,15 +135,18 @@ def test_tiny_cpu_profile_reaches_every_term(tiny: Path) -> None:
     assert prof.gpu.interference_factor("intra_node") >= 1.0
     assert set(prof.gpu.collective_sync_us) == {"intra_node"}
     assert set(prof.gpu.send_sync_us) == {"intra_node"}
+    assert set(prof.gpu.funcol_sync_us) == {"intra_node"}
     terms = prof.provenance["terms"]
     assert terms["inter_node"]["source"] == "preset"
     measured = {t for t, row in terms.items() if row["source"] == "measured"}
     assert measured >= {*COST_CLASSES, "kernel_overhead", "intra_node", "interference",
-                        "collective_sync", "send_sync", "rank_spread", "point_to_point"}
+                        "collective_sync", "send_sync", "funcol_sync", "rank_spread",
+                        "point_to_point"}
     assert 0.0 <= prof.gpu.rank_spread < 1.0
     no_spread = {"point_to_point"} | {
         term for term, us in (("collective_sync", prof.gpu.collective_sync_us["intra_node"]),
                               ("send_sync", prof.gpu.send_sync_us["intra_node"]),
+                              ("funcol_sync", prof.gpu.funcol_sync_us["intra_node"]),
                               ("rank_spread", prof.gpu.rank_spread)) if us == 0}
     assert set(prof.uncertainty) == measured - no_spread
     guard = prof.provenance["busy_guard"]
@@ -431,7 +434,7 @@ def test_results_store_skips_a_torn_line(tmp_path: Path,
 @pytest.mark.slow
 def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibration.microbench import rank_spread, send_sync
+    from calibration.microbench import funcol_sync, rank_spread, send_sync
     from calibration.microbench.bench_collectives import run_collectives
     from calibration.microbench.bench_timing import Device
     from calibration.microbench.collective_sync import sync_key
@@ -451,6 +454,7 @@ def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
     assert latest[sync_key("cpu", 1)]["ok"]
     assert latest[send_sync.sync_key("cpu", 1)]["ok"]
     assert latest[rank_spread.spread_key("cpu", 1)]["ok"]
+    assert latest[funcol_sync.sync_key("cpu", 1)]["ok"]
 
 
 @pytest.mark.parametrize("layout", ["fwd", "dgrad", "wgrad"])

@@ -73,6 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "(ranks 0, 1)")
     p.add_argument("--rank-spread", action="store_true",
                    help="also time the same compute burst on two ranks at once (ranks 0, 1)")
+    p.add_argument("--funcol-sync", action="store_true",
+                   help="also time DTensor's redistribution after compute against "
+                        "dist.all_reduce (ranks 0, 1)")
     return p.parse_args(argv)
 
 
@@ -122,14 +125,21 @@ def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], g
     flag and not yet in the results file: rank 0 records it (or its failure)."""
     import torch.distributed as dist
 
-    from calibration.microbench import collective_sync, interference, rank_spread, send_sync
+    from calibration.microbench import (
+        collective_sync,
+        funcol_sync,
+        interference,
+        rank_spread,
+        send_sync,
+    )
 
     meta = {"link": "intra_node", "nranks": 2, "device": args.device, "threads": args.threads}
     for wanted, key, term, op in (
             (args.interference, interference.interference_key, interference, "all_reduce"),
             (args.collective_sync, collective_sync.sync_key, collective_sync, "all_reduce"),
             (args.send_sync, send_sync.sync_key, send_sync, "send_recv"),
-            (args.rank_spread, rank_spread.spread_key, rank_spread, "compute")):
+            (args.rank_spread, rank_spread.spread_key, rank_spread, "compute"),
+            (args.funcol_sync, funcol_sync.sync_key, funcol_sync, "all_reduce")):
         if not wanted:
             continue
         k = key(args.device, args.threads)

@@ -42,6 +42,7 @@ from calibration.microbench.fit_terms import (
     executed_peak,
     fit_classes,
     fit_overhead,
+    funcol_sync,
     interference_factor,
     rank_spread,
     send_sync,
@@ -144,6 +145,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
         [r for r in records if r.get("kind") == "send_sync"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.funcol_sync, fits.terms.funcol_sync_record = funcol_sync(
+        [r for r in records if r.get("kind") == "funcol_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.rank_spread, fits.terms.rank_spread_record = rank_spread(
         [r for r in records if r.get("kind") == "rank_spread"
@@ -313,6 +317,9 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
             "send_sync": fits.terms.send_sync_record and {
                 k: fits.terms.send_sync_record.get(k)
                 for k in ("burst_s", "gemms", "iterations", "sizes")},
+            "funcol_sync": fits.terms.funcol_sync_record and {
+                k: fits.terms.funcol_sync_record.get(k)
+                for k in ("burst_s", "gemms", "iterations", "sizes")},
             "rank_spread": fits.terms.rank_spread_record and {
                 k: fits.terms.rank_spread_record.get(k)
                 for k in ("burst_s", "gemms", "iterations")},
@@ -347,6 +354,8 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
                                     fits.terms.collective_sync.items()}}
     gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
                            **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
+    gpu["funcol_sync_us"] = {**gpu.get("funcol_sync_us", {}),
+                             **{k: _sig(v * 1e6) for k, v in fits.terms.funcol_sync.items()}}
     if fits.terms.rank_spread is not None:
         gpu["rank_spread"] = _sig(fits.terms.rank_spread)
     terms, spread = term_sources(fits, base.name)

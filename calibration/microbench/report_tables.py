@@ -132,6 +132,9 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     for link, us in (gpu.get("send_sync_us") or {}).items():
         lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
                      "beyond back to back")
+    for link, us in (gpu.get("funcol_sync_us") or {}).items():
+        lines.append(f"  funcol sync ({link}): {us} us per DTensor redistribution after compute, "
+                     "beyond a plain collective")
     if gpu.get("rank_spread"):
         lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
                      "time; each synchronisation waits for the slowest)")

@@ -32,9 +32,10 @@ parameter tensor before the step (the profiler of our measured TP 2 run shows th
 inside ``aten::lerp_`` and ``aten::addcmul_``).
 
 Under DTensor each of these collectives is a functional collective
-(``torch.distributed._functional_collectives``), whose host time beyond a plain c10d
-call the profile may have measured (``gpu.funcol_overhead_us``): a task of that length
-on the compute stream before each one (:meth:`TensorPass.issue`).
+(``torch.distributed._functional_collectives``), whose cost beyond a plain c10d call the
+profile may have measured: after compute between two ranks (``gpu.funcol_sync_us``,
+per link class), else the host time on one rank (``gpu.funcol_overhead_us``); a task of
+that length on the compute stream before each one (:meth:`TensorPass.issue`).
 
 TP communication overlap (``stack.tp_overlap``; which collective meets which GEMM,
 and why: :mod:`simulator.tp_overlap`): the block's task is split into pieces around
@@ -84,7 +85,8 @@ class TensorPass(Pass):
     def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
               chunk: int = 0) -> Task | None:
         """The host time of issuing one functional collective, where it is charged."""
-        seconds = self.ctx.cost_of(rank).funcol_s(self.dtensor)
+        link = self.ctx.layout.group_link(self.ctx.layout.tp_group(rank))
+        seconds = self.ctx.cost_of(rank).funcol_s(self.dtensor, link)
         if not seconds:
             return None
         return self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
