@@ -110,7 +110,9 @@ def test_validation_row_and_table_show_the_steal(tmp_path: Path,
     md = markdown([row], header)
     assert "profile `p.yaml` (calibrated with 4% steal)," in md
     assert "| 10% | 10% | 35% | 35% steal; measured 2 times" in md
-    assert "1 row(s) ran while the hypervisor took 35%–35% of the CPU" in summary([row])
+    assert "1 row(s) ran while the hypervisor took 35% of the CPU (steal" in summary([row])
+    other = {**row, "config": "pp2-gpipe", "cpu_steal": 0.08}
+    assert "2 row(s) ran while the hypervisor took 8%–35% of the CPU" in summary([row, other])
 
 
 def test_profile_steal_reads_the_busy_guard(tmp_path: Path) -> None:

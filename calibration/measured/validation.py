@@ -306,8 +306,10 @@ def stolen_summary(rows: list[dict[str, Any]]) -> str:
     stolen = [r["cpu_steal"] for r in rows if (r.get("cpu_steal") or 0.0) > STEAL_LIMIT]
     if not stolen:
         return ""
-    return (f" {len(stolen)} row(s) ran while the hypervisor took {min(stolen):.0%}–"
-            f"{max(stolen):.0%} of the CPU (steal, limit {STEAL_LIMIT:.0%}): their times "
+    low, high = f"{min(stolen):.0%}", f"{max(stolen):.0%}"
+    share = low if low == high else f"{low}–{high}"
+    return (f" {len(stolen)} row(s) ran while the hypervisor took {share} of the CPU "
+            f"(steal, limit {STEAL_LIMIT:.0%}): their times "
             "include waits for the CPU that the simulation knows of only as far as the "
             "calibration ran under the same steal (its share is in the header).")
 
