@@ -246,6 +246,12 @@ def test_busy_machine_is_remeasured_until_quiet(
     assert (guard["warning"] is not None) is warned
     err = capsys.readouterr().err
     assert ("WARNING: the machine looked busy" in err) is (warned or attempts > 0)
+    if warned:  # the advice fits what was done: no --retry-busy after it was spent
+        assert ("or with --retry-busy N" in guard["warning"]) is (attempts == 0)
+        assert (f"still busy after {attempts} re-measure(s)" in guard["warning"]) is \
+            (attempts > 0)
+    if attempts:  # each re-measure is announced, without advice
+        assert "Timings may read slow. Re-measuring the compute part" in err
 
 
 def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:

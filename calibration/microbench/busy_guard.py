@@ -53,8 +53,9 @@ class Verdict:
         return bool((self.drift or 0.0) > DRIFT_LIMIT or (self.spread or 0.0) > SPREAD_LIMIT
                     or (self.steal or 0.0) > STEAL_LIMIT)
 
-    def warning(self) -> str | None:
-        """One WARNING line naming the figures, or None when the machine looked quiet."""
+    def warning(self, retried: int | None = 0) -> str | None:
+        """One WARNING line naming the figures, or None when the machine looked quiet;
+        its advice after ``retried`` re-measures (None: no advice, a re-measure follows)."""
         if not self.busy:
             return None
         why = []
@@ -68,8 +69,12 @@ class Verdict:
         if (self.steal or 0.0) > STEAL_LIMIT:
             why.append(f"the hypervisor took {self.steal:.0%} of the CPU time (steal in "
                        f"/proc/stat, limit {STEAL_LIMIT:.0%}): other guests ran on its cores")
+        advice = ("" if retried is None
+                  else "; rerun on an idle machine or with --retry-busy N" if not retried
+                  else f"; still busy after {retried} re-measure(s) of the compute part "
+                       f"(--retry-busy {retried}): rerun on an idle machine")
         return ("WARNING: the machine looked busy during calibration: " + "; ".join(why)
-                + ". Timings may read slow; rerun on an idle machine or with --retry-busy N.")
+                + f". Timings may read slow{advice}.")
 
     def as_dict(self) -> dict[str, Any]:
         return {"reference_start_ms": _ms(self.start_s), "reference_end_ms": _ms(self.end_s),

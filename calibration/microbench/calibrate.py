@@ -300,7 +300,7 @@ def _guarded(opts: Options, device: Any, budget: Any, store: Any,
     attempt = 0
     while verdict.busy and attempt < opts.retry_busy:
         attempt += 1
-        _say(f"{verdict.warning()} Re-measuring the compute part "
+        _say(f"{verdict.warning(None)} Re-measuring the compute part "
              f"(--retry-busy: attempt {attempt} of {opts.retry_busy}).")
         first = len(store.records())
         with StealMeter() as steal:
@@ -308,7 +308,7 @@ def _guarded(opts: Options, device: Any, budget: Any, store: Any,
             _measure_compute(opts, device, dataclasses.replace(budget, retry=attempt), store)
             end = time_reference(device, opts.dtype, budget, f"retry{attempt}-end")
         verdict = judge(start, end, store.records()[first:], steal.share)
-    warning = verdict.warning()
+    warning = verdict.warning(attempt)
     if warning:
         _say(warning)
     return {**verdict.as_dict(), "retries": attempt, "warning": warning}
