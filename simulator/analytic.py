@@ -437,7 +437,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
                                                                           trn.dtype),
                             layout.tp_group(rank0), hw)
-    if par.tp > 1:  # DTensor's functional collectives: their host time before each
+    if par.tp > 1:  # DTensor's functional collectives: their cost beyond a plain one, each
         t_tp += cost.funcol_s(s.stack.dtensor, layout.group_link(layout.tp_group(rank0)))
     experts = _expert_times(s, layout, cost, hw)
     t_cp = _cp_exposed(s, layout, c, hw)
