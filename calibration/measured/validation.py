@@ -12,7 +12,10 @@ the one calibration), each ending with its mean and largest |step error|. A run 
 steps scatter more than :data:`SPREAD_LIMIT`, or during which a hypervisor took more
 than :data:`calibration.host.STEAL_LIMIT` of the CPU (steal), is measured again
 (``--retries``) and the least disturbed run compared, as the row's note says; each
-row keeps its run's steal share, the header the calibration's.
+row keeps its run's steal share, the header the calibration's. After the last row the
+calibration's two-rank terms are measured again (:mod:`calibration.measured.recheck`;
+``--no-recheck`` skips it) and the tables end with them beside the profile's figures:
+how far the machine moved while the rows ran.
 
 The configurations on CPU, world size 2, one thread per process: DP 2 (DDP),
 PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
@@ -346,6 +349,8 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         by_model.setdefault(row.get("model") or header["model"], []).append(row)
     sections = [_section(r, header, m) for m, r in by_model.items()] or \
         [_section([], header, header["model"])]
+    if header.get("recheck"):  # the machine after the last row (calibration/measured/recheck)
+        sections.append([header["recheck"]])
     return "\n\n".join("\n".join(sec) for sec in sections) + "\n"
 
 
@@ -373,6 +378,24 @@ def profile_steal(path: str) -> float | None:
         return None
     steal = (prov.get("busy_guard") or {}).get("steal")
     return float(steal) if isinstance(steal, (int, float)) else None
+
+
+def _recheck(args: argparse.Namespace, out: Path, profile: str) -> str:
+    """The sentence on the two-rank terms measured again after the last row (empty with
+    ``--no-recheck``, or when none could be measured)."""
+    import yaml
+
+    from calibration.measured import recheck
+
+    if args.no_recheck:
+        return ""
+    _say("[validation] measuring the calibration's two-rank terms again (the machine now)")
+    now = recheck.remeasure(args.device, args.threads, out, args.timeout)
+    text = recheck.sentence(now, recheck.calibrated(yaml.safe_load(Path(profile).read_text())))
+    if not text:
+        _say("[validation] the two-rank terms could not be measured again: "
+             f"see {out / 'recheck.results.jsonl'}")
+    return text
 
 
 def run_validation(args: argparse.Namespace) -> int:
@@ -416,7 +439,8 @@ def run_validation(args: argparse.Namespace) -> int:
               "torch": torch.__version__, "profile": profile, "date": time.strftime("%Y-%m-%d"),
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
               "model": names[0], "calibration_steal": calibration_steal,
-              "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names}}
+              "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names},
+              "recheck": _recheck(args, out, profile)}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -457,4 +481,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--only", metavar="NAME[,NAME]",
                    help="run only these configurations (e.g. cp2-allgather)")
     p.add_argument("--tiny", action="store_true", help="smoke-test calibration size (tests)")
+    p.add_argument("--no-recheck", action="store_true",
+                   help="skip measuring the calibration's two-rank terms (rank spread, "
+                   "sync costs, interference) again after the last row")
     p.set_defaults(func=run_validation)
