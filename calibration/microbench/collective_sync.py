@@ -74,19 +74,23 @@ RowExcess = Callable[[dict[str, Any]], float]
 def charged_b2b(rec: dict[str, Any]) -> dict[int, list[float]]:
     """Per size, each rank's back-to-back time as the simulator charges it: the quiet
     time over the record's rounds (the second-best round's median, as the collective
-    benchmark keeps), by bytes."""
+    benchmark keeps), by bytes (none for a term timed against another collective after
+    the same burst, whose rows have no ``b2b_s``)."""
     by: dict[int, list[list[float]]] = {}
     for rnd in rec["rounds"]:
         for row in rnd:
-            by.setdefault(int(row["bytes"]), []).append(row["b2b_s"])
+            if "b2b_s" in row:
+                by.setdefault(int(row["bytes"]), []).append(row["b2b_s"])
     return {s: [_quiet_time(list(r)) for r in zip(*rows, strict=True)]
             for s, rows in by.items()}
 
 
 def charged_rounds(rec: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """The record's rounds with each row's ``b2b_s`` replaced by :func:`charged_b2b`."""
+    """The record's rounds with each row's ``b2b_s`` replaced by :func:`charged_b2b` (a row
+    without one as it is)."""
     b2b = charged_b2b(rec)
-    return [[{**row, "b2b_s": b2b[int(row["bytes"])]} for row in rnd] for rnd in rec["rounds"]]
+    return [[{**row, "b2b_s": b2b[int(row["bytes"])]} if "b2b_s" in row else row
+             for row in rnd] for rnd in rec["rounds"]]
 
 
 def excess_by_size(rec: dict[str, Any], excess: RowExcess = round_excess) -> dict[int, float]:

@@ -62,21 +62,17 @@ def round_excess(row: dict[str, Any]) -> float:
 
 def excess_by_size(rec: dict[str, Any]) -> dict[int, float]:
     """Each size's median excess over the rounds, seconds, by bytes."""
-    by: dict[int, list[float]] = {}
-    for rnd in rec["rounds"]:
-        for row in rnd:
-            by.setdefault(int(row["bytes"]), []).append(round_excess(row))
-    return {s: statistics.median(v) for s, v in sorted(by.items())}
+    return cs.excess_by_size(rec, round_excess)
 
 
 def sync_seconds(rec: dict[str, Any]) -> float:
     """The figure: the median over sizes of :func:`excess_by_size`, at least 0."""
-    return max(statistics.median(excess_by_size(rec).values()), 0.0)
+    return cs.sync_seconds(rec, round_excess)
 
 
 def round_figures(rec: dict[str, Any]) -> list[float]:
     """Each round's median excess over its sizes: the samples of the figure's spread."""
-    return [statistics.median(round_excess(row) for row in rnd) for rnd in rec["rounds"]]
+    return cs.round_figures(rec, round_excess)
 
 
 # ---------------------------------------------------------------- measuring

@@ -81,12 +81,15 @@ class TensorPass(Pass):
             for prog in ctx.programs.values():
                 prog.streams.setdefault("tp", [])
         self.start: dict[int, Task] = {}  # rank -> where its next overlapped all-gather starts
+        self.issue_s: dict[int, float] = {}  # rank -> its functional collectives' cost
 
     def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
               chunk: int = 0) -> Task | None:
-        """The host time of issuing one functional collective, where it is charged."""
-        link = self.ctx.layout.group_link(self.ctx.layout.tp_group(rank))
-        seconds = self.ctx.cost_of(rank).funcol_s(self.dtensor, link)
+        """The cost of one functional collective, where it is charged."""
+        seconds = self.issue_s.get(rank)
+        if seconds is None:  # once per rank: the same for every collective of its group
+            link = self.ctx.layout.group_link(self.ctx.layout.tp_group(rank))
+            seconds = self.issue_s[rank] = self.ctx.cost_of(rank).funcol_s(self.dtensor, link)
         if not seconds:
             return None
         return self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
