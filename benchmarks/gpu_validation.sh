@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# One GPU, about ten minutes: calibrate it (`clustersim calibrate --quick`), measure one
-# training configuration of small-gpt and of a GPT of about 0.9B parameters on it
-# (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median of 10 steps after 3 of warm-up),
-# and simulate both from the new profile. Everything lands in OUT_DIR: profile.yaml,
-# gpu.txt (the device's name), per model measured.json, scenario.yaml and compare.txt
-# (`clustersim compare`), and summary.md, the table to commit under docs/validation/.
+# One GPU, about ten minutes: measure one training configuration of small-gpt and of a
+# GPT of about 0.9B parameters on it (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median
+# of 10 steps after 3 of warm-up), calibrate the device (`clustersim calibrate --quick`)
+# and simulate both runs from the new profile and from the GPU's datasheet preset.
+# Everything lands in OUT_DIR: gpu.txt (the device), stages.txt (each stage's status and
+# seconds), one log per stage, profile.yaml, per model measured.json, scenario.yaml and
+# compare-*.txt (`clustersim compare`), and summary.md, the table to commit under
+# docs/validation/.
 #
 #   bash benchmarks/gpu_validation.sh OUT_DIR            # on the GPU machine
 #   bash benchmarks/gpu_validation.sh OUT_DIR cpu tiny   # the same steps, CPU, seconds
 #
+# The measured runs go first (the device time they need is short and they are what a
+# later session cannot redo without a GPU); the profile and the comparisons can be redone
+# anywhere from what this leaves. Each stage has its own time limit and a failed stage
+# does not stop the rest. With GV_ARCHIVE=FILE.tgz set, OUT_DIR is packed into FILE after
+# every stage, so what finished comes back even if the machine's limit cuts the run.
+#
 # It runs from a source checkout without installing it (PYTHONPATH); simpy and pydantic
 # must be importable (benchmarks/README.md says how to carry them as wheels).
-set -euo pipefail
+set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [cuda|cpu] [full|tiny]}
 device=${2:-cuda}
 size=${3:-full}
@@ -19,49 +27,99 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 mkdir -p "$out"
-sim() { "$py" -m simulator.cli "$@"; }
+out=$(cd "$out" && pwd)
+sim=("$py" -m simulator.cli)  # an array, so that timeout can run it
 
-"$py" - "$device" > "$out/gpu.txt" <<'EOF'
+pack() {  # OUT_DIR as it stands into $GV_ARCHIVE, atomically
+    [ -n "${GV_ARCHIVE:-}" ] || return 0
+    tar czf "$GV_ARCHIVE.tmp" -C "$(dirname "$out")" "$(basename "$out")" \
+        && mv "$GV_ARCHIVE.tmp" "$GV_ARCHIVE"
+}
+
+# stage NAME SECONDS CMD...: run CMD under a time limit, its output in NAME.log;
+# stages.txt records ok or the exit status, and the seconds taken.
+stage() {
+    local name=$1 limit=$2 began status
+    shift 2
+    began=$(date +%s)
+    echo "== $name (limit ${limit} s)"
+    if timeout --kill-after=15 "$limit" "$@" > "$out/$name.log" 2>&1; then
+        status=ok
+    else
+        status="failed (exit $?)"
+    fi
+    echo "$name: $status, $(( $(date +%s) - began )) s" | tee -a "$out/stages.txt"
+    tail -n 12 "$out/$name.log"
+    pack
+    [ "$status" = ok ]
+}
+
+"$py" - "$device" > "$out/gpu.txt" 2>&1 <<'EOF'
 import sys, torch
 dev = sys.argv[1]
 print(torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch", torch.__version__)
 EOF
 echo "device: $(cat "$out/gpu.txt")"
+if [ "$device" = cuda ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+        --format=csv >> "$out/gpu.txt" 2>&1 || true
+fi
 
 if [ "$size" = tiny ]; then
-    calib=--tiny steps=(--steps 3 --warmup 1)
+    calib=--tiny steps=(--steps 3 --warmup 1) limits=(120 120 240)
     models=("tiny-gpt::--model tiny-gpt" "tiny-gpt-wide::--model tiny-gpt --hidden 256 --heads 4")
 else
-    calib=--quick steps=(--steps 10 --warmup 3)
+    calib=--quick steps=(--steps 10 --warmup 3) limits=(100 150 280)
     # ~0.9B: 12 L h^2 = 805M in the layers, 103M in the (tied) embedding
     models=("small-gpt::--model small-gpt"
             "gpt-0.9b::--model small-gpt --layers 16 --hidden 2048 --heads 16 --seq-len 1024 --vocab 50304")
 fi
 
-sim calibrate --device "$device" $calib --out "$out/profile.yaml" --timeout 300
+i=0
+for entry in "${models[@]}"; do
+    name=${entry%%::*}
+    # shellcheck disable=SC2086  # the model's flags are words on purpose
+    stage "measure-$name" "${limits[$i]}" "${sim[@]}" measure --tp 1 --pp 1 --dp 1 --schedule 1f1b \
+        --device "$device" "${steps[@]}" ${entry#*::} --out "$out/$name"
+    i=$((i + 1))
+done
+
+stage calibrate "${limits[2]}" "${sim[@]}" calibrate --device "$device" $calib \
+    --out "$out/profile.yaml" --timeout 240
+sheet=$("$py" -c "
+import sys
+from calibration.microbench.fit_profile import datasheet_preset
+print(datasheet_preset(sys.argv[1]) or 'cpu-1thread')" "$(head -1 "$out/gpu.txt")")
 
 {
-    echo "# One $(cut -d' ' -f1- "$out/gpu.txt"): measured versus simulated, $(date -u +%F)"
+    echo "# One $(head -1 "$out/gpu.txt"): measured versus simulated, $(date -u +%F)"
     echo
-    echo "\`bash benchmarks/gpu_validation.sh\` ($size): \`clustersim calibrate $calib\`, then per"
-    echo "model TP 1 · PP 1 · DP 1, 4 micro-batches of 2, ${steps[*]}."
+    echo "\`bash benchmarks/gpu_validation.sh\` ($size): per model TP 1 · PP 1 · DP 1,"
+    echo "4 micro-batches of 2, ${steps[*]}; simulated from \`clustersim calibrate $calib\`"
+    echo "on the same device and from the datasheet preset \`$sheet\`."
     echo
-    echo "| model | measured step ms | simulated step ms | step error | compute error |"
-    echo "| --- | ---: | ---: | ---: | ---: |"
+    echo "| model | profile | measured step ms | simulated step ms | step error | compute error |"
+    echo "| --- | --- | ---: | ---: | ---: | ---: |"
 } > "$out/summary.md"
 
 for entry in "${models[@]}"; do
     name=${entry%%::*}
-    # shellcheck disable=SC2086  # the model's flags are words on purpose
-    sim measure --tp 1 --pp 1 --dp 1 --schedule 1f1b --device "$device" "${steps[@]}" \
-        ${entry#*::} --out "$out/$name"
-    sim compare "$out/$name" --profile "$out/profile.yaml" --no-plot | tee "$out/$name/compare.txt"
-    "$py" - "$out/$name/comparison.json" "$name" >> "$out/summary.md" <<'EOF'
+    [ -f "$out/$name/measured.json" ] || { echo "| $name | (not measured) | | | | |" \
+        >> "$out/summary.md"; continue; }
+    for prof in "$out/profile.yaml" "$sheet"; do
+        label=$([ "$prof" = "$sheet" ] && echo "$sheet" || echo calibrated)
+        [ "$label" = calibrated ] && [ ! -f "$prof" ] && continue
+        stage "compare-$name-$label" 120 "${sim[@]}" compare "$out/$name" --profile "$prof" --no-plot \
+            || continue
+        cp "$out/compare-$name-$label.log" "$out/$name/compare-$label.txt"
+        "$py" - "$out/$name/comparison.json" "$name" "$label" >> "$out/summary.md" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 m, s, e = d["measured"], d["simulated"], d["relative_error"]
-print(f"| {sys.argv[2]} | {m['step_time_s'] * 1e3:.1f} | {s['step_time_s'] * 1e3:.1f} "
-      f"| {e['step_time_s']:+.1%} | {e['compute_s']:+.1%} |")
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {m['step_time_s'] * 1e3:.1f} "
+      f"| {s['step_time_s'] * 1e3:.1f} | {e['step_time_s']:+.1%} | {e['compute_s']:+.1%} |")
 EOF
+    done
 done
-cat "$out/summary.md"
+pack
+cat "$out/stages.txt" "$out/summary.md"
