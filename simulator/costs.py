@@ -142,7 +142,22 @@ class CostModel:
         return "compute" if compute >= mem else "memory"
 
     def ops_time(self, ops: Iterable[CostedOp]) -> float:
-        return sum(self.op_time(op) for op in ops)
+        """Seconds of ``ops`` run in order on one stream. On a GPU the host issues kernels
+        ahead of the device (CUDA's launch queue): op i ends no sooner than op i−1's end
+        plus its device time, nor than the host's issue time up to and including it,
+        ``end_i = max(end_{i−1} + device_i, Σ_{j≤i} host_j)``. So host time banks behind
+        long kernels and only a run of short ones waits for the host; one op alone is
+        :meth:`op_time`'s ``max(device, host)``. On a CPU "device" (``host_serial``)
+        everything adds."""
+        if self.hw.gpu.host_serial:
+            return sum(self.op_time(op) for op in ops)
+        end = issued = 0.0
+        for op in ops:
+            compute, mem, overhead, host = self.op_parts(op)
+            scale = self.rank_stretch / self.speed.get(op.kind, 1.0)
+            issued += host * scale
+            end = max(end + (max(compute, mem) + overhead) * scale, issued)
+        return end
 
     def pipeline_action_s(self, runtime: str) -> float:
         """Host seconds a pipeline runtime spends per F or B action beyond its kernels and

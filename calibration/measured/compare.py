@@ -7,8 +7,11 @@ side, each with its relative error (simulated − measured) / measured:
 
 - ``step_time_s``: the median measured step against the simulated step.
 - ``compute_s``: forward + backward busy time per rank, mean over ranks. The
-  measured figure comes from one profiled step, whose profiler overhead
-  stretches everything; it is rescaled by median step / profiled step.
+  measured figure comes from one profiled step. On a CPU the profiler's overhead
+  stretches the ``aten::`` operators that are the compute there, so it is rescaled by
+  median step / profiled step; on a GPU the compute is the kernels' time on the
+  device (CUPTI's timestamps), which the profiler's host overhead does not stretch
+  (it only widens the gaps between kernels), so it is taken as it is.
 - ``non_compute_s``: step time minus compute and optimizer, mean over ranks —
   the time a rank waits for communication or sits in the pipeline bubble (the
   simulated side sums the accounting's communication and idle categories). On
@@ -40,9 +43,10 @@ FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_
 def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
     step = float(measured["step_time_s"])
     ranks = measured.get("per_rank") or [measured]
+    on_device = measured.get("device") == "cuda"  # kernel times: not profiler-stretched
     compute, other = [], []
     for r in ranks:
-        scale = step / float(r.get("profiled_step_s") or step)
+        scale = 1.0 if on_device else step / float(r.get("profiled_step_s") or step)
         c = float(r["compute_s"]) * scale
         o = float(r.get("optimizer_s", 0.0)) * scale
         compute.append(c)

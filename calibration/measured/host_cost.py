@@ -78,17 +78,18 @@ class StepCounts:
 
 
 def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
-                dtensor: bool = False) -> StepCounts:
-    """The step's kernels as the simulator counts them (the ``pytorch-eager`` stack,
-    fp32, grads set to None before the first micro-batch), by part; with ``dtensor``
-    the ones it dispatches on DTensors under TP with sequence parallelism (counted at
-    TP 2: which ops are DTensors does not depend on the mesh size)."""
+                dtensor: bool = False, device: str = "cpu") -> StepCounts:
+    """The step's kernels as the simulator counts them (the measured runs' stack on
+    ``device``, fp32, grads set to None before the first micro-batch), by part; with
+    ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
+    (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
+    from calibration.measured.measure_scenario import stack_for
     from simulator import model as mdl
     from simulator.inventory import dtensor_tensors, layer_tensors
     from simulator.scenario import ModelSpec
-    from simulator.stack import load_stack
+    from simulator.stack import StackSpec
 
-    stack = load_stack("pytorch-eager")
+    stack = StackSpec.model_validate(stack_for(device))
     spec = ModelSpec.model_validate({**sizes, "kv_heads": sizes["heads"], "activation": "gelu",
                                      "norm": "layernorm", "bias": True,
                                      "tied_embeddings": True, "position": "learned"})
@@ -159,17 +160,24 @@ def _two_terms(t1: float, tm: float, m: int, first: tuple[int, int],
 
 
 def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
-                  micro_batches: tuple[int, ...] = (1, MICRO_BATCHES)) -> dict[int, float]:
+                  micro_batches: tuple[int, ...] = (1, MICRO_BATCHES),
+                  device: str = "cpu") -> dict[int, float]:
     """Minimum seconds of one training step of the degenerate GPT (TP on a 1-rank mesh)
     with each of ``micro_batches`` micro-batches, timed in turn in every repeat (the
-    machine's drift then moves both alike)."""
+    machine's drift then moves both alike). On CUDA the step runs as the measured runs
+    run it (one bf16 autocast region over the micro-batches, the optimizer outside it)
+    and is timed between device synchronisations."""
     import torch
 
     from calibration.measured.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
+    from calibration.measured.worker_run import autocast_for
 
     torch.manual_seed(0)
     cfg = GPTConfig(**HOST_GPT)
-    model = GPT(cfg)
+    dev = torch.device(device)
+    model = GPT(cfg).to(dev)
+    autocast = autocast_for(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if tp:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -177,11 +185,12 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
 
         apply_tp(model, init_device_mesh("cpu", (1,)), sequence_parallel=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = synthetic_batch(cfg, BATCH, 0)
+    x, y = (t.to(dev) for t in synthetic_batch(cfg, BATCH, 0))
 
     def step(m: int) -> None:
-        for _ in range(m):
-            loss_fn(model(x), y).backward()
+        with autocast():
+            for _ in range(m):
+                loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -191,9 +200,11 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
     best = {m: float("inf") for m in micro_batches}
     for _ in range(repeats):
         for m in micro_batches:
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(m)
+            sync()
             best[m] = min(best[m], (time.perf_counter() - t0) / steps)
     return best
 
@@ -256,40 +267,48 @@ def measure_dtensor_us(threads: int, plain_s: dict[int, float], repeats: int = 9
 
 
 def measure_host_us(threads: int, kernel_overhead_us: float, repeats: int = 9,
-                    steps: int = 10) -> dict[str, Any]:
-    """Host microseconds per kernel of eager PyTorch on this CPU in the micro-batches and
-    in the optimizer step, and DTensor's extra per op it dispatches (see the module
-    note)."""
+                    steps: int = 10, device: str = "cpu") -> dict[str, Any]:
+    """Host microseconds per kernel of eager PyTorch in the micro-batches and in the
+    optimizer step, and (on a CPU) DTensor's extra per op it dispatches (see the module
+    note). On a CPU the kernels run on the same thread, so their bare overhead
+    (``kernel_overhead_us``) comes off; on a GPU the degenerate step's kernels run
+    beside the host, which alone sets its time: the figure is the host's whole."""
     import torch
 
     from calibration.host import keep_freed_memory
 
-    keep_freed_memory()
+    if device == "cpu":
+        keep_freed_memory()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        plain_s = _step_seconds(False, threads, repeats, steps)
+        plain_s = _step_seconds(False, threads, repeats, steps, device=device)
     finally:
         torch.set_num_threads(before)
-    counts = step_counts()
+    counts = step_counts(device=device)
     per_kernel, per_opt_kernel = split_per_op(plain_s[1], plain_s[MICRO_BATCHES],
                                               MICRO_BATCHES, counts)
-    dt = measure_dtensor_us(threads, plain_s) or {}
-    return {"host_overhead_us": round(max(per_kernel * 1e6 - kernel_overhead_us, 0.0), 3),
-            "host_optimizer_us": round(max(per_opt_kernel * 1e6 - kernel_overhead_us, 0.0), 3),
+    # DTensor on a one-rank gloo mesh: the CPU runs' TP and FSDP2 (none on one GPU)
+    dt = (measure_dtensor_us(threads, plain_s) if device == "cpu" else None) or {}
+    off = kernel_overhead_us if device == "cpu" else 0.0
+    return {"host_overhead_us": round(max(per_kernel * 1e6 - off, 0.0), 3),
+            "host_optimizer_us": round(max(per_opt_kernel * 1e6 - off, 0.0), 3),
             "dtensor_overhead_us": dt.get("dtensor_overhead_us"),
             "dtensor_gemm_us": dt.get("dtensor_gemm_us"),
             "funcol_overhead_us": dt.get("funcol_overhead_us"),
             "micro_batches": [1, MICRO_BATCHES],
             "step_s_min": {str(m): t for m, t in plain_s.items()},
             "dtensor_step_s_min": dt.get("dtensor_step_s_min"),
-            "kernels": asdict(counts), "dtensor_ops": asdict(step_counts(dtensor=True))}
+            "device": device, "kernels": asdict(counts),
+            "dtensor_ops": asdict(step_counts(dtensor=True, device=device))}
 
 
-def add_to_profile(path: str, threads: int) -> dict[str, Any]:
+def add_to_profile(path: str, threads: int, device: str = "cpu") -> dict[str, Any]:
     """Measure and write ``gpu.host_serial``, ``host_overhead_us``,
     ``host_optimizer_us``, ``dtensor_overhead_us``, ``dtensor_gemm_us`` and
-    ``funcol_overhead_us`` into the CPU profile at ``path`` (atomically, validated)."""
+    ``funcol_overhead_us`` into the profile at ``path`` (atomically, validated). On CUDA
+    the host runs beside the GPU (``host_serial`` false) and the DTensor terms are not
+    measured."""
     from pathlib import Path
 
     import yaml
@@ -298,8 +317,8 @@ def add_to_profile(path: str, threads: int) -> dict[str, Any]:
 
     profile = yaml.safe_load(Path(path).read_text())
     gpu = profile["gpu"]
-    host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)))
-    gpu["host_serial"] = True
+    host = measure_host_us(threads, float(gpu.get("kernel_overhead_us", 0.0)), device=device)
+    gpu["host_serial"] = device == "cpu"
     gpu["host_overhead_us"] = host["host_overhead_us"]
     gpu["host_optimizer_us"] = host["host_optimizer_us"]
     for key in ("dtensor_overhead_us", "dtensor_gemm_us"):

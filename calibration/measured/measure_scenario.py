@@ -18,6 +18,16 @@ from calibration.measured.measure_config import MeasureConfig
 STACK = "pytorch-eager"
 
 
+def stack_for(device: str) -> str | dict[str, str]:
+    """The run's stack: :data:`STACK`, whose optimizer is AdamW's for-loop as it runs on
+    CPU tensors; on CUDA the same ``torch.optim.AdamW(params, lr=...)`` runs its foreach
+    (multi-tensor) implementation: ``torch/optim/optimizer.py``
+    ``_default_to_fused_or_foreach`` picks foreach when every parameter is on a CUDA
+    device and neither ``foreach`` nor ``fused`` is given (the profiler shows
+    ``multi_tensor_apply_kernel``)."""
+    return STACK if device == "cpu" else {"preset": STACK, "optimizer": "foreach"}
+
+
 def _flow(mapping: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
@@ -85,7 +95,7 @@ def scenario_dict(
         "name": scenario_name(cfg),
         # what calibration/measured/gpt.py runs: separate q/k/v, SDPA, DDP / FSDP2 /
         # torch.distributed.pipelining / DTensor TP, torch.optim.AdamW (the preset's comments)
-        "stack": STACK,
+        "stack": stack_for(cfg.device),
         "model": {
             "layers": m["layers"],
             "hidden": m["hidden"],

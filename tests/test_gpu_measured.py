@@ -1,0 +1,144 @@
+"""What a measured run on a GPU differs in from one on a CPU, checked without a GPU:
+the compute figure ``compare`` takes from the profiled step, the optimizer the
+scenario's stack runs, and the kernels the host-cost measurement divides by."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from calibration.measured.compare import measured_figures
+from calibration.measured.measure_config import MeasureConfig
+from calibration.measured.measure_scenario import scenario_dict, stack_for
+
+
+def _measured(device: str) -> dict[str, Any]:
+    # a step of 100 ms whose profiled step took 200 ms, 60 ms of it compute
+    rank = {"compute_s": 0.060, "optimizer_s": 0.010, "profiled_step_s": 0.200}
+    return {"step_time_s": 0.100, "device": device, "per_rank": [rank], "state_bytes": [1.0]}
+
+
+def test_cpu_compute_is_rescaled_by_the_profilers_stretch() -> None:
+    """On a CPU the profiler stretches the aten ops that are the compute: halve them."""
+    fig = measured_figures(_measured("cpu"))
+    assert fig["compute_s"] == pytest.approx(0.030)
+    assert fig["non_compute_s"] == pytest.approx(0.100 - 0.030 - 0.005)
+
+
+def test_gpu_kernel_time_is_taken_as_measured() -> None:
+    """On a GPU compute is kernel time on the device, which the profiler's host overhead
+    does not stretch (on the H200, gpt-0.9b: 120 ms of kernels in a 165 ms step whose
+    profiled run took 299 ms; rescaled, the kernels read 66 ms)."""
+    fig = measured_figures(_measured("cuda"))
+    assert fig["compute_s"] == pytest.approx(0.060)
+    assert fig["non_compute_s"] == pytest.approx(0.100 - 0.060 - 0.010)
+    assert fig["idle_fraction"] == pytest.approx(0.30)
+
+
+def _cfg(device: str) -> MeasureConfig:
+    return MeasureConfig(tp=1, pp=1, dp=1, schedule="1f1b", zero=0, micro_batches=4,
+                         micro_batch_size=2, model={"layers": 2, "hidden": 64, "heads": 4,
+                                                    "ffn_hidden": 256, "vocab": 128,
+                                                    "seq_len": 32},
+                         steps=1, warmup=0, device=device, threads=1, out_dir="unused")
+
+
+def test_a_cuda_run_simulates_the_foreach_optimizer_torch_picks_there() -> None:
+    """torch.optim.AdamW with neither foreach nor fused runs foreach on CUDA tensors and
+    the for-loop on CPU ones (torch/optim/optimizer.py _default_to_fused_or_foreach)."""
+    from simulator.scenario import scenario_from_dict
+
+    assert stack_for("cpu") == "pytorch-eager"
+    cpu = scenario_from_dict(scenario_dict(_cfg("cpu")))
+    gpu = scenario_from_dict(scenario_dict(_cfg("cuda"), device_name="NVIDIA H200"))
+    assert cpu.stack.optimizer == "per_tensor" and gpu.stack.optimizer == "foreach"
+    assert gpu.stack.name == "pytorch-eager" and gpu.cluster.system == "dgx-h200"
+    # everything else is the preset's
+    assert gpu.stack.model_dump(exclude={"optimizer", "preset"}) == \
+        cpu.stack.model_dump(exclude={"optimizer", "preset"})
+
+
+def test_host_cost_counts_the_kernels_of_the_devices_optimizer() -> None:
+    """The degenerate step's optimizer kernels as the simulator counts them: 10 per
+    tensor for the for-loop (CPU), 7 per chunk for foreach (one chunk here: 16 tensors
+    a layer + 4 is under 110); the micro-batches' kernels are the same on both."""
+    from calibration.measured.host_cost import HOST_GPT, step_counts
+
+    cpu, gpu = step_counts(device="cpu"), step_counts(device="cuda")
+    tensors = 16 * HOST_GPT["layers"] + 4
+    assert cpu.optimizer == 10 * tensors
+    assert gpu.optimizer == 7
+    assert (cpu.first, cpu.later) == (gpu.first, gpu.later)
+
+
+def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:
+    """On a GPU profile (host not serial) the measured host cost replaces the stack's
+    figure and bounds an op from below: max(device, kernels × host), never a sum."""
+    from simulator.costs import CostModel
+    from simulator.hardware import load_system
+    from simulator.inventory import Op
+
+    hw = load_system("dgx-h200")
+    gpu = hw.gpu.model_copy(update={"host_overhead_us": 30.0})
+    hw = hw.model_copy(update={"gpu": gpu})
+    tiny = Op("tiny", "memory", 0.0, 1e3, 0.0, "elementwise", 2)
+    big = Op("big", "memory", 0.0, 1e10, 0.0, "elementwise", 2)
+    cost = CostModel(hw, "bf16", host_us=10.0)
+    assert not gpu.host_serial
+    assert cost.op_time(tiny) == pytest.approx(2 * 30e-6)
+    device = CostModel(hw, "bf16").op_time(big)
+    assert device > 2 * 30e-6 and cost.op_time(big) == pytest.approx(device)
+
+
+def _host_lead_cost() -> Any:
+    from simulator.costs import CostModel
+    from simulator.hardware import load_system
+
+    hw = load_system("dgx-h200")
+    gpu = hw.gpu.model_copy(update={"host_overhead_us": 10.0, "kernel_overhead_us": 0.0})
+    return CostModel(hw.model_copy(update={"gpu": gpu}), "bf16", host_us=10.0)
+
+
+def _op(device_us: float) -> Any:
+    """A one-kernel memory op whose device time is ``device_us`` on the H200's HBM."""
+    from simulator.inventory import Op
+
+    cost = _host_lead_cost()
+    nbytes = 1e9  # find the bytes that take device_us (the efficiency curve is monotone)
+    lo, hi = 1.0, 1e12
+    for _ in range(200):
+        nbytes = (lo * hi) ** 0.5
+        t = cost.op_parts(Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1))[1]
+        lo, hi = (nbytes, hi) if t < device_us * 1e-6 else (lo, nbytes)
+    return Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1)
+
+
+def test_the_host_banks_its_issue_time_behind_a_long_kernel() -> None:
+    """A 100 us kernel then five 1 us ones, each 10 us of host: the host issues the five
+    while the long one runs, so the run ends at 100 + 5 x 1 us, not at the per-op
+    max's 100 + 5 x 10 us; a run of short kernels alone waits for the host (5 x 10 us)."""
+    cost = _host_lead_cost()
+    long, short = _op(100.0), _op(1.0)
+    assert cost.op_time(long) == pytest.approx(100e-6, rel=1e-3)
+    assert cost.op_time(short) == pytest.approx(10e-6)  # one op alone: max(device, host)
+    assert cost.ops_time([long, *[short] * 5]) == pytest.approx(105e-6, rel=1e-3)
+    assert cost.ops_time([short] * 5) == pytest.approx(50e-6)
+    # short ones first: nothing to bank behind, the long kernel starts after them
+    assert cost.ops_time([*[short] * 5, long]) == pytest.approx(150e-6, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_lead_lies_between_its_bounds(seed: int) -> None:
+    """Any sequence: at least the host's total and the device's total, at most the sum
+    of per-op maxima (no lead at all)."""
+    import random
+
+    rng = random.Random(seed)
+    cost = _host_lead_cost()
+    ops = [_op(rng.choice([0.5, 2.0, 8.0, 30.0, 120.0])) for _ in range(12)]
+    parts = [cost.op_parts(op) for op in ops]
+    device = sum(max(c, m) + o for c, m, o, _ in parts)
+    host = sum(h for *_, h in parts)
+    t = cost.ops_time(ops)
+    assert max(device, host) - 1e-12 <= t <= sum(cost.op_time(op) for op in ops) + 1e-12
