@@ -59,7 +59,8 @@ SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 # accelerator), narrow enough that products and quotients stay finite.
 RATE = Field(ge=1e-6, le=1e12)  # GB/s, Gb/s or TFLOP/s (1e12: "free" for what-ifs)
 TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
-EFFICIENCY = Field(gt=1e-4, le=1)  # achieved / peak
+MIN_EFFICIENCY = 1e-4  # the slowest a curve may say: a calibration's fit floors its knots here
+EFFICIENCY = Field(ge=MIN_EFFICIENCY, le=1)  # achieved / peak
 
 Rate = Annotated[float, RATE]
 
@@ -103,8 +104,8 @@ class EfficiencyCurve(_Frozen):
         sizes = [x for x, _ in pts]
         if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
             raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
-        if any(not 1e-4 < e <= 1 for _, e in pts):
-            raise ValueError("efficiencies must lie in (1e-4, 1]")
+        if any(not MIN_EFFICIENCY <= e <= 1 for _, e in pts):
+            raise ValueError(f"efficiencies must lie in [{MIN_EFFICIENCY:g}, 1]")
         return pts
 
     def __call__(self, size: float) -> float:

@@ -406,6 +406,20 @@ def test_knots_are_monotone_when_asked_and_valid_for_the_schema() -> None:
     EfficiencyCurve(points=tuple(pts))
 
 
+def test_knots_floor_a_launch_bound_kernel_inside_the_schema() -> None:
+    """An H200 timed an 8x32x32 bf16 GEMM (16 KFLOP) at 18 us: 9e-7 of peak. The knot is
+    floored at the schema's minimum and the profile still loads (it was floored at
+    exactly 1e-4, which the schema's open interval refused: the calibration died)."""
+    from simulator.hardware import MIN_EFFICIENCY, EfficiencyCurve
+
+    peak = 989e12
+    samples = [(16384.0, 16384.0 / 18e-6 / peak), (6.6e4, 6.6e4 / 18e-6 / peak),
+               (1e10, 0.6), (1e12, 0.79)]
+    pts = knots(samples, monotone=True)
+    assert pts[0][1] == MIN_EFFICIENCY
+    EfficiencyCurve(points=tuple(pts))
+
+
 def test_alpha_beta_fit_ignores_one_noisy_size() -> None:
     ss = [Sample("all_reduce", 4, float(2**k), 10e-6 * 6 + 2**k * 1.5 / 100e9)
           for k in range(10, 27)]

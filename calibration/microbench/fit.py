@@ -45,7 +45,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.hardware import interpolate_log
+from simulator.hardware import MIN_EFFICIENCY, interpolate_log
 
 HOLDOUT_EVERY = 4
 
@@ -229,7 +229,7 @@ def knots(samples: Sequence[tuple[float, float]], monotone: bool) -> list[tuple[
         size = float(f"{10 ** lx:.4g}")
         if out and size <= out[-1][0]:
             continue
-        out.append((size, float(f"{min(max(eff, 1e-4), 1.0):.4g}")))
+        out.append((size, float(f"{min(max(eff, MIN_EFFICIENCY), 1.0):.4g}")))
     return out
 
 
