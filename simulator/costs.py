@@ -65,6 +65,8 @@ class CostedOp(Protocol):
     def gemm_flops(self) -> float: ...
     @property
     def dtensor(self) -> int: ...
+    @property
+    def host_ops(self) -> int: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -124,7 +126,7 @@ class CostModel:
             gpu.dtensor_gemm_us is not None else gpu.dtensor_overhead_us
         host_us_dt = op.dtensor * (dt_us or 0.0) if host_us > 0 else 0.0
         return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
-                (op.kernels * host_us + host_us_dt) * 1e-6)
+                (op.host_ops * host_us + host_us_dt) * 1e-6)
 
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)

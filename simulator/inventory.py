@@ -74,6 +74,14 @@ class Op:
     saved: float = 0.0  # bytes this forward op keeps for the backward
     compute_scale: float = 1.0  # executed / counted FLOPs (CAUSAL_FLASH_SCALE: skipped blocks)
     dtensor: int = 0  # of its kernels, those dispatched on DTensor operands (TP as DTensor)
+    #: what the host pays for, in units of the per-kernel host cost: one a kernel unless
+    #: set (a foreach optimizer's host work is per tensor, its launches per chunk)
+    host_units: int | None = None
+
+    @property
+    def host_ops(self) -> int:
+        """Units of host work (``host_units``, else one per kernel)."""
+        return self.kernels if self.host_units is None else self.host_units
 
     @property
     def cost_class(self) -> str:
@@ -446,7 +454,12 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
     ``foreach`` runs its ~7 foreach ops over the same chunks; ``per_tensor`` (the for-loop
     AdamW, torch/optim/adamw.py ``_single_tensor_adamw``) runs 10 ops per tensor: the
     step count's add, the weight decay's mul, lerp, mul and addcmul on the moments, the
-    step's ``item``, sqrt, div and add for the denominator, the update's addcdiv."""
+    step's ``item``, sqrt, div and add for the denominator, the update's addcdiv.
+
+    Host work: a kernel's for the fused and per-tensor forms; foreach does its host work
+    per tensor of each foreach op (``_multi_tensor_adamw`` builds per-tensor lists, its
+    step counters and bias corrections in Python; each ``_foreach_*`` op checks and
+    groups every tensor), so its host units are 7 per tensor, not 7 per chunk."""
     dt = dtype_bytes(dtype)
     g = stack.main_grad_bytes(dt)
     # fp32 training: w, m, v read + write; else the fp32 master too, and the 16-bit copy
@@ -457,6 +470,8 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
     if stack.grad_clip:
         kernels += 2 * chunks
     op = mem("optimizer", params * (per_param + clip), 1, "optimizer", int(kernels))
+    if stack.optimizer == "foreach":
+        op = replace(op, host_units=7 * tensors + (2 * chunks if stack.grad_clip else 0))
     if stack.optimizer == "per_tensor" and dtensors:  # each op on a DTensor dispatches as one
         op = replace(op, dtensor=10 * dtensors)
     return op

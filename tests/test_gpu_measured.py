@@ -59,17 +59,27 @@ def test_a_cuda_run_simulates_the_foreach_optimizer_torch_picks_there() -> None:
         cpu.stack.model_dump(exclude={"optimizer", "preset"})
 
 
-def test_host_cost_counts_the_kernels_of_the_devices_optimizer() -> None:
-    """The degenerate step's optimizer kernels as the simulator counts them: 10 per
-    tensor for the for-loop (CPU), 7 per chunk for foreach (one chunk here: 16 tensors
-    a layer + 4 is under 110); the micro-batches' kernels are the same on both."""
+def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
+    """The degenerate step's optimizer host units as the simulator counts them: 10 kernels
+    per tensor for the for-loop (CPU); foreach (CUDA) launches 7 kernels per chunk (one
+    chunk here: 16 tensors a layer + 4 is under 110) but does its host work per tensor of
+    each of its 7 ops; the micro-batches' kernels are the same on both."""
     from calibration.measured.host_cost import HOST_GPT, step_counts
+    from simulator.inventory import optimizer_op
+    from simulator.stack import StackSpec
 
     cpu, gpu = step_counts(device="cpu"), step_counts(device="cuda")
     tensors = 16 * HOST_GPT["layers"] + 4
     assert cpu.optimizer == 10 * tensors
-    assert gpu.optimizer == 7
+    assert gpu.optimizer == 7 * tensors
     assert (cpu.first, cpu.later) == (gpu.first, gpu.later)
+    foreach = StackSpec.model_validate(stack_for("cuda"))
+    op = optimizer_op(1e5, tensors, foreach, "fp32")
+    assert (op.kernels, op.host_ops) == (7, 7 * tensors)
+    # a 0.9B model: 43 chunks of 2.1e7 parameters launch 301 kernels; the host still
+    # works per tensor (260 of them)
+    big = optimizer_op(0.9e9, 260, foreach, "bf16")
+    assert (big.kernels, big.host_ops) == (7 * 43, 7 * 260)
 
 
 def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:

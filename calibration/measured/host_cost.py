@@ -113,7 +113,7 @@ def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
     tensors = spec.layers * layer_tensors(spec, stack) + 4
     dtensors = spec.layers * dtensor_tensors(spec, stack, tp, sp)
     opt = mdl.optimizer_op(1.0, tensors, stack, "fp32", dtensors)
-    return StepCounts(first, first + accum, opt.dtensor if dtensor else opt.kernels,
+    return StepCounts(first, first + accum, opt.dtensor if dtensor else opt.host_ops,
                       gemm, gemm + gemm_accum)
 
 
