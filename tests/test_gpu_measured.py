@@ -152,3 +152,59 @@ def test_host_lead_lies_between_its_bounds(seed: int) -> None:
     host = sum(h for *_, h in parts)
     t = cost.ops_time(ops)
     assert max(device, host) - 1e-12 <= t <= sum(cost.op_time(op) for op in ops) + 1e-12
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda to see what the timing loop asks of the device."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 - torch's name
+        log = self.log
+
+        class _Event:
+            def record(self) -> None:
+                log.append("record")
+
+            def synchronize(self) -> None:
+                log.append("sync")
+
+            def elapsed_time(self, other: Any) -> float:
+                return 1.0
+
+        return _Event()
+
+    def _sleep(self, cycles: int) -> None:
+        self.log.append(("spin", cycles))
+
+    def get_device_properties(self, index: int) -> Any:
+        return type("Props", (), {"clock_rate": 1_980_000})()  # kHz, an H200's SM clock
+
+    def synchronize(self, index: int = 0) -> None:
+        self.log.append("sync")
+
+
+def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
+    """Each timed batch on CUDA starts behind a spin kernel that outlasts the host's issue
+    of the batch, so the events bracket device time alone (the per-kernel overhead is
+    then the device's launch gap, not the benchmark loop's Python)."""
+    import types
+
+    from calibration.microbench.bench_timing import MAX_QUEUED, Device, time_calls
+
+    log: list[Any] = []
+    device = Device("cuda")
+    device._torch = types.SimpleNamespace(cuda=_FakeCuda(log))
+    calls: list[int] = []
+    t = time_calls(device, lambda i: calls.append(i), 4, target_s=1e-3, min_reps=3,
+                   max_reps=3)
+    assert t.calls_per_rep == MAX_QUEUED  # a no-op call: capped at the launch queue
+    spins = [e for e in log if isinstance(e, tuple)]
+    assert len(spins) == 3
+    records = [i for i, e in enumerate(log) if e == "record"]
+    for spin in spins:  # each batch's start event right behind its spin
+        assert log[log.index(spin) + 1] == "record"
+        # at least the batch's 200 µs floor, at 1.98 GHz
+        assert spin[1] >= int(2e-4 * 1.98e9)
+    assert len(records) == 6
