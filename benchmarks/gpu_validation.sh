@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU, about ten minutes: measure one training configuration of small-gpt and of a
 # GPT of about 0.9B parameters on it (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median
-# of 10 steps after 3 of warm-up), calibrate the device (`clustersim calibrate --quick`)
-# and simulate both runs from the new profile and from the GPU's datasheet preset.
+# of 10 steps after 3 of warm-up), calibrate the device (`clustersim calibrate --quick`,
+# then `clustersim host-cost`: eager PyTorch's host time per kernel) and simulate the
+# runs from the new profile and from the GPU's datasheet preset.
 # Everything lands in OUT_DIR: gpu.txt (the device), stages.txt (each stage's status and
 # seconds), one log per stage, profile.yaml, per model measured.json, scenario.yaml and
 # compare-*.txt (`clustersim compare`), and summary.md, the table to commit under
@@ -85,7 +86,8 @@ for entry in "${models[@]}"; do
 done
 
 stage calibrate "${limits[1]}" "${sim[@]}" calibrate --device "$device" $calib \
-    --out "$out/profile.yaml" --timeout 240
+    --out "$out/profile.yaml" --timeout 240 \
+    && stage host-cost 120 "${sim[@]}" host-cost "$out/profile.yaml" --device "$device"
 sheet=$("$py" -c "
 import sys
 from calibration.microbench.fit_profile import datasheet_preset

@@ -46,6 +46,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
                 "under torchrun and record step times"),
     "compare": ("calibration.measured.compare", "simulate a measured run's scenario and "
                 "compare with the measurement"),
+    "host-cost": ("calibration.measured.host_cost", "time eager PyTorch's host cost per "
+                  "kernel (the measured GPT at a degenerate size) and write it into a profile"),
     "validation": ("calibration.measured.validation", "measure fixed small configurations "
                    "and compare each with its simulation (the README's validation table)"),
     "train": ("simulator.train", "time, goodput, energy and cost to train N tokens, with "

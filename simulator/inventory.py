@@ -186,6 +186,12 @@ class _Shape:
     def qkv_kernels(self) -> int:
         return qkv_linears(self.st)
 
+    @property
+    def rs(self) -> int:
+        """Bytes of a residual-stream element: fp32 under autocast (norms run in fp32 and
+        the 16-bit branch adds into the fp32 stream), else the training dtype's."""
+        return 4 if self.st.amp(self.dt) else self.dt
+
 
 def _gemms(x: _Shape, pass_: Pass) -> dict[str, Op]:
     h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
@@ -280,16 +286,27 @@ def _residual(x: _Shape, pass_: Pass) -> list[Op]:
         return [Op("residual", "memory", 0.0, (2 * dt + 1) * E, 0.0, "elementwise")] \
             if dropout else []
     mask = E if dropout else 0.0
+    add = (2 * x.rs + dt) * E  # the stream read and written, the branch read
     if x.st.fused("bias_dropout_add"):
-        return [Op("residual", "memory", 0.0, 3 * dt * E + mask, 0.0, "elementwise", 1, mask)]
+        return [Op("residual", "memory", 0.0, add + mask, 0.0, "elementwise", 1, mask)]
     kernels = 1 + bias + dropout  # bias add, dropout, add: read + write each, the add reads 2
-    nbytes = 3 * dt * E + 2 * dt * E * (bias + dropout) + mask
+    nbytes = add + 2 * dt * E * (bias + dropout) + mask
     return [Op("residual", "memory", 0.0, nbytes, 0.0, "elementwise", kernels, mask)]
 
 
 def _norm(x: _Shape, name: str, pass_: Pass) -> Op:
     elements = norm_elements(x.spec, x.local, pass_)
-    return mem(name, elements, x.dt, "norm", 1, x.dt * x.local * x.spec.hidden * (pass_ == "fwd"))
+    return mem(name, elements, x.rs, "norm", 1, x.rs * x.local * x.spec.hidden * (pass_ == "fwd"))
+
+
+def _amp_cast(x: _Shape, name: str, linears: int, pass_: Pass) -> list[Op]:
+    """Autocast casts each linear's fp32 input (a norm's output) to the training dtype,
+    one copy per linear; the backward casts each input gradient back to fp32
+    (``ToCopyBackward0``). The forward's weight casts are cached for the autocast
+    region, one per step, and left out."""
+    if not x.st.amp(x.dt) or pass_ == "bwd_weight":
+        return []
+    return [mem(name, linears * x.tokens * x.spec.hidden, x.rs + x.dt, "copy", linears)]
 
 
 def _weight_ops(x: _Shape) -> list[Op]:
@@ -302,8 +319,14 @@ def _weight_ops(x: _Shape) -> list[Op]:
     # γ (and β) partial sums, then the sum
     ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)))
     weights = sum(_weight_elements(x, n) for n in ("qkv", "out_proj", "mlp_up", "mlp_down"))
-    if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's 16-bit grads
-        ops.append(mem("grad_accum", 3 * weights, dt, "elementwise", layer_tensors(x.spec, x.st)))
+    if x.st.amp(dt):  # each weight's cast back: its 16-bit gradient to the fp32 parameter's
+        linears = qkv_linears(x.st) + 1 + up_linears(x.spec, x.st) + 1
+        elements = weights + (x.q + 2 * x.kv + h + x.up + h if x.spec.bias else 0.0)
+        ops.append(mem("amp_weight_cast", elements, dt + 4, "copy",
+                       linears * (2 if x.spec.bias else 1)))
+    if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's grads
+        ops.append(mem("grad_accum", 3 * weights, 4 if x.st.amp(dt) else dt, "elementwise",
+                       layer_tensors(x.spec, x.st)))
     else:  # the wgrad GEMMs read-modify-write the fp32 main_grad in their epilogue
         # (gradient_accumulation_fusion): 8 bytes per weight instead of the 16-bit write
         ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
@@ -368,14 +391,15 @@ def _dense_layer_ops(x: _Shape, pass_: Pass) -> tuple[Op, ...]:
     g = _gemms(x, pass_)
     if pass_ == "bwd_weight":
         return (*g.values(), *_weight_ops(x))
-    grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.dt, "elementwise")] \
+    grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.rs, "elementwise")] \
         if pass_ == "bwd_input" else []
     qkv_sum = _fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_)
     up_sum = _fork_grad_sum(x, "up_grad_sum", x.up_kernels, pass_)
-    ops = (*grad_sum, _norm(x, "ln1", pass_), *qkv_sum, g["qkv"], *_rope(x, pass_),
+    ops = (*grad_sum, _norm(x, "ln1", pass_), *qkv_sum,
+           *_amp_cast(x, "amp_cast_qkv", x.qkv_kernels, pass_), g["qkv"], *_rope(x, pass_),
            *_attention(x, pass_), g["out_proj"], *_residual(x, pass_), *grad_sum,
-           _norm(x, "ln2", pass_), *up_sum, g["mlp_up"], _act(x, pass_), g["mlp_down"],
-           *_residual(x, pass_))
+           _norm(x, "ln2", pass_), *up_sum, *_amp_cast(x, "amp_cast_up", x.up_kernels, pass_),
+           g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
     return ops if pass_ == "fwd" else ops[::-1]
 
 
@@ -385,8 +409,8 @@ def _fork_grad_sum(x: _Shape, name: str, gemms: int, pass_: Pass) -> list[Op]:
     the norm's backward."""
     if pass_ != "bwd_input" or gemms == 1:
         return []
-    adds = gemms - 1
-    return [mem(name, 3 * adds * x.tokens * x.spec.hidden, x.dt, "elementwise", adds)]
+    adds = gemms - 1  # under autocast the gradients were cast back to fp32 first
+    return [mem(name, 3 * adds * x.tokens * x.spec.hidden, x.rs, "elementwise", adds)]
 
 
 def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
@@ -431,10 +455,10 @@ def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_paral
     """Bytes one dense layer keeps between its forward and backward: what its forward ops
     save; under selective recomputation the core's internals (scores, softmax, dropout,
     statistics) are dropped and only its inputs Q, K, V kept; under full recomputation
-    only the layer's input (sharded under sequence parallelism)."""
+    only the layer's input (sharded under sequence parallelism; fp32 under autocast)."""
     x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
     if recompute == "full":
-        return x.dt * x.local * spec.hidden
+        return x.rs * x.local * spec.hidden
     ops = dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
     if recompute == "selective":
         core_inputs = x.dt * x.tokens * (x.q + 2 * x.kv)
@@ -461,9 +485,10 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
     step counters and bias corrections in Python; each ``_foreach_*`` op checks and
     groups every tensor), so its host units are 7 per tensor, not 7 per chunk."""
     dt = dtype_bytes(dtype)
-    g = stack.main_grad_bytes(dt)
-    # fp32 training: w, m, v read + write; else the fp32 master too, and the 16-bit copy
-    per_param = g + 24.0 if dt == 4 else g + 24.0 + dt
+    amp = stack.amp(dt)  # autocast: the parameters and their gradients are fp32
+    g = 4 if amp else stack.main_grad_bytes(dt)
+    # fp32 parameters: w, m, v read + write; else the fp32 master too, and the 16-bit copy
+    per_param = g + 24.0 if dt == 4 or amp else g + 24.0 + dt
     clip = 3 * g if stack.grad_clip else 0
     chunks = max(1, math.ceil(tensors / 110), math.ceil(params / 2.1e7))
     kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 10 * tensors}[stack.optimizer]

@@ -202,6 +202,8 @@ def embedding_ops(
     del sequence_parallel  # see docstring
     st = stack or default_stack()
     dt, elements = dtype_bytes(dtype), micro_batch * spec.seq_len * spec.hidden
+    if st.amp(dt):  # autocast leaves the lookup in the fp32 table's dtype
+        dt = 4
     per_token = 3.0 if spec.position == "learned" else 0.0  # read word + position, write sum
     keep = elements if pass_ == "fwd" else 0.0  # the 1-byte mask, kept for backward
     dropout = (Op("embedding_dropout", "memory", 0.0, (2 * dt + 1) * elements, 0.0,
@@ -231,15 +233,21 @@ def head_ops(
     local = tokens / tp if sequence_parallel else tokens
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
+    amp = st.amp(dt)  # autocast: the norm and the loss in fp32, a cast on each side of the GEMM
+    wide = 4 if amp else dt
     if pass_ == "bwd_weight":
         if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
             logits = Op(logits.name, "gemm", logits.flops, logits.bytes
                         + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
         return (logits,)
     fused = st.fused("cross_entropy")
-    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (dt + (4 if fused else 16)), 0.0,
-              "softmax", 1 if fused else 6)
-    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), dt, "norm"), logits, loss)
+    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (wide + (4 if fused else 16)),
+              0.0, "softmax", 1 if fused else 6)
+    casts = ((_mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
+             (_mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
+        if amp else ((), ())
+    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
+           logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
 
 

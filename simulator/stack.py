@@ -93,6 +93,11 @@ class StackSpec(BaseModel):
     #: sharded parameters are DTensors, so its optimizer step does; its forward and
     #: backward run on plain unsharded tensors)
     dtensor: bool = False
+    #: torch.autocast over fp32 parameters (PyTorch AMP): GEMMs and attention run in the
+    #: training dtype on operands cast per call, norms, softmax and the loss in fp32
+    #: (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its
+    #: gradients and the parameters' gradients stay fp32 (:mod:`simulator.inventory`)
+    autocast: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +123,11 @@ class StackSpec(BaseModel):
     def host_us(self) -> float:
         """Host time per kernel launch: none when a CUDA graph replays the step."""
         return 0.0 if self.cuda_graphs else self.host_overhead_us
+
+    def amp(self, dtype_bytes: int) -> bool:
+        """Autocast's mixed precision applies: the stack says so and the training dtype
+        is a 16-bit one."""
+        return self.autocast and dtype_bytes < 4
 
     def main_grad_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.main_grads == "fp32" else dtype_bytes

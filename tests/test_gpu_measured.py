@@ -44,26 +44,30 @@ def _cfg(device: str) -> MeasureConfig:
                          steps=1, warmup=0, device=device, threads=1, out_dir="unused")
 
 
-def test_a_cuda_run_simulates_the_foreach_optimizer_torch_picks_there() -> None:
+def test_a_cuda_run_simulates_the_foreach_optimizer_and_autocast_it_runs() -> None:
     """torch.optim.AdamW with neither foreach nor fused runs foreach on CUDA tensors and
-    the for-loop on CPU ones (torch/optim/optimizer.py _default_to_fused_or_foreach)."""
+    the for-loop on CPU ones (torch/optim/optimizer.py _default_to_fused_or_foreach);
+    the CUDA runs step under bf16 autocast over fp32 parameters."""
     from simulator.scenario import scenario_from_dict
 
     assert stack_for("cpu") == "pytorch-eager"
     cpu = scenario_from_dict(scenario_dict(_cfg("cpu")))
     gpu = scenario_from_dict(scenario_dict(_cfg("cuda"), device_name="NVIDIA H200"))
     assert cpu.stack.optimizer == "per_tensor" and gpu.stack.optimizer == "foreach"
+    assert not cpu.stack.autocast and gpu.stack.autocast
     assert gpu.stack.name == "pytorch-eager" and gpu.cluster.system == "dgx-h200"
     # everything else is the preset's
-    assert gpu.stack.model_dump(exclude={"optimizer", "preset"}) == \
-        cpu.stack.model_dump(exclude={"optimizer", "preset"})
+    assert gpu.stack.model_dump(exclude={"optimizer", "autocast", "preset"}) == \
+        cpu.stack.model_dump(exclude={"optimizer", "autocast", "preset"})
 
 
 def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     """The degenerate step's optimizer host units as the simulator counts them: 10 kernels
     per tensor for the for-loop (CPU); foreach (CUDA) launches 7 kernels per chunk (one
     chunk here: 16 tensors a layer + 4 is under 110) but does its host work per tensor of
-    each of its 7 ops; the micro-batches' kernels are the same on both."""
+    each of its 7 ops. A CUDA micro-batch adds autocast's casts: per layer 4 forward
+    (q, k, v, up inputs), their 4 gradients back and 12 weight and bias gradients, and 2
+    each way around the logits GEMM."""
     from calibration.measured.host_cost import HOST_GPT, step_counts
     from simulator.inventory import optimizer_op
     from simulator.stack import StackSpec
@@ -72,7 +76,8 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     tensors = 16 * HOST_GPT["layers"] + 4
     assert cpu.optimizer == 10 * tensors
     assert gpu.optimizer == 7 * tensors
-    assert (cpu.first, cpu.later) == (gpu.first, gpu.later)
+    casts = HOST_GPT["layers"] * (4 + 4 + 12) + 2 + 2
+    assert (gpu.first - cpu.first, gpu.later - cpu.later) == (casts, casts)
     foreach = StackSpec.model_validate(stack_for("cuda"))
     op = optimizer_op(1e5, tensors, foreach, "fp32")
     assert (op.kernels, op.host_ops) == (7, 7 * tensors)
@@ -160,7 +165,7 @@ class _FakeCuda:
     def __init__(self, log: list[Any]) -> None:
         self.log = log
 
-    def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 - torch's name
+    def Event(self, enable_timing: bool = False) -> Any:
         log = self.log
 
         class _Event:
@@ -197,7 +202,7 @@ def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
     device = Device("cuda")
     device._torch = types.SimpleNamespace(cuda=_FakeCuda(log))
     calls: list[int] = []
-    t = time_calls(device, lambda i: calls.append(i), 4, target_s=1e-3, min_reps=3,
+    t = time_calls(device, calls.append, 4, target_s=1e-3, min_reps=3,
                    max_reps=3)
     assert t.calls_per_rep == MAX_QUEUED  # a no-op call: capped at the launch queue
     spins = [e for e in log if isinstance(e, tuple)]
@@ -208,3 +213,87 @@ def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
         # at least the batch's 200 µs floor, at 1.98 GHz
         assert spin[1] >= int(2e-4 * 1.98e9)
     assert len(records) == 6
+
+
+def _amp_layer(pass_: str, autocast: bool, dtype: str = "bf16") -> dict[str, Any]:
+    from simulator import model as mdl
+    from simulator.scenario import ModelSpec
+    from simulator.stack import StackSpec
+
+    spec = ModelSpec.model_validate({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4,
+                                     "ffn_hidden": 256, "vocab": 128, "seq_len": 32,
+                                     "activation": "gelu", "norm": "layernorm", "bias": True,
+                                     "tied_embeddings": True, "position": "learned"})
+    stack = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": autocast})
+    return {op.name: op for op in mdl.layer_ops(spec, 2, 1, False, dtype, pass_, 0, stack)}
+
+
+def test_autocast_casts_each_linears_input_and_keeps_the_stream_in_fp32() -> None:
+    """bf16 autocast over fp32 parameters (our CUDA runs): q, k, v and the MLP's up each
+    cast the norm's fp32 output (4 + 2 bytes an element, one copy each: the H200 trace's
+    4 a layer a micro-batch), the backward casts each input gradient back, the norms and
+    the residual adds run on the fp32 stream, and every weight and bias gradient is cast
+    back to its fp32 parameter (12 a layer: the trace's ToCopyBackward0)."""
+    T, h, ffn = 2 * 32, 64, 256
+    plain, amp = _amp_layer("fwd", False), _amp_layer("fwd", True)
+    assert "amp_cast_qkv" not in plain
+    assert (amp["amp_cast_qkv"].kernels, amp["amp_cast_qkv"].bytes) == (3, 3 * T * h * 6)
+    assert (amp["amp_cast_up"].kernels, amp["amp_cast_up"].bytes) == (1, T * h * 6)
+    assert amp["ln1"].bytes == 2 * plain["ln1"].bytes  # fp32 in and out
+    assert amp["ln1"].saved == 4 * T * h  # the fp32 input it keeps
+    assert amp["residual"].bytes == (4 + 2 + 4) * T * h  # fp32 stream + bf16 branch
+    bwd = _amp_layer("bwd_input", True)
+    assert bwd["amp_cast_qkv"].bytes == amp["amp_cast_qkv"].bytes
+    names = list(bwd)  # the backward's order: GEMM, its input gradients cast, their sum
+    assert names.index("qkv") < names.index("amp_cast_qkv") < names.index("qkv_grad_sum")
+    wgt = _amp_layer("bwd_weight", True)
+    weights = 3 * h * h + h * h + 2 * h * ffn
+    biases = 3 * h + h + ffn + h
+    assert wgt["amp_weight_cast"].kernels == 12
+    assert wgt["amp_weight_cast"].bytes == (weights + biases) * 6
+    assert wgt["grad_accum"].bytes == 3 * weights * 4  # fp32 .grad
+    # fp32 training under the same stack: autocast changes nothing
+    assert _amp_layer("fwd", True, "fp32") == _amp_layer("fwd", False, "fp32")
+
+
+def test_autocast_optimizer_has_no_16_bit_copy_to_write() -> None:
+    from simulator.inventory import optimizer_op
+    from simulator.stack import StackSpec
+
+    amp = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": True})
+    plain = StackSpec.model_validate({"preset": "pytorch-eager"})
+    # fp32 parameters and grads: w, m, v read and written, the grad read: 28 bytes
+    assert optimizer_op(1e6, 10, amp, "bf16").bytes == 28e6
+    assert optimizer_op(1e6, 10, plain, "bf16").bytes == (2 + 24 + 2) * 1e6
+
+
+def test_host_cost_cli_writes_the_terms_into_a_profile(tmp_path: Any,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    """`clustersim host-cost PROFILE --device cpu` (what validation does by itself);
+    a missing profile is one line and exit status 2."""
+    pytest.importorskip("torch")
+    import shutil
+
+    from simulator.cli import main
+    from simulator.hardware import SYSTEMS_DIR, load_system
+
+    path = tmp_path / "cpu.yaml"
+    shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", path)
+    assert main(["host-cost", str(path), "--device", "cpu"]) == 0
+    assert "us per kernel" in capsys.readouterr().out
+    gpu = load_system(str(path)).gpu
+    assert gpu.host_serial and gpu.host_overhead_us is not None
+    # --refit re-derives from the recorded step times: the same counts, the same figures
+    assert main(["host-cost", str(path), "--refit"]) == 0
+    again = load_system(str(path)).gpu
+    assert (again.host_overhead_us, again.host_optimizer_us) == \
+        (gpu.host_overhead_us, gpu.host_optimizer_us)
+    bare = tmp_path / "bare.yaml"
+    shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", bare)
+    capsys.readouterr()
+    assert main(["host-cost", str(bare), "--refit"]) == 2  # nothing recorded to refit
+    assert "records no host-cost step times" in capsys.readouterr().err
+    assert main(["host-cost", str(tmp_path / "none.yaml"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err and err.count("\n") == 1

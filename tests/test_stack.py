@@ -121,12 +121,13 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     dt, h, s = 2, spec.hidden, spec.seq_len
     T = b * s
     L = T / tp if sp else T
+    rs = 4 if stack.amp(dt) else dt  # autocast: the residual stream is fp32
     if recompute == "full":
-        return dt * L * h
+        return rs * L * h
     q, kv, f = h / tp, max(spec.kv / tp, 1) * spec.head_dim, spec.ffn / tp
     heads = spec.heads / tp
     S = b * heads * s * s
-    out = dt * 4 * L * h  # the two norms' and the QKV and MLP-up projections' inputs
+    out = (2 * rs + 2 * dt) * L * h  # the two norms' and the QKV and MLP-up projections' inputs
     out += 2 * L * h if stack.hidden_dropout > 0 else 0  # two 1-byte masks
     out += dt * T * (q + 2 * kv)  # Q, K, V
     out += dt * T * q  # the out-projection's input
@@ -140,10 +141,12 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
 
 @settings(max_examples=80, deadline=None)
 @given(dense_specs, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.booleans(),
-       st.sampled_from(STACKS), st.sampled_from(["none", "selective", "full"]))
+       st.sampled_from([*STACKS, "pytorch-eager+autocast"]),
+       st.sampled_from(["none", "selective", "full"]))
 def test_memory_and_inventory_agree_on_what_is_kept(spec: ModelSpec, b: int, tp: int, sp: bool,
                                                    name: str, recompute: str) -> None:
-    stack = load_stack(name)
+    stack = load_stack(name) if "+" not in name else StackSpec.model_validate(
+        {"preset": name.split("+", maxsplit=1)[0], "autocast": True})  # as our CUDA runs execute
     memory = activation_bytes_per_layer(spec, b, tp, sp, recompute, stack=stack)  # type: ignore[arg-type]
     inventory = kept_for_backward(spec, b, tp, sp, "bf16", recompute, stack)
     assert memory == inventory

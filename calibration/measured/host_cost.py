@@ -1,8 +1,10 @@
-"""The eager framework's host cost per kernel on a CPU "device" (``gpu.host_overhead_us``).
+"""The eager framework's host cost per kernel (``gpu.host_overhead_us``).
 
 ``clustersim validation --device cpu`` measures it right after calibrating and adds it
-to the profile (:func:`add_to_profile`): it runs the measured runs' own model code,
-which the kernel microbenchmarks (``calibration/microbench``) never import.
+to the profile (:func:`add_to_profile`); ``clustersim host-cost PROFILE --device cuda``
+does the same for a GPU's host (on a GPU the degenerate step's kernels run beside the
+host, whose time alone sets the step). It runs the measured runs' own model code, which
+the kernel microbenchmarks (``calibration/microbench``) never import.
 
 On a CPU the thread that runs a kernel also runs everything PyTorch eager does around
 it: the Python module calls, the dispatcher, autograd's graph recording and backward
@@ -79,8 +81,8 @@ class StepCounts:
 
 def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
                 dtensor: bool = False, device: str = "cpu") -> StepCounts:
-    """The step's kernels as the simulator counts them (the measured runs' stack on
-    ``device``, fp32, grads set to None before the first micro-batch), by part; with
+    """The step's kernels as the simulator counts them (the measured runs' stack and
+    dtype on ``device``, grads set to None before the first micro-batch), by part; with
     ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
     (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
     from calibration.measured.measure_scenario import stack_for
@@ -90,6 +92,7 @@ def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
     from simulator.stack import StackSpec
 
     stack = StackSpec.model_validate(stack_for(device))
+    dtype = "fp32" if device == "cpu" else "bf16"  # the measured runs' (autocast on CUDA)
     spec = ModelSpec.model_validate({**sizes, "kv_heads": sizes["heads"], "activation": "gelu",
                                      "norm": "layernorm", "bias": True,
                                      "tied_embeddings": True, "position": "learned"})
@@ -98,11 +101,11 @@ def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
         spec = spec.model_copy(update={"heads": 2, "kv_heads": 2})
     first = accum = gemm = gemm_accum = 0
     for pass_ in ("fwd", "bwd_input", "bwd_weight"):
-        layer = mdl.layer_ops(spec, batch, tp, sp, "fp32", pass_, 0, stack)
+        layer = mdl.layer_ops(spec, batch, tp, sp, dtype, pass_, 0, stack)
         ops = (*layer * spec.layers,) if dtensor else (
             *layer * spec.layers,
-            *mdl.embedding_ops(spec, batch, 1, False, "fp32", pass_, stack),
-            *mdl.head_ops(spec, batch, 1, False, "fp32", pass_, stack))
+            *mdl.embedding_ops(spec, batch, 1, False, dtype, pass_, stack),
+            *mdl.head_ops(spec, batch, 1, False, dtype, pass_, stack))
         for op in ops:
             n = op.dtensor if dtensor else op.kernels
             g = n if op.cost_class.startswith("gemm") else 0
@@ -112,7 +115,7 @@ def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
                 first, gemm = first + n, gemm + g
     tensors = spec.layers * layer_tensors(spec, stack) + 4
     dtensors = spec.layers * dtensor_tensors(spec, stack, tp, sp)
-    opt = mdl.optimizer_op(1.0, tensors, stack, "fp32", dtensors)
+    opt = mdl.optimizer_op(1.0, tensors, stack, dtype, dtensors)
     return StepCounts(first, first + accum, opt.dtensor if dtensor else opt.host_ops,
                       gemm, gemm + gemm_accum)
 
@@ -329,3 +332,92 @@ def add_to_profile(path: str, threads: int, device: str = "cpu") -> dict[str, An
     profile.setdefault("provenance", {})["host_overhead"] = host
     write_profile(profile, Path(path))
     return host
+
+
+def refit_profile(path: str) -> dict[str, Any]:
+    """Re-derive a profile's ``host_overhead_us`` and ``host_optimizer_us`` from the step
+    times its provenance recorded, divided by the kernels the inventory counts today: a
+    change to the inventory (a new op, a new count) changes the per-kernel figure that
+    the same measurement implies, without measuring again."""
+    from pathlib import Path
+
+    import yaml
+
+    from calibration.microbench.fit_profile import write_profile
+    from simulator.errors import Problem, UserError
+
+    profile = yaml.safe_load(Path(path).read_text())
+    host = (profile.get("provenance") or {}).get("host_overhead") or {}
+    times = host.get("step_s_min") or {}
+    if "1" not in times or str(MICRO_BATCHES) not in times:
+        raise UserError([Problem("PROFILE", path, "records no host-cost step times; measure "
+                                 "them with `clustersim host-cost PROFILE`")])
+    device = str(host.get("device") or ("cpu" if profile["gpu"].get("host_serial") else "cuda"))
+    counts = step_counts(device=device)
+    x, y = split_per_op(times["1"], times[str(MICRO_BATCHES)], MICRO_BATCHES, counts)
+    off = float(profile["gpu"].get("kernel_overhead_us", 0.0)) if device == "cpu" else 0.0
+    gpu = profile["gpu"]
+    gpu["host_overhead_us"] = host["host_overhead_us"] = round(max(x * 1e6 - off, 0.0), 3)
+    gpu["host_optimizer_us"] = host["host_optimizer_us"] = round(max(y * 1e6 - off, 0.0), 3)
+    host.update(device=device, kernels=asdict(counts), refit=time.strftime("%Y-%m-%d"))
+    write_profile(profile, Path(path))
+    return host
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``host-cost`` on the CLI's subparsers."""
+    import argparse
+
+    p = subparsers.add_parser(
+        "host-cost", help="time eager PyTorch's host cost per kernel (the measured GPT at a "
+        "degenerate size) and write it into a profile",
+        description="Time training steps of the measured runs' GPT at a degenerate size "
+        "(width 8, 2 tokens: every kernel tiny, the step the host's alone) at 1 and 4 "
+        "micro-batches, and write gpu.host_overhead_us and gpu.host_optimizer_us (on a CPU "
+        "also host_serial and DTensor's terms) into PROFILE. `clustersim validation` does "
+        "this itself on a CPU.",
+        epilog="example:\n  clustersim calibrate --device cuda --quick --out h200.yaml\n"
+        "  clustersim host-cost h200.yaml --device cuda",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("profile", metavar="PROFILE.yaml", help="the profile to add the terms to")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                   help="where the GPT runs (default cuda)")
+    p.add_argument("--threads", type=int, default=1, metavar="T",
+                   help="torch threads (default 1, as the measured runs)")
+    p.add_argument("--refit", action="store_true",
+                   help="measure nothing: re-derive the terms from the step times the "
+                   "profile recorded, with the kernels the inventory counts now")
+    p.set_defaults(func=_cli_main)
+
+
+def _cli_main(args: Any) -> int:
+    from pathlib import Path
+
+    from simulator.errors import Problem, UserError
+
+    path = Path(args.profile)
+    if not path.is_file():
+        raise UserError([Problem("PROFILE", args.profile, "no such file; write one with "
+                                 "`clustersim calibrate --out PROFILE.yaml`")])
+    if args.threads < 1:
+        raise UserError([Problem("--threads", args.threads, "use 1 or more")])
+    if args.refit:
+        host = refit_profile(str(path))
+        print(f"host: {host['host_overhead_us']:.1f} us per kernel, "
+              f"{host['host_optimizer_us']:.1f} us per optimizer host unit, re-derived "
+              f"({host['device']}) -> {path}")
+        return 0
+    try:
+        import torch
+    except ImportError:
+        raise UserError([Problem("", None, "host-cost needs PyTorch: pip install "
+                                 "'clustersim[calibrate]' (or torch)")]) from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError([Problem("--device", "cuda", "PyTorch sees no CUDA GPU here; use "
+                                 "--device cpu")])
+    host = add_to_profile(str(path), args.threads, args.device)
+    steps = " and ".join(f"{t * 1e3:.2f} ms at {m}" for m, t in host["step_s_min"].items())
+    print(f"host: {host['host_overhead_us']:.1f} us per kernel, "
+          f"{host['host_optimizer_us']:.1f} us per optimizer host unit (steps of {steps} "
+          f"micro-batches) -> {path}")
+    return 0

@@ -18,14 +18,17 @@ from calibration.measured.measure_config import MeasureConfig
 STACK = "pytorch-eager"
 
 
-def stack_for(device: str) -> str | dict[str, str]:
+def stack_for(device: str) -> str | dict[str, str | bool]:
     """The run's stack: :data:`STACK`, whose optimizer is AdamW's for-loop as it runs on
-    CPU tensors; on CUDA the same ``torch.optim.AdamW(params, lr=...)`` runs its foreach
-    (multi-tensor) implementation: ``torch/optim/optimizer.py``
+    CPU tensors, in fp32. On CUDA the same ``torch.optim.AdamW(params, lr=...)`` runs its
+    foreach (multi-tensor) implementation (``torch/optim/optimizer.py``
     ``_default_to_fused_or_foreach`` picks foreach when every parameter is on a CUDA
-    device and neither ``foreach`` nor ``fused`` is given (the profiler shows
-    ``multi_tensor_apply_kernel``)."""
-    return STACK if device == "cpu" else {"preset": STACK, "optimizer": "foreach"}
+    device and neither ``foreach`` nor ``fused`` is given; the profiler shows
+    ``multi_tensor_apply_kernel``), and the step runs under bf16 ``torch.autocast`` over
+    fp32 parameters (:func:`calibration.measured.worker_run.autocast_for`)."""
+    if device == "cpu":
+        return STACK
+    return {"preset": STACK, "optimizer": "foreach", "autocast": True}
 
 
 def _flow(mapping: dict[str, Any]) -> str:

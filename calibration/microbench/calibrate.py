@@ -90,10 +90,7 @@ example:
       writes gemm.png, attention.png, memory.png, collectives.png and fit_errors.md
 """
 
-#: what ``--skip`` can leave out; ``host`` (the eager framework's host cost per kernel,
-#: calibration/measured/host_cost.py) is measured here on cuda only: on a CPU, where the
-#: host runs serially with the kernels, ``clustersim validation`` measures it
-PARTS = ("gemm", "attention", "memory", "collectives", "host")
+PARTS = ("gemm", "attention", "memory", "collectives")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -122,8 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fit collectives from nccl-tests output (-J JSON or text) instead of "
                    "measuring them; OP/LINK prefixes name what the file cannot")
     p.add_argument("--skip", action="append", choices=PARTS, default=[],
-                   help="leave a part unmeasured (taken from --base); repeatable; host (the "
-                   "eager per-kernel host cost) is measured on cuda only")
+                   help="leave a part unmeasured (taken from --base); repeatable")
     p.add_argument("--base", metavar="PRESET",
                    help="preset or profile for what is not measured (default: the matching "
                    "datasheet preset on cuda, cpu-1thread on cpu)")
@@ -249,24 +245,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
                          for p in exc.problems]) from None
     nccl_runs = _load_nccl_tests(opts.nccl_specs)
     profile_path = calibrate(opts, base, nccl_runs)
-    if opts.device == "cuda" and "host" not in opts.skip:
-        _add_host_cost(opts, profile_path)
     print(profile_path)
     return 0
-
-
-def _add_host_cost(opts: Options, path: Path) -> None:
-    """The GPU host's eager cost per kernel (``gpu.host_overhead_us`` and
-    ``host_optimizer_us``): the measured runs' own GPT at a degenerate size, where the
-    step is the host's time alone (calibration/measured/host_cost.py)."""
-    from calibration.measured.host_cost import add_to_profile
-
-    _say("host: timing the eager step of a degenerate GPT (every kernel tiny) at 1 and 4 "
-         "micro-batches")
-    host = add_to_profile(str(path), opts.threads, opts.device)
-    steps = " and ".join(f"{t * 1e3:.2f} ms at {m}" for m, t in host["step_s_min"].items())
-    _say(f"host: {host['host_overhead_us']:.1f} us per kernel, {host['host_optimizer_us']:.1f} "
-         f"us per optimizer kernel (steps of {steps} micro-batches) -> {path}")
 
 
 def _load_nccl_tests(specs: tuple[str, ...]) -> list[Any]:
