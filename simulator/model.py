@@ -240,15 +240,30 @@ def head_ops(
             logits = Op(logits.name, "gemm", logits.flops, logits.bytes
                         + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
         return (logits,)
-    fused = st.fused("cross_entropy")
-    loss = Op("loss", "memory", 0.0, tokens * spec.vocab / tp * (wide + (4 if fused else 16)),
-              0.0, "softmax", 1 if fused else 6)
+    loss = _loss(st, tokens * spec.vocab / tp, wide, pass_)
     casts = ((_mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
              (_mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
         if amp else ((), ())
     ops = (_mem("final_norm", _norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
            logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
+
+
+def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
+    """The cross-entropy over ``elements`` logits of ``wide`` bytes. Fused: one kernel
+    each way, the logits read and an fp32 softmax written (or read back). Megatron's
+    vocab-parallel form: about four fp32 passes in six kernels each way. PyTorch's
+    ``F.cross_entropy``: forward log_softmax (logits read, fp32 log-probabilities
+    written) and nll_loss's gather; backward nll_loss's zero-filled gradient and its
+    scatter, then log_softmax's backward (gradient and log-probabilities read, the
+    logits' gradient written)."""
+    if st.fused("cross_entropy"):
+        return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, "softmax", 1)
+    if st.loss == "torch":
+        fwd = pass_ == "fwd"
+        return Op("loss", "memory", 0.0, elements * (wide + 4 if fwd else 4 + 8 + wide), 0.0,
+                  "softmax", 2 if fwd else 3)
+    return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, "softmax", 6)
 
 
 def layer_recompute_ops(

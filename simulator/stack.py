@@ -98,6 +98,12 @@ class StackSpec(BaseModel):
     #: (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its
     #: gradients and the parameters' gradients stay fp32 (:mod:`simulator.inventory`)
     autocast: bool = False
+    #: the cross-entropy's kernels without the ``cross_entropy`` fusion: Megatron's
+    #: vocab-parallel form (max, subtract, exp, sum, log, gather in fp32: six kernels each
+    #: way), or PyTorch's ``F.cross_entropy`` (``torch``: log_softmax and nll_loss,
+    #: aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: two kernels forward,
+    #: three backward)
+    loss: Literal["vocab_parallel", "torch"] = "vocab_parallel"
 
     @model_validator(mode="before")
     @classmethod
