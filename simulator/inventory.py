@@ -283,8 +283,11 @@ def _residual(x: _Shape, pass_: Pass) -> list[Op]:
     dropout = x.st.hidden_dropout > 0
     bias = x.spec.bias and not x.st.fused("bias_gemm")  # addmm adds it inside the GEMM
     if pass_ == "bwd_input":  # the add passes gradients through; dropout scales by its mask
-        return [Op("residual", "memory", 0.0, (2 * dt + 1) * E, 0.0, "elementwise")] \
+        ops = [Op("residual", "memory", 0.0, (2 * dt + 1) * E, 0.0, "elementwise")] \
             if dropout else []
+        if x.st.amp(dt):  # autocast: the fp32 stream's gradient cast to the 16-bit branch's
+            ops.insert(0, mem("amp_cast_residual", E, x.rs + dt, "copy"))
+        return ops
     mask = E if dropout else 0.0
     add = (2 * x.rs + dt) * E  # the stream read and written, the branch read
     if x.st.fused("bias_dropout_add"):

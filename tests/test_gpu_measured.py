@@ -66,8 +66,8 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     per tensor for the for-loop (CPU); foreach (CUDA) launches 7 kernels per chunk (one
     chunk here: 16 tensors a layer + 4 is under 110) but does its host work per tensor of
     each of its 7 ops. A CUDA micro-batch adds autocast's casts: per layer 4 forward
-    (q, k, v, up inputs), their 4 gradients back and 12 weight and bias gradients, and 2
-    each way around the logits GEMM."""
+    (q, k, v, up inputs), their 4 gradients back, 12 weight and bias gradients and the 2
+    residual adds' gradients for their bf16 branches, and 2 each way around the logits."""
     from calibration.measured.host_cost import HOST_GPT, step_counts
     from simulator.inventory import optimizer_op
     from simulator.stack import StackSpec
@@ -76,7 +76,7 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     tensors = 16 * HOST_GPT["layers"] + 4
     assert cpu.optimizer == 10 * tensors
     assert gpu.optimizer == 7 * tensors
-    casts = HOST_GPT["layers"] * (4 + 4 + 12) + 2 + 2
+    casts = HOST_GPT["layers"] * (4 + 4 + 12 + 2) + 2 + 2
     assert (gpu.first - cpu.first, gpu.later - cpu.later) == (casts, casts)
     foreach = StackSpec.model_validate(stack_for("cuda"))
     op = optimizer_op(1e5, tensors, foreach, "fp32")
@@ -215,7 +215,7 @@ def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
     assert len(records) == 6
 
 
-def _amp_layer(pass_: str, autocast: bool, dtype: str = "bf16") -> dict[str, Any]:
+def _layer_ops(pass_: str, autocast: bool, dtype: str = "bf16") -> list[Any]:
     from simulator import model as mdl
     from simulator.scenario import ModelSpec
     from simulator.stack import StackSpec
@@ -225,7 +225,11 @@ def _amp_layer(pass_: str, autocast: bool, dtype: str = "bf16") -> dict[str, Any
                                      "activation": "gelu", "norm": "layernorm", "bias": True,
                                      "tied_embeddings": True, "position": "learned"})
     stack = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": autocast})
-    return {op.name: op for op in mdl.layer_ops(spec, 2, 1, False, dtype, pass_, 0, stack)}
+    return list(mdl.layer_ops(spec, 2, 1, False, dtype, pass_, 0, stack))  # type: ignore[arg-type]
+
+
+def _amp_layer(pass_: str, autocast: bool, dtype: str = "bf16") -> dict[str, Any]:
+    return {op.name: op for op in _layer_ops(pass_, autocast, dtype)}
 
 
 def test_autocast_casts_each_linears_input_and_keeps_the_stream_in_fp32() -> None:
@@ -244,6 +248,11 @@ def test_autocast_casts_each_linears_input_and_keeps_the_stream_in_fp32() -> Non
     assert amp["residual"].bytes == (4 + 2 + 4) * T * h  # fp32 stream + bf16 branch
     bwd = _amp_layer("bwd_input", True)
     assert bwd["amp_cast_qkv"].bytes == amp["amp_cast_qkv"].bytes
+    # the residual add's backward casts the fp32 gradient for the bf16 branch (the
+    # trace's AddBackward0 copies, 2 a layer a micro-batch); without autocast, nothing
+    assert bwd["amp_cast_residual"].bytes == T * h * 6
+    assert sum(op.name == "amp_cast_residual" for op in _layer_ops("bwd_input", True)) == 2
+    assert not any(op.name.startswith("amp_") for op in _layer_ops("bwd_input", False))
     names = list(bwd)  # the backward's order: GEMM, its input gradients cast, their sum
     assert names.index("qkv") < names.index("amp_cast_qkv") < names.index("qkv_grad_sum")
     wgt = _amp_layer("bwd_weight", True)
