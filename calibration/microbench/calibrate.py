@@ -78,6 +78,8 @@ examples:
       re-measure the compute part up to twice while the machine looks busy
   clustersim calibrate --device cuda --dtype bf16 --out calibration/profiles/h100.yaml
       all GPUs of this node; resumable: rerun the same command after an interruption
+  clustersim host-cost calibration/profiles/h100.yaml --device cuda
+      then eager PyTorch's host time per kernel, which the kernel timings leave out
   clustersim calibrate --device cuda --from-nccl-tests all_reduce.json all_gather.txt --out p.yaml
       GEMMs measured here, collectives fitted from nccl-tests output (-J JSON or text)
   clustersim calibrate report cpu.yaml --out cpu-report/
