@@ -329,3 +329,40 @@ def test_pytorch_cross_entropy_is_log_softmax_and_nll_loss() -> None:
     megatron = StackSpec.model_validate({"preset": "pytorch-eager", "loss": "vocab_parallel"})
     old = {op.name: op for op in mdl.head_ops(spec, 2, 1, False, "fp32", "fwd", megatron)}
     assert (old["loss"].kernels, old["loss"].bytes) == (6, elements * (4 + 16))
+
+
+def test_a_cuda_runs_comparison_draws_its_kernels_not_its_host_ops(tmp_path: Any,
+                                                                   monkeypatch: Any) -> None:
+    """The comparison carries the run's device, so the plot's measured row is the GPU
+    kernels' time (the H200's gpt-0.9b step: 420 ms of kernels, whose host ops end at
+    380 ms, which the plot drew before)."""
+    import json
+
+    import yaml
+
+    import calibration.measured.compare as cmp
+
+    cfg = _cfg("cuda")
+    (tmp_path / "scenario.yaml").write_text(
+        yaml.safe_dump(scenario_dict(cfg, device_name="NVIDIA H200")))
+    rank = {"compute_s": 0.004, "optimizer_s": 0.0, "profiled_step_s": 0.01}
+    (tmp_path / "measured.json").write_text(json.dumps(
+        {"step_time_s": 0.005, "device": "cuda", "per_rank": [rank], "state_bytes": [1.0]}))
+    (tmp_path / "traces").mkdir()
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1000.0,
+               "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 500.0, "dur": 4000.0,
+               "pid": 0, "tid": 7}]
+    (tmp_path / "traces" / "trace_rank0.json").write_text(json.dumps({"traceEvents": events}))
+    drawn: list[str] = []
+    real_rows = cmp._measured_rows
+
+    def rows(run_dir: Any, device: str) -> Any:
+        drawn.append(device)
+        return real_rows(run_dir, device)
+
+    monkeypatch.setattr(cmp, "_measured_rows", rows)
+    comparison = cmp.run_compare(tmp_path, "dgx-h200", plot=True)
+    assert comparison["device"] == "cuda" and drawn == ["cuda"]
+    [(_, work, _)] = real_rows(tmp_path, "cuda")
+    assert work == [(0.0, pytest.approx(4000e-6))]  # the kernel, not the aten op

@@ -95,7 +95,9 @@ def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
     scenario = load_scenario(run_dir / "scenario.yaml", [f"cluster.system={system}"])
     results, spans = simulate_scenario(scenario, "engine", "full")
     meas, sim = measured_figures(measured), simulated_figures(results)
-    return {"run_dir": str(run_dir), "profile": system, "scenario": scenario.to_dict(),
+    return {"run_dir": str(run_dir), "profile": system,
+            "device": str(measured.get("device", "cpu")),  # whose trace events are compute
+            "scenario": scenario.to_dict(),
             "measured": meas, "simulated": sim, "relative_error": relative_errors(meas, sim),
             "simulated_results": {k: results[k] for k in ("bubble_fraction", "exposed_comm_s",
                                                           "mfu", "sim_wall_s")},
