@@ -67,7 +67,8 @@ Rate = Annotated[float, RATE]
 #: The op inventory's cost classes: GEMMs and attention are sized by the FLOPs of
 #: one call, the memory-bound classes by the bytes one kernel moves.
 CostClass = Literal["gemm_fwd", "gemm_dgrad", "gemm_wgrad", "attention_fwd", "attention_bwd",
-                    "softmax", "elementwise", "norm", "reduction", "copy", "optimizer"]
+                    "softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
+                    "optimizer"]
 COST_CLASSES: tuple[str, ...] = get_args(CostClass)
 LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.

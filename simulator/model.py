@@ -257,13 +257,14 @@ def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
     written) and nll_loss's gather; backward nll_loss's zero-filled gradient and its
     scatter, then log_softmax's backward (gradient and log-probabilities read, the
     logits' gradient written)."""
+    cls = "cross_entropy"  # vocabulary-wide rows: their own curve, not the softmax's
     if st.fused("cross_entropy"):
-        return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, "softmax", 1)
+        return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, cls, 1)
     if st.loss == "torch":
         fwd = pass_ == "fwd"
         return Op("loss", "memory", 0.0, elements * (wide + 4 if fwd else 4 + 8 + wide), 0.0,
-                  "softmax", 2 if fwd else 3)
-    return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, "softmax", 6)
+                  cls, 2 if fwd else 3)
+    return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, cls, 6)
 
 
 def layer_recompute_ops(

@@ -26,7 +26,8 @@ PEAK_FLOPS = 1e11  # 0.1 TFLOP/s
 HBM_BPS = 20e9
 # true efficiencies: GEMM layouts and attention passes differ; memory kernels by class
 EFF = {"gemm": 0.8, "dgrad": 0.6, "wgrad": 0.5, "attention": 0.4, "attention_bwd": 0.3}
-MEM_EFF = {"layer_norm": 0.5, "rms_norm": 0.5, "softmax": 0.3, "gelu": 0.4, "swiglu": 0.4,
+MEM_EFF = {"layer_norm": 0.5, "rms_norm": 0.5, "softmax": 0.3, "cross_entropy": 0.6,
+           "gelu": 0.4, "swiglu": 0.4,
            "add": 0.4, "mul": 0.4, "sum": 0.9, "copy": 1.0, "adamw": 0.7}
 SEL = {"device": "cpu", "threads": 1, "dtype": "fp32", "ok": True}
 

@@ -366,3 +366,30 @@ def test_a_cuda_runs_comparison_draws_its_kernels_not_its_host_ops(tmp_path: Any
     assert comparison["device"] == "cuda" and drawn == ["cuda"]
     [(_, work, _)] = real_rows(tmp_path, "cuda")
     assert work == [(0.0, pytest.approx(4000e-6))]  # the kernel, not the aten op
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_the_loss_has_a_curve_of_its_own_timed_on_vocabulary_wide_rows(kind: str) -> None:
+    """The H200 priced the loss on the softmax curve, timed on rows of a model's width
+    (20% of HBM at 1 GB), while log_softmax over 50,304 columns ran at about 60%: the
+    loss is its own class, timed as F.cross_entropy over vocabulary-wide fp32 rows."""
+    from calibration.microbench.bench_compute import (
+        FP32_KERNELS,
+        KERNEL_CLASS,
+        VOCAB_WIDTH,
+        memory_plan,
+    )
+    from calibration.microbench.bench_timing import Device, budget_for
+    from simulator import model as mdl
+    from simulator.scenario import ModelSpec
+    from simulator.stack import load_stack
+
+    plan = memory_plan(budget_for(kind, "quick"), Device(kind))
+    ce = [(rows, width) for kernel, rows, width in plan if kernel == "cross_entropy"]
+    assert ce and {w for _, w in ce} == {VOCAB_WIDTH[kind]}
+    assert len(plan) == len(set(plan))  # one row's width covers the smallest sizes once
+    assert KERNEL_CLASS["cross_entropy"] == "cross_entropy" and "cross_entropy" in FP32_KERNELS
+    spec = ModelSpec.model_validate({"preset": "tiny-gpt"})
+    for stack in ("pytorch-eager", "megatron-2021", "megatron-core"):
+        ops = mdl.head_ops(spec, 2, 1, False, "bf16", "fwd", load_stack(stack))
+        assert {op.cost_class for op in ops if op.name == "loss"} == {"cross_entropy"}

@@ -51,7 +51,8 @@ def test_presets_load_without_the_new_terms(name: str) -> None:
             assert gpu.efficiency(cls, size) == gpu.gemm_efficiency(size)
         for cls in ("attention_fwd", "attention_bwd"):
             assert gpu.efficiency(cls, size) == gpu.attention_efficiency(size)
-        for cls in ("softmax", "elementwise", "norm", "reduction", "copy", "optimizer"):
+        for cls in ("softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
+                    "optimizer"):
             assert gpu.efficiency(cls, size) == gpu.memory_efficiency(size)
     assert gpu.interference_factor("intra_node") == gpu.interference_factor("inter_node") == 1
     assert gpu.collective_sync_us == {} and gpu.collective_sync_s("intra_node") == 0

@@ -18,7 +18,8 @@ What each record's size means — the cost model's size axis:
 
 - GEMM and attention: FLOPs (2mnk; 4·b·a·s²·d forward, causal not discounted).
 - memory-bound kernels: logical bytes moved, reading inputs and writing outputs
-  once (norms, softmax, GELU, copy: 2N elements; SwiGLU silu(g)·u, add and mul:
+  once (norms, softmax, GELU, copy: 2N elements; the cross-entropy over vocabulary-wide
+  fp32 rows: the logits read, the log-probabilities written, 2N; SwiGLU silu(g)·u, add and mul:
   3N; a sum over the last dimension: N, its output a row per 1/hidden of that;
   AdamW: parameter, gradient and two moments read, three written, 7 fp32 words
   per parameter). Each kernel belongs to one cost class (:data:`KERNEL_CLASS`),
@@ -60,15 +61,20 @@ from calibration.microbench.bench_timing import (
     torch_dtype,
 )
 
-MEMORY_KERNELS = ("layer_norm", "rms_norm", "softmax", "gelu", "swiglu", "add", "mul", "sum",
-                  "copy", "adamw")
+MEMORY_KERNELS = ("layer_norm", "rms_norm", "softmax", "cross_entropy", "gelu", "swiglu", "add",
+                  "mul", "sum", "copy", "adamw")
 # logical bytes per output element, in units of the element size (adamw: fp32 words)
-_MEM_WORDS = {"layer_norm": 2, "rms_norm": 2, "softmax": 2, "gelu": 2, "swiglu": 3, "add": 3,
+_MEM_WORDS = {"layer_norm": 2, "rms_norm": 2, "softmax": 2, "cross_entropy": 2, "gelu": 2,
+              "swiglu": 3, "add": 3,
               "mul": 3, "sum": 1, "copy": 2, "adamw": 7}
 #: The op inventory's cost class of each memory-bound kernel timed.
 KERNEL_CLASS = {"layer_norm": "norm", "rms_norm": "norm", "softmax": "softmax",
+                "cross_entropy": "cross_entropy",
                 "gelu": "elementwise", "swiglu": "elementwise", "add": "elementwise",
                 "mul": "elementwise", "sum": "reduction", "copy": "copy", "adamw": "optimizer"}
+#: kernels timed in fp32 whatever the calibrated dtype: AdamW's states, and the loss, which
+#: runs on fp32 logits (the measured runs' ``loss_fn``; Megatron's fp32 cross-entropy)
+FP32_KERNELS = ("adamw", "cross_entropy")
 RECHECK_SLOWER_THAN = 1.15
 Runner = Callable[[], tuple[float, dict[str, Any]]]
 
@@ -312,23 +318,31 @@ def _attention_runner(device: Device, budget: Budget, dtype: str, s: AttentionSh
 # ---------------------------------------------------------------- memory-bound
 
 
+#: a vocabulary's width for the cross-entropy's rows (GPT-2's 50,257 and Llama's 32,000
+#: on a GPU; the measured CPU runs' 4,096), a model's hidden size for the other kernels
+VOCAB_WIDTH = {"cuda": 32768, "cpu": 4096}
+
+
 def memory_plan(budget: Budget, device: Device) -> list[tuple[str, int, int]]:
     """(kernel, rows, hidden) with logical bytes spread from ~64 KB to the budget's cap."""
-    hidden = 4096 if device.kind == "cuda" else 1024
     lo, hi = math.log10(64e3), math.log10(budget.max_memory_bytes)
-    plan = []
+    plan: list[tuple[str, int, int]] = []
     for kernel in MEMORY_KERNELS:
+        hidden = VOCAB_WIDTH[device.kind] if kernel == "cross_entropy" else \
+            4096 if device.kind == "cuda" else 1024
         for j in range(budget.memory_sizes):
             target = 10 ** (lo + (hi - lo) * j / max(budget.memory_sizes - 1, 1))
             numel = target / (_MEM_WORDS[kernel] * 4)  # sized as if fp32
-            plan.append((kernel, max(1, round(numel / hidden)), hidden))
+            shape = (kernel, max(1, round(numel / hidden)), hidden)
+            if shape not in plan:  # wide rows: the smallest targets are all one row
+                plan.append(shape)
     return plan
 
 
 def memory_job(device: Device, dtype: str, budget: Budget, kernel: str, rows: int,
                hidden: int, kind: str = "memory") -> Job:
     """One memory-bound kernel of ``rows`` × ``hidden`` elements, sized by bytes moved."""
-    dt_bytes = 4 if kernel == "adamw" or dtype == "fp32" else 2
+    dt_bytes = 4 if kernel in FP32_KERNELS or dtype == "fp32" else 2
     nbytes = float(_MEM_WORDS[kernel] * rows * hidden * dt_bytes)
     return Job(f"{key_prefix(device, dtype)}/{kind}/{kernel}/{rows}x{hidden}", kind,
                f"{kernel} {rows}x{hidden} {dtype}", nbytes, kernel,
@@ -349,7 +363,7 @@ def _memory_runner(device: Device, budget: Budget, dtype: str, kernel: str, rows
     def run() -> tuple[float, dict[str, Any]]:
         import torch
 
-        dt = torch.float32 if kernel == "adamw" else torch_dtype(dtype)
+        dt = torch.float32 if kernel in FP32_KERNELS else torch_dtype(dtype)
         nbytes = _MEM_WORDS[kernel] * rows * hidden * torch.tensor([], dtype=dt).element_size()
         nbuf = rotation_count(device, nbytes, 0.25 * device.free_bytes())
         call = _memory_kernel(kernel, (rows, hidden), dt, device.torch_device, nbuf)
@@ -375,6 +389,9 @@ def _memory_kernel(kernel: str, shape: tuple[int, int], dt: Any, dev: str,
         return lambda i: F.rms_norm(xs[i], (h,), w)
     if kernel == "softmax":
         return lambda i: torch.softmax(xs[i], dim=-1)
+    if kernel == "cross_entropy":  # log_softmax + nll_loss over fp32 logits, as the loss
+        ts = [torch.randint(0, h, (shape[0],), device=dev) for _ in range(nbuf)]
+        return lambda i: F.cross_entropy(xs[i], ts[i])
     if kernel == "gelu":
         return lambda i: F.gelu(xs[i])
     if kernel == "sum":

@@ -68,7 +68,8 @@ CLASS_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemm_wgrad": ("gemm_layout", ("wgrad",)), "attention_fwd": ("attention", ()),
     "attention_bwd": ("attention_bwd", ()),
     **{cls: ("memory", tuple(k for k, c in KERNEL_CLASS.items() if c == cls))
-       for cls in ("softmax", "elementwise", "norm", "reduction", "copy", "optimizer")},
+       for cls in ("softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
+                   "optimizer")},
 }
 if TYPE_CHECKING:
     from calibration.microbench.fit_profile import Fits
