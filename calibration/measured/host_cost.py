@@ -407,11 +407,9 @@ def _cli_main(args: Any) -> int:
               f"{host['host_optimizer_us']:.1f} us per optimizer host unit, re-derived "
               f"({host['device']}) -> {path}")
         return 0
-    try:
-        import torch
-    except ImportError:
-        raise UserError([Problem("", None, "host-cost needs PyTorch: pip install "
-                                 "'clustersim[calibrate]' (or torch)")]) from None
+    from calibration.microbench.calibrate import require_torch
+
+    torch = require_torch()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError([Problem("--device", "cuda", "PyTorch sees no CUDA GPU here; use "
                                  "--device cpu")])
