@@ -190,7 +190,7 @@ class _Shape:
     def rs(self) -> int:
         """Bytes of a residual-stream element: fp32 under autocast (norms run in fp32 and
         the 16-bit branch adds into the fp32 stream), else the training dtype's."""
-        return 4 if self.st.amp(self.dt) else self.dt
+        return self.st.fp32_under_amp(self.dt)
 
 
 def _gemms(x: _Shape, pass_: Pass) -> dict[str, Op]:

@@ -201,9 +201,8 @@ def embedding_ops(
     """
     del sequence_parallel  # see docstring
     st = stack or default_stack()
-    dt, elements = dtype_bytes(dtype), micro_batch * spec.seq_len * spec.hidden
-    if st.amp(dt):  # autocast leaves the lookup in the fp32 table's dtype
-        dt = 4
+    # autocast leaves the lookup in the fp32 table's dtype
+    dt, elements = st.fp32_under_amp(dtype_bytes(dtype)), micro_batch * spec.seq_len * spec.hidden
     per_token = 3.0 if spec.position == "learned" else 0.0  # read word + position, write sum
     keep = elements if pass_ == "fwd" else 0.0  # the 1-byte mask, kept for backward
     dropout = (Op("embedding_dropout", "memory", 0.0, (2 * dt + 1) * elements, 0.0,
@@ -234,7 +233,7 @@ def head_ops(
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
     amp = st.amp(dt)  # autocast: the norm and the loss in fp32, a cast on each side of the GEMM
-    wide = 4 if amp else dt
+    wide = st.fp32_under_amp(dt)
     if pass_ == "bwd_weight":
         if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
             logits = Op(logits.name, "gemm", logits.flops, logits.bytes

@@ -135,6 +135,11 @@ class StackSpec(BaseModel):
         is a 16-bit one."""
         return self.autocast and dtype_bytes < 4
 
+    def fp32_under_amp(self, dtype_bytes: int) -> int:
+        """Bytes of an element autocast keeps in fp32 (norms, the residual stream, the
+        embedding table, the loss): 4 under autocast, else the training dtype's."""
+        return 4 if self.amp(dtype_bytes) else dtype_bytes
+
     def main_grad_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.main_grads == "fp32" else dtype_bytes
 

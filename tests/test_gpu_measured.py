@@ -107,25 +107,22 @@ def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:
 
 
 def _host_lead_cost() -> Any:
+    """The H200 preset at full HBM bandwidth for every size (a flat memory curve), no
+    device overhead, 10 µs of host a kernel: a memory op's device time is bytes / HBM."""
     from simulator.costs import CostModel
-    from simulator.hardware import load_system
+    from simulator.hardware import EfficiencyCurve, load_system
 
     hw = load_system("dgx-h200")
-    gpu = hw.gpu.model_copy(update={"host_overhead_us": 10.0, "kernel_overhead_us": 0.0})
+    gpu = hw.gpu.model_copy(update={"host_overhead_us": 10.0, "kernel_overhead_us": 0.0,
+                                    "memory_efficiency": EfficiencyCurve(points=((1.0, 1.0),))})
     return CostModel(hw.model_copy(update={"gpu": gpu}), "bf16", host_us=10.0)
 
 
 def _op(device_us: float) -> Any:
-    """A one-kernel memory op whose device time is ``device_us`` on the H200's HBM."""
+    """A one-kernel memory op whose device time is ``device_us`` on that flat curve."""
     from simulator.inventory import Op
 
-    cost = _host_lead_cost()
-    nbytes = 1e9  # find the bytes that take device_us (the efficiency curve is monotone)
-    lo, hi = 1.0, 1e12
-    for _ in range(200):
-        nbytes = (lo * hi) ** 0.5
-        t = cost.op_parts(Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1))[1]
-        lo, hi = (nbytes, hi) if t < device_us * 1e-6 else (lo, nbytes)
+    nbytes = device_us * 1e-6 * _host_lead_cost().hbm
     return Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1)
 
 

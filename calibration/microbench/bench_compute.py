@@ -321,6 +321,7 @@ def _attention_runner(device: Device, budget: Budget, dtype: str, s: AttentionSh
 #: a vocabulary's width for the cross-entropy's rows (GPT-2's 50,257 and Llama's 32,000
 #: on a GPU; the measured CPU runs' 4,096), a model's hidden size for the other kernels
 VOCAB_WIDTH = {"cuda": 32768, "cpu": 4096}
+HIDDEN_WIDTH = {"cuda": 4096, "cpu": 1024}
 
 
 def memory_plan(budget: Budget, device: Device) -> list[tuple[str, int, int]]:
@@ -328,8 +329,7 @@ def memory_plan(budget: Budget, device: Device) -> list[tuple[str, int, int]]:
     lo, hi = math.log10(64e3), math.log10(budget.max_memory_bytes)
     plan: list[tuple[str, int, int]] = []
     for kernel in MEMORY_KERNELS:
-        hidden = VOCAB_WIDTH[device.kind] if kernel == "cross_entropy" else \
-            4096 if device.kind == "cuda" else 1024
+        hidden = (VOCAB_WIDTH if kernel == "cross_entropy" else HIDDEN_WIDTH)[device.kind]
         for j in range(budget.memory_sizes):
             target = 10 ** (lo + (hi - lo) * j / max(budget.memory_sizes - 1, 1))
             numel = target / (_MEM_WORDS[kernel] * 4)  # sized as if fp32
