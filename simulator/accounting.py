@@ -17,7 +17,9 @@ collective waiting for its peers is ``<kind>_wait``; reaching compute on
 another rank through a pipeline send is pipeline idle (the rank had nothing to
 do until a neighbour stage produced its input); reaching the host's optimizer
 (ZeRO-Offload's CPU Adam) is ``optimizer``, and so is gradient compression's work on
-the ``dp`` stream (the walk continues past it to what it waited for). The idle after a
+the ``dp`` stream; FSDP2's copies on the ``zero`` and ``dp`` streams are their pass's
+(forward, backward) or ``optimizer`` (the gradient accumulate); the walk continues
+past such kernels to what they waited for. The idle after a
 rank's last task is pipeline idle until its pipeline's last backward ends (the drain: peer-waits
 there are the drain's too) and ``tail`` after it (waiting for other ranks'
 optimizer or synchronisation).
@@ -152,6 +154,13 @@ class Timing:
         return best
 
 
+def _kernel_category(task: Task) -> str:
+    """The category of a kernel that runs off the compute stream, by its kind."""
+    if task.kind == "backward":
+        return "backward_weight" if task.weight_s else "backward_input"
+    return _KIND_CATEGORY.get(task.kind, "optimizer")
+
+
 def explain_gap(timing: Timing, rank: int, waited_on: int | None, lo: float, hi: float,
                 out: dict[str, float]) -> None:
     """Attribute ``rank``'s idle gap ``[lo, hi]`` by walking back from the task waited on;
@@ -165,9 +174,10 @@ def explain_gap(timing: Timing, rank: int, waited_on: int | None, lo: float, hi:
         if via_pipeline and task.rank != rank and task.kind != "pp":
             out[_PIPELINE] += hi - lo
             return
-        if not is_comm(task) and task.stream == "dp":  # gradient compression's kernels
+        if not is_comm(task) and task.stream in ("dp", "zero"):  # kernels on a comm stream:
+            # gradient compression's (optimizer), FSDP2's copies (their pass's)
             began = max(lo, timing.start[tid])
-            out["optimizer"] += hi - began
+            out[_kernel_category(task)] += hi - began
             hi = began
             tid = timing.predecessor(tid)
             continue

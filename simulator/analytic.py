@@ -43,7 +43,13 @@ from simulator import moe
 from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
-from simulator.inventory import tp_block_collectives, zero3_blocks
+from simulator.inventory import (
+    fsdp_gather_ops,
+    fsdp_reduce_ops,
+    layer_tensors,
+    tp_block_collectives,
+    zero3_blocks,
+)
 from simulator.layout import Layout
 from simulator.memory import stage_params, zero3_root_bytes
 from simulator.placement import chunk_layers, is_even, stage_layer_count, stage_layers
@@ -301,6 +307,39 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
             "reduce_scatter": s.microbatches * (layers + root)}
 
 
+def _fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
+                 on_compute_only: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per step of FSDP2's copies around a stage's ZeRO-3
+    collectives (:func:`simulator.inventory.fsdp_gather_ops`,
+    :func:`~simulator.inventory.fsdp_reduce_ops`) as the engine places them: the copy-out
+    after each gather and the gradient pack before each reduce-scatter on the compute
+    stream; the copy-in and the accumulate (micro-batches after the first) on the
+    collectives' streams, so only where those run in line (``on_compute_only`` false).
+    A stage's ``layers`` and its root unit."""
+    par, spec, stack = s.parallel, s.model, s.stack
+    if par.zero != 3 or par.dp * par.cp == 1 or not stack.fsdp_copies:
+        return 0.0, 0.0
+    dt = mdl.dtype_bytes(s.training.dtype)
+    rdt, dp, m = stack.reduce_bytes(dt), par.dp * par.cp, s.microbatches
+    tensors = layer_tensors(spec, stack)
+    unit = mdl.layer_params(spec) / par.tp
+    root = zero3_root_bytes(s, stage)[0] / dt
+
+    def gather(elements: float, n: int) -> float:
+        ops = fsdp_gather_ops(stack, elements, dp, dt, n)
+        return cost.ops_time(ops[-1:] if on_compute_only else ops)
+
+    def reduce(elements: float, n: int) -> float:  # a step's: m packs, m − 1 accumulates
+        return sum(cost.ops_time(ops[:1] if on_compute_only else ops) * k for ops, k in (
+            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, False), 1),
+            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, True), m - 1)))
+
+    fwd = m * (layers * gather(unit, tensors) + gather(root, 4))
+    bwd = m * layers * (gather(unit, tensors) if par.reshard_after_forward else 0.0) \
+        + layers * reduce(unit, tensors) + reduce(root, 4)
+    return fwd, bwd
+
+
 def _zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The largest root unit's gather, once per micro-batch on its stage: it waits for
     the compute issued before it, so no prefetch hides it."""
@@ -518,13 +557,17 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
             t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest], c)
               + _zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    fsdp_fwd, fsdp_bwd = _fsdp_copies(s, cost, busiest, layers[busiest],
+                                      par.overlap.zero3_prefetch and overlaps)
+    t_zero += fsdp_fwd + fsdp_bwd
     gathered = param_bytes if par.zero in (1, 2) else 0.0  # ZeRO-3 gathers at use
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     if expert_params and par.zero in (1, 2):
         t_gather += _collective_time(s, layout, "all_gather",
                                      sum(expert_params) * mdl.dtype_bytes(trn.dtype), edp_group, hw)
     step = t_pipe + t_p2p + exposed_dp + stretch + t_opt + t_gather + t_zero + t_exch
-    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero, "backward_input": stretch,
+    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero - fsdp_fwd - fsdp_bwd,
+             "forward": fsdp_fwd, "backward_weight": fsdp_bwd, "backward_input": stretch,
              "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}
     if par.zero_offload:
         host = hw.host

@@ -453,6 +453,55 @@ def zero3_blocks(spec: ModelSpec, stack: StackSpec, tp: int,
     return {block: tuple(w * scale for w in ws) for block, ws in weights.items()}
 
 
+def fsdp_gather_ops(stack: StackSpec, elements: float, dp: int, dt: int,
+                    tensors: int) -> tuple[Op, ...]:
+    """FSDP2's copies around one unit's all-gather of ``elements`` parameters of ``dt``
+    bytes over ``dp`` ranks, under a stack with ``fsdp_copies``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Before it, on the
+    all-gather's stream: under a MixedPrecisionPolicy (the stack keeps fp32 main grads
+    beside fp32 sharded parameters, and trains in a 16-bit ``dt``)
+    ``_get_param_all_gather_inputs`` casts the shard into a flat buffer
+    (``torch._foreach_copy_``); ``all_gather_copy_in`` copies it into the rank's slot of
+    the all-gather output (``_foreach_copy_``). After it, on the compute stream,
+    ``foreach_all_gather_copy_out`` splits the gathered buffer into the unsharded
+    parameters (``split_with_sizes_copy``: every element read and written once).
+    Each is one kernel over the unit's ``tensors`` parameter tensors, whose host work is
+    per tensor (the lists of views FSDP2 builds; on a CPU ``_foreach_copy_`` and
+    ``split_with_sizes_copy`` loop over them). The ops before the gather, then the
+    copy-out (the last); none without the copies."""
+    if not stack.fsdp_copies or elements <= 0:
+        return ()
+    shard = elements / dp
+    before = [_per_tensor(mem("fsdp_cast_in", shard, 4 + dt, "copy"), tensors)] \
+        if stack.main_grads == "fp32" and dt < 4 else []
+    return (*before, _per_tensor(mem("fsdp_copy_in", shard, 2 * dt, "copy"), tensors),
+            _per_tensor(mem("fsdp_copy_out", elements, 2 * dt, "copy"), tensors))
+
+
+def _per_tensor(op: Op, tensors: int) -> Op:
+    """``op`` with host work per tensor (one kernel over a list of ``tensors``)."""
+    return replace(op, host_units=max(tensors, 1))
+
+
+def fsdp_reduce_ops(stack: StackSpec, elements: float, dp: int, grad_dt: int, reduce_dt: int,
+                    tensors: int, accumulate: bool) -> tuple[Op, ...]:
+    """FSDP2's copies around one unit's reduce-scatter of ``elements`` gradients
+    (``foreach_reduce``, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), under a
+    stack with ``fsdp_copies``: before it, on the compute stream, ``chunk_cat`` packs the
+    unsharded gradients (``grad_dt`` bytes) into the reduce-scatter input (``reduce_dt``:
+    the cast to the reduce dtype happens in it); after it, on a micro-batch after the
+    first (``accumulate``), each of the unit's ``tensors`` sharded ``.grad`` adds its
+    reduced shard (``grad._local_tensor += new_sharded_grad``, one add per tensor; the
+    first micro-batch's shard becomes ``.grad`` as it is). The pack, then the add where
+    there is one; none without the copies."""
+    if not stack.fsdp_copies or elements <= 0:
+        return ()
+    ops = [_per_tensor(mem("fsdp_chunk_cat", elements, grad_dt + reduce_dt, "copy"), tensors)]
+    if accumulate:
+        ops.append(mem("fsdp_grad_accum", elements / dp, 3 * reduce_dt, "elementwise", tensors))
+    return tuple(ops)
+
+
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                       dtype: str, recompute: str, stack: StackSpec) -> float:
     """Bytes one dense layer keeps between its forward and backward: what its forward ops

@@ -6,8 +6,10 @@ recompute), cost class, kernels, GFLOP (counted), MB moved, what it keeps for ba
 its time on the scenario's hardware (:class:`simulator.costs.CostModel`), what bounds it
 (compute, memory, or overhead: launch or host) and its share of the layer. Then the
 ends (embedding, head and loss) and the optimizer step of the first stage's shard, which
-are not part of the layer's share. Rows are plain dicts, so the table prints, or goes
-to CSV, from the same data.
+are not part of the layer's share; under ZeRO-3 with a stack that has FSDP2's copies,
+the copies around one layer's all-gather and reduce-scatter (``fsdp unit``, the
+accumulate as on a micro-batch after the first). Rows are plain dicts, so the table
+prints, or goes to CSV, from the same data.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from simulator import model as mdl
 from simulator import moe
 from simulator.costs import CostModel
+from simulator.inventory import fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
 from simulator.memory import activation_bytes_per_layer, stage_params
 from simulator.placement import stage_layer_count
 from simulator.scenario import Scenario
@@ -69,6 +72,14 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]
     par = s.parallel
+    if par.zero == 3 and par.dp * par.cp > 1:  # FSDP2's copies around one layer's collectives
+        unit, n, dp = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack), \
+            par.dp * par.cp
+        dtb = mdl.dtype_bytes(dt)
+        rows += [_row(cost, "fsdp unit", "per gather", op)
+                 for op in fsdp_gather_ops(s.stack, unit, dp, dtb, n)]
+        rows += [_row(cost, "fsdp unit", "per reduce", op) for op in fsdp_reduce_ops(
+            s.stack, unit, dp, dtb, s.stack.reduce_bytes(dtb), n, True)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)
     opt = mdl.optimizer_op_of(s, shard, stage_layer_count(s.model.layers, par, 0))
     rows.append(_row(cost, "optimizer", "step", opt))

@@ -83,6 +83,14 @@ class StackSpec(BaseModel):
     #: parameters; parameters under its persistence threshold, norms and biases, stay
     #: whole and are not gathered)
     zero3_unit: Literal["layer", "module"] = "layer"
+    #: FSDP2's flat-buffer copies around each unit's collectives (torch/distributed/fsdp/
+    #: _fully_shard/_fsdp_collectives.py): the shard copied into the all-gather buffer
+    #: (``all_gather_copy_in``; cast into a flat buffer first under a MixedPrecisionPolicy,
+    #: a stack with fp32 main grads), the gathered buffer split into the parameters
+    #: (``split_with_sizes_copy``), the gradients packed for the reduce-scatter
+    #: (``chunk_cat``) and the reduced shard added to ``.grad`` on later micro-batches
+    #: (:func:`simulator.inventory.fsdp_gather_ops`, :func:`~simulator.inventory.fsdp_reduce_ops`)
+    fsdp_copies: bool = False
     #: torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
     #: ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap
     #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after

@@ -106,6 +106,23 @@ class Context:
         self.programs[rank].streams["compute"].append(t)
         return t
 
+    def compute_after(self, rank: int, after: Task, op: str, kind: str, name: str,
+                      dur: float) -> Task:
+        """A compute task that runs on ``after``'s compute stream right after it, however
+        many tasks the stream has gained since (a pass that learns of a layer's
+        gradients once its whole backward is built puts its per-layer work where it
+        runs): the stream is searched from its end."""
+        t = Task(len(self.tasks), rank, "compute", op, kind, name, dur, None, (), (), -1, 0.0,
+                 after.microbatch, after.layer, after.chunk)
+        self.tasks.append(t)
+        stream = self.programs[rank].streams["compute"]
+        for i in range(len(stream) - 1, -1, -1):
+            if stream[i] is after:
+                stream.insert(i + 1, t)
+                return t
+        stream.append(t)  # ``after`` is on another stream: next on this one
+        return t
+
     def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
                    group: tuple[int, ...], size: float, name: str, mb: int = -1,
                    layer: int = -1, chunk: int = 0) -> Task | None:

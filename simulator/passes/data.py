@@ -31,11 +31,20 @@ from __future__ import annotations
 from simulator import model as mdl
 from simulator.compression import bucket_caps, effective_method
 from simulator.hardware import CollectiveName
-from simulator.inventory import zero3_blocks
+from simulator.inventory import (
+    Op,
+    fsdp_gather_ops,
+    fsdp_reduce_ops,
+    layer_tensors,
+    zero3_blocks,
+)
 from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
 from simulator.schedules import Action
 from simulator.tasks import Stream, Task
+
+#: parameter tensors of a stage's root unit: embedding(s) and the final norm's
+ROOT_TENSORS = 4
 
 
 class DataPass(Pass):
@@ -105,17 +114,44 @@ class DataPass(Pass):
             t = self.compressor.reduce(rank, op, size, units, after, chunk)
         else:
             stage, index = units[0]
-            root = ctx.s.parallel.zero == 3 and index >= len(ctx.layers_of(stage))  # its root
-            parts = ctx.zero3_parts if ctx.s.parallel.zero == 3 and not root else 1
+            zero3 = ctx.s.parallel.zero == 3
+            root = zero3 and index >= len(ctx.layers_of(stage))  # its root
+            parts = ctx.zero3_parts if zero3 and not root else 1
+            group = ctx.layout.dp_group(rank)
+            pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
+                if zero3 and len(group) > 1 else (None, ())
+            after = pack or after
             for part in range(parts):
-                t = ctx.collective(rank, self.stream, op, "dp", ctx.layout.dp_group(rank),
+                t = ctx.collective(rank, self.stream, op, "dp", group,
                                    size / parts, f"dp.{op} {'root' if root else 'bucket'} "
                                    f"{size / 1e6:.1f} MB{_part(part, parts)}",
                                    after.microbatch if root else -1, chunk=chunk)
                 if t is not None and part == 0:
                     t.deps.append(after.id)
+            if accumulate and t is not None:
+                t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
+                            name=f"fsdp.grad_accum mb{after.microbatch}",
+                            duration=ctx.cost_of(rank).ops_time(accumulate),
+                            microbatch=after.microbatch, chunk=chunk)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
+
+    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
+                    chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
+        """FSDP2's copies around one unit's reduce-scatter of ``size`` bytes
+        (:func:`simulator.inventory.fsdp_reduce_ops`): the gradient pack as a task on the
+        compute stream after ``after`` (None without the copies) and the accumulate's ops,
+        which run after the reduce-scatter on its stream."""
+        ctx = self.ctx
+        tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
+        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.dp_group(rank)),
+                              ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
+        if not ops:
+            return None, ()
+        t = ctx.compute_after(rank, after, "Z", "backward", f"fsdp.chunk_cat mb{after.microbatch}",
+                              ctx.cost_of(rank).ops_time(ops[:1]))
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t, ops[1:]
 
     def sync_end(self, rank: int) -> None:
         self.flush(rank, self.pending[rank], 0)
@@ -176,47 +212,80 @@ class Zero3Pass(Pass):
         # elements of each all-gather of one layer, by the block that needs them first
         self.blocks = zero3_blocks(spec, ctx.s.stack, par.tp, mdl.layer_params(spec) / par.tp)
         self.by_block = len(self.blocks) > 1
+        # parameter tensors of one gather: the layer's, or one linear module's
+        self.tensors = (2 if spec.bias else 1) if self.by_block \
+            else layer_tensors(spec, ctx.s.stack)
         count = sum(len(parts) for parts in self.blocks.values())  # the layer's, numbered
         first = {"attn": 0, "mlp": len(self.blocks["attn"])}
         self.labels = {block: [_part(first[block] + i, count) for i in range(len(parts))]
                        for block, parts in self.blocks.items()}
         self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
+        self.forward: dict[int, bool] = {}  # rank -> whether the layer gathering is a forward
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
 
     def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
         ctx = self.ctx
         size = ctx.root_params(stage) * ctx.dt_bytes
         compute = ctx.programs[rank].streams["compute"]
-        t = ctx.collective(rank, self.stream, "all_gather", "zero", ctx.layout.dp_group(rank),
-                           size, f"zero3.all_gather root s{stage} mb{mb}", mb, -1, chunk)
-        if t is not None and self.stream == "zero" and compute:
-            t.deps.append(compute[-1].id)
+        before, first = compute[-1] if compute else None, len(ctx.tasks)
+        t = self.all_gather(rank, size, ROOT_TENSORS, f"root s{stage} mb{mb}", True, mb, -1,
+                            chunk)
+        if t is not None and self.stream == "zero" and before is not None:
+            ctx.tasks[first].deps.append(before.id)
         return t
+
+    def all_gather(self, rank: int, size: float, tensors: int, label: str, forward: bool,
+                   mb: int, layer: int, chunk: int) -> Task | None:
+        """One all-gather of ``size`` bytes (``tensors`` parameter tensors) on the unit's
+        stream, with FSDP2's copies
+        around it where the stack has them (:func:`simulator.inventory.fsdp_gather_ops`):
+        the copy-in before it on the same stream, the copy-out after it on the compute
+        stream, which is then what the unit's compute waits for. Its first task is the
+        first one added (the caller hangs the prefetch dependency on it)."""
+        ctx = self.ctx
+        group = ctx.layout.dp_group(rank)
+        ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
+                              tensors) if len(group) > 1 else ()
+        kind = "forward" if forward else "backward"
+        cost = ctx.cost_of(rank)
+        if ops:
+            ctx.add(rank, self.stream, op="Z", kind=kind, name=f"fsdp.copy_in {label}",
+                    duration=cost.ops_time(ops[:-1]), microbatch=mb, layer=layer, chunk=chunk)
+        t = ctx.collective(rank, self.stream, "all_gather", "zero", group, size,
+                           f"zero3.all_gather {label}", mb, layer, chunk)
+        if t is None or not ops:
+            return t
+        out = ctx.compute(rank, "Z", kind, f"fsdp.copy_out {label}", cost.ops_time(ops[-1:]),
+                          mb, layer, chunk)
+        out.deps.append(t.id)
+        return out
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:
         if not forward and not self.ctx.s.parallel.reshard_after_forward:
             return None
         if not self.by_block:
-            return self.gather(rank, "attn", mb, layer, chunk)
+            return self.gather(rank, "attn", forward, mb, layer, chunk)
         order = ["attn", "mlp"] if forward or self.ctx.s.parallel.recompute == "full" \
             else ["mlp", "attn"]
         self.pending[rank] = order[1:]
-        return self.gather(rank, order[0], mb, layer, chunk)
+        self.forward[rank] = forward
+        return self.gather(rank, order[0], forward, mb, layer, chunk)
 
-    def gather(self, rank: int, block: str, mb: int, layer: int, chunk: int) -> Task | None:
+    def gather(self, rank: int, block: str, forward: bool, mb: int, layer: int,
+               chunk: int) -> Task | None:
         """The all-gathers of one unit, in order on the stream; the last of them."""
         par, ctx = self.ctx.s.parallel, self.ctx
         done = self.unit_done[rank]
         t: Task | None = None
         for i, (elements, label) in enumerate(zip(self.blocks[block], self.labels[block],
                                                   strict=True)):  # one per module, in order
-            t = ctx.collective(rank, self.stream, "all_gather", "zero",
-                               ctx.layout.dp_group(rank), elements * ctx.dt_bytes,
-                               f"zero3.all_gather L{layer}{label} mb{mb}", mb, layer, chunk)
+            first = len(ctx.tasks)
+            t = self.all_gather(rank, elements * ctx.dt_bytes, self.tensors,
+                                f"L{layer}{label} mb{mb}", forward, mb, layer, chunk)
             if t is not None and i == 0 and self.stream == "zero" \
                     and len(done) > par.fsdp_prefetch:
-                t.deps.append(done[-(par.fsdp_prefetch + 1)].id)
+                ctx.tasks[first].deps.append(done[-(par.fsdp_prefetch + 1)].id)
         return t
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
@@ -230,7 +299,7 @@ class Zero3Pass(Pass):
         pending = self.pending.get(rank)
         if pending and pending[0] == label:
             pending.pop(0)
-            t = self.gather(rank, label, mb, layer, chunk)
+            t = self.gather(rank, label, self.forward.get(rank, True), mb, layer, chunk)
             if t is not None and self.stream == "zero":
                 w = ctx.compute(rank, "Z", "backward" if backward else "forward",
                                 f"zero3.wait L{layer} {label} mb{mb}", 0.0, mb, layer, chunk)
