@@ -44,6 +44,7 @@ from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.inventory import (
+    ddp_copy_ops,
     fsdp_gather_ops,
     fsdp_reduce_ops,
     layer_tensors,
@@ -340,6 +341,28 @@ def _fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     return fwd, bwd
 
 
+def _ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
+    """Seconds per step of torch DDP's bucket copies on a stage
+    (:func:`simulator.inventory.ddp_copy_ops`): each gradient into its bucket and, after
+    the reductions, back, per entry of the stage's gradients as the engine lists them
+    (:meth:`simulator.passes.context.Context.grad_units`: each layer, the head's norm with
+    the first, the embedding's tables)."""
+    par, spec, stack = s.parallel, s.model, s.stack
+    if par.zero != 0 or par.dp * par.cp == 1 or not stack.ddp_copies \
+            or cmp.effective_method(s) == "onebit_adam":
+        return 0.0
+    dt = stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))
+    units = [(mdl.layer_params(spec) / par.tp, layer_tensors(spec, stack))] * layers
+    if stage == par.pp - 1:
+        tied = spec.vocab * spec.hidden if spec.tied_embeddings and par.pp > 1 else 0
+        head = (mdl.head_params(spec) + tied) / par.tp
+        units = [(units[0][0] + head, units[0][1] + 2), *units[1:]] if units else [(head, 2)]
+    if stage == 0:
+        units.append((mdl.embedding_params(spec) / par.tp, 2))
+    return sum(cost.ops_time(ddp_copy_ops(stack, e, dt, n, back))
+               for e, n in units for back in (False, True))
+
+
 def _zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The largest root unit's gather, once per micro-batch on its stage: it waits for
     the compute issued before it, so no prefetch hides it."""
@@ -560,14 +583,15 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     fsdp_fwd, fsdp_bwd = _fsdp_copies(s, cost, busiest, layers[busiest],
                                       par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd
+    t_ddp = _ddp_copies(s, cost, busiest, layers[busiest])
     gathered = param_bytes if par.zero in (1, 2) else 0.0  # ZeRO-3 gathers at use
     t_gather = _collective_time(s, layout, "all_gather", gathered, dp_group, hw)
     if expert_params and par.zero in (1, 2):
         t_gather += _collective_time(s, layout, "all_gather",
                                      sum(expert_params) * mdl.dtype_bytes(trn.dtype), edp_group, hw)
-    step = t_pipe + t_p2p + exposed_dp + stretch + t_opt + t_gather + t_zero + t_exch
+    step = t_pipe + t_p2p + exposed_dp + stretch + t_opt + t_gather + t_zero + t_exch + t_ddp
     after = {"pp_transfer": t_p2p, "zero_transfer": t_zero - fsdp_fwd - fsdp_bwd,
-             "forward": fsdp_fwd, "backward_weight": fsdp_bwd, "backward_input": stretch,
+             "forward": fsdp_fwd, "backward_weight": fsdp_bwd + t_ddp, "backward_input": stretch,
              "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}
     if par.zero_offload:
         host = hw.host

@@ -502,6 +502,22 @@ def fsdp_reduce_ops(stack: StackSpec, elements: float, dp: int, grad_dt: int, re
     return tuple(ops)
 
 
+def ddp_copy_ops(stack: StackSpec, elements: float, dt: int, tensors: int,
+                 back: bool) -> tuple[Op, ...]:
+    """torch DDP's copies of ``elements`` gradients of ``dt`` bytes in ``tensors`` tensors,
+    under a stack with ``ddp_copies`` (torch/csrc/distributed/c10d/reducer.cpp, with
+    ``gradient_as_bucket_view=False``): into a bucket, each gradient scaled by 1/N on the
+    way as it becomes ready (``mark_variable_ready_dense``: ``at::mul_out``, one kernel per
+    tensor; a plain ``copy_`` under a communication hook), or (``back``) the reduced
+    buckets back into the gradients once the backward's reductions are done
+    (``finalize_bucket_dense``: ``copy_bucket_to_grad``, one per tensor). Each reads
+    and writes every element once."""
+    if not stack.ddp_copies or elements <= 0:
+        return ()
+    return (mem("ddp_bucket_out" if back else "ddp_bucket_in", elements, 2 * dt,
+                "copy" if back else "elementwise", max(tensors, 1)),)
+
+
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                       dtype: str, recompute: str, stack: StackSpec) -> float:
     """Bytes one dense layer keeps between its forward and backward: what its forward ops

@@ -8,8 +8,9 @@ its time on the scenario's hardware (:class:`simulator.costs.CostModel`), what b
 ends (embedding, head and loss) and the optimizer step of the first stage's shard, which
 are not part of the layer's share; under ZeRO-3 with a stack that has FSDP2's copies,
 the copies around one layer's all-gather and reduce-scatter (``fsdp unit``, the
-accumulate as on a micro-batch after the first). Rows are plain dicts, so the table
-prints, or goes to CSV, from the same data.
+accumulate as on a micro-batch after the first); under DDP with a stack that has torch
+DDP's bucket copies, one layer's gradients into their bucket and back (``ddp layer``).
+Rows are plain dicts, so the table prints, or goes to CSV, from the same data.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from simulator import model as mdl
 from simulator import moe
 from simulator.costs import CostModel
-from simulator.inventory import fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
+from simulator.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
 from simulator.memory import activation_bytes_per_layer, stage_params
 from simulator.placement import stage_layer_count
 from simulator.scenario import Scenario
@@ -80,6 +81,11 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
                  for op in fsdp_gather_ops(s.stack, unit, dp, dtb, n)]
         rows += [_row(cost, "fsdp unit", "per reduce", op) for op in fsdp_reduce_ops(
             s.stack, unit, dp, dtb, s.stack.reduce_bytes(dtb), n, True)]
+    if par.zero == 0 and par.dp * par.cp > 1:  # torch DDP's bucket copies of one layer
+        unit, n = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack)
+        rdt = s.stack.reduce_bytes(mdl.dtype_bytes(dt))
+        rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
+                 for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)
     opt = mdl.optimizer_op_of(s, shard, stage_layer_count(s.model.layers, par, 0))
     rows.append(_row(cost, "optimizer", "step", opt))

@@ -91,6 +91,12 @@ class StackSpec(BaseModel):
     #: (``chunk_cat``) and the reduced shard added to ``.grad`` on later micro-batches
     #: (:func:`simulator.inventory.fsdp_gather_ops`, :func:`~simulator.inventory.fsdp_reduce_ops`)
     fsdp_copies: bool = False
+    #: torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each
+    #: gradient is copied into its bucket, divided by the group size on the way
+    #: (``at::mul_out``), and the reduced bucket copied back into the gradients after the
+    #: backward (``copy_bucket_to_grad``; torch/csrc/distributed/c10d/reducer.cpp,
+    #: ``mark_variable_ready_dense`` and ``finalize_bucket_dense``)
+    ddp_copies: bool = False
     #: torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
     #: ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap
     #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after

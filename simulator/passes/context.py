@@ -28,6 +28,7 @@ from simulator import moe
 from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
+from simulator.inventory import layer_tensors
 from simulator.layout import Layout
 from simulator.placement import chunk_layers
 from simulator.scenario import OverlapSpec, Scenario
@@ -181,6 +182,21 @@ class Context:
         if stage == 0:
             sizes.append(mdl.embedding_params(spec) / tp * dt)
         return sizes
+
+    def grad_units(self, stage: int) -> list[tuple[float, int]]:
+        """(elements, parameter tensors) of each entry of :meth:`grad_bytes`: a layer's
+        tensors (:func:`simulator.inventory.layer_tensors`), the head's final norm with the
+        layer it rides on, the embedding's two tables."""
+        tensors = [layer_tensors(self.s.model, self.s.stack)] * len(self.layers_of(stage))
+        if stage == self.last_stage:
+            if tensors:
+                tensors[0] += 2
+            else:
+                tensors.append(2)
+        if stage == 0:
+            tensors.append(2)
+        return [(size / self.grad_dt, n)
+                for size, n in zip(self.grad_bytes(stage), tensors, strict=True)]
 
     def root_params(self, stage: int) -> float:
         """Parameters of virtual ``stage`` outside its transformer layers, per TP rank: the

@@ -33,6 +33,7 @@ from simulator.compression import bucket_caps, effective_method
 from simulator.hardware import CollectiveName
 from simulator.inventory import (
     Op,
+    ddp_copy_ops,
     fsdp_gather_ops,
     fsdp_reduce_ops,
     layer_tensors,
@@ -110,6 +111,8 @@ class DataPass(Pass):
         pending.clear()
         ctx, op = self.ctx, self.reduce
         t: Task | None
+        if ctx.s.parallel.zero == 0 and len(ctx.layout.dp_group(rank)) > 1:
+            after = self.ddp_pack(rank, units, after)
         if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
             t = self.compressor.reduce(rank, op, size, units, after, chunk)
         else:
@@ -153,6 +156,27 @@ class DataPass(Pass):
         t.weight_s = t.duration  # gradient work: the backward's weight share
         return t, ops[1:]
 
+    def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:
+        """torch DDP's copies of a bucket's gradients into it (``units`` of it;
+        :func:`simulator.inventory.ddp_copy_ops`) as a task right after ``after`` on the
+        compute stream, which the bucket's reduction then waits for; ``after`` itself
+        without the copies."""
+        ctx = self.ctx
+        seconds = self.ddp_copies_s(rank, units, back=False)
+        if not seconds:
+            return after
+        t = ctx.compute_after(rank, after, "D", "backward", "ddp.bucket_in", seconds)
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t
+
+    def ddp_copies_s(self, rank: int, units: list[Unit], back: bool) -> float:
+        """Seconds of DDP's copies of ``units`` into their buckets, or ``back``."""
+        ctx = self.ctx
+        sizes = {st: ctx.grad_units(st) for st, _ in units}
+        cost, stack = ctx.cost_of(rank), ctx.s.stack
+        return sum(cost.ops_time(ddp_copy_ops(stack, sizes[st][i][0], ctx.grad_dt,
+                                              sizes[st][i][1], back)) for st, i in units)
+
     def sync_end(self, rank: int) -> None:
         self.flush(rank, self.pending[rank], 0)
 
@@ -164,9 +188,19 @@ class DataPass(Pass):
             self.compressor.exchange(rank)
         params = ctx.params_of(rank)
         shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
+        streams = ctx.programs[rank].streams
+        if par.zero == 0 and len(ctx.layout.dp_group(rank)) > 1 \
+                and (self.compressor is None or self.compressor.in_backward):
+            # DDP's finalize: every reduced bucket back into the gradients
+            units = [(st, i) for st in ctx.stages_of(rank)
+                     for i in range(len(ctx.grad_units(st)))]
+            seconds = self.ddp_copies_s(rank, units, back=True)
+            if seconds:
+                back = ctx.compute(rank, "D", "backward", "ddp.bucket_out", seconds, -1, -1, 0)
+                back.weight_s = seconds
+                back.deps.extend(d.id for d in streams["dp"])
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
                         ctx.optimizer_time(rank, shard), -1, -1, 0)
-        streams = ctx.programs[rank].streams
         t.deps.extend(d.id for d in streams["dp"])
         t.deps.extend(d.id for d in streams["zero"][-1:])
 
