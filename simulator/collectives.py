@@ -348,11 +348,12 @@ def phase_alpha(phase: Phase, op: CollectiveName, hw: HardwareProfile) -> float:
 
 def sync_cost(plan: Plan, hw: HardwareProfile) -> float:
     """What the collective costs after compute beyond its back-to-back time, once per
-    collective: ``gpu.collective_sync_us`` of the slowest link class it crosses (0 for a
-    group of one, or a profile without the term)."""
+    collective: ``gpu.collective_sync_curve`` at the collective's bytes (else
+    ``gpu.collective_sync_us``) of the slowest link class it crosses (0 for a group of
+    one, or a profile without the term)."""
     if plan.n <= 1:
         return 0.0
-    return max((hw.gpu.collective_sync_s(leg.link_class) for phase in plan.phases
+    return max((hw.gpu.collective_sync_s(leg.link_class, plan.size) for phase in plan.phases
                 for leg in phase.legs), default=0.0)
 
 

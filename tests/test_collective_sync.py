@@ -27,7 +27,7 @@ from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import collective_sync_spread
 from simulator.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
 from simulator.errors import UserError
-from simulator.hardware import HardwareProfile, load_system, validate_profile
+from simulator.hardware import HardwareProfile, SyncCurve, load_system, validate_profile
 from simulator.scenario import Scenario, scenario_from_dict
 from simulator.uncertainty import perturbed, step_time_of, with_hardware
 from simulator.workload import build_workload
@@ -197,6 +197,67 @@ def test_the_uncertainty_draw_scales_the_sync() -> None:
     assert out.gpu.collective_sync_us == {"intra_node": pytest.approx(150.0)}
 
 
+# ---------------------------------------------------------------- the cost by size
+
+
+def test_the_curve_is_each_sizes_median_excess_at_least_zero() -> None:
+    curve = cs.sync_curve(_record())
+    assert [b for b, _ in curve] == list(BY_SIZE_US)
+    assert [t * 1e6 for _, t in curve] == pytest.approx(list(BY_SIZE_US.values()))
+    negative = _record({4096: [(-20, -30)] * 3, 65536: [(100, 90)] * 3})
+    assert [b for b, _ in cs.sync_curve(negative)] == [4096, 65536]
+    assert [t * 1e6 for _, t in cs.sync_curve(negative)] == pytest.approx([0.0, 100.0])
+
+
+def _with_curve(hw: HardwareProfile, points: list[list[float]]) -> HardwareProfile:
+    gpu = hw.gpu.model_copy(update={
+        "collective_sync_us": {"intra_node": 405.0},
+        "collective_sync_curve": {"intra_node": SyncCurve(points=tuple(map(tuple, points)))}})
+    return hw.model_copy(update={"gpu": gpu})
+
+
+def test_a_collective_pays_the_curve_at_its_bytes_log_interpolated_flat_beyond() -> None:
+    """Between two measured sizes the cost is linear in log(bytes); below the smallest
+    and above the largest it is theirs; without a size (or a curve) it is the figure."""
+    hw = _with_curve(load_system("dgx-a100-80gb"), [[4096, 310.0], [1048576, 500.0]])
+    gpu = hw.gpu
+    assert gpu.collective_sync_s("intra_node", 4096) == pytest.approx(310e-6)
+    assert gpu.collective_sync_s("intra_node", 65536) == pytest.approx(
+        (310 + 190 * 0.5) * 1e-6)  # 64 KiB: halfway in log between 4 KiB and 1 MiB
+    assert gpu.collective_sync_s("intra_node", 1024) == pytest.approx(310e-6)
+    assert gpu.collective_sync_s("intra_node", 64e6) == pytest.approx(500e-6)
+    assert gpu.collective_sync_s("intra_node") == pytest.approx(405e-6)
+    assert gpu.collective_sync_s("inter_node", 65536) == 0.0
+    for size, us in ((4096, 310.0), (65536, 405.0), (64e6, 500.0)):
+        plan = make_plan("all_reduce", size, GroupShape(8, 8), "ring", hw)
+        base = make_plan("all_reduce", size, GroupShape(8, 8), "ring", load_system(
+            "dgx-a100-80gb"))
+        assert estimate(plan, hw) - estimate(base, load_system("dgx-a100-80gb")) \
+            == pytest.approx(us * 1e-6)
+
+
+def test_the_profile_keeps_the_curve_and_the_draw_scales_it(tmp_path: Path) -> None:
+    written = write_profile(profile_from([_record()]), tmp_path / "p.yaml")
+    curve = written.gpu.collective_sync_curve["intra_node"]
+    assert [b for b, _ in curve.points] == list(BY_SIZE_US)
+    assert [us for _, us in curve.points] == pytest.approx(list(BY_SIZE_US.values()))
+    assert written.gpu.collective_sync_s("intra_node", 1 << 20) == pytest.approx(500e-6)
+    out = perturbed(written, {"collective_sync": 2.0})
+    assert out.gpu.collective_sync_s("intra_node", 4096) == pytest.approx(620e-6)
+    one_size = write_profile(profile_from([_record({4096: EXCESS_US[4096]})]),
+                             tmp_path / "q.yaml")
+    assert one_size.gpu.collective_sync_curve == {}  # one size: the figure alone
+
+
+@pytest.mark.parametrize(("points", "fix"), [([[4096, -1.0]], "sync costs must lie"),
+                                             ([[4096, 1.0], [4096, 2.0]], "strictly increase")])
+def test_a_bad_curve_is_refused(points: list[list[float]], fix: str) -> None:
+    data = load_system("dgx-h100").model_dump(mode="json")
+    data["gpu"]["collective_sync_curve"] = {"intra_node": {"points": points}}
+    with pytest.raises(UserError, match=fix):
+        validate_profile(data, "p.yaml")
+
+
 # ---------------------------------------------------------------- the microbenchmark
 
 
@@ -206,7 +267,7 @@ def test_the_microbenchmark_runs_on_a_cpu_group(monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip("torch")
     import torch.distributed as dist
 
-    monkeypatch.setitem(cs.SIZES, "cpu", (1024, 8192))
+    monkeypatch.setitem(cs.SYNC_SIZES, "cpu", (1024, 8192))
     monkeypatch.setattr(cs, "ITERATIONS", 2)
     monkeypatch.setattr(cs, "ROUNDS", 2)
     monkeypatch.setattr(cs, "BURST_S", 1e-4)
@@ -223,3 +284,4 @@ def test_the_microbenchmark_runs_on_a_cpu_group(monkeypatch: pytest.MonkeyPatch)
                                                                      "b2b_s"))
     assert set(cs.excess_by_size(rec)) == {1024, 8192}
     assert cs.sync_seconds(rec) >= 0.0
+    assert [b for b, _ in cs.sync_curve(rec)] == [1024, 8192]

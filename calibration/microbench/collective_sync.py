@@ -34,9 +34,13 @@ each iteration is timed to a device synchronisation (on a GPU the excess then re
 synchronisation short). A rank's excess is ``with − alone − b2b``; a round's is the
 slowest rank's (:func:`round_excess`), a size's the median over rounds, and the
 figure (``gpu.collective_sync_us``) the median over the sizes, at least 0
-(:func:`sync_seconds`). The per-size medians are kept so a trend with S shows. One
-node holds one link class, ``intra_node``; the inter-node figure stays the preset's
-(none).
+(:func:`sync_seconds`). The cost grows with the message (every profile of this
+project's VM read it rising from 4 KiB to 1 MiB: 538 → 1271, 704 → 1371, 767 → 1035,
+479 → 896 µs), so the per-size medians are the profile's curve too
+(``gpu.collective_sync_curve``, :func:`sync_curve`), which the simulator reads at each
+collective's bytes in place of the one figure; on a CPU the sizes reach 16 MiB
+(:data:`SYNC_SIZES`), a small GPT's ZeRO-3 layer. One node holds one link class,
+``intra_node``; the inter-node figure stays the preset's (none).
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ from calibration.microbench.interference import GEMM_SIZE, square_gemm
 
 BURST_S = 1e-3  # the compute between two collectives, as a layer's GEMMs in a small model
 SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 << 20)}
+#: the collective sync cost's own sizes: the common ones (which the send and DTensor sync
+#: costs share) and up to a layer's ZeRO-3 gather on a CPU, where the cost grows with
+#: the message (a 12.6 MB all-gather after compute: 1-2 ms against 0.5-0.8 ms at 4 KiB)
+SYNC_SIZES = {"cpu": SIZES["cpu"] + (4 << 20, 16 << 20), "cuda": SIZES["cuda"]}
 ITERATIONS = 16
 ROUNDS = 9  # gloo on a shared VM has slow spells: the median round shrugs off a few
 KIND = "collective_sync"
@@ -107,6 +115,12 @@ def sync_seconds(rec: dict[str, Any], excess: RowExcess = round_excess) -> float
     return max(statistics.median(excess_by_size(rec, excess).values()), 0.0)
 
 
+def sync_curve(rec: dict[str, Any]) -> list[tuple[int, float]]:
+    """The cost by size: each size's median excess (:func:`excess_by_size`), at least 0,
+    as (bytes, seconds) in increasing size (``gpu.collective_sync_curve``)."""
+    return [(size, max(t, 0.0)) for size, t in excess_by_size(rec).items()]
+
+
 def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:
     """Each round's median excess over its sizes: the samples of the figure's spread."""
     return [statistics.median(excess(row) for row in rnd) for rnd in charged_rounds(rec)]
@@ -130,7 +144,7 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     # zeros: a sum repeated hundreds of times stays finite (random values would reach inf)
-    bufs = {s: torch.zeros(s // 4, device=dev) for s in SIZES[device]}
+    bufs = {s: torch.zeros(s // 4, device=dev) for s in SYNC_SIZES[device]}
     burst, meta = make_burst(device, group, dev, BURST_S)
 
     def reduce(buf: Any, after_burst: bool) -> Callable[[], None]:
@@ -143,7 +157,7 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     loops = {s: (_loop(burst, group, dev), _loop(reduce(buf, True), group, dev),
                  _loop(reduce(buf, False), group, dev, aligned=True))
              for s, buf in bufs.items()}
-    return {**meta, "iterations": ITERATIONS, "sizes": list(SIZES[device]),
+    return {**meta, "iterations": ITERATIONS, "sizes": list(SYNC_SIZES[device]),
             "rounds": sweep(loops, group, dev, ROUNDS, ITERATIONS)}
 
 

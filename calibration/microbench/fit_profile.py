@@ -39,6 +39,7 @@ from calibration.microbench.fit_terms import (
     TermFits,
     best_rate,
     collective_sync,
+    collective_sync_curve,
     executed_peak,
     fit_classes,
     fit_overhead,
@@ -141,6 +142,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
         [r for r in records if r.get("kind") == "interference"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.collective_sync, fits.terms.collective_sync_record = collective_sync(
+        [r for r in records if r.get("kind") == "collective_sync"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.collective_sync_curve = collective_sync_curve(
         [r for r in records if r.get("kind") == "collective_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
@@ -352,6 +356,14 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
     gpu["collective_sync_us"] = {**gpu.get("collective_sync_us", {}),
                                  **{k: _sig(v * 1e6) for k, v in
                                     fits.terms.collective_sync.items()}}
+    if fits.terms.collective_sync_curve:  # by size: the simulator reads it at each size
+        gpu["collective_sync_curve"] = {
+            **gpu.get("collective_sync_curve", {}),
+            **{k: {"points": [[b, _sig(t * 1e6)] for b, t in pts]}
+               for k, pts in fits.terms.collective_sync_curve.items()}}
+    else:  # a figure alone: no curve of an earlier profile outlives it
+        for k in fits.terms.collective_sync:
+            gpu.get("collective_sync_curve", {}).pop(k, None)
     gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
                            **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
     gpu["funcol_sync_us"] = {**gpu.get("funcol_sync_us", {}),

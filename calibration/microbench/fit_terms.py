@@ -88,6 +88,8 @@ class TermFits:
     interference: dict[str, float] = field(default_factory=dict)  # link class -> factor
     interference_record: dict[str, Any] | None = None
     collective_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
+    # link class -> (bytes, s) by size
+    collective_sync_curve: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     collective_sync_record: dict[str, Any] | None = None
     send_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     send_sync_record: dict[str, Any] | None = None
@@ -176,6 +178,16 @@ def collective_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float],
                                                             dict[str, Any] | None]:
     """The sync cost in seconds per link class, from the latest successful record."""
     return _sync_term(records, cs.sync_seconds)
+
+
+def collective_sync_curve(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """The sync cost by size per link class (:func:`calibration.microbench.collective_sync.
+    sync_curve`), from the latest successful record; none with fewer than two sizes."""
+    rec = _latest_rounds(records)
+    if rec is None:
+        return {}
+    curve = cs.sync_curve(rec)
+    return {str(rec.get("link", "intra_node")): curve} if len(curve) > 1 else {}
 
 
 def send_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any] | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from calibration.microbench.collectives_worker import _human
 from calibration.microbench.fit import AlphaBetaFit, Sample, busbw_factor
 
 
@@ -126,9 +127,12 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
             + " (held-out median error)")
     for link, factor in (gpu.get("interference") or {}).items():
         lines.append(f"  interference ({link}): compute x{factor} while a collective overlaps it")
+    curves = gpu.get("collective_sync_curve") or {}
     for link, us in (gpu.get("collective_sync_us") or {}).items():
+        by_size = ", ".join(f"{_human(b)} {t:g}" for b, t in
+                            (curves.get(link) or {}).get("points", []))
         lines.append(f"  collective sync ({link}): {us} us per collective after compute, "
-                     "beyond back to back")
+                     "beyond back to back" + (f" (by size, us: {by_size})" if by_size else ""))
     for link, us in (gpu.get("send_sync_us") or {}).items():
         lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
                      "beyond back to back")
