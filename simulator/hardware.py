@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -86,9 +86,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-class EfficiencyCurve(_Frozen):
-    """Achieved / peak as a function of problem size, interpolated in log10(size)."""
+class _LogCurve(_Frozen):
+    """Points (size, value), interpolated in log10(size), flat beyond the ends; a
+    subclass bounds the values."""
 
+    LOW: ClassVar[float]
+    HIGH: ClassVar[float]
+    WHAT: ClassVar[str]
     points: tuple[tuple[float, float], ...] = Field(min_length=1, max_length=1000)
 
     @field_validator("points", mode="before")
@@ -105,37 +109,29 @@ class EfficiencyCurve(_Frozen):
         sizes = [x for x, _ in pts]
         if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
             raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
-        if any(not MIN_EFFICIENCY <= e <= 1 for _, e in pts):
-            raise ValueError(f"efficiencies must lie in [{MIN_EFFICIENCY:g}, 1]")
+        if any(not cls.LOW <= v <= cls.HIGH for _, v in pts):
+            raise ValueError(f"{cls.WHAT} must lie in [{cls.LOW:g}, {cls.HIGH:g}]")
         return pts
 
     def __call__(self, size: float) -> float:
         return interpolate_log(self.points, size)
 
 
-class SyncCurve(_Frozen):
+class EfficiencyCurve(_LogCurve):
+    """Achieved / peak as a function of problem size, interpolated in log10(size)."""
+
+    LOW: ClassVar[float] = MIN_EFFICIENCY
+    HIGH: ClassVar[float] = 1.0
+    WHAT: ClassVar[str] = "efficiencies"
+
+
+class SyncCurve(_LogCurve):
     """A sync cost in µs as a function of the collective's bytes, interpolated in
     log10(bytes), flat beyond the measured sizes."""
 
-    points: tuple[tuple[float, float], ...] = Field(min_length=1, max_length=100)
-
-    @field_validator("points", mode="before")
-    @classmethod
-    def _tuples(cls, pts: Any) -> Any:
-        return EfficiencyCurve._tuples(pts)
-
-    @field_validator("points")
-    @classmethod
-    def _check(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-        sizes = [x for x, _ in pts]
-        if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
-            raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
-        if any(not 0 <= us <= 1e9 for _, us in pts):
-            raise ValueError("sync costs must lie in [0, 1e9] µs")
-        return pts
-
-    def __call__(self, size: float) -> float:
-        return interpolate_log(self.points, size)
+    LOW: ClassVar[float] = 0.0
+    HIGH: ClassVar[float] = 1e9
+    WHAT: ClassVar[str] = "sync costs (µs)"
 
 
 def _known_keys(data: Any, known: Sequence[str], what: str) -> Any:

@@ -249,7 +249,7 @@ def test_the_profile_keeps_the_curve_and_the_draw_scales_it(tmp_path: Path) -> N
     assert one_size.gpu.collective_sync_curve == {}  # one size: the figure alone
 
 
-@pytest.mark.parametrize(("points", "fix"), [([[4096, -1.0]], "sync costs must lie"),
+@pytest.mark.parametrize(("points", "fix"), [([[4096, -1.0]], "sync costs .µs. must lie"),
                                              ([[4096, 1.0], [4096, 2.0]], "strictly increase")])
 def test_a_bad_curve_is_refused(points: list[list[float]], fix: str) -> None:
     data = load_system("dgx-h100").model_dump(mode="json")
