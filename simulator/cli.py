@@ -205,7 +205,9 @@ def _add_plan(q: argparse.ArgumentParser) -> None:
     q.add_argument("--system", required=True, help="system preset or hardware-profile YAML")
     q.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     q.add_argument("--seq-len", type=int, default=None, help="default: the model preset's")
-    q.add_argument("--top", type=int, default=5, help="re-simulate the K best with the engine")
+    q.add_argument("--top", type=int, default=5,
+                   help="re-simulate the K best with the engine (and the best of each ZeRO "
+                   "stage and CP degree besides; 0: none)")
     q.add_argument("--micro-batches", default="1,2,4,8,16", metavar="B1,B2,...",
                    help="micro-batch sizes to try")
     q.add_argument("--context-parallel", default=None, metavar="C1,C2,...",

@@ -32,6 +32,7 @@ from simulator.plan import (
     pareto_mask,
     peak_memory_bytes,
     plan_lines,
+    resimulated,
     run_plan,
     write_plan,
 )
@@ -143,19 +144,33 @@ def test_plan_ranks_simulates_and_chooses(tmp_path: Path) -> None:
     cache = ResultCache(tmp_path / "cache")
     plan = run_plan(SMALL, ThreadPoolExecutor(2), cache)
     t = plan.table
-    assert len(t) == len(SMALL_CANDIDATES) and cache.stored == 3
     sim = t[t["engine_step_time_s"].notna()]
     fits = t[t["fits"]]
-    # the simulated ones are the best three by the estimate
-    assert sorted(sim.index) == sorted(fits.nsmallest(3, "analytic_step_time_s").index)
+    # the simulated ones are the best three by the estimate and the best of each ZeRO
+    # stage x CP degree besides
+    order = fits.sort_values(["analytic_step_time_s", "peak_memory_GB"], kind="stable")
+    families = order.groupby(["zero", "cp"]).head(1).index
+    assert set(sim.index) == set(order.index[:3]) | set(families)
+    assert len(t) == len(SMALL_CANDIDATES) and cache.stored == len(sim) > 3
     assert plan.chosen == sim["engine_step_time_s"].idxmin() and t["chosen"].sum() == 1
     chosen = candidate_scenario(SMALL_BASE, tuple(t.loc[plan.chosen, list(KNOBS)]))
     results, _ = simulate_scenario(chosen, "engine", "folded")
     assert t.loc[plan.chosen, "engine_step_time_s"] == results["step_time_s"]
-    # a second plan computes nothing: all three engine runs come from the cache
+    # a second plan computes nothing: every engine run comes from the cache
     again = run_plan(SMALL, ThreadPoolExecutor(2), ResultCache(tmp_path / "cache"))
     assert again.chosen == plan.chosen
     pd.testing.assert_series_equal(again.table["engine_step_time_s"], t["engine_step_time_s"])
+
+
+def test_resimulated_adds_each_familys_best_once() -> None:
+    """The K best by the estimate, then the best of each ZeRO stage and CP degree not
+    among them, in estimate order; none at all for K = 0."""
+    rows = pd.DataFrame({"zero": [3, 3, 3, 2, 1, 2, 3], "cp": [2, 2, 1, 1, 1, 2, 2],
+                         "analytic_step_time_s": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.05],
+                         "peak_memory_GB": [50.0] * 7})
+    assert resimulated(rows, 2) == [0, 6, 2, 3, 4, 5]
+    assert resimulated(rows, 0) == []
+    assert resimulated(rows, 10) == [0, 6, 1, 2, 3, 4, 5]
 
 
 def test_cli_plan_writes_table_figure_and_summary(tmp_path: Path,
