@@ -68,7 +68,8 @@ def test_pareto_figure_marks_frontier_and_choice(tmp_path: Path) -> None:
     cloud, front, engine, chosen = (len(c.get_offsets()) for c in collections)
     assert cloud == plan.counts["fit"] == int(table["fits"].sum())
     assert front == int(table["pareto"].sum()) >= 1
-    assert engine == 2 and chosen == 1
+    assert engine == plan.counts["simulated"] == int(table["engine_step_time_s"].notna().sum())
+    assert engine > 2 and chosen == 1  # the best two, and each ZeRO stage's best besides
     star = np.asarray(collections[3].get_offsets())[0]
     best = table[table["chosen"]].iloc[0]
     assert tuple(star) == (best["peak_memory_GB"], best["engine_step_time_s"])
