@@ -19,6 +19,7 @@ inactive strategy costs nothing on the hot path. A new strategy is a new pass
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ class Context:
         self.tasks: list[Task] = []
         self.programs = {r: Program(r, {name: [] for name in STREAMS}) for r in ranks}
         self.seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in ranks}
+        self._placed: dict[int, int] = {}  # rank -> where compute_after last placed a task
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
         self.last_stage = schedule.total_stages - 1
         self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
@@ -112,14 +114,18 @@ class Context:
         """A compute task that runs on ``after``'s compute stream right after it, however
         many tasks the stream has gained since (a pass that learns of a layer's
         gradients once its whole backward is built puts its per-layer work where it
-        runs): the stream is searched from its end."""
+        runs). The search starts where the rank's last such task went (a backward's
+        layers are placed in stream order, so a step's placements cost one pass over
+        the stream, not one each), then looks before it."""
         t = Task(len(self.tasks), rank, "compute", op, kind, name, dur, None, (), (), -1, 0.0,
                  after.microbatch, after.layer, after.chunk)
         self.tasks.append(t)
         stream = self.programs[rank].streams["compute"]
-        for i in range(len(stream) - 1, -1, -1):
+        hint = min(self._placed.get(rank, 0), len(stream))
+        for i in itertools.chain(range(hint, len(stream)), range(hint - 1, -1, -1)):
             if stream[i] is after:
                 stream.insert(i + 1, t)
+                self._placed[rank] = i + 2
                 return t
         stream.append(t)  # ``after`` is on another stream: next on this one
         return t
