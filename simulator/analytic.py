@@ -44,6 +44,8 @@ from simulator.collectives import GroupShape, estimate, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName, HardwareProfile
 from simulator.inventory import (
+    END_TENSORS,
+    ROOT_TENSORS,
     ddp_copy_ops,
     fsdp_gather_ops,
     fsdp_reduce_ops,
@@ -335,9 +337,9 @@ def _fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
             (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, False), 1),
             (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, True), m - 1)))
 
-    fwd = m * (layers * gather(unit, tensors) + gather(root, 4))
+    fwd = m * (layers * gather(unit, tensors) + gather(root, ROOT_TENSORS))
     bwd = m * layers * (gather(unit, tensors) if par.reshard_after_forward else 0.0) \
-        + layers * reduce(unit, tensors) + reduce(root, 4)
+        + layers * reduce(unit, tensors) + reduce(root, ROOT_TENSORS)
     return fwd, bwd
 
 
@@ -356,9 +358,10 @@ def _ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
     if stage == par.pp - 1:
         tied = spec.vocab * spec.hidden if spec.tied_embeddings and par.pp > 1 else 0
         head = (mdl.head_params(spec) + tied) / par.tp
-        units = [(units[0][0] + head, units[0][1] + 2), *units[1:]] if units else [(head, 2)]
+        units = [(units[0][0] + head, units[0][1] + END_TENSORS), *units[1:]] if units \
+            else [(head, END_TENSORS)]
     if stage == 0:
-        units.append((mdl.embedding_params(spec) / par.tp, 2))
+        units.append((mdl.embedding_params(spec) / par.tp, END_TENSORS))
     return sum(cost.ops_time(ddp_copy_ops(stack, e, dt, n, back))
                for e, n in units for back in (False, True))
 

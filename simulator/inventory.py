@@ -453,6 +453,14 @@ def zero3_blocks(spec: ModelSpec, stack: StackSpec, tp: int,
     return {block: tuple(w * scale for w in ws) for block, ws in weights.items()}
 
 
+#: parameter tensors of a stage's root unit (FSDP2's ``fully_shard`` on the stage's
+#: module): the embedding tables and the final norm's
+ROOT_TENSORS = 4
+#: parameter tensors an end of the model adds to a gradient entry: the embedding's two
+#: tables, or the final norm's weight and bias riding with the first layer reduced
+END_TENSORS = 2
+
+
 def fsdp_gather_ops(stack: StackSpec, elements: float, dp: int, dt: int,
                     tensors: int) -> tuple[Op, ...]:
     """FSDP2's copies around one unit's all-gather of ``elements`` parameters of ``dt``

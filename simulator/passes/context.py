@@ -29,7 +29,7 @@ from simulator import moe
 from simulator.collectives import GroupShape, Plan, make_plan
 from simulator.costs import CostModel
 from simulator.hardware import CollectiveName
-from simulator.inventory import layer_tensors
+from simulator.inventory import END_TENSORS, layer_tensors
 from simulator.layout import Layout
 from simulator.placement import chunk_layers
 from simulator.scenario import OverlapSpec, Scenario
@@ -196,11 +196,11 @@ class Context:
         tensors = [layer_tensors(self.s.model, self.s.stack)] * len(self.layers_of(stage))
         if stage == self.last_stage:
             if tensors:
-                tensors[0] += 2
+                tensors[0] += END_TENSORS
             else:
-                tensors.append(2)
+                tensors.append(END_TENSORS)
         if stage == 0:
-            tensors.append(2)
+            tensors.append(END_TENSORS)
         return [(size / self.grad_dt, n)
                 for size, n in zip(self.grad_bytes(stage), tensors, strict=True)]
 

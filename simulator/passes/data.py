@@ -32,6 +32,7 @@ from simulator import model as mdl
 from simulator.compression import bucket_caps, effective_method
 from simulator.hardware import CollectiveName
 from simulator.inventory import (
+    ROOT_TENSORS,
     Op,
     ddp_copy_ops,
     fsdp_gather_ops,
@@ -43,9 +44,6 @@ from simulator.passes.compression import Compressor, Unit
 from simulator.passes.context import Context, Pass
 from simulator.schedules import Action
 from simulator.tasks import Stream, Task
-
-#: parameter tensors of a stage's root unit: embedding(s) and the final norm's
-ROOT_TENSORS = 4
 
 
 class DataPass(Pass):
