@@ -50,7 +50,9 @@ A collective that follows compute also pays the profile's sync cost once
 (``gpu.collective_sync_us``, :func:`sync_cost`): the back-to-back α-β fit misses the
 communication threads waking and the ranks arriving skewed. It rides on the first
 phase's latency (:func:`phase_latencies`), which the engine and the analytic estimate
-both use.
+both use. Where the profile measured it growing with the compute before the collective
+(``gpu.collective_sync_burst``, :func:`sync_burst_cost`), the engine adds the growth at
+each collective from its members' compute since their previous one.
 """
 
 from __future__ import annotations
@@ -355,6 +357,18 @@ def sync_cost(plan: Plan, hw: HardwareProfile) -> float:
         return 0.0
     return max((hw.gpu.collective_sync_s(leg.link_class, plan.size) for phase in plan.phases
                 for leg in phase.legs), default=0.0)
+
+
+def sync_burst_cost(plan: Plan, hw: HardwareProfile, burst_s: float) -> float:
+    """What the collective costs beyond :func:`sync_cost` when its members come from up
+    to ``burst_s`` seconds of compute since their previous collective:
+    ``gpu.collective_sync_burst`` at that burst, of the slowest link class it crosses (0
+    for a group of one, or a profile without the curve). The engine charges it; the
+    analytic estimate, which has no per-collective burst, does not."""
+    if plan.n <= 1 or not hw.gpu.collective_sync_burst:
+        return 0.0
+    return max((hw.gpu.collective_sync_burst_s(leg.link_class, burst_s)
+                for phase in plan.phases for leg in phase.legs), default=0.0)
 
 
 def phase_latencies(plan: Plan, hw: HardwareProfile) -> list[float]:

@@ -56,7 +56,7 @@ import numpy as np
 import simpy
 from simpy.events import AllOf, Event, Timeout
 
-from simulator.collectives import Plan, leg_rate, phase_latencies
+from simulator.collectives import Plan, leg_rate, phase_latencies, sync_burst_cost
 from simulator.hardware import HardwareProfile, LinkName
 from simulator.network import FlowNetwork
 from simulator.program import SharedPrograms, TaskView
@@ -102,7 +102,7 @@ class SimResult:
 
 
 class _Rendezvous:
-    __slots__ = ("arrived", "done", "last", "members", "start")
+    __slots__ = ("arrived", "burst", "done", "last", "members", "start")
 
     def __init__(self, env: simpy.Environment, members: int) -> None:
         self.members = members
@@ -110,6 +110,7 @@ class _Rendezvous:
         self.done = Event(env)
         self.start = 0.0
         self.last = -1
+        self.burst = 0.0  # the longest compute burst a member arrives from
 
 
 class _Pace:
@@ -163,9 +164,11 @@ class _Template:
         gidx: dict[tuple[int, ...], int] = {}
         self.runs: list[list[int]] = []  # run -> local indices
         self.streams: list[list[tuple[Any, ...]]] = []
-        for _, order in streams:
+        self.stream_names: list[str] = []
+        for name, order in streams:
             if order:
                 self.streams.append(self._steps(tasks, order, where, gidx))
+                self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
     def _steps(self, tasks: list[Task], order: list[int],
@@ -291,6 +294,12 @@ class Engine:
         self._pace: dict[int, _Pace] = {}
         self._slow_factor: dict[Any, float] = {}  # id(phases) or (src, dst) -> factor
         self.slow_points: dict[int, list[tuple[float, float]]] = {}  # run -> breakpoints
+        # a sync cost that grows with the compute before a collective: each rank's compute
+        # seconds so far and as of its last collective, and the plan behind each phases
+        self._bursts = bool(gpu.collective_sync_burst)
+        self._busy: dict[int, float] = {}
+        self._mark: dict[int, float] = {}
+        self._plan_of: dict[int, Plan] = {}  # id(phases) -> plan, a group of more than one
         self.instances = self._compile()
         if self._slowing:
             self._pace = {inst.rank: _Pace() for inst in self.instances}
@@ -386,8 +395,9 @@ class Engine:
         analytic estimate), the run advances in twentieths of it and reports the
         fraction of simulated time done (it may pass 1 when the estimate is short)."""
         start = time.perf_counter()
-        procs = [self.env.process(self.stream(inst, steps)) for inst in self.instances
-                 for steps in inst.template.streams]
+        procs = [self.env.process(self.stream(inst, steps, name)) for inst in self.instances
+                 for name, steps in zip(inst.template.stream_names, inst.template.streams,
+                                        strict=True)]
         # stop when every stream is done: stale completions of rescheduled flows may
         # still sit in the queue, later than the step's end
         finished = self.env.all_of(procs)
@@ -475,7 +485,7 @@ class Engine:
             waits = [event_of(ids_of[owner + delta][local]) for owner, local in deps]
         return [e for e in waits if not e.triggered]
 
-    def stream(self, inst: _Instance, steps: list[tuple[Any, ...]],
+    def stream(self, inst: _Instance, steps: list[tuple[Any, ...]], name: str = "compute",
                ) -> Generator[simpy.Event, Any, None]:
         # the hottest loop: SimPy's classes called directly (``env.timeout`` makes a
         # bound method per call) and the clock read from ``_now`` (``now`` is a property)
@@ -483,6 +493,14 @@ class Engine:
         starts, ends, base, event_of = self.start, self.end, inst.run_base, self.event_of
         begin, last, size, meetings = self.begin, self.last, self._size, self.rendezvous
         groups, net, slowing = inst.groups, self.net, bool(self._slowing)
+        # the compute burst before each collective, where the profile's sync cost grows
+        # with it: this stream's compute adds to the rank's, a collective takes its share
+        bursts, rank = self._bursts, inst.rank
+        counts = bursts and name == "compute"
+        if bursts:
+            busy, mark = self._busy, self._mark
+            busy.setdefault(rank, 0.0)
+            mark.setdefault(rank, 0.0)
         for kind, deps, a, b, g, tail, dependents, lead in steps:
             if deps:
                 pending = self._waits(inst, deps)
@@ -491,6 +509,8 @@ class Engine:
             if kind == RUN:  # a: the run, b: its last task when someone waits for it,
                 t0 = env._now  # g: whether interference may slow it
                 total = totals[a]
+                if counts:
+                    busy[rank] += total
                 if total > 0:
                     if slowing and g:
                         yield self._slow_run(inst.rank, base + a, total)
@@ -504,6 +524,8 @@ class Engine:
             if lead >= 0:  # a run first: the rank arrives when the run ends
                 run_t0[base + lead] = t0
                 t0 += totals[lead]
+                if counts:
+                    busy[rank] += totals[lead]
             gid = ids[a]
             if kind == SEND:  # b: the destination, g: the bytes
                 dst = self._dst(inst, b)
@@ -515,6 +537,10 @@ class Engine:
                 phases = b
                 grp = groups[g]
                 rv = None
+                burst = 0.0
+                if bursts:  # the rank's compute since its last collective
+                    burst = busy[rank] - mark[rank]
+                    mark[rank] = busy[rank]
                 if size[grp] > 1:
                     # members register when they will arrive; the last to register
                     # waits for the latest arrival and runs the transfer, the others
@@ -524,6 +550,8 @@ class Engine:
                     if rv is None:
                         rv = meetings[key] = _Rendezvous(env, size[grp])
                     rv.arrived += 1
+                    if bursts:
+                        rv.burst = max(rv.burst, burst)
                     if t0 >= rv.start:
                         rv.start, rv.last = t0, gid
                     if rv.arrived < rv.members:
@@ -541,9 +569,14 @@ class Engine:
                         last[gid] = rv.last
                     if rv.start > env._now:
                         yield Timeout(env, rv.start - env._now)
+                    burst = rv.burst
                 elif t0 > env._now:
                     yield Timeout(env, t0 - env._now)
                 begin[gid] = env._now
+                if bursts:
+                    extra = self._burst_cost(phases, burst)
+                    if extra > 0:
+                        yield Timeout(env, extra)
                 if len(phases) == 1 and len(phases[0][0]) == 1:
                     # one flow, whose completion is the members' event: no generator,
                     # no second event to wake them
@@ -661,6 +694,13 @@ class Engine:
             if alpha > 0:
                 yield Timeout(self.env, alpha)
 
+    def _burst_cost(self, phases: list[tuple[list[tuple[LinkName, float]], float]],
+                    burst: float) -> float:
+        """What a collective costs beyond its sync cost when its members arrive from up to
+        ``burst`` seconds of compute (:func:`simulator.collectives.sync_burst_cost`)."""
+        plan = self._plan_of.get(id(phases))
+        return 0.0 if plan is None else sync_burst_cost(plan, self.hw, burst)
+
     def _dst(self, inst: _Instance, dst: int) -> int:
         """A send's destination: the prototype's peer of the rank (or itself)."""
         shared = self.w.shared
@@ -719,6 +759,8 @@ class Engine:
                 out.append((legs, alpha))
             self._plan_cache[id(plan)] = out
             self._plans_alive.append(plan)  # keeps id(plan) unique while cached
+            if self._bursts and plan.n > 1:
+                self._plan_of[id(out)] = plan
         return out
 
 

@@ -134,6 +134,17 @@ class SyncCurve(_LogCurve):
     WHAT: ClassVar[str] = "sync costs (µs)"
 
 
+class BurstCurve(_LogCurve):
+    """What a collective after a longer compute burst costs beyond the sync cost after
+    the calibration's own burst, µs, as a function of the burst (seconds of compute on
+    the rank since its previous collective), interpolated in log10(seconds), flat
+    beyond the measured bursts (so nothing below the calibration's burst)."""
+
+    LOW: ClassVar[float] = 0.0
+    HIGH: ClassVar[float] = 1e9
+    WHAT: ClassVar[str] = "sync costs (µs)"
+
+
 def _known_keys(data: Any, known: Sequence[str], what: str) -> Any:
     """``data`` unchanged when it is a mapping whose keys all lie in ``known``; else a
     ValueError naming the first unknown key, the nearest known one and the choices."""
@@ -212,6 +223,11 @@ class GPUSpec(_Frozen):
     # cost grows with the message: 0.5-0.8 ms at 4 KiB, 0.9-1.4 ms at 1 MiB on this
     # project's VM); charged in place of collective_sync_us where present
     collective_sync_curve: dict[LinkName, SyncCurve] = Field(default_factory=dict)
+    # what the same collective costs on top after a longer compute burst, by the burst
+    # (the rank's compute since its previous collective): on this project's VM the cost
+    # after 16 ms of compute is 1-2 ms above the cost after 1 ms, after a sleep of the
+    # same length it is not (calibration/microbench/collective_sync.py; absent: none)
+    collective_sync_burst: dict[LinkName, BurstCurve] = Field(default_factory=dict)
     # the same for a point-to-point send after compute, once per send, per link class, µs:
     # the receiver's blocking wait and the sender's threads waking
     # (calibration/microbench/send_sync.py; absent = 0)
@@ -234,7 +250,8 @@ class GPUSpec(_Frozen):
         return _known_keys(data, COST_CLASSES, "cost class")
 
     @field_validator("interference", "collective_sync_us", "collective_sync_curve",
-                     "send_sync_us", "funcol_sync_us", mode="before")
+                     "collective_sync_burst", "send_sync_us", "funcol_sync_us",
+                     mode="before")
     @classmethod
     def _link_names(cls, data: Any) -> Any:
         return _known_keys(data, LINK_NAMES, "link class")
@@ -266,6 +283,15 @@ class GPUSpec(_Frozen):
         if curve is not None and size is not None and size > 0:
             return float(curve(size)) * 1e-6
         return self.collective_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
+
+    def collective_sync_burst_s(self, link_class: str, burst_s: float) -> float:
+        """Seconds a collective over ``link_class`` costs beyond :meth:`collective_sync_s`
+        after ``burst_s`` seconds of compute: the profile's burst curve there (0 when the
+        profile has none)."""
+        curve = self.collective_sync_burst.get(link_class)  # type: ignore[call-overload]
+        if curve is None or burst_s <= 0:
+            return 0.0
+        return float(curve(burst_s)) * 1e-6
 
     def send_sync_s(self, link_class: str) -> float:
         """Seconds a point-to-point send over ``link_class`` that follows compute costs
@@ -394,7 +420,8 @@ def preset_system_names() -> list[str]:
 
 #: Fields a profile file may leave out (older profiles predate them).
 OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "collective_sync_us", "collective_sync_curve", "send_sync_us",
+                   "collective_sync_us", "collective_sync_curve", "collective_sync_burst",
+                   "send_sync_us",
                    "uncertainty", "nvls", "host_serial",
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",

@@ -15,8 +15,8 @@ run's own method and fidelity (Monte Carlo):
   faster (bandwidth, latency and its calibrated collectives, as
   :meth:`HardwareProfile.with_faster_link` does it); ``interference``
   multiplies each link class's slowdown factor by f, kept within [1, 10];
-  ``collective_sync`` multiplies each link class's sync cost (its curve by size too)
-  by f, ``send_sync`` each link class's point-to-point sync cost, ``funcol_sync`` each
+  ``collective_sync`` multiplies each link class's sync cost (its curves by size and
+  by burst too) by f, ``send_sync`` each link class's point-to-point sync cost, ``funcol_sync`` each
   link class's DTensor redistribution cost, ``rank_spread`` the rank spread (at most 1);
 - sample i draws from the generator seeded with (seed, i), so a seed gives the
   same samples whatever N, and the same N and seed the same percentiles.
@@ -36,7 +36,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from simulator.hardware import LINK_NAMES, EfficiencyCurve, HardwareProfile, SyncCurve
+from simulator.hardware import (
+    LINK_NAMES,
+    BurstCurve,
+    EfficiencyCurve,
+    HardwareProfile,
+    SyncCurve,
+)
 from simulator.scenario import Scenario
 
 MAX_SAMPLES = 10_000
@@ -86,6 +92,10 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
             link: SyncCurve(points=tuple((b, us * factors["collective_sync"])
                                          for b, us in curve.points))
             for link, curve in hw.gpu.collective_sync_curve.items()}
+        gpu["collective_sync_burst"] = {
+            link: BurstCurve(points=tuple((b, us * factors["collective_sync"])
+                                          for b, us in curve.points))
+            for link, curve in hw.gpu.collective_sync_burst.items()}
     if "send_sync" in factors:
         gpu["send_sync_us"] = {link: us * factors["send_sync"]
                                for link, us in hw.gpu.send_sync_us.items()}

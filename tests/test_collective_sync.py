@@ -25,9 +25,16 @@ from cpu_profile import profile_from
 from calibration.microbench import collective_sync as cs
 from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import collective_sync_spread
+from calibration.microbench.report_tables import summary_text
 from simulator.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
 from simulator.errors import UserError
-from simulator.hardware import HardwareProfile, SyncCurve, load_system, validate_profile
+from simulator.hardware import (
+    BurstCurve,
+    HardwareProfile,
+    SyncCurve,
+    load_system,
+    validate_profile,
+)
 from simulator.scenario import Scenario, scenario_from_dict
 from simulator.uncertainty import perturbed, step_time_of, with_hardware
 from simulator.workload import build_workload
@@ -271,6 +278,8 @@ def test_the_microbenchmark_runs_on_a_cpu_group(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cs, "ITERATIONS", 2)
     monkeypatch.setattr(cs, "ROUNDS", 2)
     monkeypatch.setattr(cs, "BURST_S", 1e-4)
+    monkeypatch.setitem(cs.BURSTS, "cpu", (2e-2,))  # many GEMMs: longer than the base
+    monkeypatch.setitem(cs.BURST_SIZES, "cpu", (8192,))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rec = cs.rounds("cpu", dist.group.WORLD, "cpu")
@@ -285,3 +294,122 @@ def test_the_microbenchmark_runs_on_a_cpu_group(monkeypatch: pytest.MonkeyPatch)
     assert set(cs.excess_by_size(rec)) == {1024, 8192}
     assert cs.sync_seconds(rec) >= 0.0
     assert [b for b, _ in cs.sync_curve(rec)] == [1024, 8192]
+    assert len(rec["burst_rounds"]) == 2  # the longer burst, per round, at its one size
+    for rnd in rec["burst_rounds"]:
+        assert [(row["bytes"], len(row["alone_s"]), len(row["with_s"])) for row in rnd] \
+            == [(8192, 1, 1)]
+        assert rnd[0]["burst_s"] > rec["burst_s"]
+    assert list(cs.burst_excess(rec)) == [rec["burst_rounds"][0][0]["burst_s"]]
+
+
+# ---------------------------------------------------------------- the cost by burst
+
+# µs per round (rank 0, rank 1) beyond back to back after the longer bursts, by burst
+# and size; the base burst's (1 ms) by size is BY_SIZE_US: 405 at 256 KiB, 500 at 1 MiB
+BURST_EXCESS_US = {
+    4e-3: {262144: [(900, 100), (1000, 990), (950, 0)],  # slowest: median 950 (+545)
+           1048576: [(1200, 1), (1100, 2), (1150, 3)]},  # 1150 (+650)
+    16e-3: {262144: [(1500, 1500)] * 3,  # +1095
+            1048576: [(1800, 1700)] * 3},  # +1300
+}
+# the growth, median over the two sizes: +597.5 us after 4 ms, +1197.5 us after 16 ms
+BURST_CURVE_US = [(1e-3, 0.0), (4e-3, 597.5), (16e-3, 1197.5)]
+
+
+def _burst_record(excess_us: dict[float, dict[int, list[tuple[float, float]]]] | None = None,
+                  ) -> dict[str, Any]:
+    """:func:`_record` with the longer bursts' rounds, charged the base rounds' b2b."""
+    rec = _record()
+    rounds: list[list[dict[str, Any]]] = [[] for _ in range(3)]
+    for burst, by_size in (excess_us or BURST_EXCESS_US).items():
+        for size, per_round in by_size.items():
+            for r, excess in enumerate(per_round):
+                alone = [burst, burst * 1.05]
+                b2b = 2e-4 + size / 2e9
+                rounds[r].append({"bytes": size, "burst_s": burst, "alone_s": alone,
+                                  "with_s": [a + b2b + e * 1e-6 for a, e in
+                                             zip(alone, excess, strict=True)]})
+    return {**rec, "burst_rounds": rounds}
+
+
+def test_the_burst_growth_is_the_median_over_sizes_of_the_excess_over_the_base_bursts() -> None:
+    rec = _burst_record()
+    assert {b: t * 1e6 for b, t in cs.burst_excess(rec).items()} == pytest.approx(
+        {4e-3: 597.5, 16e-3: 1197.5})
+    curve = cs.burst_curve(rec)
+    assert [b for b, _ in curve] == pytest.approx([b for b, _ in BURST_CURVE_US])
+    assert [t * 1e6 for _, t in curve] == pytest.approx([t for _, t in BURST_CURVE_US])
+    assert "after 4 ms +598 us; after 16 ms +1198 us" in cs.summary(rec)
+    # less than after the base burst: no growth, never a discount
+    shrunk = _burst_record({4e-3: {262144: [(100, 100)] * 3, 1048576: [(200, 200)] * 3}})
+    assert [t for _, t in cs.burst_curve(shrunk)] == [0.0, 0.0]
+    assert cs.burst_curve(_record()) == [] and cs.burst_excess(_record()) == {}
+
+
+def test_the_profile_keeps_the_burst_curve_and_a_record_without_has_none(
+        tmp_path: Path) -> None:
+    written = write_profile(profile_from([_burst_record()]), tmp_path / "p.yaml")
+    assert load_system(str(tmp_path / "p.yaml")) == written
+    curve = written.gpu.collective_sync_burst["intra_node"]
+    assert [b for b, _ in curve.points] == pytest.approx([b for b, _ in BURST_CURVE_US])
+    assert [us for _, us in curve.points] == pytest.approx([t for _, t in BURST_CURVE_US],
+                                                           rel=1e-3)
+    out = perturbed(written, {"collective_sync": 2.0})
+    assert out.gpu.collective_sync_burst_s("intra_node", 16e-3) == pytest.approx(
+        2 * 1197.5e-6, rel=1e-3)
+    assert written.provenance["terms"]["collective_sync"]["growth_by_burst_us"] == {
+        "4 ms": 597.5, "16 ms": 1197.5}
+    plain = write_profile(profile_from([_record()]), tmp_path / "q.yaml")
+    assert plain.gpu.collective_sync_burst == {}
+    text = summary_text(written.model_dump(mode="json"), [], 1.0)
+    assert "collective sync (intra_node) by the compute before it, us: 1 ms +0, 4 ms +597" \
+        in text
+
+
+def _with_burst(hw: HardwareProfile, points: list[tuple[float, float]]) -> HardwareProfile:
+    gpu = hw.gpu.model_copy(update={
+        "collective_sync_burst": {"intra_node": BurstCurve(points=tuple(points))}})
+    return hw.model_copy(update={"gpu": gpu})
+
+
+def test_the_growth_is_log_interpolated_in_the_burst_flat_beyond() -> None:
+    gpu = _with_burst(load_system("dgx-a100-80gb"), BURST_CURVE_US).gpu
+    assert gpu.collective_sync_burst_s("intra_node", 2e-3) == pytest.approx(
+        597.5e-6 / 2)  # halfway in log between 1 and 4 ms
+    assert gpu.collective_sync_burst_s("intra_node", 8e-3) == pytest.approx(
+        (597.5 + 1197.5) / 2 * 1e-6)
+    assert gpu.collective_sync_burst_s("intra_node", 0.2e-3) == 0.0
+    assert gpu.collective_sync_burst_s("intra_node", 1.0) == pytest.approx(1197.5e-6)
+    assert gpu.collective_sync_burst_s("intra_node", 0.0) == 0.0
+    assert gpu.collective_sync_burst_s("inter_node", 16e-3) == 0.0
+
+
+def test_the_engine_charges_the_growth_at_each_collective_that_follows_compute() -> None:
+    """A flat curve of X: a TP step in the engine grows by X for every collective with
+    compute before it since the rank's previous one (one after another pays none); the
+    analytic estimate, with no bursts of its own, does not grow."""
+    x_us = 700.0
+    base = _tp_only(0.0)
+    burst = with_hardware(base, _with_burst(base.hardware, [(1e-9, x_us)]))
+    wl = build_workload(base)
+    after_compute, colls, since = 0, 0, False
+    for t in wl.programs[0].streams["compute"]:
+        if t.plan is None and t.dst < 0:
+            since = since or t.duration > 0
+        elif t.plan is not None:
+            colls += 1
+            after_compute += since
+            since = False
+    assert 0 < after_compute < colls  # 45 of 51: some follow another collective
+    grown = step_time_of(burst, "engine", None) - step_time_of(base, "engine", None)
+    assert grown == pytest.approx(after_compute * x_us * 1e-6, rel=1e-9)
+    assert step_time_of(burst, "analytic", None) == step_time_of(base, "analytic", None)
+
+
+@pytest.mark.parametrize(("points", "fix"), [([[1e-3, -1.0]], "sync costs .µs. must lie"),
+                                             ([[4e-3, 1.0], [1e-3, 2.0]], "strictly increase")])
+def test_a_bad_burst_curve_is_refused(points: list[list[float]], fix: str) -> None:
+    data = load_system("dgx-h100").model_dump(mode="json")
+    data["gpu"]["collective_sync_burst"] = {"intra_node": {"points": points}}
+    with pytest.raises(UserError, match=fix):
+        validate_profile(data, "p.yaml")

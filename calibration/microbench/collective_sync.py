@@ -41,6 +41,20 @@ project's VM read it rising from 4 KiB to 1 MiB: 538 → 1271, 704 → 1371, 767
 collective's bytes in place of the one figure; on a CPU the sizes reach 16 MiB
 (:data:`SYNC_SIZES`), a small GPT's ZeRO-3 layer. One node holds one link class,
 ``intra_node``; the inter-node figure stays the preset's (none).
+
+The cost also grows with the compute before the collective. On this project's 2-core VM
+the all-reduce of 1 MiB, timed from the later rank's arrival to its end, took a median
+2.2 ms after 1 ms of GEMMs, 2.5 ms after 4 ms, 3.0 ms after 16 ms (0.9 ms back to
+back); after a busy-wait of the same lengths 1.9, 3.2 and 3.7 ms; after a sleep of the
+same lengths 2.3, 1.3 and 1.6 ms: it is busy time, not idle time, that grows it. A TP
+step's collectives follow several milliseconds of compute, a DDP step's first bucket
+most of the backward. So on a CPU the same ``alone``/``with`` loops run after longer
+bursts (:data:`BURSTS`, at :data:`BURST_SIZES`, the rounds' ``b2b`` charged alike), and
+the growth over the 1 ms burst's excess, the median over those sizes, at least 0, is the
+profile's ``gpu.collective_sync_burst`` (:func:`burst_curve`): 0 at the 1 ms burst,
+interpolated in log(burst), flat beyond. The engine charges it at each collective from
+its members' compute since their previous collective
+(:func:`simulator.collectives.sync_burst_cost`).
 """
 
 from __future__ import annotations
@@ -60,6 +74,9 @@ SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 <<
 #: costs share) and up to a layer's ZeRO-3 gather on a CPU, where the cost grows with
 #: the message (a 12.6 MB all-gather after compute: 1-2 ms against 0.5-0.8 ms at 4 KiB)
 SYNC_SIZES = {"cpu": SIZES["cpu"] + (4 << 20, 16 << 20), "cuda": SIZES["cuda"]}
+#: the longer bursts, seconds, and the sizes they run at (none on a GPU: not measured)
+BURSTS = {"cpu": (4e-3, 16e-3), "cuda": ()}
+BURST_SIZES = {"cpu": (256 << 10, 1 << 20), "cuda": ()}
 ITERATIONS = 16
 ROUNDS = 9  # gloo on a shared VM has slow spells: the median round shrugs off a few
 KIND = "collective_sync"
@@ -121,6 +138,34 @@ def sync_curve(rec: dict[str, Any]) -> list[tuple[int, float]]:
     return [(size, max(t, 0.0)) for size, t in excess_by_size(rec).items()]
 
 
+def burst_excess(rec: dict[str, Any]) -> dict[float, float]:
+    """Per longer burst (seconds, the record's ``burst_rounds``), the growth of the excess
+    over the base burst's: per size, the median over rounds of :func:`round_excess` (the
+    base rounds' ``b2b`` charged) minus that size's :func:`excess_by_size`; the median over
+    the sizes. Empty for a record without longer bursts."""
+    base, b2b = excess_by_size(rec), charged_b2b(rec)
+    by: dict[float, dict[int, list[float]]] = {}
+    for rnd in rec.get("burst_rounds") or []:
+        for row in rnd:
+            size = int(row["bytes"])
+            if size in base and size in b2b:
+                by.setdefault(float(row["burst_s"]), {}).setdefault(size, []).append(
+                    round_excess({**row, "b2b_s": b2b[size]}))
+    return {burst: statistics.median(statistics.median(v) - base[size]
+                                      for size, v in sizes.items())
+            for burst, sizes in sorted(by.items())}
+
+
+def burst_curve(rec: dict[str, Any]) -> list[tuple[float, float]]:
+    """The growth by burst as (seconds of compute, seconds), at least 0, from 0 at the
+    base burst (``gpu.collective_sync_burst``); empty without longer bursts."""
+    grown = burst_excess(rec)
+    if not grown:
+        return []
+    return [(float(rec["burst_s"]), 0.0)] + [(b, max(t, 0.0)) for b, t in grown.items()
+                                             if b > float(rec["burst_s"])]
+
+
 def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:
     """Each round's median excess over its sizes: the samples of the figure's spread."""
     return [statistics.median(excess(row) for row in rnd) for rnd in charged_rounds(rec)]
@@ -135,8 +180,10 @@ def sync_key(device: str, threads: int) -> str:
 
 def summary(rec: dict[str, Any]) -> str:
     sizes = ", ".join(f"{_human(s)} {t * 1e6:.0f} us" for s, t in excess_by_size(rec).items())
+    grown = "".join(f"; after {b * 1e3:.0f} ms {t * 1e6:+.0f} us"
+                    for b, t in burst_excess(rec).items())
     return (f"[collective sync] burst {rec['burst_s'] * 1e3:.2f} ms; excess after compute "
-            f"{sizes}: {sync_seconds(rec) * 1e6:.0f} us")
+            f"{sizes}: {sync_seconds(rec) * 1e6:.0f} us{grown}")
 
 
 def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
@@ -157,8 +204,47 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
     loops = {s: (_loop(burst, group, dev), _loop(reduce(buf, True), group, dev),
                  _loop(reduce(buf, False), group, dev, aligned=True))
              for s, buf in bufs.items()}
-    return {**meta, "iterations": ITERATIONS, "sizes": list(SYNC_SIZES[device]),
-            "rounds": sweep(loops, group, dev, ROUNDS, ITERATIONS)}
+    out = {**meta, "iterations": ITERATIONS, "sizes": list(SYNC_SIZES[device]),
+           "rounds": sweep(loops, group, dev, ROUNDS, ITERATIONS)}
+    at = {s: bufs[s] for s in BURST_SIZES[device] if s in bufs}
+    longer = [longer_rounds(group, dev, device, b, at) for b in BURSTS[device]] if at else []
+    if longer:
+        out["burst_rounds"] = [[row for per_burst in longer for row in per_burst[r]]
+                               for r in range(ROUNDS)]
+    return out
+
+
+def longer_rounds(group: Any, dev: str, device: str, burst_s: float,
+                  bufs: Mapping[int, Any]) -> list[list[dict[str, Any]]]:
+    """``ROUNDS`` rounds of ``alone`` and ``with`` after a burst of ``burst_s`` at each
+    size of ``bufs``: per round, one row per size (``burst_s``, ``bytes``, every rank's
+    median ``alone`` and mean ``with``)."""
+    import torch.distributed as dist
+
+    burst, meta = make_burst(device, group, dev, burst_s)
+
+    def reduce(buf: Any) -> Callable[[], None]:
+        def call() -> None:
+            burst()
+            dist.all_reduce(buf, group=group)
+        return call
+
+    alone = _loop(burst, group, dev)
+    withs = {s: _loop(reduce(buf), group, dev) for s, buf in bufs.items()}
+    alone(1)
+    for loop in withs.values():
+        loop(1)
+    out = []
+    for _ in range(ROUNDS):
+        base = statistics.median(alone(ITERATIONS))
+        rows = []
+        for s, loop in withs.items():
+            times = [base, statistics.fmean(loop(ITERATIONS))]
+            rows.append({"bytes": s, "burst_s": meta["burst_s"],
+                         **dict(zip(("alone_s", "with_s"), _gather(times, group, dev),
+                                    strict=True))})
+        out.append(rows)
+    return out
 
 
 def make_burst(device: str, group: Any, dev: str,

@@ -39,6 +39,7 @@ from calibration.microbench.fit_terms import (
     TermFits,
     best_rate,
     collective_sync,
+    collective_sync_burst,
     collective_sync_curve,
     executed_peak,
     fit_classes,
@@ -145,6 +146,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
         [r for r in records if r.get("kind") == "collective_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.collective_sync_curve = collective_sync_curve(
+        [r for r in records if r.get("kind") == "collective_sync"
+         and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.collective_sync_burst = collective_sync_burst(
         [r for r in records if r.get("kind") == "collective_sync"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
@@ -364,6 +368,13 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
     else:  # a figure alone: no curve of an earlier profile outlives it
         for k in fits.terms.collective_sync:
             gpu.get("collective_sync_curve", {}).pop(k, None)
+    for k in fits.terms.collective_sync:  # its growth by burst, where measured, else none
+        gpu.setdefault("collective_sync_burst", {}).pop(k, None)
+    for k, pts in fits.terms.collective_sync_burst.items():
+        gpu["collective_sync_burst"][k] = {"points": [[_sig(b), _sig(t * 1e6)]
+                                                      for b, t in pts]}
+    if not gpu.get("collective_sync_burst"):
+        gpu.pop("collective_sync_burst", None)
     gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
                            **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
     gpu["funcol_sync_us"] = {**gpu.get("funcol_sync_us", {}),

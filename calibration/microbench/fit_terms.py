@@ -90,6 +90,8 @@ class TermFits:
     collective_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     # link class -> (bytes, s) by size
     collective_sync_curve: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # link class -> (seconds of compute before, s beyond the base burst's) by burst
+    collective_sync_burst: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     collective_sync_record: dict[str, Any] | None = None
     send_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     send_sync_record: dict[str, Any] | None = None
@@ -187,6 +189,18 @@ def collective_sync_curve(records: list[dict[str, Any]]) -> dict[str, list[tuple
     if rec is None:
         return {}
     curve = cs.sync_curve(rec)
+    return {str(rec.get("link", "intra_node")): curve} if len(curve) > 1 else {}
+
+
+def collective_sync_burst(records: list[dict[str, Any]],
+                          ) -> dict[str, list[tuple[float, float]]]:
+    """The sync cost's growth by compute burst per link class (:func:`calibration.
+    microbench.collective_sync.burst_curve`), from the latest successful record; none
+    without longer bursts."""
+    rec = _latest_rounds(records)
+    if rec is None:
+        return {}
+    curve = cs.burst_curve(rec)
     return {str(rec.get("link", "intra_node")): curve} if len(curve) > 1 else {}
 
 
@@ -348,6 +362,10 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
             measured(term, len(rec["rounds"]), sync_spread(rec),
                      link=rec.get("link", "intra_node"),
                      by_size_us={s: round(t * 1e6, 1) for s, t in mod.excess_by_size(rec).items()})
+    rec = fits.terms.collective_sync_record
+    if rec is not None and rec.get("burst_rounds"):  # its growth, by the burst's ms
+        terms["collective_sync"]["growth_by_burst_us"] = {
+            f"{b * 1e3:.3g} ms": round(t * 1e6, 1) for b, t in cs.burst_excess(rec).items()}
     rec = fits.terms.rank_spread_record
     if rec is not None:
         measured("rank_spread", len(rec["rounds"]), rank_spread_spread(rec),

@@ -133,6 +133,11 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
                             (curves.get(link) or {}).get("points", []))
         lines.append(f"  collective sync ({link}): {us} us per collective after compute, "
                      "beyond back to back" + (f" (by size, us: {by_size})" if by_size else ""))
+        grown = ", ".join(f"{b * 1e3:g} ms {t:+g}" for b, t in
+                          ((gpu.get("collective_sync_burst") or {}).get(link) or {})
+                          .get("points", []))
+        if grown:
+            lines.append(f"  collective sync ({link}) by the compute before it, us: {grown}")
     for link, us in (gpu.get("send_sync_us") or {}).items():
         lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
                      "beyond back to back")
