@@ -72,8 +72,26 @@ def test_every_piece_takes_k_times_as_long(monkeypatch: pytest.MonkeyPatch) -> N
     assert clock.slept[:2] == [2.0, 2.0]
     assert clock.slept[2:4] == [4.0, 4.0]
     assert slow.slept_s == pytest.approx(12.0) and slow.pieces == 5
-    assert slow_rank.report(slow) == {"slowdown_slept_s": slow.slept_s, "slowdown_pieces": 5}
+    assert slow_rank.report(slow) == {"slowdown_slept_s": slow.slept_s,
+                                      "slowdown_asked_s": slow.asked_s, "slowdown_pieces": 5}
     assert slow_rank.report(None) == {}
+
+    # what a step slept is timed: time.sleep overshoots (0.1 s a call here), and a
+    # counting step records it per call; the report gives the timed steps' median
+    def late(seconds: float) -> None:
+        clock.slept.append(seconds)
+        clock.now += seconds + 0.1
+    monkeypatch.setattr(slow_rank.time, "sleep", late)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+    counted = slow.counting(step)
+    for _ in range(3):
+        counted()
+    assert slow.step_slept_s == pytest.approx([12.5] * 3)  # 5 pieces: 12 s asked + 0.5
+    assert slow.asked_s == pytest.approx(12.0 * 4) and slow.slept_s == pytest.approx(12 + 37.5)
+    assert slow_rank.report(slow, 2)["slowdown_step_slept_s"] == pytest.approx(12.5)
 
 
 def test_pieces_are_the_top_level_modules() -> None:
@@ -121,6 +139,30 @@ def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
     by_rank = {r["rank"]: r for r in result["per_rank"]}
     assert "slowdown_slept_s" not in by_rank[0]
     assert by_rank[1]["slowdown_slept_s"] > 0 and by_rank[1]["slowdown_pieces"] > 0
+    slept = by_rank[1]["slowdown_step_slept_s"]
+    assert 0 < slept < by_rank[1]["slowdown_slept_s"]
     scenario = (tmp_path / "scenario.yaml").read_text()
     assert "compute_slowdown" in scenario
     assert json.loads((tmp_path / "measured.json").read_text())["dp"] == 2
+    # compare simulates the straggler as it slept: the slowdown that adds, to rank 1's
+    # compute simulated without it, exactly what it slept in a median timed step
+    from calibration.measured.compare import compare
+    from simulator import accounting as acc
+    from simulator.scenario import load_scenario
+
+    got = compare(tmp_path, "cpu-1thread")
+    base, _ = simulate_scenario(load_scenario(tmp_path / "scenario.yaml", [
+        "cluster.system=cpu-1thread", "variability.slow_gpus=[]"]), "engine", "full")
+    compute = sum(base["time_breakdown_s"][1][c] for c in acc.COMPUTE_CATEGORIES)
+    assert got["slowdown_as_slept"] == {"rank": 1, "compute_slowdown": pytest.approx(
+        1 + slept / compute, rel=1e-5)}
+    assert got["scenario"]["variability"]["slow_gpus"][0]["compute_slowdown"] \
+        == pytest.approx(1 + slept / compute, rel=1e-5)
+    # a measured.json from before the field: the scenario's slowdown as it is
+    data = json.loads((tmp_path / "measured.json").read_text())
+    for r in data["per_rank"]:
+        r.pop("slowdown_step_slept_s", None)
+    (tmp_path / "measured.json").write_text(json.dumps(data))
+    old = compare(tmp_path, "cpu-1thread")
+    assert old["slowdown_as_slept"] is None
+    assert old["scenario"]["variability"]["slow_gpus"][0]["compute_slowdown"] == 2.0

@@ -23,6 +23,12 @@ side, each with its relative error (simulated − measured) / measured:
   is recorded in ``measured.json`` but not compared: on CPU it is mostly the
   interpreter and PyTorch.
 
+A run with a straggler on purpose (``measure --slow-rank R --slowdown K``) is
+simulated with the slowdown its rank actually ran with, where ``measured.json`` says
+what it slept per timed step (:func:`slowdown_as_slept`): K − 1 times each piece's time
+asked of ``time.sleep``, plus the sleeps' overshoot, of pieces that hold more than
+compute (:mod:`calibration.measured.slow_rank`).
+
 Writes ``DIR/comparison.json`` and ``DIR/comparison.png`` (both timelines, one
 above the other, on one time axis) atomically.
 """
@@ -92,16 +98,50 @@ def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
         raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
     system = str(Path(profile).resolve()) if str(profile).endswith((".yaml", ".yml")) \
         else str(profile)
-    scenario = load_scenario(run_dir / "scenario.yaml", [f"cluster.system={system}"])
+    overrides = [f"cluster.system={system}"]
+    slept = slowdown_as_slept(run_dir / "scenario.yaml", overrides, measured)
+    if slept is not None:  # the straggler as it ran
+        overrides.append(f"variability.slow_gpus=[{{ranks: [{slept[0]}], "
+                         f"compute_slowdown: {slept[1]:.6g}}}]")
+    scenario = load_scenario(run_dir / "scenario.yaml", overrides)
     results, spans = simulate_scenario(scenario, "engine", "full")
     meas, sim = measured_figures(measured), simulated_figures(results)
     return {"run_dir": str(run_dir), "profile": system,
+            "slowdown_as_slept": None if slept is None else {
+                "rank": slept[0], "compute_slowdown": slept[1]},
             "device": str(measured.get("device", "cpu")),  # whose trace events are compute
             "scenario": scenario.to_dict(),
             "measured": meas, "simulated": sim, "relative_error": relative_errors(meas, sim),
             "simulated_results": {k: results[k] for k in ("bubble_fraction", "exposed_comm_s",
                                                           "mfu", "sim_wall_s")},
             "_spans": spans}
+
+
+def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any],
+                      ) -> tuple[int, float] | None:
+    """(rank, slowdown) of the scenario's one straggler as the measured run slept it, or
+    None (no straggler, or a ``measured.json`` without ``slowdown_step_slept_s``).
+
+    The rank slept s seconds in a median timed step; simulated without the straggler it
+    computes c seconds a step (every compute category, the optimizer's too: the sleeps
+    follow the optimizer step as well), so the slowdown that adds exactly s is
+    1 + s / c."""
+    from simulator import accounting as acc
+    from simulator.api import simulate_scenario
+    from simulator.scenario import load_scenario
+
+    slow = load_scenario(path, overrides).variability.slow_gpus
+    if len(slow) != 1 or not slow[0].ranks or len(slow[0].ranks) != 1:
+        return None
+    rank = slow[0].ranks[0]
+    slept = next((r.get("slowdown_step_slept_s") for r in measured.get("per_rank") or []
+                  if r.get("rank") == rank), None)
+    if slept is None:
+        return None
+    base = load_scenario(path, [*overrides, "variability.slow_gpus=[]"])
+    results, _ = simulate_scenario(base, "engine", "full")
+    compute = sum(results["time_breakdown_s"][rank][c] for c in acc.COMPUTE_CATEGORIES)
+    return (rank, 1.0 + float(slept) / compute) if compute > 0 else None
 
 
 def table_lines(comparison: dict[str, Any]) -> list[str]:

@@ -371,7 +371,7 @@ def state_bytes(trainer: Trainer) -> int:
 
 
 def timed_steps(
-    trainer: Trainer, cfg: MeasureConfig, device: torch.device
+    trainer: Callable[[], Any], cfg: MeasureConfig, device: torch.device
 ) -> tuple[list[float], list[float] | None]:
     """Step times (this rank) and losses (ranks that see the loss) of the timed steps."""
     for _ in range(cfg.warmup):
@@ -436,7 +436,8 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
     trainer = Trainer(cfg, mesh, device)
     slow = slow_down(trainer.models, trainer.optimizer, cfg.slowdown) \
         if dist.get_rank() == cfg.slow_rank else None
-    times, losses = timed_steps(trainer, cfg, device)
+    times, losses = timed_steps(trainer if slow is None else slow.counting(trainer), cfg,
+                                device)
     peak = peak_memory_bytes(device)
     out = Path(cfg.out_dir)
     trace_dir = out / "traces"
@@ -453,7 +454,7 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
         "state_bytes": state_bytes(trainer),
         "profiled_step_s": profiled,
         **breakdown_from_trace(json.loads(trace_path.read_text()), device.type),
-        **slow_report(slow),
+        **slow_report(slow, cfg.steps),
     }
     tied_diff = trainer.tied_weight_diff()
     gathered: list[Any] = [None] * dist.get_world_size()

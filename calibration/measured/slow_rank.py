@@ -18,12 +18,23 @@ than repeating the work keeps the numerics and the memory unchanged, and on a
 CPU process it frees the core as a slower device would. Communication threads
 (gloo, DDP's bucket reductions) keep running while the main thread sleeps, as a
 slow GPU's NCCL kernels would on their own stream.
+
+What the rank slept is timed, not taken as asked: ``time.sleep`` overshoots (about
+0.1 ms a call on this project's VM, with a tiny GPT's ~57 pieces a step), and a timed
+piece holds whatever the main thread did inside it besides compute (DDP's bucket
+launches from the autograd hooks, the thread waiting for a core), so on tiny-gpt the
+straggler slept 59.5 ms a step where the simulator's 2x added 44.6 ms of compute.
+:meth:`SlowDown.counting` records what each step slept; the measured run reports the
+timed steps' median (``slowdown_step_slept_s``), and ``clustersim compare`` simulates
+the straggler with the slowdown that adds exactly that
+(:func:`calibration.measured.compare.slowdown_as_slept`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,8 +48,10 @@ class SlowDown:
         if factor < 1:
             raise ValueError(f"slowdown must be >= 1 (a rank cannot be made faster); got {factor}")
         self.extra = factor - 1.0
-        self.slept_s = 0.0
+        self.slept_s = 0.0  # as timed around each sleep
+        self.asked_s = 0.0  # as asked of time.sleep
         self.pieces = 0
+        self.step_slept_s: list[float] = []  # per call of a counting step
         self._starts: dict[tuple[int, str], float] = {}
 
     def start(self, key: tuple[int, str]) -> None:
@@ -49,9 +62,20 @@ class SlowDown:
         if begun is None or self.extra <= 0:
             return
         pause = self.extra * (time.perf_counter() - begun)
+        asleep = time.perf_counter()
         time.sleep(pause)
-        self.slept_s += pause
+        self.slept_s += time.perf_counter() - asleep
+        self.asked_s += pause
         self.pieces += 1
+
+    def counting(self, step: Callable[[], Any]) -> Callable[[], Any]:
+        """``step`` that also records what each call of it slept (``step_slept_s``)."""
+        def counted() -> Any:
+            before = self.slept_s
+            out = step()
+            self.step_slept_s.append(self.slept_s - before)
+            return out
+        return counted
 
     def watch(self, module: nn.Module) -> None:
         """Time ``module``'s forward and backward."""
@@ -91,8 +115,15 @@ def slow_down(models: Iterable[nn.Module], optimizer: torch.optim.Optimizer,
     return slow
 
 
-def report(slow: SlowDown | None) -> dict[str, Any]:
-    """What the rank slept (for measured.json), or nothing when it was not slowed."""
+def report(slow: SlowDown | None, timed: int = 0) -> dict[str, Any]:
+    """What the rank slept (for measured.json), or nothing when it was not slowed: in all
+    (timed and asked), in how many pieces, and the median over the last ``timed`` counted
+    steps (the timed ones; none when nothing was counted)."""
     if slow is None:
         return {}
-    return {"slowdown_slept_s": slow.slept_s, "slowdown_pieces": slow.pieces}
+    out = {"slowdown_slept_s": slow.slept_s, "slowdown_asked_s": slow.asked_s,
+           "slowdown_pieces": slow.pieces}
+    steps = slow.step_slept_s[-timed:] if timed > 0 else []
+    if steps:
+        out["slowdown_step_slept_s"] = statistics.median(steps)
+    return out
