@@ -14,6 +14,7 @@ from calibration.measured.validation import (
     _profile,
     configs_for,
     markdown,
+    set_aside,
     write_table,
 )
 from simulator.errors import UserError
@@ -142,3 +143,21 @@ def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
     assert launched == ["dp2-ddp", "dp2-ddp-retry1"]  # calm at the second: no third
     assert compared == ["dp2-ddp-retry1"]
     assert row["note"].startswith("steps scattered 36%; measured 2 times")
+
+
+def test_an_earlier_runs_results_are_set_aside_not_resumed(tmp_path: Path) -> None:
+    """The calibration resumes from its results file: one left by an earlier validation
+    in the same directory would give this run that run's measurements (found on
+    2026-12-04: a run into an old directory skipped every GEMM as 'already in
+    results' and simulated with a profile of five hours before)."""
+    old = tmp_path / "profile-cpu.results.jsonl"
+    old.write_text('{"key": "cpu/fp32/t1/gemm/8x32x32"}\n')
+    (tmp_path / "recheck.results.jsonl").write_text("{}\n")
+    moved = set_aside(tmp_path, ["profile-cpu.results.jsonl", "recheck.results.jsonl",
+                                 "absent.jsonl"])
+    assert not old.exists() and not (tmp_path / "recheck.results.jsonl").exists()
+    assert [p.name.split(".")[0:2] for p in moved] == [["profile-cpu", "results"],
+                                                       ["recheck", "results"]]
+    assert all(p.name.endswith(".old") and p.exists() for p in moved)
+    assert moved[0].read_text() == '{"key": "cpu/fp32/t1/gemm/8x32x32"}\n'
+    assert set_aside(tmp_path, ["profile-cpu.results.jsonl"]) == []

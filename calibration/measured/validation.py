@@ -402,6 +402,25 @@ def _recheck(args: argparse.Namespace, out: Path, profile: str) -> str:
     return text
 
 
+def set_aside(out: Path, names: list[str]) -> list[Path]:
+    """Rename each of ``names`` under ``out`` that exists to ``NAME.<its mtime>.old`` and
+    say so; returns the new paths. A validation compares against the machine as it is
+    now: the calibration and the recheck resume from their results files, so one left
+    in ``out`` by an earlier run would hand its old measurements (another hour's
+    machine, another version's code) to this one, under today's date."""
+    moved = []
+    for name in names:
+        path = out / name
+        if path.exists():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+            new = path.with_name(f"{name}.{stamp}.old")
+            path.replace(new)
+            moved.append(new)
+            _say(f"[validation] {path} is an earlier run's: set aside as {new.name}, "
+                 "measuring afresh")
+    return moved
+
+
 def run_validation(args: argparse.Namespace) -> int:
     from calibration.microbench.calibrate import require_torch
 
@@ -418,6 +437,8 @@ def run_validation(args: argparse.Namespace) -> int:
     configs = select(configs_for(args.device, devices), args.only)
     check_profile(args.profile)
     out.mkdir(parents=True, exist_ok=True)
+    set_aside(out, ([] if args.profile else [f"profile-{args.device}.results.jsonl"])
+              + ([] if args.no_recheck else ["recheck.results.jsonl"]))
     with StealMeter() as calibrating:  # the calibration and the host-cost runs after it
         profile = _profile(args, out)
     calibration_steal = profile_steal(profile) if args.profile else calibrating.share
