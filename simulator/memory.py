@@ -133,8 +133,10 @@ def activation_bytes_per_layer(
     t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
     recomputation); a flash-attention stack keeps no s×s matrix, and a stack without
     dropout no masks. Context parallelism keeps s/cp tokens per rank with a fused
-    attention core. MoE and latent attention layers count their own widths
-    (:func:`simulator.moe.activation_bytes`) and, like their ops, a flash core.
+    attention core. MoE and latent attention layers likewise keep what their forward ops
+    save (:func:`simulator.moe.kept_bytes`: their own widths and, like their ops, a
+    flash core; the same under selective recomputation, which a flash core leaves
+    nothing to drop from).
     """
     st = stack or default_stack()
     if not (spec.is_moe or spec.mla is not None):
@@ -142,16 +144,14 @@ def activation_bytes_per_layer(
             spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
             st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
         return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st)
-    s, b, h, t = spec.seq_len, micro_batch, spec.hidden, tp
-    if cp > 1:
-        s = s // cp if s % cp == 0 else s / cp  # type: ignore[assignment]
-    scale = dtype_bytes(dtype) / 2
-    replicated = 1 / t if sequence_parallel else 1.0
-    if recompute == "full":
-        return 2.0 * s * b * h * replicated * scale
-    masks = 2.0 if st.hidden_dropout > 0 else 0.0  # two 1-byte dropout masks per token·h
-    rest = moe.activation_bytes(spec, layer, s * b, t, sequence_parallel)
-    return (s * b * (8 + masks) * h * replicated + rest) * scale
+    if cp > 1:  # the local chunk (the scenario checks that cp divides the sequence)
+        spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
+    if recompute == "full":  # the layer's input
+        replicated = 1 / tp if sequence_parallel else 1.0
+        return 2.0 * spec.seq_len * micro_batch * spec.hidden * replicated \
+            * dtype_bytes(dtype) / 2
+    return sum(op.saved for op in moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype,
+                                                "fwd", layer, masks=st.hidden_dropout > 0))
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:

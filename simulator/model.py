@@ -180,10 +180,11 @@ def layer_ops(
     """One transformer layer's ops on one TP rank, in execution order (``layer``
     matters only for a mixture of experts, whose layers differ), as ``stack`` runs it
     (default :data:`simulator.stack.DEFAULT_STACK`)."""
+    st = stack or default_stack()
     if spec.is_moe or spec.mla is not None:
-        return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer)
-    return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_,
-                           stack or default_stack())
+        return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer,
+                             masks=st.hidden_dropout > 0)
+    return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
 
 
 def embedding_ops(

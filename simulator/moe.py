@@ -43,6 +43,8 @@ the out-proj input at their widths.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from simulator import model as mdl
 from simulator.scenario import MLASpec, ModelSpec
 
@@ -217,34 +219,53 @@ def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: b
 # ---------------------------------------------------------------- activations
 
 
-def activation_bytes(spec: ModelSpec, layer: int, tokens: float, tp: int,
-                     sequence_parallel: bool) -> float:
-    """16-bit bytes a MoE or latent-attention layer stores for its backward, beyond
-    the norm and projection inputs and dropout masks (``8h`` per token, replicated,
-    plus ``2h`` of masks with dropout), which :mod:`simulator.memory` adds as for any
-    layer; its flash attention core keeps no s×s scores.
+def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: bool,
+               dt: int, masks: bool) -> dict[str, float]:
+    """Bytes a MoE or latent-attention layer's forward ops keep for the backward, by op
+    name (:func:`layer_ops` hands them to its ops; :mod:`simulator.memory` sums them); its
+    flash attention core keeps no s×s scores. Per token, in 16-bit units scaled by the
+    dtype (``dt / 2``):
 
-    Attention: Q and K of width H·d_qk, V and the out-proj input of width H·d_v
-    (split over TP), and with latent attention the two latents and the RoPE key
-    (replicated). A MoE layer stores the k (or c·k) permuted copies of each token
-    (the experts' input), the experts' activation inputs and outputs, the shared
-    experts' likewise, and fp32 router probabilities (4·E bytes per token).
+    - the frame, as for any layer: the two norms' inputs and the inputs of the first
+      attention GEMM and of the MLP (the router), 2h each (sharded under sequence
+      parallelism), and with hidden dropout one 1-unit mask per residual add;
+    - attention: Q and K of width H·d_qk and V of width H·d_v kept by the core, the
+      out-proj's input by the out-proj (split over TP); latent attention keeps the two
+      latents and the RoPE key (replicated) and its Q, K, V and out-proj input, all
+      with the core;
+    - a MoE layer: fp32 router probabilities (4·E per token, with the router), the k
+      (or c·k) permuted copies of each token (the experts' input, with the
+      permutation), the experts' activation inputs and outputs (with their
+      activation), the shared experts' likewise; a dense layer of such a model its
+      MLP activation's.
     """
-    h, t = spec.hidden, tp
+    h, t, tokens = spec.hidden, tp, float(b * spec.seq_len)
+    scale = dt / 2
+    rep = 1 / t if sequence_parallel else 1.0
+    local = tokens * rep
     mla = spec.mla
+    first = ("q_down" if mla.q_lora_rank else "q_up") if mla is not None else "qkv"
+    out: dict[str, float] = {"ln1": 2 * local * h, first: 2 * local * h,
+                             "ln2": 2 * local * h, "residual": local * h if masks else 0.0}
     if mla is not None:
         per_token = 2 * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) \
             + 2 * (2 * spec.heads * mla.qk_head_dim + 2 * spec.heads * mla.v_head_dim) / t
+        out["attn_core"] = tokens * per_token
     else:
-        per_token = 4 * h / t + 4 * max(spec.kv / t, 1.0) * spec.head_dim
+        out["attn_core"] = tokens * (2 * h / t + 4 * max(spec.kv / t, 1.0) * spec.head_dim)
+        out["out_proj"] = tokens * 2 * h / t
     mlp_unit = 6.0 if spec.activation == "swiglu" else 4.0
     if not spec.is_moe_layer(layer):
-        return tokens * (per_token + mlp_unit * spec.ffn / t)
-    routed = routed_tokens(spec, tokens, padded=True)
-    local = tokens / t if sequence_parallel else tokens
-    experts = routed * (2 * h + mlp_unit * spec.expert_ffn / t)
-    shared = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
-    return tokens * per_token + experts + shared + local * 4 * spec.experts
+        out["mlp_up"] = 2 * local * h
+        out["act"] = tokens * mlp_unit * spec.ffn / t
+    else:
+        routed = routed_tokens(spec, tokens, padded=True)
+        out["router"] = 2 * local * h + local * 4 * spec.experts
+        out["permute"] = routed * 2 * h
+        out["expert_act"] = routed * mlp_unit * spec.expert_ffn / t
+        if spec.shared_experts:
+            out["shared_act"] = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
+    return {name: v * scale for name, v in out.items()}
 
 
 # ---------------------------------------------------------------- a whole layer
@@ -271,10 +292,13 @@ def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
 
 
 def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
-              pass_: mdl.Pass, layer: int, padded: bool = True) -> tuple[mdl.Op, ...]:
+              pass_: mdl.Pass, layer: int, padded: bool = True,
+              masks: bool = False) -> tuple[mdl.Op, ...]:
     """Layer ``layer`` of a MoE or latent-attention model on one TP rank, in execution
     order (the same frame as a dense layer: norm, attention, residual, norm, MLP or
-    experts, residual)."""
+    experts, residual); the forward's ops carry what they keep for the backward
+    (:func:`kept_bytes`; ``masks``: the stack's hidden dropout keeps a mask per
+    residual add)."""
     dt = mdl.dtype_bytes(dtype)
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
@@ -289,4 +313,7 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt, "norm"), *attention,
            residual, mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt, "norm"), *mlp,
            residual)
-    return ops if pass_ == "fwd" else ops[::-1]
+    if pass_ != "fwd":
+        return ops[::-1]
+    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks)
+    return tuple(replace(op, saved=kept.get(op.name, 0.0)) for op in ops)

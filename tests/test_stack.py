@@ -161,17 +161,66 @@ def test_memory_and_inventory_agree_on_what_is_kept(spec: ModelSpec, b: int, tp:
                for op in mdl.layer_ops(spec, b, tp, sp, "bf16", p, stack=stack))  # type: ignore[arg-type]
 
 
+moe_specs = st.builds(
+    lambda heads, head_dim, experts, k, cap, shared, act, dense: ModelSpec(
+        layers=4, hidden=heads * head_dim, heads=heads, kv_heads=heads, ffn_hidden=4 * heads
+        * head_dim, vocab=1000, seq_len=128, activation=act, experts=experts,
+        experts_per_token=k, capacity_factor=cap, shared_experts=shared,
+        expert_ffn_hidden=2 * heads * head_dim, first_dense_layers=dense),
+    st.sampled_from([4, 8]), st.sampled_from([16, 32]), st.sampled_from([4, 8]),
+    st.integers(1, 2), st.sampled_from([None, 1.0, 1.25]), st.integers(0, 1),
+    st.sampled_from(["gelu", "swiglu"]), st.integers(0, 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(moe_specs, st.integers(1, 2), st.sampled_from([1, 2, 4]), st.booleans(),
+       st.sampled_from(STACKS), st.integers(0, 3))
+def test_a_moe_layers_memory_is_what_its_ops_keep(spec: ModelSpec, b: int, tp: int,
+                                                   sp: bool, name: str, layer: int) -> None:
+    """MoE layers: the memory model reads their forward ops' saved bytes, and those add
+    up to the closed form written out here (16-bit units × dt/2): per token the frame's
+    8h (norm, first-GEMM and router inputs; /t under SP) and a 1-unit mask per residual
+    add with hidden dropout, Q, K, V and the out-proj input, fp32 router probabilities
+    (4E, /t under SP), the c·k permuted copies (2h each) and the experts' activations
+    (4 or 6 × f_e/t each), the shared experts' activations; a dense layer its MLP's."""
+    stack = load_stack(name)
+    memory = activation_bytes_per_layer(spec, b, tp, sp, "none", "bf16", layer=layer,
+                                        stack=stack)
+    fwd = mdl.layer_ops(spec, b, tp, sp, "bf16", "fwd", layer, stack)
+    assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12)
+    h, T = spec.hidden, b * spec.seq_len
+    rep = 1 / tp if sp else 1.0
+    unit = 6.0 if spec.activation == "swiglu" else 4.0
+    want = T * (8 + (2 if stack.hidden_dropout > 0 else 0)) * h * rep \
+        + T * (4 * h / tp + 4 * max(spec.kv / tp, 1) * spec.head_dim)
+    if spec.is_moe_layer(layer):
+        pairs = T * spec.experts_per_token * (spec.capacity_factor or 1.0)
+        want += pairs * (2 * h + unit * spec.expert_ffn / tp) + T * rep * 4 * spec.experts \
+            + T * unit * spec.shared_experts * spec.expert_ffn / tp
+    else:
+        want += T * unit * spec.ffn / tp
+    assert memory == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_memory_reads_the_inventory_of_every_scenario(path: Path) -> None:
+    """Every layer kind of every bundled scenario (dense, MoE, dense layers of a MoE
+    model, latent attention), under each recomputation mode that keeps activations: the
+    memory model's bytes are what the layer's forward ops save. Context parallelism keeps
+    the local chunk of s / cp tokens with a fused core."""
     s = load_scenario(path)
     spec, par = s.model, s.parallel
-    if spec.is_moe or spec.mla is not None or par.cp > 1:
-        return  # their layers keep the flash core's widths (simulator.moe)
-    b, dt = s.training.micro_batch, s.training.dtype
-    fwd = mdl.layer_ops(spec, b, par.tp, par.sequence_parallel, dt, "fwd", stack=s.stack)
-    memory = activation_bytes_per_layer(spec, b, par.tp, par.sequence_parallel, "none", dt,
-                                        stack=s.stack)
-    assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12)
+    b, dt, stack = s.training.micro_batch, s.training.dtype, s.stack
+    local = spec if par.cp == 1 else spec.model_copy(update={"seq_len": spec.seq_len // par.cp})
+    if par.cp > 1 and not stack.flash:
+        stack = stack.model_copy(update={"attention": "flash2"})
+    layers = sorted({0, spec.layers - 1, *(i for i in range(min(spec.layers, 8)))})
+    for layer in layers:
+        fwd = mdl.layer_ops(local, b, par.tp, par.sequence_parallel, dt, "fwd", layer, stack)
+        memory = activation_bytes_per_layer(spec, b, par.tp, par.sequence_parallel, "none", dt,
+                                            layer=layer, cp=par.cp, stack=s.stack)
+        assert memory > 0
+        assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12), layer
 
 
 # ---------------------------------------------------------------- cost terms
