@@ -416,6 +416,153 @@ def _fork_grad_sum(x: _Shape, name: str, gemms: int, pass_: Pass) -> list[Op]:
     return [mem(name, 3 * adds * x.tokens * x.spec.hidden, x.rs, "elementwise", adds)]
 
 
+# ---------------------------------------------------------------- a mixture of experts
+
+
+def routed_tokens(spec: ModelSpec, tokens: float, padded: bool) -> float:
+    """Token-expert pairs the routed experts compute: k per token dropless; c·k with a
+    capacity factor c (every expert's buffer computed whether full or not; model FLOPs,
+    ``padded=False``, count min(c, 1)·k, what the model computes for the tokens it
+    keeps)."""
+    c = spec.capacity_factor
+    if c is None:
+        return tokens * spec.experts_per_token
+    return tokens * spec.experts_per_token * (c if padded else min(c, 1.0))
+
+
+def _grouped(name: str, m: float, k: float, n: float, groups: int, dt: int, cls: str,
+             saved: float = 0.0) -> Op:
+    """``groups`` GEMMs of (m/groups × k)·(k × n), one weight each, in one call (the
+    efficiency-curve lookup at one expert's product)."""
+    flops = 2.0 * m * k * n
+    return Op(name, "gemm", flops, dt * (m * k + groups * k * n + m * n), flops / groups, cls,
+              1, saved)
+
+
+def _expert_act(spec: ModelSpec, tokens: float, width: float, dt: int, pass_: Pass,
+                name: str) -> Op:
+    """An expert MLP's activation over ``tokens`` × ``width``: it reads and writes
+    (GeLU) 2, (SwiGLU) 3 elements a unit forward, 3 and 5 backward; keeps its input."""
+    swiglu = spec.activation == "swiglu"
+    factor = (3.0 if swiglu else 2.0) if pass_ == "fwd" else (5.0 if swiglu else 3.0)
+    keep = (2 if swiglu else 1) * tokens * width * dt if pass_ == "fwd" else 0.0
+    return mem(name, factor * tokens * width, dt, "elementwise", 1, keep)
+
+
+def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int, dt: int,
+                      pass_: Pass) -> list[Op]:
+    """The routed experts on ``tokens`` token-expert pairs, forward order: a grouped GEMM
+    of ``groups`` experts up (keeping its input, the permuted tokens), the activation,
+    a grouped GEMM down (keeping its input); each expert's MLP ``width`` wide (its
+    share under expert tensor parallelism)."""
+    h = spec.hidden
+    up = (2 if spec.activation == "swiglu" else 1) * width
+    cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
+    keep = pass_ == "fwd"
+    return [_grouped("expert_up", tokens, h, up, groups, dt, cls, dt * tokens * h * keep),
+            _expert_act(spec, tokens, width, dt, pass_, "expert_act"),
+            _grouped("expert_down", tokens, width, h, groups, dt, cls,
+                     dt * tokens * width * keep)]
+
+
+#: Kernels of the ``eager`` routing (``stack.moe_routing``) as our measured MoE worker
+#: launches them (calibration/measured/moe_worker.py ``MoEMLP.forward``, each op counted in
+#: the profile of its tiny-gpt EP 2 run): into the buffers, 21 before the dispatch
+#: (softmax, topk, sum, div, one_hot, cumsum, sub, mul, sum, lt, mul, clamp, add, arange,
+#: repeat_interleave, new_zeros, three index, index_copy, empty_like) and 4 around the
+#: experts (the received buffer's transposed copy, stack, the returned buffer's copy,
+#: empty_like); back home, 4 after the combine (mul, index, mul, sum). Backward, their
+#: autograd nodes: 15 for the way in (the buffers' select, clone and view gradients around
+#: the experts; index_copy, index, div, sum, topk and softmax backward) and 7 for the way
+#: back (sum, two mul and index backward). Per pass: (permute, unpermute).
+EAGER_ROUTING = {"fwd": (25, 4), "bwd_input": (15, 7)}
+
+
+def _moe_mlp(x: _Shape, pass_: Pass, padded: bool) -> list[Op]:
+    """A MoE layer's MLP block in forward order: the router (replicated over TP; keeps
+    its input, the normed tokens every branch reads, and its fp32 probabilities), the
+    permutation into the experts' buffers, the routed experts, the shared experts as one
+    MLP of width shared · f_e (Megatron-LM's fused shared experts), and the weighted
+    un-permutation (copies of k·T·h elements)."""
+    spec, T, L, h, dt = x.spec, x.tokens, x.local, x.spec.hidden, x.dt
+    cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
+    keep = pass_ == "fwd"
+    routed = routed_tokens(spec, T, padded)
+    f = spec.expert_ffn / x.tp
+    into, back = EAGER_ROUTING.get(pass_, (1, 1)) if x.st.moe_routing == "eager" else (1, 1)
+    ops = [gemm("router", L, h, spec.experts, dt, cls, 1,
+                (dt * L * h + 4 * L * spec.experts) * keep),
+           mem("permute", (T + routed) * h, dt, "elementwise", into),
+           *routed_expert_ops(spec, routed, f, spec.experts, dt, pass_)]
+    if spec.shared_experts:
+        width = spec.shared_experts * f
+        up = (2 if spec.activation == "swiglu" else 1) * width
+        ops += [gemm("shared_up", T, h, up, dt, cls),
+                _expert_act(spec, T, width, dt, pass_, "shared_act"),
+                gemm("shared_down", T, width, h, dt, cls, 1, dt * T * width * keep)]
+    ops.append(mem("unpermute", (routed + T) * h, dt, "elementwise", back))
+    return ops
+
+
+def moe_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                  dtype: str, pass_: Pass, stack: StackSpec, padded: bool = True,
+                  ) -> tuple[Op, ...]:
+    """A routed-experts layer (standard attention) on one TP rank, in execution order:
+    the dense layer's frame as the stack runs it (norms, projections, attention,
+    residuals, their gradient sums, casts and DTensor dispatch) with the MLP replaced by
+    :func:`_moe_mlp`. The routed experts' ops are here for the layer's FLOPs and what
+    it keeps; the workload takes them out and the expert pass prices them on the ranks
+    that hold the experts (:func:`simulator.expert_parallel.expert_layer`)."""
+    x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    return _dtensor(x, _moe_layer_ops(x, pass_, padded))
+
+
+def _moe_layer_ops(x: _Shape, pass_: Pass, padded: bool) -> tuple[Op, ...]:
+    g = _gemms(x, pass_)
+    mlp = _moe_mlp(x, pass_, padded)
+    if pass_ == "bwd_weight":
+        return (g["qkv"], g["out_proj"], *(op for op in mlp if op.kind == "gemm"),
+                *_moe_weight_ops(x))
+    grad_sum = [mem("grad_sum", 3 * x.local * x.spec.hidden, x.rs, "elementwise")] \
+        if pass_ == "bwd_input" else []
+    readers = 2 + (1 if x.spec.shared_experts else 0)  # router, permutation, shared experts
+    ops = (*grad_sum, _norm(x, "ln1", pass_),
+           *_fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_),
+           *_amp_cast(x, "amp_cast_qkv", x.qkv_kernels, pass_), g["qkv"], *_rope(x, pass_),
+           *_attention(x, pass_), g["out_proj"], *_residual(x, pass_), *grad_sum,
+           _norm(x, "ln2", pass_), *_fork_grad_sum(x, "up_grad_sum", readers, pass_),
+           *_amp_cast(x, "amp_cast_up", 1, pass_), *mlp, *_residual(x, pass_))
+    return ops if pass_ == "fwd" else ops[::-1]
+
+
+def _moe_weight_ops(x: _Shape) -> list[Op]:
+    """As :func:`_weight_ops` for the layer's own parameters: the attention's, the
+    norms', the router's and the shared experts'. The routed experts' gradients are the
+    expert pass's (their ranks hold them)."""
+    spec, T, L, h, dt = x.spec, x.tokens, x.local, x.spec.hidden, x.dt
+    f = spec.shared_experts * spec.expert_ffn / x.tp
+    up = (2 if spec.activation == "swiglu" else 1) * f
+    shared = 1 if spec.shared_experts else 0
+    ops: list[Op] = []
+    if spec.bias:  # the attention's and the shared experts' biased linears
+        elements = T * (x.q + 2 * x.kv) + L * h + shared * (T * up + L * h)
+        ops.append(mem("bias_grad", elements, dt, "reduction", x.qkv_kernels + 1 + 2 * shared))
+    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(spec)))
+    router = 1 + (1 if spec.router == "sigmoid" else 0)  # DeepSeek's expert bias
+    weights = _weight_elements(x, "qkv") + _weight_elements(x, "out_proj") \
+        + h * spec.experts + shared * (h * up + f * h)
+    tensors = (x.qkv_kernels + 1 + 2 * shared) * (2 if spec.bias else 1) + router \
+        + 2 * norm_tensors(spec)
+    if x.st.amp(dt):
+        ops.append(mem("amp_weight_cast", weights, dt + 4, "copy", tensors))
+    if x.st.main_grads == "param":
+        ops.append(mem("grad_accum", 3 * weights, 4 if x.st.amp(dt) else dt, "elementwise",
+                       tensors))
+    else:
+        ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
+    return ops
+
+
 def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
     """Parameter tensors of one dense layer as the stack builds it (optimizer kernels)."""
     linears = qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
@@ -527,15 +674,18 @@ def ddp_copy_ops(stack: StackSpec, elements: float, dt: int, tensors: int,
 
 
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
-                      dtype: str, recompute: str, stack: StackSpec) -> float:
-    """Bytes one dense layer keeps between its forward and backward: what its forward ops
-    save; under selective recomputation the core's internals (scores, softmax, dropout,
-    statistics) are dropped and only its inputs Q, K, V kept; under full recomputation
-    only the layer's input (sharded under sequence parallelism; fp32 under autocast)."""
+                      dtype: str, recompute: str, stack: StackSpec, layer: int = 0) -> float:
+    """Bytes one layer (dense, or a mixture of experts' ``layer``) keeps between its
+    forward and backward: what its forward ops save; under selective recomputation the
+    core's internals (scores, softmax, dropout, statistics) are dropped and only its
+    inputs Q, K, V kept; under full recomputation only the layer's input (sharded under
+    sequence parallelism; fp32 under autocast)."""
     x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
     if recompute == "full":
         return x.rs * x.local * spec.hidden
-    ops = dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
+    ops = moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack) \
+        if spec.is_moe_layer(layer) else \
+        dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
     if recompute == "selective":
         core_inputs = x.dt * x.tokens * (x.q + 2 * x.kv)
         return sum(op.saved for op in ops if op.name not in CORE_OPS) + core_inputs

@@ -133,25 +133,25 @@ def activation_bytes_per_layer(
     t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
     recomputation); a flash-attention stack keeps no s×s matrix, and a stack without
     dropout no masks. Context parallelism keeps s/cp tokens per rank with a fused
-    attention core. MoE and latent attention layers likewise keep what their forward ops
-    save (:func:`simulator.moe.kept_bytes`: their own widths and, like their ops, a
-    flash core; the same under selective recomputation, which a flash core leaves
+    attention core. A mixture of experts' layers are the inventory's too
+    (:func:`simulator.inventory.moe_layer_ops`); a latent-attention model's layers keep
+    what their coarser ops save (:func:`simulator.moe.kept_bytes`: their own widths and
+    a flash core, the same under selective recomputation, which a flash core leaves
     nothing to drop from).
     """
     st = stack or default_stack()
-    if not (spec.is_moe or spec.mla is not None):
-        if cp > 1:  # the local chunk, with the fused core context parallelism runs
-            spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
-            st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
-        return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st)
-    if cp > 1:  # the local chunk (the scenario checks that cp divides the sequence)
+    if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
+        st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
+    if spec.mla is None:
+        return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
+                                 layer)
     if recompute == "full":  # the layer's input
         replicated = 1 / tp if sequence_parallel else 1.0
         return 2.0 * spec.seq_len * micro_batch * spec.hidden * replicated \
             * dtype_bytes(dtype) / 2
     return sum(op.saved for op in moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype,
-                                                "fwd", layer, masks=st.hidden_dropout > 0))
+                                                "fwd", layer, stack=st))
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:

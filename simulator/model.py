@@ -183,7 +183,7 @@ def layer_ops(
     st = stack or default_stack()
     if spec.is_moe or spec.mla is not None:
         return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer,
-                             masks=st.hidden_dropout > 0)
+                             stack=st)
     return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
 
 

@@ -45,8 +45,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from simulator import inventory as inv
 from simulator import model as mdl
+from simulator.inventory import routed_expert_ops, routed_tokens
 from simulator.scenario import MLASpec, ModelSpec
+from simulator.stack import StackSpec
 
 
 def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
@@ -129,20 +132,6 @@ def active_layer_params(spec: ModelSpec, layer: int) -> int:
 # ---------------------------------------------------------------- operations
 
 
-def routed_tokens(spec: ModelSpec, tokens: float, padded: bool) -> float:
-    """Token-expert pairs the routed experts compute (see the module docstring)."""
-    c = spec.capacity_factor
-    if c is None:
-        return tokens * spec.experts_per_token
-    return tokens * spec.experts_per_token * (c if padded else min(c, 1.0))
-
-
-def _grouped(name: str, m: float, k: float, n: float, groups: int, dt: int) -> mdl.Op:
-    """``groups`` GEMMs of (m/groups × k)·(k × n), one weight each, in one call."""
-    flops = 2.0 * m * k * n
-    return mdl.Op(name, "gemm", flops, dt * (m * k + groups * k * n + m * n), flops / groups)
-
-
 def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
             pass_: mdl.Pass) -> dict[str, mdl.Op]:
     """The latent attention's ops on one TP rank (GEMMs and the core), by name."""
@@ -184,18 +173,6 @@ def _act_factor(spec: ModelSpec, pass_: mdl.Pass) -> float:
     return 2.0 if pass_ == "fwd" else 3.0
 
 
-def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int, dt: int,
-                      pass_: mdl.Pass) -> list[mdl.Op]:
-    """The routed experts on ``tokens`` token-expert pairs, forward order: a grouped GEMM
-    of ``groups`` experts up, the activation, a grouped GEMM down; each expert's MLP is
-    ``width`` wide (its share under tensor parallelism)."""
-    h = spec.hidden
-    up = (2 if spec.activation == "swiglu" else 1) * width
-    return [_grouped("expert_up", tokens, h, up, groups, dt),
-            mdl._mem("expert_act", _act_factor(spec, pass_) * tokens * width, dt),
-            _grouped("expert_down", tokens, width, h, groups, dt)]
-
-
 def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dt: int,
                 pass_: mdl.Pass, padded: bool = True) -> list[mdl.Op]:
     """Router, permutation, routed experts, shared experts, un-permutation; forward order."""
@@ -221,7 +198,7 @@ def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: b
 
 def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: bool,
                dt: int, masks: bool) -> dict[str, float]:
-    """Bytes a MoE or latent-attention layer's forward ops keep for the backward, by op
+    """Bytes a latent-attention model's layer (MoE or dense) keeps for the backward, by op
     name (:func:`layer_ops` hands them to its ops; :mod:`simulator.memory` sums them); its
     flash attention core keeps no s×s scores. Per token, in 16-bit units scaled by the
     dtype (``dt / 2``):
@@ -229,10 +206,8 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
     - the frame, as for any layer: the two norms' inputs and the inputs of the first
       attention GEMM and of the MLP (the router), 2h each (sharded under sequence
       parallelism), and with hidden dropout one 1-unit mask per residual add;
-    - attention: Q and K of width H·d_qk and V of width H·d_v kept by the core, the
-      out-proj's input by the out-proj (split over TP); latent attention keeps the two
-      latents and the RoPE key (replicated) and its Q, K, V and out-proj input, all
-      with the core;
+    - attention: the two latents and the RoPE key (replicated), Q and K of width H·d_qk,
+      V and the out-proj input of width H·d_v (split over TP), all with the core;
     - a MoE layer: fp32 router probabilities (4·E per token, with the router), the k
       (or c·k) permuted copies of each token (the experts' input, with the
       permutation), the experts' activation inputs and outputs (with their
@@ -244,16 +219,14 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
     rep = 1 / t if sequence_parallel else 1.0
     local = tokens * rep
     mla = spec.mla
-    first = ("q_down" if mla.q_lora_rank else "q_up") if mla is not None else "qkv"
+    if mla is None:
+        raise ValueError("kept_bytes is for latent attention; the inventory keeps the rest")
+    first = "q_down" if mla.q_lora_rank else "q_up"
     out: dict[str, float] = {"ln1": 2 * local * h, first: 2 * local * h,
                              "ln2": 2 * local * h, "residual": local * h if masks else 0.0}
-    if mla is not None:
-        per_token = 2 * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) \
-            + 2 * (2 * spec.heads * mla.qk_head_dim + 2 * spec.heads * mla.v_head_dim) / t
-        out["attn_core"] = tokens * per_token
-    else:
-        out["attn_core"] = tokens * (2 * h / t + 4 * max(spec.kv / t, 1.0) * spec.head_dim)
-        out["out_proj"] = tokens * 2 * h / t
+    out["attn_core"] = tokens * (
+        2 * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
+        + 2 * (2 * spec.heads * mla.qk_head_dim + 2 * spec.heads * mla.v_head_dim) / t)
     mlp_unit = 6.0 if spec.activation == "swiglu" else 4.0
     if not spec.is_moe_layer(layer):
         out["mlp_up"] = 2 * local * h
@@ -293,12 +266,21 @@ def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
 
 def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
               pass_: mdl.Pass, layer: int, padded: bool = True,
-              masks: bool = False) -> tuple[mdl.Op, ...]:
+              stack: StackSpec | None = None) -> tuple[mdl.Op, ...]:
     """Layer ``layer`` of a MoE or latent-attention model on one TP rank, in execution
-    order (the same frame as a dense layer: norm, attention, residual, norm, MLP or
-    experts, residual); the forward's ops carry what they keep for the backward
-    (:func:`kept_bytes`; ``masks``: the stack's hidden dropout keeps a mask per
-    residual add)."""
+    order. With standard attention the kernel-level inventory as ``stack`` runs it
+    (:func:`simulator.inventory.moe_layer_ops` for a routed-experts layer, the dense
+    layer's for the others). With latent attention the coarser list here (the same
+    frame: norm, attention, residual, norm, MLP or experts, residual), whose forward
+    ops carry what they keep for the backward (:func:`kept_bytes`; a mask per residual
+    add where the stack has hidden dropout)."""
+    st = stack or mdl.default_stack()
+    if spec.mla is None:
+        if spec.is_moe_layer(layer):
+            return inv.moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+                                     padded)
+        return inv.dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
+    masks = st.hidden_dropout > 0
     dt = mdl.dtype_bytes(dtype)
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens

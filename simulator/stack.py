@@ -102,6 +102,14 @@ class StackSpec(BaseModel):
     #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after
     #: the first step keeps it); 0: every bucket ``dp_bucket_MB``
     ddp_first_bucket_MB: float = Field(default=0.0, ge=0, le=1e6)
+    #: how a mixture of experts routes its tokens into the experts' buffers and back:
+    #: ``fused``, a permutation and an un-permutation kernel (Megatron-core's
+    #: moe_utils.permute / unpermute); ``eager``, the capacity-buffer routing of plain
+    #: PyTorch ops our measured MoE worker runs (calibration/measured/moe_worker.py,
+    #: ``MoEMLP``: softmax, top-k, the one-hot slot count, masks, index and index_copy
+    #: into the buffers, their transposed copies; the gate weighting, gather and sum
+    #: after the combine), one kernel per op (:data:`simulator.inventory.EAGER_ROUTING`)
+    moe_routing: Literal["fused", "eager"] = "fused"
     #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
     #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
     #: sharded parameters are DTensors, so its optimizer step does; its forward and

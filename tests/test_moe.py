@@ -227,3 +227,60 @@ def test_a_billion_moe_layers_cost_no_loop() -> None:
     assert spec.moe_layers == -(-(10**9 - 7) // 3)
     assert stage_params(spec, 1, 0) == param_count(spec)
     assert stage_expert_params(spec, 1, 0) == spec.moe_layers * moe.expert_params(spec, 7)
+
+
+# ---------------------------------------------------------------- the kernel-level frame
+
+
+def _tiny_moe(**kw: object) -> ModelSpec:
+    return ModelSpec.model_validate({
+        "layers": 4, "hidden": 128, "heads": 4, "ffn_hidden": 512, "vocab": 512, "seq_len": 64,
+        "activation": "gelu", "norm": "layernorm", "bias": True, "experts": 4,
+        "experts_per_token": 2, "expert_ffn_hidden": 512, "capacity_factor": 1.0, **kw})
+
+
+@pytest.mark.parametrize("stack", ["pytorch-eager", "megatron-core", "megatron-2021"])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_input", "bwd_weight"])
+def test_a_moe_layer_is_the_dense_frame_with_the_mlp_replaced(stack: str, pass_: str) -> None:
+    """A routed-experts layer runs the dense layer's attention half as the stack runs it
+    (q, k, v apart under pytorch-eager, unfused attention under megatron-2021, their
+    dgrad/wgrad classes), then router, permutation, experts and un-permutation; its
+    FLOPs are the stack's-independent sum of both."""
+    from simulator.inventory import EAGER_ROUTING, dense_layer_ops
+    from simulator.model import layer_ops
+    from simulator.stack import load_stack
+
+    st = load_stack(stack)
+    spec = _tiny_moe()
+    dense = spec.model_copy(update={"experts": 0})
+    got = layer_ops(spec, 2, 1, False, "fp32", pass_, 0, st)  # type: ignore[arg-type]
+    frame = dense_layer_ops(dense, 2, 1, False, "fp32", pass_, st)  # type: ignore[arg-type]
+    names = [op.name for op in got]
+    if pass_ != "bwd_weight":
+        order = names if pass_ == "fwd" else names[::-1]
+        cut = order.index("ln2")
+        dense_order = [op.name for op in (frame if pass_ == "fwd" else frame[::-1])]
+        assert order[:cut] == dense_order[:dense_order.index("ln2")]  # the attention half
+        tail = ["residual"] if "residual" in dense_order[dense_order.index("ln2"):] else []
+        assert [n for n in order[cut:] if n not in ("up_grad_sum", "grad_sum")] == [
+            "ln2", "router", "permute", "expert_up", "expert_act", "expert_down",
+            "unpermute", *tail]
+        if pass_ == "bwd_input":  # router, permutation: two readers of the normed input
+            assert {op.name: op for op in got}["up_grad_sum"].kernels == 1
+        kernels = {op.name: op.kernels for op in got}
+        want = EAGER_ROUTING[pass_] if stack == "pytorch-eager" else (1, 1)
+        assert (kernels["permute"], kernels["unpermute"]) == want
+        by = {op.name: op for op in frame}
+        for name in ("qkv", "out_proj", "ln1"):
+            assert {op.name: op for op in got}[name] == by[name]
+    else:  # wgrads: the attention's, the router's, the experts'; the layer's own grads
+        assert names[:2] == ["qkv", "out_proj"] and "router" in names
+        assert {op.cost_class for op in got if op.kind == "gemm"} == {"gemm_wgrad"}
+        accum = {op.name: op for op in got}.get("grad_accum")
+        # q, k, v (or QKV) and out-proj with biases, two layernorms' γ and β, the router
+        linears = (3 if stack == "pytorch-eager" else 1) + 1
+        if st.main_grads == "param":
+            assert accum is not None and accum.kernels == 2 * linears + 4 + 1
+    flops = sum(op.flops for op in got)
+    assert flops == pytest.approx(sum(op.flops for op in layer_ops(
+        spec, 2, 1, False, "fp32", pass_, 0, load_stack("megatron-core"))))  # type: ignore[arg-type]

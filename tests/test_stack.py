@@ -178,27 +178,28 @@ moe_specs = st.builds(
 def test_a_moe_layers_memory_is_what_its_ops_keep(spec: ModelSpec, b: int, tp: int,
                                                    sp: bool, name: str, layer: int) -> None:
     """MoE layers: the memory model reads their forward ops' saved bytes, and those add
-    up to the closed form written out here (16-bit units × dt/2): per token the frame's
-    8h (norm, first-GEMM and router inputs; /t under SP) and a 1-unit mask per residual
-    add with hidden dropout, Q, K, V and the out-proj input, fp32 router probabilities
-    (4E, /t under SP), the c·k permuted copies (2h each) and the experts' activations
-    (4 or 6 × f_e/t each), the shared experts' activations; a dense layer its MLP's."""
+    up to the closed form: the dense layer's (:func:`_closed_form`: norms, attention as
+    the stack runs it, residual masks) with its MLP replaced by the router's fp32
+    probabilities (4E per local token) and the experts': the c·k permuted copies of
+    each token, each expert's activation input and down-projection input (3 or 2 × f_e/t
+    with SwiGLU or GeLU), the shared experts' likewise per token. The router keeps the
+    normed input as the MLP-up projection does. A dense layer of the model is a dense
+    layer."""
     stack = load_stack(name)
     memory = activation_bytes_per_layer(spec, b, tp, sp, "none", "bf16", layer=layer,
                                         stack=stack)
     fwd = mdl.layer_ops(spec, b, tp, sp, "bf16", "fwd", layer, stack)
     assert memory == pytest.approx(sum(op.saved for op in fwd), rel=1e-12)
-    h, T = spec.hidden, b * spec.seq_len
-    rep = 1 / tp if sp else 1.0
-    unit = 6.0 if spec.activation == "swiglu" else 4.0
-    want = T * (8 + (2 if stack.hidden_dropout > 0 else 0)) * h * rep \
-        + T * (4 * h / tp + 4 * max(spec.kv / tp, 1) * spec.head_dim)
+    assert memory == kept_for_backward(spec, b, tp, sp, "bf16", "none", stack, layer)
+    dt, h, T = 2, spec.hidden, b * spec.seq_len
+    L = T / tp if sp else T
+    unit = 3 if spec.activation == "swiglu" else 2
+    want = _closed_form(spec, b, tp, sp, stack, "none")
     if spec.is_moe_layer(layer):
         pairs = T * spec.experts_per_token * (spec.capacity_factor or 1.0)
-        want += pairs * (2 * h + unit * spec.expert_ffn / tp) + T * rep * 4 * spec.experts \
-            + T * unit * spec.shared_experts * spec.expert_ffn / tp
-    else:
-        want += T * unit * spec.ffn / tp
+        want += -dt * T * unit * spec.ffn / tp + 4 * L * spec.experts \
+            + pairs * dt * (h + unit * spec.expert_ffn / tp) \
+            + T * dt * unit * spec.shared_experts * spec.expert_ffn / tp
     assert memory == pytest.approx(want, rel=1e-12)
 
 
