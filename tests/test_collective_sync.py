@@ -413,3 +413,20 @@ def test_a_bad_burst_curve_is_refused(points: list[list[float]], fix: str) -> No
     data["gpu"]["collective_sync_burst"] = {"intra_node": {"points": points}}
     with pytest.raises(UserError, match=fix):
         validate_profile(data, "p.yaml")
+
+
+def test_the_growth_leaves_out_the_wait_the_rank_spread_already_charges() -> None:
+    """The burst's ``with`` holds the wait for the slower rank, which the rank spread c
+    charges as compute (1 + c · e_2 per op): c · e_2 · (B − 1 ms) comes off the growth,
+    never below 0."""
+    from calibration.microbench.fit_terms import collective_sync_burst
+    from simulator.costs import expected_max_normal
+
+    c, e2 = 0.05, expected_max_normal(2)
+    curve = cs.burst_curve(_burst_record(), c)
+    want = [(b, max(us * 1e-6 - c * e2 * (b - 1e-3), 0.0)) for b, us in BURST_CURVE_US]
+    assert [b for b, _ in curve] == pytest.approx([b for b, _ in want])
+    assert [t for _, t in curve] == pytest.approx([t for _, t in want])
+    assert curve[1][1] == pytest.approx(597.5e-6 - c * e2 * 3e-3)  # 4 ms: 597.5 − 84.6 µs
+    assert [t for _, t in cs.burst_curve(_burst_record(), 1.0)] == [0.0, 0.0, 0.0]
+    assert collective_sync_burst([_burst_record()], c) == {"intra_node": curve}

@@ -156,14 +156,23 @@ def burst_excess(rec: dict[str, Any]) -> dict[float, float]:
             for burst, sizes in sorted(by.items())}
 
 
-def burst_curve(rec: dict[str, Any]) -> list[tuple[float, float]]:
+def burst_curve(rec: dict[str, Any], spread: float = 0.0) -> list[tuple[float, float]]:
     """The growth by burst as (seconds of compute, seconds), at least 0, from 0 at the
-    base burst (``gpu.collective_sync_burst``); empty without longer bursts."""
+    base burst (``gpu.collective_sync_burst``); empty without longer bursts.
+
+    A burst's ``with`` holds the wait for the slower rank, which the profile's rank
+    spread c already charges as compute (each op of a two-rank step ``1 + c · e_2``
+    times as long, :mod:`calibration.microbench.rank_spread`): over the base burst B₀
+    that is c · e_2 · (B − B₀), taken off here so that the two terms do not count the
+    same wait twice."""
+    from simulator.costs import expected_max_normal
+
     grown = burst_excess(rec)
     if not grown:
         return []
-    return [(float(rec["burst_s"]), 0.0)] + [(b, max(t, 0.0)) for b, t in grown.items()
-                                             if b > float(rec["burst_s"])]
+    b0, e2 = float(rec["burst_s"]), expected_max_normal(2)
+    return [(b0, 0.0)] + [(b, max(t - spread * e2 * (b - b0), 0.0)) for b, t in grown.items()
+                          if b > b0]
 
 
 def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:

@@ -148,9 +148,6 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
     fits.terms.collective_sync_curve = collective_sync_curve(
         [r for r in records if r.get("kind") == "collective_sync"
          and all(r.get(k) == v for k, v in sel.items())])
-    fits.terms.collective_sync_burst = collective_sync_burst(
-        [r for r in records if r.get("kind") == "collective_sync"
-         and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
         [r for r in records if r.get("kind") == "send_sync"
          and all(r.get(k) == v for k, v in sel.items())])
@@ -160,6 +157,9 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
     fits.terms.rank_spread, fits.terms.rank_spread_record = rank_spread(
         [r for r in records if r.get("kind") == "rank_spread"
          and all(r.get(k) == v for k, v in sel.items())])
+    fits.terms.collective_sync_burst = collective_sync_burst(  # less what the spread charges
+        [r for r in records if r.get("kind") == "collective_sync"
+         and all(r.get(k) == v for k, v in sel.items())], fits.terms.rank_spread or 0.0)
     return fits
 
 

@@ -192,15 +192,15 @@ def collective_sync_curve(records: list[dict[str, Any]]) -> dict[str, list[tuple
     return {str(rec.get("link", "intra_node")): curve} if len(curve) > 1 else {}
 
 
-def collective_sync_burst(records: list[dict[str, Any]],
+def collective_sync_burst(records: list[dict[str, Any]], spread: float = 0.0,
                           ) -> dict[str, list[tuple[float, float]]]:
     """The sync cost's growth by compute burst per link class (:func:`calibration.
-    microbench.collective_sync.burst_curve`), from the latest successful record; none
-    without longer bursts."""
+    microbench.collective_sync.burst_curve`, less what a rank ``spread`` already charges),
+    from the latest successful record; none without longer bursts."""
     rec = _latest_rounds(records)
     if rec is None:
         return {}
-    curve = cs.burst_curve(rec)
+    curve = cs.burst_curve(rec, spread)
     return {str(rec.get("link", "intra_node")): curve} if len(curve) > 1 else {}
 
 
