@@ -47,6 +47,7 @@ import numpy as np
 
 from simulator import model as mdl
 from simulator import moe
+from simulator.inventory import routed_expert_ops
 from simulator.layout import Layout
 from simulator.scenario import ModelSpec, Scenario
 
@@ -134,7 +135,7 @@ def expert_layer(s: Scenario) -> ExpertLayer:
     groups, width = spec.experts // par.ep, spec.expert_ffn / par.etp
 
     def ops(pass_: mdl.Pass) -> tuple[mdl.Op, ...]:
-        out = moe.routed_expert_ops(spec, tokens, width, groups, dt, pass_)
+        out = routed_expert_ops(spec, tokens, width, groups, dt, pass_)
         if pass_ == "bwd_weight":
             return tuple(op for op in out if op.kind == "gemm")
         return tuple(out) if pass_ == "fwd" else tuple(out[::-1])

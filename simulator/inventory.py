@@ -314,22 +314,33 @@ def _amp_cast(x: _Shape, name: str, linears: int, pass_: Pass) -> list[Op]:
 
 def _weight_ops(x: _Shape) -> list[Op]:
     """Bias and norm-parameter gradients, and AccumulateGrad for 16-bit grads."""
-    T, L, h, dt = x.tokens, x.local, x.spec.hidden, x.dt
-    ops: list[Op] = []
-    if x.spec.bias:  # dbias = Σ_tokens dY: one reduction per biased linear
-        elements = T * (x.q + 2 * x.kv) + T * x.up + 2 * L * h
-        ops.append(mem("bias_grad", elements, dt, "reduction", x.qkv_kernels + x.up_kernels + 2))
-    # γ (and β) partial sums, then the sum
-    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)))
+    T, L, h = x.tokens, x.local, x.spec.hidden
     weights = sum(_weight_elements(x, n) for n in ("qkv", "out_proj", "mlp_up", "mlp_down"))
-    if x.st.amp(dt):  # each weight's cast back: its 16-bit gradient to the fp32 parameter's
-        linears = qkv_linears(x.st) + 1 + up_linears(x.spec, x.st) + 1
-        elements = weights + (x.q + 2 * x.kv + h + x.up + h if x.spec.bias else 0.0)
-        ops.append(mem("amp_weight_cast", elements, dt + 4, "copy",
-                       linears * (2 if x.spec.bias else 1)))
+    linears = qkv_linears(x.st) + 1 + up_linears(x.spec, x.st) + 1
+    biased = x.spec.bias
+    return _grad_ops(x, T * (x.q + 2 * x.kv) + T * x.up + 2 * L * h,
+                     x.qkv_kernels + x.up_kernels + 2, weights,
+                     weights + (x.q + 2 * x.kv + h + x.up + h if biased else 0.0),
+                     linears * (2 if biased else 1), layer_tensors(x.spec, x.st))
+
+
+def _grad_ops(x: _Shape, bias_elements: float, bias_kernels: int, weights: float,
+              cast_elements: float, cast_kernels: int, tensors: int) -> list[Op]:
+    """A layer's own parameter-gradient ops besides the wgrad GEMMs: ``bias_grad`` (dbias
+    = Σ_tokens dY over ``bias_elements``, one reduction per biased linear), ``norm_grad``
+    (γ and β partial sums, then the sum), under autocast ``amp_weight_cast`` (each
+    16-bit gradient cast to its fp32 parameter's), and ``grad_accum`` (AccumulateGrad's
+    add over ``weights`` in ``tensors`` kernels) or, with fp32 main grads, ``main_grad``."""
+    L, h, dt = x.local, x.spec.hidden, x.dt
+    ops: list[Op] = []
+    if x.spec.bias:
+        ops.append(mem("bias_grad", bias_elements, dt, "reduction", bias_kernels))
+    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)))
+    if x.st.amp(dt):
+        ops.append(mem("amp_weight_cast", cast_elements, dt + 4, "copy", cast_kernels))
     if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's grads
         ops.append(mem("grad_accum", 3 * weights, 4 if x.st.amp(dt) else dt, "elementwise",
-                       layer_tensors(x.spec, x.st)))
+                       tensors))
     else:  # the wgrad GEMMs read-modify-write the fp32 main_grad in their epilogue
         # (gradient_accumulation_fusion): 8 bytes per weight instead of the 16-bit write
         ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
@@ -390,19 +401,26 @@ def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_paralle
 
 
 def _dense_layer_ops(x: _Shape, pass_: Pass) -> tuple[Op, ...]:
-    spec = x.spec
     g = _gemms(x, pass_)
     if pass_ == "bwd_weight":
         return (*g.values(), *_weight_ops(x))
-    grad_sum = [mem("grad_sum", 3 * x.local * spec.hidden, x.rs, "elementwise")] \
+    return _frame(x, pass_, g, [*_amp_cast(x, "amp_cast_up", x.up_kernels, pass_),
+                                g["mlp_up"], _act(x, pass_), g["mlp_down"]], x.up_kernels)
+
+
+def _frame(x: _Shape, pass_: Pass, g: dict[str, Op], mlp: list[Op],
+           readers: int) -> tuple[Op, ...]:
+    """A layer in execution order around its MLP block ``mlp`` (forward order), whose
+    ``readers`` projections read the normed input: the norms, the attention as the stack
+    runs it, the residuals and, backward, the gradient sums where the stream forks."""
+    grad_sum = [mem("grad_sum", 3 * x.local * x.spec.hidden, x.rs, "elementwise")] \
         if pass_ == "bwd_input" else []
-    qkv_sum = _fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_)
-    up_sum = _fork_grad_sum(x, "up_grad_sum", x.up_kernels, pass_)
-    ops = (*grad_sum, _norm(x, "ln1", pass_), *qkv_sum,
+    ops = (*grad_sum, _norm(x, "ln1", pass_),
+           *_fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_),
            *_amp_cast(x, "amp_cast_qkv", x.qkv_kernels, pass_), g["qkv"], *_rope(x, pass_),
            *_attention(x, pass_), g["out_proj"], *_residual(x, pass_), *grad_sum,
-           _norm(x, "ln2", pass_), *up_sum, *_amp_cast(x, "amp_cast_up", x.up_kernels, pass_),
-           g["mlp_up"], _act(x, pass_), g["mlp_down"], *_residual(x, pass_))
+           _norm(x, "ln2", pass_), *_fork_grad_sum(x, "up_grad_sum", readers, pass_), *mlp,
+           *_residual(x, pass_))
     return ops if pass_ == "fwd" else ops[::-1]
 
 
@@ -481,9 +499,9 @@ EAGER_ROUTING = {"fwd": (25, 4), "bwd_input": (15, 7)}
 def _moe_mlp(x: _Shape, pass_: Pass, padded: bool) -> list[Op]:
     """A MoE layer's MLP block in forward order: the router (replicated over TP; keeps
     its input, the normed tokens every branch reads, and its fp32 probabilities), the
-    permutation into the experts' buffers, the routed experts, the shared experts as one
-    MLP of width shared · f_e (Megatron-LM's fused shared experts), and the weighted
-    un-permutation (copies of k·T·h elements)."""
+    permutation into the experts' buffers, the shared experts as one MLP of width
+    shared · f_e (Megatron-LM's fused shared experts), the routed experts, and the
+    weighted un-permutation (copies of k·T·h elements)."""
     spec, T, L, h, dt = x.spec, x.tokens, x.local, x.spec.hidden, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     keep = pass_ == "fwd"
@@ -492,16 +510,23 @@ def _moe_mlp(x: _Shape, pass_: Pass, padded: bool) -> list[Op]:
     into, back = EAGER_ROUTING.get(pass_, (1, 1)) if x.st.moe_routing == "eager" else (1, 1)
     ops = [gemm("router", L, h, spec.experts, dt, cls, 1,
                 (dt * L * h + 4 * L * spec.experts) * keep),
-           mem("permute", (T + routed) * h, dt, "elementwise", into),
-           *routed_expert_ops(spec, routed, f, spec.experts, dt, pass_)]
+           mem("permute", (T + routed) * h, dt, "elementwise", into)]
     if spec.shared_experts:
         width = spec.shared_experts * f
         up = (2 if spec.activation == "swiglu" else 1) * width
         ops += [gemm("shared_up", T, h, up, dt, cls),
                 _expert_act(spec, T, width, dt, pass_, "shared_act"),
                 gemm("shared_down", T, width, h, dt, cls, 1, dt * T * width * keep)]
-    ops.append(mem("unpermute", (routed + T) * h, dt, "elementwise", back))
-    return ops
+    return [*ops, *routed_expert_ops(spec, routed, f, spec.experts, dt, pass_),
+            mem("unpermute", (routed + T) * h, dt, "elementwise", back)]
+
+
+def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                dtype: str, pass_: Pass, stack: StackSpec, padded: bool = True) -> list[Op]:
+    """A MoE layer's MLP block on one TP rank, forward order (:func:`_moe_mlp`): what a
+    latent-attention model's MoE layers (:func:`simulator.moe.layer_ops`) run too."""
+    x = _Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    return _moe_mlp(x, pass_, padded)
 
 
 def moe_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -523,44 +548,25 @@ def _moe_layer_ops(x: _Shape, pass_: Pass, padded: bool) -> tuple[Op, ...]:
     if pass_ == "bwd_weight":
         return (g["qkv"], g["out_proj"], *(op for op in mlp if op.kind == "gemm"),
                 *_moe_weight_ops(x))
-    grad_sum = [mem("grad_sum", 3 * x.local * x.spec.hidden, x.rs, "elementwise")] \
-        if pass_ == "bwd_input" else []
     readers = 2 + (1 if x.spec.shared_experts else 0)  # router, permutation, shared experts
-    ops = (*grad_sum, _norm(x, "ln1", pass_),
-           *_fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_),
-           *_amp_cast(x, "amp_cast_qkv", x.qkv_kernels, pass_), g["qkv"], *_rope(x, pass_),
-           *_attention(x, pass_), g["out_proj"], *_residual(x, pass_), *grad_sum,
-           _norm(x, "ln2", pass_), *_fork_grad_sum(x, "up_grad_sum", readers, pass_),
-           *_amp_cast(x, "amp_cast_up", 1, pass_), *mlp, *_residual(x, pass_))
-    return ops if pass_ == "fwd" else ops[::-1]
+    return _frame(x, pass_, g, [*_amp_cast(x, "amp_cast_up", 1, pass_), *mlp], readers)
 
 
 def _moe_weight_ops(x: _Shape) -> list[Op]:
     """As :func:`_weight_ops` for the layer's own parameters: the attention's, the
     norms', the router's and the shared experts'. The routed experts' gradients are the
     expert pass's (their ranks hold them)."""
-    spec, T, L, h, dt = x.spec, x.tokens, x.local, x.spec.hidden, x.dt
+    spec, T, L, h = x.spec, x.tokens, x.local, x.spec.hidden
     f = spec.shared_experts * spec.expert_ffn / x.tp
     up = (2 if spec.activation == "swiglu" else 1) * f
     shared = 1 if spec.shared_experts else 0
-    ops: list[Op] = []
-    if spec.bias:  # the attention's and the shared experts' biased linears
-        elements = T * (x.q + 2 * x.kv) + L * h + shared * (T * up + L * h)
-        ops.append(mem("bias_grad", elements, dt, "reduction", x.qkv_kernels + 1 + 2 * shared))
-    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(spec)))
     router = 1 + (1 if spec.router == "sigmoid" else 0)  # DeepSeek's expert bias
     weights = _weight_elements(x, "qkv") + _weight_elements(x, "out_proj") \
         + h * spec.experts + shared * (h * up + f * h)
     tensors = (x.qkv_kernels + 1 + 2 * shared) * (2 if spec.bias else 1) + router \
         + 2 * norm_tensors(spec)
-    if x.st.amp(dt):
-        ops.append(mem("amp_weight_cast", weights, dt + 4, "copy", tensors))
-    if x.st.main_grads == "param":
-        ops.append(mem("grad_accum", 3 * weights, 4 if x.st.amp(dt) else dt, "elementwise",
-                       tensors))
-    else:
-        ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
-    return ops
+    return _grad_ops(x, T * (x.q + 2 * x.kv) + L * h + shared * (T * up + L * h),
+                     x.qkv_kernels + 1 + 2 * shared, weights, weights, tensors, tensors)
 
 
 def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:

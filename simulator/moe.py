@@ -47,7 +47,7 @@ from dataclasses import replace
 
 from simulator import inventory as inv
 from simulator import model as mdl
-from simulator.inventory import routed_expert_ops, routed_tokens
+from simulator.inventory import routed_tokens
 from simulator.scenario import MLASpec, ModelSpec
 from simulator.stack import StackSpec
 
@@ -166,33 +166,6 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
 ROUTED_OPS = ("expert_up", "expert_act", "expert_down")  # what expert parallelism moves
 
 
-def _act_factor(spec: ModelSpec, pass_: mdl.Pass) -> float:
-    """Elements the activation reads and writes per token and unit of width."""
-    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
-        return 3.0 if pass_ == "fwd" else 5.0
-    return 2.0 if pass_ == "fwd" else 3.0
-
-
-def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dt: int,
-                pass_: mdl.Pass, padded: bool = True) -> list[mdl.Op]:
-    """Router, permutation, routed experts, shared experts, un-permutation; forward order."""
-    tokens = micro_batch * spec.seq_len
-    local = tokens / tp if sequence_parallel else tokens
-    h, f, experts = spec.hidden, spec.expert_ffn / tp, spec.experts
-    routed = routed_tokens(spec, tokens, padded)
-    ops = [mdl._gemm("router", local, h, experts, dt),
-           mdl._mem("permute", (tokens + routed) * h, dt),  # read tokens, write k copies
-           *routed_expert_ops(spec, routed, f, experts, dt, pass_),
-           mdl._mem("unpermute", (routed + tokens) * h, dt)]  # weighted sum back per token
-    if spec.shared_experts:
-        width = spec.shared_experts * f
-        up = (2 if spec.activation == "swiglu" else 1) * f
-        ops[2:2] = [mdl._gemm("shared_up", tokens, h, (up / f) * width, dt),
-                    mdl._mem("shared_act", _act_factor(spec, pass_) * tokens * width, dt),
-                    mdl._gemm("shared_down", tokens, width, h, dt)]
-    return ops
-
-
 # ---------------------------------------------------------------- activations
 
 
@@ -286,7 +259,8 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     local = tokens / tp if sequence_parallel else tokens
     attention = _attention_ops(spec, micro_batch, tp, dt, pass_)
     if spec.is_moe_layer(layer):
-        mlp = moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dt, pass_, padded)
+        mlp = inv.moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+                              padded)
     else:
         mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_)
     if pass_ == "bwd_weight":
