@@ -28,10 +28,14 @@ Parallelism, all with PyTorch's own APIs on one ``(pp, dp, tp)`` DeviceMesh
   ZeRO-3 reduce-scatters after every micro-batch; under PP the pipelining
   stage decides (it reduces after the last micro-batch).
 
-Measurement: ``warmup`` untimed steps, then ``steps`` steps, each between two
-device synchronisations (``torch.cuda.synchronize`` on CUDA) and
-``dist.barrier()``, timed with ``time.perf_counter``; the step time of a step
-is the slowest rank's.  Then one more step runs under ``torch.profiler``; every
+Measurement: ``warmup`` untimed steps, then ``steps`` steps, each started after a
+device synchronisation (``torch.cuda.synchronize`` on CUDA) and ``dist.barrier()``
+and timed with ``time.perf_counter`` to the rank's own end of the step (its device
+synchronised); the step time of a step is the slowest rank's. The barrier is the
+harness's, not training's, so it is not inside the time: a barrier after the
+optimizer is a collective after compute, and on the project's 2-core VM it added
+3-4 ms to a tiny-gpt DP 2 step of ~52 ms (52.3 and 52.6 ms without it, 55.3 and 56.6
+ms with it, two runs each).  Then one more step runs under ``torch.profiler``; every
 rank writes its Chrome trace and :mod:`calibration.measured.measure_trace` splits it
 into compute and communication.  Peak memory is
 ``torch.cuda.max_memory_allocated`` on CUDA and, on CPU, the process's peak
@@ -373,7 +377,8 @@ def state_bytes(trainer: Trainer) -> int:
 def timed_steps(
     trainer: Callable[[], Any], cfg: MeasureConfig, device: torch.device
 ) -> tuple[list[float], list[float] | None]:
-    """Step times (this rank) and losses (ranks that see the loss) of the timed steps."""
+    """Step times (this rank's, from the barrier that starts the step to its own end of
+    it) and losses (ranks that see the loss) of the timed steps."""
     for _ in range(cfg.warmup):
         trainer()
     times = []
@@ -382,9 +387,11 @@ def timed_steps(
         sync(device)
         start = time.perf_counter()
         loss = trainer()
-        sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss)
+    sync(device)
     # Read losses only now: .item() inside the loop would add device syncs.
     if any(loss is None for loss in losses):
         return times, None
