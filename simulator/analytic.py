@@ -577,7 +577,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
-        opt = mdl.optimizer_op_of(s, shard, layers[busiest])
+        ids = [i for run in stage_layers(spec.layers, par, busiest) for i in run]
+        opt = mdl.optimizer_op_of(s, shard, ids, "all" if expert_params else "dense")
         t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values()))
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)

@@ -560,19 +560,47 @@ def _moe_weight_ops(x: _Shape) -> list[Op]:
     f = spec.shared_experts * spec.expert_ffn / x.tp
     up = (2 if spec.activation == "swiglu" else 1) * f
     shared = 1 if spec.shared_experts else 0
-    router = 1 + (1 if spec.router == "sigmoid" else 0)  # DeepSeek's expert bias
     weights = _weight_elements(x, "qkv") + _weight_elements(x, "out_proj") \
         + h * spec.experts + shared * (h * up + f * h)
-    tensors = (x.qkv_kernels + 1 + 2 * shared) * (2 if spec.bias else 1) + router \
-        + 2 * norm_tensors(spec)
+    tensors = moe_layer_tensors(spec, x.st)
     return _grad_ops(x, T * (x.q + 2 * x.kv) + L * h + shared * (T * up + L * h),
                      x.qkv_kernels + 1 + 2 * shared, weights, weights, tensors, tensors)
 
 
-def layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
-    """Parameter tensors of one dense layer as the stack builds it (optimizer kernels)."""
+def layer_tensors(spec: ModelSpec, stack: StackSpec, layer: int | None = None) -> int:
+    """Parameter tensors of one layer as the stack builds it, its routed experts apart
+    (:func:`expert_tensors`): a dense layer's linears (weights and biases) and norms, or
+    where ``layer`` is one of a mixture of experts' MoE layers :func:`moe_layer_tensors`
+    (the optimizer's per-tensor kernels, DDP's bucket copies)."""
+    if layer is not None and spec.is_moe_layer(layer):
+        return moe_layer_tensors(spec, stack)
     linears = qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
     return linears * (2 if spec.bias else 1) + 2 * norm_tensors(spec)
+
+
+def moe_layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
+    """A MoE layer's own parameter tensors: the attention's linears, the norms, the
+    router (its weight, and DeepSeek's expert bias under a sigmoid router) and the
+    shared experts' MLP (one module of two linears, as Megatron-core's SharedExpertMLP
+    and DeepSeek-V3's ``shared_experts`` hold them); the routed experts are
+    :func:`expert_tensors`."""
+    shared = 1 if spec.shared_experts else 0
+    router = 1 + (1 if spec.router == "sigmoid" else 0)
+    return (qkv_linears(stack) + 1 + 2 * shared) * (2 if spec.bias else 1) + router \
+        + 2 * norm_tensors(spec)
+
+
+def expert_tensors(spec: ModelSpec, stack: StackSpec, local_experts: int) -> int:
+    """Parameter tensors of one MoE layer's ``local_experts`` routed experts on a rank:
+    under ``stack.moe_experts: modules`` one MLP module per expert (its up, or gate and
+    up, and down linears with their biases), under ``grouped`` one tensor per projection
+    for all of them (torchtitan's GroupedExperts: w1, w2, w3)."""
+    if local_experts <= 0:
+        return 0
+    linears = up_linears(spec, stack) + 1
+    if stack.moe_experts == "grouped":
+        return linears
+    return local_experts * linears * (2 if spec.bias else 1)
 
 
 def zero3_collectives(spec: ModelSpec, stack: StackSpec) -> int:

@@ -32,7 +32,7 @@ out exactly for a GPT block):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Literal
 
@@ -45,6 +45,7 @@ from simulator.inventory import (
     dense_layer_ops,
     dtensor_tensors,
     dtype_bytes,
+    expert_tensors,
     layer_tensors,
     optimizer_op,
     zero3_collectives,
@@ -286,15 +287,27 @@ def layer_recompute_ops(
     return ()
 
 
-def optimizer_op_of(s: Scenario, shard: float, layers: int) -> Op:
-    """The optimizer step on ``shard`` parameters of a rank holding ``layers`` layers, as
-    the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`)."""
-    tensors = layers * layer_tensors(s.model, s.stack) + 4  # + embedding(s), final norm
-    p = s.parallel
-    dtensors = layers * dtensor_tensors(s.model, s.stack, p.tp, p.sequence_parallel)
+def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[int],
+                    part: Literal["dense", "experts", "all"] = "dense") -> Op:
+    """The optimizer step on ``shard`` parameters of a rank holding ``layers`` (their ids),
+    as the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`), over the
+    parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's without its
+    routed experts) and the ends'; ``experts``, the routed experts' of the MoE layers
+    among them (the expert pass's own step); ``all``, both in one step."""
+    spec, p = s.model, s.parallel
+    ids = list(layers)
+    tensors = 0
+    if part != "experts":
+        tensors += sum(layer_tensors(spec, s.stack, i) for i in ids) + 4  # + embedding(s),
+        # final norm
+    if part != "dense" and spec.is_moe:
+        local = expert_tensors(spec, s.stack, spec.experts // p.ep)
+        tensors += local * sum(1 for i in ids if spec.is_moe_layer(i))
+    dtensors = 0 if part == "experts" else \
+        len(ids) * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
     if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
         dtensors = tensors
-    return optimizer_op(shard, tensors, s.stack, s.training.dtype, dtensors)
+    return optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)
 
 
 def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:

@@ -24,7 +24,7 @@ from simulator import moe
 from simulator.costs import CostModel
 from simulator.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
 from simulator.memory import activation_bytes_per_layer, stage_params
-from simulator.placement import stage_layer_count
+from simulator.placement import stage_layers
 from simulator.scenario import Scenario
 from simulator.workload import local_scenario
 
@@ -87,7 +87,8 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)
-    opt = mdl.optimizer_op_of(s, shard, stage_layer_count(s.model.layers, par, 0))
+    opt = mdl.optimizer_op_of(s, shard, [i for run in stage_layers(s.model.layers, par, 0)
+                                         for i in run], "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows
 

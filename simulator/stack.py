@@ -110,6 +110,13 @@ class StackSpec(BaseModel):
     #: into the buffers, their transposed copies; the gate weighting, gather and sum
     #: after the combine), one kernel per op (:data:`simulator.inventory.EAGER_ROUTING`)
     moe_routing: Literal["fused", "eager"] = "fused"
+    #: how a MoE layer holds its routed experts' parameters: ``modules``, one MLP module
+    #: per expert, so one tensor per projection per expert (Megatron-core's SequentialMLP
+    #: and TEGroupedMLP, whose GroupedLinear keeps ``weight0`` … ``weight{n-1}``;
+    #: DeepSpeed's ``Experts`` ModuleList; our measured MoE worker), or ``grouped``, one
+    #: 3-D tensor per projection for all local experts (torchtitan's ``GroupedExperts``):
+    #: what a per-tensor or foreach optimizer loops over
+    moe_experts: Literal["modules", "grouped"] = "modules"
     #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
     #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
     #: sharded parameters are DTensors, so its optimizer step does; its forward and

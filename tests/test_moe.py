@@ -284,3 +284,57 @@ def test_a_moe_layer_is_the_dense_frame_with_the_mlp_replaced(stack: str, pass_:
     flops = sum(op.flops for op in got)
     assert flops == pytest.approx(sum(op.flops for op in layer_ops(
         spec, 2, 1, False, "fp32", pass_, 0, load_stack("megatron-core"))))  # type: ignore[arg-type]
+
+
+def test_parameter_tensors_are_the_measured_workers_own() -> None:
+    """The optimizer's and DDP's per-tensor counts: a MoE layer's own tensors (attention,
+    norms, router) and its routed experts' on a rank, as our measured MoE worker builds
+    them (one MLP module per local expert), and the dense GPT's."""
+    torch = pytest.importorskip("torch")
+    from calibration.measured.gpt import GPT, GPTConfig
+    from calibration.measured.moe_worker import MoEMLP
+    from simulator.inventory import expert_tensors, layer_tensors
+    from simulator.stack import load_stack
+
+    eager, spec = load_stack("pytorch-eager"), _tiny_moe()
+    cfg = GPTConfig(layers=4, hidden=128, heads=4, ffn_hidden=512, vocab=512, seq_len=64)
+    with torch.random.fork_rng(devices=[]):
+        model = GPT(cfg)
+        dense = sum(1 for _ in model.parameters())  # the tied head shares the table
+        for block in model.layers.values():
+            block.mlp = MoEMLP(cfg, 4, 2, 1.0, 2, None)  # EP 2: two local experts
+    names = [n for n, _ in model.named_parameters()]
+    experts = sum(".local_experts." in n for n in names)
+    assert dense == 4 * layer_tensors(spec.model_copy(update={"experts": 0}), eager) + 4
+    assert len(names) - experts == sum(layer_tensors(spec, eager, i) for i in range(4)) + 4
+    assert experts == 4 * expert_tensors(spec, eager, 2) == 32
+    assert layer_tensors(spec, eager, 0) == 13  # q, k, v, out with biases; 2 norms; router
+
+
+def test_grouped_experts_hold_one_tensor_per_projection() -> None:
+    """torchtitan's GroupedExperts: w1, w2, w3 for every local expert at once; the
+    per-expert modules of the other stacks: one gate/up and down per expert."""
+    from simulator.inventory import expert_tensors
+    from simulator.stack import load_stack
+
+    assert expert_tensors(MIXTRAL, load_stack("torchtitan"), 8) == 3
+    assert expert_tensors(MIXTRAL, load_stack("megatron-core"), 8) == 8 * 2  # fc1 holds gate+up
+    assert expert_tensors(MIXTRAL, load_stack("deepspeed"), 8) == 8 * 2
+    assert expert_tensors(MIXTRAL, load_stack("pytorch-eager"), 8) == 8 * 3  # w1, w3, w2 apart
+    assert expert_tensors(MIXTRAL, load_stack("torchtitan"), 0) == 0
+
+
+def test_the_expert_step_loops_over_the_experts_tensors() -> None:
+    """Under a for-loop AdamW (10 kernels per tensor) the experts' own step runs over
+    the routed experts' tensors of the rank's MoE layers, the dense step over the rest."""
+    from simulator import model as mdl
+    from simulator.scenario import scenario_from_dict
+
+    s = scenario_from_dict({"name": "t", "model": {**_tiny_moe().model_dump(
+        exclude_none=True), "preset": None}, "stack": "pytorch-eager",
+        "cluster": {"system": "cpu-1thread", "nodes": 1, "gpus_per_node": 2},
+        "parallel": {"dp": 2, "ep": 2}, "training": {"global_batch": 8, "dtype": "fp32"}})
+    layers = range(4)
+    assert mdl.optimizer_op_of(s, 1e5, layers).kernels == 10 * (4 * 13 + 4)
+    assert mdl.optimizer_op_of(s, 1e5, layers, "experts").kernels == 10 * 4 * 8
+    assert mdl.optimizer_op_of(s, 1e5, layers, "all").kernels == 10 * (4 * 13 + 4 + 32)

@@ -193,7 +193,9 @@ class Context:
         """(elements, parameter tensors) of each entry of :meth:`grad_bytes`: a layer's
         tensors (:func:`simulator.inventory.layer_tensors`), the head's final norm with the
         layer it rides on, the embedding's two tables."""
-        tensors = [layer_tensors(self.s.model, self.s.stack)] * len(self.layers_of(stage))
+        spec, ids = self.s.model, self.layers_of(stage)
+        tensors = [layer_tensors(spec, self.s.stack, i)  # in grad_bytes' order
+                   for i in (reversed(ids) if spec.is_moe else ids)]
         if stage == self.last_stage:
             if tensors:
                 tensors[0] += END_TENSORS
@@ -227,7 +229,7 @@ class Context:
 
     def optimizer_time(self, rank: int, shard: float) -> float:
         """The optimizer step on ``shard`` parameters of ``rank`` (its stack's kernels)."""
-        layers = sum(len(self.layers_of(st)) for st in self.stages_of(rank))
+        layers = [i for st in self.stages_of(rank) for i in self.layers_of(st)]
         op = mdl.optimizer_op_of(self.s, shard, layers)
         return self.cost_of(rank).op_time(op)
 

@@ -125,17 +125,23 @@ class ExpertPass(Pass):
                 t.deps.append(task.id)
                 self.reduced[rank].append(t)
 
+    def layers(self, rank: int) -> list[int]:
+        """The layers ``rank`` holds, all its chunks."""
+        ctx = self.ctx
+        return [layer for st in ctx.stages_of(rank) for layer in ctx.layers_of(st)]
+
     def expert_params(self, rank: int) -> float:
         ctx = self.ctx
-        return sum(epar.expert_grad_bytes(ctx.s, layer) for st in ctx.stages_of(rank)
-                   for layer in ctx.layers_of(st)) / ctx.grad_dt
+        return sum(epar.expert_grad_bytes(ctx.s, layer) for layer in self.layers(rank)) \
+            / ctx.grad_dt
 
     def step(self, rank: int) -> None:
         """The optimizer on the experts' shard, once their gradients are reduced."""
         ctx, par = self.ctx, self.ctx.s.parallel
         shard = self.expert_params(rank) / (par.edp if par.zero >= 1 else 1)
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step experts",
-                        ctx.cost.op_time(mdl.optimizer_op_of(ctx.s, shard, 0)), -1, -1, 0)
+                        ctx.cost.op_time(mdl.optimizer_op_of(ctx.s, shard, self.layers(rank),
+                                                             "experts")), -1, -1, 0)
         t.deps.extend(r.id for r in self.reduced[rank])
 
     def after_step(self, rank: int) -> None:
