@@ -33,7 +33,7 @@ flows is ignored here — that is the engine's job, as are degraded links and ji
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from simulator import accounting as acc
 from simulator import compression as cmp
@@ -51,6 +51,8 @@ from simulator.inventory import (
     fsdp_reduce_ops,
     layer_tensors,
     tp_block_collectives,
+    tp_end_collectives,
+    tp_optimizer_collectives,
     zero3_blocks,
 )
 from simulator.layout import Layout
@@ -70,6 +72,10 @@ from simulator.workload import (
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
 Experts = tuple[float, float, float, float]
 NO_EXPERTS: Experts = (0.0, 0.0, 0.0, 0.0)
+#: Seconds per micro-batch of the TP collectives at the model's ends: the embedding's
+#: forward and backward, the output layer's (with the loss's) forward and backward
+Ends = tuple[float, float, float, float]
+NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)
 
 
 def _collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
@@ -120,13 +126,14 @@ def _chunk_layers(s: Scenario, stage: int) -> list[tuple[int, int]]:
 
 def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
             first: bool, last: bool, experts: Experts = NO_EXPERTS,
-            t_cp: float = 0.0, chunks: int = 1) -> dict[str, float]:
+            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
     layer's routed experts forward and input-gradient seconds, one all-to-all's and
     one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
-    context-parallel exchange, all passes (:func:`_cp_exposed`)."""
+    context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
+    collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
     passes = 3 if par.recompute == "full" else 2
     # a layer's TP collectives: forward (again when fully recomputed) and backward
@@ -162,22 +169,24 @@ def _passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]
             out["recompute"] += count * fwd if par.recompute == "full" else 0.0
             out["ep_transfer"] += count * 2 * a2a * passes
             out["tp_transfer"] += count * 2 * etp * passes
-    for end, present in ((c.embed, first), (c.head, last)):
+    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
         if present:
             out["forward"] += end[0]
             out["backward_input"] += end[1]
             out["backward_weight"] += end[2]
+            out["tp_transfer"] += sum(tp)
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
     return out
 
 
 def _stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0) -> dict[str, float]:
+                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
+                  ends: Ends = NO_ENDS) -> dict[str, float]:
     """:func:`_passes` of one pipeline stage (all its chunks)."""
     return _slowed(s, _passes(s, c, t_tp, _chunk_layers(s, stage), stage == 0,
                               stage == s.parallel.pp - 1, experts, t_cp,
-                              s.parallel.virtual_stages), stage)
+                              s.parallel.virtual_stages, ends), stage)
 
 
 def _slowdown(s: Scenario) -> dict[int, float]:
@@ -210,9 +219,53 @@ def _times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
 
 
 def _stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
-                 experts: Experts = NO_EXPERTS, t_cp: float = 0.0) -> tuple[float, ...]:
+                 experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
+                 ends: Ends = NO_ENDS) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return _times(s, _stage_passes(s, c, t_tp, stage, experts, t_cp))
+    return _times(s, _stage_passes(s, c, t_tp, stage, experts, t_cp, ends))
+
+
+def _tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -> Ends:
+    """Per micro-batch, the TP collectives at the embedding (forward, backward) and at
+    the output layer with the loss (forward, backward), each with a functional
+    collective's cost beyond a plain one where the stack issues it through DTensor, as
+    the engine's tensor pass issues them (:func:`simulator.inventory.tp_end_collectives`).
+    """
+    par, spec, trn = s.parallel, s.model, s.training
+    if par.tp == 1:
+        return NO_ENDS
+    group = layout.tp_group(0)
+    funcol = cost.funcol_s(s.stack.dtensor, layout.group_link(group))
+    tokens = trn.micro_batch * spec.seq_len
+    size = {"activation": mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch, trn.dtype),
+            "logits": float(tokens * spec.vocab * mdl.dtype_bytes(trn.dtype)),
+            "loss": 4.0 * tokens}
+
+    def t(where: Literal["embed", "head", "loss"], forward: bool) -> float:
+        return sum(_collective_time(s, layout, op, size[payload], group, hw)
+                   + (funcol if payload != "loss" else 0.0)
+                   for op, payload in tp_end_collectives(s.stack, par.tp,
+                                                         par.sequence_parallel, where,
+                                                         forward))
+
+    return (t("embed", True), t("embed", False), t("head", True) + t("loss", True),
+            t("head", False))
+
+
+def _tp_optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
+                  layers: int, last: bool) -> float:
+    """The optimizer step's TP all-reduces on a rank of ``layers`` layers (the final
+    norm's too on the last stage): the norms' partial gradients under DTensor with
+    sequence parallelism (:func:`simulator.inventory.tp_optimizer_collectives`)."""
+    par, spec = s.parallel, s.model
+    n = tp_optimizer_collectives(spec, s.stack, par.tp, par.sequence_parallel,
+                                 2 * layers + (1 if last else 0))
+    if not n:
+        return 0.0
+    group = layout.tp_group(0)
+    nbytes = spec.hidden * s.stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))
+    return n * (_collective_time(s, layout, "all_reduce", nbytes, group, hw)
+                + cost.funcol_s(s.stack.dtensor, layout.group_link(group)))
 
 
 def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) -> float:
@@ -239,7 +292,8 @@ def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile)
 
 def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
                     slowest: tuple[float, ...],
-                    per_stage: dict[int, BlockCosts] | None = None) -> float:
+                    per_stage: dict[int, BlockCosts] | None = None,
+                    ends: Ends = NO_ENDS) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
     even placement; for an uneven one (:mod:`simulator.placement`) the schedule's actions
     placed in time with each virtual stage's own times (:func:`simulator.schedules.execute`,
@@ -253,7 +307,8 @@ def _pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t
     per_stage = per_stage or {}
     chunks = [_times(s, _slowed(s, _passes(s, per_stage.get(k % par.pp, c), t_tp,
                                             _kinds(s, [chunk_layers(s.model.layers, par, k)]),
-                                            k == 0, k == n - 1, experts, t_cp), k % par.pp))
+                                            k == 0, k == n - 1, experts, t_cp, 1, ends),
+                                    k % par.pp))
               for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
@@ -498,20 +553,24 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     par, spec, trn = s.parallel, s.model, s.training
     layout = layout_of(s)
     rank0 = 0
-    tp_op: CollectiveName = "all_gather" if par.sequence_parallel else "all_reduce"
-    t_tp = _collective_time(s, layout, tp_op, mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch,
-                                                                          trn.dtype),
-                            layout.tp_group(rank0), hw)
+    # a layer's TP collective: an all-reduce, or under sequence parallelism one
+    # all-gather before each block and one reduce-scatter after it (their mean)
+    tp_ops: tuple[CollectiveName, ...] = ("all_gather", "reduce_scatter") \
+        if par.sequence_parallel else ("all_reduce",)
+    tp_bytes = mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch, trn.dtype)
+    t_tp = sum(_collective_time(s, layout, op, tp_bytes, layout.tp_group(rank0), hw)
+               for op in tp_ops) / len(tp_ops)
     if par.tp > 1:  # DTensor's functional collectives: their cost beyond a plain one, each
         t_tp += cost.funcol_s(s.stack.dtensor, layout.group_link(layout.tp_group(rank0)))
     experts = _expert_times(s, layout, cost, hw)
     t_cp = _cp_exposed(s, layout, c, hw)
-    stages = [_stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp)
+    ends = _tp_ends(s, layout, cost, hw)
+    stages = [_stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
               for st in range(par.pp)]
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
     f, b, w = stages[slowest]
     m = s.microbatches
-    t_pipe = _pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage)
+    t_pipe = _pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends)
     # fill and drain transfers on the critical path
     t_p2p = 0.0
     if par.pp > 1:
@@ -579,7 +638,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     else:
         ids = [i for run in stage_layers(spec.layers, par, busiest) for i in run]
         opt = mdl.optimizer_op_of(s, shard, ids, "all" if expert_params else "dense")
-        t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values()))
+        t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
+            + _tp_optimizer(s, layout, cost, hw, len(ids), busiest == par.pp - 1)
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest], c)
@@ -608,7 +668,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     for st in range(par.pp):
         entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
         entry.update(dict.fromkeys(acc.CATEGORIES, 0.0))
-        passes = _stage_passes(s, per_stage.get(st, c), t_tp, st, experts, t_cp)
+        passes = _stage_passes(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
         for category, seconds in passes.items():
             entry[category] = m * seconds
         for category, seconds in after.items():

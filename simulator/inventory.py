@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from simulator.hardware import CollectiveName
 from simulator.scenario import ModelSpec
 from simulator.stack import StackSpec
 
@@ -391,6 +392,54 @@ def tp_block_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool, l
     if not (stack.dtensor and backward and not sp):
         return 1
     return qkv_linears(stack) if label == "attn" else up_linears(spec, stack)
+
+
+#: What a TP collective at the model's ends carries: the b·s·h activation (or its
+#: gradient), the b·s·V logits, or the cross-entropy's fp32 value per token.
+EndPayload = Literal["activation", "logits", "loss"]
+
+
+def tp_end_collectives(stack: StackSpec, tp: int, sp: bool,
+                       where: Literal["embed", "head", "loss"], forward: bool,
+                       ) -> tuple[tuple[CollectiveName, EndPayload], ...]:
+    """The TP collectives of one micro-batch at the model's ends, in order.
+
+    Megatron's vocab-parallel ends: the embedding's partial sums all-reduced after its
+    forward (reduce-scattered under sequence parallelism), its incoming gradient
+    all-gathered under SP; the output layer's replicated input all-gathered under SP and
+    its input gradient all-reduced (reduce-scattered); the vocab-parallel cross-entropy's
+    three fp32 all-reduces per token (max, target logit, sum of exponentials). As DTensor
+    (``stack.dtensor``): the embedding's output all-reduced to a replicated tensor even
+    under SP (then cut locally), and the logits all-gathered whole (``ColwiseParallel``
+    with a replicated output) for a cross-entropy with no collective of its own."""
+    if tp == 1:
+        return ()
+    if where == "loss":
+        if not forward:
+            return ()
+        return (("all_gather", "logits"),) if stack.dtensor else (("all_reduce", "loss"),) * 3
+    if where == "embed":
+        if forward:
+            return (("reduce_scatter" if sp and not stack.dtensor else "all_reduce",
+                     "activation"),)
+        return (("all_gather", "activation"),) if sp else ()
+    if forward:
+        return (("all_gather", "activation"),) if sp else ()
+    return (("reduce_scatter" if sp else "all_reduce", "activation"),)
+
+
+def tp_optimizer_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool,
+                             norms: int) -> int:
+    """All-reduces the optimizer step issues over the TP group on a rank holding
+    ``norms`` norm modules: under DTensor with sequence parallelism the norms'
+    replicated parameters keep partial gradients until the for-loop AdamW reads them,
+    and each op with the gradient as an operand all-reduces it (torch/optim/adam.py
+    ``_single_tensor_adam``: ``exp_avg.lerp_(grad)`` and
+    ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad)``), three per norm tensor, each of
+    ``hidden`` elements."""
+    if tp == 1 or not (stack.dtensor and sp) or stack.optimizer != "per_tensor":
+        return 0
+    return 3 * norms * norm_tensors(spec)
 
 
 def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,

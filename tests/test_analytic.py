@@ -32,3 +32,31 @@ def test_analytic_within_five_percent_of_engine(path: Path) -> None:
     analytic, spans = simulate_scenario(s, "analytic")
     assert spans is None and analytic["method"] == "analytic"
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.05)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_analytic_prices_the_dtensor_tp_collectives_the_engine_issues(
+        sp: bool, tmp_path: Path) -> None:
+    """TP as DTensor on a CPU profile with sync and functional-collective costs but no
+    burst curve: the estimate prices the same collectives as the engine's tensor pass
+    (each layer's, the embedding's and the output layer's with the logits' gather, and
+    under sequence parallelism the optimizer's norm-gradient all-reduces), in line on a
+    device that does not overlap communication, so the two agree to rounding."""
+    import yaml
+
+    from simulator.hardware import SYSTEMS_DIR
+    from simulator.scenario import scenario_from_dict
+
+    system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
+    system["gpu"].update({"collective_sync_us": {"intra_node": 800.0},
+                          "funcol_sync_us": {"intra_node": 500.0}, "host_overhead_us": 5.0})
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(system))
+    s = scenario_from_dict({
+        "name": "t", "model": {"preset": "tiny-gpt"}, "stack": "pytorch-eager",
+        "cluster": {"system": str(path), "nodes": 1, "gpus_per_node": 2},
+        "parallel": {"tp": 2, "sequence_parallel": sp},
+        "training": {"global_batch": 8, "micro_batch": 2, "dtype": "fp32"}})
+    engine, _ = simulate_scenario(s, "engine")
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-6)

@@ -51,10 +51,16 @@ Installed only when tp > 1 (a group of one has no collective).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from simulator import model as mdl
 from simulator import tp_overlap
 from simulator.hardware import CollectiveName
-from simulator.inventory import norm_tensors, tp_block_collectives
+from simulator.inventory import (
+    tp_block_collectives,
+    tp_end_collectives,
+    tp_optimizer_collectives,
+)
 from simulator.passes.context import Context, Pass
 from simulator.tasks import Task
 from simulator.tp_overlap import overlap_sides
@@ -71,7 +77,7 @@ class TensorPass(Pass):
         self.dtensor = s.stack.dtensor
         self.logits_bytes = float(s.training.micro_batch * s.model.seq_len * s.model.vocab
                                   * mdl.dtype_bytes(s.training.dtype))
-        tp = s.parallel.tp
+        tp = self.tp = s.parallel.tp
         self.after = {(label, bwd): tp_block_collectives(s.model, s.stack, tp, self.sp, label,
                                                          bwd)
                       for label in ("attn", "mlp") for bwd in (False, True)}
@@ -187,42 +193,31 @@ class TensorPass(Pass):
         w.deps.append(transfer.id)
 
     def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
-        sp = self.sp
-        if where == "embed":
-            op: CollectiveName | None = \
-                ("reduce_scatter" if sp and not self.dtensor else "all_reduce") if forward \
-                else ("all_gather" if sp else None)
-        else:
-            op = ("all_gather" if sp else None) if forward \
-                else ("reduce_scatter" if sp else "all_reduce")
-        group = self.ctx.layout.tp_group(rank)
-        if op is not None:
+        end: Literal["embed", "head"] = "embed" if where == "embed" else "head"
+        for op, _ in tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, end, forward):
             self.issue(rank, "forward" if forward else "backward", mb, -1, chunk)
-            self.ctx.collective(rank, "compute", op, "tp", group, self.tp_bytes,
-                                f"tp.{op} {where} mb{mb}", mb, -1, chunk)
+            self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
+                                self.tp_bytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
 
     def loss(self, rank: int, mb: int, chunk: int) -> None:
-        if self.dtensor:  # the replicated logits of the output layer: gathered whole
-            self.issue(rank, "forward", mb, -1, chunk)
-            self.ctx.collective(rank, "compute", "all_gather", "tp",
-                                self.ctx.layout.tp_group(rank), self.logits_bytes,
-                                f"tp.all_gather logits mb{mb}", mb, -1, chunk)
-            return
-        for what in ("max", "target", "sum"):
-            self.ctx.collective(rank, "compute", "all_reduce", "tp",
-                                self.ctx.layout.tp_group(rank), self.loss_bytes,
-                                f"tp.all_reduce loss {what} mb{mb}", mb, -1, chunk)
+        ends = tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, "loss", True)
+        for (op, payload), what in zip(ends, ("max", "target", "sum"), strict=False):
+            if payload == "logits":  # the replicated logits of the output layer, whole
+                self.issue(rank, "forward", mb, -1, chunk)
+                name, nbytes = f"tp.{op} logits mb{mb}", self.logits_bytes
+            else:
+                name, nbytes = f"tp.{op} loss {what} mb{mb}", self.loss_bytes
+            self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
+                                nbytes, name, mb, -1, chunk)
 
     def step(self, rank: int) -> None:
         ctx, s = self.ctx, self.ctx.s
-        if not (self.dtensor and self.sp) or s.stack.optimizer != "per_tensor":
-            return
         stages = ctx.stages_of(rank)
         norms = 2 * sum(len(ctx.layers_of(st)) for st in stages) \
             + (1 if ctx.last_stage in stages else 0)
-        tensors = norms * norm_tensors(s.model)
+        n = tp_optimizer_collectives(s.model, s.stack, self.tp, self.sp, norms)
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
-        for i in range(3 * tensors):
+        for i in range(n):
             self.issue(rank, "optimizer")
             ctx.collective(rank, "compute", "all_reduce", "tp", group, nbytes,
                            f"tp.all_reduce norm grad {i // 3} (optimizer)")
