@@ -620,6 +620,12 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     # the backward the reduction overlaps runs 1/f as fast while it is in flight
     stretch = _stretch(t_dp, hidden, _interference(s, layout, dp_op, grad_bytes, dp_group, hw))
     exposed_dp = max(0.0, t_dp - hidden - stretch)
+    if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
+        # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
+        # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
+        # communication does not overlap compute, else beside the next micro-batch's work
+        window = sum(stages[slowest]) / par.virtual_stages if hidden else 0.0
+        exposed_dp += (m - 1) * max(0.0, t_dp - window)
     if cmp.effective_method(s) != "none":
         stretch = 0.0
         exposed_dp, t_comp = _compressed_reduction(s, layout, hw, cost, hidden, busiest)

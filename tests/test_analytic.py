@@ -11,6 +11,7 @@ less well than the estimate assumes).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,14 +35,17 @@ def test_analytic_within_five_percent_of_engine(path: Path) -> None:
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.05)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_analytic_prices_the_dtensor_tp_collectives_the_engine_issues(
-        sp: bool, tmp_path: Path) -> None:
-    """TP as DTensor on a CPU profile with sync and functional-collective costs but no
-    burst curve: the estimate prices the same collectives as the engine's tensor pass
-    (each layer's, the embedding's and the output layer's with the logits' gather, and
-    under sequence parallelism the optimizer's norm-gradient all-reduces), in line on a
-    device that does not overlap communication, so the two agree to rounding."""
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "sequence_parallel": True},
+                                      {"dp": 2, "zero": 3}],
+                         ids=["tp2", "tp2-sp", "fsdp2"])
+def test_analytic_prices_the_collectives_the_engine_issues_in_line(
+        parallel: dict[str, Any], tmp_path: Path) -> None:
+    """A CPU profile with sync and functional-collective costs but no burst curve, where
+    communication runs in line with compute: the estimate prices the same collectives as
+    the engine's passes, so the two agree to rounding. TP as DTensor: each layer's, the
+    embedding's and the output layer's with the logits' gather, and under sequence
+    parallelism the optimizer's norm-gradient all-reduces; FSDP2's sharded gradients: a
+    reduce-scatter per unit after every micro-batch, not once a step."""
     import yaml
 
     from simulator.hardware import SYSTEMS_DIR
@@ -55,7 +59,7 @@ def test_analytic_prices_the_dtensor_tp_collectives_the_engine_issues(
     s = scenario_from_dict({
         "name": "t", "model": {"preset": "tiny-gpt"}, "stack": "pytorch-eager",
         "cluster": {"system": str(path), "nodes": 1, "gpus_per_node": 2},
-        "parallel": {"tp": 2, "sequence_parallel": sp},
+        "parallel": parallel,
         "training": {"global_batch": 8, "micro_batch": 2, "dtype": "fp32"}})
     engine, _ = simulate_scenario(s, "engine")
     analytic, _ = simulate_scenario(s, "analytic")
