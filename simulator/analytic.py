@@ -642,10 +642,10 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         t_opt = shard * layout.gpus_per_node / host.cpu_adam_params_per_s \
             + shard * mdl.dtype_bytes(trn.dtype) / (host.pcie_bandwidth_GBps * 1e9)
     else:
-        ids = [i for run in stage_layers(spec.layers, par, busiest) for i in run]
-        opt = mdl.optimizer_op_of(s, shard, ids, "all" if expert_params else "dense")
+        runs = stage_layers(spec.layers, par, busiest)
+        opt = mdl.optimizer_op_of(s, shard, runs, "all" if expert_params else "dense")
         t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
-            + _tp_optimizer(s, layout, cost, hw, len(ids), busiest == par.pp - 1)
+            + _tp_optimizer(s, layout, cost, hw, layers[busiest], busiest == par.pp - 1)
         if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
             t_opt *= max(_slowdown(s).values(), default=1.0)
     t_zero = (_zero3_exposed(s, layout, f, b, hw, layers[slowest], c)

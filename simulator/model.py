@@ -287,24 +287,26 @@ def layer_recompute_ops(
     return ()
 
 
-def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[int],
+def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
                     part: Literal["dense", "experts", "all"] = "dense") -> Op:
-    """The optimizer step on ``shard`` parameters of a rank holding ``layers`` (their ids),
-    as the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`), over the
-    parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's without its
-    routed experts) and the ends'; ``experts``, the routed experts' of the MoE layers
-    among them (the expert pass's own step); ``all``, both in one step."""
+    """The optimizer step on ``shard`` parameters of a rank holding the layer runs
+    ``layers``, as the scenario's stack runs it (:func:`simulator.inventory.optimizer_op`),
+    over the parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's
+    without its routed experts) and the ends'; ``experts``, the routed experts' of the
+    MoE layers among them (the expert pass's own step); ``all``, both in one step.
+    Closed form over the runs' layer kinds (:func:`simulator.moe.layer_kinds`)."""
     spec, p = s.model, s.parallel
-    ids = list(layers)
+    kinds = [kind for run in layers for kind in moe.layer_kinds(spec, run.start, run.stop)]
+    count = sum(n for _, n in kinds)
     tensors = 0
     if part != "experts":
-        tensors += sum(layer_tensors(spec, s.stack, i) for i in ids) + 4  # + embedding(s),
-        # final norm
+        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + 4  # + the
+        # embedding(s), the final norm
     if part != "dense" and spec.is_moe:
         local = expert_tensors(spec, s.stack, spec.experts // p.ep)
-        tensors += local * sum(1 for i in ids if spec.is_moe_layer(i))
+        tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
     dtensors = 0 if part == "experts" else \
-        len(ids) * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
+        count * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
     if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
         dtensors = tensors
     return optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)

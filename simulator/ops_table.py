@@ -87,8 +87,7 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)
-    opt = mdl.optimizer_op_of(s, shard, [i for run in stage_layers(s.model.layers, par, 0)
-                                         for i in run], "all")
+    opt = mdl.optimizer_op_of(s, shard, stage_layers(s.model.layers, par, 0), "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows
 

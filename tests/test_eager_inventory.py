@@ -297,7 +297,7 @@ def test_fsdp2_optimizer_steps_on_dtensor_parameters() -> None:
                                             "gpus_per_node": 2},
                                 "parallel": {"dp": 2, "zero": zero},
                                 "training": {"global_batch": 4, "dtype": "fp32"}})
-        op = mdl.optimizer_op_of(s, 1e5, range(s.model.layers))
+        op = mdl.optimizer_op_of(s, 1e5, [range(s.model.layers)])
         assert op.dtensor in (0, op.kernels)
         return op.dtensor
 

@@ -334,7 +334,7 @@ def test_the_expert_step_loops_over_the_experts_tensors() -> None:
         exclude_none=True), "preset": None}, "stack": "pytorch-eager",
         "cluster": {"system": "cpu-1thread", "nodes": 1, "gpus_per_node": 2},
         "parallel": {"dp": 2, "ep": 2}, "training": {"global_batch": 8, "dtype": "fp32"}})
-    layers = range(4)
+    layers = [range(4)]
     assert mdl.optimizer_op_of(s, 1e5, layers).kernels == 10 * (4 * 13 + 4)
     assert mdl.optimizer_op_of(s, 1e5, layers, "experts").kernels == 10 * 4 * 8
     assert mdl.optimizer_op_of(s, 1e5, layers, "all").kernels == 10 * (4 * 13 + 4 + 32)

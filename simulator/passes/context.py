@@ -229,8 +229,8 @@ class Context:
 
     def optimizer_time(self, rank: int, shard: float) -> float:
         """The optimizer step on ``shard`` parameters of ``rank`` (its stack's kernels)."""
-        layers = [i for st in self.stages_of(rank) for i in self.layers_of(st)]
-        op = mdl.optimizer_op_of(self.s, shard, layers)
+        op = mdl.optimizer_op_of(self.s, shard, [self.layers_of(st)
+                                                 for st in self.stages_of(rank)])
         return self.cost_of(rank).op_time(op)
 
 

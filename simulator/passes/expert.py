@@ -125,15 +125,15 @@ class ExpertPass(Pass):
                 t.deps.append(task.id)
                 self.reduced[rank].append(t)
 
-    def layers(self, rank: int) -> list[int]:
-        """The layers ``rank`` holds, all its chunks."""
+    def layers(self, rank: int) -> list[range]:
+        """The layer runs ``rank`` holds, one per chunk."""
         ctx = self.ctx
-        return [layer for st in ctx.stages_of(rank) for layer in ctx.layers_of(st)]
+        return [ctx.layers_of(st) for st in ctx.stages_of(rank)]
 
     def expert_params(self, rank: int) -> float:
         ctx = self.ctx
-        return sum(epar.expert_grad_bytes(ctx.s, layer) for layer in self.layers(rank)) \
-            / ctx.grad_dt
+        return sum(epar.expert_grad_bytes(ctx.s, layer) for run in self.layers(rank)
+                   for layer in run) / ctx.grad_dt
 
     def step(self, rank: int) -> None:
         """The optimizer on the experts' shard, once their gradients are reduced."""
