@@ -624,7 +624,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
-        window = sum(stages[slowest]) / par.virtual_stages if hidden else 0.0
+        window = sum(stages[slowest]) if hidden else 0.0  # a micro-batch on the stage
         exposed_dp += (m - 1) * max(0.0, t_dp - window)
     if cmp.effective_method(s) != "none":
         stretch = 0.0
