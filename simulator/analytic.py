@@ -236,10 +236,7 @@ def _tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) 
         return NO_ENDS
     group = layout.tp_group(0)
     funcol = cost.funcol_s(s.stack.dtensor, layout.group_link(group))
-    tokens = trn.micro_batch * spec.seq_len
-    size = {"activation": mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch, trn.dtype),
-            "logits": float(tokens * spec.vocab * mdl.dtype_bytes(trn.dtype)),
-            "loss": 4.0 * tokens}
+    size = mdl.tp_end_bytes(spec, trn.micro_batch, trn.dtype)
 
     def t(where: Literal["embed", "head", "loss"], forward: bool) -> float:
         return sum(_collective_time(s, layout, op, size[payload], group, hw)
@@ -258,8 +255,7 @@ def _tp_optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProf
     norm's too on the last stage): the norms' partial gradients under DTensor with
     sequence parallelism (:func:`simulator.inventory.tp_optimizer_collectives`)."""
     par, spec = s.parallel, s.model
-    n = tp_optimizer_collectives(spec, s.stack, par.tp, par.sequence_parallel,
-                                 2 * layers + (1 if last else 0))
+    n = tp_optimizer_collectives(spec, s.stack, par.tp, par.sequence_parallel, layers, last)
     if not n:
         return 0.0
     group = layout.tp_group(0)

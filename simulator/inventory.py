@@ -429,9 +429,10 @@ def tp_end_collectives(stack: StackSpec, tp: int, sp: bool,
 
 
 def tp_optimizer_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool,
-                             norms: int) -> int:
+                             layers: int, last: bool) -> int:
     """All-reduces the optimizer step issues over the TP group on a rank holding
-    ``norms`` norm modules: under DTensor with sequence parallelism the norms'
+    ``layers`` layers (two norms each) and, on the ``last`` stage, the final norm: under
+    DTensor with sequence parallelism the norms'
     replicated parameters keep partial gradients until the for-loop AdamW reads them,
     and each op with the gradient as an operand all-reduces it (torch/optim/adam.py
     ``_single_tensor_adam``: ``exp_avg.lerp_(grad)`` and
@@ -439,7 +440,7 @@ def tp_optimizer_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: boo
     ``hidden`` elements."""
     if tp == 1 or not (stack.dtensor and sp) or stack.optimizer != "per_tensor":
         return 0
-    return 3 * norms * norm_tensors(spec)
+    return 3 * (2 * layers + (1 if last else 0)) * norm_tensors(spec)
 
 
 def dense_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,

@@ -39,6 +39,8 @@ from typing import Literal
 from simulator import moe
 from simulator.inventory import (
     CORE_OPS,
+    ROOT_TENSORS,
+    EndPayload,
     Op,
     OpKind,
     Pass,
@@ -300,8 +302,7 @@ def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
     count = sum(n for _, n in kinds)
     tensors = 0
     if part != "experts":
-        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + 4  # + the
-        # embedding(s), the final norm
+        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS
     if part != "dense" and spec.is_moe:
         local = expert_tensors(spec, s.stack, spec.experts // p.ep)
         tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
@@ -386,6 +387,15 @@ def megatron_param_count(spec: ModelSpec) -> float:
 def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
     """Size of one TP all-reduce (b·s·h): two per layer forward, two backward."""
     return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))
+
+
+def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPayload, float]:
+    """Bytes of one TP collective at the model's ends by what it carries
+    (:func:`simulator.inventory.tp_end_collectives`): the b·s·h activation, the b·s·V
+    logits, the cross-entropy's fp32 value per token."""
+    tokens = micro_batch * spec.seq_len
+    return {"activation": tp_comm_bytes_per_layer(spec, micro_batch, dtype),
+            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens}
 
 
 def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:

@@ -73,10 +73,8 @@ class TensorPass(Pass):
         self.sp = s.parallel.sequence_parallel
         self.tp_bytes = mdl.tp_comm_bytes_per_layer(s.model, s.training.micro_batch,
                                                     s.training.dtype)
-        self.loss_bytes = 4.0 * (s.training.micro_batch * s.model.seq_len)  # fp32 per token
+        self.end_bytes = mdl.tp_end_bytes(s.model, s.training.micro_batch, s.training.dtype)
         self.dtensor = s.stack.dtensor
-        self.logits_bytes = float(s.training.micro_batch * s.model.seq_len * s.model.vocab
-                                  * mdl.dtype_bytes(s.training.dtype))
         tp = self.tp = s.parallel.tp
         self.after = {(label, bwd): tp_block_collectives(s.model, s.stack, tp, self.sp, label,
                                                          bwd)
@@ -204,18 +202,18 @@ class TensorPass(Pass):
         for (op, payload), what in zip(ends, ("max", "target", "sum"), strict=False):
             if payload == "logits":  # the replicated logits of the output layer, whole
                 self.issue(rank, "forward", mb, -1, chunk)
-                name, nbytes = f"tp.{op} logits mb{mb}", self.logits_bytes
+                name = f"tp.{op} logits mb{mb}"
             else:
-                name, nbytes = f"tp.{op} loss {what} mb{mb}", self.loss_bytes
+                name = f"tp.{op} loss {what} mb{mb}"
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
-                                nbytes, name, mb, -1, chunk)
+                                self.end_bytes[payload], name, mb, -1, chunk)
 
     def step(self, rank: int) -> None:
         ctx, s = self.ctx, self.ctx.s
         stages = ctx.stages_of(rank)
-        norms = 2 * sum(len(ctx.layers_of(st)) for st in stages) \
-            + (1 if ctx.last_stage in stages else 0)
-        n = tp_optimizer_collectives(s.model, s.stack, self.tp, self.sp, norms)
+        n = tp_optimizer_collectives(s.model, s.stack, self.tp, self.sp,
+                                     sum(len(ctx.layers_of(st)) for st in stages),
+                                     ctx.last_stage in stages)
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
         for i in range(n):
             self.issue(rank, "optimizer")
