@@ -47,7 +47,7 @@ import numpy as np
 
 from simulator import model as mdl
 from simulator import moe
-from simulator.inventory import routed_expert_ops
+from simulator.inventory import expert_weight_ops, routed_expert_ops
 from simulator.layout import Layout
 from simulator.scenario import ModelSpec, Scenario
 
@@ -135,9 +135,10 @@ def expert_layer(s: Scenario) -> ExpertLayer:
     groups, width = spec.experts // par.ep, spec.expert_ffn / par.etp
 
     def ops(pass_: mdl.Pass) -> tuple[mdl.Op, ...]:
-        out = routed_expert_ops(spec, tokens, width, groups, dt, pass_)
+        out = routed_expert_ops(spec, tokens, width, groups, dt, pass_, s.stack, par.ep)
         if pass_ == "bwd_weight":
-            return tuple(op for op in out if op.kind == "gemm")
+            return (*(op for op in out if op.kind == "gemm"),
+                    *expert_weight_ops(spec, s.stack, tokens, width, groups, dt))
         return tuple(out) if pass_ == "fwd" else tuple(out[::-1])
 
     return ExpertLayer(load, tokens, routed * spec.hidden * dt if par.ep > 1 else 0.0,

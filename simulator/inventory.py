@@ -499,51 +499,145 @@ def routed_tokens(spec: ModelSpec, tokens: float, padded: bool) -> float:
 
 
 def _grouped(name: str, m: float, k: float, n: float, groups: int, dt: int, cls: str,
-             saved: float = 0.0) -> Op:
-    """``groups`` GEMMs of (m/groups × k)·(k × n), one weight each, in one call (the
-    efficiency-curve lookup at one expert's product)."""
+             saved: float = 0.0, calls: int = 1) -> Op:
+    """``groups`` GEMMs of (m/groups × k)·(k × n), one weight each, in ``calls`` launches
+    (:func:`expert_calls`; the efficiency-curve lookup at one expert's product)."""
     flops = 2.0 * m * k * n
     return Op(name, "gemm", flops, dt * (m * k + groups * k * n + m * n), flops / groups, cls,
-              1, saved)
+              calls, saved)
+
+
+def expert_calls(stack: StackSpec | None, groups: int) -> int:
+    """Launches of one projection (or activation) of ``groups`` local routed experts: one
+    per expert under ``stack.moe_experts: modules``, whose experts are modules called in
+    turn (Megatron-core's SequentialMLP, megatron/core/transformer/moe/experts.py, and
+    TEGroupedMLP's GroupedLinear, one GEMM per ``weight{i}``; DeepSpeed's
+    deepspeed/moe/experts.py Experts; our calibration/measured/moe_worker.py), one
+    grouped call under ``grouped`` (torchtitan/models/moe.py GroupedExperts:
+    ``torch._grouped_mm``). Without a stack, one call."""
+    return groups if stack is not None and stack.moe_experts == "modules" else 1
 
 
 def _expert_act(spec: ModelSpec, tokens: float, width: float, dt: int, pass_: Pass,
-                name: str) -> Op:
+                name: str, kernels: int = 1) -> Op:
     """An expert MLP's activation over ``tokens`` × ``width``: it reads and writes
     (GeLU) 2, (SwiGLU) 3 elements a unit forward, 3 and 5 backward; keeps its input."""
     swiglu = spec.activation == "swiglu"
     factor = (3.0 if swiglu else 2.0) if pass_ == "fwd" else (5.0 if swiglu else 3.0)
     keep = (2 if swiglu else 1) * tokens * width * dt if pass_ == "fwd" else 0.0
-    return mem(name, factor * tokens * width, dt, "elementwise", 1, keep)
+    return mem(name, factor * tokens * width, dt, "elementwise", kernels, keep)
 
 
 def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int, dt: int,
-                      pass_: Pass) -> list[Op]:
+                      pass_: Pass, stack: StackSpec | None = None, ep: int = 1) -> list[Op]:
     """The routed experts on ``tokens`` token-expert pairs, forward order: a grouped GEMM
     of ``groups`` experts up (keeping its input, the permuted tokens), the activation,
     a grouped GEMM down (keeping its input); each expert's MLP ``width`` wide (its
-    share under expert tensor parallelism)."""
+    share under expert tensor parallelism), each launched as the stack calls its
+    experts (:func:`expert_calls`); under the ``eager`` routing the buffers' reshuffle
+    around them at expert parallelism ``ep`` (:func:`eager_buffer_op`)."""
     h = spec.hidden
     up = (2 if spec.activation == "swiglu" else 1) * width
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     keep = pass_ == "fwd"
-    return [_grouped("expert_up", tokens, h, up, groups, dt, cls, dt * tokens * h * keep),
-            _expert_act(spec, tokens, width, dt, pass_, "expert_act"),
-            _grouped("expert_down", tokens, width, h, groups, dt, cls,
-                     dt * tokens * width * keep)]
+    calls = expert_calls(stack, groups)
+    ops = [_grouped("expert_up", tokens, h, up, groups, dt, cls, dt * tokens * h * keep,
+                    calls),
+           _expert_act(spec, tokens, width, dt, pass_, "expert_act", calls),
+           _grouped("expert_down", tokens, width, h, groups, dt, cls,
+                    dt * tokens * width * keep, calls)]
+    buffers = eager_buffer_op(tokens, h, groups, ep, dt, pass_) \
+        if stack is not None and stack.moe_routing == "eager" else None
+    return ops if buffers is None else [*ops, buffers]
+
+
+def expert_weight_ops(spec: ModelSpec, stack: StackSpec, tokens: float, width: float,
+                      groups: int, dt: int) -> list[Op]:
+    """The routed experts' parameter-gradient ops besides their wgrad GEMMs, on one rank's
+    ``groups`` local experts over ``tokens`` token-expert pairs, as :func:`_grad_ops`
+    has them for a layer's own tensors: ``bias_grad`` (one reduction of dY per biased
+    linear and call), under autocast ``amp_weight_cast``, and ``grad_accum``
+    (AccumulateGrad's add, one kernel per tensor, :func:`expert_tensors`) or, with fp32
+    main grads, the wgrad epilogue's ``main_grad`` read-modify-write."""
+    h, linears = spec.hidden, up_linears(spec, stack) + 1
+    up = (2 if spec.activation == "swiglu" else 1) * width
+    weights = groups * (h * up + width * h)
+    biases = groups * (up + h) if spec.bias else 0.0
+    calls, tensors = expert_calls(stack, groups), expert_tensors(spec, stack, groups)
+    ops: list[Op] = []
+    if spec.bias:
+        ops.append(mem("expert_bias_grad", tokens * (up + h), dt, "reduction",
+                       calls * linears))
+    amp = stack.amp(dt)
+    if amp:
+        ops.append(mem("expert_weight_cast", weights + biases, dt + 4, "copy", tensors))
+    if stack.main_grads == "param":
+        ops.append(mem("expert_grad_accum", 3 * (weights + biases), 4 if amp else dt,
+                       "elementwise", tensors))
+    else:
+        ops.append(Op("expert_main_grad", "memory", 0.0, (8 - dt) * weights, 0.0,
+                      "elementwise", 0))
+    return ops
 
 
 #: Kernels of the ``eager`` routing (``stack.moe_routing``) as our measured MoE worker
 #: launches them (calibration/measured/moe_worker.py ``MoEMLP.forward``, each op counted in
-#: the profile of its tiny-gpt EP 2 run): into the buffers, 21 before the dispatch
-#: (softmax, topk, sum, div, one_hot, cumsum, sub, mul, sum, lt, mul, clamp, add, arange,
-#: repeat_interleave, new_zeros, three index, index_copy, empty_like) and 4 around the
-#: experts (the received buffer's transposed copy, stack, the returned buffer's copy,
-#: empty_like); back home, 4 after the combine (mul, index, mul, sum). Backward, their
-#: autograd nodes: 15 for the way in (the buffers' select, clone and view gradients around
-#: the experts; index_copy, index, div, sum, topk and softmax backward) and 7 for the way
-#: back (sum, two mul and index backward). Per pass: (permute, unpermute).
-EAGER_ROUTING = {"fwd": (25, 4), "bwd_input": (15, 7)}
+#: the profile of its tiny-gpt EP 2 run), on the rank's own tokens: into the buffers, 21
+#: before the dispatch (softmax, topk, sum, div, one_hot, cumsum, sub, mul, sum, lt, mul,
+#: clamp, add, arange, repeat_interleave, new_zeros, three index, index_copy, empty_like);
+#: back home, 4 after the combine (mul, index, mul, sum). Backward, their autograd nodes:
+#: 10 for the way in (index_copy, index, div, sum, topk and softmax backward and the
+#: gradients' sums) and 7 for the way back (sum, two mul and index backward). Per pass:
+#: (permute, unpermute). The buffers' reshuffle around the experts is
+#: :func:`eager_buffer_op`'s.
+EAGER_ROUTING = {"fwd": (21, 4), "bwd_input": (10, 7)}
+
+
+def eager_routing_rows(pass_: Pass, tokens: float, slots: float,
+                       pairs: float) -> tuple[float, float]:
+    """Rows of ``hidden`` elements the ``eager`` routing (:data:`EAGER_ROUTING`) reads and
+    writes on the rank's own tokens, (permute, unpermute), over ``tokens`` tokens (T),
+    ``slots`` expert-buffer slots (S = E·C) and ``pairs`` routed token-expert pairs
+    (P = k·T), op by op as calibration/measured/moe_worker.py ``MoEMLP.forward`` runs
+    them and autograd differentiates them, each op's inputs read and outputs written
+    (the router's and the masks' own traffic, a few elements a token, left out).
+    Forward, into the buffers: ``new_zeros`` (S), the gather ``tokens[source]``
+    (T + P), ``index_copy`` (2S + P); back home: ``out[slot]`` (S + P), the gate's
+    multiply (2P), the sum over k (P + T). Backward, back home: the multiply's two
+    gradients (5P) and their sums (2P + T), ``out[slot]``'s index_put into a zeroed
+    buffer (3S + P), a copy of the pairs (2P); the way in: ``index_copy``'s
+    index_select (S + P), the gather's index_put into zeroed tokens (3T + P), the
+    token gradient's sum with the router's (3T). Counted under a dispatch mode in
+    tests/test_moe.py. Other passes (and a fused routing): one read and write of the
+    tokens and slots."""
+    if pass_ == "fwd":
+        return 3 * slots + 2 * pairs + tokens, slots + 4 * pairs + tokens
+    if pass_ == "bwd_input":
+        return slots + 2 * pairs + 6 * tokens, 3 * slots + 10 * pairs + tokens
+    return tokens + slots, slots + tokens
+
+
+def eager_buffer_op(slots: float, hidden: int, local: int, ep: int, dt: int,
+                    pass_: Pass) -> Op | None:
+    """The ``eager`` routing's reshuffle of the experts' buffers on an EP rank holding
+    ``local`` experts, over its ``slots`` received slots (ep · C per expert) of
+    ``hidden`` elements, as
+    calibration/measured/moe_worker.py ``MoEMLP.forward`` runs it: with EP, the received
+    buffer's transposed copy into expert-major order and the returned buffer's copy
+    back (2S each) and the exchange's second output buffer; ``torch.stack`` of the
+    experts' outputs (2S). Backward: ``stack``'s gradient is one ``select_backward`` per
+    expert (a zeroed S-slot buffer with the expert's slots copied in, S + S/local each)
+    summed by autograd ((local − 1) adds of 3S), and with EP the two copies' gradients
+    (4S). Priced with the experts (the expert pass), none in the weight pass."""
+    exchanged = 1 if ep > 1 else 0
+    if pass_ == "fwd":
+        rows, kernels = (2 + 4 * exchanged) * slots, 1 + 3 * exchanged
+    elif pass_ == "bwd_input":
+        rows = ((local + 1) + 3 * (local - 1) + 4 * exchanged) * slots
+        kernels = 2 * local - 1 + 2 * exchanged
+    else:
+        return None
+    return Op("expert_buffers", "memory", 0.0, dt * rows * hidden, 0.0, "copy", kernels)
 
 
 def _moe_mlp(x: _Shape, pass_: Pass, padded: bool) -> list[Op]:
@@ -557,18 +651,21 @@ def _moe_mlp(x: _Shape, pass_: Pass, padded: bool) -> list[Op]:
     keep = pass_ == "fwd"
     routed = routed_tokens(spec, T, padded)
     f = spec.expert_ffn / x.tp
-    into, back = EAGER_ROUTING.get(pass_, (1, 1)) if x.st.moe_routing == "eager" else (1, 1)
+    eager = x.st.moe_routing == "eager"
+    into, back = EAGER_ROUTING.get(pass_, (1, 1)) if eager else (1, 1)
+    rows_in, rows_back = eager_routing_rows(pass_, T, routed, routed_tokens(spec, T, False)) \
+        if eager else (T + routed, routed + T)
     ops = [gemm("router", L, h, spec.experts, dt, cls, 1,
                 (dt * L * h + 4 * L * spec.experts) * keep),
-           mem("permute", (T + routed) * h, dt, "elementwise", into)]
+           mem("permute", rows_in * h, dt, "elementwise", into)]
     if spec.shared_experts:
         width = spec.shared_experts * f
         up = (2 if spec.activation == "swiglu" else 1) * width
         ops += [gemm("shared_up", T, h, up, dt, cls),
                 _expert_act(spec, T, width, dt, pass_, "shared_act"),
                 gemm("shared_down", T, width, h, dt, cls, 1, dt * T * width * keep)]
-    return [*ops, *routed_expert_ops(spec, routed, f, spec.experts, dt, pass_),
-            mem("unpermute", (routed + T) * h, dt, "elementwise", back)]
+    return [*ops, *routed_expert_ops(spec, routed, f, spec.experts, dt, pass_, x.st),
+            mem("unpermute", rows_back * h, dt, "elementwise", back)]
 
 
 def moe_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,

@@ -163,7 +163,7 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
     return ops
 
 
-ROUTED_OPS = ("expert_up", "expert_act", "expert_down")  # what expert parallelism moves
+ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers")  # what EP moves
 
 
 # ---------------------------------------------------------------- activations

@@ -3,6 +3,8 @@ and hand calculations (simulator/moe.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from simulator import moe
@@ -264,7 +266,7 @@ def test_a_moe_layer_is_the_dense_frame_with_the_mlp_replaced(stack: str, pass_:
         tail = ["residual"] if "residual" in dense_order[dense_order.index("ln2"):] else []
         assert [n for n in order[cut:] if n not in ("up_grad_sum", "grad_sum")] == [
             "ln2", "router", "permute", "expert_up", "expert_act", "expert_down",
-            "unpermute", *tail]
+            *(["expert_buffers"] if stack == "pytorch-eager" else []), "unpermute", *tail]
         if pass_ == "bwd_input":  # router, permutation: two readers of the normed input
             assert {op.name: op for op in got}["up_grad_sum"].kernels == 1
         kernels = {op.name: op.kernels for op in got}
@@ -338,3 +340,135 @@ def test_the_expert_step_loops_over_the_experts_tensors() -> None:
     assert mdl.optimizer_op_of(s, 1e5, layers).kernels == 10 * (4 * 13 + 4)
     assert mdl.optimizer_op_of(s, 1e5, layers, "experts").kernels == 10 * 4 * 8
     assert mdl.optimizer_op_of(s, 1e5, layers, "all").kernels == 10 * (4 * 13 + 4 + 32)
+
+
+class _Exchange:  # the all-to-all as a one-rank copy both ways (its own traffic left out)
+    @staticmethod
+    def make() -> Any:
+        import torch
+
+        class Exchange(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, buf: Any) -> Any:
+                return buf.clone()
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return grad.clone()
+
+        return Exchange
+
+
+def _routing_rows(experts: int, ep: int, hidden: int = 24, tokens: int = 32) -> tuple[
+        dict[str, float], dict[str, float]]:
+    """Rows of ``hidden`` elements every op of our MoE worker's MLP reads and writes on
+    one EP rank (inputs and outputs whose last dimension is ``hidden``), forward and
+    backward, counted under a TorchDispatchMode; views, allocations, the experts' and
+    router's GEMMs and activations and the exchange's own copies are left out."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from calibration.measured.gpt import GPTConfig
+    from calibration.measured.moe_worker import MoEMLP
+
+    free = {"view", "_unsafe_view", "transpose", "t", "select", "unsqueeze", "expand",
+            "as_strided", "alias", "detach", "slice", "reshape", "_reshape_alias", "permute",
+            "squeeze", "unbind", "split", "empty_like", "empty", "addmm", "mm", "gelu",
+            "gelu_backward"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: dict[str, float] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if name in free:
+                return out
+            read = [] if name.startswith(("new_zeros", "zeros")) else \
+                tree_flatten((args, kwargs))[0]
+            seen = [t for t in (*read, *tree_flatten(out)[0]) if isinstance(t, torch.Tensor)
+                    and t.dim() >= 1 and t.shape[-1] == hidden]
+            if seen:
+                self.rows[name] = self.rows.get(name, 0) + sum(t.numel() // hidden
+                                                               for t in seen)
+            return out
+
+    cfg = GPTConfig(layers=1, hidden=hidden, heads=1, ffn_hidden=40, vocab=8, seq_len=tokens)
+    torch.manual_seed(0)
+    # capacity 2 with top-2 of 4+ experts: no expert overflows (each token picks two
+    # different experts), so every pair is kept
+    moe = MoEMLP(cfg, experts, 2, 2.0, ep, None)
+    exchange = _Exchange.make()
+    moe.exchange = lambda buf: exchange.apply(buf.contiguous())  # type: ignore[method-assign]
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    slots = experts * moe.capacity(tokens)
+    with Count() as fwd:
+        y = moe(x)
+    grad = torch.randn_like(y)
+    with Count() as bwd:
+        y.backward(grad)
+    fwd.rows["clone"] = fwd.rows.get("clone", 0) - 4 * slots  # the exchanges' copies
+    bwd.rows["clone"] = bwd.rows.get("clone", 0) - 4 * slots
+    return fwd.rows, bwd.rows
+
+
+@pytest.mark.parametrize(("experts", "ep"), [(4, 1), (4, 2), (8, 2), (8, 4)])
+def test_eager_routing_moves_what_the_workers_ops_read_and_write(experts: int,
+                                                                 ep: int) -> None:
+    """The ``eager`` routing's traffic (the rank's own permute and unpermute, and the
+    buffers' reshuffle around its E/ep experts) is what our MoE worker's ops read and
+    write, counted op by op under a dispatch mode, forward and backward."""
+    pytest.importorskip("torch")
+    from simulator.inventory import eager_buffer_op, eager_routing_rows
+
+    hidden, tokens = 24, 32
+    fwd, bwd = _routing_rows(experts, ep, hidden, tokens)
+    slots, pairs, local = experts * 2.0 * 2 * tokens / experts, 2.0 * tokens, experts // ep
+    for pass_, counted in (("fwd", fwd), ("bwd_input", bwd)):
+        buffers = eager_buffer_op(slots, hidden, local, ep, 1, pass_)  # type: ignore[arg-type]
+        assert buffers is not None
+        model = sum(eager_routing_rows(pass_, tokens, slots, pairs)) \
+            + buffers.bytes / hidden  # type: ignore[arg-type]
+        assert model == pytest.approx(sum(counted.values()), rel=0.02), (pass_, counted)
+    assert eager_buffer_op(slots, hidden, local, ep, 1, "bwd_weight") is None
+
+
+def test_experts_launch_per_module_and_carry_their_weight_gradients() -> None:
+    """Per-expert modules (our worker, Megatron-core, DeepSpeed) launch each projection and
+    activation once per local expert, torchtitan's grouped experts once; the expert
+    pass's weight gradients hold, beside the wgrad GEMMs, a bias gradient per biased
+    linear and expert and AccumulateGrad over the experts' tensors (2 local experts
+    at EP 2: 8 tensors, as the worker builds them)."""
+    from simulator import expert_parallel as epar
+    from simulator.inventory import expert_tensors
+    from simulator.scenario import scenario_from_dict
+
+    def scenario(stack: str) -> Any:
+        return scenario_from_dict({
+            "name": "t", "model": {**_tiny_moe().model_dump(exclude_none=True),
+                                   "preset": None}, "stack": stack,
+            "cluster": {"system": "cpu-1thread", "nodes": 1, "gpus_per_node": 2},
+            "parallel": {"dp": 2, "ep": 2},
+            "training": {"global_batch": 8, "micro_batch": 2, "dtype": "fp32"}})
+
+    eager = scenario("pytorch-eager")
+    lay = epar.expert_layer(eager)
+    by = {op.name: op for op in lay.fwd}
+    assert (by["expert_up"].kernels, by["expert_act"].kernels, by["expert_down"].kernels) \
+        == (2, 2, 2)
+    assert by["expert_buffers"].kernels == 4  # stack, two transposed copies, the buffer
+    weight = {op.name: op for op in lay.bwd_weight}
+    assert weight["expert_up"].kernels == 2 and weight["expert_up"].cost_class == "gemm_wgrad"
+    assert weight["expert_bias_grad"].kernels == 2 * 2
+    assert weight["expert_bias_grad"].bytes == pytest.approx(4 * lay.tokens * (512 + 128))
+    assert weight["expert_grad_accum"].kernels == expert_tensors(eager.model, eager.stack,
+                                                                 2) == 8
+    elements = 2 * (2 * 128 * 512 + 512 + 128)
+    assert weight["expert_grad_accum"].bytes == pytest.approx(4 * 3 * elements)
+    titan = epar.expert_layer(scenario("torchtitan"))
+    assert {op.name: op.kernels for op in titan.fwd} == {
+        "expert_up": 1, "expert_act": 1, "expert_down": 1}
