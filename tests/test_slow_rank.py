@@ -96,6 +96,51 @@ def test_every_piece_takes_k_times_as_long(monkeypatch: pytest.MonkeyPatch) -> N
     assert slow.step_slept_s == pytest.approx([12.5] * 3)  # 5 pieces: 12 s asked + 0.5
     assert slow.asked_s == pytest.approx(12.0 * 4) and slow.slept_s == pytest.approx(12 + 37.5)
     assert slow_rank.report(slow, 2)["slowdown_step_slept_s"] == pytest.approx(12.5)
+    # every piece's own time is counted, sleeps taken out: 1 + 1 + 2 + 2 + 0 s a step
+    assert slow.step_piece_s == pytest.approx([6.0] * 3)
+    assert slow_rank.report(slow, 2)["slowdown_step_piece_s"] == pytest.approx(6.0)
+    assert "slowdown_awake_piece_s" not in slow_rank.report(slow, 2)
+
+
+def test_awake_steps_time_the_pieces_without_sleeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up calls of a counting step do not sleep and time the pieces; the report
+    gives their median after the first (cold) call beside the timed steps', whose
+    pieces run slower after each sleep (the wake-up cost compare adds)."""
+    torch = pytest.importorskip("torch")
+    from calibration.measured import slow_rank
+
+    clock = FakeClock()
+    monkeypatch.setattr(slow_rank.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(slow_rank.time, "sleep", clock.sleep)
+    forward_s = iter([3.0, 3.0] + [1.0] * 4 + [1.5] * 4)  # cold, awake, after sleeps
+
+    class Piece(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            clock.now += next(forward_s)
+            return self.lin(x)
+
+    model = torch.nn.Sequential(Piece(), Piece())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    slow = slow_rank.slow_down([model], opt, 3.0)
+    x = torch.ones(2, 4, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+    counted = slow.counting(step, awake=3)
+    for _ in range(5):
+        counted()
+    assert slow.step_slept_s[:3] == [0.0, 0.0, 0.0]
+    assert slow.step_slept_s[3:] == pytest.approx([6.0, 6.0])  # 2 × (1.5 + 1.5) forward
+    assert slow.step_piece_s == pytest.approx([6.0, 2.0, 2.0, 3.0, 3.0])
+    got = slow_rank.report(slow, 2)
+    assert got["slowdown_awake_piece_s"] == pytest.approx(2.0)  # the cold call left out
+    assert got["slowdown_step_piece_s"] == pytest.approx(3.0)
+    assert got["slowdown_step_slept_s"] == pytest.approx(6.0)
 
 
 def test_pieces_are_the_top_level_modules() -> None:
@@ -158,10 +203,12 @@ def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
     base, _ = simulate_scenario(load_scenario(tmp_path / "scenario.yaml", [
         "cluster.system=cpu-1thread", "variability.slow_gpus=[]"]), "engine", "full")
     compute = sum(base["time_breakdown_s"][1][c] for c in acc.COMPUTE_CATEGORIES)
+    # ... plus what its pieces took beyond their awake warm-up time (the wake-up cost)
+    woke = by_rank[1]["slowdown_step_piece_s"] - by_rank[1]["slowdown_awake_piece_s"]
     assert got["slowdown_as_slept"] == {"rank": 1, "compute_slowdown": pytest.approx(
-        1 + slept / compute, rel=1e-5)}
+        1 + (slept + woke) / compute, rel=1e-5)}
     assert got["scenario"]["variability"]["slow_gpus"][0]["compute_slowdown"] \
-        == pytest.approx(1 + slept / compute, rel=1e-5)
+        == pytest.approx(1 + (slept + woke) / compute, rel=1e-5)
     # a measured.json from before the field: the scenario's slowdown as it is
     data = json.loads((tmp_path / "measured.json").read_text())
     for r in data["per_rank"]:

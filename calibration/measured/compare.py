@@ -27,7 +27,8 @@ A run with a straggler on purpose (``measure --slow-rank R --slowdown K``) is
 simulated with the slowdown its rank actually ran with, where ``measured.json`` says
 what it slept per timed step (:func:`slowdown_as_slept`): K − 1 times each piece's time
 asked of ``time.sleep``, plus the sleeps' overshoot, of pieces that hold more than
-compute (:mod:`calibration.measured.slow_rank`).
+compute, plus what its pieces took beyond their time in steps without sleeps (the
+caches it woke to; :mod:`calibration.measured.slow_rank`).
 
 Writes ``DIR/comparison.json`` and ``DIR/comparison.png`` (both timelines, one
 above the other, on one time axis) atomically.
@@ -122,10 +123,12 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
     """(rank, slowdown) of the scenario's one straggler as the measured run slept it, or
     None (no straggler, or a ``measured.json`` without ``slowdown_step_slept_s``).
 
-    The rank slept s seconds in a median timed step; simulated without the straggler it
-    computes c seconds a step (every compute category, the optimizer's too: the sleeps
-    follow the optimizer step as well), so the slowdown that adds exactly s is
-    1 + s / c."""
+    The rank slept s seconds in a median timed step and its pieces took w seconds more
+    than in its awake warm-up steps (the cold caches it woke to after each sleep,
+    :mod:`calibration.measured.slow_rank`; 0 where ``measured.json`` has no piece times);
+    simulated without the straggler it computes c seconds a step (every compute
+    category, the optimizer's too: the sleeps follow the optimizer step as well), so
+    the slowdown that adds exactly s + w is 1 + (s + w) / c."""
     from simulator import accounting as acc
     from simulator.api import simulate_scenario
     from simulator.scenario import load_scenario
@@ -134,10 +137,12 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
     if len(slow) != 1 or not slow[0].ranks or len(slow[0].ranks) != 1:
         return None
     rank = slow[0].ranks[0]
-    slept = next((r.get("slowdown_step_slept_s") for r in measured.get("per_rank") or []
-                  if r.get("rank") == rank), None)
+    mine = next((r for r in measured.get("per_rank") or [] if r.get("rank") == rank), {})
+    slept = mine.get("slowdown_step_slept_s")
     if slept is None:
         return None
+    if mine.get("slowdown_awake_piece_s") is not None:  # the wake-up cost
+        slept += mine["slowdown_step_piece_s"] - mine["slowdown_awake_piece_s"]
     base = load_scenario(path, [*overrides, "variability.slow_gpus=[]"])
     results, _ = simulate_scenario(base, "engine", "full")
     compute = sum(results["time_breakdown_s"][rank][c] for c in acc.COMPUTE_CATEGORIES)

@@ -443,8 +443,8 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
     trainer = Trainer(cfg, mesh, device)
     slow = slow_down(trainer.models, trainer.optimizer, cfg.slowdown) \
         if dist.get_rank() == cfg.slow_rank else None
-    times, losses = timed_steps(trainer if slow is None else slow.counting(trainer), cfg,
-                                device)
+    times, losses = timed_steps(
+        trainer if slow is None else slow.counting(trainer, awake=cfg.warmup), cfg, device)
     peak = peak_memory_bytes(device)
     out = Path(cfg.out_dir)
     trace_dir = out / "traces"

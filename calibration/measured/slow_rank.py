@@ -31,9 +31,17 @@ What the rank slept is timed, not taken as asked: ``time.sleep`` overshoots (abo
 piece holds whatever the main thread did inside it besides compute (DDP's bucket
 launches from the autograd hooks, the thread waiting for a core), so on tiny-gpt the
 straggler slept 59.5 ms a step where the simulator's 2x added 44.6 ms of compute.
-:meth:`SlowDown.counting` records what each step slept; the measured run reports the
-timed steps' median (``slowdown_step_slept_s``), and ``clustersim compare`` simulates
-the straggler with the slowdown that adds exactly that
+Nor does a piece after a sleep run as fast as it would have: the core wakes with cold
+caches (on this project's VM a tiny-gpt block's forward took 673-710 µs right after a
+0.6 ms sleep against 590-609 µs back to back), a cost a slower GPU would not have but
+this rank pays about 57 times a step. So the warm-up steps do not sleep and time the
+pieces (from the second on: the first is cold), the timed steps time them too, and
+the difference of the two medians is the wake-up cost (``slowdown_step_piece_s`` −
+``slowdown_awake_piece_s``). :meth:`SlowDown.counting` records what each step slept
+and its pieces' time; the measured run reports the timed steps' medians
+(``slowdown_step_slept_s``, ``slowdown_step_piece_s``) and the awake steps'
+(``slowdown_awake_piece_s``), and ``clustersim compare`` simulates the straggler with
+the slowdown that adds exactly what it slept plus what it woke to
 (:func:`calibration.measured.compare.slowdown_as_slept`).
 """
 
@@ -57,8 +65,12 @@ class SlowDown:
         self.extra = factor - 1.0
         self.slept_s = 0.0  # as timed around each sleep
         self.asked_s = 0.0  # as asked of time.sleep
+        self.piece_s = 0.0  # the pieces' own time (their windows, sleeps taken out)
         self.pieces = 0
+        self.sleeping = True  # off in a counting step's awake calls: time, do not sleep
         self.step_slept_s: list[float] = []  # per call of a counting step
+        self.step_piece_s: list[float] = []  # per call of a counting step
+        self.awake_calls = 0  # of those, the first calls, which did not sleep
         self._starts: dict[tuple[int, str], float] = {}
 
     def start(self, key: tuple[int, str]) -> None:
@@ -66,9 +78,13 @@ class SlowDown:
 
     def stop(self, key: tuple[int, str]) -> None:
         begun = self._starts.pop(key, None)
-        if begun is None or self.extra <= 0:
+        if begun is None:
             return
-        pause = self.extra * (time.perf_counter() - begun)
+        took = time.perf_counter() - begun
+        self.piece_s += took
+        if self.extra <= 0 or not self.sleeping:
+            return
+        pause = self.extra * took
         asleep = time.perf_counter()
         time.sleep(pause)
         slept = time.perf_counter() - asleep
@@ -78,12 +94,18 @@ class SlowDown:
         for other in self._starts:  # a sleep is no piece's compute: not in an open window
             self._starts[other] += slept
 
-    def counting(self, step: Callable[[], Any]) -> Callable[[], Any]:
-        """``step`` that also records what each call of it slept (``step_slept_s``)."""
+    def counting(self, step: Callable[[], Any], awake: int = 0) -> Callable[[], Any]:
+        """``step`` that also records what each call of it slept (``step_slept_s``) and its
+        pieces' time (``step_piece_s``); its first ``awake`` calls do not sleep."""
+        self.awake_calls = awake
+
         def counted() -> Any:
-            before = self.slept_s
+            self.sleeping = len(self.step_slept_s) >= awake
+            slept, pieces = self.slept_s, self.piece_s
             out = step()
-            self.step_slept_s.append(self.slept_s - before)
+            self.sleeping = True
+            self.step_slept_s.append(self.slept_s - slept)
+            self.step_piece_s.append(self.piece_s - pieces)
             return out
         return counted
 
@@ -138,8 +160,9 @@ def slow_down(models: Iterable[nn.Module], optimizer: torch.optim.Optimizer,
 
 def report(slow: SlowDown | None, timed: int = 0) -> dict[str, Any]:
     """What the rank slept (for measured.json), or nothing when it was not slowed: in all
-    (timed and asked), in how many pieces, and the median over the last ``timed`` counted
-    steps (the timed ones; none when nothing was counted)."""
+    (timed and asked), in how many pieces, the medians over the last ``timed`` counted
+    steps (the timed ones; none when nothing was counted) of what each slept and of its
+    pieces' time, and the median pieces' time of the awake calls after the first."""
     if slow is None:
         return {}
     out = {"slowdown_slept_s": slow.slept_s, "slowdown_asked_s": slow.asked_s,
@@ -147,4 +170,10 @@ def report(slow: SlowDown | None, timed: int = 0) -> dict[str, Any]:
     steps = slow.step_slept_s[-timed:] if timed > 0 else []
     if steps:
         out["slowdown_step_slept_s"] = statistics.median(steps)
+        out["slowdown_step_piece_s"] = statistics.median(slow.step_piece_s[-timed:])
+    awake = slow.step_piece_s[:slow.awake_calls]
+    if len(awake) > 1:
+        awake = awake[1:]  # the first call is cold (first-touch allocations)
+    if awake:
+        out["slowdown_awake_piece_s"] = statistics.median(awake)
     return out

@@ -23,8 +23,9 @@ PP 2 with GPipe and with 1F1B, TP 2, TP 2 with sequence parallelism (DTensor
 FSDP 2 (ZeRO-3), the MoE GPT (4 experts, top-2) with EP 2, CP 2 (the sequence split,
 K and V all-gathered), and DP 2 and PP 2 (1F1B) with rank 1 a straggler on purpose
 (its compute twice as long, ``measure --slow-rank 1 --slowdown 2``, simulated with
-``variability.slow_gpus`` at the slowdown it actually slept, which the row's note
-gives: :func:`calibration.measured.compare.slowdown_as_slept`). With more devices
+``variability.slow_gpus`` at the slowdown it actually ran with, which the row's note
+gives: what it slept and the cold caches it woke to,
+:func:`calibration.measured.compare.slowdown_as_slept`). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` (``DIR/runs/<model>/<name>/``
 with two models) for inspection;
@@ -272,7 +273,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
     steal = best[3].get("cpu_steal")
     slept = comparison.get("slowdown_as_slept")
     slept_note = "" if slept is None else \
-        f"straggler as it slept: x{slept['compute_slowdown']:.2f} (asked x{cfg.slowdown:g})"
+        f"straggler as it ran: x{slept['compute_slowdown']:.2f} (asked x{cfg.slowdown:g})"
     return _row(cfg, comparison, _join(retry_note(attempts, best[1]), steal_note(steal),
                                        slept_note), model, steal)
 
