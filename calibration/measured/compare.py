@@ -137,7 +137,8 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
     if len(slow) != 1 or not slow[0].ranks or len(slow[0].ranks) != 1:
         return None
     rank = slow[0].ranks[0]
-    mine = next((r for r in measured.get("per_rank") or [] if r.get("rank") == rank), {})
+    mine: dict[str, Any] = next(
+        (r for r in measured.get("per_rank") or [] if r.get("rank") == rank), {})
     slept = mine.get("slowdown_step_slept_s")
     if slept is None:
         return None
