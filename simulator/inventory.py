@@ -333,19 +333,33 @@ def _grad_ops(x: _Shape, bias_elements: float, bias_kernels: int, weights: float
     16-bit gradient cast to its fp32 parameter's), and ``grad_accum`` (AccumulateGrad's
     add over ``weights`` in ``tensors`` kernels) or, with fp32 main grads, ``main_grad``."""
     L, h, dt = x.local, x.spec.hidden, x.dt
-    ops: list[Op] = []
-    if x.spec.bias:
-        ops.append(mem("bias_grad", bias_elements, dt, "reduction", bias_kernels))
-    ops.append(mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)))
-    if x.st.amp(dt):
-        ops.append(mem("amp_weight_cast", cast_elements, dt + 4, "copy", cast_kernels))
-    if x.st.main_grads == "param":  # AccumulateGrad adds each micro-batch's grads
-        ops.append(mem("grad_accum", 3 * weights, 4 if x.st.amp(dt) else dt, "elementwise",
-                       tensors))
+    bias, accum = _param_grad_ops(x.spec, x.st, dt, "", bias_elements, bias_kernels, weights,
+                                  weights, cast_elements, cast_kernels, tensors)
+    return [*bias, mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)),
+            *accum]
+
+
+def _param_grad_ops(spec: ModelSpec, stack: StackSpec, dt: int, prefix: str,
+                    bias_elements: float, bias_kernels: int, weights: float,
+                    accum_elements: float, cast_elements: float, cast_kernels: int,
+                    tensors: int) -> tuple[list[Op], list[Op]]:
+    """The parameter-gradient ops of :func:`_grad_ops` and :func:`expert_weight_ops`
+    (named with ``prefix``): the bias gradients; then under autocast the casts, and
+    AccumulateGrad's add over ``accum_elements`` or the fp32 main grads' traffic."""
+    bias = [mem(f"{prefix}bias_grad", bias_elements, dt, "reduction", bias_kernels)] \
+        if spec.bias else []
+    accum: list[Op] = []
+    if stack.amp(dt):
+        accum.append(mem(f"{prefix}amp_weight_cast", cast_elements, dt + 4, "copy",
+                         cast_kernels))
+    if stack.main_grads == "param":  # AccumulateGrad adds each micro-batch's grads
+        accum.append(mem(f"{prefix}grad_accum", 3 * accum_elements,
+                         4 if stack.amp(dt) else dt, "elementwise", tensors))
     else:  # the wgrad GEMMs read-modify-write the fp32 main_grad in their epilogue
         # (gradient_accumulation_fusion): 8 bytes per weight instead of the 16-bit write
-        ops.append(Op("main_grad", "memory", 0.0, (8 - dt) * weights, 0.0, "elementwise", 0))
-    return ops
+        accum.append(Op(f"{prefix}main_grad", "memory", 0.0, (8 - dt) * weights, 0.0,
+                        "elementwise", 0))
+    return bias, accum
 
 
 #: ops on DTensor operands when TP runs as DTensor (torch.distributed.tensor.parallel):
@@ -555,29 +569,21 @@ def expert_weight_ops(spec: ModelSpec, stack: StackSpec, tokens: float, width: f
                       groups: int, dt: int) -> list[Op]:
     """The routed experts' parameter-gradient ops besides their wgrad GEMMs, on one rank's
     ``groups`` local experts over ``tokens`` token-expert pairs, as :func:`_grad_ops`
-    has them for a layer's own tensors: ``bias_grad`` (one reduction of dY per biased
-    linear and call), under autocast ``amp_weight_cast``, and ``grad_accum``
+    has them for a layer's own tensors (:func:`_param_grad_ops`): ``bias_grad`` (one
+    reduction of dY per biased linear and call), under autocast ``amp_weight_cast``, and
+    ``grad_accum``
     (AccumulateGrad's add, one kernel per tensor, :func:`expert_tensors`) or, with fp32
-    main grads, the wgrad epilogue's ``main_grad`` read-modify-write."""
+    main grads, the wgrad epilogue's ``main_grad`` read-modify-write (names prefixed
+    ``expert_``)."""
     h, linears = spec.hidden, up_linears(spec, stack) + 1
     up = (2 if spec.activation == "swiglu" else 1) * width
     weights = groups * (h * up + width * h)
     biases = groups * (up + h) if spec.bias else 0.0
     calls, tensors = expert_calls(stack, groups), expert_tensors(spec, stack, groups)
-    ops: list[Op] = []
-    if spec.bias:
-        ops.append(mem("expert_bias_grad", tokens * (up + h), dt, "reduction",
-                       calls * linears))
-    amp = stack.amp(dt)
-    if amp:
-        ops.append(mem("expert_weight_cast", weights + biases, dt + 4, "copy", tensors))
-    if stack.main_grads == "param":
-        ops.append(mem("expert_grad_accum", 3 * (weights + biases), 4 if amp else dt,
-                       "elementwise", tensors))
-    else:
-        ops.append(Op("expert_main_grad", "memory", 0.0, (8 - dt) * weights, 0.0,
-                      "elementwise", 0))
-    return ops
+    bias, accum = _param_grad_ops(spec, stack, dt, "expert_", tokens * (up + h),
+                                  calls * linears, weights, weights + biases,
+                                  weights + biases, tensors, tensors)
+    return [*bias, *accum]
 
 
 #: Kernels of the ``eager`` routing (``stack.moe_routing``) as our measured MoE worker
