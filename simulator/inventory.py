@@ -698,9 +698,11 @@ def moe_layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel:
 def _moe_layer_ops(x: _Shape, pass_: Pass, padded: bool) -> tuple[Op, ...]:
     g = _gemms(x, pass_)
     mlp = _moe_mlp(x, pass_, padded)
-    if pass_ == "bwd_weight":
+    if pass_ == "bwd_weight":  # the routed experts' own weight-gradient ops last
+        experts = expert_weight_ops(x.spec, x.st, routed_tokens(x.spec, x.tokens, padded),
+                                    x.spec.expert_ffn / x.tp, x.spec.experts, x.dt)
         return (g["qkv"], g["out_proj"], *(op for op in mlp if op.kind == "gemm"),
-                *_moe_weight_ops(x))
+                *_moe_weight_ops(x), *experts)
     readers = 2 + (1 if x.spec.shared_experts else 0)  # router, permutation, shared experts
     return _frame(x, pass_, g, [*_amp_cast(x, "amp_cast_up", 1, pass_), *mlp], readers)
 

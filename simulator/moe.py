@@ -163,7 +163,10 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
     return ops
 
 
-ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers")  # what EP moves
+#: what expert parallelism moves: the routed experts' ops (the layer lists them for its
+#: FLOPs and what it keeps; the expert pass prices them on the ranks that hold the experts)
+ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers", "expert_bias_grad",
+              "expert_amp_weight_cast", "expert_grad_accum", "expert_main_grad")
 
 
 # ---------------------------------------------------------------- activations
