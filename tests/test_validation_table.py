@@ -140,8 +140,8 @@ def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
     args = argparse.Namespace(retries=2, micro_batches=4, steps=None, warmup=None,
                               device="cpu", threads=1, timeout=60.0, micro_batch_size=2)
     row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
-    assert launched == ["dp2-ddp", "dp2-ddp-launch2"]  # calm at the second: no third
-    assert compared == ["dp2-ddp-launch2"]
+    assert launched == ["dp2-ddp", "dp2-ddp-retry1"]  # calm at the second: no third
+    assert compared == ["dp2-ddp-retry1"]
     assert row["note"].startswith("steps scattered 36%; measured 2 times")
 
 
@@ -161,58 +161,3 @@ def test_an_earlier_runs_results_are_set_aside_not_resumed(tmp_path: Path) -> No
     assert all(p.name.endswith(".old") and p.exists() for p in moved)
     assert moved[0].read_text() == '{"key": "cpu/fp32/t1/gemm/8x32x32"}\n'
     assert set_aside(tmp_path, ["profile-cpu.results.jsonl"]) == []
-
-
-def test_the_median_launch_of_the_calm_ones_is_kept() -> None:
-    from calibration.measured.validation import kept_launch, retry_note
-
-    calm, busy = (0.04, 0.0), (0.3, 0.0)
-    assert kept_launch([calm, calm, calm], [0.370, 0.416, 0.420]) == 1
-    assert kept_launch([calm, calm, calm], [0.420, 0.370, 0.416]) == 2
-    # a disturbed launch is left out of the median: the lower middle of two calm ones
-    assert kept_launch([busy, calm, calm], [0.100, 0.110, 0.090]) == 2
-    # none ran calm: the least disturbed alone
-    assert kept_launch([(0.3, 0.0), (0.2, 0.0)], [0.1, 0.2]) == 1
-    assert retry_note([calm, calm, calm], 1, [370.0, 416.0, 420.0]) == (
-        "measured 3 times (370.0, 416.0, 420.0 ms), compared the median")
-    assert retry_note([busy, calm, calm, calm], 2, [1.0, 2.0, 3.0, 4.0]) == (
-        "steps scattered 30%; measured 4 times (1.0, 2.0, 3.0, 4.0 ms), compared the "
-        "median of the 3 calm ones")
-    assert retry_note([busy, (0.2, None)], 1, [1.0, 2.0]).endswith(
-        "compared the least scattered, at 20% (still scattered: a busy machine)")
-
-
-def test_a_tiny_gpt_row_is_measured_in_three_launches_and_the_median_compared(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import calibration.measured.compare as cmp
-    import calibration.measured.measure as msr
-    from calibration.measured.validation import run_one
-
-    medians = iter([0.109, 0.300, 0.084, 0.090])  # the second launch scattered
-    launched: list[str] = []
-
-    def fake_measure(*_: object, out_dir: str, **__: object) -> dict[str, object]:
-        launched.append(Path(out_dir).name)
-        t = next(medians)
-        times = [t] * 8 if t != 0.300 else [0.2, 0.3, 0.4, 0.2, 0.4, 0.3]
-        return {"step_times_s": times, "step_time_s": t}
-
-    compared: list[str] = []
-
-    def fake_compare(run_dir: Path, profile: str) -> dict[str, object]:
-        compared.append(run_dir.name)
-        fig = {"step_time_s": 0.09, "compute_s": 0.05, "idle_fraction": 0.1}
-        return {"measured": fig, "simulated": fig,
-                "relative_error": {"step_time_s": 0.0, "compute_s": 0.0}}
-
-    monkeypatch.setattr(msr, "run_measure", fake_measure)
-    monkeypatch.setattr(cmp, "run_compare", fake_compare)
-    args = argparse.Namespace(retries=1, micro_batches=4, steps=None, warmup=None,
-                              device="cpu", threads=1, timeout=60.0, micro_batch_size=2,
-                              launches=None)
-    row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "tiny-gpt")
-    # three calm launches wanted: the scattered second one costs the one retry
-    assert launched == ["dp2-ddp", "dp2-ddp-launch2", "dp2-ddp-launch3", "dp2-ddp-launch4"]
-    assert compared == ["dp2-ddp-launch4"]  # calm: 109, 84, 90 ms; the median is 90
-    assert row["note"].startswith("steps scattered 50%; measured 4 times (109.0, 300.0, "
-                                  "84.0, 90.0 ms), compared the median of the 3 calm ones")

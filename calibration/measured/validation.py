@@ -8,13 +8,10 @@ action, calibration/measured/pipeline_cost.py), then for each configuration runs
 scenario simulated with that profile), and writes ``DIR/validation.md`` and
 ``DIR/validation.csv``: one row per configuration with measured and simulated step
 time and the error, one table per model (``--model small-gpt,tiny-gpt`` runs both from
-the one calibration), each ending with its mean and largest |step error|. Each
-configuration runs in ``--launches`` launches (by default one of small-gpt, three of
-tiny-gpt, whose median step wanders from launch to launch) and the one with the median
-step time is compared. A run whose steps scatter more than :data:`SPREAD_LIMIT`, or
-during which a hypervisor took more than :data:`calibration.host.STEAL_LIMIT` of the CPU
-(steal), is measured again (``--retries``) and left out of that median (the least
-disturbed run is compared when none ran calm), as the row's note says; each
+the one calibration), each ending with its mean and largest |step error|. A run whose
+steps scatter more than :data:`SPREAD_LIMIT`, or during which a hypervisor took more
+than :data:`calibration.host.STEAL_LIMIT` of the CPU (steal), is measured again
+(``--retries``) and the least disturbed run compared, as the row's note says; each
 row keeps its run's steal share, the header the calibration's. After the last row the
 calibration's two-rank terms are measured again (:mod:`calibration.measured.recheck`;
 ``--no-recheck`` skips it) and the tables end with them beside the profile's figures:
@@ -40,7 +37,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -88,10 +84,6 @@ MULTI_GPU_CONFIGS = (
 #: timed and warm-up steps per run by model, where --steps/--warmup leave them: a
 #: tiny-gpt step is ~50-300 ms, so more of them cost little and steady the median
 MODEL_STEPS = {"small-gpt": (8, 2), "tiny-gpt": (30, 5)}
-#: launches per configuration by model, where --launches leaves them (their median
-#: compared, :func:`kept_launch`): a tiny-gpt launch takes seconds and its median step
-#: wanders 15-25% from one launch to the next; a small-gpt launch takes a minute or more
-MODEL_LAUNCHES = {"small-gpt": 1, "tiny-gpt": 3}
 MODELS = tuple(MODEL_STEPS)
 COLUMNS = ("model", "config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
            "step_error", "compute_error", "idle_measured", "idle_simulated", "cpu_steal", "note")
@@ -216,45 +208,19 @@ def disturbance(spread: float, steal: float | None) -> float:
     return max(spread / SPREAD_LIMIT, (steal or 0.0) / STEAL_LIMIT)
 
 
-def retry_note(attempts: list[tuple[float, float | None]], kept: int,
-               launch_ms: list[float] | None = None) -> str:
-    """What the table says of a row measured more than once: why (the first disturbed
-    run's scatter, its steal), how often, the launches' step times where several were
-    wanted (``launch_ms``, in launch order) and the kept run's scatter."""
+def retry_note(attempts: list[tuple[float, float | None]], kept: int) -> str:
+    """What the table says of a row measured more than once: why (the first run's
+    scatter, its steal), how often, and the kept run's scatter."""
     if len(attempts) == 1:
         return ""
-    first = next((a for a in attempts if disturbance(*a) > 1.0), None)
-    note = ""
-    if first is not None:
-        spread, steal = first
-        why = [f"steps scattered {spread:.0%}"] if spread > SPREAD_LIMIT else []
-        if (steal or 0.0) > STEAL_LIMIT:
-            why.append(f"{steal:.0%} steal")
-        note = f"{' and '.join(why)}; "
-    note += f"measured {len(attempts)} times"
+    spread, steal = attempts[0]
+    why = [f"steps scattered {spread:.0%}"] if spread > SPREAD_LIMIT else []
+    if (steal or 0.0) > STEAL_LIMIT:
+        why.append(f"{steal:.0%} steal")
     kept_spread = attempts[kept][0]
-    if launch_ms:
-        calm = sum(disturbance(*a) <= 1.0 for a in attempts)
-        note += f" ({', '.join(f'{t:.1f}' for t in launch_ms)} ms), compared " + (
-            "the median" if first is None else
-            f"the median of the {calm} calm ones" if calm else
-            f"the least scattered, at {kept_spread:.0%}")
-    elif first is not None:
-        note += f", kept the run at {kept_spread:.0%}"
+    note = (f"{' and '.join(why)}; measured {len(attempts)} times, "
+            f"kept the run at {kept_spread:.0%}")
     return note + (" (still scattered: a busy machine)" if kept_spread > SPREAD_LIMIT else "")
-
-
-def kept_launch(attempts: list[tuple[float, float | None]], step_s: list[float]) -> int:
-    """Which of a row's launches is compared: of its undisturbed launches (none: the least
-    disturbed alone) the one with the median step time, the lower of the middle two when
-    they are even. One launch's median step wanders from the next launch's by more than a
-    launch's steps scatter: on the project's 2-core VM tiny-gpt's DP 2 took 109 ms a step
-    in one launch and 84 ms in the next, TP 2 370 then 416 and 420 ms
-    (2026-12-05, AMD EPYC)."""
-    d = [disturbance(*a) for a in attempts]
-    pool = [i for i, x in enumerate(d) if x <= 1.0] or [min(range(len(d)), key=d.__getitem__)]
-    pool.sort(key=lambda i: step_s[i])
-    return pool[(len(pool) - 1) // 2]
 
 
 def steal_note(steal: float | None) -> str:
@@ -270,21 +236,17 @@ def _join(*notes: str) -> str:
 
 def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
             model: str) -> dict[str, Any]:
-    """Measure in ``--launches`` launches (default by model, :data:`MODEL_LAUNCHES`) and
-    again, up to ``--retries`` more, while too few of them ran undisturbed (their steps
-    scatter, a hypervisor takes the CPU: :func:`disturbance`); compare the kept launch
-    (:func:`kept_launch`: the median of the undisturbed ones)."""
+    """Measure (again, up to ``--retries`` times, while the steps scatter or a hypervisor
+    takes the CPU) and compare the least disturbed run (:func:`disturbance`)."""
     from calibration.measured.compare import run_compare
     from calibration.measured.measure import run_measure
 
     steps, warmup = MODEL_STEPS[model]
-    launches = getattr(args, "launches", None) or MODEL_LAUNCHES[model]
     attempts: list[tuple[float, float | None]] = []  # (step scatter, steal) per run
-    runs: list[tuple[Path, dict[str, Any]]] = []
+    best: tuple[float, int, Path, dict[str, Any]] | None = None
     try:
-        for attempt in range(launches + args.retries):
-            out = run_dir if attempt == 0 else \
-                run_dir.with_name(f"{run_dir.name}-launch{attempt + 1}")
+        for attempt in range(1 + args.retries):
+            out = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-retry{attempt}")
             got = run_measure(
                 cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,
                 micro_batches=args.micro_batches, model=model, steps=args.steps or steps,
@@ -296,27 +258,24 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
                 sequence_parallel=cfg.sequence_parallel)
             spread, steal = step_spread(got["step_times_s"]), got.get("cpu_steal")
             attempts.append((spread, steal))
-            runs.append((out, got))
-            calm = sum(disturbance(*a) <= 1.0 for a in attempts)
-            if calm >= launches:
+            d = disturbance(spread, steal)
+            if best is None or d < best[0]:
+                best = (d, attempt, out, got)
+            if d <= 1.0:
                 break
-            if disturbance(spread, steal) > 1.0:
-                _say(f"[validation] {cfg.name}: steps scattered {spread:.0%} (limit "
-                     f"{SPREAD_LIMIT:.0%}), steal {_pct(steal)}"
-                     + (", measuring again" if attempt + 1 < launches + args.retries else ""))
-        step_s = [float(got.get("step_time_s", statistics.median(got["step_times_s"])))
-                  for _, got in runs]
-        kept = kept_launch(attempts, step_s)
-        comparison = run_compare(runs[kept][0], profile)
+            _say(f"[validation] {cfg.name}: steps scattered {spread:.0%} (limit "
+                 f"{SPREAD_LIMIT:.0%}), steal {_pct(steal)}"
+                 + (", measuring again" if attempt < args.retries else ""))
+        assert best is not None
+        comparison = run_compare(best[2], profile)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}", model)
-    steal = runs[kept][1].get("cpu_steal")
+    steal = best[3].get("cpu_steal")
     slept = comparison.get("slowdown_as_slept")
     slept_note = "" if slept is None else \
         f"straggler as it ran: x{slept['compute_slowdown']:.2f} (asked x{cfg.slowdown:g})"
-    launch_ms = [t * 1e3 for t in step_s] if launches > 1 else None
-    return _row(cfg, comparison, _join(retry_note(attempts, kept, launch_ms),
-                                       steal_note(steal), slept_note), model, steal)
+    return _row(cfg, comparison, _join(retry_note(attempts, best[1]), steal_note(steal),
+                                       slept_note), model, steal)
 
 
 def _pct(x: float | None) -> str:
@@ -370,14 +329,12 @@ def _calibration_steal(steal: float | None) -> str:
 def _section(rows: list[dict[str, Any]], header: dict[str, Any], model: str) -> list[str]:
     steps = header["steps"]
     steps = steps.get(model) if isinstance(steps, dict) else steps
-    launches = (header.get("launches") or {}).get(model, 1)
-    of_launches = f", the median of {launches} launches" if launches > 1 else ""
     lines = [f"Validation on {header['device_name']} ({header['device']}, {header['threads']} "
              f"thread(s) per process), torch {header['torch']}, profile `{header['profile']}`"
              f"{_calibration_steal(header.get('calibration_steal'))}, "
              f"{header['date']}; model {model}, {header['micro_batches']} "
              f"micro-batches of {header['micro_batch_size']}, median of {steps} "
-             f"steps{of_launches}.", "",
+             "steps.", "",
              "| config | measured ms | simulated ms | step error | compute error | "
              "idle measured | idle simulated | steal | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -477,8 +434,6 @@ def run_validation(args: argparse.Namespace) -> int:
                                  "needs at least 2 (use --device cpu)")])
     if not 0 <= args.retries <= 5:
         raise UserError([Problem("--retries", args.retries, "use 0 to 5 re-measures")])
-    if args.launches is not None and not 1 <= args.launches <= 9:
-        raise UserError([Problem("--launches", args.launches, "use 1 to 9 launches")])
     names = models(args.model)
     configs = select(configs_for(args.device, devices), args.only)
     check_profile(args.profile)
@@ -511,7 +466,6 @@ def run_validation(args: argparse.Namespace) -> int:
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
               "model": names[0], "calibration_steal": calibration_steal,
               "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names},
-              "launches": {m: args.launches or MODEL_LAUNCHES[m] for m in names},
               "recheck": _recheck(args, out, profile)}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
@@ -550,10 +504,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    f"scatter more than {SPREAD_LIMIT:.0%}% (interquartile range over median) "
                    f"or a hypervisor takes more than {STEAL_LIMIT:.0%}% of the CPU (steal; "
                    "default 1); the least disturbed run is compared")
-    p.add_argument("--launches", type=int, metavar="N",
-                   help="launches per configuration, the median compared (default 1 for "
-                   "small-gpt, 3 for tiny-gpt: its median step wanders 15-25%% from one "
-                   "launch to the next)")
     p.add_argument("--only", metavar="NAME[,NAME]",
                    help="run only these configurations (e.g. cp2-allgather)")
     p.add_argument("--tiny", action="store_true", help="smoke-test calibration size (tests)")
