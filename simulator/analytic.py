@@ -268,7 +268,8 @@ def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile)
     """One layer's exposed context-parallel exchange per micro-batch, all passes
     (:mod:`simulator.passes.context_parallel`): a ring beyond what its attention block
     hides (twice the bytes in backward), or the blocking all-gathers and the
-    gradients' reduce-scatter. ``s`` is the rank's local view (seq_len / cp)."""
+    gradients' reduce-scatter (and the backward's all-gather unless the stack keeps the
+    gathered keys and values). ``s`` is the rank's local view (seq_len / cp)."""
     par, trn = s.parallel, s.training
     if par.cp == 1:
         return 0.0
@@ -278,7 +279,8 @@ def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile)
     if par.cp_comm_type == "allgather":
         ag = _collective_time(s, layout, "all_gather", size, group, hw)
         rs = _collective_time(s, layout, "reduce_scatter", size, group, hw)
-        return fwd_passes * ag + ag + rs
+        regather = 0 if s.cp_keeps_gathered_kv else 1  # the backward's all-gather
+        return (fwd_passes + regather) * ag + rs
     ring_f = _collective_time(s, layout, "all_gather", size, group, hw)
     ring_b = _collective_time(s, layout, "all_gather", 2 * size, group, hw)
     lc = c.layer(0)

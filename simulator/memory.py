@@ -52,6 +52,7 @@ from simulator import compression, moe
 from simulator.inventory import kept_for_backward, zero3_blocks
 from simulator.model import (
     RecomputeMode,
+    cp_kv_bytes,
     default_stack,
     dtype_bytes,
     embedding_params,
@@ -122,7 +123,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
-    stack: StackSpec | None = None,
+    stack: StackSpec | None = None, cp_kv_kept: bool = False,
 ) -> float:
     """Stored activations of one layer on one TP rank.
 
@@ -133,16 +134,28 @@ def activation_bytes_per_layer(
     t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
     recomputation); a flash-attention stack keeps no s×s matrix, and a stack without
     dropout no masks. Context parallelism keeps s/cp tokens per rank with a fused
-    attention core. A mixture of experts' layers are the inventory's too
+    attention core; with ``cp_kv_kept`` (the all-gather variant under a stack that
+    keeps the gathered keys and values, :attr:`simulator.scenario.Scenario.cp_keeps_gathered_kv`)
+    its core holds every rank's keys and values, cp − 1 chunks more, unless the layer
+    is recomputed in full. A mixture of experts' layers are the inventory's too
     (:func:`simulator.inventory.moe_layer_ops`); a latent-attention model's layers keep
     what their coarser ops save (:func:`simulator.moe.kept_bytes`: their own widths and
     a flash core, the same under selective recomputation, which a flash core leaves
     nothing to drop from).
     """
     st = stack or default_stack()
+    gathered = 0.0
     if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
         st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
+        if cp_kv_kept and recompute != "full":
+            gathered = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
+    return gathered + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
+                                      dtype, layer, st)
+
+
+def _kept_per_layer(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                    recompute: RecomputeMode, dtype: str, layer: int, st: StackSpec) -> float:
     if spec.mla is None:
         return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
                                  layer)
@@ -218,7 +231,8 @@ def _activations(scenario: Scenario, stage: int) -> float:
     runs = stage_layers(spec.layers, par, stage)
     if spec.is_moe or spec.mla is not None or par.cp > 1:
         total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
-                                                   par.cp, scenario.stack)
+                                                   par.cp, scenario.stack,
+                                                   scenario.cp_keeps_gathered_kv)
                     for i, n in _kinds(spec, runs))
     else:
         per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype,

@@ -144,7 +144,8 @@ def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: 
 
 
 def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
-                         pass_: Pass, cp: int, kv_gathered: bool = False) -> tuple[Op, ...]:
+                         pass_: Pass, cp: int, kv_gathered: bool = False,
+                         kv_kept: bool = False) -> tuple[Op, ...]:
     """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
     against the whole sequence's keys (:func:`_attention_core`; context parallelism runs
     a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
@@ -152,7 +153,9 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
     values are put in sequence order before the core, and in backward their gradients
     back in chunk order after it: one read and one write of the gathered bytes each
     (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
-    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``)."""
+    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``); with
+    ``kv_kept`` (the stack keeps the gathered, ordered keys and values for the backward)
+    the backward reorders only the gradients."""
     if cp == 1 or pass_ == "bwd_weight":
         return ops
     core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
@@ -162,7 +165,7 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
             if core in out:
                 continue  # an unfused core's other kernels: replaced by the one core
             if kv_gathered:
-                copies = 1 if pass_ == "fwd" else 2
+                copies = 1 if pass_ == "fwd" or kv_kept else 2
                 out.append(Op("cp_reorder", "memory", 0.0,
                               copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
             out.append(core)

@@ -47,7 +47,8 @@ def _layer_rows(s: Scenario, cost: CostModel, layer: int, part: str) -> list[dic
     rows = []
     for p in mdl.PASSES:
         ops = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
-                                       spec, b, tp, dt, p, cp, gathered)
+                                       spec, b, tp, dt, p, cp, gathered,
+                                       s.cp_keeps_gathered_kv)
         rows += [_row(cost, part, _PASS_NAMES[p], op) for op in ops]
     rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack)
     rec = mdl.context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
@@ -110,7 +111,8 @@ def format_table(s: Scenario, rows: list[dict[str, Any]]) -> str:
     layer = [r for r in rows if r["part"] == first]
     par, b = s.parallel, s.training.micro_batch
     kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, par.recompute,
-                                      s.training.dtype, 0, par.cp, s.stack)
+                                      s.training.dtype, 0, par.cp, s.stack,
+                                      s.cp_keeps_gathered_kv)
     lines.append(f"{first} total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
                  f"{sum(r['kernels'] for r in layer)} kernels; kept for backward "
                  f"{kept / 1e6:.1f} MB (the memory model's, under recompute "

@@ -455,6 +455,14 @@ class Scenario(_Frozen):
         """m: micro-batches per pipeline per step, B / (b · dp)."""
         return self.training.global_batch // (self.training.micro_batch * self.parallel.dp)
 
+    @property
+    def cp_keeps_gathered_kv(self) -> bool:
+        """Whether context parallelism's all-gather variant keeps the gathered keys and
+        values for the backward (``stack.cp_kv_backward: saved``), so that the backward
+        does not all-gather them again."""
+        return (self.parallel.cp > 1 and self.parallel.cp_comm_type == "allgather"
+                and self.stack.cp_kv_backward == "saved")
+
     @cached_property
     def hardware(self) -> HardwareProfile:
         """The system profile with this scenario's cluster overrides applied."""

@@ -117,6 +117,16 @@ class StackSpec(BaseModel):
     #: 3-D tensor per projection for all local experts (torchtitan's ``GroupedExperts``):
     #: what a per-tensor or foreach optimizer loops over
     moe_experts: Literal["modules", "grouped"] = "modules"
+    #: what the all-gather variant of context parallelism keeps for the backward:
+    #: ``regather``, the rank's own key/value chunk, all-gathered again in backward
+    #: (Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` saves the local k, v and its
+    #: backward calls ``gather_along_first_dim`` on them again:
+    #: transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), or
+    #: ``saved``, the gathered keys and values themselves, so the backward has only the
+    #: gradients' reduce-scatter (an autograd all-gather whose output the attention saves,
+    #: as our measured CP worker's ``GatherKV``: calibration/measured/cp_worker.py), at
+    #: cp times the key/value memory
+    cp_kv_backward: Literal["regather", "saved"] = "regather"
     #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
     #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
     #: sharded parameters are DTensors, so its optimizer step does; its forward and

@@ -109,10 +109,11 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     routed = spec.is_moe_layer(layer)
 
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
+    kept = s.cp_keeps_gathered_kv
 
     def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
         out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
-                                       spec, b, tp, dt, p, cp, gathered)
+                                       spec, b, tp, dt, p, cp, gathered, kept)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")

@@ -189,3 +189,59 @@ def test_allgather_reorders_the_gathered_kv_in_the_attention_block() -> None:
     assert b.fwd[0] - a.fwd[0] == pytest.approx(fwd, rel=1e-9)
     assert b.bwd_input[0] - a.bwd_input[0] == pytest.approx(bwd, rel=1e-9)
     assert b.fwd[1] == a.fwd[1] and b.bwd_weight == a.bwd_weight
+
+
+def _saved(**kw: Any) -> Scenario:
+    """The all-gather variant under a stack that keeps the gathered keys and values."""
+    s = make(cp_comm_type="allgather", **kw)
+    return s.model_copy(update={"stack": s.stack.model_copy(update={"cp_kv_backward": "saved"})})
+
+
+def test_a_stack_that_keeps_the_gathered_kv_does_not_gather_them_again() -> None:
+    """``cp_kv_backward: saved`` (an autograd all-gather whose output attention saves, as
+    the measured CP worker runs it): per layer and micro-batch one all-gather forward and
+    the gradients' reduce-scatter backward; Transformer Engine's regather has two."""
+    s = _saved(tp=2, cp=4, recompute="none")
+    assert s.cp_keeps_gathered_kv and not make(cp=4, cp_comm_type="allgather").cp_keeps_gathered_kv
+    w = build_workload(s, fidelity="folded")
+    rank0 = [t for t in w.tasks if t.rank == 0 and t.kind == "cp" and t.layer == 0
+             and t.microbatch == 0]
+    gathered = 4 * _kv_bytes(4, 2)
+    assert [(t.op, t.nbytes) for t in rank0] == [("cp.all_gather", gathered),
+                                                 ("cp.reduce_scatter", gathered)]
+    # full recomputation drops the gathered ones: the recomputed forward gathers again
+    r = build_workload(_saved(tp=2, cp=4, recompute="full"), fidelity="folded")
+    assert [t.op for t in r.tasks if t.rank == 0 and t.kind == "cp" and t.layer == 0
+            and t.microbatch == 0] == ["cp.all_gather", "cp.all_gather", "cp.reduce_scatter"]
+
+
+def test_kept_gathered_kv_costs_its_memory_and_one_backward_reorder() -> None:
+    """Memory: cp − 1 more key/value chunks per layer (none under full recomputation);
+    compute: the backward reorders only the gradients (one copy of the gathered bytes,
+    not two); the analytic estimate drops one all-gather per layer and micro-batch."""
+    from simulator.costs import CostModel
+    from simulator.memory import activation_bytes_per_layer
+    from simulator.workload import block_costs
+
+    regather, saved = make(tp=2, cp=4, cp_comm_type="allgather"), _saved(tp=2, cp=4)
+    spec = saved.model
+    base = activation_bytes_per_layer(spec, 1, 2, False, "none", "bf16", 0, 4, saved.stack)
+    kept = activation_bytes_per_layer(spec, 1, 2, False, "none", "bf16", 0, 4, saved.stack, True)
+    assert kept - base == pytest.approx(3 * _kv_bytes(4, 2), rel=REL)
+    assert activation_bytes_per_layer(spec, 1, 2, False, "full", "bf16", 0, 4, saved.stack,
+                                      True) == activation_bytes_per_layer(
+        spec, 1, 2, False, "full", "bf16", 0, 4, saved.stack)
+    cost = CostModel(saved.hardware, "bf16")
+    a, b = block_costs(regather, cost), block_costs(saved, cost)
+    nbytes = 2 * 4 * _kv_bytes(4, 2)  # one read and one write of the gathered K and V
+    one, two = (cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, k * nbytes, 0.0)])
+                for k in (1, 2))
+    assert a.bwd_input[0] - b.bwd_input[0] == pytest.approx(two - one, rel=1e-9)
+    assert b.fwd == a.fwd
+    re_a, _ = simulate_scenario(regather, "analytic")
+    re_b, _ = simulate_scenario(saved, "analytic")
+    assert re_b["step_time_s"] < re_a["step_time_s"]
+    for s in (regather, saved):  # engine and analytic agree on both
+        e, _ = simulate_scenario(s, "engine")
+        an, _ = simulate_scenario(s, "analytic")
+        assert an["step_time_s"] == pytest.approx(e["step_time_s"], rel=0.10)

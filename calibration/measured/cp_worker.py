@@ -22,9 +22,10 @@ the sum over every rank's queries — and put back in sequence order. Each local
 chunk c attends to the keys of positions 0 .. (c+1)·L − 1 with the causal mask on
 its diagonal block (Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` slices the
 keys the same way), so rank r's core costs (2·cp + 1)·L² per head, the same on every
-rank. One difference from Transformer Engine, which the simulation keeps: TE keeps only
-the local K/V for the backward and all-gathers them again there; autograd here keeps
-the gathered ones, so the backward has the reduce-scatter and no second all-gather.
+rank. One difference from Transformer Engine: TE keeps only the local K/V for the
+backward and all-gathers them again there; autograd here keeps the gathered ones, so the
+backward has the reduce-scatter and no second all-gather (the ``pytorch-eager`` stack's
+``cp_kv_backward: saved``, which the simulation of these runs reads).
 
 Gradients: the model is wrapped in ``DistributedDataParallel`` over all dp · cp
 ranks (the simulator reduces weight gradients over dp · cp), which averages them; the

@@ -16,8 +16,10 @@ guide, ``docs/source/api-guide/context_parallel.rst``):
   (twice the bytes).
 - ``allgather`` (the Llama 3 report, §3.3.2): the keys and values are
   all-gathered before the attention core, on the compute stream (blocking); the
-  backward all-gathers them again (only the chunk is kept) and reduce-scatters
-  their gradients after it.
+  backward all-gathers them again (Transformer Engine keeps only the chunk) and
+  reduce-scatters their gradients after it. A stack that keeps the gathered ones
+  (``stack.cp_kv_backward: saved``, an autograd all-gather whose output attention
+  saves) skips the backward's all-gather.
 
 Recomputed attention blocks (full recomputation) exchange as a forward does.
 The gradients of every weight reduce over the data-parallel group with CP
@@ -38,6 +40,7 @@ class ContextParallelPass(Pass):
                                   s.training.dtype)
         self.cp = s.parallel.cp
         self.ring = s.parallel.cp_comm_type == "p2p"
+        self.kept = s.cp_keeps_gathered_kv  # no all-gather again in backward
         for prog in ctx.programs.values():
             prog.streams.setdefault("cp", [])
 
@@ -50,7 +53,7 @@ class ContextParallelPass(Pass):
         compute = ctx.programs[rank].streams["compute"]
         gathered = self.cp * self.kv  # the whole sequence's keys and values
         if before:
-            if not self.ring:  # keys and values of every chunk, before the core
+            if not self.ring and not (backward and self.kept):  # every chunk's K and V
                 ctx.collective(rank, "compute", "all_gather", "cp", group, gathered,
                                f"cp.all_gather kv L{layer} mb{mb}", mb, layer, chunk)
             return
