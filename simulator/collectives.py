@@ -363,12 +363,15 @@ def sync_burst_cost(plan: Plan, hw: HardwareProfile, burst_s: float) -> float:
     """What the collective costs beyond :func:`sync_cost` when its members come from up
     to ``burst_s`` seconds of compute since their previous collective:
     ``gpu.collective_sync_burst`` at that burst, of the slowest link class it crosses (0
-    for a group of one, or a profile without the curve). The engine charges it; the
-    analytic estimate, which has no per-collective burst, does not."""
+    for a group of one, or a profile without the curve). Negative after a burst shorter
+    than the calibration's where the profile measured one (less of the sync cost), but
+    never more than the sync cost itself off. The engine charges it; the analytic
+    estimate, which has no per-collective burst, does not."""
     if plan.n <= 1 or not hw.gpu.collective_sync_burst:
         return 0.0
-    return max((hw.gpu.collective_sync_burst_s(leg.link_class, burst_s)
-                for phase in plan.phases for leg in phase.legs), default=0.0)
+    growth = max((hw.gpu.collective_sync_burst_s(leg.link_class, burst_s)
+                  for phase in plan.phases for leg in phase.legs), default=0.0)
+    return max(growth, -sync_cost(plan, hw))
 
 
 def phase_latencies(plan: Plan, hw: HardwareProfile) -> list[float]:

@@ -573,17 +573,20 @@ class Engine:
                 elif t0 > env._now:
                     yield Timeout(env, t0 - env._now)
                 begin[gid] = env._now
+                cut = 0.0  # a short burst's discount, off the first phase's latency
                 if bursts:
                     extra = self._burst_cost(phases, burst)
                     if extra > 0:
                         yield Timeout(env, extra)
+                    else:
+                        cut = extra
                 if len(phases) == 1 and len(phases[0][0]) == 1:
                     # one flow, whose completion is the members' event: no generator,
                     # no second event to wake them
                     legs, alpha = phases[0]
                     link_class, nbytes = legs[0]
                     ev = net.transfer(nbytes, self._group_links(grp, link_class),
-                                      self._group_weight(grp), alpha,
+                                      self._group_weight(grp), max(alpha + cut, 0.0),
                                       None if rv is None else rv.done)
                     if slowing:
                         self._slow_while(ev, self._members[grp], self._coll_factor(phases))
@@ -592,7 +595,7 @@ class Engine:
                     ev = Event(env)
                     if slowing:
                         self._slow_while(ev, self._members[grp], self._coll_factor(phases))
-                    yield from self.transfer(grp, phases)
+                    yield from self.transfer(grp, phases, cut)
                     ev.succeed()
                     if rv is not None:
                         rv.done.succeed()
@@ -677,10 +680,12 @@ class Engine:
         return f
 
     def transfer(self, grp: int, phases: list[tuple[list[tuple[LinkName, float]], float]],
-                 ) -> Generator[simpy.Event, Any, None]:
-        """A collective's plan, phase by phase, once every member has arrived."""
+                 cut: float = 0.0) -> Generator[simpy.Event, Any, None]:
+        """A collective's plan, phase by phase, once every member has arrived (``cut``
+        seconds, at most 0, off the first phase's latency: :meth:`_burst_cost`)."""
         weight = self._group_weight(grp)
-        for legs, alpha in phases:
+        for i, (legs, latency) in enumerate(phases):
+            alpha = max(latency + cut, 0.0) if i == 0 else latency
             if len(legs) == 1:  # the common case: α rides on the flow's completion
                 link_class, nbytes = legs[0]
                 yield self.net.transfer(nbytes, self._group_links(grp, link_class), weight,
@@ -697,7 +702,9 @@ class Engine:
     def _burst_cost(self, phases: list[tuple[list[tuple[LinkName, float]], float]],
                     burst: float) -> float:
         """What a collective costs beyond its sync cost when its members arrive from up to
-        ``burst`` seconds of compute (:func:`simulator.collectives.sync_burst_cost`)."""
+        ``burst`` seconds of compute (:func:`simulator.collectives.sync_burst_cost`;
+        negative after a burst shorter than the calibration's, never below minus the
+        sync cost itself)."""
         plan = self._plan_of.get(id(phases))
         return 0.0 if plan is None else sync_burst_cost(plan, self.hw, burst)
 

@@ -135,12 +135,14 @@ class SyncCurve(_LogCurve):
 
 
 class BurstCurve(_LogCurve):
-    """What a collective after a longer compute burst costs beyond the sync cost after
-    the calibration's own burst, µs, as a function of the burst (seconds of compute on
-    the rank since its previous collective), interpolated in log10(seconds), flat
-    beyond the measured bursts (so nothing below the calibration's burst)."""
+    """What a collective after a compute burst costs beyond the sync cost after the
+    calibration's own burst, µs, as a function of the burst (seconds of compute on the
+    rank since its previous collective), interpolated in log10(seconds), flat beyond
+    the measured bursts: 0 at the calibration's burst, growing after longer ones,
+    negative (a discount, at most the sync cost itself) after shorter ones where the
+    calibration measured them, and without them no discount."""
 
-    LOW: ClassVar[float] = 0.0
+    LOW: ClassVar[float] = -1e6  # a discount of up to a second
     HIGH: ClassVar[float] = 1e9
     WHAT: ClassVar[str] = "sync costs (µs)"
 
@@ -286,12 +288,12 @@ class GPUSpec(_Frozen):
 
     def collective_sync_burst_s(self, link_class: str, burst_s: float) -> float:
         """Seconds a collective over ``link_class`` costs beyond :meth:`collective_sync_s`
-        after ``burst_s`` seconds of compute: the profile's burst curve there (0 when the
-        profile has none)."""
+        after ``burst_s`` seconds of compute: the profile's burst curve there, its
+        shortest burst's value after none (0 when the profile has no curve)."""
         curve = self.collective_sync_burst.get(link_class)  # type: ignore[call-overload]
-        if curve is None or burst_s <= 0:
+        if curve is None:
             return 0.0
-        return float(curve(burst_s)) * 1e-6
+        return float(curve(max(burst_s, 0.0))) * 1e-6
 
     def send_sync_s(self, link_class: str) -> float:
         """Seconds a point-to-point send over ``link_class`` that follows compute costs

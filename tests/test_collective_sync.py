@@ -391,7 +391,8 @@ def test_the_engine_charges_the_growth_at_each_collective_that_follows_compute()
     analytic estimate, with no bursts of its own, does not grow."""
     x_us = 700.0
     base = _tp_only(0.0)
-    burst = with_hardware(base, _with_burst(base.hardware, [(1e-9, x_us)]))
+    # 0 after no compute (the curve's first point, flat below it), X after any
+    burst = with_hardware(base, _with_burst(base.hardware, [(1e-12, 0.0), (1e-9, x_us)]))
     wl = build_workload(base)
     after_compute, colls, since = 0, 0, False
     for t in wl.programs[0].streams["compute"]:
@@ -407,13 +408,47 @@ def test_the_engine_charges_the_growth_at_each_collective_that_follows_compute()
     assert step_time_of(burst, "analytic", None) == step_time_of(base, "analytic", None)
 
 
-@pytest.mark.parametrize(("points", "fix"), [([[1e-3, -1.0]], "sync costs .µs. must lie"),
+@pytest.mark.parametrize(("points", "fix"), [([[1e-3, -2e6]], "sync costs .µs. must lie"),
                                              ([[4e-3, 1.0], [1e-3, 2.0]], "strictly increase")])
 def test_a_bad_burst_curve_is_refused(points: list[list[float]], fix: str) -> None:
     data = load_system("dgx-h100").model_dump(mode="json")
     data["gpu"]["collective_sync_burst"] = {"intra_node": {"points": points}}
     with pytest.raises(UserError, match=fix):
         validate_profile(data, "p.yaml")
+
+
+def test_shorter_bursts_enter_the_curve_as_a_discount_never_a_surcharge() -> None:
+    """Bursts shorter than the base one (0.1 and 0.3 ms) come before it in the curve with
+    their change from the base, at most 0; the rank spread's wait over the shorter
+    burst, c · e_2 · (B − B₀) < 0, comes off as it does for longer ones."""
+    from simulator.costs import expected_max_normal
+
+    rec = _burst_record({1e-4: {262144: [(100, 100)] * 3, 1048576: [(200, 200)] * 3},
+                         3e-4: {262144: [(450, 400)] * 3, 1048576: [(900, 900)] * 3},
+                         **BURST_EXCESS_US})
+    # base by size 405 / 500 us: 0.1 ms -305 / -300 (median -302.5); 0.3 ms +45 / +400
+    assert {b: t * 1e6 for b, t in cs.burst_excess(rec).items()} == pytest.approx(
+        {1e-4: -302.5, 3e-4: 222.5, 4e-3: 597.5, 16e-3: 1197.5})
+    curve = cs.burst_curve(rec)
+    assert [b for b, _ in curve] == pytest.approx([1e-4, 3e-4, 1e-3, 4e-3, 16e-3])
+    assert [t * 1e6 for _, t in curve] == pytest.approx([-302.5, 0.0, 0.0, 597.5, 1197.5])
+    c, e2 = 0.05, expected_max_normal(2)
+    assert cs.burst_curve(rec, c)[0][1] == pytest.approx(-302.5e-6 + c * e2 * 0.9e-3)
+    assert "after 0.1 ms -302 us; after 0.3 ms +223 us" in cs.summary(rec)
+
+
+def test_the_engine_takes_a_short_bursts_discount_off_the_sync_never_below_none() -> None:
+    """A TP step whose collectives all follow less compute than the calibration's burst:
+    with a curve of −D below it, each pays sync − D; with D beyond the sync cost, none of
+    it (never less than back to back); the analytic estimate keeps the full sync."""
+    sync_us, d_us = 250.0, 100.0
+    base, synced = _tp_only(0.0), _tp_only(sync_us)
+    colls = sum(t.plan is not None for t in build_workload(base).programs[0].streams["compute"])
+    for cut, paid in ((d_us, sync_us - d_us), (10 * sync_us, 0.0)):
+        short = with_hardware(synced, _with_burst(synced.hardware, [(10.0, -cut), (20.0, 0.0)]))
+        grown = step_time_of(short, "engine", None) - step_time_of(base, "engine", None)
+        assert grown == pytest.approx(colls * paid * 1e-6, rel=1e-9, abs=1e-12), cut
+        assert step_time_of(short, "analytic", None) == step_time_of(synced, "analytic", None)
 
 
 def test_the_growth_leaves_out_the_wait_the_rank_spread_already_charges() -> None:

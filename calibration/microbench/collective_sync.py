@@ -55,6 +55,17 @@ profile's ``gpu.collective_sync_burst`` (:func:`burst_curve`): 0 at the 1 ms bur
 interpolated in log(burst), flat beyond. The engine charges it at each collective from
 its members' compute since their previous collective
 (:func:`simulator.collectives.sync_burst_cost`).
+
+It shrinks after shorter bursts too. On the project's 2-vCPU AMD EPYC VM the all-reduce
+of 64 KiB cost, beyond back to back, a mean 0.17-0.29 ms after no compute or 0.1 ms of
+GEMMs, 0.4-0.6 ms after 0.25-0.5 ms and 0.9 ms after 1 ms (256 KiB: 0.54-0.60, 0.9-1.1 and
+0.9 ms); and in the profiler trace of a tiny-gpt TP 2 step with sequence parallelism the
+functional collectives' issue-to-done time grew with the host time before them: a mean
+0.9-1.0 ms after 0.1-0.7 ms, 1.7 ms after 0.7-1.5 ms, 2.3 ms after 1.5-4 ms. A tiny
+model's collectives follow a few hundred microseconds of compute, so on a CPU the loops
+also run after shorter bursts (of a smaller GEMM, :data:`SHORT_GEMM_SIZE`), whose change
+from the base, at most 0, enters the curve below the 1 ms burst: a discount, which the
+engine never lets exceed the sync cost itself.
 """
 
 from __future__ import annotations
@@ -74,8 +85,11 @@ SIZES = {"cpu": (4 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 <<
 #: costs share) and up to a layer's ZeRO-3 gather on a CPU, where the cost grows with
 #: the message (a 12.6 MB all-gather after compute: 1-2 ms against 0.5-0.8 ms at 4 KiB)
 SYNC_SIZES = {"cpu": SIZES["cpu"] + (4 << 20, 16 << 20), "cuda": SIZES["cuda"]}
-#: the longer bursts, seconds, and the sizes they run at (none on a GPU: not measured)
-BURSTS = {"cpu": (4e-3, 16e-3), "cuda": ()}
+#: the other bursts, seconds, shorter and longer than BURST_S, and the sizes they run at
+#: (none on a GPU: not measured)
+BURSTS = {"cpu": (1e-4, 3e-4, 4e-3, 16e-3), "cuda": ()}
+#: the GEMM of a burst shorter than BURST_S: fine enough to make 0.1 ms of a few
+SHORT_GEMM_SIZE = {"cpu": 128, "cuda": 1024}
 BURST_SIZES = {"cpu": (256 << 10, 1 << 20), "cuda": ()}
 ITERATIONS = 16
 ROUNDS = 9  # gloo on a shared VM has slow spells: the median round shrugs off a few
@@ -139,7 +153,7 @@ def sync_curve(rec: dict[str, Any]) -> list[tuple[int, float]]:
 
 
 def burst_excess(rec: dict[str, Any]) -> dict[float, float]:
-    """Per longer burst (seconds, the record's ``burst_rounds``), the growth of the excess
+    """Per other burst (seconds, the record's ``burst_rounds``), the growth of the excess
     over the base burst's: per size, the median over rounds of :func:`round_excess` (the
     base rounds' ``b2b`` charged) minus that size's :func:`excess_by_size`; the median over
     the sizes. Empty for a record without longer bursts."""
@@ -157,8 +171,9 @@ def burst_excess(rec: dict[str, Any]) -> dict[float, float]:
 
 
 def burst_curve(rec: dict[str, Any], spread: float = 0.0) -> list[tuple[float, float]]:
-    """The growth by burst as (seconds of compute, seconds), at least 0, from 0 at the
-    base burst (``gpu.collective_sync_burst``); empty without longer bursts.
+    """The growth by burst as (seconds of compute, seconds), from 0 at the base burst
+    (``gpu.collective_sync_burst``): at least 0 after a longer burst, at most 0 (a
+    discount) after a shorter one; empty without other bursts.
 
     A burst's ``with`` holds the wait for the slower rank, which the profile's rank
     spread c already charges as compute (each op of a two-rank step ``1 + c · e_2``
@@ -171,8 +186,9 @@ def burst_curve(rec: dict[str, Any], spread: float = 0.0) -> list[tuple[float, f
     if not grown:
         return []
     b0, e2 = float(rec["burst_s"]), expected_max_normal(2)
-    return [(b0, 0.0)] + [(b, max(t - spread * e2 * (b - b0), 0.0)) for b, t in grown.items()
-                          if b > b0]
+    shorter = [(b, min(t - spread * e2 * (b - b0), 0.0)) for b, t in grown.items() if b < b0]
+    return shorter + [(b0, 0.0)] + [(b, max(t - spread * e2 * (b - b0), 0.0))
+                                    for b, t in grown.items() if b > b0]
 
 
 def round_figures(rec: dict[str, Any], excess: RowExcess = round_excess) -> list[float]:
@@ -189,7 +205,7 @@ def sync_key(device: str, threads: int) -> str:
 
 def summary(rec: dict[str, Any]) -> str:
     sizes = ", ".join(f"{_human(s)} {t * 1e6:.0f} us" for s, t in excess_by_size(rec).items())
-    grown = "".join(f"; after {b * 1e3:.0f} ms {t * 1e6:+.0f} us"
+    grown = "".join(f"; after {b * 1e3:.3g} ms {t * 1e6:+.0f} us"
                     for b, t in burst_excess(rec).items())
     return (f"[collective sync] burst {rec['burst_s'] * 1e3:.2f} ms; excess after compute "
             f"{sizes}: {sync_seconds(rec) * 1e6:.0f} us{grown}")
@@ -225,12 +241,14 @@ def rounds(device: str, group: Any, dev: str) -> dict[str, Any]:
 
 def longer_rounds(group: Any, dev: str, device: str, burst_s: float,
                   bufs: Mapping[int, Any]) -> list[list[dict[str, Any]]]:
-    """``ROUNDS`` rounds of ``alone`` and ``with`` after a burst of ``burst_s`` at each
+    """``ROUNDS`` rounds of ``alone`` and ``with`` after a burst of ``burst_s`` (of the
+    smaller GEMM where it is shorter than the base burst) at each
     size of ``bufs``: per round, one row per size (``burst_s``, ``bytes``, every rank's
     median ``alone`` and mean ``with``)."""
     import torch.distributed as dist
 
-    burst, meta = make_burst(device, group, dev, burst_s)
+    burst, meta = make_burst(device, group, dev, burst_s,
+                             SHORT_GEMM_SIZE[device] if burst_s < BURST_S else None)
 
     def reduce(buf: Any) -> Callable[[], None]:
         def call() -> None:
@@ -256,11 +274,12 @@ def longer_rounds(group: Any, dev: str, device: str, burst_s: float,
     return out
 
 
-def make_burst(device: str, group: Any, dev: str,
-               burst_s: float) -> tuple[Callable[[], None], dict[str, Any]]:
-    """The compute burst (square GEMMs, the same count on every rank, about ``burst_s``
-    on the slowest) and what the record says of it."""
-    mm = square_gemm(device, dev)
+def make_burst(device: str, group: Any, dev: str, burst_s: float,
+               size: int | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
+    """The compute burst (square GEMMs of ``size``, default the interference benchmark's,
+    the same count on every rank, about ``burst_s`` on the slowest) and what the record
+    says of it."""
+    mm = square_gemm(device, dev, size)
     gemm = _loop(mm, group, dev)
     gemm(2)  # warm-up: allocator, kernels
     per_gemm = _max(min(gemm(3)), group, dev)
@@ -270,7 +289,7 @@ def make_burst(device: str, group: Any, dev: str,
         for _ in range(gemms):
             mm()
     return burst, {"burst_s": per_gemm * gemms, "gemms": gemms,
-                   "gemm_size": GEMM_SIZE[device]}
+                   "gemm_size": size or GEMM_SIZE[device]}
 
 
 #: Per size: the loops that time ``alone``, ``with`` and ``b2b``.

@@ -48,12 +48,12 @@ def summary(rec: dict[str, Any]) -> str:
             f"factor {rec['factor']:.3f}")
 
 
-def square_gemm(device: str, dev: str) -> Callable[[], object]:
-    """One call of the square GEMM (``GEMM_SIZE``, bf16 on a GPU, fp32 on a CPU) on
-    random operands."""
+def square_gemm(device: str, dev: str, size: int | None = None) -> Callable[[], object]:
+    """One call of the square GEMM (``size``, default ``GEMM_SIZE``, bf16 on a GPU, fp32
+    on a CPU) on random operands."""
     import torch
 
-    n = GEMM_SIZE[device]
+    n = size or GEMM_SIZE[device]
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     a, b = (torch.empty((n, n), dtype=dt, device=dev).uniform_(-1, 1) for _ in range(2))
     c = torch.empty((n, n), dtype=dt, device=dev)
