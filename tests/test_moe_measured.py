@@ -80,6 +80,10 @@ def test_scenario_of_a_moe_run_is_simulated_with_expert_parallelism(tmp_path: Pa
     results, _ = simulate_scenario(s, "engine", "full")
     assert results["collectives"]["ep.all_to_all"]["count"] == 2 * 4 * 4 * 4  # ranks·layers·mb·4
     assert results["step_breakdown_s"]["ep_transfer"] > 0
+    # the worker's one flat all-reduce of the dense gradients after the backward (no DDP)
+    assert (s.stack.grad_reduce, s.stack.ddp_first_bucket_MB) == ("after_backward", 0)
+    assert results["collectives"]["dp.all_reduce"]["count"] == 2  # one per rank
+    assert not s.stack.overlap(s.parallel.overlap).dp
 
 
 @pytest.mark.slow

@@ -137,6 +137,12 @@ def scenario_dict(
         model.update(experts=cfg.experts, experts_per_token=cfg.experts_per_token,
                      expert_ffn_hidden=m["ffn_hidden"], capacity_factor=cfg.capacity_factor)
         parallel.update(ep=cfg.ep, dp_bucket_MB=1e6)
+        # no DDP: MoETrainer.reduce concatenates the dense gradients after the backward,
+        # all-reduces them in one call, divides and copies them back (the DDP bucket's
+        # copy in and out), so one bucket, after the backward, no 1 MiB first bucket
+        stack = out["stack"]
+        out["stack"] = {**({"preset": stack} if isinstance(stack, str) else stack),
+                        "grad_reduce": "after_backward", "ddp_first_bucket_MB": 0}
     if cfg.cp > 1:  # calibration/measured/cp_worker.py: K and V all-gathered, DDP over dp·cp
         parallel = out["parallel"]
         assert isinstance(parallel, dict)
