@@ -466,3 +466,19 @@ def test_the_growth_leaves_out_the_wait_the_rank_spread_already_charges() -> Non
     assert curve[1][1] == pytest.approx(597.5e-6 - c * e2 * 3e-3)  # 4 ms: 597.5 − 84.6 µs
     assert [t for _, t in cs.burst_curve(_burst_record(), 1.0)] == [0.0, 0.0, 0.0]
     assert collective_sync_burst([_burst_record()], c) == {"intra_node": curve}
+
+
+def test_the_curve_never_falls_with_more_compute() -> None:
+    """Each side of the base burst is the non-decreasing least-squares fit to its
+    figures: a shorter burst read as dearer than a longer one pools with it (their
+    mean), then the bounds (a discount at most 0, a growth at least 0)."""
+    assert cs.monotone([0.0, -632.0]) == pytest.approx([-316.0, -316.0])
+    assert cs.monotone([1.0, 3.0, 2.0, 5.0]) == pytest.approx([1.0, 2.5, 2.5, 5.0])
+    assert cs.monotone([]) == []
+    rec = _burst_record({1e-4: {262144: [(405, 405)] * 3, 1048576: [(500, 500)] * 3},  # 0
+                         3e-4: {262144: [(0, 0)] * 3, 1048576: [(0, 0)] * 3},  # -452.5
+                         4e-3: {262144: [(1405, 1405)] * 3, 1048576: [(1500, 1500)] * 3},
+                         16e-3: {262144: [(905, 905)] * 3, 1048576: [(1000, 1000)] * 3}})
+    curve = cs.burst_curve(rec)
+    assert [b for b, _ in curve] == pytest.approx([1e-4, 3e-4, 1e-3, 4e-3, 16e-3])
+    assert [t * 1e6 for _, t in curve] == pytest.approx([-226.25, -226.25, 0.0, 750.0, 750.0])
