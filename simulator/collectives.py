@@ -371,7 +371,7 @@ def sync_burst_cost(plan: Plan, hw: HardwareProfile, burst_s: float) -> float:
         return 0.0
     growth = max((hw.gpu.collective_sync_burst_s(leg.link_class, burst_s)
                   for phase in plan.phases for leg in phase.legs), default=0.0)
-    return max(growth, -sync_cost(plan, hw))
+    return growth if growth >= 0 else max(growth, -sync_cost(plan, hw))
 
 
 def phase_latencies(plan: Plan, hw: HardwareProfile) -> list[float]:

@@ -192,13 +192,14 @@ def burst_curve(rec: dict[str, Any], spread: float = 0.0) -> list[tuple[float, f
     if not grown:
         return []
     b0, e2 = float(rec["burst_s"]), expected_max_normal(2)
-    short = sorted((b, t - spread * e2 * (b - b0)) for b, t in grown.items() if b < b0)
-    long = sorted((b, t - spread * e2 * (b - b0)) for b, t in grown.items() if b > b0)
-    shorter = [(b, min(t, 0.0)) for b, t in zip([b for b, _ in short],
-                                                 monotone([t for _, t in short]), strict=True)]
-    longer = [(b, max(t, 0.0)) for b, t in zip([b for b, _ in long],
-                                                monotone([t for _, t in long]), strict=True)]
-    return [*shorter, (b0, 0.0), *longer]
+    def side(shorter: bool) -> list[tuple[float, float]]:
+        """One side of the base burst, its figures less the spread's, fit non-decreasing."""
+        bs = sorted(b for b in grown if (b < b0) == shorter and b != b0)
+        return list(zip(bs, monotone([grown[b] - spread * e2 * (b - b0) for b in bs]),
+                        strict=True))
+
+    return [(b, min(t, 0.0)) for b, t in side(True)] + [(b0, 0.0)] \
+        + [(b, max(t, 0.0)) for b, t in side(False)]
 
 
 def monotone(values: Sequence[float]) -> list[float]:
