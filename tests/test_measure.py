@@ -96,6 +96,8 @@ def test_scenario_validates_with_the_simulator(tmp_path: Path) -> None:
         ({"tp": 1, "pp": 1, "dp": 1, "schedule": "interleaved"}, "schedule=interleaved"),
         ({"tp": 1, "pp": 1, "dp": 1, "model": {**TINY, "layer": 2}}, "unknown key"),
         ({"tp": 1, "pp": 1, "dp": 1024, "device": "cuda"}, "tp*pp*dp*cp=1024"),
+        ({"tp": 1, "pp": 1, "dp": 1, "min_seconds": -1}, "min_seconds=-1"),
+        ({"tp": 1, "pp": 1, "dp": 1, "min_seconds": 900, "timeout_s": 600}, "min_seconds=900"),
     ],
 )
 def test_bad_arguments_are_one_line_value_errors(
@@ -221,11 +223,42 @@ def test_step_time_leaves_out_the_harness_barrier(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(pw, "sync", barrier)
     monkeypatch.setattr(pw.time, "perf_counter", lambda: clock[0])
-    cfg = argparse.Namespace(warmup=1, steps=3)
+    cfg = argparse.Namespace(warmup=1, steps=3, min_seconds=0.0)
     times, losses = pw.timed_steps(step, cfg, pw.torch.device("cpu"))  # type: ignore[arg-type]
     assert times == [1.0, 1.0, 1.0]
     assert losses is None
     assert len(barriers) == 4  # before each timed step, and one after the last
+
+
+def test_min_seconds_adds_steps_at_their_pace_the_most_any_rank_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``min_seconds``: the given steps first, then as many more as their median pace
+    needs to span it; every rank runs the most any rank asked (they meet in
+    collectives), agreed by one all-reduce outside the timed steps."""
+    pytest.importorskip("torch")
+    from calibration.measured import parallel_worker as pw
+
+    assert pw.more_steps([1.0, 1.0, 1.0], 10.0) == 7
+    assert pw.more_steps([0.5, 0.4, 0.6], 3.1) == 4  # 1.6 s short at 0.5 s a step
+    assert pw.more_steps([2.0, 2.0], 3.0) == 0 == pw.more_steps([1.0], 0.0)
+    assert pw.more_steps([], 5.0) == 0
+
+    clock = [0.0]
+    asked: list[int] = []
+
+    def step() -> None:
+        clock[0] += 1.0
+
+    def all_reduce(t: Any, op: Any) -> None:  # the peer asks for 9 more
+        asked.append(int(t.item()))
+        t.fill_(max(int(t.item()), 9))
+
+    monkeypatch.setattr(pw, "sync", lambda device: None)
+    monkeypatch.setattr(pw.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(pw.dist, "all_reduce", all_reduce)
+    cfg = argparse.Namespace(warmup=0, steps=3, min_seconds=10.0)
+    times, _ = pw.timed_steps(step, cfg, pw.torch.device("cpu"))  # type: ignore[arg-type]
+    assert asked == [7] and times == [1.0] * 12
 
 
 def test_interval_helpers() -> None:
@@ -296,6 +329,16 @@ def test_mode_runs_end_to_end(name: str, tmp_path_factory: pytest.TempPathFactor
     assert scenario["cluster"] == {"system": "cpu-1thread", "nodes": 1, "gpus_per_node": 2}
     if mode["pp"] > 1:
         assert result["tied_weight_max_abs_diff"] == 0.0
+
+
+def test_min_seconds_times_more_steps_on_every_rank(tmp_path: Path) -> None:
+    """A real two-rank run asked for 2 steps and at least a second of them times more
+    (a step of this model takes milliseconds), the same count on both ranks (else the
+    per-step maximum over ranks could not be formed)."""
+    result = run_measure(tp=1, pp=1, dp=2, **{**RUN, "steps": 2}, min_seconds=1.0,
+                         out_dir=tmp_path, timeout_s=180)
+    assert len(result["step_times_s"]) > 4
+    assert len(result["losses"]) == len(result["step_times_s"])
 
 
 def test_parallel_layouts_compute_the_same_losses(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -72,10 +72,13 @@ def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> No
     small = [{**ROWS[0], "model": "small-gpt"},
              {**ROWS[0], "model": "small-gpt", "config": "tp2", "step_error": 0.02}]
     tiny = [{**ROWS[0], "model": "tiny-gpt", "step_error": -0.3}, {**ROWS[1], "model": "tiny-gpt"}]
-    md = markdown(small + tiny, {**HEADER, "steps": {"small-gpt": 8, "tiny-gpt": 30}})
+    md = markdown(small + tiny, {**HEADER, "steps": {"small-gpt": 8, "tiny-gpt": 30},
+                                 "min_seconds": 20.0})
     first, second = md.split("\n\nValidation on ")
-    assert "model small-gpt" in first and "median of 8 steps" in first
-    assert "model tiny-gpt" in second and "median of 30 steps" in second
+    assert "model small-gpt" in first and "median of 8 steps or more, spanning at least 20 s" \
+        in first
+    assert "model tiny-gpt" in second and "median of 30 steps or more, spanning" in second
+    assert "median of 8 steps." in markdown(small, {**HEADER, "steps": 8, "min_seconds": 0.0})
     assert first.rstrip().endswith("Mean |step error| 6.0% over 2 rows (target 5%: missed); "
                                    "largest 10.0% (dp2-ddp); 0 row(s) over 10%.")
     assert summary(tiny) == ("Mean |step error| 30.0% over 1 rows (target 5%: missed); "
@@ -123,8 +126,11 @@ def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
     runs = iter([[2.6, 3.9, 3.8, 2.6, 3.7, 2.6, 3.7, 2.6], [2.6, 2.62, 2.58, 2.6]])
     launched: list[str] = []
 
-    def fake_measure(*_: object, out_dir: str, **__: object) -> dict[str, object]:
+    spans: list[object] = []
+
+    def fake_measure(*_: object, out_dir: str, **kw: object) -> dict[str, object]:
         launched.append(Path(out_dir).name)
+        spans.append(kw["min_seconds"])
         return {"step_times_s": next(runs)}
 
     compared: list[str] = []
@@ -141,6 +147,7 @@ def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
                               device="cpu", threads=1, timeout=60.0, micro_batch_size=2)
     row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
     assert launched == ["dp2-ddp", "dp2-ddp-retry1"]  # calm at the second: no third
+    assert spans == [20.0, 20.0]  # MIN_SECONDS on cpu, --min-seconds not given
     assert compared == ["dp2-ddp-retry1"]
     assert row["note"].startswith("steps scattered 36%; measured 2 times")
 
@@ -161,3 +168,19 @@ def test_an_earlier_runs_results_are_set_aside_not_resumed(tmp_path: Path) -> No
     assert all(p.name.endswith(".old") and p.exists() for p in moved)
     assert moved[0].read_text() == '{"key": "cpu/fp32/t1/gemm/8x32x32"}\n'
     assert set_aside(tmp_path, ["profile-cpu.results.jsonl"]) == []
+
+
+def test_a_bad_min_seconds_fails_before_any_run(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--min-seconds`` below 0 or past the launch timeout is one line, exit 2, and
+    nothing runs (no calibration, no directory)."""
+    pytest.importorskip("torch")
+    from simulator.cli import main
+
+    out = tmp_path / "val"
+    for bad in ("-1", "700"):
+        assert main(["validation", "--device", "cpu", "--out", str(out), "--min-seconds",
+                     bad, "--timeout", "600"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--min-seconds" in err[0] and bad in err[0]
+    assert not out.exists()

@@ -221,7 +221,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--slowdown", type=float, default=2.0,
         help="with --slow-rank: K, how many times as long its compute takes (default 2)",
     )
-    p.add_argument("--steps", type=int, required=True, help="timed steps")
+    p.add_argument("--steps", type=int, required=True, help="timed steps (at least)")
+    p.add_argument(
+        "--min-seconds", type=float, default=0.0,
+        help="time more steps than --steps where those span less than this many seconds, "
+        "at their median pace (the same count on every rank; default 0: exactly --steps)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--device", choices=DEVICES, required=True, help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -268,6 +273,7 @@ def _cli_main(args: argparse.Namespace) -> int:
             cp=args.cp,
             slow_rank=args.slow_rank,
             slowdown=args.slowdown if args.slow_rank >= 0 else 1.0,
+            min_seconds=args.min_seconds,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

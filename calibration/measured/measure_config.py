@@ -56,6 +56,7 @@ class MeasureConfig:
     cp: int = 1  # context-parallel degree: the sequence split (calibration/measured/cp_worker)
     slow_rank: int = -1  # >= 0: this rank's compute takes `slowdown` times as long
     slowdown: float = 1.0  # (calibration/measured/slow_rank.py)
+    min_seconds: float = 0.0  # > 0: time more than `steps` until they span this long
 
     @property
     def world_size(self) -> int:
@@ -95,6 +96,11 @@ def validate(cfg: MeasureConfig) -> None:
             isinstance(value, int) and value >= 1, f"{name}={value!r}: must be an integer >= 1"
         )
     _require(cfg.warmup >= 0, f"warmup={cfg.warmup}: must be >= 0")
+    _require(
+        isinstance(cfg.min_seconds, (int, float)) and 0 <= cfg.min_seconds < cfg.timeout_s,
+        f"min_seconds={cfg.min_seconds!r}: must be >= 0 and below the timeout "
+        f"({cfg.timeout_s:g} s); use 0 to time exactly the given steps",
+    )
     _require(
         cfg.schedule in SCHEDULES,
         f"schedule={cfg.schedule!r}: choose one of {', '.join(SCHEDULES)}",
@@ -247,6 +253,7 @@ def make_config(
     cp: int = 1,
     slow_rank: int = -1,
     slowdown: float = 1.0,
+    min_seconds: float = 0.0,
 ) -> MeasureConfig:
     """A validated :class:`MeasureConfig`; raises ``ValueError`` naming the bad field."""
     _require(schedule in SCHEDULES, f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -274,6 +281,7 @@ def make_config(
         cp=cp,
         slow_rank=slow_rank,
         slowdown=float(slowdown),
+        min_seconds=float(min_seconds),
     )
     validate(cfg)
     return cfg

@@ -49,6 +49,7 @@ process group is up; ``CLUSTERSIM_TEST_HANG_RANK=r`` makes it sleep forever.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -378,24 +379,46 @@ def timed_steps(
     trainer: Callable[[], Any], cfg: MeasureConfig, device: torch.device
 ) -> tuple[list[float], list[float] | None]:
     """Step times (this rank's, from the barrier that starts the step to its own end of
-    it) and losses (ranks that see the loss) of the timed steps."""
+    it) and losses (ranks that see the loss) of the timed steps: ``cfg.steps`` of them,
+    then more where they spanned less than ``cfg.min_seconds`` (:func:`more_steps`)."""
     for _ in range(cfg.warmup):
         trainer()
-    times = []
+    times: list[float] = []
     losses = []
-    for _ in range(cfg.steps):
-        sync(device)
-        start = time.perf_counter()
-        loss = trainer()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
+
+    def timed(count: int) -> None:
+        for _ in range(count):
+            sync(device)
+            start = time.perf_counter()
+            loss = trainer()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+
+    timed(cfg.steps)
+    if cfg.min_seconds > 0:
+        # Every rank must run the same steps (they meet in collectives): the most asked.
+        extra = torch.tensor([more_steps(times, cfg.min_seconds)], device=device)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        timed(int(extra.item()))
     sync(device)
     # Read losses only now: .item() inside the loop would add device syncs.
     if any(loss is None for loss in losses):
         return times, None
     return times, [float(loss) for loss in losses if loss is not None]
+
+
+def more_steps(times: list[float], min_seconds: float) -> int:
+    """Steps to add to ``times`` so that the timed steps span ``min_seconds`` at their
+    median pace (0 where they already do). On the project's 2-core VM a run's level moves
+    on a scale of seconds (tiny-gpt TP 2, six runs back to back: medians 373-496 ms, one
+    run's steps 520 ms for 15 s then 410 ms), so a few seconds of steps is one draw of
+    that level; steps spanning half a minute or more average over it."""
+    if not times or min_seconds <= 0:
+        return 0
+    short = min_seconds - sum(times)
+    return max(0, math.ceil(short / statistics.median(times))) if short > 0 else 0
 
 
 def profile_one_step(trainer: Trainer, device: torch.device, path: Path) -> float:
@@ -461,7 +484,7 @@ def run(cfg: MeasureConfig, device: torch.device) -> None:
         "state_bytes": state_bytes(trainer),
         "profiled_step_s": profiled,
         **breakdown_from_trace(json.loads(trace_path.read_text()), device.type),
-        **slow_report(slow, cfg.steps),
+        **slow_report(slow, len(times)),
     }
     tied_diff = trainer.tied_weight_diff()
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -479,11 +502,12 @@ def summarize(
     tied_diff: float | None,
 ) -> dict[str, Any]:
     """Everything rank 0 writes to ``measured.json``."""
-    steps = [max(r["step_times_s"][i] for r in per_rank) for i in range(cfg.steps)]
+    timed = len(per_rank[0]["step_times_s"])  # cfg.steps, or more (cfg.min_seconds)
+    steps = [max(r["step_times_s"][i] for r in per_rank) for i in range(timed)]
     with_loss = [r["losses"] for r in per_rank if r["losses"] is not None]
     # Mean over the ranks holding the loss: replicas differ (own data), TP peers agree.
     losses = (
-        [statistics.fmean(ls[i] for ls in with_loss) for i in range(cfg.steps)]
+        [statistics.fmean(ls[i] for ls in with_loss) for i in range(timed)]
         if with_loss
         else None
     )

@@ -84,6 +84,11 @@ MULTI_GPU_CONFIGS = (
 #: timed and warm-up steps per run by model, where --steps/--warmup leave them: a
 #: tiny-gpt step is ~50-300 ms, so more of them cost little and steady the median
 MODEL_STEPS = {"small-gpt": (8, 2), "tiny-gpt": (30, 5)}
+#: ... and on CPU at least this many seconds of them (``measure --min-seconds``): on the
+#: project's 2-core VM a run's level moves on a scale of seconds (tiny-gpt TP 2, six
+#: 30-step runs back to back, 13 s each: medians 373-496 ms, none of it in a reference
+#: GEMM loop timed between them), so a 2-3 s tiny-gpt run was one draw of that level
+MIN_SECONDS = {"cpu": 20.0, "cuda": 0.0}
 MODELS = tuple(MODEL_STEPS)
 COLUMNS = ("model", "config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
            "step_error", "compute_error", "idle_measured", "idle_simulated", "cpu_steal", "note")
@@ -255,7 +260,7 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
                 timeout_s=args.timeout, micro_batch_size=args.micro_batch_size,
                 powersgd_rank=cfg.powersgd_rank, experts=cfg.experts, ep=cfg.ep, cp=cfg.cp,
                 slow_rank=cfg.slow_rank, slowdown=cfg.slowdown,
-                sequence_parallel=cfg.sequence_parallel)
+                sequence_parallel=cfg.sequence_parallel, min_seconds=min_seconds(args))
             spread, steal = step_spread(got["step_times_s"]), got.get("cpu_steal")
             attempts.append((spread, steal))
             d = disturbance(spread, steal)
@@ -276,6 +281,13 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
         f"straggler as it ran: x{slept['compute_slowdown']:.2f} (asked x{cfg.slowdown:g})"
     return _row(cfg, comparison, _join(retry_note(attempts, best[1]), steal_note(steal),
                                        slept_note), model, steal)
+
+
+def min_seconds(args: argparse.Namespace) -> float:
+    """Seconds a run's timed steps span at least: ``--min-seconds``, else
+    :data:`MIN_SECONDS` of the device."""
+    given = getattr(args, "min_seconds", None)
+    return MIN_SECONDS[args.device] if given is None else float(given)
 
 
 def _pct(x: float | None) -> str:
@@ -334,7 +346,7 @@ def _section(rows: list[dict[str, Any]], header: dict[str, Any], model: str) -> 
              f"{_calibration_steal(header.get('calibration_steal'))}, "
              f"{header['date']}; model {model}, {header['micro_batches']} "
              f"micro-batches of {header['micro_batch_size']}, median of {steps} "
-             "steps.", "",
+             f"steps{_spanning(header.get('min_seconds'))}.", "",
              "| config | measured ms | simulated ms | step error | compute error | "
              "idle measured | idle simulated | steal | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -344,6 +356,10 @@ def _section(rows: list[dict[str, Any]], header: dict[str, Any], model: str) -> 
         cells = [row["config"], *(_fmt(row, k) for k in keys), row.get("note", "")]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, "", summary(rows)]
+
+
+def _spanning(seconds: float | None) -> str:
+    return f" or more, spanning at least {seconds:g} s" if seconds else ""
 
 
 def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
@@ -434,6 +450,9 @@ def run_validation(args: argparse.Namespace) -> int:
                                  "needs at least 2 (use --device cpu)")])
     if not 0 <= args.retries <= 5:
         raise UserError([Problem("--retries", args.retries, "use 0 to 5 re-measures")])
+    if not 0 <= min_seconds(args) < args.timeout:
+        raise UserError([Problem("--min-seconds", min_seconds(args),
+                                 f"use 0 or more seconds, below --timeout ({args.timeout:g})")])
     names = models(args.model)
     configs = select(configs_for(args.device, devices), args.only)
     check_profile(args.profile)
@@ -466,6 +485,7 @@ def run_validation(args: argparse.Namespace) -> int:
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
               "model": names[0], "calibration_steal": calibration_steal,
               "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names},
+              "min_seconds": min_seconds(args),
               "recheck": _recheck(args, out, profile)}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
@@ -490,6 +510,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--threads", type=int, default=1, help="threads per process on CPU")
     p.add_argument("--steps", type=int, help="timed steps per run (median; default 8 for "
                    "small-gpt, 30 for tiny-gpt)")
+    p.add_argument("--min-seconds", type=float, metavar="S",
+                   help="time more steps than --steps where those span less than S seconds "
+                   f"(default {MIN_SECONDS['cpu']:g} on cpu: a 2-core VM's pace moves on a "
+                   "scale of seconds; 0 on cuda)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2 for small-gpt, "
                    "5 for tiny-gpt)")
     p.add_argument("--model", default="small-gpt", metavar="MODEL[,MODEL]",
