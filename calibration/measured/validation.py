@@ -4,7 +4,8 @@
 takes ``--profile``; on CPU it then adds the eager host cost per kernel and DTensor's
 per op, calibration/measured/host_cost.py, and torch.distributed.pipelining's per
 action, calibration/measured/pipeline_cost.py), then for each configuration runs
-``measure`` (torchrun, the small GPT with real TP / PP / DP) and ``compare`` (the same
+``measure`` (torchrun, the small GPT with real TP / PP / DP; on CPU its timed steps
+span at least ``--min-seconds``, :data:`MIN_SECONDS`) and ``compare`` (the same
 scenario simulated with that profile), and writes ``DIR/validation.md`` and
 ``DIR/validation.csv``: one row per configuration with measured and simulated step
 time and the error, one table per model (``--model small-gpt,tiny-gpt`` runs both from
