@@ -413,12 +413,10 @@ def more_steps(times: list[float], min_seconds: float) -> int:
     """Steps to add to ``times`` so that the timed steps span ``min_seconds`` at their
     median pace (0 where they already do). On the project's 2-core VM a run's level moves
     on a scale of seconds (tiny-gpt TP 2, six runs back to back: medians 373-496 ms, one
-    run's steps 520 ms for 15 s then 410 ms), so a few seconds of steps is one draw of
-    that level; steps spanning half a minute or more average over it."""
-    if not times or min_seconds <= 0:
-        return 0
+    run's steps about 510 ms for 8 s, then about 415 ms), so a few seconds of steps is
+    one draw of that level; steps spanning tens of seconds average over more of it."""
     short = min_seconds - sum(times)
-    return max(0, math.ceil(short / statistics.median(times))) if short > 0 else 0
+    return math.ceil(short / statistics.median(times)) if times and short > 0 else 0
 
 
 def profile_one_step(trainer: Trainer, device: torch.device, path: Path) -> float:
