@@ -235,12 +235,13 @@ def _tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) 
     if par.tp == 1:
         return NO_ENDS
     group = layout.tp_group(0)
-    funcol = cost.funcol_s(s.stack.dtensor, layout.group_link(group))
+    link = layout.group_link(group)
     size = mdl.tp_end_bytes(spec, trn.micro_batch, trn.dtype)
 
     def t(where: Literal["embed", "head", "loss"], forward: bool) -> float:
         return sum(_collective_time(s, layout, op, size[payload], group, hw)
-                   + (funcol if payload != "loss" else 0.0)
+                   + (cost.funcol_s(s.stack.dtensor, link, op, size[payload])
+                      if payload != "loss" else 0.0)
                    for op, payload in tp_end_collectives(s.stack, par.tp,
                                                          par.sequence_parallel, where,
                                                          forward))
@@ -261,7 +262,8 @@ def _tp_optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProf
     group = layout.tp_group(0)
     nbytes = spec.hidden * s.stack.reduce_bytes(mdl.dtype_bytes(s.training.dtype))
     return n * (_collective_time(s, layout, "all_reduce", nbytes, group, hw)
-                + cost.funcol_s(s.stack.dtensor, layout.group_link(group)))
+                + cost.funcol_s(s.stack.dtensor, layout.group_link(group), "all_reduce",
+                                nbytes))
 
 
 def _cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) -> float:
@@ -556,10 +558,12 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     tp_ops: tuple[CollectiveName, ...] = ("all_gather", "reduce_scatter") \
         if par.sequence_parallel else ("all_reduce",)
     tp_bytes = mdl.tp_comm_bytes_per_layer(spec, trn.micro_batch, trn.dtype)
-    t_tp = sum(_collective_time(s, layout, op, tp_bytes, layout.tp_group(rank0), hw)
+    group = layout.tp_group(rank0)
+    t_tp = sum(_collective_time(s, layout, op, tp_bytes, group, hw)
+               # DTensor's functional collectives: their host time beyond a plain one
+               + (cost.funcol_s(s.stack.dtensor, layout.group_link(group), op, tp_bytes)
+                  if par.tp > 1 else 0.0)
                for op in tp_ops) / len(tp_ops)
-    if par.tp > 1:  # DTensor's functional collectives: their cost beyond a plain one, each
-        t_tp += cost.funcol_s(s.stack.dtensor, layout.group_link(layout.tp_group(rank0)))
     experts = _expert_times(s, layout, cost, hw)
     t_cp = _cp_exposed(s, layout, c, hw)
     ends = _tp_ends(s, layout, cost, hw)

@@ -167,12 +167,17 @@ class CostModel:
         (``runtime == "torch"``) where the stack has a per-kernel host cost, else 0."""
         return self._host_term(self.hw.gpu.pipeline_action_us, runtime == "torch")
 
-    def funcol_s(self, dtensor: bool, link_class: str = "intra_node") -> float:
-        """Seconds a functional collective (DTensor's redistributions) takes beyond a plain
-        c10d one, under a DTensor stack with a per-kernel host cost (else 0): the
-        profile's ``gpu.funcol_sync_us`` of the group's link class where two ranks
-        measured it after compute (it holds the host time too), else the one-rank host
-        figure ``gpu.funcol_overhead_us``."""
+    def funcol_s(self, dtensor: bool, link_class: str = "intra_node",
+                 kind: str = "all_reduce", nbytes: float = 0.0) -> float:
+        """Seconds a functional collective (one of DTensor's redistributions) of ``kind``
+        and ``nbytes`` costs the issuing thread beyond a plain c10d one, under a DTensor
+        stack with a per-kernel host cost (else 0): the profile's ``gpu.funcol_host``
+        line of that kind where calibration measured it (on two ranks, by kind), else a
+        profile's older ``gpu.funcol_sync_us`` of the group's link class, else the
+        one-rank host figure ``gpu.funcol_overhead_us``."""
+        line = self.hw.gpu.funcol_host.get(kind)  # type: ignore[call-overload]
+        if line is not None:
+            return line.seconds(nbytes) if dtensor and self.host_us > 0 else 0.0
         pair = self.hw.gpu.funcol_sync_us.get(link_class)  # type: ignore[call-overload]
         return self._host_term(self.hw.gpu.funcol_overhead_us if pair is None else pair,
                                dtensor)

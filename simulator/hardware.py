@@ -52,6 +52,8 @@ LinkName = Literal["intra_node", "inter_node"]
 LinkClass = Literal["intra_node", "inter_node", "core"]
 CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
                          "all_to_all"]
+#: The collectives DTensor's redistributions issue (``gpu.funcol_host``).
+FuncolKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 SYSTEMS_DIR = Path(__file__).parent / "presets" / "systems"
 
@@ -74,8 +76,8 @@ LINK_NAMES: tuple[str, ...] = get_args(LinkName)
 #: The terms calibration fits and whose relative spread a profile may record.
 UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
                                       "kernel_overhead", *LINK_NAMES, "interference",
-                                      "collective_sync", "send_sync", "funcol_sync",
-                                      "rank_spread")
+                                      "collective_sync", "send_sync", "funcol_host",
+                                      "funcol_sync", "rank_spread")
 #: A factor by which overlapped communication slows compute (1 = not at all).
 Interference = Annotated[float, Field(ge=1, le=10)]
 #: A relative standard deviation (σ / mean).
@@ -115,6 +117,16 @@ class _LogCurve(_Frozen):
 
     def __call__(self, size: float) -> float:
         return interpolate_log(self.points, size)
+
+
+class HostLine(_Frozen):
+    """Host time of one call as a line in its bytes: ``us + us_per_mib · MiB``."""
+
+    us: float = Field(ge=0, le=1e7)
+    us_per_mib: float = Field(default=0.0, ge=0, le=1e7)
+
+    def seconds(self, nbytes: float) -> float:
+        return (self.us + self.us_per_mib * max(nbytes, 0.0) / (1 << 20)) * 1e-6
 
 
 class EfficiencyCurve(_LogCurve):
@@ -234,10 +246,14 @@ class GPUSpec(_Frozen):
     # the receiver's blocking wait and the sender's threads waking
     # (calibration/microbench/send_sync.py; absent = 0)
     send_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
-    # what a DTensor redistribution (a functional collective) that follows compute costs
-    # beyond a plain c10d collective of the same bytes, host time included, per link
-    # class, µs (calibration/microbench/funcol_sync.py; absent: the one-rank
-    # funcol_overhead_us), charged before each TP collective of a dtensor stack
+    # the issuing thread's time a DTensor redistribution (a functional collective) takes
+    # beyond a plain c10d collective of the same kind and bytes, by kind, a line in the
+    # bytes (calibration/microbench/funcol_host.py), charged before each TP collective
+    # of a dtensor stack in place of funcol_sync_us and funcol_overhead_us
+    funcol_host: dict[FuncolKind, HostLine] = Field(default_factory=dict)
+    # profiles calibrated before funcol_host (2026-12-05): one figure per link class for
+    # every kind, a DTensor all-reduce minus a plain one after a compute burst, its
+    # ranks' skew included (absent: the one-rank funcol_overhead_us); no longer measured
     funcol_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
     # the relative spread c of a rank's compute time on the same work (one device or
     # core slower than another for a while): every synchronisation of an n-rank step
@@ -250,6 +266,11 @@ class GPUSpec(_Frozen):
     @classmethod
     def _cost_classes(cls, data: Any) -> Any:
         return _known_keys(data, COST_CLASSES, "cost class")
+
+    @field_validator("funcol_host", mode="before")
+    @classmethod
+    def _funcol_kinds(cls, data: Any) -> Any:
+        return _known_keys(data, get_args(FuncolKind), "functional collective")
 
     @field_validator("interference", "collective_sync_us", "collective_sync_curve",
                      "collective_sync_burst", "send_sync_us", "funcol_sync_us",
@@ -427,7 +448,7 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "uncertainty", "nvls", "host_serial",
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
-                   "funcol_overhead_us", "funcol_sync_us", "rank_spread")
+                   "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

@@ -16,8 +16,10 @@ run's own method and fidelity (Monte Carlo):
   :meth:`HardwareProfile.with_faster_link` does it); ``interference``
   multiplies each link class's slowdown factor by f, kept within [1, 10];
   ``collective_sync`` multiplies each link class's sync cost (its curves by size and
-  by burst too) by f, ``send_sync`` each link class's point-to-point sync cost, ``funcol_sync`` each
-  link class's DTensor redistribution cost, ``rank_spread`` the rank spread (at most 1);
+  by burst too) by f, ``send_sync`` each link class's point-to-point sync cost,
+  ``funcol_host`` each kind's DTensor redistribution host time (both terms of its
+  line), ``funcol_sync`` an older profile's one figure per link class,
+  ``rank_spread`` the rank spread (at most 1);
 - sample i draws from the generator seeded with (seed, i), so a seed gives the
   same samples whatever N, and the same N and seed the same percentiles.
 
@@ -41,6 +43,7 @@ from simulator.hardware import (
     BurstCurve,
     EfficiencyCurve,
     HardwareProfile,
+    HostLine,
     SyncCurve,
 )
 from simulator.scenario import Scenario
@@ -99,6 +102,10 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
     if "send_sync" in factors:
         gpu["send_sync_us"] = {link: us * factors["send_sync"]
                                for link, us in hw.gpu.send_sync_us.items()}
+    if "funcol_host" in factors:
+        f = factors["funcol_host"]
+        gpu["funcol_host"] = {k: HostLine(us=line.us * f, us_per_mib=line.us_per_mib * f)
+                              for k, line in hw.gpu.funcol_host.items()}
     if "funcol_sync" in factors:
         gpu["funcol_sync_us"] = {link: us * factors["funcol_sync"]
                                  for link, us in hw.gpu.funcol_sync_us.items()}

@@ -82,8 +82,9 @@ class BlockCosts:
     #: under TP communication overlap, the GEMM each SP collective of a block meets
     #: (:func:`simulator.tp_overlap.overlap_windows`; empty without)
     tp_windows: Windows = field(default_factory=dict)
-    #: with them, the host seconds of issuing one functional collective (DTensor), which
-    #: stay on the compute stream (:meth:`simulator.costs.CostModel.funcol_s`)
+    #: with them, the host seconds of issuing one functional collective (DTensor; the mean
+    #: of an all-gather's and a reduce-scatter's), which stay on the compute stream
+    #: (:meth:`simulator.costs.CostModel.funcol_s`)
     tp_issue: float = 0.0
 
     def layer(self, index: int) -> BlockCosts:
@@ -162,9 +163,11 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     windows = overlap_windows(s, cost)
     if windows:
         layout = layout_of(s)
-        base = replace(base, tp_windows=windows,
-                       tp_issue=cost.funcol_s(s.stack.dtensor,
-                                              layout.group_link(layout.tp_group(0))))
+        link = layout.group_link(layout.tp_group(0))
+        nbytes = mdl.tp_comm_bytes_per_layer(spec, b, dt)
+        base = replace(base, tp_windows=windows,  # an all-gather's and a reduce-scatter's
+                       tp_issue=sum(cost.funcol_s(s.stack.dtensor, link, op, nbytes)
+                                    for op in ("all_gather", "reduce_scatter")) / 2)
     if not spec.is_moe:
         return base
     first_moe = next(i for i, _ in kinds if spec.is_moe_layer(i))

@@ -53,7 +53,9 @@ def test_analytic_prices_the_collectives_the_engine_issues_in_line(
 
     system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
     system["gpu"].update({"collective_sync_us": {"intra_node": 800.0},
-                          "funcol_sync_us": {"intra_node": 500.0}, "host_overhead_us": 5.0})
+                          "funcol_host": {"all_reduce": {"us": 500.0, "us_per_mib": 100.0},
+                                          "all_gather": {"us": 700.0, "us_per_mib": 300.0}},
+                          "host_overhead_us": 5.0})
     path = tmp_path / "cpu.yaml"
     path.write_text(yaml.safe_dump(system))
     s = scenario_from_dict({

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_funcol_sync import SYNC_US
-from test_funcol_sync import _record as funcol_record
+from test_funcol_host import LINES_US
+from test_funcol_host import _record as funcol_record
 
 from calibration.measured import recheck
 from calibration.measured import validation as val
@@ -29,22 +29,26 @@ def test_figures_are_the_calibrations_fits_in_the_profiles_units() -> None:
     now = recheck.figures([_spread_record(), funcol_record(),
                            {"kind": "send_sync", "ok": False}])
     assert now["rank_spread"] == pytest.approx(math.sqrt(math.pi) / 22)
-    assert now["funcol_sync_us"] == pytest.approx(SYNC_US)
+    for kind, (a, _) in LINES_US.items():
+        assert now[f"funcol_host.{kind}"] == pytest.approx(a)
     assert now["send_sync_us"] is None and now["collective_sync_us"] is None
     assert now["interference"] is None
 
 
 def test_the_line_puts_the_profiles_figure_beside_each_term() -> None:
-    profile = {"gpu": {"rank_spread": 0.056, "funcol_sync_us": {"intra_node": 815.9},
+    profile = {"gpu": {"rank_spread": 0.056,
+                       "funcol_host": {"all_gather": {"us": 815.9, "us_per_mib": 90.0}},
                        "interference": {"intra_node": 1.38}}}
     then = recheck.calibrated(profile)
     assert then == {"rank_spread": 0.056, "collective_sync_us": None,
-                    "funcol_sync_us": 815.9, "send_sync_us": None, "interference": 1.38}
-    line = recheck.sentence({"rank_spread": 0.19, "funcol_sync_us": 1100.0,
+                    "funcol_host.all_reduce": None, "funcol_host.all_gather": 815.9,
+                    "funcol_host.reduce_scatter": None, "send_sync_us": None,
+                    "interference": 1.38}
+    line = recheck.sentence({"rank_spread": 0.19, "funcol_host.all_gather": 1100.0,
                              "collective_sync_us": 1600.0, "interference": None}, then)
     assert line.startswith("The machine after the last row") and "\n" not in line
     assert "rank spread 0.190 (0.056), collective sync 1600 us (none), " \
-           "funcol sync 1100 us (816 us)." in line
+           "funcol host all-gather 1100 us (816 us)." in line
     assert "interference" not in line
     assert recheck.sentence({}, then) == ""
 

@@ -6,10 +6,11 @@ rank spread (:mod:`calibration.microbench.rank_spread`) read 0.056 in a calibrat
 in the compute segments of a TP run a few minutes later and 0.19 forty minutes after it,
 which moves a TP step by several percent whatever the model does. So after its last row
 ``clustersim validation`` measures the terms it can measure in one short torchrun launch
-again — the two-rank terms of the collectives' launch (interference, the collective,
-send and funcol sync costs, the rank spread; no collective sweep) — with the calibration's
-own microbenchmarks, and the table says each one beside the profile's figure. Nothing is
-simulated from them: they say how far the machine moved while the rows ran.
+again — the two-rank terms of the collectives' launch (interference, the collective and
+send sync costs, the redistributions' host time, the rank spread; no collective sweep) —
+with the calibration's own microbenchmarks, and the table says each one beside the
+profile's figure. Nothing is simulated from them: they say how far the machine moved
+while the rows ran.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: (the profile's key under ``gpu``, its intra-node entry where it is per link class;
-#: label; unit; format)
+#: (the profile's key under ``gpu``, its intra-node entry where it is per link class,
+#: ``funcol_host.KIND`` the intercept of that kind's line; label; unit; format)
 TERMS: tuple[tuple[str, str, str, str], ...] = (
     ("rank_spread", "rank spread", "", "{:.3f}"),
     ("collective_sync_us", "collective sync", " us", "{:.0f}"),
-    ("funcol_sync_us", "funcol sync", " us", "{:.0f}"),
+    ("funcol_host.all_reduce", "funcol host all-reduce", " us", "{:.0f}"),
+    ("funcol_host.all_gather", "funcol host all-gather", " us", "{:.0f}"),
+    ("funcol_host.reduce_scatter", "funcol host reduce-scatter", " us", "{:.0f}"),
     ("send_sync_us", "send sync", " us", "{:.0f}"),
     ("interference", "interference", "x", "{:.2f}"),
 )
@@ -41,9 +44,12 @@ def figures(records: list[dict[str, Any]]) -> dict[str, float | None]:
     out: dict[str, float | None] = {"rank_spread": spread,
                                     "interference": factor.get("intra_node")}
     for key, fit in (("collective_sync_us", ft.collective_sync),
-                     ("funcol_sync_us", ft.funcol_sync), ("send_sync_us", ft.send_sync)):
+                     ("send_sync_us", ft.send_sync)):
         seconds = fit(of(key.removesuffix("_us")))[0].get("intra_node")
         out[key] = None if seconds is None else seconds * 1e6
+    lines, _ = ft.funcol_host(of("funcol_host"))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        out[f"funcol_host.{kind}"] = lines[kind][0] * 1e6 if kind in lines else None
     return out
 
 
@@ -52,8 +58,11 @@ def calibrated(profile: dict[str, Any]) -> dict[str, float | None]:
     gpu = profile.get("gpu") or {}
     out: dict[str, float | None] = {}
     for key, *_ in TERMS:
-        value = gpu.get(key)
-        value = value.get("intra_node") if isinstance(value, dict) else value
+        if key.startswith("funcol_host."):
+            value = ((gpu.get("funcol_host") or {}).get(key.split(".")[1]) or {}).get("us")
+        else:
+            value = gpu.get(key)
+            value = value.get("intra_node") if isinstance(value, dict) else value
         out[key] = float(value) if isinstance(value, (int, float)) else None
     return out
 

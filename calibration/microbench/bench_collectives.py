@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from calibration.host import kill_process_group, worker_pythonpath
-from calibration.microbench import funcol_sync, rank_spread, send_sync
+from calibration.microbench import funcol_host, rank_spread, send_sync
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
 from calibration.microbench.collective_sync import sync_key
@@ -55,8 +55,8 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
     """Measure every (op, group size, message size) not yet in the results file, and
     (``terms``) in the same launch the GEMM slowdown under all-reduces and the
     collective sync cost (all-reduces after compute against back to back) and the send
-    sync cost (a ping-pong of sends after compute against back to back) and DTensor's
-    redistribution after compute against ``dist.all_reduce``."""
+    sync cost (a ping-pong of sends after compute against back to back) and the host
+    time of DTensor's redistributions against the plain c10d collectives."""
     sizes = message_sizes(budget)
     groups = group_sizes(nproc)
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
@@ -64,7 +64,7 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
                   sync_key(device.kind, device.threads): "--collective-sync",
                   send_sync.sync_key(device.kind, device.threads): "--send-sync",
                   rank_spread.spread_key(device.kind, device.threads): "--rank-spread",
-                  funcol_sync.sync_key(device.kind, device.threads): "--funcol-sync"}
+                  funcol_host.host_key(device.kind, device.threads): "--funcol-host"}
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()

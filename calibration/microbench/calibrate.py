@@ -20,8 +20,9 @@ The profile has the schema of the bundled presets, so a scenario uses it with
   ``send_sync_us`` (:mod:`calibration.microbench.send_sync`);
 - the same compute burst on two ranks at once, in the same launch → ``rank_spread``
   (:mod:`calibration.microbench.rank_spread`);
-- DTensor's redistribution after a compute burst against ``dist.all_reduce``, in the same
-  launch → ``funcol_sync_us`` (:mod:`calibration.microbench.funcol_sync`);
+- the issuing thread's time in DTensor's redistributions (all-reduce, all-gather,
+  reduce-scatter) against the plain c10d collectives, in the same launch →
+  ``funcol_host`` (:mod:`calibration.microbench.funcol_host`);
 - all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
@@ -391,7 +392,7 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
                     for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
                               "overhead", "collective", "interference", "collective_sync",
-                              "send_sync", "funcol_sync", "rank_spread")},
+                              "send_sync", "funcol_host", "rank_spread")},
         "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),

@@ -73,9 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "(ranks 0, 1)")
     p.add_argument("--rank-spread", action="store_true",
                    help="also time the same compute burst on two ranks at once (ranks 0, 1)")
-    p.add_argument("--funcol-sync", action="store_true",
-                   help="also time DTensor's redistribution after compute against "
-                        "dist.all_reduce (ranks 0, 1)")
+    p.add_argument("--funcol-host", action="store_true",
+                   help="also time the host thread of DTensor's redistributions against "
+                        "the plain c10d collectives, by kind (ranks 0, 1)")
     return p.parse_args(argv)
 
 
@@ -127,7 +127,7 @@ def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], g
 
     from calibration.microbench import (
         collective_sync,
-        funcol_sync,
+        funcol_host,
         interference,
         rank_spread,
         send_sync,
@@ -139,7 +139,7 @@ def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], g
             (args.collective_sync, collective_sync.sync_key, collective_sync, "all_reduce"),
             (args.send_sync, send_sync.sync_key, send_sync, "send_recv"),
             (args.rank_spread, rank_spread.spread_key, rank_spread, "compute"),
-            (args.funcol_sync, funcol_sync.sync_key, funcol_sync, "all_reduce")):
+            (args.funcol_host, funcol_host.host_key, funcol_host, "redistribute")):
         if not wanted:
             continue
         k = key(args.device, args.threads)

@@ -44,7 +44,7 @@ from calibration.microbench.fit_terms import (
     executed_peak,
     fit_classes,
     fit_overhead,
-    funcol_sync,
+    funcol_host,
     interference_factor,
     rank_spread,
     send_sync,
@@ -151,8 +151,8 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
     fits.terms.send_sync, fits.terms.send_sync_record = send_sync(
         [r for r in records if r.get("kind") == "send_sync"
          and all(r.get(k) == v for k, v in sel.items())])
-    fits.terms.funcol_sync, fits.terms.funcol_sync_record = funcol_sync(
-        [r for r in records if r.get("kind") == "funcol_sync"
+    fits.terms.funcol_host, fits.terms.funcol_host_record = funcol_host(
+        [r for r in records if r.get("kind") == "funcol_host"
          and all(r.get(k) == v for k, v in sel.items())])
     fits.terms.rank_spread, fits.terms.rank_spread_record = rank_spread(
         [r for r in records if r.get("kind") == "rank_spread"
@@ -325,9 +325,9 @@ def build_profile(fits: Fits, base: HardwareProfile, *, name: str, device: str,
             "send_sync": fits.terms.send_sync_record and {
                 k: fits.terms.send_sync_record.get(k)
                 for k in ("burst_s", "gemms", "iterations", "sizes")},
-            "funcol_sync": fits.terms.funcol_sync_record and {
-                k: fits.terms.funcol_sync_record.get(k)
-                for k in ("burst_s", "gemms", "iterations", "sizes")},
+            "funcol_host": fits.terms.funcol_host_record and {
+                k: fits.terms.funcol_host_record.get(k)
+                for k in ("iterations", "sizes", "hidden", "clock")},
             "rank_spread": fits.terms.rank_spread_record and {
                 k: fits.terms.rank_spread_record.get(k)
                 for k in ("burst_s", "gemms", "iterations")},
@@ -377,8 +377,11 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
         gpu.pop("collective_sync_burst", None)
     gpu["send_sync_us"] = {**gpu.get("send_sync_us", {}),
                            **{k: _sig(v * 1e6) for k, v in fits.terms.send_sync.items()}}
-    gpu["funcol_sync_us"] = {**gpu.get("funcol_sync_us", {}),
-                             **{k: _sig(v * 1e6) for k, v in fits.terms.funcol_sync.items()}}
+    if fits.terms.funcol_host:  # by kind; the base's older one figure does not outlive it
+        gpu["funcol_host"] = {**gpu.get("funcol_host", {}),
+                              **{k: {"us": _sig(a * 1e6), "us_per_mib": _sig(b * 1e6 * (1 << 20))}
+                                 for k, (a, b) in fits.terms.funcol_host.items()}}
+        gpu.pop("funcol_sync_us", None)
     if fits.terms.rank_spread is not None:
         gpu["rank_spread"] = _sig(fits.terms.rank_spread)
     terms, spread = term_sources(fits, base.name)

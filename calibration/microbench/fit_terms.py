@@ -13,8 +13,9 @@ sync cost, and each one's spread.
   per link class (:func:`calibration.microbench.collective_sync.sync_seconds`);
 - ``send_sync``: the same for a point-to-point send
   (:func:`calibration.microbench.send_sync.sync_seconds`);
-- ``funcol_sync``: what DTensor's redistribution costs after compute beyond a plain
-  all-reduce (:func:`calibration.microbench.funcol_sync.sync_seconds`);
+- ``funcol_host``: the issuing thread's time in DTensor's redistributions beyond the
+  plain c10d collectives, a line in the bytes per kind
+  (:func:`calibration.microbench.funcol_host.host_lines`);
 - ``rank_spread``: the relative spread of a rank's compute time, from the slower of two
   ranks running the same burst (:func:`calibration.microbench.rank_spread.spread`).
 
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from calibration.microbench import collective_sync as cs
-from calibration.microbench import funcol_sync as fs
+from calibration.microbench import funcol_host as fh
 from calibration.microbench import rank_spread as rs
 from calibration.microbench import send_sync as ss
 from calibration.microbench.bench_compute import KERNEL_CLASS
@@ -95,8 +96,9 @@ class TermFits:
     collective_sync_record: dict[str, Any] | None = None
     send_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
     send_sync_record: dict[str, Any] | None = None
-    funcol_sync: dict[str, float] = field(default_factory=dict)  # link class -> s
-    funcol_sync_record: dict[str, Any] | None = None
+    # kind -> (s, s per byte)
+    funcol_host: dict[str, tuple[float, float]] = field(default_factory=dict)
+    funcol_host_record: dict[str, Any] | None = None
     rank_spread: float | None = None  # relative spread of a rank's compute time
     rank_spread_record: dict[str, Any] | None = None
 
@@ -209,11 +211,12 @@ def send_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str
     return _sync_term(records, ss.sync_seconds)
 
 
-def funcol_sync(records: list[dict[str, Any]]) -> tuple[dict[str, float],
+def funcol_host(records: list[dict[str, Any]]) -> tuple[dict[str, tuple[float, float]],
                                                         dict[str, Any] | None]:
-    """DTensor's redistribution cost after compute beyond a plain all-reduce, seconds per
-    link class, from the latest successful record."""
-    return _sync_term(records, fs.sync_seconds)
+    """The host time of DTensor's redistributions beyond the plain collectives, per kind
+    ``(seconds, seconds per byte)``, from the latest successful record."""
+    rec = _latest_rounds(records)
+    return ({}, None) if rec is None else (fh.host_lines(rec), rec)
 
 
 def rank_spread(records: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
@@ -294,8 +297,8 @@ def send_sync_spread(rec: dict[str, Any] | None) -> float | None:
     return _sync_spread(rec, ss.sync_seconds, ss.round_figures)
 
 
-def funcol_sync_spread(rec: dict[str, Any] | None) -> float | None:
-    return _sync_spread(rec, fs.sync_seconds, fs.round_figures)
+def funcol_host_spread(rec: dict[str, Any] | None) -> float | None:
+    return _sync_spread(rec, fh.level_seconds, fh.round_figures)
 
 
 def rank_spread_spread(rec: dict[str, Any] | None) -> float | None:
@@ -356,12 +359,18 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
                  link=rec.get("link", "intra_node"), covered=rec.get("covered"))
     for term, rec, mod, sync_spread in (
             ("collective_sync", fits.terms.collective_sync_record, cs, collective_sync_spread),
-            ("send_sync", fits.terms.send_sync_record, ss, send_sync_spread),
-            ("funcol_sync", fits.terms.funcol_sync_record, fs, funcol_sync_spread)):
+            ("send_sync", fits.terms.send_sync_record, ss, send_sync_spread)):
         if rec is not None:
             measured(term, len(rec["rounds"]), sync_spread(rec),
                      link=rec.get("link", "intra_node"),
                      by_size_us={s: round(t * 1e6, 1) for s, t in mod.excess_by_size(rec).items()})
+    rec = fits.terms.funcol_host_record
+    if rec is not None:
+        measured("funcol_host", len(rec["rounds"]), funcol_host_spread(rec),
+                 link=rec.get("link", "intra_node"), clock=rec.get("clock"),
+                 by_size_us={kind: {s: round(t * 1e6, 1)
+                                    for s, t in fh.excess_by_size(rec, kind).items()}
+                             for kind in fits.terms.funcol_host})
     rec = fits.terms.collective_sync_record
     if rec is not None and rec.get("burst_rounds"):  # its growth, by the burst's ms
         terms["collective_sync"]["growth_by_burst_us"] = {
@@ -372,7 +381,7 @@ def term_sources(fits: Fits, base_name: str) -> tuple[dict[str, dict[str, Any]],
                  excess=round(rs.excess(rec), 4), burst_s=rec.get("burst_s"))
     names = ("gemm", "attention", "memory", *CLASS_SOURCES, "kernel_overhead", "intra_node",
              "inter_node", "point_to_point", "interference", "collective_sync", "send_sync",
-             "funcol_sync", "rank_spread")
+             "funcol_host", "rank_spread")
     for term in names:
         terms.setdefault(term, {"source": "preset", "from": base_name})
     return terms, spread

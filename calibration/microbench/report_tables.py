@@ -144,6 +144,9 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     for link, us in (gpu.get("funcol_sync_us") or {}).items():
         lines.append(f"  funcol sync ({link}): {us} us per DTensor redistribution after compute, "
                      "beyond a plain collective")
+    for kind, line in (gpu.get("funcol_host") or {}).items():
+        lines.append(f"  funcol host ({kind}): {line.get('us')} us + {line.get('us_per_mib', 0)} "
+                     "us/MiB of host time per DTensor redistribution beyond a plain collective")
     if gpu.get("rank_spread"):
         lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
                      "time; each synchronisation waits for the slowest)")

@@ -32,10 +32,12 @@ parameter tensor before the step (the profiler of our measured TP 2 run shows th
 inside ``aten::lerp_`` and ``aten::addcmul_``).
 
 Under DTensor each of these collectives is a functional collective
-(``torch.distributed._functional_collectives``), whose cost beyond a plain c10d call the
-profile may have measured: after compute between two ranks (``gpu.funcol_sync_us``,
-per link class), else the host time on one rank (``gpu.funcol_overhead_us``); a task of
-that length on the compute stream before each one (:meth:`TensorPass.issue`).
+(``torch.distributed._functional_collectives``), whose host time beyond a plain c10d
+call the profile may have measured by kind and bytes on two ranks
+(``gpu.funcol_host``; older profiles: one figure, ``gpu.funcol_sync_us`` or
+``gpu.funcol_overhead_us``); a task of that length on the compute stream before each
+one (:meth:`TensorPass.issue`), then the plain collective with its own cost after
+compute.
 
 TP communication overlap (``stack.tp_overlap``; which collective meets which GEMM,
 and why: :mod:`simulator.tp_overlap`): the block's task is split into pieces around
@@ -85,15 +87,18 @@ class TensorPass(Pass):
             for prog in ctx.programs.values():
                 prog.streams.setdefault("tp", [])
         self.start: dict[int, Task] = {}  # rank -> where its next overlapped all-gather starts
-        self.issue_s: dict[int, float] = {}  # rank -> its functional collectives' cost
+        # (rank, collective, bytes) -> the cost of one functional collective
+        self.issue_s: dict[tuple[int, str, float], float] = {}
 
-    def issue(self, rank: int, kind: str, mb: int = -1, layer: int = -1,
-              chunk: int = 0) -> Task | None:
-        """The cost of one functional collective, where it is charged."""
-        seconds = self.issue_s.get(rank)
-        if seconds is None:  # once per rank: the same for every collective of its group
+    def issue(self, rank: int, kind: str, op: CollectiveName, nbytes: float, mb: int = -1,
+              layer: int = -1, chunk: int = 0) -> Task | None:
+        """The cost of one functional collective ``op`` of ``nbytes``, where it is
+        charged."""
+        seconds = self.issue_s.get((rank, op, nbytes))
+        if seconds is None:
             link = self.ctx.layout.group_link(self.ctx.layout.tp_group(rank))
-            seconds = self.issue_s[rank] = self.ctx.cost_of(rank).funcol_s(self.dtensor, link)
+            seconds = self.issue_s[rank, op, nbytes] = self.ctx.cost_of(rank).funcol_s(
+                self.dtensor, link, op, nbytes)
         if not seconds:
             return None
         return self.ctx.compute(rank, "T", kind, "tp.funcol issue", seconds, mb, layer, chunk)
@@ -109,7 +114,8 @@ class TensorPass(Pass):
         if before:
             if ag:  # where the overlapped all-gather starts: its host issue, or a mark
                 kind = "backward" if backward else "forward"
-                self.start[rank] = self.issue(rank, kind, mb, layer, chunk) or \
+                self.start[rank] = self.issue(rank, kind, "all_gather", self.tp_bytes, mb,
+                                              layer, chunk) or \
                     self.ctx.compute(rank, "T", kind, f"tp.start L{layer} mb{mb}", 0.0, mb,
                                      layer, chunk)
             else:
@@ -128,7 +134,8 @@ class TensorPass(Pass):
                 chunk: int, backward: bool) -> None:
         """``count`` blocking collectives on the compute stream."""
         for _ in range(count):
-            self.issue(rank, "backward" if backward else "forward", mb, layer, chunk)
+            self.issue(rank, "backward" if backward else "forward", op, self.tp_bytes, mb,
+                       layer, chunk)
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
                                 self.tp_bytes, f"tp.{op} L{layer} mb{mb}", mb, layer, chunk)
 
@@ -164,7 +171,8 @@ class TensorPass(Pass):
         piece.duration, piece.weight_s = max(rest, 0.0), max(rest_w, 0.0) if backward else 0.0
         if r is None:
             return piece
-        self.issue(rank, "backward" if backward else "forward", mb, layer, chunk)
+        self.issue(rank, "backward" if backward else "forward", "reduce_scatter",
+                   self.tp_bytes, mb, layer, chunk)
         scatter = self.side(rank, "reduce_scatter", mb, layer, chunk)
         scatter.deps.append(compute[-1].id)  # after the rest (and its host issue)
         what = f"{r.gemm} wgrad" if backward else f"{r.gemm} chunks"
@@ -193,7 +201,8 @@ class TensorPass(Pass):
     def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
         end: Literal["embed", "head"] = "embed" if where == "embed" else "head"
         for op, _ in tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, end, forward):
-            self.issue(rank, "forward" if forward else "backward", mb, -1, chunk)
+            self.issue(rank, "forward" if forward else "backward", op, self.tp_bytes, mb, -1,
+                       chunk)
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
                                 self.tp_bytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
 
@@ -201,7 +210,7 @@ class TensorPass(Pass):
         ends = tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, "loss", True)
         for (op, payload), what in zip(ends, ("max", "target", "sum"), strict=False):
             if payload == "logits":  # the replicated logits of the output layer, whole
-                self.issue(rank, "forward", mb, -1, chunk)
+                self.issue(rank, "forward", op, self.end_bytes[payload], mb, -1, chunk)
                 name = f"tp.{op} logits mb{mb}"
             else:
                 name = f"tp.{op} loss {what} mb{mb}"
@@ -216,6 +225,6 @@ class TensorPass(Pass):
                                      ctx.last_stage in stages)
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
         for i in range(n):
-            self.issue(rank, "optimizer")
+            self.issue(rank, "optimizer", "all_reduce", nbytes)
             ctx.collective(rank, "compute", "all_reduce", "tp", group, nbytes,
                            f"tp.all_reduce norm grad {i // 3} (optimizer)")
