@@ -48,7 +48,7 @@ def figures(records: list[dict[str, Any]]) -> dict[str, float | None]:
         seconds = fit(of(key.removesuffix("_us")))[0].get("intra_node")
         out[key] = None if seconds is None else seconds * 1e6
     lines, _ = ft.funcol_host(of("funcol_host"))
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    for kind in ft.fh.KINDS:
         out[f"funcol_host.{kind}"] = lines[kind][0] * 1e6 if kind in lines else None
     return out
 

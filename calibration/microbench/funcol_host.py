@@ -47,15 +47,16 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from calibration.microbench.collectives_worker import _human
+from simulator.hardware import FuncolKind
 
 ITERATIONS = 24
 ROUNDS = 5
 KIND = "funcol_host"
-#: The redistributions timed: kind -> (source placement, target placement).
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: The redistributions timed, by the collective each issues.
+KINDS: tuple[str, ...] = get_args(FuncolKind)
 #: Message sizes (bytes of the whole activation): our tiny-gpt's TP activation (64 KiB)
 #: to small-gpt's (1 MiB) on CPU, a wider span on CUDA.
 SIZES = {"cpu": (64 << 10, 256 << 10, 1 << 20), "cuda": (64 << 10, 1 << 20, 16 << 20)}
