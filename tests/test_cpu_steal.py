@@ -95,21 +95,22 @@ def test_validation_row_and_table_show_the_steal(tmp_path: Path,
     monkeypatch.setattr(msr, "run_measure", lambda *a, **k: {
         "step_times_s": [1.0, 1.0, 1.0, 1.0], "cpu_steal": 0.35})
     fig = {"step_time_s": 1.0, "compute_s": 0.8, "idle_fraction": 0.1}
-    monkeypatch.setattr(cmp, "run_compare", lambda *a: {
+    monkeypatch.setattr(cmp, "run_compare", lambda *a, **k: {
         "measured": fig, "simulated": fig,
         "relative_error": {"step_time_s": 0.0, "compute_s": 0.0}})
     args = argparse.Namespace(retries=1, micro_batches=4, steps=None, warmup=None,
-                              device="cpu", threads=1, timeout=60.0, micro_batch_size=2)
+                              device="cpu", threads=1, timeout=60.0, micro_batch_size=2,
+                              repeats=1)
     row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
     assert row["cpu_steal"] == 0.35  # measured again (steady steps, but stolen): no better
-    assert row["note"] == ("35% steal; measured 2 times, kept the run at 0%; "
-                           "the hypervisor took 35% of the CPU (steal) during the run")
+    assert row["note"] == ("1 run(s) set aside for steal (35%); every run stolen, kept the "
+                           "least; the hypervisor took 35% of the CPU (steal) during the run")
     header = {"device": "cpu", "device_name": "vm", "threads": 1, "torch": "x",
               "profile": "p.yaml", "date": "d", "micro_batches": 4, "micro_batch_size": 2,
               "steps": 8, "model": "small-gpt", "calibration_steal": 0.04}
     md = markdown([row], header)
     assert "profile `p.yaml` (calibrated with 4% steal)," in md
-    assert "| 10% | 10% | 35% | 35% steal; measured 2 times" in md
+    assert "| 10% | 10% | 35% | 1 run(s) set aside for steal (35%)" in md
     assert "1 row(s) ran while the hypervisor took 35% of the CPU (steal" in summary([row])
     other = {**row, "config": "pp2-gpipe", "cpu_steal": 0.08}
     assert "2 row(s) ran while the hypervisor took 8%–35% of the CPU" in summary([row, other])

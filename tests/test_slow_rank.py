@@ -209,6 +209,14 @@ def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
         1 + (slept + woke) / compute, rel=1e-5)}
     assert got["scenario"]["variability"]["slow_gpus"][0]["compute_slowdown"] \
         == pytest.approx(1 + (slept + woke) / compute, rel=1e-5)
+    assert got["measured_step_pooled"] is False
+    # a step pooled from several runs (the validation's repeats) stands for the run's own
+    # median; the trace's compute is rescaled with it, the simulation is the same
+    pooled = compare(tmp_path, "cpu-1thread", step_time_s=2 * result["step_time_s"])
+    assert pooled["measured_step_pooled"] is True
+    assert pooled["measured"]["step_time_s"] == pytest.approx(2 * result["step_time_s"])
+    assert pooled["measured"]["compute_s"] == pytest.approx(2 * got["measured"]["compute_s"])
+    assert pooled["simulated"] == got["simulated"]
     # a measured.json from before the field: the scenario's slowdown as it is
     data = json.loads((tmp_path / "measured.json").read_text())
     for r in data["per_rank"]:

@@ -25,7 +25,7 @@ HEADER = {"device": "cpu", "device_name": "test cpu", "threads": 1, "torch": "x"
 ROWS = [
     {"config": "dp2-ddp", "tp": 1, "pp": 1, "dp": 2, "schedule": "1f1b", "zero": 0, "note": "",
      "measured_ms": 100.0, "simulated_ms": 90.0, "step_error": -0.1, "compute_error": 0.05,
-     "idle_measured": 0.2, "idle_simulated": 0.1},
+     "idle_measured": 0.2, "idle_simulated": 0.1, "runs": 2, "repeat": 0.04},
     {"config": "tp2", "tp": 2, "pp": 1, "dp": 1, "schedule": "1f1b", "zero": 0,
      "note": "failed: boom"},
 ]
@@ -44,12 +44,17 @@ def test_configs_cover_the_issue_list() -> None:
 
 def test_table_markdown_and_csv(tmp_path: Path) -> None:
     md = markdown(ROWS, HEADER)
-    assert "| dp2-ddp | 100.0 | 90.0 | -10.0% | +5.0% | 20% | 10% | – |  |" in md
-    assert "| tp2 | – | – | – | – | – | – | – | failed: boom |" in md
+    assert "| dp2-ddp | 100.0 | 90.0 | -10.0% | 2 | 4% | +5.0% | 20% | 10% | – |  |" in md
+    assert "| tp2 | – | – | – | – | – | – | – | – | – | failed: boom |" in md
+    assert "model small-gpt, 4 micro-batches of 2, median of 8 steps." in md  # no repeats
+    two = markdown(ROWS, {**HEADER, "repeats": 2, "min_seconds": 20.0})
+    assert ("4 micro-batches of 2, 2 runs back to back, the median of their pooled steps; "
+            "each of 8 steps or more, spanning at least 20 s.") in two
     paths = write_table(tmp_path, ROWS, HEADER)
     assert [p.name for p in paths] == ["validation.csv", "validation.md"]
     rows = list(csv.DictReader((tmp_path / "validation.csv").open()))
     assert rows[0]["config"] == "dp2-ddp" and float(rows[0]["step_error"]) == -0.1
+    assert (rows[0]["runs"], rows[0]["repeat"]) == ("2", "0.04")
     assert rows[1]["note"] == "failed: boom"
     assert not list(tmp_path.glob(".*tmp"))
 
@@ -67,7 +72,7 @@ def test_calibrating_once_goes_through_calibrate_and_keeps_its_problems(tmp_path
 
 
 def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> None:
-    from calibration.measured.validation import summary
+    from calibration.measured.validation import repeatability_sentence, summary
 
     small = [{**ROWS[0], "model": "small-gpt"},
              {**ROWS[0], "model": "small-gpt", "config": "tp2", "step_error": 0.02}]
@@ -79,10 +84,11 @@ def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> No
         in first
     assert "model tiny-gpt" in second and "median of 30 steps or more, spanning" in second
     assert "median of 8 steps." in markdown(small, {**HEADER, "steps": 8, "min_seconds": 0.0})
-    assert first.rstrip().endswith("Mean |step error| 6.0% over 2 rows (target 5%: missed); "
-                                   "largest 10.0% (dp2-ddp); 0 row(s) over 10%.")
+    assert "Mean |step error| 6.0% over 2 rows (target 5%: missed); largest 10.0% " \
+        "(dp2-ddp); 0 row(s) over 10%. The runs of a row lay 4.0% apart" in first
     assert summary(tiny) == ("Mean |step error| 30.0% over 1 rows (target 5%: missed); "
-                             "largest 30.0% (dp2-ddp); 1 row(s) over 10%.")
+                             "largest 30.0% (dp2-ddp); 1 row(s) over 10%."
+                             + repeatability_sentence(tiny))
     assert summary([ROWS[1]]) == "No configuration ran."
 
 
@@ -102,54 +108,122 @@ def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
     check_profile("cpu-1thread")
 
 
-def test_step_spread_and_the_note_of_a_re_measured_row() -> None:
-    from calibration.measured.validation import retry_note, step_spread
+def test_step_spread_and_how_a_rows_runs_are_pooled(tmp_path: Path) -> None:
+    from calibration.measured.validation import Run, pool, pool_note, step_spread
 
     assert step_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
     # quartiles 2.0 and 3.0 (inclusive method) over the median 2.5
     assert step_spread([1.0, 2.0, 3.0, 4.0, 2.0, 3.0, 2.5]) == pytest.approx(0.4)
-    assert retry_note([(0.05, None)], 0) == ""
-    assert retry_note([(0.3, 0.01), (0.04, 0.0)], 1) == ("steps scattered 30%; measured 2 "
-                                                         "times, kept the run at 4%")
-    assert retry_note([(0.3, None), (0.2, None)], 1).endswith(
-        "(still scattered: a busy machine)")
-    assert retry_note([(0.3, 0.2), (0.04, 0.01)], 1).startswith(
-        "steps scattered 30% and 20% steal; measured 2 times")
+    a = Run(tmp_path / "a", (1.0, 1.0, 1.0, 1.0), 0.0)
+    b = Run(tmp_path / "b", (1.2, 1.2, 1.2, 1.2), None)
+    stolen = Run(tmp_path / "s", (2.0, 2.0), 0.35)
+    both = pool([a, stolen, b])
+    assert both.runs == (a, b) and both.set_aside == (stolen,)
+    assert both.step_s == pytest.approx(1.1)  # the median of the eight pooled steps
+    assert both.repeat == pytest.approx(0.2 / 1.1)  # the medians' gap over the pooled one
+    assert both.spread == pytest.approx(0.2 / 1.1)  # quartiles 1.0 and 1.2
+    assert both.steal == 0.0  # the pooled runs' largest; the stolen run is not one
+    assert pool_note(both) == "steps scattered 18% (a busy machine); 1 run(s) set aside " \
+        "for steal (35%)"
+    one = pool([a])
+    assert (one.step_s, one.repeat, pool_note(one)) == (1.0, None, "")
+    worse = Run(tmp_path / "w", (3.0,), 0.5)
+    least = pool([worse, stolen])  # every run stolen: the least stolen one alone
+    assert least.runs == (stolen,) and least.set_aside == (worse,)
+    assert pool_note(least) == "1 run(s) set aside for steal (50%); every run stolen, " \
+        "kept the least"
 
 
-def test_a_scattered_run_is_measured_again_and_the_calm_one_compared(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, runs: list[dict[str, object]]
+               ) -> tuple[list[str], list[object], list[tuple[str, float | None]]]:
     import calibration.measured.compare as cmp
     import calibration.measured.measure as msr
-    from calibration.measured.validation import run_one
 
-    runs = iter([[2.6, 3.9, 3.8, 2.6, 3.7, 2.6, 3.7, 2.6], [2.6, 2.62, 2.58, 2.6]])
+    it = iter(runs)
     launched: list[str] = []
-
     spans: list[object] = []
+    compared: list[tuple[str, float | None]] = []
 
     def fake_measure(*_: object, out_dir: str, **kw: object) -> dict[str, object]:
         launched.append(Path(out_dir).name)
         spans.append(kw["min_seconds"])
-        return {"step_times_s": next(runs)}
+        return next(it)
 
-    compared: list[str] = []
-
-    def fake_compare(run_dir: Path, profile: str) -> dict[str, object]:
-        compared.append(run_dir.name)
-        fig = {"step_time_s": 2.6, "compute_s": 2.0, "idle_fraction": 0.1}
-        return {"measured": fig, "simulated": fig,
-                "relative_error": {"step_time_s": 0.0, "compute_s": 0.0}}
+    def fake_compare(run_dir: Path, profile: str, step_time_s: float | None = None
+                     ) -> dict[str, object]:
+        compared.append((run_dir.name, step_time_s))
+        meas = {"step_time_s": step_time_s, "compute_s": 2.0, "idle_fraction": 0.1}
+        sim = {**meas, "step_time_s": 1.0}
+        return {"measured": meas, "simulated": sim, "relative_error": {
+            "step_time_s": (1.0 - step_time_s) / step_time_s, "compute_s": 0.0}}
 
     monkeypatch.setattr(msr, "run_measure", fake_measure)
     monkeypatch.setattr(cmp, "run_compare", fake_compare)
-    args = argparse.Namespace(retries=2, micro_batches=4, steps=None, warmup=None,
-                              device="cpu", threads=1, timeout=60.0, micro_batch_size=2)
-    row = run_one(CPU_CONFIGS[0], args, "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
-    assert launched == ["dp2-ddp", "dp2-ddp-retry1"]  # calm at the second: no third
+    return launched, spans, compared
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {"retries": 1, "micro_batches": 4, "steps": None,
+                               "warmup": None, "device": "cpu", "threads": 1,
+                               "timeout": 60.0, "micro_batch_size": 2}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_each_configuration_runs_twice_and_their_pooled_median_is_compared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from calibration.measured.validation import run_one
+
+    launched, spans, compared = _fake_runs(monkeypatch, [
+        {"step_times_s": [1.0, 1.0, 1.0, 1.0], "cpu_steal": 0.0},
+        {"step_times_s": [1.2, 1.2, 1.2, 1.2], "cpu_steal": 0.01}])
+    row = run_one(CPU_CONFIGS[0], _args(), "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
+    assert launched == ["dp2-ddp", "dp2-ddp-run2"]  # REPEATS on cpu, none stolen: no third
     assert spans == [20.0, 20.0]  # MIN_SECONDS on cpu, --min-seconds not given
-    assert compared == ["dp2-ddp-retry1"]
-    assert row["note"].startswith("steps scattered 36%; measured 2 times")
+    assert compared == [("dp2-ddp", pytest.approx(1.1))]  # the first run's trace
+    assert row["measured_ms"] == pytest.approx(1100.0)
+    assert (row["runs"], row["repeat"]) == (2, pytest.approx(0.2 / 1.1))
+    assert row["cpu_steal"] == 0.01
+    assert row["note"] == "steps scattered 18% (a busy machine)"
+
+
+def test_a_stolen_run_is_set_aside_and_measured_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from calibration.measured.validation import run_one
+
+    launched, _, compared = _fake_runs(monkeypatch, [
+        {"step_times_s": [2.0, 2.0], "cpu_steal": 0.35},
+        {"step_times_s": [1.0, 1.0], "cpu_steal": 0.0},
+        {"step_times_s": [1.0, 1.0], "cpu_steal": 0.0}])
+    row = run_one(CPU_CONFIGS[0], _args(), "p.yaml", tmp_path / "dp2-ddp", "small-gpt")
+    assert launched == ["dp2-ddp", "dp2-ddp-run2", "dp2-ddp-run3"]
+    assert compared == [("dp2-ddp-run2", 1.0)]
+    assert (row["runs"], row["repeat"], row["cpu_steal"]) == (2, 0.0, 0.0)
+    assert row["note"] == "1 run(s) set aside for steal (35%)"
+    # --repeats 1 --retries 0: one run, kept however stolen, and no repeat figure
+    launched, _, compared = _fake_runs(monkeypatch, [
+        {"step_times_s": [2.0, 2.0], "cpu_steal": 0.35}])
+    row = run_one(CPU_CONFIGS[0], _args(retries=0, repeats=1), "p.yaml",
+                  tmp_path / "x", "small-gpt")
+    assert launched == ["x"] and compared == [("x", 2.0)]
+    assert (row["runs"], row["repeat"], row["cpu_steal"]) == (1, None, 0.35)
+    assert row["note"] == "the hypervisor took 35% of the CPU (steal) during the run"
+
+
+def test_the_summary_says_what_the_repeatability_alone_costs() -> None:
+    from calibration.measured.validation import repeatability_sentence, summary
+
+    rows = [{"config": "a", "step_error": 0.05, "runs": 2, "repeat": 0.08},
+            {"config": "b", "step_error": -0.02, "runs": 2, "repeat": 0.04},
+            {"config": "c", "note": "failed: x", "runs": 2, "repeat": 0.5}]
+    text = repeatability_sentence(rows)
+    assert text == (" The runs of a row lay 6.0% apart on average (largest 8%): the "
+                    "measurement's own repeatability; from it alone a simulator without "
+                    "error would read a mean |step error| of about 3.0%, more with the "
+                    "machine's drift since the calibration.")
+    assert text in summary(rows)
+    three = [{**rows[0], "runs": 3}]  # the half holds for two runs only
+    assert repeatability_sentence(three).endswith("the measurement's own repeatability.")
+    assert repeatability_sentence([{"config": "a", "step_error": 0.1, "repeat": None}]) == ""
 
 
 def test_an_earlier_runs_results_are_set_aside_not_resumed(tmp_path: Path) -> None:
@@ -170,10 +244,10 @@ def test_an_earlier_runs_results_are_set_aside_not_resumed(tmp_path: Path) -> No
     assert set_aside(tmp_path, ["profile-cpu.results.jsonl"]) == []
 
 
-def test_a_bad_min_seconds_fails_before_any_run(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """``--min-seconds`` below 0 or past the launch timeout is one line, exit 2, and
-    nothing runs (no calibration, no directory)."""
+def test_a_bad_min_seconds_or_repeats_fails_before_any_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--min-seconds`` below 0 or past the launch timeout, or ``--repeats`` outside
+    1..5, is one line, exit 2, and nothing runs (no calibration, no directory)."""
     pytest.importorskip("torch")
     from simulator.cli import main
 
@@ -183,4 +257,9 @@ def test_a_bad_min_seconds_fails_before_any_run(tmp_path: Path,
                      bad, "--timeout", "600"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--min-seconds" in err[0] and bad in err[0]
+    for bad in ("0", "6"):
+        assert main(["validation", "--device", "cpu", "--out", str(out), "--repeats",
+                     bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: --repeats = {bad}: use 1 to 5 runs per configuration"]
     assert not out.exists()

@@ -87,11 +87,17 @@ def relative_errors(meas: dict[str, float], sim: dict[str, float]) -> dict[str, 
     return out
 
 
-def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
-    """Simulate the measured scenario with ``profile``; return the comparison dict."""
+def compare(run_dir: Path, profile: Path | str,
+            step_time_s: float | None = None) -> dict[str, Any]:
+    """Simulate the measured scenario with ``profile``; return the comparison dict.
+    ``step_time_s`` stands for the run's median step where the caller pooled several
+    runs of the scenario (the validation's repeats); this run's trace still gives the
+    compute and idle shares."""
     from simulator.run_files import read_measured
 
     measured = read_measured(run_dir / "measured.json")  # before importing pandas
+    if step_time_s is not None:
+        measured = {**measured, "step_time_s": float(step_time_s)}
     from simulator.api import simulate_scenario
     from simulator.scenario import load_scenario
 
@@ -113,6 +119,8 @@ def compare(run_dir: Path, profile: Path | str) -> dict[str, Any]:
             "device": str(measured.get("device", "cpu")),  # whose trace events are compute
             "scenario": scenario.to_dict(),
             "measured": meas, "simulated": sim, "relative_error": relative_errors(meas, sim),
+            # the measured step: this run's median, or several runs' pooled (validation)
+            "measured_step_pooled": step_time_s is not None,
             "simulated_results": {k: results[k] for k in ("bubble_fraction", "exposed_comm_s",
                                                           "mfu", "sim_wall_s")},
             "_spans": spans}
@@ -233,8 +241,9 @@ def write_comparison(run_dir: Path, comparison: dict[str, Any]) -> Path:
     return path
 
 
-def run_compare(run_dir: Path, profile: str, plot: bool = True) -> dict[str, Any]:
-    comparison = compare(run_dir, profile)
+def run_compare(run_dir: Path, profile: str, plot: bool = True,
+                step_time_s: float | None = None) -> dict[str, Any]:
+    comparison = compare(run_dir, profile, step_time_s)
     for k, v in comparison["simulated"].items():
         if not math.isfinite(v):
             raise RuntimeError(f"simulated {k} is not finite: {v}")

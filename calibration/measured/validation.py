@@ -9,11 +9,15 @@ span at least ``--min-seconds``, :data:`MIN_SECONDS`) and ``compare`` (the same
 scenario simulated with that profile), and writes ``DIR/validation.md`` and
 ``DIR/validation.csv``: one row per configuration with measured and simulated step
 time and the error, one table per model (``--model small-gpt,tiny-gpt`` runs both from
-the one calibration), each ending with its mean and largest |step error|. A run whose
-steps scatter more than :data:`SPREAD_LIMIT`, or during which a hypervisor took more
-than :data:`calibration.host.STEAL_LIMIT` of the CPU (steal), is measured again
-(``--retries``) and the least disturbed run compared, as the row's note says; each
-row keeps its run's steal share, the header the calibration's. After the last row the
+the one calibration), each ending with its mean and largest |step error|. On CPU each
+configuration runs twice back to back (``--repeats``, :data:`REPEATS`) and the median
+of their pooled steps is compared; the ``repeat`` column says how far the two runs'
+medians lay apart, the measurement's own repeatability, and each table's summary what
+that alone costs a simulator without error (:func:`repeatability_sentence`). A run
+during which a hypervisor took more than :data:`calibration.host.STEAL_LIMIT` of the
+CPU (steal) is set aside and measured again (``--retries``); pooled steps that scatter
+more than :data:`SPREAD_LIMIT` are named in the row's note; each row keeps its runs'
+largest steal share, the header the calibration's. After the last row the
 calibration's two-rank terms are measured again (:mod:`calibration.measured.recheck`;
 ``--no-recheck`` skips it) and the tables end with them beside the profile's figures:
 how far the machine moved while the rows ran.
@@ -29,7 +33,7 @@ gives: what it slept and the cold caches it woke to,
 :func:`calibration.measured.compare.slowdown_as_slept`). With more devices
 (``--device cuda`` and ≥ 4 GPUs) TP 2 · PP 2 and DP 2 · PP 2 join them.
 Each measurement and comparison stays in ``DIR/runs/<name>/`` (``DIR/runs/<model>/<name>/``
-with two models) for inspection;
+with two models; a configuration's second run in ``<name>-run2/``) for inspection;
 a configuration that fails is recorded in the table with its error, not fatal.
 """
 
@@ -92,7 +96,8 @@ MODEL_STEPS = {"small-gpt": (8, 2), "tiny-gpt": (30, 5)}
 MIN_SECONDS = {"cpu": 20.0, "cuda": 0.0}
 MODELS = tuple(MODEL_STEPS)
 COLUMNS = ("model", "config", "tp", "pp", "dp", "schedule", "zero", "measured_ms", "simulated_ms",
-           "step_error", "compute_error", "idle_measured", "idle_simulated", "cpu_steal", "note")
+           "step_error", "runs", "repeat", "compute_error", "idle_measured", "idle_simulated",
+           "cpu_steal", "note")
 
 
 def configs_for(device: str, devices: int) -> tuple[Config, ...]:
@@ -194,9 +199,18 @@ def _row(cfg: Config, comparison: dict[str, Any] | None, note: str = "",
     return row
 
 
-#: a run whose steps scatter more than this (interquartile range over the median) was
-#: disturbed (on this project's VM a slow spell turns some steps 40% longer): measured again
+#: a row whose pooled steps scatter more than this (interquartile range over the median)
+#: ran on a busy machine (on this project's VM a slow spell turns some steps 40% longer):
+#: the row's note says so
 SPREAD_LIMIT = 0.10
+#: runs of each configuration, back to back, whose timed steps are pooled, where
+#: ``--repeats`` leaves it: on the project's 2-vCPU VM two 20 s runs of one tiny-gpt
+#: configuration differed by 8% on average (small-gpt 6%; 2026-12-05, 54 and 13 pairs,
+#: the second run of each measured because the first one's steps scattered),
+#: so one run was one draw of a pace that wanders on a scale of seconds. Two runs halve
+#: that draw's variance, and their difference is the measurement's repeatability that the
+#: table shows beside the error (:func:`repeatability_sentence`)
+REPEATS = {"cpu": 2, "cuda": 1}
 
 
 def step_spread(times: list[float]) -> float:
@@ -208,25 +222,79 @@ def step_spread(times: list[float]) -> float:
     return repeat_spread(times, "inclusive")
 
 
-def disturbance(spread: float, steal: float | None) -> float:
-    """How disturbed a run was, as the larger of its step scatter and its steal share
-    over their limits: above 1 it is measured again; the least disturbed run is kept."""
-    return max(spread / SPREAD_LIMIT, (steal or 0.0) / STEAL_LIMIT)
+@dataclass(frozen=True)
+class Run:
+    """One measured run of a configuration: its directory, timed steps and steal share."""
+    out: Path
+    steps: tuple[float, ...]
+    steal: float | None
+
+    @property
+    def median(self) -> float:
+        import statistics
+
+        return statistics.median(self.steps)
+
+    @property
+    def stolen(self) -> bool:
+        return (self.steal or 0.0) > STEAL_LIMIT
 
 
-def retry_note(attempts: list[tuple[float, float | None]], kept: int) -> str:
-    """What the table says of a row measured more than once: why (the first run's
-    scatter, its steal), how often, and the kept run's scatter."""
-    if len(attempts) == 1:
-        return ""
-    spread, steal = attempts[0]
-    why = [f"steps scattered {spread:.0%}"] if spread > SPREAD_LIMIT else []
-    if (steal or 0.0) > STEAL_LIMIT:
-        why.append(f"{steal:.0%} steal")
-    kept_spread = attempts[kept][0]
-    note = (f"{' and '.join(why)}; measured {len(attempts)} times, "
-            f"kept the run at {kept_spread:.0%}")
-    return note + (" (still scattered: a busy machine)" if kept_spread > SPREAD_LIMIT else "")
+@dataclass(frozen=True)
+class Pooled:
+    """A configuration's runs as the row uses them: the runs pooled (every run the
+    hypervisor did not take over :data:`STEAL_LIMIT` of the CPU from, or the least
+    stolen one when it took it from all) and the runs set aside for steal."""
+    runs: tuple[Run, ...]
+    set_aside: tuple[Run, ...]
+
+    @property
+    def step_s(self) -> float:
+        """The median of every pooled run's timed steps."""
+        import statistics
+
+        return statistics.median([t for r in self.runs for t in r.steps])
+
+    @property
+    def spread(self) -> float:
+        return step_spread([t for r in self.runs for t in r.steps])
+
+    @property
+    def repeat(self) -> float | None:
+        """How far the pooled runs' medians lie apart, over the pooled median (None with
+        one run): the measurement's own repeatability."""
+        if len(self.runs) < 2:
+            return None
+        medians = [r.median for r in self.runs]
+        return (max(medians) - min(medians)) / self.step_s
+
+    @property
+    def steal(self) -> float | None:
+        shares = [r.steal for r in self.runs if r.steal is not None]
+        return max(shares) if shares else None
+
+
+def pool(runs: list[Run]) -> Pooled:
+    """The runs a row pools (:class:`Pooled`)."""
+    calm = tuple(r for r in runs if not r.stolen)
+    if calm:
+        return Pooled(calm, tuple(r for r in runs if r.stolen))
+    least = min(runs, key=lambda r: r.steal or 0.0)
+    return Pooled((least,), tuple(r for r in runs if r is not least))
+
+
+def pool_note(pooled: Pooled) -> str:
+    """What the table says of a row's runs: steps scattered over :data:`SPREAD_LIMIT`,
+    runs set aside for steal, or every run stolen."""
+    notes = []
+    if pooled.spread > SPREAD_LIMIT:
+        notes.append(f"steps scattered {pooled.spread:.0%} (a busy machine)")
+    if pooled.set_aside:
+        shares = ", ".join(_pct(r.steal) for r in pooled.set_aside)
+        notes.append(f"{len(pooled.set_aside)} run(s) set aside for steal ({shares})"
+                     + ("; every run stolen, kept the least" if pooled.runs[0].stolen
+                        else ""))
+    return "; ".join(notes)
 
 
 def steal_note(steal: float | None) -> str:
@@ -240,19 +308,27 @@ def _join(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
+def repeats(args: argparse.Namespace) -> int:
+    """Runs per configuration: ``--repeats``, else :data:`REPEATS` of the device."""
+    given = getattr(args, "repeats", None)
+    return REPEATS[args.device] if given is None else int(given)
+
+
 def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
             model: str) -> dict[str, Any]:
-    """Measure (again, up to ``--retries`` times, while the steps scatter or a hypervisor
-    takes the CPU) and compare the least disturbed run (:func:`disturbance`)."""
+    """Measure ``--repeats`` runs back to back (one more, up to ``--retries`` times, for
+    each the hypervisor took over :data:`STEAL_LIMIT` of the CPU from) and compare the
+    median of their pooled steps (:func:`pool`)."""
     from calibration.measured.compare import run_compare
     from calibration.measured.measure import run_measure
 
     steps, warmup = MODEL_STEPS[model]
-    attempts: list[tuple[float, float | None]] = []  # (step scatter, steal) per run
-    best: tuple[float, int, Path, dict[str, Any]] | None = None
+    want = repeats(args)
+    runs: list[Run] = []
     try:
-        for attempt in range(1 + args.retries):
-            out = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-retry{attempt}")
+        while sum(not r.stolen for r in runs) < want and len(runs) < want + args.retries:
+            n = len(runs)
+            out = run_dir if n == 0 else run_dir.with_name(f"{run_dir.name}-run{n + 1}")
             got = run_measure(
                 cfg.tp, cfg.pp, cfg.dp, schedule=cfg.schedule, zero=cfg.zero,
                 micro_batches=args.micro_batches, model=model, steps=args.steps or steps,
@@ -262,26 +338,22 @@ def run_one(cfg: Config, args: argparse.Namespace, profile: str, run_dir: Path,
                 powersgd_rank=cfg.powersgd_rank, experts=cfg.experts, ep=cfg.ep, cp=cfg.cp,
                 slow_rank=cfg.slow_rank, slowdown=cfg.slowdown,
                 sequence_parallel=cfg.sequence_parallel, min_seconds=min_seconds(args))
-            spread, steal = step_spread(got["step_times_s"]), got.get("cpu_steal")
-            attempts.append((spread, steal))
-            d = disturbance(spread, steal)
-            if best is None or d < best[0]:
-                best = (d, attempt, out, got)
-            if d <= 1.0:
-                break
-            _say(f"[validation] {cfg.name}: steps scattered {spread:.0%} (limit "
-                 f"{SPREAD_LIMIT:.0%}), steal {_pct(steal)}"
-                 + (", measuring again" if attempt < args.retries else ""))
-        assert best is not None
-        comparison = run_compare(best[2], profile)
+            runs.append(Run(out, tuple(got["step_times_s"]), got.get("cpu_steal")))
+            if runs[-1].stolen:
+                _say(f"[validation] {cfg.name}: the hypervisor took {_pct(runs[-1].steal)} "
+                     f"of the CPU (limit {STEAL_LIMIT:.0%})"
+                     + (", measuring again" if len(runs) < want + args.retries else ""))
+        pooled = pool(runs)
+        comparison = run_compare(pooled.runs[0].out, profile, step_time_s=pooled.step_s)
     except Exception as exc:
         return _row(cfg, None, f"failed: {str(exc).splitlines()[0][:160]}", model)
-    steal = best[3].get("cpu_steal")
     slept = comparison.get("slowdown_as_slept")
     slept_note = "" if slept is None else \
         f"straggler as it ran: x{slept['compute_slowdown']:.2f} (asked x{cfg.slowdown:g})"
-    return _row(cfg, comparison, _join(retry_note(attempts, best[1]), steal_note(steal),
-                                       slept_note), model, steal)
+    row = _row(cfg, comparison, _join(pool_note(pooled), steal_note(pooled.steal), slept_note),
+               model, pooled.steal)
+    row.update(runs=len(pooled.runs), repeat=pooled.repeat)
+    return row
 
 
 def min_seconds(args: argparse.Namespace) -> float:
@@ -303,7 +375,7 @@ def _fmt(row: dict[str, Any], key: str) -> str:
         return f"{v:.1f}"
     if key.endswith("error"):
         return f"{v:+.1%}"
-    if key.startswith("idle") or key == "cpu_steal":
+    if key.startswith("idle") or key in ("cpu_steal", "repeat"):
         return f"{v:.0%}"
     return str(v)
 
@@ -318,7 +390,29 @@ def summary(rows: list[dict[str, Any]]) -> str:
     over = sum(e > 0.10 for e, _ in errs)
     return (f"Mean |step error| {mean:.1%} over {len(errs)} rows (target 5%: "
             f"{'met' if mean <= 0.05 else 'missed'}); largest {worst:.1%} ({name}); "
-            f"{over} row(s) over 10%." + stolen_summary(rows))
+            f"{over} row(s) over 10%." + repeatability_sentence(rows) + stolen_summary(rows))
+
+
+def repeatability_sentence(rows: list[dict[str, Any]]) -> str:
+    """The sentence on how far a row's runs lay apart (``repeat``), on average and at
+    most: the measurement's own repeatability. With two runs a row, a simulator without
+    error would read a mean |step error| of about half that: for two runs' levels
+    t(1 + e1) and t(1 + e2) with e1, e2 independent and alike symmetric about 0, e1 + e2
+    has the distribution of e1 - e2, so the mean |(e1 + e2) / 2| that the pooled figure
+    misses by is half the mean gap |e1 - e2| (the drift since the calibration comes on
+    top)."""
+    got = [(r["repeat"], r.get("runs")) for r in rows
+           if r.get("repeat") is not None and r.get("step_error") is not None]
+    if not got:
+        return ""
+    mean = sum(g for g, _ in got) / len(got)
+    text = (f" The runs of a row lay {mean:.1%} apart on average (largest "
+            f"{max(g for g, _ in got):.0%}): the measurement's own repeatability")
+    if all(n == 2 for _, n in got):
+        text += (f"; from it alone a simulator without error would read a mean |step "
+                 f"error| of about {mean / 2:.1%}, more with the machine's drift since "
+                 "the calibration")
+    return text + "."
 
 
 def stolen_summary(rows: list[dict[str, Any]]) -> str:
@@ -346,17 +440,22 @@ def _section(rows: list[dict[str, Any]], header: dict[str, Any], model: str) -> 
              f"thread(s) per process), torch {header['torch']}, profile `{header['profile']}`"
              f"{_calibration_steal(header.get('calibration_steal'))}, "
              f"{header['date']}; model {model}, {header['micro_batches']} "
-             f"micro-batches of {header['micro_batch_size']}, median of {steps} "
-             f"steps{_spanning(header.get('min_seconds'))}.", "",
-             "| config | measured ms | simulated ms | step error | compute error | "
-             "idle measured | idle simulated | steal | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    keys = ("measured_ms", "simulated_ms", "step_error", "compute_error", "idle_measured",
-            "idle_simulated", "cpu_steal")
+             f"micro-batches of {header['micro_batch_size']}, {_runs(header.get('repeats'))}"
+             f"{steps} steps{_spanning(header.get('min_seconds'))}.", "",
+             "| config | measured ms | simulated ms | step error | runs | repeat | "
+             "compute error | idle measured | idle simulated | steal | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    keys = ("measured_ms", "simulated_ms", "step_error", "runs", "repeat", "compute_error",
+            "idle_measured", "idle_simulated", "cpu_steal")
     for row in rows:
         cells = [row["config"], *(_fmt(row, k) for k in keys), row.get("note", "")]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, "", summary(rows)]
+
+
+def _runs(n: int | None) -> str:
+    return ("median of " if not n or n == 1 else
+            f"{n} runs back to back, the median of their pooled steps; each of ")
 
 
 def _spanning(seconds: float | None) -> str:
@@ -451,6 +550,9 @@ def run_validation(args: argparse.Namespace) -> int:
                                  "needs at least 2 (use --device cpu)")])
     if not 0 <= args.retries <= 5:
         raise UserError([Problem("--retries", args.retries, "use 0 to 5 re-measures")])
+    if not 1 <= repeats(args) <= 5:
+        raise UserError([Problem("--repeats", repeats(args), "use 1 to 5 runs per "
+                                 "configuration")])
     if not 0 <= min_seconds(args) < args.timeout:
         raise UserError([Problem("--min-seconds", min_seconds(args),
                                  f"use 0 or more seconds, below --timeout ({args.timeout:g})")])
@@ -486,7 +588,7 @@ def run_validation(args: argparse.Namespace) -> int:
               "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
               "model": names[0], "calibration_steal": calibration_steal,
               "steps": {m: args.steps or MODEL_STEPS[m][0] for m in names},
-              "min_seconds": min_seconds(args),
+              "min_seconds": min_seconds(args), "repeats": repeats(args),
               "recheck": _recheck(args, out, profile)}
     paths = write_table(out, rows, header)
     print(markdown(rows, header))
@@ -524,11 +626,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="runs of each configuration back to back, their timed steps pooled "
+                   f"(the median of all is compared; default {REPEATS['cpu']} on cpu, where "
+                   f"the table's 'repeat' column says how far their medians lay apart, "
+                   f"{REPEATS['cuda']} on cuda)")
     p.add_argument("--retries", type=int, default=1, metavar="N",
-                   help="measure a configuration again, up to N times, while its step times "
-                   f"scatter more than {SPREAD_LIMIT:.0%}% (interquartile range over median) "
-                   f"or a hypervisor takes more than {STEAL_LIMIT:.0%}% of the CPU (steal; "
-                   "default 1); the least disturbed run is compared")
+                   help="runs in addition, up to N, for runs during which a hypervisor took "
+                   f"more than {STEAL_LIMIT:.0%}% of the CPU (steal; such a run is set aside, "
+                   "not pooled; default 1)")
     p.add_argument("--only", metavar="NAME[,NAME]",
                    help="run only these configurations (e.g. cp2-allgather)")
     p.add_argument("--tiny", action="store_true", help="smoke-test calibration size (tests)")
