@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -231,8 +232,6 @@ class Run:
 
     @property
     def median(self) -> float:
-        import statistics
-
         return statistics.median(self.steps)
 
     @property
@@ -251,8 +250,6 @@ class Pooled:
     @property
     def step_s(self) -> float:
         """The median of every pooled run's timed steps."""
-        import statistics
-
         return statistics.median([t for r in self.runs for t in r.steps])
 
     @property
