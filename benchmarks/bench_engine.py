@@ -4,7 +4,7 @@ For one scenario (default: the bundled GPT-3 175B on 1,024 GPUs, TP 8 · PP 16 �
 DP 8, 1F1B, m = 192) this times building the workload and simulating one step
 with ``fidelity: folded`` (one rank per pipeline stage stands for its peers) and
 ``fidelity: full`` (every rank, each stage's ranks sharing one prototype
-program: :mod:`simulator.program`), counts what the engine did — tasks executed
+program: :mod:`simulator.builder.program`), counts what the engine did — tasks executed
 and SimPy events scheduled (``SimResult.events``) — and measures, in the same
 process, a bare SimPy loop of 200,000 request → timeout → release operations on
 Resources, before and after the engine runs (the ratios use the two loops' mean).
@@ -67,9 +67,9 @@ def loadavg() -> str:
 
 def run_engine(scenario: str, fidelity: str) -> dict[str, Any]:
     """Build and simulate once; times and counts (no report, no files)."""
-    from simulator.engine import simulate
-    from simulator.scenario import load_scenario
-    from simulator.workload import build_workload
+    from simulator.builder.workload import build_workload
+    from simulator.engine.engine import simulate
+    from simulator.spec.scenario import load_scenario
 
     s = load_scenario(scenario)
     load_before = loadavg()

@@ -47,8 +47,8 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
     """Run and write once; phase timings, file sizes and the ratios."""
     sys.path.insert(0, str(ROOT))
     from simulator.api import Timings, run_scenario, write_outputs
-    from simulator.rank_selection import parse_rank_selection
-    from simulator.scenario import load_scenario
+    from simulator.outputs.rank_selection import parse_rank_selection
+    from simulator.spec.scenario import load_scenario
 
     s = load_scenario(scenario, overrides)
     timings: Timings = {}

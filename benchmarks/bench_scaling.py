@@ -44,9 +44,9 @@ def scenario_text(gpus: int) -> str:
 def measure(gpus: int, fidelity: str) -> dict[str, Any]:
     import yaml  # a dependency of the project already
 
-    from simulator.engine import simulate
-    from simulator.scenario import scenario_from_dict
-    from simulator.workload import build_workload
+    from simulator.builder.workload import build_workload
+    from simulator.engine.engine import simulate
+    from simulator.spec.scenario import scenario_from_dict
 
     s = scenario_from_dict(yaml.safe_load(scenario_text(gpus)))
     t0 = time.process_time()

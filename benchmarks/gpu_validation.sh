@@ -29,7 +29,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-sim=("$py" -m simulator.cli)  # an array, so that timeout can run it
+sim=("$py" -m simulator.cli.main)  # an array, so that timeout can run it
 
 pack() {  # OUT_DIR as it stands into $GV_ARCHIVE, atomically
     [ -n "${GV_ARCHIVE:-}" ] || return 0

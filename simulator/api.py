@@ -2,7 +2,7 @@
 
 ``run_scenario`` is what ``clustersim run`` uses: results, the span table and,
 for the ranks the trace will show, its flows and counters
-(:mod:`simulator.trace_links`). ``simulate_scenario`` is the same without the
+(:mod:`simulator.outputs.trace_links`). ``simulate_scenario`` is the same without the
 trace's extras, for sweeps, ``compare``, notebooks and tests. ``write_outputs``
 is the one function that writes a run directory: results.json, the timeline
 (Parquet, CSV or both), trace.json and the PNGs, each atomically, so an
@@ -22,19 +22,19 @@ from typing import Any
 
 import pandas as pd
 
-from simulator import report
-from simulator.analytic import analytic_estimate
-from simulator.budget import check_engine_cost, check_stages
-from simulator.engine import simulate
+from simulator.analysis import report
+from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.memory_timeline import memory_timeline
+from simulator.builder.budget import check_engine_cost, check_stages
+from simulator.builder.workload import build_workload, simulated_ranks
+from simulator.engine.engine import simulate
 from simulator.errors import UserError
-from simulator.memory_timeline import memory_timeline
-from simulator.rank_selection import RankSelection, select_ranks
-from simulator.scenario import Scenario, not_yet_simulated
-from simulator.span_table import span_table
-from simulator.timeline_files import write_timeline
-from simulator.trace_export import atomic_output, write_chrome_trace
-from simulator.trace_links import TraceLinks, trace_links
-from simulator.workload import build_workload, simulated_ranks
+from simulator.outputs.rank_selection import RankSelection, select_ranks
+from simulator.outputs.span_table import span_table
+from simulator.outputs.timeline_files import write_timeline
+from simulator.outputs.trace_export import atomic_output, write_chrome_trace
+from simulator.outputs.trace_links import TraceLinks, trace_links
+from simulator.spec.scenario import Scenario, not_yet_simulated
 
 PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
 
@@ -76,7 +76,7 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
     """Simulate ``s``; with ``trace_ranks``, also the trace's extras for those ranks.
     Refuses (UserError) what has no workload yet (:func:`not_yet_simulated`) and a run
     above ``max_tasks`` estimated tasks before building it (default
-    :data:`simulator.budget.DEFAULT_MAX_TASKS`).
+    :data:`simulator.builder.budget.DEFAULT_MAX_TASKS`).
     ``timings`` (benchmarks) receives each phase's wall and CPU seconds: build,
     simulate, metrics, span_table, memory_timeline, trace_links."""
     unsupported = not_yet_simulated(s)
@@ -157,7 +157,7 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
         write_results(out_dir / "results.json", results)
     written.append(out_dir / "results.json")
     if plots and spans is not None:
-        from simulator.plots import plot_all
+        from simulator.outputs.plots.figures import plot_all
 
         with _timed(timings, "write_plots"):
             written.extend(plot_all(out_dir, results, spans))

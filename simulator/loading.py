@@ -48,6 +48,8 @@ MAX_DEPTH = 32  # nesting levels; a scenario needs 4, a calibrated profile 6
 MAX_NODES = 5_000  # YAML values, every alias use counted; a calibrated profile has ~600
 YAML_LIMIT_BYTES = 256 << 10  # a calibrated profile is ~6 KB; PyYAML reads ~100 KB/s
 JSON_LIMIT_BYTES = 256 << 20  # results.json of a full-fidelity run is a few MB
+#: The bundled presets: models/, systems/, stacks/, reliability/ (package data)
+PRESETS_DIR = Path(__file__).parent / "presets"
 
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
          (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))

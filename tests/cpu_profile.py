@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from calibration.microbench.fit_profile import build_profile, fit_compute
-from simulator.hardware import load_system
+from simulator.system.hardware import load_system
 
 
 def profile_from(records: list[dict[str, Any]], drift: float | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def run_one(argv: list[str]) -> dict[str, Any]:
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     err, out = io.StringIO(), io.StringIO()
     start = time.perf_counter()

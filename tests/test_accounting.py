@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine import balanced, make_scenario, run_engine
 
-from simulator import accounting as acc
-from simulator.analytic import analytic_estimate
+from simulator.analysis import accounting as acc
+from simulator.analysis.analytic import analytic_estimate
 from simulator.api import simulate_scenario
-from simulator.scenario import load_scenario
+from simulator.spec.scenario import load_scenario
 
 SCENARIOS = sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))
 REL = 1e-9
@@ -143,9 +143,9 @@ def test_tied_embedding_sync_waits_are_not_transfers() -> None:
 
 def test_peer_wait_of_a_collective_is_wait() -> None:
     """DP all-reduce between two replicas where one arrives late: the early one waits."""
-    from simulator.engine import simulate
-    from simulator.report import engine_metrics
-    from simulator.workload import build_workload
+    from simulator.analysis.report import engine_metrics
+    from simulator.builder.workload import build_workload
+    from simulator.engine.engine import simulate
 
     s = make_scenario(dp=2, m=2, parallel={"overlap": {"dp": False}})
     w = build_workload(s, fidelity="full")

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 from simulator.api import simulate_scenario
-from simulator.budget import (
+from simulator.builder.budget import (
     DEFAULT_MAX_TASKS,
     MAX_STAGES,
     check_engine_cost,
     engine_cost,
 )
+from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.scenario import load_scenario
-from simulator.workload import build_workload
+from simulator.spec.scenario import load_scenario
 
 SCENARIOS = Path(__file__).parents[1] / "scenarios"
 SMALL = SCENARIOS / "llama2-7b-8gpu-ddp.yaml"

@@ -2,7 +2,7 @@
 
 The end-to-end run is module-scoped: one tiny calibration (~20-40 s on 2 cores)
 feeds the profile, report, resume and failure checks. The subcommand is driven
-through the real entry point, ``simulator.cli.main``.
+through the real entry point, ``simulator.cli.main.main``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from calibration.microbench.fit import (
     holdout_mask,
     knots,
 )
-from simulator.cli import main
+from simulator.cli.main import main
 from simulator.errors import UserError
-from simulator.hardware import COST_CLASSES, HardwareProfile, load_system
+from simulator.system.hardware import COST_CLASSES, HardwareProfile, load_system
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,7 +403,7 @@ def test_knots_are_monotone_when_asked_and_valid_for_the_schema() -> None:
     samples = [(1e6, 0.5), (2e6, 0.4), (1e7, 0.3), (1e8, 0.9), (1e9, 0.8)]
     pts = knots(samples, monotone=True)
     assert [e for _, e in pts] == sorted(e for _, e in pts)
-    from simulator.hardware import EfficiencyCurve
+    from simulator.system.hardware import EfficiencyCurve
 
     EfficiencyCurve(points=tuple(pts))
 
@@ -412,7 +412,7 @@ def test_knots_floor_a_launch_bound_kernel_inside_the_schema() -> None:
     """An H200 timed an 8x32x32 bf16 GEMM (16 KFLOP) at 18 us: 9e-7 of peak. The knot is
     floored at the schema's minimum and the profile still loads (it was floored at
     exactly 1e-4, which the schema's open interval refused: the calibration died)."""
-    from simulator.hardware import MIN_EFFICIENCY, EfficiencyCurve
+    from simulator.system.hardware import MIN_EFFICIENCY, EfficiencyCurve
 
     peak = 989e12
     samples = [(16384.0, 16384.0 / 18e-6 / peak), (6.6e4, 6.6e4 / 18e-6 / peak),

@@ -11,7 +11,7 @@ import pytest
 from small_scenario import SMALL
 
 from simulator import api
-from simulator.cli import main
+from simulator.cli.main import main
 
 KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
         "hfu", "bubble_fraction", "memory_peak_bytes", "fits_in_memory", "method", "scenario",
@@ -74,7 +74,7 @@ def test_run_full_fidelity_outputs_agree(small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["run", str(small), "--out", str(out), "--fidelity", "full",
                  "--timeline", "both", "--trace-ranks", "0,1,4"]) == 0
-    from simulator.timeline_files import read_timeline
+    from simulator.outputs.timeline_files import read_timeline
 
     parquet = read_timeline(out / "timeline.parquet")
     csv = read_timeline(out / "timeline.csv")
@@ -161,9 +161,9 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_core_imports_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import simulator.cli, simulator.api, simulator.engine, calibration\n"
-            "assert simulator.cli.main(['presets']) == 0\n"
-            "assert simulator.cli.main(['validation', '--out', 'x']) == 2\n"
+            "import simulator.cli.main, simulator.api, simulator.engine.engine, calibration\n"
+            "assert simulator.cli.main.main(['presets']) == 0\n"
+            "assert simulator.cli.main.main(['validation', '--out', 'x']) == 2\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)

@@ -26,18 +26,18 @@ from calibration.microbench import collective_sync as cs
 from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import collective_sync_spread
 from calibration.microbench.report_tables import summary_text
-from simulator.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
+from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
+from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.hardware import (
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
+from simulator.system.hardware import (
     BurstCurve,
     HardwareProfile,
     SyncCurve,
     load_system,
     validate_profile,
 )
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import perturbed, step_time_of, with_hardware
-from simulator.workload import build_workload
 
 # µs per round (rank 0, rank 1) beyond back to back, by message size
 EXCESS_US = {
@@ -421,7 +421,7 @@ def test_shorter_bursts_enter_the_curve_as_a_discount_never_a_surcharge() -> Non
     """Bursts shorter than the base one (0.1 and 0.3 ms) come before it in the curve with
     their change from the base, at most 0; the rank spread's wait over the shorter
     burst, c · e_2 · (B − B₀) < 0, comes off as it does for longer ones."""
-    from simulator.costs import expected_max_normal
+    from simulator.system.costs import expected_max_normal
 
     rec = _burst_record({1e-4: {262144: [(100, 100)] * 3, 1048576: [(200, 200)] * 3},
                          3e-4: {262144: [(450, 400)] * 3, 1048576: [(900, 900)] * 3},
@@ -456,7 +456,7 @@ def test_the_growth_leaves_out_the_wait_the_rank_spread_already_charges() -> Non
     charges as compute (1 + c · e_2 per op): c · e_2 · (B − 1 ms) comes off the growth,
     never below 0."""
     from calibration.microbench.fit_terms import collective_sync_burst
-    from simulator.costs import expected_max_normal
+    from simulator.system.costs import expected_max_normal
 
     c, e2 = 0.05, expected_max_normal(2)
     curve = cs.burst_curve(_burst_record(), c)

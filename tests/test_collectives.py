@@ -8,7 +8,12 @@ import math
 
 import pytest
 
-from simulator.collectives import (
+from simulator.analysis.report import spans_frame
+from simulator.builder.tasks import Program, Task, Workload
+from simulator.engine.engine import simulate
+from simulator.schedules.schedule import build_schedule
+from simulator.spec.scenario import scenario_from_dict
+from simulator.system.collectives import (
     GroupShape,
     Plan,
     busbw,
@@ -19,13 +24,8 @@ from simulator.collectives import (
     make_plan,
     nccl_plans,
 )
-from simulator.engine import simulate
-from simulator.hardware import load_system
-from simulator.layout import Layout
-from simulator.report import spans_frame
-from simulator.scenario import scenario_from_dict
-from simulator.schedules import build_schedule
-from simulator.tasks import Program, Task, Workload
+from simulator.system.hardware import load_system
+from simulator.system.layout import Layout
 
 HW = load_system("dgx-a100-80gb")
 B_INTRA = HW.intra_node.bandwidth_GBps * 1e9 * HW.intra_node.efficiency
@@ -290,7 +290,7 @@ def test_scenario_tp_all_reduce_spans_match_closed_form(n):
         "training": {"global_batch": 2, "micro_batch": 1},
         "simulation": {"collective_algorithm": "ring"},
     })
-    from simulator.workload import build_workload
+    from simulator.builder.workload import build_workload
 
     res = simulate(build_workload(s), s.hardware)
     df = spans_frame(res)
@@ -396,7 +396,7 @@ def test_engine_all_to_all_across_nodes_equals_estimate(algorithm, shape):
 @pytest.mark.parametrize(("nodes", "gpn"), [(1, 8), (2, 1)])
 def test_analytic_all_to_all_time_closed_form(nodes, gpn):
     """The analytic estimate's collective helper on an expert-parallel-sized group."""
-    from simulator.analytic import _collective_time
+    from simulator.analysis.analytic import _collective_time
 
     n = nodes * gpn
     s = scenario_from_dict({

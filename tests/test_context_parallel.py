@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from simulator import model as mdl
 from simulator.api import simulate_scenario
-from simulator.cli import main
-from simulator.layout import Layout
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.workload import build_workload, local_scenario
+from simulator.builder.workload import build_workload, local_scenario
+from simulator.cli.main import main
+from simulator.model import transformer as mdl
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.layout import Layout
 
 MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 1024, "seq_len": 4096,
          "activation": "swiglu", "norm": "rmsnorm", "bias": False, "position": "rope",
@@ -177,8 +177,8 @@ def test_allgather_reorders_the_gathered_kv_in_the_attention_block() -> None:
     """The all-gather variant puts the gathered K and V in sequence order before the
     core (and their gradients back after it in backward): one read and one write of
     the gathered bytes each, in the attention block; the ring does not."""
-    from simulator.costs import CostModel
-    from simulator.workload import block_costs
+    from simulator.builder.workload import block_costs
+    from simulator.system.costs import CostModel
 
     ring, gathered = make(tp=2, cp=4), make(tp=2, cp=4, cp_comm_type="allgather")
     cost = CostModel(ring.hardware, "bf16")
@@ -219,9 +219,9 @@ def test_kept_gathered_kv_costs_its_memory_and_one_backward_reorder() -> None:
     """Memory: cp − 1 more key/value chunks per layer (none under full recomputation);
     compute: the backward reorders only the gradients (one copy of the gathered bytes,
     not two); the analytic estimate drops one all-gather per layer and micro-batch."""
-    from simulator.costs import CostModel
-    from simulator.memory import activation_bytes_per_layer
-    from simulator.workload import block_costs
+    from simulator.builder.workload import block_costs
+    from simulator.model.memory import activation_bytes_per_layer
+    from simulator.system.costs import CostModel
 
     regather, saved = make(tp=2, cp=4, cp_comm_type="allgather"), _saved(tp=2, cp=4)
     spec = saved.model

@@ -19,16 +19,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.analytic import analytic_estimate
+from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.report import engine_metrics, spans_frame
 from simulator.api import simulate_scenario
-from simulator.costs import CostModel
-from simulator.engine import Engine, simulate
-from simulator.layout import Layout
-from simulator.report import engine_metrics, spans_frame
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.schedules import build_schedule
-from simulator.tasks import Program, Task, Workload
-from simulator.workload import BlockCosts, build_workload
+from simulator.builder.tasks import Program, Task, Workload
+from simulator.builder.workload import BlockCosts, build_workload
+from simulator.engine.engine import Engine, simulate
+from simulator.schedules.schedule import build_schedule
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.costs import CostModel
+from simulator.system.layout import Layout
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
         "link_latency_us": 0}
@@ -238,7 +238,7 @@ def test_folded_equals_full_pipeline_only(pp, m, schedule):
 def test_engine_reports_unmatched_collective():
     """Two ranks of one group whose collectives carry different keys never meet: the
     engine must not return a result as if the step had finished."""
-    from simulator.collectives import GroupShape, make_plan
+    from simulator.system.collectives import GroupShape, make_plan
 
     s = make_scenario(tp=2, m=1)
     plan = make_plan("all_reduce", 1e6, GroupShape(2, 2), "ring", s.hardware)
@@ -256,7 +256,7 @@ def test_engine_reports_unmatched_collective():
 
 def _compute_then_all_reduce(k: int, durations: list[float]) -> tuple[Workload, Scenario]:
     """k ranks of one TP group: compute of the given durations, then one all-reduce."""
-    from simulator.collectives import GroupShape, make_plan
+    from simulator.system.collectives import GroupShape, make_plan
 
     s = make_scenario(tp=k, m=1)
     plan = make_plan("all_reduce", 1e6, GroupShape(k, k), "ring", s.hardware)
@@ -500,8 +500,9 @@ def test_importing_the_engine_loads_no_model_arithmetic() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, simulator.engine; "
-            "bad = [m for m in ('simulator.model', 'simulator.workload', 'simulator.memory') "
+    code = ("import sys, simulator.engine.engine; "
+            "bad = [m for m in ('simulator.model.transformer', 'simulator.builder.workload', "
+            "'simulator.model.memory') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
@@ -519,7 +520,7 @@ def _with_interference(s: Scenario, factor: float) -> Any:
 def _compute_beside_all_reduce() -> tuple[Workload, Scenario]:
     """Two DP ranks: compute ``a`` (1 s), then an all-reduce on the dp stream that waits
     for it, beside compute ``b`` and ``c`` (1 s each, one run) on the compute stream."""
-    from simulator.collectives import GroupShape, make_plan
+    from simulator.system.collectives import GroupShape, make_plan
 
     s = make_scenario(dp=2, m=1)
     plan = make_plan("all_reduce", 500e9, GroupShape(2, 2), "ring", s.hardware)
@@ -597,7 +598,7 @@ def test_interference_bounds(pp, dp, m, factor, fidelity):
 def test_analytic_follows_the_engine_under_interference():
     """The closed form charges the backward (f − 1) × min(window, T / f) for the DP
     reduction it overlaps; its growth with f follows the engine's."""
-    from simulator.analytic import _stretch
+    from simulator.analysis.analytic import _stretch
 
     assert _stretch(3.0, 2.0, 1.0) == 0.0
     assert _stretch(3.0, 2.0, 2.0) == pytest.approx(1.5)  # work T/f = 1.5 done at half speed

@@ -1,4 +1,4 @@
-"""Shared per-stage programs (:mod:`simulator.program`) against building every rank.
+"""Shared per-stage programs (:mod:`simulator.builder.program`) against building every rank.
 
 At full fidelity the builder builds one prototype per stage and the engine runs
 every rank of the stage from it. Both the task objects it makes on demand and
@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from simulator.collectives import GroupShape, make_plan
-from simulator.engine import simulate
-from simulator.layout import Layout
-from simulator.program import ProgramView, TaskView, share
-from simulator.scenario import load_scenario, scenario_from_dict
-from simulator.tasks import Program, Task, Workload
-from simulator.workload import build_workload
+from simulator.builder.program import ProgramView, TaskView, share
+from simulator.builder.tasks import Program, Task, Workload
+from simulator.builder.workload import build_workload
+from simulator.engine.engine import simulate
+from simulator.spec.scenario import load_scenario, scenario_from_dict
+from simulator.system.collectives import GroupShape, make_plan
+from simulator.system.layout import Layout
 from tests.test_workload_golden import digest
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from test_accounting import assert_partition
 
-from simulator import expert_parallel as epar
-from simulator import model as mdl
 from simulator.api import simulate_scenario
-from simulator.layout import Layout
-from simulator.scenario import apply_overrides, scenario_from_dict
-from simulator.sweep import run_sweep
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.model import transformer as mdl
+from simulator.search.sweep import run_sweep
+from simulator.spec.scenario import apply_overrides, scenario_from_dict
+from simulator.strategies import expert_parallel as epar
+from simulator.system.layout import Layout
 
 TINY_MOE: dict[str, Any] = {
     "name": "tiny-moe",

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import step_time_of, with_hardware
-from simulator.workload import build_workload
+from simulator.analysis.uncertainty import step_time_of, with_hardware
+from simulator.builder.workload import build_workload
+from simulator.spec.scenario import Scenario, scenario_from_dict
 
 FUNCOL_US = 80.0
 

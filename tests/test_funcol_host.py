@@ -28,18 +28,18 @@ from calibration.microbench import funcol_host as fh
 from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import funcol_host_spread
 from calibration.microbench.report_tables import summary_text
-from simulator import model as mdl
+from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
+from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.hardware import (
+from simulator.model import transformer as mdl
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.hardware import (
     UNCERTAINTY_TERMS,
     HardwareProfile,
     HostLine,
     load_system,
     validate_profile,
 )
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import perturbed, step_time_of, with_hardware
-from simulator.workload import build_workload
 
 MIB = 1 << 20
 SIZES = (64 << 10, 256 << 10, 1 << 20)

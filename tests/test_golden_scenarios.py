@@ -27,8 +27,8 @@ import pytest
 from test_workload_golden import digest
 
 from simulator.api import simulate_scenario
-from simulator.scenario import load_scenario
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.spec.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))

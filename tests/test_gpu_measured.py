@@ -48,7 +48,7 @@ def test_a_cuda_run_simulates_the_foreach_optimizer_and_autocast_it_runs() -> No
     """torch.optim.AdamW with neither foreach nor fused runs foreach on CUDA tensors and
     the for-loop on CPU ones (torch/optim/optimizer.py _default_to_fused_or_foreach);
     the CUDA runs step under bf16 autocast over fp32 parameters."""
-    from simulator.scenario import scenario_from_dict
+    from simulator.spec.scenario import scenario_from_dict
 
     assert stack_for("cpu") == "pytorch-eager"
     cpu = scenario_from_dict(scenario_dict(_cfg("cpu")))
@@ -69,8 +69,8 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     (q, k, v, up inputs), their 4 gradients back, 12 weight and bias gradients and the 2
     residual adds' gradients for their bf16 branches, and 2 each way around the logits."""
     from calibration.measured.host_cost import HOST_GPT, step_counts
-    from simulator.inventory import optimizer_op
-    from simulator.stack import StackSpec
+    from simulator.model.inventory import optimizer_op
+    from simulator.spec.stack import StackSpec
 
     cpu, gpu = step_counts(device="cpu"), step_counts(device="cuda")
     tensors = 16 * HOST_GPT["layers"] + 4
@@ -90,9 +90,9 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
 def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:
     """On a GPU profile (host not serial) the measured host cost replaces the stack's
     figure and bounds an op from below: max(device, kernels × host), never a sum."""
-    from simulator.costs import CostModel
-    from simulator.hardware import load_system
-    from simulator.inventory import Op
+    from simulator.model.inventory import Op
+    from simulator.system.costs import CostModel
+    from simulator.system.hardware import load_system
 
     hw = load_system("dgx-h200")
     gpu = hw.gpu.model_copy(update={"host_overhead_us": 30.0})
@@ -109,8 +109,8 @@ def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:
 def _host_lead_cost() -> Any:
     """The H200 preset at full HBM bandwidth for every size (a flat memory curve), no
     device overhead, 10 µs of host a kernel: a memory op's device time is bytes / HBM."""
-    from simulator.costs import CostModel
-    from simulator.hardware import EfficiencyCurve, load_system
+    from simulator.system.costs import CostModel
+    from simulator.system.hardware import EfficiencyCurve, load_system
 
     hw = load_system("dgx-h200")
     gpu = hw.gpu.model_copy(update={"host_overhead_us": 10.0, "kernel_overhead_us": 0.0,
@@ -120,7 +120,7 @@ def _host_lead_cost() -> Any:
 
 def _op(device_us: float) -> Any:
     """A one-kernel memory op whose device time is ``device_us`` on that flat curve."""
-    from simulator.inventory import Op
+    from simulator.model.inventory import Op
 
     nbytes = device_us * 1e-6 * _host_lead_cost().hbm
     return Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1)
@@ -213,9 +213,9 @@ def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
 
 
 def _layer_ops(pass_: str, autocast: bool, dtype: str = "bf16") -> list[Any]:
-    from simulator import model as mdl
-    from simulator.scenario import ModelSpec
-    from simulator.stack import StackSpec
+    from simulator.model import transformer as mdl
+    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.stack import StackSpec
 
     spec = ModelSpec.model_validate({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4,
                                      "ffn_hidden": 256, "vocab": 128, "seq_len": 32,
@@ -263,8 +263,8 @@ def test_autocast_casts_each_linears_input_and_keeps_the_stream_in_fp32() -> Non
 
 
 def test_autocast_optimizer_has_no_16_bit_copy_to_write() -> None:
-    from simulator.inventory import optimizer_op
-    from simulator.stack import StackSpec
+    from simulator.model.inventory import optimizer_op
+    from simulator.spec.stack import StackSpec
 
     amp = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": True})
     plain = StackSpec.model_validate({"preset": "pytorch-eager"})
@@ -281,8 +281,8 @@ def test_host_cost_cli_writes_the_terms_into_a_profile(tmp_path: Any,
     pytest.importorskip("torch")
     import shutil
 
-    from simulator.cli import main
-    from simulator.hardware import SYSTEMS_DIR, load_system
+    from simulator.cli.main import main
+    from simulator.system.hardware import SYSTEMS_DIR, load_system
 
     path = tmp_path / "cpu.yaml"
     shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", path)
@@ -311,9 +311,9 @@ def test_pytorch_cross_entropy_is_log_softmax_and_nll_loss() -> None:
     gradient and its scatter, then log_softmax's backward, 3 kernels. Megatron's
     vocab-parallel form runs six fp32 kernels each way (an H200 step of gpt-0.9b at
     micro-batches of 8 measured 13 ms of loss kernels, 16 of them)."""
-    from simulator import model as mdl
-    from simulator.scenario import ModelSpec
-    from simulator.stack import StackSpec, load_stack
+    from simulator.model import transformer as mdl
+    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.stack import StackSpec, load_stack
 
     spec = ModelSpec.model_validate({"preset": "tiny-gpt"})
     elements = 2 * spec.seq_len * spec.vocab
@@ -377,9 +377,9 @@ def test_the_loss_has_a_curve_of_its_own_timed_on_vocabulary_wide_rows(kind: str
         memory_plan,
     )
     from calibration.microbench.bench_timing import Device, budget_for
-    from simulator import model as mdl
-    from simulator.scenario import ModelSpec
-    from simulator.stack import load_stack
+    from simulator.model import transformer as mdl
+    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.stack import load_stack
 
     plan = memory_plan(budget_for(kind, "quick"), Device(kind))
     ce = [(rows, width) for kernel, rows, width in plan if kernel == "cross_entropy"]

@@ -14,10 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simulator.cli import main
-from simulator.job import JobSpec, run_job, run_many
-from simulator.model import param_count
-from simulator.reliability import (
+from simulator.cli.main import main
+from simulator.job.lifecycle import JobSpec, run_job, run_many
+from simulator.job.reliability import (
     CheckpointCost,
     checkpoint_bytes,
     checkpoint_cost,
@@ -25,8 +24,9 @@ from simulator.reliability import (
     job_rates,
     young_interval,
 )
-from simulator.scenario import scenario_from_dict
-from simulator.train import choose_interval, job_spec
+from simulator.job.train import choose_interval, job_spec
+from simulator.model.transformer import param_count
+from simulator.spec.scenario import scenario_from_dict
 
 NO_FAILURES = {"gpu": 0.0, "host": 0.0, "nic": 0.0, "switch": 0.0, "software": 0.0}
 
@@ -219,7 +219,7 @@ def test_wall_time_parts_add_up_with_failures_restarts_and_planned_stops(
 
 
 def test_scan_never_goes_below_its_checkpoint_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    import simulator.train as train
+    import simulator.job.train as train
 
     monkeypatch.setattr(train, "SCAN_MAX_CHECKPOINTS", 100)
     # a tiny checkpoint cost: Young's interval is under one step

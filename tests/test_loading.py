@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from simulator.errors import UserError
-from simulator.hardware import load_system, preset_system_names, validate_profile
 from simulator.loading import (
     MAX_DEPTH,
     MAX_NODES,
@@ -20,7 +19,8 @@ from simulator.loading import (
     read_json,
     read_yaml,
 )
-from simulator.scenario import load_scenario
+from simulator.spec.scenario import load_scenario
+from simulator.system.hardware import load_system, preset_system_names, validate_profile
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
 SCENARIO = Path(__file__).parents[1] / "scenarios" / "llama2-7b-8gpu-ddp.yaml"

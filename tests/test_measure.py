@@ -70,7 +70,7 @@ def test_scenario_yaml_matches_the_documented_layout(tmp_path: Path) -> None:
 
 
 def test_scenario_validates_with_the_simulator(tmp_path: Path) -> None:
-    scenario = pytest.importorskip("simulator.scenario")
+    scenario = pytest.importorskip("simulator.spec.scenario")
     cfg = make_config(
         tp=2, pp=2, dp=2, schedule="interleaved", zero=3, micro_batches=4, out_dir=tmp_path
     )
@@ -396,7 +396,7 @@ def test_compare_each_mode(name: str, tmp_path_factory: pytest.TempPathFactory,
                            capsys: pytest.CaptureFixture[str]) -> None:
     """`clustersim compare` on every mode's output: finite, positive figures on both
     sides, their relative errors, comparison.json and the two-timeline PNG."""
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     _, out = _measure(name, tmp_path_factory)
     assert main(["compare", str(out), "--profile", str(PROFILE)]) == 0
@@ -415,7 +415,7 @@ def test_compare_each_mode(name: str, tmp_path_factory: pytest.TempPathFactory,
 
 def test_compare_rejects_a_directory_without_a_run(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     assert main(["compare", str(tmp_path), "--profile", str(PROFILE)]) == 2
     assert "measured.json" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import yaml
 
 from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
 from calibration.measured.measure import make_config, run_measure, scenario_yaml
-from simulator.scenario import scenario_from_dict
+from simulator.spec.scenario import scenario_from_dict
 
 TINY = {"layers": 2, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
 PROFILE = Path(__file__).resolve().parent.parent / "calibration/profiles/cpu-epyc-1thread.yaml"
@@ -40,7 +40,7 @@ def test_scenario_of_a_powersgd_run() -> None:
 def test_powersgd_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two gloo ranks train with the hook: the profiled (compressed) step runs the
     hook's QR orthogonalisation (rank 4 > 2), and compare simulates the same scenario."""
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     result = run_measure(tp=1, pp=1, dp=2, model=TINY, micro_batches=2, steps=2, warmup=2,
                          device="cpu", out_dir=tmp_path, timeout_s=180, powersgd_rank=4)

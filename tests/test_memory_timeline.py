@@ -4,7 +4,7 @@ against memory.py's per-stage totals and an action-level replay of the schedule.
 Agreement is exact (rel 1e-12: the curve sums the same byte counts in another order)
 wherever memory.py's components are all held at one instant, and otherwise differs
 by exactly the component the timeline shows is not (or is additionally) held there;
-see simulator/memory_timeline.py's docstring for the reasons."""
+see simulator/analysis/memory_timeline.py's docstring for the reasons."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simulator.engine import SimResult, simulate
-from simulator.memory import activation_bytes_per_layer, stage_breakdown, zero3_root_bytes
-from simulator.memory_timeline import (
+from simulator.analysis.memory_timeline import (
     component_bytes,
     downsample,
     memory_timeline,
@@ -24,9 +22,11 @@ from simulator.memory_timeline import (
     stage_peaks,
     static_bytes,
 )
-from simulator.model import dtype_bytes, layer_params
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.engine.engine import SimResult, simulate
+from simulator.model.memory import activation_bytes_per_layer, stage_breakdown, zero3_root_bytes
+from simulator.model.transformer import dtype_bytes, layer_params
+from simulator.spec.scenario import Scenario, scenario_from_dict
 
 EXACT = 1e-12
 # 8 layers, h 128, a 8, V 512, s 64: a gathered layer (0.40 MB) is larger than the
@@ -378,8 +378,8 @@ def test_component_sizes_match_memory_py() -> None:
 
 def test_plot_draws_the_curves() -> None:
     """plots.memory_figure draws results["memory_timeline"] given as {rank: points}."""
-    from simulator.plots import memory_figure
-    from simulator.report import common_metrics
+    from simulator.analysis.report import common_metrics
+    from simulator.outputs.plots.figures import memory_figure
 
     s = make(pp=2, dp=2, zero=3)
     result, tl = run(s)

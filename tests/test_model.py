@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.model import (
+from simulator.model.transformer import (
     PASSES,
     Op,
     Pass,
@@ -29,8 +29,8 @@ from simulator.model import (
     pp_activation_bytes,
     tp_comm_bytes_per_layer,
 )
-from simulator.scenario import ModelSpec, load_preset_model
-from simulator.stack import load_stack
+from simulator.spec.scenario import ModelSpec, load_preset_model
+from simulator.spec.stack import load_stack
 
 REL = 1e-9
 

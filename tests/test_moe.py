@@ -1,5 +1,5 @@
 """Mixture-of-experts and latent-attention arithmetic against published parameter counts
-and hand calculations (simulator/moe.py)."""
+and hand calculations (simulator/model/moe.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from simulator import moe
-from simulator.memory import activation_bytes_per_layer, stage_expert_params, stage_params
-from simulator.model import (
+from simulator.model import moe
+from simulator.model.memory import activation_bytes_per_layer, stage_expert_params, stage_params
+from simulator.model.transformer import (
     PASSES,
     active_param_count,
     embedding_params,
@@ -21,7 +21,7 @@ from simulator.model import (
     ops_flops,
     param_count,
 )
-from simulator.scenario import ModelSpec, load_preset_model
+from simulator.spec.scenario import ModelSpec, load_preset_model
 
 MIXTRAL = load_preset_model("mixtral-8x7b")
 DSV3 = load_preset_model("deepseek-v3")
@@ -248,9 +248,9 @@ def test_a_moe_layer_is_the_dense_frame_with_the_mlp_replaced(stack: str, pass_:
     (q, k, v apart under pytorch-eager, unfused attention under megatron-2021, their
     dgrad/wgrad classes), then router, permutation, experts and un-permutation; its
     FLOPs are the stack's-independent sum of both."""
-    from simulator.inventory import EAGER_ROUTING, dense_layer_ops
-    from simulator.model import layer_ops
-    from simulator.stack import load_stack
+    from simulator.model.inventory import EAGER_ROUTING, dense_layer_ops
+    from simulator.model.transformer import layer_ops
+    from simulator.spec.stack import load_stack
 
     st = load_stack(stack)
     spec = _tiny_moe()
@@ -295,8 +295,8 @@ def test_parameter_tensors_are_the_measured_workers_own() -> None:
     torch = pytest.importorskip("torch")
     from calibration.measured.gpt import GPT, GPTConfig
     from calibration.measured.moe_worker import MoEMLP
-    from simulator.inventory import expert_tensors, layer_tensors
-    from simulator.stack import load_stack
+    from simulator.model.inventory import expert_tensors, layer_tensors
+    from simulator.spec.stack import load_stack
 
     eager, spec = load_stack("pytorch-eager"), _tiny_moe()
     cfg = GPTConfig(layers=4, hidden=128, heads=4, ffn_hidden=512, vocab=512, seq_len=64)
@@ -316,8 +316,8 @@ def test_parameter_tensors_are_the_measured_workers_own() -> None:
 def test_grouped_experts_hold_one_tensor_per_projection() -> None:
     """torchtitan's GroupedExperts: w1, w2, w3 for every local expert at once; the
     per-expert modules of the other stacks: one gate/up and down per expert."""
-    from simulator.inventory import expert_tensors
-    from simulator.stack import load_stack
+    from simulator.model.inventory import expert_tensors
+    from simulator.spec.stack import load_stack
 
     assert expert_tensors(MIXTRAL, load_stack("torchtitan"), 8) == 3
     assert expert_tensors(MIXTRAL, load_stack("megatron-core"), 8) == 8 * 2  # fc1 holds gate+up
@@ -329,8 +329,8 @@ def test_grouped_experts_hold_one_tensor_per_projection() -> None:
 def test_the_expert_step_loops_over_the_experts_tensors() -> None:
     """Under a for-loop AdamW (10 kernels per tensor) the experts' own step runs over
     the routed experts' tensors of the rank's MoE layers, the dense step over the rest."""
-    from simulator import model as mdl
-    from simulator.scenario import scenario_from_dict
+    from simulator.model import transformer as mdl
+    from simulator.spec.scenario import scenario_from_dict
 
     s = scenario_from_dict({"name": "t", "model": {**_tiny_moe().model_dump(
         exclude_none=True), "preset": None}, "stack": "pytorch-eager",
@@ -423,7 +423,7 @@ def test_eager_routing_moves_what_the_workers_ops_read_and_write(experts: int,
     buffers' reshuffle around its E/ep experts) is what our MoE worker's ops read and
     write, counted op by op under a dispatch mode, forward and backward."""
     pytest.importorskip("torch")
-    from simulator.inventory import eager_buffer_op, eager_routing_rows
+    from simulator.model.inventory import eager_buffer_op, eager_routing_rows
 
     hidden, tokens = 24, 32
     fwd, bwd = _routing_rows(experts, ep, hidden, tokens)
@@ -443,9 +443,9 @@ def test_experts_launch_per_module_and_carry_their_weight_gradients() -> None:
     pass's weight gradients hold, beside the wgrad GEMMs, a bias gradient per biased
     linear and expert and AccumulateGrad over the experts' tensors (2 local experts
     at EP 2: 8 tensors, as the worker builds them)."""
-    from simulator import expert_parallel as epar
-    from simulator.inventory import expert_tensors
-    from simulator.scenario import scenario_from_dict
+    from simulator.model.inventory import expert_tensors
+    from simulator.spec.scenario import scenario_from_dict
+    from simulator.strategies import expert_parallel as epar
 
     def scenario(stack: str) -> Any:
         return scenario_from_dict({

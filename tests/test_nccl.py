@@ -1,4 +1,4 @@
-"""Collectives as NCCL runs them (simulator/nccl.py): the algorithm set of a version,
+"""Collectives as NCCL runs them (simulator/system/nccl.py): the algorithm set of a version,
 the tuner's choice of algorithm and protocol, and its latency and bandwidth terms
 against closed forms worked out by hand from the constants of NCCL's tuning.cc."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator import nccl
-from simulator.collectives import (
+from simulator.system import nccl
+from simulator.system.collectives import (
     GroupShape,
     candidates,
     estimate,
@@ -20,7 +20,7 @@ from simulator.collectives import (
     nccl_plans,
     nccl_time,
 )
-from simulator.hardware import AlphaBeta, load_system
+from simulator.system.hardware import AlphaBeta, load_system
 
 A100 = load_system("dgx-a100-80gb")  # no NVLS
 H100 = load_system("dgx-h100")  # NVLS
@@ -291,7 +291,7 @@ def test_profile_may_leave_nvls_out() -> None:
     import yaml
 
     from simulator.errors import UserError
-    from simulator.hardware import SYSTEMS_DIR, validate_profile
+    from simulator.system.hardware import SYSTEMS_DIR, validate_profile
 
     data = yaml.safe_load((SYSTEMS_DIR / "dgx-h100.yaml").read_text())
     assert validate_profile(data, "h100").intra_node.nvls

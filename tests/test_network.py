@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from simulator.network import FlowNetwork
+from simulator.system.network import FlowNetwork
 
 C = 1e9  # bytes/s
 S = 4e8  # bytes

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("simulator", "calibration")
@@ -53,4 +53,4 @@ def test_the_check_sees_a_folder_left_out() -> None:
     data = {"simulator": ["presets/models/*.yaml"]}
     assert _shipped("simulator/presets/models/gpt3-175b.yaml", data)
     assert not _shipped("simulator/presets/stacks/deepspeed.yaml", data)
-    assert _shipped("simulator/engine.py", data)
+    assert _shipped("simulator/engine/engine.py", data)

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from simulator.cli import main
+from simulator.cli.main import main
 from simulator.errors import ScenarioError
-from simulator.memory import memory_report
-from simulator.scenario import apply_overrides, scenario_from_dict
+from simulator.model.memory import memory_report
+from simulator.spec.scenario import apply_overrides, scenario_from_dict
 
 MIXTRAL_64: dict[str, Any] = {
     "name": "mixtral-ep",
@@ -94,7 +94,7 @@ def test_memory_under_expert_parallelism() -> None:
         assert e.weights < b.weights / 3
         assert e.activations == b.activations
         assert z.optimizer < e.optimizer
-    from simulator import moe
+    from simulator.model import moe
 
     mid = memory_report(split)[1]  # 8 layers, no embedding or head
     experts = 8 * moe.expert_params(split.model, 0)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from calibration.measured.pipeline_cost import action_us
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import step_time_of, with_hardware
-from simulator.workload import build_workload
+from simulator.analysis.uncertainty import step_time_of, with_hardware
+from simulator.builder.workload import build_workload
+from simulator.spec.scenario import Scenario, scenario_from_dict
 
 ACTION_US = 700.0
 

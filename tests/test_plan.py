@@ -13,13 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.analytic import analytic_estimate
+from simulator.analysis.analytic import analytic_estimate
 from simulator.api import simulate_scenario
-from simulator.cache import ResultCache
-from simulator.cli import main
+from simulator.cli.main import main
 from simulator.errors import ScenarioError, UserError
-from simulator.memory import peak_memory
-from simulator.plan import (
+from simulator.model.memory import peak_memory
+from simulator.outputs.plots.search import pareto_figure
+from simulator.search.cache import ResultCache
+from simulator.search.plan import (
     CP_MIN_TOKENS,
     KNOBS,
     PlanRequest,
@@ -36,8 +37,7 @@ from simulator.plan import (
     run_plan,
     write_plan,
 )
-from simulator.plots_search import pareto_figure
-from simulator.scenario import (
+from simulator.spec.scenario import (
     consistency_problems,
     expert_parallel_problems,
     load_scenario,

@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from simulator import plots
 from simulator.api import simulate_scenario, write_outputs
-from simulator.scenario import scenario_from_dict
-from simulator.schedules import build_schedule, execute
-from simulator.timeline_files import read_timeline
+from simulator.outputs.plots import figures as plots
+from simulator.outputs.timeline_files import read_timeline
+from simulator.schedules.schedule import build_schedule, execute
+from simulator.spec.scenario import scenario_from_dict
 
 MS = 1e-3
 GIB = 1e9  # plots use decimal GB, as the CLI

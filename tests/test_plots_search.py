@@ -12,9 +12,9 @@ import pytest
 from matplotlib.collections import PathCollection
 
 from simulator.errors import UserError
-from simulator.plan import PlanRequest, run_plan, write_plan
-from simulator.plots_search import heatmap_axes, heatmap_figure, heatmap_grid, pareto_figure
-from simulator.sweep import run_sweep
+from simulator.outputs.plots.search import heatmap_axes, heatmap_figure, heatmap_grid, pareto_figure
+from simulator.search.plan import PlanRequest, run_plan, write_plan
+from simulator.search.sweep import run_sweep
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 AXES = {"parallel.zero": ["0", "3"], "parallel.tp": ["1", "2", "3", "4"],

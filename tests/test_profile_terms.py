@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from simulator.errors import UserError
-from simulator.hardware import (
+from simulator.system.hardware import (
     COST_CLASSES,
     UNCERTAINTY_TERMS,
     HardwareProfile,

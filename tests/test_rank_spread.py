@@ -22,13 +22,13 @@ from cpu_profile import profile_from
 from calibration.microbench import rank_spread as rs
 from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import rank_spread_spread
-from simulator.costs import CostModel, expected_max_normal
+from simulator.analysis.uncertainty import perturbed, with_hardware
+from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.hardware import HardwareProfile, load_system, validate_profile
-from simulator.inventory import gemm, mem
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import perturbed, with_hardware
-from simulator.workload import build_workload
+from simulator.model.inventory import gemm, mem
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.costs import CostModel, expected_max_normal
+from simulator.system.hardware import HardwareProfile, load_system, validate_profile
 
 
 def test_the_expected_maximum_of_normals_has_its_closed_forms() -> None:

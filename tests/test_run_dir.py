@@ -13,9 +13,9 @@ import pytest
 from small_scenario import SMALL
 
 from simulator import api
-from simulator.cli import main
+from simulator.cli.main import main
 from simulator.errors import UserError
-from simulator.run_dir import MANIFEST, check_run_dir, default_out_dir, staged_run
+from simulator.outputs.run_dir import MANIFEST, check_run_dir, default_out_dir, staged_run
 
 
 @pytest.fixture

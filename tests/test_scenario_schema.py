@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator.errors import ScenarioError
-from simulator.scenario import Scenario, scenario_from_dict, scenario_warnings
+from simulator.spec.scenario import Scenario, scenario_from_dict, scenario_warnings
 
 CONTRACT: dict[str, Any] = {
     "name": "gpt3-175b-1024",

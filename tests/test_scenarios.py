@@ -1,7 +1,7 @@
 """Every bundled scenario validates and runs, and says what its header claims.
 
 ``clustersim validate`` and ``clustersim run --no-plots`` are called through
-``simulator.cli.main`` on each ``scenarios/*.yaml``; every one must run (the
+``simulator.cli.main.main`` on each ``scenarios/*.yaml``; every one must run (the
 engine implements every value the schema accepts).
 
 Beyond "it runs", the files' claims are checked against theory:
@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from simulator.cli import main
-from simulator.memory import memory_report
-from simulator.placement import stage_layer_count
-from simulator.scenario import load_scenario
+from simulator.cli.main import main
+from simulator.model.memory import memory_report
+from simulator.spec.placement import stage_layer_count
+from simulator.spec.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 FILES = sorted(SCENARIOS.glob("*.yaml"))

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import simulator.schedules as schedules_module
-from simulator.analytic import pipeline_time
-from simulator.memory import in_flight_microbatches
-from simulator.schedules import (
+import simulator.schedules.schedule as schedules_module
+from simulator.analysis.analytic import pipeline_time
+from simulator.model.memory import in_flight_microbatches
+from simulator.schedules.schedule import (
     SCHEDULES,
     Action,
     Schedule,

@@ -25,13 +25,18 @@ from calibration.microbench import send_sync as ss
 from calibration.microbench.fit_profile import write_profile
 from calibration.microbench.fit_terms import send_sync_spread
 from calibration.microbench.report_tables import summary_text
-from simulator.analytic import analytic_estimate
-from simulator.engine import Engine
+from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
+from simulator.builder.workload import build_workload
+from simulator.engine.engine import Engine
 from simulator.errors import UserError
-from simulator.hardware import UNCERTAINTY_TERMS, HardwareProfile, load_system, validate_profile
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.uncertainty import perturbed, step_time_of, with_hardware
-from simulator.workload import build_workload
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.hardware import (
+    UNCERTAINTY_TERMS,
+    HardwareProfile,
+    load_system,
+    validate_profile,
+)
 
 # µs per send beyond back to back, per round (rank 0, rank 1), by message size
 EXCESS_US = {

@@ -17,7 +17,7 @@ import pytest
 from calibration.measured.measure import make_config, run_measure
 from calibration.measured.measure_scenario import scenario_dict
 from simulator.api import simulate_scenario
-from simulator.scenario import scenario_from_dict
+from simulator.spec.scenario import scenario_from_dict
 
 TINY = {"layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
 
@@ -196,8 +196,8 @@ def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
     # compare simulates the straggler as it slept: the slowdown that adds, to rank 1's
     # compute simulated without it, exactly what it slept in a median timed step
     from calibration.measured.compare import compare
-    from simulator import accounting as acc
-    from simulator.scenario import load_scenario
+    from simulator.analysis import accounting as acc
+    from simulator.spec.scenario import load_scenario
 
     got = compare(tmp_path, "cpu-1thread")
     base, _ = simulate_scenario(load_scenario(tmp_path / "scenario.yaml", [

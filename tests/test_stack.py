@@ -16,20 +16,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator import model as mdl
-from simulator.costs import CostModel
+from simulator.builder.workload import build_workload
 from simulator.errors import ScenarioError
-from simulator.inventory import CORE_OPS, Op, kept_for_backward, optimizer_op
-from simulator.memory import activation_bytes_per_layer
-from simulator.ops_table import op_rows
-from simulator.scenario import (
+from simulator.model import transformer as mdl
+from simulator.model.inventory import CORE_OPS, Op, kept_for_backward, optimizer_op
+from simulator.model.memory import activation_bytes_per_layer
+from simulator.outputs.ops_table import op_rows
+from simulator.spec.scenario import (
     ModelSpec,
     OverlapSpec,
     load_scenario,
     scenario_from_dict,
 )
-from simulator.stack import STACKS_DIR, StackSpec, load_stack, preset_stack_names
-from simulator.workload import build_workload
+from simulator.spec.stack import STACKS_DIR, StackSpec, load_stack, preset_stack_names
+from simulator.system.costs import CostModel
 
 SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
 STACKS = preset_stack_names()
@@ -277,7 +277,7 @@ def test_ddp_first_bucket_closes_at_its_own_cap() -> None:
     """torch DDP's first bucket of a backward holds 1 MiB (``ddp_first_bucket_MB`` of the
     ``pytorch-eager`` stack), the rest ``dp_bucket_MB``: a model of a few MB reduces in
     two all-reduces, the first one the size of the first units that reach 1 MiB."""
-    from simulator import compression as cmp
+    from simulator.strategies import compression as cmp
 
     assert cmp.buckets([0.6e6] * 5, (1.048576e6, 25e6)) == [[0, 1], [2, 3, 4]]
     assert cmp.buckets([0.6e6] * 5, (25e6, 25e6)) == [[0, 1, 2, 3, 4]]

@@ -24,13 +24,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator import model as mdl
 from simulator.api import simulate_scenario
-from simulator.costs import CostModel
-from simulator.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.stack import load_stack
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.model import transformer as mdl
+from simulator.model.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.stack import load_stack
+from simulator.system.costs import CostModel
 
 
 def fsdp2(copies: bool, m: int = 3, layers: int = 3, system: str = "cpu-1thread",

@@ -39,12 +39,12 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator import model as mdl
 from simulator.api import simulate_scenario
-from simulator.cli import main
-from simulator.costs import CostModel
-from simulator.memory import in_flight_microbatches, memory_report, stage_params
-from simulator.scenario import Scenario, load_scenario, scenario_from_dict
+from simulator.cli.main import main
+from simulator.model import transformer as mdl
+from simulator.model.memory import in_flight_microbatches, memory_report, stage_params
+from simulator.spec.scenario import Scenario, load_scenario, scenario_from_dict
+from simulator.system.costs import CostModel
 
 # The closed forms below are for 16-bit gradient reductions overlapped with the backward,
 # asynchronous pipeline sends, one ZeRO-3 collective per layer and Megatron's unfused

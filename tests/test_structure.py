@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.cli import LAZY_COMMANDS, _parser, main
+from simulator.cli.main import LAZY_COMMANDS, _parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("calibration", "torch", "matplotlib", "pandas")
@@ -33,7 +33,7 @@ def _modules_after(calls: str) -> set[str]:
     """The modules a fresh interpreter has loaded after ``calls`` (indented code that
     may use ``main``; its stdout is swallowed)."""
     code = ("import contextlib, io, json, sys\n"
-            "from simulator.cli import main\n"
+            "from simulator.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"{calls}\n"
             "print(json.dumps(sorted(sys.modules)))")
@@ -164,7 +164,7 @@ def test_no_tracked_file_cites_a_file_outside_the_repository() -> None:
     if listed.returncode != 0:
         pytest.skip("not a git checkout: the tracked files are unknown")
     paths = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
-    assert len(paths) > 50 and ROOT / "simulator" / "model.py" in paths
+    assert len(paths) > 50 and ROOT / "simulator" / "model" / "transformer.py" in paths
     hits = []
     for path in paths:
         if not path.is_file():  # deleted in the work tree

@@ -11,12 +11,12 @@ import pytest
 
 from simulator import __version__
 from simulator.api import simulate_scenario
-from simulator.cache import ResultCache, code_version, scenario_key
-from simulator.cli import main
+from simulator.cli.main import main
 from simulator.errors import UserError
-from simulator.executors import open_executor
-from simulator.scenario import load_scenario
-from simulator.sweep import best, parse_grid, points, run_sweep
+from simulator.search.cache import ResultCache, code_version, scenario_key
+from simulator.search.executors import open_executor
+from simulator.search.sweep import best, parse_grid, points, run_sweep
+from simulator.spec.scenario import load_scenario
 
 BASE = """\
 name: sweep

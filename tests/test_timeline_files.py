@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from simulator.span_table import SPAN_COLUMNS, TEXT_COLUMNS, normalize_spans
-from simulator.timeline_files import (
+from simulator.outputs.span_table import SPAN_COLUMNS, TEXT_COLUMNS, normalize_spans
+from simulator.outputs.timeline_files import (
     read_timeline,
     read_timeline_csv,
     timeline_path,

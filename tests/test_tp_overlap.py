@@ -1,4 +1,4 @@
-"""TP communication overlap (``stack.tp_overlap``, simulator/tp_overlap.py): the
+"""TP communication overlap (``stack.tp_overlap``, simulator/strategies/tp_overlap.py): the
 closed forms of what each overlapped collective leaves exposed, the engine's pieces
 against them (the analytic method is the second, independent implementation), what
 bulk and pipelined each move, the limits (free and very slow links), and the refusals.
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from simulator.analysis.uncertainty import step_time_of
+from simulator.builder.workload import block_costs, build_workload
 from simulator.errors import ScenarioError
-from simulator.scenario import Scenario, not_yet_simulated, scenario_from_dict
-from simulator.tp_overlap import Window, exposed, overlap_windows
-from simulator.uncertainty import step_time_of
-from simulator.workload import block_costs, build_workload
+from simulator.spec.scenario import Scenario, not_yet_simulated, scenario_from_dict
+from simulator.strategies.tp_overlap import Window, exposed, overlap_windows
 
 
 def _tp(mode: str, *, schedule: str = "1f1b", pp: int = 1, bandwidth: float | None = None,
@@ -37,7 +37,7 @@ def _tp(mode: str, *, schedule: str = "1f1b", pp: int = 1, bandwidth: float | No
 
 
 def _cost(s: Scenario) -> Any:
-    from simulator.costs import CostModel
+    from simulator.system.costs import CostModel
 
     return CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
 
@@ -179,7 +179,7 @@ def test_a_functional_collectives_host_issue_is_never_hidden(bandwidth: float | 
     (before the GEMM it meets): the overlap saves what it saves without one, in the
     engine and in the closed form alike, with a GEMM that hides the transfer (NVLink)
     and with one that does not."""
-    from simulator.uncertainty import with_hardware
+    from simulator.analysis.uncertainty import with_hardware
 
     def dtensor(mode: str, funcol: float | None) -> Scenario:
         s = _tp(mode, bandwidth=bandwidth)

@@ -10,8 +10,8 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator.timeline_files import write_timeline_csv
-from simulator.trace_export import (
+from simulator.outputs.timeline_files import write_timeline_csv
+from simulator.outputs.trace_export import (
     STREAM_TIDS,
     atomic_output,
     to_chrome_trace,

@@ -10,9 +10,9 @@ import pytest
 
 from simulator.api import Run, run_scenario
 from simulator.errors import UserError
-from simulator.rank_selection import parse_rank_selection, select_ranks
-from simulator.scenario import scenario_from_dict
-from simulator.trace_export import to_chrome_trace
+from simulator.outputs.rank_selection import parse_rank_selection, select_ranks
+from simulator.outputs.trace_export import to_chrome_trace
+from simulator.spec.scenario import scenario_from_dict
 
 SMALL = {
     "name": "small", "model": {"preset": "tiny-gpt"},

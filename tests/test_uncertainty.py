@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import yaml
 
-from simulator.api import simulate_scenario
-from simulator.cli import main
-from simulator.hardware import load_system
-from simulator.scenario import load_scenario
-from simulator.uncertainty import (
+from simulator.analysis.uncertainty import (
     draw_factors,
     monte_carlo,
     perturbed,
     step_time_of,
     with_hardware,
 )
+from simulator.api import simulate_scenario
+from simulator.cli.main import main
+from simulator.spec.scenario import load_scenario
+from simulator.system.hardware import load_system
 from tests.small_scenario import SMALL
 
 SPREAD = {"gemm": 0.05, "attention": 0.08, "memory": 0.1, "intra_node": 0.1,

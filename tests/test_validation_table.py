@@ -249,7 +249,7 @@ def test_a_bad_min_seconds_or_repeats_fails_before_any_run(
     """``--min-seconds`` below 0 or past the launch timeout, or ``--repeats`` outside
     1..5, is one line, exit 2, and nothing runs (no calibration, no directory)."""
     pytest.importorskip("torch")
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     out = tmp_path / "val"
     for bad in ("-1", "700"):

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator.analysis.steps import straggler_wait
 from simulator.api import simulate_scenario
-from simulator.cli import main
-from simulator.layout import Layout
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.steps import straggler_wait
-from simulator.variability import JitterSpec, VariabilitySpec, classes, jitter_factors, resolve
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.cli.main import main
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.variability import JitterSpec, VariabilitySpec, classes, jitter_factors, resolve
+from simulator.system.layout import Layout
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
         "link_latency_us": 0}

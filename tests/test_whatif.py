@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 
-from simulator.accounting import COMPUTE_CATEGORIES
+from simulator.analysis.accounting import COMPUTE_CATEGORIES
+from simulator.analysis.whatif import SPEEDUP, cost_classes, step_time_with, what_if, what_if_lines
 from simulator.api import simulate_scenario
-from simulator.cli import main
-from simulator.collectives import GroupShape, estimate, make_plan
-from simulator.costs import COMPUTE_CLASSES, CostModel
-from simulator.hardware import AlphaBeta
-from simulator.layout import Layout
-from simulator.model import Op
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.topology import Topology
-from simulator.whatif import SPEEDUP, cost_classes, step_time_with, what_if, what_if_lines
+from simulator.cli.main import main
+from simulator.model.transformer import Op
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.system.collectives import GroupShape, estimate, make_plan
+from simulator.system.costs import COMPUTE_CLASSES, CostModel
+from simulator.system.hardware import AlphaBeta
+from simulator.system.layout import Layout
+from simulator.system.topology import Topology
 
 SAVED = 1 - 1 / SPEEDUP  # what a 10% faster step saves when all of it scales
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,

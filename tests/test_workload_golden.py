@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from simulator.scenario import load_scenario
-from simulator.tasks import Workload
-from simulator.workload import build_workload
+from simulator.builder.tasks import Workload
+from simulator.builder.workload import build_workload
+from simulator.spec.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 FIELDS = ("id", "rank", "stream", "op", "kind", "name", "duration", "nbytes", "deps", "group",

@@ -1,5 +1,5 @@
 """ZeRO-3 with module units (``stack.zero3_unit: module``, DeepSpeed): one all-gather per
-linear module sized by its weight (:func:`simulator.inventory.zero3_blocks`), each
+linear module sized by its weight (:func:`simulator.model.inventory.zero3_blocks`), each
 block's gathered one block ahead (DeepSpeed's coordinator prefetches the next
 parameters in trace order under ``stage3_max_live_parameters``, about one block at
 GPT-3's sizes), and a block's own gathers gating only that block. The closed form: in
@@ -13,12 +13,12 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator import model as mdl
 from simulator.api import simulate_scenario
-from simulator.inventory import zero3_blocks
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.stack import StackSpec, load_stack
-from simulator.workload import build_workload
+from simulator.builder.workload import build_workload
+from simulator.model import transformer as mdl
+from simulator.model.inventory import zero3_blocks
+from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.stack import StackSpec, load_stack
 
 
 def _z3(unit: str = "module", recompute: str = "none", bandwidth: float | None = None,
@@ -103,7 +103,7 @@ def test_the_mlp_waits_exactly_what_its_gathers_outlast_the_attention() -> None:
 
 def test_module_units_expose_more_than_layer_units_on_a_slow_link() -> None:
     """A window of one block hides less than a window of one layer (the engine)."""
-    from simulator.uncertainty import step_time_of
+    from simulator.analysis.uncertainty import step_time_of
 
     module = step_time_of(_z3("module", bandwidth=40.0), "engine", None)
     assert module > step_time_of(_z3("layer", bandwidth=40.0), "engine", None)
@@ -117,7 +117,7 @@ def test_the_memory_model_holds_the_blocks_the_engine_gathers(
     the fsdp_prefetch blocks after it (attention and MLP alternate; the largest window,
     here one starting at an MLP), or without prefetch the larger block alone; against
     layer units' 1 + prefetch layers, the unsharded gradient and the root the same."""
-    from simulator.memory import peak_memory
+    from simulator.model.memory import peak_memory
 
     def buffers(unit: str) -> float:
         s = scenario_from_dict({**_z3(unit).model_dump(mode="json", exclude={"hardware"}),

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.analytic import zero3_collective_counts
+from simulator.analysis.analytic import zero3_collective_counts
 from simulator.api import simulate_scenario
-from simulator.scenario import Scenario, scenario_from_dict
-from simulator.workload import layout_of
+from simulator.builder.workload import layout_of
+from simulator.spec.scenario import Scenario, scenario_from_dict
 
 
 def fsdp2(layers: int, m: int, pp: int = 1, dp: int = 2, stack: str = "pytorch-eager",

@@ -68,7 +68,7 @@ def simulated_figures(results: dict[str, Any]) -> dict[str, float]:
     """The figures of a simulated run, from the accounting's per-rank breakdown: compute
     is the forward, backward and recompute categories, non-compute every category but
     those and the optimizer (communication, peer-waits and idle), mean over ranks."""
-    from simulator import accounting as acc
+    from simulator.analysis import accounting as acc
 
     step = float(results["step_time_s"])
     mean = acc.mean_breakdown(results["time_breakdown_s"])
@@ -93,13 +93,13 @@ def compare(run_dir: Path, profile: Path | str,
     ``step_time_s`` stands for the run's median step where the caller pooled several
     runs of the scenario (the validation's repeats); this run's trace still gives the
     compute and idle shares."""
-    from simulator.run_files import read_measured
+    from simulator.outputs.run_files import read_measured
 
     measured = read_measured(run_dir / "measured.json")  # before importing pandas
     if step_time_s is not None:
         measured = {**measured, "step_time_s": float(step_time_s)}
     from simulator.api import simulate_scenario
-    from simulator.scenario import load_scenario
+    from simulator.spec.scenario import load_scenario
 
     if not (run_dir / "scenario.yaml").exists():
         raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
@@ -137,9 +137,9 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
     simulated without the straggler it computes c seconds a step (every compute
     category, the optimizer's too: the sleeps follow the optimizer step as well), so
     the slowdown that adds exactly s + w is 1 + (s + w) / c."""
-    from simulator import accounting as acc
+    from simulator.analysis import accounting as acc
     from simulator.api import simulate_scenario
-    from simulator.scenario import load_scenario
+    from simulator.spec.scenario import load_scenario
 
     slow = load_scenario(path, overrides).variability.slow_gpus
     if len(slow) != 1 or not slow[0].ranks or len(slow[0].ranks) != 1:
@@ -189,7 +189,7 @@ def plot_comparison(run_dir: Path, comparison: dict[str, Any], path: Path) -> No
     """Measured (profiled step) above simulated, compute and communication per rank."""
     from matplotlib.figure import Figure
 
-    from simulator.trace_export import atomic_output
+    from simulator.outputs.trace_export import atomic_output
 
     spans = comparison["_spans"]
     device = "cuda" if "cuda" in str(comparison.get("device", "")) else "cpu"
@@ -199,7 +199,7 @@ def plot_comparison(run_dir: Path, comparison: dict[str, Any], path: Path) -> No
     for rank, work, comm in measured:
         axes[0].broken_barh([(a, b - a) for a, b in work], (rank - 0.4, 0.5), color="#4c78a8")
         axes[0].broken_barh([(a, b - a) for a, b in comm], (rank + 0.15, 0.25), color="#54a24b")
-    from simulator.accounting import COMM_KINDS
+    from simulator.analysis.accounting import COMM_KINDS
 
     for rank, group in spans.groupby("rank"):
         is_comm = group["kind"].isin(COMM_KINDS)
@@ -232,7 +232,7 @@ def _patch(color: str, label: str) -> Any:
 
 
 def write_comparison(run_dir: Path, comparison: dict[str, Any]) -> Path:
-    from simulator.trace_export import atomic_output
+    from simulator.outputs.trace_export import atomic_output
 
     clean = {k: v for k, v in comparison.items() if not k.startswith("_")}
     path = run_dir / "comparison.json"

@@ -19,7 +19,7 @@ repeats, at one micro-batch and at :data:`MICRO_BATCHES` (in turn in each repeat
 difference is what the extra micro-batches' kernels cost, the rest of the one-micro-batch
 step what the optimizer's cost (:func:`split_per_op`), each divided by the kernels the
 simulator's inventory counts for that part under the ``pytorch-eager`` stack
-(:mod:`simulator.inventory`, :func:`step_counts`), less the bare per-kernel overhead:
+(:mod:`simulator.model.inventory`, :func:`step_counts`), less the bare per-kernel overhead:
 ``host_overhead_us`` for a layer's, the head's and the embedding's kernels,
 ``host_optimizer_us`` for the optimizer's. They differ: the for-loop AdamW's kernels
 are small elementwise ops with no autograd around them (here ~3 µs per kernel against
@@ -86,10 +86,10 @@ def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
     ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
     (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
     from calibration.measured.measure_scenario import stack_for
-    from simulator import model as mdl
-    from simulator.inventory import dtensor_tensors, layer_tensors
-    from simulator.scenario import ModelSpec
-    from simulator.stack import StackSpec
+    from simulator.model import transformer as mdl
+    from simulator.model.inventory import dtensor_tensors, layer_tensors
+    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.stack import StackSpec
 
     stack = StackSpec.model_validate(stack_for(device))
     dtype = "fp32" if device == "cpu" else "bf16"  # the measured runs' (autocast on CUDA)

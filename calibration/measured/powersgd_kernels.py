@@ -6,7 +6,7 @@ machine inflates it little), the kernels ``powerSGD_hook`` runs per compressed
 matrix of the measured GPT (P = M·Q, Q = Mᵀ·P, M = P·Qᵀ with ``torch.bmm``) and its
 passes over the whole gradient (the error-feedback add, the copy of the bucket,
 the new error ``copy − M``, both as the hook writes them: a fresh tensor each
-step), and prints each beside the price :mod:`simulator.compression` gives it
+step), and prints each beside the price :mod:`simulator.strategies.compression` gives it
 with the profile. It is the diagnostic behind the PowerSGD row of the
 validation table (README): where the simulated hook is short, which kernel.
 """
@@ -37,9 +37,9 @@ def kernel_table(profile: str, model: str, rank: int, repeats: int = 9) -> list[
     """(kernel, measured s, simulated s) per step of the hook on ``model``'s gradients."""
     import torch
 
-    from simulator import compression as cmp
-    from simulator.costs import CostModel
-    from simulator.hardware import load_system
+    from simulator.strategies import compression as cmp
+    from simulator.system.costs import CostModel
+    from simulator.system.hardware import load_system
 
     torch.set_num_threads(1)
     cost = CostModel(load_system(profile), "fp32")

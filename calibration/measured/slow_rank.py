@@ -4,7 +4,7 @@ Rank R's compute takes K times as long; the other ranks and every transfer are
 untouched, so the run measures what one slow GPU costs its peers (the waits of
 the data-parallel reductions, the pipeline stage that everyone else waits for).
 It is the measured side of the simulator's ``variability: {slow_gpus: [{ranks:
-[R], compute_slowdown: K}]}`` (:mod:`simulator.variability`), which multiplies
+[R], compute_slowdown: K}]}`` (:mod:`simulator.spec.variability`), which multiplies
 that rank's compute task durations by K.
 
 How: after each piece of compute finishes, the rank sleeps K − 1 times as long

@@ -132,7 +132,7 @@ def models(spec: str) -> tuple[str, ...]:
 def check_profile(profile: str | None) -> None:
     """A ``--profile`` that is no loadable profile fails before any run, not at compare."""
     if profile:
-        from simulator.hardware import load_system
+        from simulator.system.hardware import load_system
 
         try:
             load_system(profile)
@@ -473,7 +473,7 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
 
 
 def write_table(out: Path, rows: list[dict[str, Any]], header: dict[str, Any]) -> list[Path]:
-    from simulator.trace_export import atomic_output
+    from simulator.outputs.trace_export import atomic_output
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")

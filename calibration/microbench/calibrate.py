@@ -239,7 +239,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     opts = resolve_options(args)
-    from simulator.hardware import load_system
+    from simulator.system.hardware import load_system
 
     try:
         base = load_system(opts.base)  # a bad --base fails before any measuring

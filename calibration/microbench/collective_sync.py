@@ -54,7 +54,7 @@ the growth over the 1 ms burst's excess, the median over those sizes, at least 0
 profile's ``gpu.collective_sync_burst`` (:func:`burst_curve`): 0 at the 1 ms burst,
 interpolated in log(burst), flat beyond. The engine charges it at each collective from
 its members' compute since their previous collective
-(:func:`simulator.collectives.sync_burst_cost`).
+(:func:`simulator.system.collectives.sync_burst_cost`).
 
 It shrinks after shorter bursts too. On the project's 2-vCPU AMD EPYC VM the all-reduce
 of 64 KiB cost, beyond back to back, a mean 0.17-0.29 ms after no compute or 0.1 ms of
@@ -186,7 +186,7 @@ def burst_curve(rec: dict[str, Any], spread: float = 0.0) -> list[tuple[float, f
     0.15 ms burst read 0 and the 0.37 ms one −632 µs in one calibration), so each side
     of the base burst is the non-decreasing least-squares fit to its figures
     (:func:`monotone`) before the bounds."""
-    from simulator.costs import expected_max_normal
+    from simulator.system.costs import expected_max_normal
 
     grown = burst_excess(rec)
     if not grown:

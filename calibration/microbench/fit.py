@@ -19,7 +19,7 @@ minimise relative error against):
   reduce-scatter input), as in nccl-tests.
 
 Efficiency curves are piecewise linear in log10(size), clamped at both ends
-(:class:`simulator.hardware.EfficiencyCurve`). The knots are the measured
+(:class:`simulator.system.hardware.EfficiencyCurve`). The knots are the measured
 points smoothed by a running median of five (see :func:`knots`); on a GPU, GEMM
 and attention curves are then made non-decreasing (bigger problems do not get
 less efficient there), on a CPU they are not (a small GEMM runs from cache, and
@@ -45,7 +45,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.hardware import MIN_EFFICIENCY, interpolate_log
+from simulator.system.hardware import MIN_EFFICIENCY, interpolate_log
 
 HOLDOUT_EVERY = 4
 

@@ -49,7 +49,7 @@ from calibration.microbench.fit_terms import (
     rank_spread,
     send_sync,
 )
-from simulator.hardware import HardwareProfile, load_system
+from simulator.system.hardware import HardwareProfile, load_system
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
                   "all_to_all")

@@ -149,14 +149,14 @@ def executed_peak(records: list[dict[str, Any]], peak: float) -> float:
     """The peak an attention curve is fitted against: ``peak / CAUSAL_FLASH_SCALE`` when
     every record timed a causal call, so that the curve's efficiencies are of executed
     FLOPs, as the cost model reads them (``flops · compute_scale / (peak · eff)``,
-    :mod:`simulator.costs`).
+    :mod:`simulator.system.costs`).
 
     The records count the full square (``4·b·a·s²·d``, causal not discounted); fitted
     against the plain peak, a causal kernel's curve held the skipped half already and
     the cost model halved it again, charging half the time a calibrated shape took.
     Whatever the kernel really skips at a size (on a CPU at s = 256 the flash kernel's
     one key block covers the whole row: it skips little) is then in the curve."""
-    from simulator.inventory import CAUSAL_FLASH_SCALE
+    from simulator.model.inventory import CAUSAL_FLASH_SCALE
 
     causal = bool(records) and all(r.get("causal") for r in records)
     return peak / CAUSAL_FLASH_SCALE if causal else peak

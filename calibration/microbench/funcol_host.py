@@ -39,7 +39,7 @@ negative slope is read as none and the intercept as the sizes' median, a negativ
 intercept as a line through the origin):
 :func:`host_lines`. The simulator charges ``a + b · bytes`` on the compute stream
 before each functional collective of a DTensor stack, by its kind and bytes
-(:meth:`simulator.costs.CostModel.funcol_s`); the plain collective's own cost after
+(:meth:`simulator.system.costs.CostModel.funcol_s`); the plain collective's own cost after
 compute (``gpu.collective_sync_us``) is charged as for any collective.
 """
 
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from calibration.microbench.collectives_worker import _human
-from simulator.hardware import FuncolKind
+from simulator.system.hardware import FuncolKind
 
 ITERATIONS = 24
 ROUNDS = 5

@@ -23,7 +23,7 @@ median over rounds would drop). With the ranks' times normal with relative sprea
 c, the excess of the slower of n is ``c · e_n``, e_n the expected maximum of n
 standard normals (``e_2 = 1/√π``); the profile keeps ``gpu.rank_spread = excess /
 e_2``, and the cost model scales every compute op of an n-rank step by
-``1 + c · e_n`` (:func:`simulator.costs.expected_max_normal`).
+``1 + c · e_n`` (:func:`simulator.system.costs.expected_max_normal`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def excess(rec: dict[str, Any]) -> float:
 def spread(rec: dict[str, Any]) -> float:
     """The relative spread c of one rank's compute time (``gpu.rank_spread``): the
     excess over the expected maximum of the record's ranks' standard normals."""
-    from simulator.costs import expected_max_normal
+    from simulator.system.costs import expected_max_normal
 
     return excess(rec) / expected_max_normal(int(rec.get("nranks", 2)))
 

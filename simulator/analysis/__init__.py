@@ -1,0 +1,3 @@
+"""What a simulation means: the accounting of every second, the analytic closed
+form, metrics, what-if sensitivities, uncertainty and step distributions.
+"""

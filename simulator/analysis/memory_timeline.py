@@ -1,0 +1,357 @@
+"""Allocated memory over the step, per simulated rank, replayed from the trace.
+
+:mod:`simulator.model.memory` gives each stage's memory as a sum of per-component
+peaks; this module puts the same quantities on the simulated timeline, so a
+rank's curve shows *when* its memory is held. The bytes are memory.py's, the
+times are the spans':
+
+- **static** (held all step): the stage's weights, gradients and optimizer
+  states exactly as :func:`~simulator.model.memory.stage_breakdown` counts them, and
+  with DDP / ZeRO-1/2 (dp > 1) its two gradient-bucket buffers (DDP allocates
+  its buckets when it wraps the model, not per step).
+- **activations**: one layer of one micro-batch,
+  :func:`~simulator.model.memory.activation_bytes_per_layer` (recompute and sequence
+  parallelism included), allocated when that layer's forward ends and freed
+  when its backward for the micro-batch ends: B, or I for ZB-H1 — the same
+  choice as memory.py and :meth:`Schedule.peak_in_flight` (what W still needs,
+  the weight-gradient inputs, is not counted by either). The first virtual
+  stage adds the embedding dropout mask (b·s·h bytes in 16-bit, divided by t
+  with sequence parallelism) from the embedding's forward to its backward; the
+  last adds 4 b·s·h (final-norm and logits-GEMM inputs) and the fp32 logits
+  (4 b·s·V / t) from the head's forward to its backward, plus the second fp32
+  copy for the loss gradient while the head's backward runs.
+- **ZeRO-3 / FSDP** (dp > 1): a layer's gathered 16-bit parameters
+  (layer_params / t × dtype bytes) are allocated when an all-gather of that
+  layer starts and freed after the forward that used it when
+  ``reshard_after_forward`` (else after the micro-batch's backward of the
+  layer), or after the backward that used a backward gather. Buffers are per
+  layer: a layer gathered again while still resident (forward and prefetched
+  backward gather of the same layer) is held once. One layer's unsharded
+  gradient is held while its weight gradient is computed (the B blocks, or W),
+  and for the micro-batch whose backward triggers the layer's reduce-scatter,
+  until that reduce-scatter ends. The stage's root unit
+  (:func:`~simulator.model.memory.zero3_root_bytes`: embedding, head) is held from its
+  gather's start to the end of the micro-batch's backward (FSDP2 keeps its root
+  gathered for the backward, reshards it after), once however many micro-batches
+  overlap; on the last stage the output layer's unsharded gradient from the head's
+  weight-gradient compute (B, or W) until the root's reduce-scatter ends. The
+  embedding's gradient, made at the backward's end, is not counted (nor by
+  memory.py).
+
+At one timestamp the allocations made by work that ended there are applied
+first and the curve records that value, then the frees and the allocations
+made by work starting there (a forward's activations exist before FSDP
+reshards the unit it used; a prefetch is issued after the previous unit was
+freed). What is not modelled, as in memory.py: the working set of a
+recomputed layer, autograd temporaries, optimizer-step temporaries, the
+allocator's fragmentation.
+
+Agreement with memory.py (tests/test_memory_timeline.py). With every
+component held at once the curve's peak *is* memory.py's total, and that
+happens for GPipe, 1F1B and ZB-H1 with ZeRO 0-2 (all in-flight micro-batches'
+activations are held when the first backward starts; on the last stage the
+logits' second copy too). Differences, by construction:
+
+- interleaved: memory.py multiplies the embedding mask and the head inputs by
+  the fractional chunk count in flight, (warm-up + 1) / v; the curve holds one
+  per micro-batch of the first (last) chunk in flight, which can be more or
+  fewer (a few b·s·h, under 1 % of a layer's activations per chunk);
+- ZeRO-3: memory.py adds (1 + prefetch) gathered layers (under module units
+  1 + prefetch blocks) and an unsharded gradient to the activation peak; on the
+  curve they coincide with it where the first backward starts on a non-last
+  stage (exact; under module units the curve holds a layer's parts until its
+  forward ends, so it can exceed memory.py's blocks), but on the last stage
+  the logits' second copy is freed before the first layer's gradient exists,
+  ZB-H1 computes no weight gradient in I, and without
+  ``overlap.zero3_prefetch`` nothing is gathered ahead — the curve is then
+  lower; with ``reshard_after_forward: false`` each layer stays gathered from
+  its forward to its backward and the curve is higher than memory.py's
+  (1 + prefetch) layers; and where a layer's reduce-scatter outlasts the next
+  layer's backward (communication-bound, few micro-batches) two unsharded
+  gradients coexist, one more than memory.py counts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from simulator.builder.tasks import Task
+from simulator.engine.engine import SimResult
+from simulator.model import memory as mem
+from simulator.model import transformer as mdl
+from simulator.spec.scenario import Scenario
+
+MAX_POINTS = 2000
+TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
+
+# what each allocation is made of; the curve's value is sum(count × bytes) + static
+_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD = range(8)
+# at one timestamp: allocations by ending work, then frees, then allocations by starting work
+_END_ALLOC, _FREE, _START_ALLOC = range(3)
+
+Point = list[float]
+Curve = list[dict[str, Any]]
+
+
+def component_bytes(s: Scenario) -> dict[str, float]:
+    """Bytes of one allocation of each kind on one GPU (memory.py's formulas)."""
+    spec, par, trn = s.model, s.parallel, s.training
+    b, t, sp, dt = trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype
+    tokens_h = b * spec.seq_len * spec.hidden * mdl.dtype_bytes(dt) / 2 / (t if sp else 1)
+    logits = 4.0 * b * spec.seq_len * spec.vocab / t
+    return {
+        "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, par.recompute, dt,
+                                                          stack=s.stack),
+        # embedding dropout mask (first virtual stage), when the stack drops out
+        "embed": tokens_h if s.stack.hidden_dropout > 0 else 0.0,
+        "head": 4 * tokens_h + logits,  # final-norm + logits-GEMM inputs, fp32 logits (last)
+        "dlogits": logits,  # the loss gradient's copy while the head's backward runs
+        # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
+        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt)
+        / mdl.zero3_collectives(spec, s.stack),
+    }
+
+
+def static_bytes(s: Scenario, stage: int) -> float:
+    """Held all step: memory.py's model states, and DDP / ZeRO-1/2 bucket buffers."""
+    br = mem.stage_breakdown(s, stage)
+    total = br.weights + br.gradients + br.optimizer
+    if s.parallel.zero <= 2:
+        total += br.comm_buffers
+    return total
+
+
+def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: float = 0.0,
+                 ) -> list[tuple[float, int, int, Any, int]]:
+    """(time, phase, component, key, +1/-1) for one rank's spans."""
+    fwd_end: dict[tuple[int, int], float] = {}
+    bwd_end: dict[tuple[int, int], float] = {}
+    embed_f: dict[int, float] = {}
+    embed_b: dict[int, float] = {}
+    head_f: dict[int, float] = {}
+    head_b: dict[int, tuple[float, float]] = {}
+    wgrad: dict[tuple[int, int], list[float]] = {}  # [start, end]
+    wgrad_ids: dict[int, tuple[int, int]] = {}  # task producing a layer's weight grads
+    gathers: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
+    reduce_end: dict[int, float] = {}  # producing task id -> end of the RS that waits on it
+    root_gather: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's gather start
+    root_grad: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the head's backward start
+    root_reduce: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's RS end
+    bwd_last: dict[tuple[int, int], float] = {}  # (chunk, mb) -> end of the chunk's backward
+    for t, start, end in spans:
+        op, layer, mb = t.op, t.layer, t.microbatch
+        if op in ("B", "I", "W"):
+            key = (t.chunk, mb)
+            bwd_last[key] = max(bwd_last.get(key, end), end)
+            if layer < 0 and op != "I" and t.name.startswith("head"):
+                root_grad[t.chunk, mb] = start
+        if op == "F":
+            if layer >= 0:
+                fwd_end[layer, mb] = max(fwd_end.get((layer, mb), end), end)
+            elif t.name.startswith("embed"):
+                embed_f[mb] = end
+            elif t.name.startswith("head"):
+                head_f[mb] = end
+        elif op in ("B", "I"):
+            if layer >= 0:
+                bwd_end[layer, mb] = max(bwd_end.get((layer, mb), end), end)
+            elif t.name.startswith("head"):
+                head_b[mb] = (start, end)
+            elif t.name.startswith("embed"):
+                embed_b[mb] = end
+        if op in ("B", "W") and layer >= 0:
+            w = wgrad.setdefault((layer, mb), [start, end])
+            w[0], w[1] = min(w[0], start), max(w[1], end)
+            wgrad_ids[t.id] = (layer, mb)
+        elif op == "zero.all_gather" and layer < 0:
+            root_gather[t.chunk, mb] = start
+        elif op == "zero.all_gather":
+            gathers[layer, mb].append((t.id, start))
+        elif t.kind == "dp" and op.endswith("reduce_scatter") and " root " in t.name:
+            root_reduce[t.chunk, mb] = end
+        elif t.kind == "dp" and op.endswith("reduce_scatter"):
+            for d in t.deps:
+                reduce_end[d] = max(reduce_end.get(d, end), end)
+
+    ev: list[tuple[float, int, int, Any, int]] = []
+
+    def hold(comp: int, key: Any, t0: float, p0: int, t1: float) -> None:
+        ev.append((t0, p0, comp, key, 1))
+        ev.append((t1, _FREE, comp, key, -1))
+
+    for key, t0 in fwd_end.items():
+        hold(_ACT, key, t0, _END_ALLOC, bwd_end.get(key, t0))
+    for mb, t0 in embed_f.items():
+        hold(_EMBED, mb, t0, _END_ALLOC, embed_b.get(mb, t0))
+    for mb, t0 in head_f.items():
+        hold(_HEAD, mb, t0, _END_ALLOC, head_b.get(mb, (t0, t0))[1])
+    for mb, (t0, t1) in head_b.items():
+        hold(_DLOGITS, mb, t0, _START_ALLOC, t1)
+
+    par = s.parallel
+    if par.zero == 3 and par.dp > 1:
+        for (layer, mb), items in gathers.items():
+            items.sort()  # creation order: the forward's gather, then the backward's
+            parts = mdl.zero3_collectives(s.model, s.stack)
+            for i, (_, t0) in enumerate(items):
+                forward = i < parts
+                if forward and par.reshard_after_forward:
+                    t1 = fwd_end.get((layer, mb), t0)
+                else:
+                    t1 = bwd_end.get((layer, mb), fwd_end.get((layer, mb), t0))
+                hold(_UNIT, layer, t0, _START_ALLOC, t1)
+        ends: dict[tuple[int, int], float] = {}
+        for tid, key in wgrad_ids.items():
+            if tid in reduce_end:
+                ends[key] = max(ends.get(key, 0.0), reduce_end[tid])
+        for key, (t0, t1) in wgrad.items():
+            hold(_GRAD, key, t0, _START_ALLOC, max(t1, ends.get(key, t1)))
+        for (chunk, mb), t0 in root_gather.items():
+            hold(_ROOT, chunk, t0, _START_ALLOC, bwd_last.get((chunk, mb), t0))
+        for (chunk, mb), t0 in root_grad.items():
+            t1 = bwd_last.get((chunk, mb), t0)
+            hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, root_reduce.get((chunk, mb), t1)))
+    # the engine adds durations along a run of compute tasks, so one task's end and the
+    # next one's start may differ in the last bits: times within ``tol`` are one instant
+    ev.sort(key=lambda e: e[0])
+    instant = ev[0][0] if ev else 0.0
+    for i, e in enumerate(ev):
+        if e[0] - instant > tol:
+            instant = e[0]
+        ev[i] = (instant, *e[1:])
+    ev.sort(key=lambda e: (e[0], e[1]))
+    return ev
+
+
+def _curve(static: float, sizes: Sequence[float], events: list[tuple[float, int, int, Any, int]],
+           ) -> list[Point]:
+    """Post-step points: each value holds from its time to the next point's."""
+    counts = [0] * len(sizes)
+    refs: dict[tuple[int, Any], int] = defaultdict(int)
+
+    def value() -> float:
+        return static + sum(c * b for c, b in zip(counts, sizes, strict=True))
+
+    points: list[Point] = [[0.0, static]]
+
+    def record(t: float) -> None:
+        v = value()
+        if v != points[-1][1]:
+            points.append([t, v])
+
+    i, n = 0, len(events)
+    while i < n:
+        t = events[i][0]
+        for phase_end in (_END_ALLOC + 1, _START_ALLOC + 1):
+            while i < n and events[i][0] == t and events[i][1] < phase_end:
+                _, _, comp, key, d = events[i]
+                ref = refs[comp, key]
+                refs[comp, key] = ref + d
+                if ref == 0 and d > 0:
+                    counts[comp] += 1
+                elif ref == 1 and d < 0:
+                    counts[comp] -= 1
+                i += 1
+            record(t)
+    return points
+
+
+def downsample(points: Sequence[Sequence[float]], max_points: int = MAX_POINTS) -> list[Point]:
+    """At most ``max_points`` points: equal-time bins, each kept as its maximum (at the
+    bin's first change) and its last value (at the bin's last change). The result is
+    an upper envelope of the curve with the same peak and the same final value."""
+    pts = [[float(t), float(v)] for t, v in points]
+    if len(pts) <= max_points:
+        return pts
+    if max_points < 4:
+        raise ValueError(f"max_points must be >= 4; got {max_points}")
+    bins = (max_points - 1) // 2
+    t0, t1 = pts[1][0], pts[-1][0]
+    width = (t1 - t0) / bins or 1.0
+    out = [pts[0]]
+    i, n = 1, len(pts)
+    while i < n:
+        k = min(int((pts[i][0] - t0) / width), bins - 1)
+        j = i
+        while j + 1 < n and min(int((pts[j + 1][0] - t0) / width), bins - 1) == k:
+            j += 1
+        top = max(v for _, v in pts[i:j + 1])
+        out.append([pts[i][0], top])
+        if j > i and pts[j][1] != top:
+            out.append([pts[j][0], pts[j][1]])
+        i = j + 1
+    return out
+
+
+def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS,
+                    ranks: Iterable[int] | None = None, spans: pd.DataFrame | None = None,
+                    ) -> Curve:
+    """Each simulated rank's allocated bytes over the step, for results.json.
+
+    A list, by rank, of ``{"rank": r, "stage": pipeline stage, "points": [[t, bytes],
+    ...]}``: a step curve starting at ``[0, static bytes]``, a point only where the value
+    changes, the value holding until the next point (or the end of the step), at most
+    ``max_points`` points per rank (see :func:`downsample`). ``ranks`` limits the
+    output to those simulated ranks (all of them by default). ``spans``, the run's span
+    table (:mod:`simulator.outputs.span_table`) when it is built, gives the ranks' spans
+    without a pass over every span of the run (ten million in a full-fidelity
+    1,024-GPU step, for 16 curves).
+    """
+    tasks, layout = result.workload.tasks, result.workload.layout
+    wanted = set(result.workload.programs) if ranks is None else \
+        set(ranks) & set(result.workload.programs)
+    per_rank: dict[int, list[tuple[Task, float, float]]] = defaultdict(list)
+    if spans is None:
+        for tid, start, end in result.spans:
+            task = tasks[tid]
+            per_rank[task.rank].append((task, start, end))
+    else:
+        rows = spans[spans["rank"].isin(sorted(wanted))]
+        for tid, start, end in zip(rows["task"].tolist(), rows["start"].tolist(),
+                                   rows["end"].tolist(), strict=True):
+            task = tasks[tid]
+            per_rank[task.rank].append((task, start, end))
+    size = component_bytes(s)
+    sizes = (size["activation_layer"], size["embed"], size["head"], size["dlogits"],
+             size["unit"], size["unit"])
+    roots: dict[int, tuple[float, float]] = {}
+    statics: dict[int, float] = {}
+    out: Curve = []
+    for rank in sorted(wanted):
+        stage = layout.coord(rank).pp
+        if stage not in statics:
+            statics[stage] = static_bytes(s, stage)
+            roots[stage] = mem.zero3_root_bytes(s, stage)
+        events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time)
+        points = _curve(statics[stage], (*sizes, *roots[stage]), events)
+        out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
+    return out
+
+
+def peak(timeline: Any) -> float:
+    """Largest value of a timeline: the list :func:`memory_timeline` returns, one of its
+    entries, a ``{rank: points}`` mapping, or one ``[[t, bytes], ...]`` list."""
+    if isinstance(timeline, Mapping):
+        if "points" in timeline:
+            return peak(timeline["points"])
+        return max((peak(v) for v in timeline.values()), default=0.0)
+    items = list(timeline)
+    if not items:
+        return 0.0
+    if isinstance(items[0], Mapping) or (
+            isinstance(items[0], Sequence) and items[0] and isinstance(items[0][0], Sequence)):
+        return max(peak(item) for item in items)
+    return max(float(v) for _, v in items)
+
+
+def stage_peaks(timeline: Curve) -> dict[int, float]:
+    """Largest value per pipeline stage, over the stage's simulated ranks."""
+    out: dict[int, float] = {}
+    for entry in timeline:
+        st = int(entry["stage"])
+        out[st] = max(out.get(st, 0.0), peak(entry["points"]))
+    return out

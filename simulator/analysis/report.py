@@ -1,0 +1,187 @@
+"""Report: metrics from a finished simulation (or an analytic estimate).
+
+Every time category comes from :mod:`simulator.analysis.accounting` (README "Reading the
+outputs"): ``time_breakdown_s`` per simulated rank, ``step_breakdown_s`` their
+mean, ``critical_path_s``; ``bubble_fraction`` is the mean pipeline bubble over
+ranks as a fraction of the pipeline phase (first forward to last backward).
+``exposed_comm_s`` per kind is the mean transfer + peer-wait time that held a
+rank back; ``compute_s`` per stage is the mean compute and optimizer time.
+
+- MFU / HFU: model / hardware FLOPs per second per GPU over the dense peak of
+  the training dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from simulator.analysis import accounting as acc
+from simulator.builder.tasks import Workload
+from simulator.engine.engine import SimResult
+from simulator.model import memory as mem
+from simulator.model import transformer as mdl
+from simulator.outputs.span_table import span_table
+from simulator.spec.scenario import Scenario
+from simulator.strategies import compression as cmp
+from simulator.system.collectives import busbw_factor
+
+
+def spans_frame(result: SimResult) -> pd.DataFrame:
+    """One row per span, sorted by (rank, start):
+    :func:`simulator.outputs.span_table.span_table`."""
+    return span_table(result)
+
+
+def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, Any]]:
+    """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
+    algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
+    × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
+    from the moment the whole group had arrived (time waiting for peers excluded);
+    ``algorithms``: how many ran as each ``algorithm/protocol`` (e.g. ``ring/LL``)."""
+    coll = [t for t in result.workload.tasks if t.plan is not None]
+    if not coll:
+        return {}
+    factors: dict[int, float] = {}
+    for t in coll:
+        plan = t.plan
+        if plan is not None and id(plan) not in factors:
+            factors[id(plan)] = busbw_factor(plan.op, plan.n)
+    ids = np.fromiter((t.id for t in coll), np.int64, len(coll))
+    frame = pd.DataFrame({"op": [t.op for t in coll],
+                          "bytes": np.fromiter((t.nbytes for t in coll), float, len(coll)),
+                          "seconds": timing.end_a[ids] - timing.begin_a[ids],
+                          "factor": np.fromiter((factors[id(t.plan)] for t in coll), float,
+                                                len(coll)),
+                          "algorithm": [f"{t.plan.algorithm}/{t.plan.protocol}" for t in coll
+                                        if t.plan is not None]})
+    frame = frame[frame["seconds"] > 0]
+    frame["algbw"] = frame["bytes"] / frame["seconds"]
+    frame["busbw"] = frame["algbw"] * frame["factor"]
+    out = {}
+    for op, g in frame.groupby("op", sort=True):
+        out[str(op)] = {"count": float(len(g)), "bytes": float(g["bytes"].sum()),
+                        "seconds": float(g["seconds"].sum()),
+                        "algbw_GBps": float(g["algbw"].mean()) / 1e9,
+                        "busbw_GBps": float(g["busbw"].mean()) / 1e9,
+                        "algorithms": {str(a): float(c) for a, c
+                                       in g["algorithm"].value_counts(sort=False).items()}}
+    return out
+
+
+def _last(w: Workload, timing: acc.Timing) -> int:
+    """The task that ends the step (one on a compute stream when several end together)."""
+    ends = timing.end_a
+    candidates = np.flatnonzero(ends == ends.max()).tolist()
+    return next((i for i in candidates if w.tasks[i].stream == "compute"), candidates[0])
+
+
+def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
+    """Step time, throughput, the accounting's breakdown and critical path, from the spans."""
+    w = result.workload
+    timing = acc.Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
+                           [t for prog in w.programs.values() for t in prog.streams.values()])
+    compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
+    step = result.end_time
+    stage_of = {r: w.layout.coord(r).pp for r in w.programs}
+    # a data-parallel replica's pipeline: its TP ranks leave each stage together, and
+    # its drain ends with the last of them (a straggler's TP peers wait for it)
+    pipeline_of = {r: w.layout.coord(r).dp for r in w.programs}
+    entries, bubbles, phase = acc.breakdown(timing, compute, stage_of, pipeline_of, step,
+                                            s.parallel.schedule, s.parallel.pp,
+                                            s.microbatches, s.parallel.virtual_stages)
+    if w.weights is not None:  # asymmetric folding: an entry stands for its class
+        for e in entries:
+            e["ranks"] = int(w.weights[e["rank"]])
+    out = acc.metrics(entries, step, phase, bubbles)
+    if result.spans:
+        out["critical_path"] = acc.merge_segments(acc.critical_path(timing, _last(w, timing),
+                                                                    step))
+        out["critical_path_s"] = acc.composition(out["critical_path"])
+    out.update({
+        "link_busy_s": result.link_busy,
+        "collectives": collective_summary(result, timing),
+        "sim_wall_s": result.wall_s,
+        "sim_events": result.events,
+        "ranks_simulated": len(w.programs),
+        "fidelity": w.fidelity,
+    })
+    return out
+
+
+def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
+    """Throughput, FLOP rates and memory: the same for every method."""
+    world = s.parallel.world
+    # a mixed-generation cluster: the mean of its GPUs' peaks (stages hold equal counts)
+    peak = sum(s.hardware_of_stage(st).gpu.peak_flops(s.training.dtype)
+               for st in range(s.parallel.pp)) / s.parallel.pp if s.stage_hardware \
+        else s.hardware.gpu.peak_flops(s.training.dtype)
+    model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
+    hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute)
+    model_tflops = model_flops / step_time / world / 1e12
+    hw_tflops = hw_flops / step_time / world / 1e12
+    stages = mem.memory_report(s)
+    peak_mem = max(stages, key=lambda m: m.total)
+    return {
+        "tokens_per_s": s.training.global_batch * s.model.seq_len / step_time,
+        "model_tflops_per_gpu": model_tflops,
+        "hardware_tflops_per_gpu": hw_tflops,
+        "mfu": model_tflops * 1e12 / peak,
+        "hfu": hw_tflops * 1e12 / peak,
+        "microbatches": s.microbatches,
+        "memory_peak_bytes": peak_mem.total,
+        "fits_in_memory": all(m.fits for m in stages),
+        "memory": [{"stage": m.stage, "weights": m.weights, "gradients": m.gradients,
+                    "optimizer": m.optimizer, "activations": m.activations,
+                    "logits": m.logits, "comm_buffers": m.comm_buffers, "total": m.total,
+                    "capacity": m.capacity} for m in stages],
+        "gradient_compression": cmp.traffic(s),
+    }
+
+
+def _top(categories: dict[str, float], step: float, n: int = 4) -> str:
+    """The ``n`` largest categories with their share of the step."""
+    top = sorted(((v, k) for k, v in categories.items() if v > 0), reverse=True)[:n]
+    return "  ".join(f"{acc.label(k)} {v / step:.1%}" for v, k in top) if step > 0 else ""
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """The short console table."""
+    gb = 1e9
+    rows = [
+        ("scenario", results["scenario"]["name"]),
+        ("method", f"{results['method']}" + (f" ({results['fidelity']})"
+                                             if results.get("fidelity") else "")),
+        ("step time", f"{results['step_time_s']:.4g} s"),
+        ("tokens/s", f"{results['tokens_per_s']:,.0f}"),
+        ("model TFLOP/s/GPU", f"{results['model_tflops_per_gpu']:.1f}  (MFU {results['mfu']:.1%})"),
+        ("hardware TFLOP/s/GPU",
+         f"{results['hardware_tflops_per_gpu']:.1f}  (HFU {results['hfu']:.1%})"),
+        ("bubble", f"{results['bubble_fraction']:.2%} of the pipeline phase"),
+    ]
+    mean = results.get("step_breakdown_s") or {}
+    if mean:
+        rows.append(("where the step goes", _top(mean, results["step_time_s"])))
+    path = results.get("critical_path_s") or {}
+    if path:
+        rows.append(("critical path", _top(path, results["step_time_s"])))
+    comp = results.get("gradient_compression") or {}
+    if comp.get("method", "none") != "none":
+        gb_wire = comp["wire_bytes_per_gpu"] / 1e9
+        state = "compressed" if comp["compressed_step"] else "warm-up, uncompressed"
+        rows.append(("gradient compression",
+                     f"{comp['method']} ({state}): {gb_wire:.3g} GB on the wire per GPU, "
+                     f"{comp['saved_fraction']:.1%} less than uncompressed; kernels "
+                     f"{comp['compression_compute_s'] * 1e3:.3g} ms"))
+    verdict = "fits" if results["fits_in_memory"] else "DOES NOT FIT"
+    cap = results["memory"][0]["capacity"]
+    rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "
+                                f"{cap / gb:.0f} GB  ({verdict})"))
+    if "sim_wall_s" in results:
+        rows.append(("simulation", f"{results['sim_wall_s']:.2f} s wall, "
+                                   f"{results['sim_events']:,} events, "
+                                   f"{results['ranks_simulated']} ranks simulated"))
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows]

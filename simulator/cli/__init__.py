@@ -1,0 +1,2 @@
+"""The ``clustersim`` command: one entry point with subcommands.
+"""

@@ -1,0 +1,3 @@
+"""The SimPy world that runs a workload: compute and communication streams, links
+with fair-share bandwidth, and collective rendezvous.
+"""

@@ -1,0 +1,362 @@
+"""Per-rank memory: model states under ZeRO, activations under a schedule, buffers.
+
+One :class:`MemoryBreakdown` per pipeline stage (every TP and DP rank of a
+stage holds the same amounts). 1 GB = 1e9 bytes throughout.
+
+Model states follow the ZeRO paper's table for mixed-precision AdamW: 2 bytes
+of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
+master weights, momentum, variance) per parameter, sharded over N_d = dp by
+ZeRO stage (1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4
++ 4 + 8 (the weights are the master copy). Parameters are the stage's layers
+(:mod:`simulator.spec.placement`: an even split, or ``parallel.layers_per_stage``)
+plus the embedding on the first stage and the final norm and output projection
+on the last; a tied output projection has its own copy on the last stage when
+pp > 1, as Megatron keeps it. A stage's parameters divide by tp (norms and
+biases replicated across TP ranks, < 0.1 %, are ignored).
+
+Activations follow Korthikanti et al. 2022 (Table 2, 16-bit, dropout masks
+included, attention scores stored unless recomputed), generalised to GQA and
+SwiGLU so that a GPT block gives the table exactly; they are multiplied by the
+layers a stage holds (all its chunks; an uneven interleaved split counts the
+stage's total, an approximation when its chunks differ) and the schedule's
+in-flight micro-batches (its entry in :data:`simulator.schedules.schedule.SCHEDULES`). Full
+recomputation keeps each layer's input (sharded with sequence parallelism).
+The last stage also holds fp32 logits: the saved softmax of every micro-batch
+whose backward has not run yet, plus one more copy for the loss gradient.
+
+Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
+ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers (by modules, as
+DeepSpeed gathers them, of 1 + prefetch blocks: with the default prefetch of 1 an
+attention and an MLP block, one layer, not two) and one layer's unsharded gradient
+before its reduce-scatter, plus the stage's root unit
+(FSDP2's ``fully_shard`` on the stage's module: embedding, final norm, output
+layer), gathered for the whole micro-batch since the root is not resharded after
+forward, and on the last stage the output layer's unsharded gradient, produced
+first in the backward and reduce-scattered after it (the embedding's is produced
+last, when the micro-batch's activations are freed, and is not counted).
+ZeRO-Offload moves the
+optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
+
+Gradient compression (:func:`simulator.strategies.compression.memory_extra`) adds PowerSGD's
+error-feedback buffer, P, Q and bucket copies (the DDP hook's state) and the cast
+buckets of bf16/fp8 to the communication buffers, and 1-bit Adam's worker and
+server error buffers (OnebitAdam's state) to the optimizer states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from simulator.model import moe
+from simulator.model.inventory import kept_for_backward, zero3_blocks
+from simulator.model.transformer import (
+    RecomputeMode,
+    cp_kv_bytes,
+    default_stack,
+    dtype_bytes,
+    embedding_params,
+    head_params,
+    layer_params,
+)
+from simulator.schedules.schedule import schedule_spec
+from simulator.spec.placement import stage_layer_count, stage_layers
+from simulator.spec.scenario import ModelSpec, Scenario
+from simulator.spec.stack import StackSpec
+from simulator.strategies import compression
+
+ADAMW_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU of pipeline ``stage``."""
+
+    stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    comm_buffers: float
+    capacity: float  # GPU HBM, 1e9 × memory_GB
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.logits + self.comm_buffers)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+# ---------------------------------------------------------------- model states
+
+
+def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: int | None = None
+                          ) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank; ``grad_bytes``
+    overrides the gradients' width (4 where the stack keeps fp32 main grads)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {zero}")
+    if n_d < 1:
+        raise ValueError(f"data-parallel degree must be >= 1; got {n_d}")
+    if dtype_bytes(dtype) == 4:
+        weights, grads, optimizer = 4.0, 4.0, 8.0  # fp32: master weights are the weights
+    else:
+        weights, grads, optimizer = 2.0, 2.0, float(ADAMW_K)
+    if grad_bytes is not None:
+        grads = float(grad_bytes)
+    return (weights / n_d if zero >= 3 else weights,
+            grads / n_d if zero >= 2 else grads,
+            optimizer / n_d if zero >= 1 else optimizer)
+
+
+def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> float:
+    """Model-state bytes per GPU for Ψ parameters (ZeRO paper, Fig. 1; docs/model.md)."""
+    return psi * sum(state_bytes_per_param(zero, n_d, dtype))
+
+
+# ---------------------------------------------------------------- activations
+
+
+def activation_bytes_per_layer(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
+    stack: StackSpec | None = None, cp_kv_kept: bool = False,
+) -> float:
+    """Stored activations of one layer on one TP rank.
+
+    A dense layer keeps what its forward ops save in the op inventory
+    (:func:`simulator.model.inventory.kept_for_backward`), so compute and memory describe
+    one program: under an unfused-attention stack with dropout (Megatron-LM 2021/2022)
+    that is Korthikanti et al. 2022, Table 2 exactly, s·b·h·(34 + 5as/h) for GPT at
+    t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
+    recomputation); a flash-attention stack keeps no s×s matrix, and a stack without
+    dropout no masks. Context parallelism keeps s/cp tokens per rank with a fused
+    attention core; with ``cp_kv_kept`` (the all-gather variant under a stack that
+    keeps the gathered keys and values,
+    :attr:`simulator.spec.scenario.Scenario.cp_keeps_gathered_kv`)
+    its core holds every rank's keys and values, cp − 1 chunks more, unless the layer
+    is recomputed in full. A mixture of experts' layers are the inventory's too
+    (:func:`simulator.model.inventory.moe_layer_ops`); a latent-attention model's layers keep
+    what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their own widths and
+    a flash core, the same under selective recomputation, which a flash core leaves
+    nothing to drop from).
+    """
+    st = stack or default_stack()
+    gathered = 0.0
+    if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
+        spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
+        st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
+        if cp_kv_kept and recompute != "full":
+            gathered = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
+    return gathered + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
+                                      dtype, layer, st)
+
+
+def _kept_per_layer(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                    recompute: RecomputeMode, dtype: str, layer: int, st: StackSpec) -> float:
+    if spec.mla is None:
+        return kept_for_backward(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
+                                 layer)
+    if recompute == "full":  # the layer's input
+        replicated = 1 / tp if sequence_parallel else 1.0
+        return 2.0 * spec.seq_len * micro_batch * spec.hidden * replicated \
+            * dtype_bytes(dtype) / 2
+    return sum(op.saved for op in moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype,
+                                                "fwd", layer, stack=st))
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
+    """Peak micro-batches whose activations ``stage`` holds, in full-stage units: the
+    schedule registry's (:data:`simulator.schedules.schedule.SCHEDULES`), e.g. m for GPipe,
+    min(p - stage, m) for 1F1B and ZB-H1."""
+    spec = schedule_spec(schedule)
+    if min(p, m, v) < 1 or not 0 <= stage < p:
+        raise ValueError(f"need p, m, v >= 1 and 0 <= stage < p; got p={p}, m={m}, v={v}, "
+                         f"stage={stage}")
+    return spec.in_flight(p, m, v, stage)
+
+
+# ---------------------------------------------------------------- per stage
+
+
+Runs = Sequence[range]  # the layer runs of one stage (simulator.spec.placement.stage_layers)
+
+
+def _runs(spec: ModelSpec, pp: int, stage: int, runs: Runs | None) -> Runs:
+    """``runs`` when given, else the even split's run of ``stage``."""
+    if runs is not None:
+        return runs
+    per = spec.layers // pp
+    return [range(stage * per, (stage + 1) * per)]
+
+
+def _kinds(spec: ModelSpec, runs: Runs) -> list[tuple[int, int]]:
+    """(representative layer, how many layers like it) over the runs, in closed form."""
+    return [kind for r in runs for kind in moe.layer_kinds(spec, r.start, r.stop)]
+
+
+def stage_expert_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:
+    """The routed experts' parameters of ``stage`` (what expert parallelism splits);
+    ``runs`` are its layers (default the even split)."""
+    return sum(n * moe.expert_params(spec, i) for i, n in _kinds(spec, _runs(spec, pp, stage,
+                                                                            runs)))
+
+
+def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:
+    """Parameters held by pipeline ``stage`` (before the TP and EP splits); ``runs`` are
+    its layers (default the even split)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} outside 0..{pp - 1}")
+    runs = _runs(spec, pp, stage, runs)
+    if spec.is_moe or spec.mla is not None:
+        total = sum(n * layer_params(spec, i) for i, n in _kinds(spec, runs))
+    else:
+        total = sum(len(r) for r in runs) * layer_params(spec)
+    if stage == 0:
+        total += embedding_params(spec)
+    if stage == pp - 1:
+        total += head_params(spec)
+        if spec.tied_embeddings and pp > 1:
+            total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
+    return total
+
+
+def _activations(scenario: Scenario, stage: int) -> float:
+    spec, par, trn = scenario.model, scenario.parallel, scenario.training
+    b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
+    in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
+                                       par.virtual_stages, stage)
+    runs = stage_layers(spec.layers, par, stage)
+    if spec.is_moe or spec.mla is not None or par.cp > 1:
+        total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
+                                                   par.cp, scenario.stack,
+                                                   scenario.cp_keeps_gathered_kv)
+                    for i, n in _kinds(spec, runs))
+    else:
+        per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype,
+                                               stack=scenario.stack)
+        total = per_layer * sum(len(r) for r in runs)
+    tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
+    if par.cp > 1:
+        tokens_h /= par.cp
+    if stage == 0 and scenario.stack.hidden_dropout > 0:
+        total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
+    if stage == par.pp - 1:
+        total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
+    return total * in_flight
+
+
+def _logits(scenario: Scenario, stage: int) -> float:
+    par = scenario.parallel
+    if stage != par.pp - 1:
+        return 0.0
+    fp32 = 4.0 * scenario.training.micro_batch * scenario.model.seq_len \
+        * scenario.model.vocab / par.tp
+    if par.cp > 1:
+        fp32 /= par.cp
+    held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
+    return fp32 * (held + 1)
+
+
+def _comm_buffers(scenario: Scenario, stage: int) -> float:
+    par = scenario.parallel
+    if par.dp == 1:
+        return 0.0
+    if par.zero <= 2:
+        return 2 * par.dp_bucket_MB * 1e6
+    spec = scenario.model
+    layer = max(_rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
+                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
+        * dtype_bytes(scenario.training.dtype)
+    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
+    if not par.reshard_after_forward:  # every layer of the stage stays gathered
+        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
+    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
+        # DeepSpeed's modules, gathered by blocks as the engine runs them
+        # (simulator/strategies/data.py Zero3Pass): the running block and the fsdp_prefetch
+        # blocks after it (attention and MLP blocks alternate), without prefetch the
+        # running block alone; in layers
+        blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
+        seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
+        n = 1 + (par.fsdp_prefetch if ahead else 0)
+        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
+    else:  # the running layer plus the prefetched ones
+        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
+    root = sum(zero3_root_bytes(scenario, stage))
+    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
+
+
+def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
+    """ZeRO-3 on one GPU of pipeline ``stage``: bytes of the root unit's gathered
+    parameters (the embedding on the first stage, the final norm, output layer and a
+    tied embedding's copy on the last) and of the output layer's unsharded gradient
+    (last stage: the head's parameters, or the shared embedding's when tied)."""
+    spec, par = scenario.model, scenario.parallel
+    dt = dtype_bytes(scenario.training.dtype) / par.tp
+    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
+    gathered = embedding_params(spec) if stage == 0 else 0.0
+    grad = 0.0
+    if stage == par.pp - 1:
+        gathered += head_params(spec) + (tied if par.pp > 1 else 0)
+        grad = head_params(spec) + tied
+    return gathered * dt, grad * dt
+
+
+def _rank_params(scenario: Scenario, dense: float, experts: float) -> float:
+    """Parameters on one rank: dense ones split over tp, routed experts over
+    expert_tp · ep (Megatron-LM's expert tensor and expert parallelism)."""
+    par = scenario.parallel
+    if not experts:
+        return dense / par.tp
+    return dense / par.tp + experts / (par.etp * par.ep)
+
+
+def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
+    """Memory of one GPU of pipeline ``stage``.
+
+    ZeRO shards the dense parameters' states over the data-parallel ranks with
+    their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group) and the
+    routed experts' states over the expert data-parallel ranks (edp)."""
+    par, dtype = scenario.parallel, scenario.training.dtype
+    runs = stage_layers(scenario.model.layers, par, stage)
+    total = stage_params(scenario.model, par.pp, stage, runs)
+    experts = stage_expert_params(scenario.model, par.pp, stage, runs)
+    psi = _rank_params(scenario, total - experts, 0)
+    grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
+    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes)
+    gradients, optimizer = psi * g, psi * o
+    weights = psi * w
+    if experts:
+        psi_e = experts / (par.etp * par.ep)
+        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes)
+        weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
+            optimizer + psi_e * oe
+    if par.zero_offload:
+        optimizer = 0.0
+        if par.zero >= 2:
+            gradients = 0.0  # each micro-batch's shard goes to the host
+    buffers, compression_state = compression.memory_extra(scenario, stage)
+    return MemoryBreakdown(
+        stage=stage,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer + compression_state,
+        activations=_activations(scenario, stage),
+        logits=_logits(scenario, stage),
+        comm_buffers=_comm_buffers(scenario, stage) + buffers,
+        capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
+    )
+
+
+def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:
+    """One breakdown per pipeline stage."""
+    return [stage_breakdown(scenario, stage) for stage in range(scenario.parallel.pp)]
+
+
+def peak_memory(scenario: Scenario) -> MemoryBreakdown:
+    """The stage with the largest total (the first such stage on ties)."""
+    return max(memory_report(scenario), key=lambda item: item.total)

@@ -1,0 +1,278 @@
+"""Mixture-of-experts layers and multi-head latent attention: parameters and operations.
+
+:mod:`simulator.model.transformer` hands a layer to this module when the model has routed
+experts (``experts > 0``) or latent attention (``mla``); a dense GQA model never
+comes here, so its arithmetic stays what it was. Pure functions, no SimPy.
+
+Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer;
+Mixtral; DeepSeek-V3):
+
+- A MoE layer keeps the attention and the two norms and replaces the MLP by a
+  router (an h × E GEMM, with an E bias for DeepSeek's sigmoid router), E routed
+  experts of which each token uses k, and ``shared_experts`` that every token
+  uses; each expert is an MLP of width ``expert_ffn_hidden`` (three matrices for
+  SwiGLU). Shared experts run as one MLP of width shared · f_e, as Megatron-LM
+  fuses them (``moe_shared_expert_intermediate_size``).
+- Routed work per token is k experts: dropless routing computes exactly the
+  routed tokens (balanced: T·k/E per expert); a capacity factor c gives every
+  expert a buffer of c·k·T/E tokens (GShard, Switch; Megatron with
+  ``--moe-pad-expert-input-to-capacity``), computed whether full or not. Model
+  FLOPs count min(c, 1)·k·T tokens (what the model computes for the tokens it
+  keeps), hardware FLOPs c·k·T.
+- Tensor parallelism splits expert and shared-expert matrices like the dense MLP
+  (Megatron's expert tensor parallelism, by default the TP degree); the router is
+  replicated. Token permutation before the experts and the weighted un-permutation
+  after them are memory-bound copies of k·T·h elements.
+- An op's ``gemm_flops`` (the efficiency-curve lookup) is one expert's GEMM:
+  experts run as a grouped GEMM of E small products.
+
+Multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1) in its training
+form (no weight absorption): h → q latent (q_lora_rank, RMS-normed) → H queries of
+width d_nope + d_rope; h → kv latent (kv_lora_rank, RMS-normed) plus one shared
+RoPE key of width d_rope; kv latent → H keys (d_nope) and values (d_v); out-proj
+H·d_v → h. Parameters and GEMM FLOPs are exact. The attention core is
+2·b·s²·H·(d_qk + d_v) forward, as a FlashAttention call with those head widths
+computes it. The down-projections are replicated across TP ranks, as
+Megatron-core builds them (``linear_q_down_proj`` / ``linear_kv_down_proj`` are
+plain, not column-parallel, linears in ``megatron/core/models/gpt/gpt_layer_specs.py``);
+the up-projections and the out-proj split by heads. Approximate: the memory-bound
+bytes of the latent norms and of the RoPE applied to the decoupled key, and the
+stored activations (:func:`activation_bytes`), which count the latents, Q, K, V and
+the out-proj input at their widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from simulator.model import inventory as inv
+from simulator.model import transformer as mdl
+from simulator.model.inventory import routed_tokens
+from simulator.spec.scenario import MLASpec, ModelSpec
+from simulator.spec.stack import StackSpec
+
+
+def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
+                ) -> list[tuple[int, int]]:
+    """(a representative layer index, how many layers are like it) among layers
+    start..stop-1 (default all): one entry for a dense model, a dense and a MoE entry
+    for a mixture of experts. Closed form: no loop over the layers."""
+    stop = spec.layers if stop is None else stop
+    f, freq = spec.first_dense_layers, spec.moe_layer_freq
+    lo = max(start, f)
+    first_moe = f + -(-(lo - f) // freq) * freq
+    moe_count = 0 if not spec.is_moe or first_moe >= stop else (stop - 1 - first_moe) // freq + 1
+    if moe_count == 0:
+        return [(start, stop - start)] if stop > start else []
+    kinds = [(first_moe, moe_count)]
+    if stop - start > moe_count:  # the first dense layer in the range
+        dense = start if not spec.is_moe_layer(start) else start + 1
+        kinds.insert(0, (dense, stop - start - moe_count))
+    return kinds
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _norm(spec: ModelSpec, width: int) -> int:
+    return 2 * width if spec.norm == "layernorm" else width
+
+
+def mla_params(spec: ModelSpec, mla: MLASpec) -> int:
+    """Latent attention: down- and up-projections, the two latent norms, out-proj."""
+    h, heads = spec.hidden, spec.heads
+    if mla.q_lora_rank:
+        q = h * mla.q_lora_rank + _norm(spec, mla.q_lora_rank) \
+            + mla.q_lora_rank * heads * mla.qk_head_dim
+    else:
+        q = h * heads * mla.qk_head_dim
+    kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + _norm(spec, mla.kv_lora_rank) \
+        + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * h
+
+
+def attention_params(spec: ModelSpec) -> int:
+    if spec.mla is not None:
+        return mla_params(spec, spec.mla)
+    h, kv_width = spec.hidden, spec.kv * spec.head_dim
+    return 2 * h * h + 2 * h * kv_width + ((2 * h + 2 * kv_width) if spec.bias else 0)
+
+
+def mlp_params(spec: ModelSpec, width: int) -> int:
+    """One MLP of inner ``width`` (and its biases)."""
+    matrices = 3 if spec.activation == "swiglu" else 2
+    biases = ((matrices - 1) * width + spec.hidden) if spec.bias else 0
+    return matrices * spec.hidden * width + biases
+
+
+def router_params(spec: ModelSpec) -> int:
+    return spec.hidden * spec.experts + (spec.experts if spec.router == "sigmoid" else 0)
+
+
+def expert_params(spec: ModelSpec, layer: int) -> int:
+    """The routed experts of ``layer`` (what expert parallelism splits); 0 if dense."""
+    return spec.experts * mlp_params(spec, spec.expert_ffn) if spec.is_moe_layer(layer) else 0
+
+
+def layer_params(spec: ModelSpec, layer: int) -> int:
+    common = attention_params(spec) + 2 * _norm(spec, spec.hidden)
+    if not spec.is_moe_layer(layer):
+        return common + mlp_params(spec, spec.ffn)
+    shared = mlp_params(spec, spec.shared_experts * spec.expert_ffn) if spec.shared_experts \
+        else 0
+    return common + router_params(spec) + shared + expert_params(spec, layer)
+
+
+def active_layer_params(spec: ModelSpec, layer: int) -> int:
+    """What one token uses: all of a dense layer; of a MoE layer all but E − k experts."""
+    unused = (spec.experts - spec.experts_per_token) * mlp_params(spec, spec.expert_ffn)
+    return layer_params(spec, layer) - (unused if spec.is_moe_layer(layer) else 0)
+
+
+# ---------------------------------------------------------------- operations
+
+
+def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
+            pass_: mdl.Pass) -> dict[str, mdl.Op]:
+    """The latent attention's ops on one TP rank (GEMMs and the core), by name."""
+    tokens, h, heads = micro_batch * spec.seq_len, spec.hidden, spec.heads / tp
+    ops: dict[str, mdl.Op] = {}
+    if mla.q_lora_rank:
+        ops["q_down"] = mdl._gemm("q_down", tokens, h, mla.q_lora_rank, dt)
+        ops["q_norm"] = mdl._mem("q_norm", (2.0 if pass_ == "fwd" else 3.0)
+                                 * tokens * mla.q_lora_rank, dt)
+        ops["q_up"] = mdl._gemm("q_up", tokens, mla.q_lora_rank, heads * mla.qk_head_dim, dt)
+    else:
+        ops["q_up"] = mdl._gemm("q_up", tokens, h, heads * mla.qk_head_dim, dt)
+    ops["kv_down"] = mdl._gemm("kv_down", tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, dt)
+    ops["kv_norm"] = mdl._mem("kv_norm", (2.0 if pass_ == "fwd" else 3.0)
+                              * tokens * mla.kv_lora_rank, dt)
+    ops["kv_up"] = mdl._gemm("kv_up", tokens, mla.kv_lora_rank,
+                             heads * (mla.qk_nope_head_dim + mla.v_head_dim), dt)
+    core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
+    qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
+    if pass_ == "fwd":  # read q, k, v; write o
+        ops["attn_core"] = mdl.Op("attn_core", "attention", core,
+                                  dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
+                                  0.0, 0.5)  # causal: a flash kernel skips masked blocks
+    else:  # read q, k, v, o, do; write dq, dk, dv
+        ops["attn_core"] = mdl.Op("attn_core", "attention", 2 * core,
+                                  dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd", 3,
+                                  0.0, 0.5)
+    ops["out_proj"] = mdl._gemm("out_proj", tokens, v, h, dt)
+    return ops
+
+
+#: what expert parallelism moves: the routed experts' ops (the layer lists them for its
+#: FLOPs and what it keeps; the expert pass prices them on the ranks that hold the experts)
+ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers", "expert_bias_grad",
+              "expert_amp_weight_cast", "expert_grad_accum", "expert_main_grad")
+
+
+# ---------------------------------------------------------------- activations
+
+
+def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: bool,
+               dt: int, masks: bool) -> dict[str, float]:
+    """Bytes a latent-attention model's layer (MoE or dense) keeps for the backward, by op
+    name (:func:`layer_ops` hands them to its ops; :mod:`simulator.model.memory` sums them); its
+    flash attention core keeps no s×s scores. Per token, in 16-bit units scaled by the
+    dtype (``dt / 2``):
+
+    - the frame, as for any layer: the two norms' inputs and the inputs of the first
+      attention GEMM and of the MLP (the router), 2h each (sharded under sequence
+      parallelism), and with hidden dropout one 1-unit mask per residual add;
+    - attention: the two latents and the RoPE key (replicated), Q and K of width H·d_qk,
+      V and the out-proj input of width H·d_v (split over TP), all with the core;
+    - a MoE layer: fp32 router probabilities (4·E per token, with the router), the k
+      (or c·k) permuted copies of each token (the experts' input, with the
+      permutation), the experts' activation inputs and outputs (with their
+      activation), the shared experts' likewise; a dense layer of such a model its
+      MLP activation's.
+    """
+    h, t, tokens = spec.hidden, tp, float(b * spec.seq_len)
+    scale = dt / 2
+    rep = 1 / t if sequence_parallel else 1.0
+    local = tokens * rep
+    mla = spec.mla
+    if mla is None:
+        raise ValueError("kept_bytes is for latent attention; the inventory keeps the rest")
+    first = "q_down" if mla.q_lora_rank else "q_up"
+    out: dict[str, float] = {"ln1": 2 * local * h, first: 2 * local * h,
+                             "ln2": 2 * local * h, "residual": local * h if masks else 0.0}
+    out["attn_core"] = tokens * (
+        2 * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
+        + 2 * (2 * spec.heads * mla.qk_head_dim + 2 * spec.heads * mla.v_head_dim) / t)
+    mlp_unit = 6.0 if spec.activation == "swiglu" else 4.0
+    if not spec.is_moe_layer(layer):
+        out["mlp_up"] = 2 * local * h
+        out["act"] = tokens * mlp_unit * spec.ffn / t
+    else:
+        routed = routed_tokens(spec, tokens, padded=True)
+        out["router"] = 2 * local * h + local * 4 * spec.experts
+        out["permute"] = routed * 2 * h
+        out["expert_act"] = routed * mlp_unit * spec.expert_ffn / t
+        if spec.shared_experts:
+            out["shared_act"] = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
+    return {name: v * scale for name, v in out.items()}
+
+
+# ---------------------------------------------------------------- a whole layer
+
+
+def _attention_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
+                   pass_: mdl.Pass) -> list[mdl.Op]:
+    if spec.mla is not None:
+        return list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_).values())
+    tokens, h = micro_batch * spec.seq_len, spec.hidden
+    qkv_width = h / tp + 2 * max(spec.kv / tp, 1.0) * spec.head_dim
+    return [mdl._gemm("qkv", tokens, h, qkv_width, dt),
+            mdl._attention_core(spec, micro_batch, tp, dt, pass_),
+            mdl._gemm("out_proj", tokens, h / tp, h, dt)]
+
+
+def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
+                   pass_: mdl.Pass) -> list[mdl.Op]:
+    tokens, h = micro_batch * spec.seq_len, spec.hidden
+    up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
+    return [mdl._gemm("mlp_up", tokens, h, up, dt),
+            mdl._mem("act", mdl._act_elements(spec, tokens, tp, pass_), dt),
+            mdl._gemm("mlp_down", tokens, spec.ffn / tp, h, dt)]
+
+
+def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
+              pass_: mdl.Pass, layer: int, padded: bool = True,
+              stack: StackSpec | None = None) -> tuple[mdl.Op, ...]:
+    """Layer ``layer`` of a MoE or latent-attention model on one TP rank, in execution
+    order. With standard attention the kernel-level inventory as ``stack`` runs it
+    (:func:`simulator.model.inventory.moe_layer_ops` for a routed-experts layer, the dense
+    layer's for the others). With latent attention the coarser list here (the same
+    frame: norm, attention, residual, norm, MLP or experts, residual), whose forward
+    ops carry what they keep for the backward (:func:`kept_bytes`; a mask per residual
+    add where the stack has hidden dropout)."""
+    st = stack or mdl.default_stack()
+    if spec.mla is None:
+        if spec.is_moe_layer(layer):
+            return inv.moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+                                     padded)
+        return inv.dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
+    masks = st.hidden_dropout > 0
+    dt = mdl.dtype_bytes(dtype)
+    tokens = micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens
+    attention = _attention_ops(spec, micro_batch, tp, dt, pass_)
+    if spec.is_moe_layer(layer):
+        mlp = inv.moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+                              padded)
+    else:
+        mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_)
+    if pass_ == "bwd_weight":
+        return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
+    residual = mdl._mem("residual", 3.0 * local * spec.hidden, dt)
+    ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt, "norm"), *attention,
+           residual, mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt, "norm"), *mlp,
+           residual)
+    if pass_ != "fwd":
+        return ops[::-1]
+    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks)
+    return tuple(replace(op, saved=kept.get(op.name, 0.0)) for op in ops)

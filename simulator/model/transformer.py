@@ -1,0 +1,406 @@
+"""Transformer arithmetic: parameters, per-layer operations, FLOPs per step.
+
+Pure functions over a :class:`~simulator.spec.scenario.ModelSpec`; no SimPy and no
+hardware. The cost model turns an :class:`Op` into time (roofline of ``flops``
+against ``bytes`` with the profile's efficiency curves); this module only says
+how much work there is.
+
+Assumptions (Megatron-LM's, so the closed forms of Narayanan et al. SC'21 come
+out exactly for a GPT block):
+
+- FLOPs count matrix multiplies only, 2·M·N·K per GEMM; bias adds, norms,
+  activations, softmax, dropout and residual adds are ``memory`` ops with zero FLOPs,
+  costed by the bytes they read and write. A dense layer's ops are the kernel-level
+  inventory of :mod:`simulator.model.inventory`, derived from model + training stack.
+- Tensor parallelism splits QKV and MLP-up by columns and out-proj and
+  MLP-down by rows (Megatron), so every GEMM's FLOPs divide by ``tp``. KV heads
+  are split over TP ranks, or replicated when ``tp > kv_heads``. Fused QKV and,
+  for SwiGLU, fused gate+up are one GEMM each.
+- The attention core counts 4·b·s²·h/tp FLOPs forward (the full square, no causal
+  halving, as Megatron counts), twice that backward, all of it in ``bwd_input``; the
+  stack decides whether it runs as one FlashAttention call (Q, K, V, O bytes, causal
+  blocks skipped) or unfused through the s×s scores. MoE and latent-attention layers
+  (:mod:`simulator.model.moe`) keep the flash form.
+- Backward is split as zero-bubble schedules need it: ``bwd_input`` holds the
+  input-gradient GEMMs, the attention backward and the memory ops' backward;
+  ``bwd_weight`` holds the weight-gradient GEMMs (and the embedding's scatter-add).
+  Each GEMM's backward halves have its forward FLOPs, so a step is 3 × forward.
+- With sequence parallelism the norms and residual adds work on s/tp tokens;
+  without it every TP rank repeats them on all s tokens.
+- Bytes use the training dtype; the loss keeps its softmax in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+from typing import Literal
+
+from simulator.model import moe
+from simulator.model.inventory import (
+    CORE_OPS,
+    ROOT_TENSORS,
+    EndPayload,
+    Op,
+    OpKind,
+    Pass,
+    dense_layer_ops,
+    dtensor_tensors,
+    dtype_bytes,
+    expert_tensors,
+    layer_tensors,
+    optimizer_op,
+    zero3_collectives,
+)
+from simulator.model.inventory import act_elements as _act_elements
+from simulator.model.inventory import gemm as _gemm
+from simulator.model.inventory import kv_per_rank as _kv_per_rank
+from simulator.model.inventory import mem as _mem
+from simulator.model.inventory import norm_elements as _norm_elements
+from simulator.spec.scenario import ModelSpec, Scenario
+from simulator.spec.stack import DEFAULT_STACK, StackSpec, load_stack
+
+__all__ = ["CORE_OPS", "Op", "OpKind", "Pass", "_act_elements", "_gemm", "_kv_per_rank",
+           "_mem", "_norm_elements", "dtype_bytes", "zero3_collectives"]
+
+RecomputeMode = Literal["none", "selective", "full"]
+PASSES: tuple[Pass, ...] = ("fwd", "bwd_input", "bwd_weight")
+
+
+@lru_cache(maxsize=1)
+def default_stack() -> StackSpec:
+    return load_stack(DEFAULT_STACK)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _norm_params(spec: ModelSpec) -> int:
+    return 2 * spec.hidden if spec.norm == "layernorm" else spec.hidden
+
+
+def layer_params(spec: ModelSpec, layer: int = 0) -> int:
+    """Layer ``layer``: attention (GQA-aware, or latent), MLP or experts, biases, two norms.
+
+    Every layer of a dense model is the same, so ``layer`` matters only for a MoE model.
+    """
+    if spec.is_moe or spec.mla is not None:
+        return moe.layer_params(spec, layer)
+    h, kv_width = spec.hidden, spec.kv * spec.head_dim
+    attention = 2 * h * h + 2 * h * kv_width  # q and out h×h; k and v h×(kv·head_dim)
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    mlp = mlp_matrices * h * spec.ffn
+    biases = 0
+    if spec.bias:
+        biases = (2 * h + 2 * kv_width) + ((mlp_matrices - 1) * spec.ffn + h)
+    return attention + mlp + biases + 2 * _norm_params(spec)
+
+
+def embedding_params(spec: ModelSpec) -> int:
+    """Word embedding V·h, plus s·h learned positions."""
+    positions = spec.seq_len * spec.hidden if spec.position == "learned" else 0
+    return spec.vocab * spec.hidden + positions
+
+
+def head_params(spec: ModelSpec) -> int:
+    """Final norm plus the output projection (none extra when tied to the embedding)."""
+    projection = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
+    return _norm_params(spec) + projection
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Total Ψ (a tied output projection counted once)."""
+    layers = sum(n * layer_params(spec, i) for i, n in moe.layer_kinds(spec))
+    return layers + embedding_params(spec) + head_params(spec)
+
+
+def active_param_count(spec: ModelSpec, embedding: bool = True) -> int:
+    """Parameters one token uses: a MoE layer's router, top-k routed and shared experts
+    (not the other experts). Mistral counts the input embedding (12.9B for Mixtral
+    8x7B), DeepSeek does not (36.6B for DeepSeek-V3): ``embedding`` chooses."""
+    layers = sum(n * moe.active_layer_params(spec, i) for i, n in moe.layer_kinds(spec))
+    return layers + (embedding_params(spec) if embedding else 0) + head_params(spec)
+
+
+# ---------------------------------------------------------------- operations
+
+
+def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
+    """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
+    times as many keys (context parallelism: a rank's chunk of queries meets every
+    chunk's keys and values, as ring attention and the KV all-gather do, one flash call
+    per chunk). Causal: half the counted FLOPs execute (load-balanced chunks)."""
+    tokens, q_width = b * spec.seq_len, spec.hidden / tp
+    kv_width = _kv_per_rank(spec, tp) * spec.head_dim
+    fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
+    if pass_ == "fwd":  # read q, k, v; write o
+        return Op("attn_core", "attention", fwd_flops,
+                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
+                  "attention_fwd", cp, 0.0, 0.5)
+    # read q, k, v, o, do; write dq, dk, dv
+    return Op("attn_core", "attention", 2 * fwd_flops,
+              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops / cp,
+              "attention_bwd", 3 * cp, 0.0, 0.5)
+
+
+def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
+                         pass_: Pass, cp: int, kv_gathered: bool = False,
+                         kv_kept: bool = False) -> tuple[Op, ...]:
+    """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
+    against the whole sequence's keys (:func:`_attention_core`; context parallelism runs
+    a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
+    requires). With ``kv_gathered`` (the all-gather variant) the gathered keys and
+    values are put in sequence order before the core, and in backward their gradients
+    back in chunk order after it: one read and one write of the gathered bytes each
+    (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
+    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``); with
+    ``kv_kept`` (the stack keeps the gathered, ordered keys and values for the backward)
+    the backward reorders only the gradients."""
+    if cp == 1 or pass_ == "bwd_weight":
+        return ops
+    core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
+    out: list[Op] = []
+    for op in ops:
+        if op.name in CORE_OPS:
+            if core in out:
+                continue  # an unfused core's other kernels: replaced by the one core
+            if kv_gathered:
+                copies = 1 if pass_ == "fwd" or kv_kept else 2
+                out.append(Op("cp_reorder", "memory", 0.0,
+                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
+            out.append(core)
+        else:
+            out.append(op)
+    return tuple(out)
+
+
+def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
+    """Bytes of one rank's key and value chunk of one layer (its TP share of KV heads)."""
+    return 2.0 * b * local.seq_len * _kv_per_rank(local, tp) * local.head_dim * dtype_bytes(dtype)
+
+
+def layer_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd", layer: int = 0, stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """One transformer layer's ops on one TP rank, in execution order (``layer``
+    matters only for a mixture of experts, whose layers differ), as ``stack`` runs it
+    (default :data:`simulator.spec.stack.DEFAULT_STACK`)."""
+    st = stack or default_stack()
+    if spec.is_moe or spec.mla is not None:
+        return moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, layer,
+                             stack=st)
+    return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
+
+
+def embedding_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd", stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """First stage: the vocab-parallel lookup (and learned-position add), then the
+    stack's embedding dropout.
+
+    Every TP rank writes the full b·s·h output (zeros outside its vocabulary
+    slice) before the all-reduce or reduce-scatter, so sequence parallelism does
+    not change the bytes here. The input is token ids, so there is no input
+    gradient: the backward (dropout's, then the scatter-add into the table) is a
+    weight gradient.
+    """
+    del sequence_parallel  # see docstring
+    st = stack or default_stack()
+    # autocast leaves the lookup in the fp32 table's dtype
+    dt, elements = st.fp32_under_amp(dtype_bytes(dtype)), micro_batch * spec.seq_len * spec.hidden
+    per_token = 3.0 if spec.position == "learned" else 0.0  # read word + position, write sum
+    keep = elements if pass_ == "fwd" else 0.0  # the 1-byte mask, kept for backward
+    dropout = (Op("embedding_dropout", "memory", 0.0, (2 * dt + 1) * elements, 0.0,
+                  "elementwise", 1, keep),) if st.hidden_dropout > 0 else ()
+    if pass_ == "fwd":
+        return (_mem("embedding", (2.0 + per_token) * elements, dt, "copy", 1 + (per_token > 0)),
+                *dropout)
+    if pass_ == "bwd_weight":  # read dy, read-modify-write the touched rows (and positions)
+        return (*dropout, _mem("embedding", (3.0 + per_token) * elements, dt, "copy",
+                               1 + (per_token > 0)))
+    return ()
+
+
+def head_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd", stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """Last stage: final norm, vocab-parallel logits GEMM, softmax + cross-entropy.
+
+    The loss reads the 16-bit logits and keeps the softmax in fp32 for the
+    backward, which reads it and writes the logits' gradient. Fused (one kernel each
+    way) or as Megatron's vocab-parallel cross-entropy runs it: max, subtract, exp,
+    sum, log, gather in fp32, about four fp32 passes over the logits in six kernels.
+    """
+    st = stack or default_stack()
+    dt, tokens = dtype_bytes(dtype), micro_batch * spec.seq_len
+    local = tokens / tp if sequence_parallel else tokens
+    cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
+    logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
+    amp = st.amp(dt)  # autocast: the norm and the loss in fp32, a cast on each side of the GEMM
+    wide = st.fp32_under_amp(dt)
+    if pass_ == "bwd_weight":
+        if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
+            logits = Op(logits.name, "gemm", logits.flops, logits.bytes
+                        + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
+        return (logits,)
+    loss = _loss(st, tokens * spec.vocab / tp, wide, pass_)
+    casts = ((_mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
+             (_mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
+        if amp else ((), ())
+    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
+           logits, *casts[1], loss)
+    return ops if pass_ == "fwd" else ops[::-1]
+
+
+def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
+    """The cross-entropy over ``elements`` logits of ``wide`` bytes. Fused: one kernel
+    each way, the logits read and an fp32 softmax written (or read back). Megatron's
+    vocab-parallel form: about four fp32 passes in six kernels each way. PyTorch's
+    ``F.cross_entropy``: forward log_softmax (logits read, fp32 log-probabilities
+    written) and nll_loss's gather; backward nll_loss's zero-filled gradient and its
+    scatter, then log_softmax's backward (gradient and log-probabilities read, the
+    logits' gradient written)."""
+    cls = "cross_entropy"  # vocabulary-wide rows: their own curve, not the softmax's
+    if st.fused("cross_entropy"):
+        return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, cls, 1)
+    if st.loss == "torch":
+        fwd = pass_ == "fwd"
+        return Op("loss", "memory", 0.0, elements * (wide + 4 if fwd else 4 + 8 + wide), 0.0,
+                  cls, 2 if fwd else 3)
+    return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, cls, 6)
+
+
+def layer_recompute_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", recompute: RecomputeMode = "none", layer: int = 0,
+    stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """Forward ops one layer re-runs before its backward.
+
+    ``selective`` recomputes the attention core once (Korthikanti et al. 2022:
+    QKᵀ, softmax, dropout, AV, or the one flash kernel); ``full`` re-runs the whole
+    layer forward from its input.
+    """
+    fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer, stack)
+    if recompute == "full":
+        return fwd
+    if recompute == "selective":
+        return tuple(op for op in fwd if op.name in CORE_OPS)
+    return ()
+
+
+def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
+                    part: Literal["dense", "experts", "all"] = "dense") -> Op:
+    """The optimizer step on ``shard`` parameters of a rank holding the layer runs
+    ``layers``, as the scenario's stack runs it (:func:`simulator.model.inventory.optimizer_op`),
+    over the parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's
+    without its routed experts) and the ends'; ``experts``, the routed experts' of the
+    MoE layers among them (the expert pass's own step); ``all``, both in one step.
+    Closed form over the runs' layer kinds (:func:`simulator.model.moe.layer_kinds`)."""
+    spec, p = s.model, s.parallel
+    kinds = [kind for run in layers for kind in moe.layer_kinds(spec, run.start, run.stop)]
+    count = sum(n for _, n in kinds)
+    tensors = 0
+    if part != "experts":
+        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS
+    if part != "dense" and spec.is_moe:
+        local = expert_tensors(spec, s.stack, spec.experts // p.ep)
+        tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
+    dtensors = 0 if part == "experts" else \
+        count * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
+    if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
+        dtensors = tensors
+    return optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)
+
+
+def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:
+    return sum(op.flops for op in ops)
+
+
+# ---------------------------------------------------------------- FLOPs per step
+
+
+def _all_passes(builder: Callable[..., tuple[Op, ...]], spec: ModelSpec, batch: int) -> float:
+    return sum(ops_flops(builder(spec, batch, 1, False, "bf16", p)) for p in PASSES)
+
+
+def _layer_flops(spec: ModelSpec, batch: int, layer: int, padded: bool) -> float:
+    if not (spec.is_moe or spec.mla is not None):
+        return _all_passes(layer_ops, spec, batch)
+    return sum(ops_flops(moe.layer_ops(spec, batch, 1, False, "bf16", p, layer, padded))
+               for p in PASSES)
+
+
+def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
+    """Forward + backward of every layer, the logits and the loss; no recomputation.
+
+    FLOPs are linear in the batch, so the whole batch is one "micro-batch" here. A
+    MoE layer counts the experts its tokens use (no capacity padding).
+    """
+    layers = sum(n * _layer_flops(spec, global_batch, i, padded=False)
+                 for i, n in moe.layer_kinds(spec))
+    return layers + _all_passes(head_ops, spec, global_batch) \
+        + _all_passes(embedding_ops, spec, global_batch)
+
+
+def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
+                            recompute: RecomputeMode) -> float:
+    """Model FLOPs plus the recomputed forward work and, with an expert capacity
+    factor, the padded expert slots (what the GPUs actually execute)."""
+    extra = 0.0
+    for i, n in moe.layer_kinds(spec):
+        extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
+                                                   layer=i))
+        if spec.is_moe_layer(i) and spec.capacity_factor is not None:
+            extra += n * (_layer_flops(spec, global_batch, i, padded=True)
+                          - _layer_flops(spec, global_batch, i, padded=False))
+    return model_flops_per_step(spec, global_batch) + extra
+
+
+def megatron_model_flops(spec: ModelSpec, global_batch: int) -> float:
+    """Narayanan et al. SC'21: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    B, s, L, h, V = global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    return 72.0 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def megatron_hardware_flops(spec: ModelSpec, global_batch: int,
+                            recompute: RecomputeMode) -> float:
+    """The quoted closed forms (docs/model.md): full 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)); selective
+    (as quoted from Korthikanti et al. 2022) 72·B·s·l·h²·(1 + s/(3h) + V/(12lh))."""
+    B, s, L, h, V = global_batch, spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    if recompute == "full":
+        return 96.0 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    if recompute == "selective":
+        return 72.0 * B * s * L * h**2 * (1 + s / (3 * h) + V / (12 * L * h))
+    return megatron_model_flops(spec, global_batch)
+
+
+def megatron_param_count(spec: ModelSpec) -> float:
+    """Narayanan et al. SC'21: Ψ = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+    L, h, V, s = spec.layers, spec.hidden, spec.vocab, spec.seq_len
+    return 12.0 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
+
+
+# ---------------------------------------------------------------- communication sizes
+
+
+def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
+    """Size of one TP all-reduce (b·s·h): two per layer forward, two backward."""
+    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))
+
+
+def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPayload, float]:
+    """Bytes of one TP collective at the model's ends by what it carries
+    (:func:`simulator.model.inventory.tp_end_collectives`): the b·s·h activation, the b·s·V
+    logits, the cross-entropy's fp32 value per token."""
+    tokens = micro_batch * spec.seq_len
+    return {"activation": tp_comm_bytes_per_layer(spec, micro_batch, dtype),
+            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens}
+
+
+def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
+    """One stage-boundary send of activations (or of their gradient): b·s·h."""
+    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))

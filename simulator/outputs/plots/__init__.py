@@ -1,0 +1,3 @@
+"""Figures, one module per kind; they read results and tables, never live
+simulation objects.
+"""

@@ -1,0 +1,252 @@
+"""Chrome trace-event JSON (``trace.json``) of a span table, for a selection of ranks.
+
+The JSON Object Format that Perfetto (https://ui.perfetto.dev) and
+chrome://tracing load: one process per rank (``pid = rank``), one thread per
+stream with a fixed ``tid`` for the known streams so that every rank lists
+compute, pp, dp, host in the same order, and one complete event (``"ph": "X"``)
+per span with ``ts``/``dur`` in microseconds, as the format requires. ``name``
+is the op, ``cat`` the kind. Only the selected ranks are written: by default
+one per pipeline stage (``--trace-ranks stages``), since a 1,024-GPU
+full-fidelity step has ten million spans, a file no viewer opens.
+
+With :class:`~simulator.outputs.trace_links.TraceLinks` for the selection, the trace
+also has
+
+- flow events (``"ph": "s"`` then ``"f"``, with ``"bp": "e"``; the pair shares
+  ``id``, ``cat`` and ``name``): each endpoint sits at the middle of its span,
+  on the span's own thread, so both bind to that span as the enclosing slice;
+  a collective's flows all sit at one instant inside every member's span (the
+  middle of the interval they have in common);
+- counter events (``"ph": "C"``) per rank: ``memory`` (allocated GB over the
+  step) and ``link utilisation`` (one series per link class).
+
+Without them (or for memory, from ``results["memory_timeline"]``) the trace
+has the spans and whatever curves the results carry.
+
+This module only converts tables; it never sees a simulation object. The JSON
+text is assembled from pre-escaped pieces (category values escaped once), not
+through a dict per event: a dict per event and ``json.dumps`` cost seconds per
+hundred thousand spans. Every writer is atomic: it writes a temporary file in
+the destination's directory and renames it over the target, so a reader (or a
+crashed sweep) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from simulator.outputs.span_table import normalize_spans, stage_representatives
+
+if TYPE_CHECKING:
+    from simulator.outputs.trace_links import TraceLinks
+
+#: Fixed thread ids; any other stream gets the next free id, in name order.
+STREAM_TIDS: Mapping[str, int] = {"compute": 0, "pp": 1, "dp": 2, "host": 3}
+
+_US_PER_S = 1e6
+_GB = 1e9
+
+
+def _stream_tids(streams: Iterable[str]) -> dict[str, int]:
+    tids = dict(STREAM_TIDS)
+    for stream in sorted(set(streams) - set(tids)):
+        tids[stream] = max(tids.values()) + 1
+    return tids
+
+
+def _metadata_events(spans: pd.DataFrame, tids: Mapping[str, int]) -> list[dict[str, Any]]:
+    """Process and thread names (and sort order) for every rank and its streams."""
+    events: list[dict[str, Any]] = []
+    ranks = spans.drop_duplicates("rank").sort_values("rank")
+    for rank, stage, tp, dp in ranks[["rank", "stage", "tp", "dp"]].itertuples(index=False):
+        label = f"rank {rank} (stage {stage}, tp {tp}, dp {dp})"
+        events.append({"ph": "M", "pid": int(rank), "tid": 0, "name": "process_name",
+                       "args": {"name": label}})
+        events.append({"ph": "M", "pid": int(rank), "tid": 0, "name": "process_sort_index",
+                       "args": {"sort_index": int(rank)}})
+    threads = spans[["rank", "stream"]].drop_duplicates()
+    threads = threads.assign(tid=threads["stream"].map(tids)).sort_values(["rank", "tid"])
+    for rank, stream, tid in threads.itertuples(index=False):
+        events.append({"ph": "M", "pid": int(rank), "tid": int(tid), "name": "thread_name",
+                       "args": {"name": stream}})
+        events.append({"ph": "M", "pid": int(rank), "tid": int(tid),
+                       "name": "thread_sort_index", "args": {"sort_index": int(tid)}})
+    return events
+
+
+def _literals(column: pd.Series) -> list[str]:
+    """A categorical column as JSON string literals, row by row (each value escaped once)."""
+    cat = column.cat
+    literals = np.array([json.dumps(str(c)) for c in cat.categories] + ['""'], dtype=object)
+    return list(literals[cat.codes.to_numpy()])  # code -1 (missing) takes the last: ""
+
+
+def _thread_ids(spans: pd.DataFrame, tids: Mapping[str, int]) -> np.ndarray:
+    cat = spans["stream"].cat
+    by_code = np.array([tids[str(c)] for c in cat.categories] + [0], dtype=np.int64)
+    return by_code[cat.codes.to_numpy()]
+
+
+def _span_lines(spans: pd.DataFrame, tids: Mapping[str, int]) -> list[str]:
+    """One complete event per span; times rounded to the nanosecond (3 decimals of µs)."""
+    start, end = spans["start"].to_numpy(), spans["end"].to_numpy()
+    ts = np.round(start * _US_PER_S, 3)
+    dur = np.round(np.maximum(end - start, 0.0) * _US_PER_S, 3)
+    columns = zip(
+        spans["rank"].tolist(), _thread_ids(spans, tids).tolist(), ts.tolist(), dur.tolist(),
+        _literals(spans["op"]), _literals(spans["kind"]), spans["microbatch"].tolist(),
+        spans["layer"].tolist(), spans["chunk"].tolist(), spans["bytes"].tolist(),
+        _literals(spans["name"]), strict=True,
+    )
+    return [
+        f'{{"ph":"X","pid":{pid},"tid":{tid},"ts":{t!r},"dur":{d!r},"name":{op},"cat":{kind},'
+        f'"args":{{"microbatch":{mb},"layer":{layer},"chunk":{chunk},"bytes":{nbytes!r},'
+        f'"name":{name}}}}}'
+        for pid, tid, t, d, op, kind, mb, layer, chunk, nbytes, name in columns
+    ]
+
+
+def _flow_lines(spans: pd.DataFrame, flows: pd.DataFrame, tids: Mapping[str, int]) -> list[str]:
+    """Flow start/finish events, each bound to its span (see the module notes)."""
+    if flows.empty:
+        return []
+    row_of = {task: i for i, task in enumerate(spans["task"].tolist())}
+    known = flows[flows["task"].map(row_of.__contains__)]
+    complete = known.groupby("flow")["phase"].transform("size") == 2  # both ends shown
+    pairs = known[complete].sort_values(["flow", "phase"], ascending=[True, False])
+    rows = pairs["task"].map(row_of).to_numpy()
+    pid = spans["rank"].to_numpy()[rows]
+    tid = _thread_ids(spans, tids)[rows]
+    start, end = spans["start"].to_numpy()[rows], spans["end"].to_numpy()[rows]
+    # pairs are (s, f) rows: where the two spans overlap both ends sit in the middle of
+    # the overlap (a collective), else each in the middle of its own span (a send)
+    lo = np.maximum(start[0::2], start[1::2])
+    hi = np.minimum(end[0::2], end[1::2])
+    ts = np.where(np.repeat(hi > lo, 2), np.repeat((lo + hi) / 2, 2), (start + end) / 2)
+    ts = np.round(ts * _US_PER_S, 3)
+    cats = [json.dumps(str(c)) for c in pairs["cat"].tolist()]
+    columns = zip(pairs["flow"].tolist(), pairs["phase"].tolist(), cats, pid.tolist(),
+                  tid.tolist(), ts.tolist(), strict=True)
+    bind = {"s": "", "f": ',"bp":"e"'}  # a finish binds to its enclosing slice, not the next
+    return [
+        f'{{"ph":"{ph}","id":{flow},"pid":{p},"tid":{t},"ts":{x!r},"cat":"flow",'
+        f'"name":{cat}{bind[ph]}}}'
+        for flow, ph, cat, p, t, x in columns
+    ]
+
+
+def _counter_lines(name: str, series: str, pid: int, points: Iterable[Sequence[float]],
+                   scale: float = 1.0) -> list[str]:
+    return [f'{{"ph":"C","pid":{pid},"tid":0,"ts":{round(t * _US_PER_S, 3)!r},'
+            f'"name":"{name}","args":{{"{series}":{float(v) * scale!r}}}}}'
+            for t, v in points]
+
+
+def _counters(ranks: Sequence[int], memory: Iterable[Mapping[str, Any]],
+              links: pd.DataFrame | None) -> list[str]:
+    """``memory`` (allocated GB) and ``link`` (utilisation per link class) counters."""
+    wanted = set(ranks)
+    lines: list[str] = []
+    for curve in memory:
+        if int(curve["rank"]) in wanted:
+            lines += _counter_lines("memory", "allocated_GB", int(curve["rank"]),
+                                    curve["points"], 1 / _GB)
+    if links is not None and not links.empty:
+        for (rank, link), group in links.groupby(["rank", "link"], sort=True):
+            if int(rank) in wanted:
+                lines += _counter_lines("link", str(link), int(rank),
+                                        zip(group["t"].tolist(), group["value"].tolist(),
+                                            strict=True))
+    return lines
+
+
+def _other_data(results: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The headline scalars of ``results`` (and the scenario's name), for the trace's header."""
+    if not results:
+        return {}
+    other: dict[str, Any] = {k: v for k, v in results.items()
+             if isinstance(v, (int, float, str, bool)) and not isinstance(v, np.generic)}
+    scenario = results.get("scenario")
+    if isinstance(scenario, Mapping):
+        other["scenario"] = str(scenario.get("name", ""))
+        parallel = scenario.get("parallel")
+        if isinstance(parallel, Mapping):
+            other["parallel"] = {k: v for k, v in parallel.items()
+                                 if isinstance(v, (int, float, str, bool))}
+    return other
+
+
+def chrome_trace_json(spans: pd.DataFrame, results: Mapping[str, Any] | None = None,
+                      links: TraceLinks | None = None,
+                      ranks: Sequence[int] | None = None) -> str:
+    """The Chrome trace of ``spans`` as JSON text (see the module notes).
+
+    Ranks shown: ``links.ranks`` when given, else ``ranks``, else one per pipeline
+    stage (its lowest rank). Memory counters come from ``links`` or, without them,
+    from ``results["memory_timeline"]``.
+    """
+    if links is not None:
+        ranks = links.ranks
+    table = spans if "stage" in spans.columns else normalize_spans(spans)
+    if ranks is None:
+        ranks = stage_representatives(table)
+    table = normalize_spans(table[table["rank"].isin(list(ranks))])
+    tids = _stream_tids(str(c) for c in table["stream"].cat.categories)
+    lines = [json.dumps(e, separators=(",", ":")) for e in _metadata_events(table, tids)]
+    lines += _span_lines(table, tids)
+    if links is not None:
+        lines += _flow_lines(table, links.flows, tids)
+        lines += _counters(ranks, links.memory, links.links)
+    else:
+        lines += _counters(ranks, (results or {}).get("memory_timeline") or [], None)
+    head = json.dumps({"displayTimeUnit": "ms", "otherData": {
+        "generator": "clustersim", "time_unit": "us", **_other_data(results),
+        "ranks": [int(r) for r in ranks]}}, separators=(",", ":"), allow_nan=False)
+    return '{"traceEvents":[\n' + ",\n".join(lines) + "\n]," + head[1:] + "\n"
+
+
+def to_chrome_trace(spans: pd.DataFrame, results: Mapping[str, Any] | None = None,
+                    links: TraceLinks | None = None,
+                    ranks: Sequence[int] | None = None) -> dict[str, Any]:
+    """:func:`chrome_trace_json` parsed: the trace as a dict (for tests and notebooks)."""
+    trace: dict[str, Any] = json.loads(chrome_trace_json(spans, results, links, ranks))
+    return trace
+
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success rename it over ``path``.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh unique name, not mkstemp: mkstemp's file is mode 0600, and the output
+    # should get the usual permissions (umask) like any other file the user writes
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        yield tmp
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_chrome_trace(path: str | os.PathLike[str], spans: pd.DataFrame,
+                       results: Mapping[str, Any] | None = None,
+                       links: TraceLinks | None = None,
+                       ranks: Sequence[int] | None = None) -> Path:
+    """Write :func:`chrome_trace_json` to ``path`` (atomically); return the path."""
+    text = chrome_trace_json(spans, results, links, ranks)
+    with atomic_output(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

@@ -1,0 +1,128 @@
+"""On-disk result cache for sweeps and plans: compute each scenario once.
+
+A result is stored under the SHA-256 of the resolved scenario (every field after
+presets and overrides, without its ``name`` and ``description``, which change no
+figure), the hardware profile it resolved to (a preset file edited since is a
+different key), the method and fidelity, and the simulator's version: the
+package version plus a digest of its source files and presets, so a changed
+cost model never serves an old figure. One small JSON file per result,
+``ROOT/ab/abcdef....json``, written atomically: an interrupted sweep leaves
+whole entries or none, and the next run computes only what is missing.
+
+:func:`map_cached` is the loop sweeps and plans share: look every job up, send
+the misses to a ``concurrent.futures.Executor`` (local processes or a Dask
+cluster's), store each result as it arrives, and show a progress bar.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, as_completed
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from simulator import __version__
+from simulator.outputs.trace_export import atomic_output
+from simulator.spec.scenario import Scenario
+
+_PACKAGE = Path(__file__).parent.parent  # the simulator package
+
+Figures = dict[str, Any]
+
+
+@functools.cache
+def code_version() -> str:
+    """``__version__`` plus a digest of the simulator's sources (every subpackage's) and
+    bundled presets."""
+    digest = hashlib.sha256()
+    files = sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.glob("presets/*/*.yaml")])
+    for path in files:
+        digest.update(path.relative_to(_PACKAGE).as_posix().encode())
+        digest.update(path.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
+def scenario_key(s: Scenario, method: str, fidelity: str | None = None) -> str:
+    """The cache key of ``s`` simulated by ``method`` (and ``fidelity`` for the engine)."""
+    scenario = s.to_dict()
+    scenario.pop("name", None)
+    scenario.pop("description", None)
+    payload = {"version": code_version(), "method": method,
+               "fidelity": fidelity if method == "engine" else None,
+               "scenario": scenario, "hardware": s.hardware.model_dump(mode="json")}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ResultCache:
+    """Figures by key in a directory; counts what it served and what it stored."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+        self.hits = 0
+        self.stored = 0
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> Figures | None:
+        try:
+            value = json.loads(self._path(key).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing, or not ours: compute it again
+            return None
+        if not isinstance(value, dict):
+            return None
+        self.hits += 1
+        return value
+
+    def put(self, key: str, figures: Figures) -> None:
+        # insertion order kept: a cached row has its columns in the computed row's order
+        text = json.dumps(figures)  # NaN allowed: a figure may be missing
+        with atomic_output(self._path(key)) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        self.stored += 1
+
+
+Job = tuple[str | None, tuple[Any, ...]]  # (cache key or None, arguments of the function)
+
+
+def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Job],
+               cache: ResultCache | None = None, desc: str = "points") -> list[Figures]:
+    """``fn(*args)`` for every job, in job order; cached jobs are not submitted.
+
+    Each result is stored as soon as it arrives, so an interrupted call keeps
+    everything finished before the interruption.
+    """
+    results: list[Figures | None] = [None] * len(jobs)
+    todo = []
+    for i, (key, _) in enumerate(jobs):
+        hit = cache.get(key) if cache is not None and key is not None else None
+        if hit is None:
+            todo.append(i)
+        else:
+            results[i] = hit
+    if todo:
+        futures = {executor.submit(fn, *jobs[i][1]): i for i in todo}
+        with progress_bar(len(todo), desc) as bar:
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = value = future.result()
+                key = jobs[i][0]
+                if cache is not None and key is not None:
+                    cache.put(key, value)
+                bar.update()
+    done = [r for r in results if r is not None]
+    assert len(done) == len(jobs), "every job has a result"
+    return done
+
+
+def progress_bar(total: int, desc: str) -> tqdm[Any]:
+    """A tqdm bar on stderr, shown only when stderr is a terminal."""
+    return tqdm(total=total, desc=desc, unit="", disable=None, leave=False,
+                dynamic_ncols=True, mininterval=0.5)

@@ -1,0 +1,169 @@
+"""Design-space sweeps: one scenario, a grid of overrides, a table of outcomes.
+
+``clustersim sweep SCENARIO --grid parallel.tp=1,2,4,8 --grid parallel.pp=1,2,4``
+evaluates every combination of the grid's values (each point is the scenario with
+those ``--set`` overrides), on any ``concurrent.futures.Executor``: local
+processes by default, or a Dask cluster's (:mod:`simulator.search.executors`).
+``parallel.dp=auto`` fills in the data-parallel degree that makes tp · cp · pp · dp
+equal the cluster's GPUs. A point that does not validate is a row with its
+errors, not a failure of the sweep. The analytic method is the default
+(milliseconds a point); ``--method engine`` runs the discrete-event engine on
+each point.
+
+Points are resolved (presets, overrides, validation) here, before anything is
+sent to a worker, so each is looked up in the on-disk cache
+(:mod:`simulator.search.cache`) by its resolved scenario: a repeated or interrupted
+sweep computes only the points that are missing. The table goes to
+``sweep.csv`` and ``sweep.parquet``, the grid's axes to ``sweep.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from simulator.errors import Problem, UserError
+from simulator.outputs.trace_export import atomic_output
+from simulator.search.cache import Figures, ResultCache, map_cached, scenario_key
+from simulator.spec.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario
+from simulator.system.hardware import read_yaml
+
+COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "memory_peak_bytes",
+           "fits_in_memory")
+
+
+def parse_grid(specs: Sequence[str]) -> dict[str, list[str]]:
+    """``key.path=v1,v2,...`` strings into an ordered mapping of axes."""
+    axes: dict[str, list[str]] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not items:
+            raise UserError([Problem("--grid", spec, "expected key.path=v1,v2,..., e.g. "
+                                     "parallel.tp=1,2,4,8")])
+        axes[key.strip()] = items
+    return axes
+
+
+def points(axes: dict[str, list[str]]) -> list[dict[str, str]]:
+    keys = list(axes)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def _assignments(point: dict[str, str], data: dict[str, Any]) -> list[str]:
+    """``--set`` strings for a point, resolving ``parallel.dp=auto`` from the cluster."""
+    out = [f"{k}={v}" for k, v in point.items() if not (k == "parallel.dp" and v == "auto")]
+    if point.get("parallel.dp") != "auto":
+        return out
+    from pydantic import ValidationError
+
+    probe = apply_overrides(data, out)
+    par = probe.get("parallel") or {}
+    try:
+        gpus = ClusterSpec.model_validate(probe.get("cluster")).gpus
+        dp = gpus // (int(par.get("tp", 1)) * int(par.get("cp", 1)) * int(par.get("pp", 1)))
+    except (ValidationError, TypeError, ValueError, ZeroDivisionError):
+        dp = 1  # validation of the point reports what is wrong
+    return [*out, f"parallel.dp={max(dp, 1)}"]
+
+
+def resolve(path: str | Path, base_sets: Sequence[str],
+            grid: Sequence[dict[str, str]]) -> list[Scenario | str]:
+    """Each point's validated scenario, or its validation errors as one string."""
+    data = read_yaml(Path(path), "scenario")
+    out: list[Scenario | str] = []
+    for point in grid:
+        try:
+            out.append(load_scenario(path, [*base_sets, *_assignments(point, data)]))
+        except UserError as exc:
+            out.append("; ".join(exc.lines()))
+    return out
+
+
+def evaluate(s: Scenario, method: str) -> Figures:
+    """One point's figures (module level: picklable for process and Dask workers)."""
+    from simulator.api import simulate_scenario
+
+    results, _ = simulate_scenario(s, method)
+    # the step's figures, then the accounting's categories (mean over ranks)
+    return {**{k: results[k] for k in COLUMNS}, **results["step_breakdown_s"]}
+
+
+def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[str] = (),
+              method: str = "analytic", executor: Executor | None = None,
+              cache: ResultCache | None = None) -> pd.DataFrame:
+    """Every point of the grid, in grid order; cached points are not computed again."""
+    grid = points(axes)
+    resolved = resolve(path, list(base_sets), grid)
+    scenarios = [s for s in resolved if isinstance(s, Scenario)]
+    jobs = [(scenario_key(s, method, s.simulation.fidelity), (s, method)) for s in scenarios]
+    own = executor is None
+    pool = executor or ProcessPoolExecutor(max_workers=min(os.cpu_count() or 1, len(grid)))
+    try:
+        figures = iter(map_cached(pool, evaluate, jobs, cache, "points"))
+    finally:
+        if own:
+            pool.shutdown()
+    rows = []
+    for point, s in zip(grid, resolved, strict=True):
+        row: dict[str, Any] = dict(point)
+        if isinstance(s, str):
+            row["error"] = s
+        else:
+            row.update(next(figures))
+            row.update(tp=s.parallel.tp, cp=s.parallel.cp, pp=s.parallel.pp,
+                       dp=s.parallel.dp, ep=s.parallel.ep, microbatches=s.microbatches,
+                       error="")
+        rows.append(row)
+    tail = ("tp", "cp", "pp", "dp", "ep", "microbatches", "error")
+    columns = dict.fromkeys([*axes, *COLUMNS])
+    for row in rows:  # the accounting's categories, from the first valid point
+        columns.update(dict.fromkeys(k for k in row if k not in tail))
+    table = pd.DataFrame(rows, columns=[*columns, *tail])
+    # typed columns (nullable where an invalid point has no value): Parquet needs them
+    table["fits_in_memory"] = table["fits_in_memory"].astype("boolean")
+    for name in ("tp", "cp", "pp", "dp", "ep", "microbatches"):
+        table[name] = table[name].astype("Int64")
+    return table
+
+
+def best(table: pd.DataFrame, n: int = 5) -> pd.DataFrame:
+    """The fastest points that validate and fit in memory."""
+    if "tokens_per_s" not in table:
+        return table.iloc[0:0]
+    ok = table[(table["error"] == "") & table["fits_in_memory"].fillna(False).astype(bool)]
+    return ok.sort_values("tokens_per_s", ascending=False).head(n)
+
+
+def write_table(table: pd.DataFrame, path: Path) -> Path:
+    """CSV or Parquet by ``path``'s suffix, atomically."""
+    with atomic_output(path) as tmp:
+        if path.suffix == ".parquet":
+            table.to_parquet(tmp, index=False)
+        else:
+            table.to_csv(tmp, index=False)
+    return path
+
+
+def write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
+                plots: bool = True) -> list[Path]:
+    """sweep.csv, sweep.parquet, sweep.json (``meta``: axes, scenario, method) and, with
+    two axes of more than one value, heatmap.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_table(table, out / "sweep.csv"), write_table(table, out / "sweep.parquet")]
+    with atomic_output(out / "sweep.json") as tmp:
+        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    written.append(out / "sweep.json")
+    varied = [a for a in meta.get("axes", []) if table[a].nunique() > 1]
+    if plots and len(varied) >= 2:
+        from simulator.outputs.plots.search import plot_heatmap
+
+        written.append(plot_heatmap(out))
+    return written

@@ -1,0 +1,93 @@
+"""Layer placement: which transformer layers each pipeline stage holds.
+
+The model's layers are cut into pp · v consecutive runs, one per virtual stage
+(v = ``parallel.virtual_stages``; virtual stage k = chunk · pp + rank, as
+Megatron-LM interleaves them): virtual stage k holds the ``counts[k]`` layers
+that follow those of the stages before it, and pipeline rank r holds the
+virtual stages r, r + pp, r + 2·pp, ...
+
+Without ``parallel.layers_per_stage`` every virtual stage holds layers / (pp · v)
+layers, and a count that does not divide is refused (Megatron-LM's default
+split). With it, the user lists the counts (pp entries, or pp · v for an
+interleaved schedule, in virtual-stage order), non-negative and summing to
+``model.layers``, as Megatron-LM's uneven split allows:
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
+(``num_layers_in_first_pipeline_stage`` / ``..._last_...`` of its
+``TransformerConfig``, read by ``get_num_layers_to_build`` in
+``megatron/core/transformer/transformer_block.py``) take layers off the first
+and last stage, which also carry the embedding and the output layer; and
+``--pipeline-model-parallel-layout``
+(``megatron/core/transformer/pipeline_parallel_layer_layout.py``) names the
+layers of every virtual stage, an empty one included (Megatron builds an
+identity there). A stage without layers, embedding or head relays activations
+and gradients unchanged (:mod:`simulator.strategies.pipeline` gives it zero-second
+tasks).
+
+Every lookup is O(1) per virtual stage (the running sums are computed once per
+``ParallelSpec``), so placement costs nothing against a 100,000-stage pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from simulator.errors import Problem
+
+if TYPE_CHECKING:
+    from simulator.spec.scenario import ParallelSpec
+
+FIELD = "parallel.layers_per_stage"
+
+
+def chunk_layers(layers: int, par: ParallelSpec, stage: int) -> range:
+    """The layers of virtual ``stage`` (0 .. pp · v − 1)."""
+    if par.layers_per_stage is None:
+        per = layers // (par.pp * par.virtual_stages)
+        return range(stage * per, (stage + 1) * per)
+    starts = par.layer_starts
+    return range(starts[stage], starts[stage + 1])
+
+
+def stage_layers(layers: int, par: ParallelSpec, rank: int) -> list[range]:
+    """The layer runs of pipeline ``rank``: one per model chunk it holds, in chunk order."""
+    return [chunk_layers(layers, par, chunk * par.pp + rank)
+            for chunk in range(par.virtual_stages)]
+
+
+def stage_layer_count(layers: int, par: ParallelSpec, rank: int) -> int:
+    """How many layers pipeline ``rank`` holds, all its chunks together."""
+    return sum(len(r) for r in stage_layers(layers, par, rank))
+
+
+def is_even(par: ParallelSpec) -> bool:
+    """True when every virtual stage holds the same number of layers."""
+    counts = par.layers_per_stage
+    return counts is None or min(counts) == max(counts)
+
+
+def _shown(counts: tuple[int, ...]) -> str:
+    if len(counts) <= 12:
+        return "[" + ", ".join(map(str, counts)) + "]"
+    return "[" + ", ".join(map(str, counts[:6])) + f", ... ({len(counts)} entries)]"
+
+
+def placement_problems(layers: int, par: ParallelSpec) -> list[Problem]:
+    """The placement against the model and the degrees; each problem names the fix."""
+    chunks = par.pp * par.virtual_stages
+    counts = par.layers_per_stage
+    if counts is None:
+        if layers % chunks == 0:
+            return []
+        return [Problem("model.layers", layers, f"not divisible by pp({par.pp}) * "
+                        f"virtual_stages({par.virtual_stages}) = {chunks}; set {FIELD} to "
+                        f"{chunks} layer counts summing to {layers} (an uneven split), or "
+                        "choose layers a multiple of it or other degrees")]
+    if len(counts) != chunks:
+        what = f"pp({par.pp}) entries, one per stage" if par.virtual_stages == 1 else \
+            f"pp({par.pp}) * virtual_stages({par.virtual_stages}) = {chunks} entries, one " \
+            "per virtual stage in virtual-stage order (chunk * pp + rank)"
+        return [Problem(FIELD, _shown(counts), f"has {len(counts)} entries; it needs {what}")]
+    if sum(counts) != layers:
+        return [Problem(FIELD, _shown(counts), f"sums to {sum(counts)} layers, not "
+                        f"model.layers ({layers}); make the counts add up to {layers}")]
+    return []

@@ -1,0 +1,213 @@
+"""The training software stack as data: what a framework actually runs.
+
+The same model on the same GPUs runs different programs under Megatron-LM 2021,
+Megatron Core with Transformer Engine, torchtitan, DeepSpeed or plain PyTorch: the
+attention kernel (unfused baddbmm + softmax + dropout + bmm, or one FlashAttention
+call), which elementwise ops are fused, the dtype gradients accumulate and reduce in,
+how the optimizer launches its kernels, whether pipeline sends block, whether the
+gradient reduction overlaps the backward, and what the host pays per kernel. A
+:class:`StackSpec` says all of it; :mod:`simulator.model.transformer` derives the kernel-level op
+inventory (compute and what is kept for backward) from model + stack, and
+:mod:`simulator.model.memory` reads the same inventory, so compute and memory describe one
+program.
+
+Presets live in ``simulator/presets/stacks/*.yaml``, every value with its source (the
+framework's file and flag, or its documentation) in a comment; none is fitted to
+published end-to-end throughput. A scenario names one with ``stack: NAME`` or
+``stack: {preset: NAME, <field>: <value>, ...}``; without a ``stack`` section it runs
+:data:`DEFAULT_STACK`, and a mapping without a preset overrides that default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from simulator.loading import PRESETS_DIR, read_yaml
+
+if TYPE_CHECKING:
+    from simulator.spec.scenario import OverlapSpec
+
+STACKS_DIR = PRESETS_DIR / "stacks"
+DEFAULT_STACK = "megatron-core"
+
+#: unfused: baddbmm, scale + mask + softmax as separate kernels, dropout, bmm;
+#: unfused_fused_softmax: the same with one fused scale-mask-softmax kernel (Megatron's
+#: FusedScaleMaskSoftmax); flash2 / flash3: one FlashAttention kernel forward (and its
+#: backward), no s×s matrix in memory, masked blocks of a causal mask skipped.
+Attention = Literal["unfused", "unfused_fused_softmax", "flash2", "flash3"]
+#: projections: QKV as one GEMM and SwiGLU's gate and up as one; bias_act: bias add and
+#: GeLU (or SwiGLU's silu · up) in one kernel; bias_dropout_add: bias, dropout and
+#: residual add in one kernel; rope: rotary embedding as one kernel; cross_entropy: the
+#: loss as one fused kernel; bias_gemm: the bias added inside the GEMM (nn.Linear's
+#: ``addmm``), so neither the activation nor the residual launches a bias kernel.
+Fusion = Literal["projections", "bias_act", "bias_dropout_add", "rope", "cross_entropy",
+                 "bias_gemm"]
+GradDtype = Literal["fp32", "param"]
+
+
+class StackSpec(BaseModel):
+    """One training framework's choices (a preset, optionally overridden field by field)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    preset: str | None = None  # the bundled preset these fields started from
+    name: str = Field(min_length=1, max_length=100)
+    description: str = Field(default="", max_length=2000)
+    attention: Attention
+    attention_dropout: float = Field(ge=0, lt=1)  # on the softmax output (unfused kernels)
+    hidden_dropout: float = Field(ge=0, lt=1)  # after out-proj, after the MLP, on embeddings
+    fusions: tuple[Fusion, ...] = ()
+    main_grads: GradDtype  # dtype gradients accumulate in across micro-batches
+    grad_reduce_dtype: GradDtype  # dtype of the data-parallel reduction
+    grad_reduce: Literal["overlapped", "after_backward"]  # DP reduce during or after backward
+    optimizer: Literal["fused", "foreach", "per_tensor"]  # how AdamW launches its kernels
+    grad_clip: bool = True  # global-norm clipping before the step (read + scale the grads)
+    pipeline_send: Literal["blocking", "async"]  # compute waits for its sends, or not
+    #: the code that runs a pipeline stage's actions: Megatron's schedules, DeepSpeed's
+    #: PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
+    #: profile may have measured, ``gpu.pipeline_action_us``)
+    pipeline_runtime: Literal["megatron", "deepspeed", "torch"] = "megatron"
+    #: TP collectives against the GEMMs next to them (sequence parallelism only):
+    #: ``none`` blocks the compute stream; ``bulk`` and ``pipelined`` as Transformer
+    #: Engine's userbuffers run them (:mod:`simulator.strategies.tp_overlap`)
+    tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
+    cuda_graphs: bool = False  # kernels replayed from a graph: no per-kernel host cost
+    host_overhead_us: float = Field(ge=0, le=1e4)  # host time to issue one kernel (eager)
+    nccl_version: str = Field(default="2.18", pattern=r"^\d+\.\d+(\.\d+)?$")
+    #: ZeRO-3 / FSDP collectives per layer: one for the whole layer (FSDP's unit, a
+    #: transformer block), or one per linear module (DeepSpeed fetches each submodule's
+    #: parameters; parameters under its persistence threshold, norms and biases, stay
+    #: whole and are not gathered)
+    zero3_unit: Literal["layer", "module"] = "layer"
+    #: FSDP2's flat-buffer copies around each unit's collectives (torch/distributed/fsdp/
+    #: _fully_shard/_fsdp_collectives.py): the shard copied into the all-gather buffer
+    #: (``all_gather_copy_in``; cast into a flat buffer first under a MixedPrecisionPolicy,
+    #: a stack with fp32 main grads), the gathered buffer split into the parameters
+    #: (``split_with_sizes_copy``), the gradients packed for the reduce-scatter
+    #: (``chunk_cat``) and the reduced shard added to ``.grad`` on later micro-batches
+    #: (:func:`simulator.model.inventory.fsdp_gather_ops`,
+    #: :func:`~simulator.model.inventory.fsdp_reduce_ops`)
+    fsdp_copies: bool = False
+    #: torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each
+    #: gradient is copied into its bucket, divided by the group size on the way
+    #: (``at::mul_out``), and the reduced bucket copied back into the gradients after the
+    #: backward (``copy_bucket_to_grad``; torch/csrc/distributed/c10d/reducer.cpp,
+    #: ``mark_variable_ready_dense`` and ``finalize_bucket_dense``)
+    ddp_copies: bool = False
+    #: torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
+    #: ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap
+    #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after
+    #: the first step keeps it); 0: every bucket ``dp_bucket_MB``
+    ddp_first_bucket_MB: float = Field(default=0.0, ge=0, le=1e6)
+    #: how a mixture of experts routes its tokens into the experts' buffers and back:
+    #: ``fused``, a permutation and an un-permutation kernel (Megatron-core's
+    #: moe_utils.permute / unpermute); ``eager``, the capacity-buffer routing of plain
+    #: PyTorch ops our measured MoE worker runs (calibration/measured/moe_worker.py,
+    #: ``MoEMLP``: softmax, top-k, the one-hot slot count, masks, index and index_copy
+    #: into the buffers, their transposed copies; the gate weighting, gather and sum
+    #: after the combine), one kernel per op (:data:`simulator.model.inventory.EAGER_ROUTING`)
+    moe_routing: Literal["fused", "eager"] = "fused"
+    #: how a MoE layer holds its routed experts' parameters: ``modules``, one MLP module
+    #: per expert, so one tensor per projection per expert (Megatron-core's SequentialMLP
+    #: and TEGroupedMLP, whose GroupedLinear keeps ``weight0`` … ``weight{n-1}``;
+    #: DeepSpeed's ``Experts`` ModuleList; our measured MoE worker), or ``grouped``, one
+    #: 3-D tensor per projection for all local experts (torchtitan's ``GroupedExperts``):
+    #: what a per-tensor or foreach optimizer loops over
+    moe_experts: Literal["modules", "grouped"] = "modules"
+    #: what the all-gather variant of context parallelism keeps for the backward:
+    #: ``regather``, the rank's own key/value chunk, all-gathered again in backward
+    #: (Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` saves the local k, v and its
+    #: backward calls ``gather_along_first_dim`` on them again:
+    #: transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), or
+    #: ``saved``, the gathered keys and values themselves, so the backward has only the
+    #: gradients' reduce-scatter (an autograd all-gather whose output the attention saves,
+    #: as our measured CP worker's ``GatherKV``: calibration/measured/cp_worker.py), at
+    #: cp times the key/value memory
+    cp_kv_backward: Literal["regather", "saved"] = "regather"
+    #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
+    #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
+    #: sharded parameters are DTensors, so its optimizer step does; its forward and
+    #: backward run on plain unsharded tensors)
+    dtensor: bool = False
+    #: torch.autocast over fp32 parameters (PyTorch AMP): GEMMs and attention run in the
+    #: training dtype on operands cast per call, norms, softmax and the loss in fp32
+    #: (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its
+    #: gradients and the parameters' gradients stay fp32 (:mod:`simulator.model.inventory`)
+    autocast: bool = False
+    #: the cross-entropy's kernels without the ``cross_entropy`` fusion: Megatron's
+    #: vocab-parallel form (max, subtract, exp, sum, log, gather in fp32: six kernels each
+    #: way), or PyTorch's ``F.cross_entropy`` (``torch``: log_softmax and nll_loss,
+    #: aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: two kernels forward,
+    #: three backward)
+    loss: Literal["vocab_parallel", "torch"] = "vocab_parallel"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict) and "preset" not in data and "name" not in data:
+            data = {"preset": DEFAULT_STACK, **data}  # overrides of the default stack
+        if isinstance(data, dict) and data.get("preset") is not None:
+            data = {**preset_fields(data["preset"]), **data}
+        if isinstance(data, dict) and isinstance(data.get("fusions"), list):
+            data = {**data, "fusions": tuple(data["fusions"])}  # YAML lists; strict tuples
+        return data
+
+    def fused(self, what: Fusion) -> bool:
+        return what in self.fusions
+
+    @property
+    def flash(self) -> bool:
+        return self.attention in ("flash2", "flash3")
+
+    @property
+    def host_us(self) -> float:
+        """Host time per kernel launch: none when a CUDA graph replays the step."""
+        return 0.0 if self.cuda_graphs else self.host_overhead_us
+
+    def amp(self, dtype_bytes: int) -> bool:
+        """Autocast's mixed precision applies: the stack says so and the training dtype
+        is a 16-bit one."""
+        return self.autocast and dtype_bytes < 4
+
+    def fp32_under_amp(self, dtype_bytes: int) -> int:
+        """Bytes of an element autocast keeps in fp32 (norms, the residual stream, the
+        embedding table, the loss): 4 under autocast, else the training dtype's."""
+        return 4 if self.amp(dtype_bytes) else dtype_bytes
+
+    def main_grad_bytes(self, dtype_bytes: int) -> int:
+        return 4 if self.main_grads == "fp32" else dtype_bytes
+
+    def reduce_bytes(self, dtype_bytes: int) -> int:
+        return 4 if self.grad_reduce_dtype == "fp32" else dtype_bytes
+
+    def overlap(self, requested: OverlapSpec) -> OverlapSpec:
+        """What overlaps under this stack: a blocking send or an after-backward
+        reduction is in line whatever ``parallel.overlap`` asks for."""
+        return requested.model_copy(update={
+            "pp": requested.pp and self.pipeline_send == "async",
+            "dp": requested.dp and self.grad_reduce == "overlapped"})
+
+
+def preset_stack_names() -> list[str]:
+    return sorted(p.stem for p in STACKS_DIR.glob("*.yaml"))
+
+
+def preset_fields(name: object) -> dict[str, Any]:
+    if not isinstance(name, str) or not (STACKS_DIR / f"{name}.yaml").exists():
+        near = difflib.get_close_matches(str(name), preset_stack_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ValueError(f"unknown stack preset; {hint}bundled: "
+                         f"{', '.join(preset_stack_names())}")
+    data = read_yaml(STACKS_DIR / f"{name}.yaml", "stack.preset")
+    assert isinstance(data, dict), f"stack preset {name} is not a mapping"
+    return data
+
+
+def load_stack(name: str) -> StackSpec:
+    """A bundled preset by name."""
+    return StackSpec.model_validate({"preset": name})

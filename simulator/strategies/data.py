@@ -1,0 +1,348 @@
+"""Data-parallel pass: gradient synchronisation, ZeRO sharding and the optimizer step.
+
+DDP (Li et al. 2020): gradients are bucketed (``dp_bucket_MB``; the stack's
+``ddp_first_bucket_MB`` for the first bucket of a backward, as torch DDP does) in the
+order the last micro-batch's backward produces them, each bucket all-reduced on the
+``dp`` stream as soon as it is full (on the compute stream without
+``overlap.dp``); the optimizer step waits for all of them. Gradients
+accumulate locally over the other micro-batches.
+
+ZeRO (Rajbhandari et al. 2020): stages 1 and 2 reduce-scatter the buckets
+instead (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
+all-gather the updated parameters after the step, 2Ψ per rank like DDP's
+all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
+reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
+behaviour under gradient accumulation: m × the traffic of one reduction).
+ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
+:class:`Zero3Pass` gathers the units' parameters. The parameters outside the
+layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
+sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
+gradients are reduce-scattered as one more unit after the micro-batch's
+backward (FSDP2's root post-backward callback), and nothing is gathered after
+the step.
+
+The optimizer step (AdamW on the rank's shard as the stack runs it:
+:func:`simulator.model.inventory.optimizer_op`, clipping included) runs on the compute
+stream after every reduction; under ZeRO-Offload the offload pass runs it on the host instead.
+"""
+
+from __future__ import annotations
+
+from simulator.builder.context import Context, Pass
+from simulator.builder.tasks import Stream, Task
+from simulator.model import transformer as mdl
+from simulator.model.inventory import (
+    ROOT_TENSORS,
+    Op,
+    ddp_copy_ops,
+    fsdp_gather_ops,
+    fsdp_reduce_ops,
+    layer_tensors,
+    zero3_blocks,
+)
+from simulator.schedules.schedule import Action
+from simulator.strategies.compression import bucket_caps, effective_method
+from simulator.strategies.compression_pass import Compressor, Unit
+from simulator.system.hardware import CollectiveName
+
+
+class DataPass(Pass):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par = ctx.s.parallel
+        self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
+        self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
+        self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
+        self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+        self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
+        # gradient compression (training.gradient_compression) reduces the buckets instead
+        self.compressor = Compressor(ctx, self.stream) \
+            if effective_method(ctx.s) != "none" else None
+
+    def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
+                     chunk: int) -> None:
+        par, pending = self.ctx.s.parallel, self.pending[rank]
+        if par.dp * par.cp == 1 and not par.zero_offload:  # no replica holds these weights
+            return
+        if self.compressor is not None and not self.compressor.in_backward:
+            return  # 1-bit Adam exchanges the momentum in the optimizer step instead
+        self.flushed[rank] = False  # a backward's buckets start with the first one's cap
+        if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+            self.bucket(rank, action.stage, done, chunk, pending)
+            self.flush(rank, pending, chunk)
+        elif self.ctx.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
+            self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
+
+    def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
+               pending: list[tuple[float, Task, Unit]]) -> None:
+        """Bucket the gradients that ``done`` complete, flushing full buckets."""
+        par = self.ctx.s.parallel
+        if par.zero == 3:  # FSDP reduce-scatters each unit's gradients
+            for i, (size, task) in enumerate(self.zero3_units(stage, done)):
+                pending.append((size, task, (stage, i)))
+                self.flush(rank, pending, chunk)
+            return
+        for i, (size, task) in enumerate(zip(self.ctx.grad_bytes(stage), done, strict=True)):
+            pending.append((size, task, (stage, i)))
+            if sum(p[0] for p in pending) >= self.caps[self.flushed[rank]]:
+                self.flush(rank, pending, chunk)
+                self.flushed[rank] = True
+
+    def zero3_units(self, stage: int, done: list[Task]) -> list[tuple[float, Task]]:
+        """ZeRO-3's gradient units of a backward of ``stage`` with the task each waits for:
+        every layer as its gradients complete, then the root (embedding, head) after the
+        backward's last gradient, as FSDP2's root post-backward reduce-scatters it."""
+        ctx = self.ctx
+        layers = len(ctx.layers_of(stage))
+        layer = mdl.layer_params(ctx.s.model) / ctx.s.parallel.tp * ctx.grad_dt
+        units = [(layer, task) for task in done[:layers]]
+        root = ctx.root_params(stage) * ctx.grad_dt
+        if root and done:
+            units.append((root, done[-1]))
+        return units
+
+    def flush(self, rank: int, pending: list[tuple[float, Task, Unit]], chunk: int) -> None:
+        if not pending:
+            return
+        size, after = sum(p[0] for p in pending), pending[-1][1]
+        units = [p[2] for p in pending]
+        pending.clear()
+        ctx, op = self.ctx, self.reduce
+        t: Task | None
+        if ctx.s.parallel.zero == 0 and len(ctx.layout.dp_group(rank)) > 1:
+            after = self.ddp_pack(rank, units, after)
+        if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
+            t = self.compressor.reduce(rank, op, size, units, after, chunk)
+        else:
+            stage, index = units[0]
+            zero3 = ctx.s.parallel.zero == 3
+            root = zero3 and index >= len(ctx.layers_of(stage))  # its root
+            parts = ctx.zero3_parts if zero3 and not root else 1
+            group = ctx.layout.dp_group(rank)
+            pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
+                if zero3 and len(group) > 1 else (None, ())
+            after = pack or after
+            for part in range(parts):
+                t = ctx.collective(rank, self.stream, op, "dp", group,
+                                   size / parts, f"dp.{op} {'root' if root else 'bucket'} "
+                                   f"{size / 1e6:.1f} MB{_part(part, parts)}",
+                                   after.microbatch if root else -1, chunk=chunk)
+                if t is not None and part == 0:
+                    t.deps.append(after.id)
+            if accumulate and t is not None:
+                t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
+                            name=f"fsdp.grad_accum mb{after.microbatch}",
+                            duration=ctx.cost_of(rank).ops_time(accumulate),
+                            microbatch=after.microbatch, chunk=chunk)
+        for bucket_reduced in ctx.hooks.bucket_reduced:
+            bucket_reduced(rank, size, t or after, chunk)
+
+    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
+                    chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
+        """FSDP2's copies around one unit's reduce-scatter of ``size`` bytes
+        (:func:`simulator.model.inventory.fsdp_reduce_ops`): the gradient pack as a task on the
+        compute stream after ``after`` (None without the copies) and the accumulate's ops,
+        which run after the reduce-scatter on its stream."""
+        ctx = self.ctx
+        tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
+        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.dp_group(rank)),
+                              ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
+        if not ops:
+            return None, ()
+        t = ctx.compute_after(rank, after, "Z", "backward", f"fsdp.chunk_cat mb{after.microbatch}",
+                              ctx.cost_of(rank).ops_time(ops[:1]))
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t, ops[1:]
+
+    def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:
+        """torch DDP's copies of a bucket's gradients into it (``units`` of it;
+        :func:`simulator.model.inventory.ddp_copy_ops`) as a task right after ``after`` on the
+        compute stream, which the bucket's reduction then waits for; ``after`` itself
+        without the copies."""
+        ctx = self.ctx
+        seconds = self.ddp_copies_s(rank, units, back=False)
+        if not seconds:
+            return after
+        t = ctx.compute_after(rank, after, "D", "backward", "ddp.bucket_in", seconds)
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t
+
+    def ddp_copies_s(self, rank: int, units: list[Unit], back: bool) -> float:
+        """Seconds of DDP's copies of ``units`` into their buckets, or ``back``."""
+        ctx = self.ctx
+        sizes = {st: ctx.grad_units(st) for st, _ in units}
+        cost, stack = ctx.cost_of(rank), ctx.s.stack
+        return sum(cost.ops_time(ddp_copy_ops(stack, sizes[st][i][0], ctx.grad_dt,
+                                              sizes[st][i][1], back)) for st, i in units)
+
+    def sync_end(self, rank: int) -> None:
+        self.flush(rank, self.pending[rank], 0)
+
+    def step(self, rank: int) -> None:
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero_offload:  # the offload pass steps on the host
+            return
+        if self.compressor is not None:
+            self.compressor.exchange(rank)
+        params = ctx.params_of(rank)
+        shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
+        streams = ctx.programs[rank].streams
+        if par.zero == 0 and len(ctx.layout.dp_group(rank)) > 1 \
+                and (self.compressor is None or self.compressor.in_backward):
+            # DDP's finalize: every reduced bucket back into the gradients
+            units = [(st, i) for st in ctx.stages_of(rank)
+                     for i in range(len(ctx.grad_units(st)))]
+            seconds = self.ddp_copies_s(rank, units, back=True)
+            if seconds:
+                back = ctx.compute(rank, "D", "backward", "ddp.bucket_out", seconds, -1, -1, 0)
+                back.weight_s = seconds
+                back.deps.extend(d.id for d in streams["dp"])
+        t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
+                        ctx.optimizer_time(rank, shard), -1, -1, 0)
+        t.deps.extend(d.id for d in streams["dp"])
+        t.deps.extend(d.id for d in streams["zero"][-1:])
+
+    def after_step(self, rank: int) -> None:
+        """ZeRO-1/2: all-gather the updated parameters (ZeRO-3 gathers every unit at
+        use instead)."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero not in (1, 2):
+            return
+        ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank),
+                       ctx.params_of(rank) * ctx.dt_bytes, "dp.all_gather updated params")
+
+
+class Zero3Pass(Pass):
+    """ZeRO-3 / FSDP units: each layer's parameters all-gathered over DP before its
+    forward and, with ``reshard_after_forward``, again before its backward, on the
+    ``zero`` stream ``fsdp_prefetch`` units ahead: the gather may start once the unit
+    ``fsdp_prefetch + 1`` back has run (on the compute stream, in line, without
+    ``overlap.zero3_prefetch``). The stage's root unit (:meth:`Context.root_params`)
+    is gathered once per micro-batch before the forward's first compute, after the
+    compute issued before it (FSDP2's root pre-forward: the all-gather stream waits
+    for the current stream, and the root is not resharded after forward, so its
+    backward needs no second gather). Installed when zero = 3 and dp > 1.
+
+    A unit is a layer (FSDP's transformer block), or under a stack whose ZeRO-3 unit is
+    the module (DeepSpeed) a block: each linear module is its own all-gather
+    (:func:`simulator.model.inventory.zero3_blocks`, sized by its weight), the attention
+    block's (QKV, out-proj) before it and the MLP block's (up, down) before the MLP,
+    each gather starting once the block ``fsdp_prefetch + 1`` back has run, and a
+    zero-second ``zero3.wait`` holding the block for its own. DeepSpeed fetches a
+    submodule's parameters in its pre-forward hook and prefetches the next ones in
+    trace order up to ``stage3_prefetch_bucket_size`` (5e7 elements) at a time while
+    fewer than ``stage3_max_live_parameters`` (1e9) are gathered
+    (runtime/zero/partitioned_param_coordinator.py ``fetch_sub_module``;
+    runtime/zero/config.py): about one block ahead at these sizes, not a layer. In a
+    backward the blocks need their parameters in the order they run: the recomputed
+    forward's (attention, MLP) under full recomputation, else MLP then attention."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par, spec = ctx.s.parallel, ctx.s.model
+        self.unit_done: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
+        # elements of each all-gather of one layer, by the block that needs them first
+        self.blocks = zero3_blocks(spec, ctx.s.stack, par.tp, mdl.layer_params(spec) / par.tp)
+        self.by_block = len(self.blocks) > 1
+        # parameter tensors of one gather: the layer's, or one linear module's
+        self.tensors = (2 if spec.bias else 1) if self.by_block \
+            else layer_tensors(spec, ctx.s.stack)
+        count = sum(len(parts) for parts in self.blocks.values())  # the layer's, numbered
+        first = {"attn": 0, "mlp": len(self.blocks["attn"])}
+        self.labels = {block: [_part(first[block] + i, count) for i in range(len(parts))]
+                       for block, parts in self.blocks.items()}
+        self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
+        self.forward: dict[int, bool] = {}  # rank -> whether the layer gathering is a forward
+        self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
+
+    def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
+        ctx = self.ctx
+        size = ctx.root_params(stage) * ctx.dt_bytes
+        compute = ctx.programs[rank].streams["compute"]
+        before, first = compute[-1] if compute else None, len(ctx.tasks)
+        t = self.all_gather(rank, size, ROOT_TENSORS, f"root s{stage} mb{mb}", True, mb, -1,
+                            chunk)
+        if t is not None and self.stream == "zero" and before is not None:
+            ctx.tasks[first].deps.append(before.id)
+        return t
+
+    def all_gather(self, rank: int, size: float, tensors: int, label: str, forward: bool,
+                   mb: int, layer: int, chunk: int) -> Task | None:
+        """One all-gather of ``size`` bytes (``tensors`` parameter tensors) on the unit's
+        stream, with FSDP2's copies
+        around it where the stack has them (:func:`simulator.model.inventory.fsdp_gather_ops`):
+        the copy-in before it on the same stream, the copy-out after it on the compute
+        stream, which is then what the unit's compute waits for. Its first task is the
+        first one added (the caller hangs the prefetch dependency on it)."""
+        ctx = self.ctx
+        group = ctx.layout.dp_group(rank)
+        ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
+                              tensors) if len(group) > 1 else ()
+        kind = "forward" if forward else "backward"
+        cost = ctx.cost_of(rank)
+        if ops:
+            ctx.add(rank, self.stream, op="Z", kind=kind, name=f"fsdp.copy_in {label}",
+                    duration=cost.ops_time(ops[:-1]), microbatch=mb, layer=layer, chunk=chunk)
+        t = ctx.collective(rank, self.stream, "all_gather", "zero", group, size,
+                           f"zero3.all_gather {label}", mb, layer, chunk)
+        if t is None or not ops:
+            return t
+        out = ctx.compute(rank, "Z", kind, f"fsdp.copy_out {label}", cost.ops_time(ops[-1:]),
+                          mb, layer, chunk)
+        out.deps.append(t.id)
+        return out
+
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> Task | None:
+        if not forward and not self.ctx.s.parallel.reshard_after_forward:
+            return None
+        if not self.by_block:
+            return self.gather(rank, "attn", forward, mb, layer, chunk)
+        order = ["attn", "mlp"] if forward or self.ctx.s.parallel.recompute == "full" \
+            else ["mlp", "attn"]
+        self.pending[rank] = order[1:]
+        self.forward[rank] = forward
+        return self.gather(rank, order[0], forward, mb, layer, chunk)
+
+    def gather(self, rank: int, block: str, forward: bool, mb: int, layer: int,
+               chunk: int) -> Task | None:
+        """The all-gathers of one unit, in order on the stream; the last of them."""
+        par, ctx = self.ctx.s.parallel, self.ctx
+        done = self.unit_done[rank]
+        t: Task | None = None
+        for i, (elements, label) in enumerate(zip(self.blocks[block], self.labels[block],
+                                                  strict=True)):  # one per module, in order
+            first = len(ctx.tasks)
+            t = self.all_gather(rank, elements * ctx.dt_bytes, self.tensors,
+                                f"L{layer}{label} mb{mb}", forward, mb, layer, chunk)
+            if t is not None and i == 0 and self.stream == "zero" \
+                    and len(done) > par.fsdp_prefetch:
+                ctx.tasks[first].deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        return t
+
+    def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+              chunk: int, backward: bool) -> Task | None:
+        if not self.by_block:
+            return None
+        ctx = self.ctx
+        if not before:  # the block (and what followed it in line) has run
+            self.unit_done[rank].append(ctx.programs[rank].streams["compute"][-1])
+            return None
+        pending = self.pending.get(rank)
+        if pending and pending[0] == label:
+            pending.pop(0)
+            t = self.gather(rank, label, self.forward.get(rank, True), mb, layer, chunk)
+            if t is not None and self.stream == "zero":
+                w = ctx.compute(rank, "Z", "backward" if backward else "forward",
+                                f"zero3.wait L{layer} {label} mb{mb}", 0.0, mb, layer, chunk)
+                w.deps.append(t.id)
+        return None
+
+    def layer_end(self, rank: int, last: Task) -> None:
+        if not self.by_block:
+            self.unit_done[rank].append(last)
+
+
+def _part(part: int, parts: int) -> str:
+    """A task-name suffix for one of a unit's per-module collectives."""
+    return f" part {part + 1}/{parts}" if parts > 1 else ""

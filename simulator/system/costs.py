@@ -1,0 +1,221 @@
+"""Cost model: seconds for an operation on a given hardware profile.
+
+An op's device time is its roofline,
+``max(flops·scale / (peak × eff(class, call FLOPs)), bytes / (hbm × eff_mem(class, bytes)))``,
+plus the profile's per-kernel overhead for each of its kernels; the efficiency curves
+come from the profile (datasheet presets or calibration) per cost class, falling back
+to ``gemm_efficiency`` / ``attention_efficiency`` / ``memory_efficiency`` where the
+profile has no curve of its own for the class. ``scale`` is the fraction of the counted
+FLOPs the kernel executes (a causal flash kernel skips the masked half).
+
+Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
+so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
+0 under CUDA graphs, plus DTensor's dispatch per op on DTensors where the profile measured
+it, ``gpu.dtensor_overhead_us``): ``time = max(device, kernels × host_us)``. On a CPU "device"
+(``gpu.host_serial``) one thread runs both, so ``time = device + kernels × host_us``,
+with the host cost measured on that CPU (``gpu.host_overhead_us``) when the profile
+has it; the optimizer step's kernels (``gpu.host_optimizer_us``) and a GEMM's DTensor
+dispatch (``gpu.dtensor_gemm_us``) use their own measured figures where the profile has
+them.
+Short kernels cost their launch time; long ones hide it.
+
+Rank spread: ranks given the same work do not finish it together, and every
+synchronisation of a step waits for the slowest. With a rank's compute time normal
+with relative spread c (``gpu.rank_spread``, calibrated by
+:mod:`calibration.microbench.rank_spread`; 0 in the presets), the slowest of n ranks
+takes ``1 + c · e_n`` times as long, e_n the expected maximum of n standard normals
+(:func:`expected_max_normal`; Hoefler, Schneider and Lumsdaine, SC 2010, on noise
+amplified by synchronisation). A step's cost model (``ranks``: its world) stretches
+every op by that factor: the wait at each synchronisation grows with the compute
+before it. ``ranks = 1`` prices one rank alone (``clustersim ops``).
+
+Nothing here knows what a transformer is: it prices :class:`simulator.model.inventory.Op`
+records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
+``memory``) are what ``speed`` addresses: it makes a kind that many times faster —
+every op of the kind, overheads included, takes its time divided by the factor —
+which is how ``clustersim run --what-if`` asks what bounds a step without touching
+the hardware profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from typing import Literal, Protocol
+
+from simulator.system.hardware import Dtype, HardwareProfile
+
+
+class CostedOp(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def cost_class(self) -> str: ...
+    @property
+    def kernels(self) -> int: ...
+    @property
+    def compute_scale(self) -> float: ...
+    @property
+    def flops(self) -> float: ...
+    @property
+    def bytes(self) -> float: ...
+    @property
+    def gemm_flops(self) -> float: ...
+    @property
+    def dtensor(self) -> int: ...
+    @property
+    def host_ops(self) -> int: ...
+
+
+ComputeClass = Literal["gemm", "attention", "memory"]
+#: The compute cost classes, in display order.
+COMPUTE_CLASSES: tuple[ComputeClass, ...] = ("gemm", "attention", "memory")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    hw: HardwareProfile
+    dtype: Dtype
+    #: how many times faster than the profile each class runs (absent: 1, as profiled)
+    speed: Mapping[str, float] = field(default_factory=dict)
+    #: host time to issue one kernel (the stack's ``host_us``): an op costs at least that
+    host_us: float = 0.0
+    #: ranks whose synchronisations the step waits on (its world; 1: one rank alone)
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.speed.items() if k not in COMPUTE_CLASSES or not v > 0}
+        if bad:
+            raise ValueError(f"speed factors {bad}: classes are {COMPUTE_CLASSES}, factors > 0")
+
+    @cached_property
+    def rank_stretch(self) -> float:
+        """How many times longer the slowest of :attr:`ranks` takes the same compute:
+        ``1 + gpu.rank_spread · e_n`` (1 for one rank or no spread)."""
+        c = self.hw.gpu.rank_spread
+        return 1.0 + c * expected_max_normal(self.ranks) if c and self.ranks > 1 else 1.0
+
+    @property
+    def peak(self) -> float:
+        return self.hw.gpu.peak_flops(self.dtype)
+
+    @property
+    def hbm(self) -> float:
+        return self.hw.gpu.hbm_bandwidth_GBps * 1e9
+
+    def op_parts(self, op: CostedOp) -> tuple[float, float, float, float]:
+        """(compute, memory, device overhead, host) seconds of one op, before ``speed``."""
+        gpu, cls = self.hw.gpu, op.cost_class
+        mem = op.bytes / (self.hbm * gpu.efficiency(_memory_class(cls), max(op.bytes, 1.0))) \
+            if op.bytes else 0.0
+        if op.kind == "memory" or op.flops <= 0:
+            compute = 0.0
+        else:
+            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0))
+            compute = op.flops * op.compute_scale / (self.peak * eff)
+        host_us = self.host_us
+        step = cls == "optimizer"  # the optimizer's figures where measured apart
+        measured = gpu.host_optimizer_us if step and gpu.host_optimizer_us is not None \
+            else gpu.host_overhead_us
+        if measured is not None and host_us > 0:  # measured on this device
+            host_us = measured
+        # DTensor's dispatch on the host, measured on this device (none under CUDA graphs)
+        dt_us = gpu.dtensor_gemm_us if cls.startswith("gemm") and \
+            gpu.dtensor_gemm_us is not None else gpu.dtensor_overhead_us
+        host_us_dt = op.dtensor * (dt_us or 0.0) if host_us > 0 else 0.0
+        return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
+                (op.host_ops * host_us + host_us_dt) * 1e-6)
+
+    def op_time(self, op: CostedOp) -> float:
+        compute, mem, overhead, host = self.op_parts(op)
+        if self.hw.gpu.host_serial:  # one thread runs the framework and the kernels
+            seconds = max(compute, mem) + overhead + host
+        else:
+            seconds = max(max(compute, mem) + overhead, host)
+        return seconds * self.rank_stretch / self.speed.get(op.kind, 1.0)
+
+    def bound(self, op: CostedOp) -> str:
+        """What sets the op's time: compute, memory, or overhead (launch or host)."""
+        compute, mem, overhead, host = self.op_parts(op)
+        if host > max(compute, mem) + overhead or overhead > max(compute, mem):
+            return "overhead"
+        return "compute" if compute >= mem else "memory"
+
+    def ops_time(self, ops: Iterable[CostedOp]) -> float:
+        """Seconds of ``ops`` run in order on one stream. On a GPU the host issues kernels
+        ahead of the device (CUDA's launch queue): op i ends no sooner than op i−1's end
+        plus its device time, nor than the host's issue time up to and including it,
+        ``end_i = max(end_{i−1} + device_i, Σ_{j≤i} host_j)``. So host time banks behind
+        long kernels and only a run of short ones waits for the host; one op alone is
+        :meth:`op_time`'s ``max(device, host)``. On a CPU "device" (``host_serial``)
+        everything adds."""
+        if self.hw.gpu.host_serial:
+            return sum(self.op_time(op) for op in ops)
+        end = issued = 0.0
+        for op in ops:
+            compute, mem, overhead, host = self.op_parts(op)
+            scale = self.rank_stretch / self.speed.get(op.kind, 1.0)
+            issued += host * scale
+            end = max(end + (max(compute, mem) + overhead) * scale, issued)
+        return end
+
+    def pipeline_action_s(self, runtime: str) -> float:
+        """Host seconds a pipeline runtime spends per F or B action beyond its kernels and
+        sends: the profile's ``gpu.pipeline_action_us`` under ``torch.distributed.pipelining``
+        (``runtime == "torch"``) where the stack has a per-kernel host cost, else 0."""
+        return self._host_term(self.hw.gpu.pipeline_action_us, runtime == "torch")
+
+    def funcol_s(self, dtensor: bool, link_class: str = "intra_node",
+                 kind: str = "all_reduce", nbytes: float = 0.0) -> float:
+        """Seconds a functional collective (one of DTensor's redistributions) of ``kind``
+        and ``nbytes`` costs the issuing thread beyond a plain c10d one, under a DTensor
+        stack with a per-kernel host cost (else 0): the profile's ``gpu.funcol_host``
+        line of that kind where calibration measured it (on two ranks, by kind), else a
+        profile's older ``gpu.funcol_sync_us`` of the group's link class, else the
+        one-rank host figure ``gpu.funcol_overhead_us``."""
+        line = self.hw.gpu.funcol_host.get(kind)  # type: ignore[call-overload]
+        if line is not None:
+            return line.seconds(nbytes) if dtensor and self.host_us > 0 else 0.0
+        pair = self.hw.gpu.funcol_sync_us.get(link_class)  # type: ignore[call-overload]
+        return self._host_term(self.hw.gpu.funcol_overhead_us if pair is None else pair,
+                               dtensor)
+
+    def _host_term(self, us: float | None, applies: bool) -> float:
+        """Seconds of a measured host term where it applies and the stack issues kernels
+        from the host (a per-kernel host cost: none under CUDA graphs)."""
+        return us * 1e-6 if applies and us and self.host_us > 0 else 0.0
+
+    def memory_time(self, nbytes: float) -> float:
+        """A bandwidth-bound pass over ``nbytes`` (e.g. the optimizer step)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.hbm * self.hw.gpu.memory_efficiency(nbytes)) \
+            * self.rank_stretch / self.speed.get("memory", 1.0)
+
+
+@lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n ≤ 1; 1/√π for 2, 3/(2√π) for
+    3): ∫ x · n φ(x) Φ(x)^(n−1) dx by the trapezoid rule on [−12, 12], step 10⁻² (for an
+    integrand this smooth that vanishes at both ends the rule converges exponentially:
+    the closed forms agree to 1e-15), with Φ^(n−1) taken through logarithms so that it
+    holds for millions of ranks."""
+    if n <= 1:
+        return 0.0
+    import numpy as np
+
+    x = np.linspace(-12.0, 12.0, 2401)
+    # log Φ(x): from Φ itself below 0, from 1 − Φ above (each side's accurate tail)
+    log_cdf = np.array([math.log(0.5 * math.erfc(-v / math.sqrt(2.0))) if v < 0
+                        else math.log1p(-0.5 * math.erfc(v / math.sqrt(2.0))) for v in x])
+    density = n * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) * np.exp((n - 1) * log_cdf)
+    y = x * density
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2.0)
+
+
+def _memory_class(cls: str) -> str:
+    """The curve a class's bytes are priced on: its own for memory-bound classes, the
+    plain memory curve for the operands of GEMM and attention kernels."""
+    return "elementwise" if cls.startswith(("gemm", "attention")) else cls

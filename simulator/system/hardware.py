@@ -1,0 +1,525 @@
+"""Hardware profiles: what a GPU, a node and the fabric can do, as data.
+
+A profile is the cost model's only source of numbers. Bundled presets
+(``simulator/presets/systems/*.yaml``) come from datasheets and published
+microbenchmarks, each number with its source in a comment; a calibrated profile
+(``clustersim calibrate``) has the same schema and records its provenance, so a
+scenario uses either with ``cluster.system: NAME`` or ``cluster.system: path.yaml``.
+
+Achievable efficiency is data too: a piecewise-linear curve over log10(problem
+size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamped
+at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
+latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
+
+Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
+in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
+its kind (:meth:`GPUSpec.efficiency`). ``gpu.interference`` says how much compute
+slows while a collective on a link class overlaps it, ``gpu.collective_sync_us`` what
+a collective issued after compute costs beyond its back-to-back α-β time,
+``gpu.send_sync_us`` the same for a point-to-point send (a pipeline stage's
+activations or gradients), and
+``uncertainty`` keeps the relative spread calibration measured for each fitted term
+(:data:`UNCERTAINTY_TERMS`), which ``clustersim run --uncertainty`` propagates. All
+are optional: a profile without them keeps the generic curves, no slowdown, no sync
+cost and no spread.
+
+A profile file is read strictly (:func:`load_system`): every field stated (a
+profile without calibrated collectives says ``collectives: {}``, and calibrated
+collectives need the provenance ``calibrate`` writes after them, so a file cut
+short on a line boundary is refused, not silently completed with defaults), no
+boolean or string where a number belongs, and every number finite and within a
+physical range (:data:`RATE`, :data:`TIME_US`, ...): a rate of 0, 1e-300 or 1e300
+would give infinite or zero times downstream and non-finite results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from simulator.errors import Problem, UserError
+from simulator.loading import PRESETS_DIR, read_yaml
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+LinkName = Literal["intra_node", "inter_node"]
+#: What a transfer's time depends on: a GPU's NVSwitch port, its NIC, the fabric core.
+LinkClass = Literal["intra_node", "inter_node", "core"]
+CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
+                         "all_to_all"]
+#: The collectives DTensor's redistributions issue (``gpu.funcol_host``).
+FuncolKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
+
+SYSTEMS_DIR = PRESETS_DIR / "systems"
+
+# Physical ranges: wide enough for any real device (a CPU thread to a future
+# accelerator), narrow enough that products and quotients stay finite.
+RATE = Field(ge=1e-6, le=1e12)  # GB/s, Gb/s or TFLOP/s (1e12: "free" for what-ifs)
+TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
+MIN_EFFICIENCY = 1e-4  # the slowest a curve may say: a calibration's fit floors its knots here
+EFFICIENCY = Field(ge=MIN_EFFICIENCY, le=1)  # achieved / peak
+
+Rate = Annotated[float, RATE]
+
+#: The op inventory's cost classes: GEMMs and attention are sized by the FLOPs of
+#: one call, the memory-bound classes by the bytes one kernel moves.
+CostClass = Literal["gemm_fwd", "gemm_dgrad", "gemm_wgrad", "attention_fwd", "attention_bwd",
+                    "softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
+                    "optimizer"]
+COST_CLASSES: tuple[str, ...] = get_args(CostClass)
+LINK_NAMES: tuple[str, ...] = get_args(LinkName)
+#: The terms calibration fits and whose relative spread a profile may record.
+UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
+                                      "kernel_overhead", *LINK_NAMES, "interference",
+                                      "collective_sync", "send_sync", "funcol_host",
+                                      "funcol_sync", "rank_spread")
+#: A factor by which overlapped communication slows compute (1 = not at all).
+Interference = Annotated[float, Field(ge=1, le=10)]
+#: A relative standard deviation (σ / mean).
+RelativeStd = Annotated[float, Field(ge=0, le=1)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class _LogCurve(_Frozen):
+    """Points (size, value), interpolated in log10(size), flat beyond the ends; a
+    subclass bounds the values."""
+
+    LOW: ClassVar[float]
+    HIGH: ClassVar[float]
+    WHAT: ClassVar[str]
+    points: tuple[tuple[float, float], ...] = Field(min_length=1, max_length=1000)
+
+    @field_validator("points", mode="before")
+    @classmethod
+    def _tuples(cls, pts: Any) -> Any:
+        """YAML gives lists; strict validation wants the tuples the type names."""
+        if isinstance(pts, list):
+            return tuple(tuple(p) if isinstance(p, list) else p for p in pts)
+        return pts
+
+    @field_validator("points")
+    @classmethod
+    def _check(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        sizes = [x for x, _ in pts]
+        if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
+        if any(not cls.LOW <= v <= cls.HIGH for _, v in pts):
+            raise ValueError(f"{cls.WHAT} must lie in [{cls.LOW:g}, {cls.HIGH:g}]")
+        return pts
+
+    def __call__(self, size: float) -> float:
+        return interpolate_log(self.points, size)
+
+
+class HostLine(_Frozen):
+    """Host time of one call as a line in its bytes: ``us + us_per_mib · MiB``."""
+
+    us: float = Field(ge=0, le=1e7)
+    us_per_mib: float = Field(default=0.0, ge=0, le=1e7)
+
+    def seconds(self, nbytes: float) -> float:
+        return (self.us + self.us_per_mib * max(nbytes, 0.0) / (1 << 20)) * 1e-6
+
+
+class EfficiencyCurve(_LogCurve):
+    """Achieved / peak as a function of problem size, interpolated in log10(size)."""
+
+    LOW: ClassVar[float] = MIN_EFFICIENCY
+    HIGH: ClassVar[float] = 1.0
+    WHAT: ClassVar[str] = "efficiencies"
+
+
+class SyncCurve(_LogCurve):
+    """A sync cost in µs as a function of the collective's bytes, interpolated in
+    log10(bytes), flat beyond the measured sizes."""
+
+    LOW: ClassVar[float] = 0.0
+    HIGH: ClassVar[float] = 1e9
+    WHAT: ClassVar[str] = "sync costs (µs)"
+
+
+class BurstCurve(_LogCurve):
+    """What a collective after a compute burst costs beyond the sync cost after the
+    calibration's own burst, µs, as a function of the burst (seconds of compute on the
+    rank since its previous collective), interpolated in log10(seconds), flat beyond
+    the measured bursts: 0 at the calibration's burst, growing after longer ones,
+    negative (a discount, at most the sync cost itself) after shorter ones where the
+    calibration measured them, and without them no discount."""
+
+    LOW: ClassVar[float] = -1e6  # a discount of up to a second
+    HIGH: ClassVar[float] = 1e9
+    WHAT: ClassVar[str] = "sync costs (µs)"
+
+
+def _known_keys(data: Any, known: Sequence[str], what: str) -> Any:
+    """``data`` unchanged when it is a mapping whose keys all lie in ``known``; else a
+    ValueError naming the first unknown key, the nearest known one and the choices."""
+    if isinstance(data, dict):
+        for key in data:
+            if key not in known:
+                import difflib
+
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean '{near[0]}'? " if near else ""
+                raise ValueError(f"unknown {what} '{key}'; {hint}use one of {', '.join(known)}")
+    return data
+
+
+def interpolate_log(points: Sequence[tuple[float, float]], size: float) -> float:
+    """Piecewise-linear in log10(size) through ``points`` (sorted by size), clamped at
+    both ends: the one rule every efficiency curve follows, calibrated or preset."""
+    if size <= points[0][0]:
+        return points[0][1]
+    if size >= points[-1][0]:
+        return points[-1][1]
+    lx = math.log10(size)
+    for (x0, e0), (x1, e1) in itertools.pairwise(points):
+        if size <= x1:
+            w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
+            return e0 + w * (e1 - e0)
+    return points[-1][1]  # unreachable: size < points[-1][0] here
+
+
+class GPUSpec(_Frozen):
+    name: str
+    peak_tflops: dict[Dtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
+    memory_GB: float = Field(ge=1e-3, le=1e7)  # HBM capacity, 1e9 bytes
+    hbm_bandwidth_GBps: float = RATE  # HBM bandwidth, 1e9 bytes/s
+    gemm_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one GEMM
+    attention_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one attention call
+    memory_efficiency: EfficiencyCurve  # achieved/peak HBM bandwidth vs bytes moved
+    kernel_overhead_us: float = Field(default=0.0, ge=0, le=1e7)  # fixed cost per kernel
+    # communication runs beside compute: true on GPUs (NCCL on its own stream), false for
+    # a CPU process whose one core also does gloo's copies and reductions
+    comm_overlaps_compute: bool = True
+    # a CPU "device": the thread that runs the kernels also runs the framework around them
+    # (Python, dispatcher, autograd), so the host cost adds to each op instead of hiding
+    # behind it, at this measured cost per kernel (calibration/measured/host_cost.py)
+    # in place of the stack's GPU-host figure
+    host_serial: bool = False
+    host_overhead_us: float | None = Field(default=None, ge=0, le=1e5)
+    # the host time DTensor adds to each op on DTensor operands (calibration/measured/
+    # host_cost.py: the measured GPT under TP on a one-rank mesh against plain)
+    dtensor_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
+    # the optimizer step's host cost per kernel, measured apart (its for-loop elementwise
+    # kernels run without autograd around them: host_cost.py times the step at two
+    # micro-batch counts); absent: host_overhead_us
+    host_optimizer_us: float | None = Field(default=None, ge=0, le=1e5)
+    # DTensor's host time for a GEMM on DTensor operands (sharding propagation of a
+    # matmul and the views and transposes around it), measured apart from its other ops
+    # (dtensor_overhead_us, the optimizer's included); absent: dtensor_overhead_us
+    dtensor_gemm_us: float | None = Field(default=None, ge=0, le=1e6)
+    # host time torch.distributed.pipelining spends per F or B action beyond the kernels
+    # and sends (calibration/measured/pipeline_cost.py; absent: none), charged under a
+    # stack with pipeline_runtime torch
+    pipeline_action_us: float | None = Field(default=None, ge=0, le=1e6)
+    # host time a functional collective (what DTensor's redistributions issue) takes beyond
+    # a plain c10d one (calibration/measured/host_cost.py; absent: none), charged before
+    # each TP collective of a dtensor stack
+    funcol_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
+    # a curve per cost class; a class without one uses the generic curve of its kind
+    class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
+    # compute slowdown while a collective on that link class overlaps it (absent = 1)
+    interference: dict[LinkName, Interference] = Field(default_factory=dict)
+    # what a collective that follows compute costs beyond its back-to-back α-β time, once
+    # per collective, per link class, µs: the communication threads wake and the ranks
+    # arrive skewed (calibration/microbench/collective_sync.py; absent = 0)
+    collective_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # the same by the collective's bytes, where the profile measured several sizes (the
+    # cost grows with the message: 0.5-0.8 ms at 4 KiB, 0.9-1.4 ms at 1 MiB on this
+    # project's VM); charged in place of collective_sync_us where present
+    collective_sync_curve: dict[LinkName, SyncCurve] = Field(default_factory=dict)
+    # what the same collective costs on top after a longer compute burst, by the burst
+    # (the rank's compute since its previous collective): on this project's VM the cost
+    # after 16 ms of compute is 1-2 ms above the cost after 1 ms, after a sleep of the
+    # same length it is not (calibration/microbench/collective_sync.py; absent: none)
+    collective_sync_burst: dict[LinkName, BurstCurve] = Field(default_factory=dict)
+    # the same for a point-to-point send after compute, once per send, per link class, µs:
+    # the receiver's blocking wait and the sender's threads waking
+    # (calibration/microbench/send_sync.py; absent = 0)
+    send_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # the issuing thread's time a DTensor redistribution (a functional collective) takes
+    # beyond a plain c10d collective of the same kind and bytes, by kind, a line in the
+    # bytes (calibration/microbench/funcol_host.py), charged before each TP collective
+    # of a dtensor stack in place of funcol_sync_us and funcol_overhead_us
+    funcol_host: dict[FuncolKind, HostLine] = Field(default_factory=dict)
+    # profiles calibrated before funcol_host (2026-12-05): one figure per link class for
+    # every kind, a DTensor all-reduce minus a plain one after a compute burst, its
+    # ranks' skew included (absent: the one-rank funcol_overhead_us); no longer measured
+    funcol_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
+    # the relative spread c of a rank's compute time on the same work (one device or
+    # core slower than another for a while): every synchronisation of an n-rank step
+    # waits for the slowest, so compute costs 1 + c · e_n times its time
+    # (calibration/microbench/rank_spread.py; simulator.system.costs.expected_max_normal;
+    # absent = 0)
+    rank_spread: float = Field(default=0.0, ge=0, le=1)
+
+    @field_validator("class_efficiency", mode="before")
+    @classmethod
+    def _cost_classes(cls, data: Any) -> Any:
+        return _known_keys(data, COST_CLASSES, "cost class")
+
+    @field_validator("funcol_host", mode="before")
+    @classmethod
+    def _funcol_kinds(cls, data: Any) -> Any:
+        return _known_keys(data, get_args(FuncolKind), "functional collective")
+
+    @field_validator("interference", "collective_sync_us", "collective_sync_curve",
+                     "collective_sync_burst", "send_sync_us", "funcol_sync_us",
+                     mode="before")
+    @classmethod
+    def _link_names(cls, data: Any) -> Any:
+        return _known_keys(data, LINK_NAMES, "link class")
+
+    def efficiency(self, cost_class: str, size: float) -> float:
+        """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
+        and attention, bytes moved otherwise): the class's own curve when the profile
+        has one, else ``gemm_efficiency``, ``attention_efficiency`` or
+        ``memory_efficiency`` by the class's kind."""
+        if cost_class not in COST_CLASSES:
+            raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
+        curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
+        if curve is None:
+            curve = (self.gemm_efficiency if cost_class.startswith("gemm_")
+                     else self.attention_efficiency if cost_class.startswith("attention_")
+                     else self.memory_efficiency)
+        return curve(size)
+
+    def interference_factor(self, link_class: str) -> float:
+        """How many times slower compute runs while a collective on ``link_class``
+        overlaps it (1.0 when the profile does not say)."""
+        return self.interference.get(link_class, 1.0)  # type: ignore[call-overload]
+
+    def collective_sync_s(self, link_class: str, size: float | None = None) -> float:
+        """Seconds a collective of ``size`` bytes over ``link_class`` that follows compute
+        costs beyond its back-to-back time: the profile's curve at ``size`` where it has
+        one, else its one figure (0 when the profile does not say)."""
+        curve = self.collective_sync_curve.get(link_class)  # type: ignore[call-overload]
+        if curve is not None and size is not None and size > 0:
+            return float(curve(size)) * 1e-6
+        return self.collective_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
+
+    def collective_sync_burst_s(self, link_class: str, burst_s: float) -> float:
+        """Seconds a collective over ``link_class`` costs beyond :meth:`collective_sync_s`
+        after ``burst_s`` seconds of compute: the profile's burst curve there, its
+        shortest burst's value after none (0 when the profile has no curve)."""
+        curve = self.collective_sync_burst.get(link_class)  # type: ignore[call-overload]
+        if curve is None:
+            return 0.0
+        return float(curve(max(burst_s, 0.0))) * 1e-6
+
+    def send_sync_s(self, link_class: str) -> float:
+        """Seconds a point-to-point send over ``link_class`` that follows compute costs
+        beyond its back-to-back time (0 when the profile does not say)."""
+        return self.send_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
+
+    def peak_flops(self, dtype: Dtype) -> float:
+        if dtype not in self.peak_tflops:
+            raise UserError([Problem("training.dtype", dtype,
+                                     f"GPU {self.name} has no peak for it; profile lists "
+                                     f"{sorted(self.peak_tflops)}")])
+        return self.peak_tflops[dtype] * 1e12
+
+
+class LinkSpec(_Frozen):
+    bandwidth_GBps: float = RATE  # per GPU, per direction, line rate
+    latency_us: float = TIME_US  # α: per algorithm step
+    efficiency: float = Field(default=1.0, gt=1e-4, le=1)  # achieved busbw / line rate
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Achievable bandwidth in bytes/s (line rate × efficiency)."""
+        return self.bandwidth_GBps * 1e9 * self.efficiency
+
+    @property
+    def alpha_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+class IntraNodeSpec(LinkSpec):
+    # NVLink SHARP: the NVSwitch (third generation, H100/H200/H800 HGX) reduces and
+    # multicasts, which NCCL's NVLS algorithm uses (simulator/system/nccl.py); optional in a
+    # profile file, absent = false
+    nvls: bool = False
+
+
+class InterNodeSpec(LinkSpec):
+    nics_per_node: int = Field(gt=0, le=10_000)
+    nic_Gbps: float = RATE  # line rate of one NIC, gigabits/s
+    oversubscription: float = Field(default=1.0, ge=1, le=1e4)  # fat-tree taper (1 = none)
+
+
+class HostSpec(_Frozen):
+    pcie_bandwidth_GBps: float = RATE  # per GPU, per direction (host <-> device)
+    cpu_adam_params_per_s: float = Field(ge=1, le=1e16)  # CPU AdamW parameters/s of a host
+
+
+class PowerSpec(_Frozen):
+    """Electrical power under training load (energy of ``clustersim train``)."""
+
+    gpu_W: float = Field(ge=0, le=1e6)  # board power of one GPU at its power limit, W
+    host_W: float = Field(ge=0, le=1e7)  # one node without its GPUs (CPUs, NICs, fans), W
+
+
+class AlphaBeta(_Frozen):
+    """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
+
+    alpha_us: float = TIME_US
+    busbw_GBps: float = RATE
+    samples: int = Field(default=0, ge=0)
+    median_rel_error: float | None = Field(default=None, ge=0)
+
+
+class HardwareProfile(_Frozen):
+    name: str
+    description: str = ""
+    gpu: GPUSpec
+    gpus_per_node: int = Field(gt=0, le=10_000)
+    intra_node: IntraNodeSpec  # NVSwitch (or NVLink) port of one GPU
+    inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
+    host: HostSpec
+    power: PowerSpec | None = None  # absent in calibrated profiles (not measured)
+    # calibrated per-collective costs by link class; when present they replace the
+    # link-derived α/β for that collective (see costs.py)
+    collectives: dict[CollectiveName, dict[LinkName, AlphaBeta]] = Field(default_factory=dict)
+    provenance: dict[str, Any] = Field(default_factory=dict)
+    # relative standard deviation of each fitted term (calibration's repeat spread)
+    uncertainty: dict[str, RelativeStd] = Field(default_factory=dict)
+
+    @field_validator("uncertainty", mode="before")
+    @classmethod
+    def _terms(cls, data: Any) -> Any:
+        return _known_keys(data, UNCERTAINTY_TERMS, "uncertainty term")
+
+    def link(self, name: LinkName) -> LinkSpec:
+        return self.intra_node if name == "intra_node" else self.inter_node
+
+    @property
+    def link_classes(self) -> tuple[LinkClass, ...]:
+        """The link classes of this fabric: the core only when it is oversubscribed."""
+        core: tuple[LinkClass, ...] = ("core",) if self.inter_node.oversubscription > 1 else ()
+        return ("intra_node", "inter_node", *core)
+
+    def with_faster_link(self, link: LinkClass, factor: float) -> HardwareProfile:
+        """This profile with one link class ``factor`` times faster, the others as they
+        are: a transfer over it takes 1/``factor`` of the time (bandwidth × factor, α and
+        the calibrated collectives' α / factor, their busbw × factor). The core's capacity
+        is the NICs' sum / oversubscription, so a faster NIC raises the oversubscription
+        by the same factor (the core stays as it was) and a faster core lowers it; at 1
+        or below the core can no longer be the bottleneck and is not modelled."""
+        if not factor > 0:
+            raise ValueError(f"speed factor {factor} must be > 0")
+        inter = self.inter_node
+        if link == "core":
+            over = inter.oversubscription / factor
+            # model_copy skips validation: an oversubscription under 1 means a core
+            # faster than all NICs together, which the topology treats as non-blocking
+            return self.model_copy(update={"inter_node": inter.model_copy(
+                update={"oversubscription": over})})
+        spec = self.link(link)
+        faster = spec.model_copy(update={"bandwidth_GBps": spec.bandwidth_GBps * factor,
+                                         "latency_us": spec.latency_us / factor})
+        if link == "inter_node" and inter.oversubscription > 1:
+            faster = faster.model_copy(update={"oversubscription": inter.oversubscription
+                                               * factor})
+        collectives = {op: {name: (ab.model_copy(update={"alpha_us": ab.alpha_us / factor,
+                                                         "busbw_GBps": ab.busbw_GBps * factor})
+                                   if name == link else ab) for name, ab in by_link.items()}
+                       for op, by_link in self.collectives.items()}
+        return self.model_copy(update={link: faster, "collectives": collectives})
+
+
+def preset_system_names() -> list[str]:
+    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.yaml"))
+
+
+#: Fields a profile file may leave out (older profiles predate them).
+OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
+                   "collective_sync_us", "collective_sync_curve", "collective_sync_burst",
+                   "send_sync_us",
+                   "uncertainty", "nvls", "host_serial",
+                   "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
+                   "dtensor_gemm_us", "pipeline_action_us",
+                   "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread")
+
+
+def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
+    """Fields of ``model`` (and its sections) that ``data`` does not state."""
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if name not in data and name not in OPTIONAL_FIELDS:
+            out.append(loc + name)
+        elif isinstance(ann, type) and issubclass(ann, BaseModel) \
+                and ann is not EfficiencyCurve:
+            out.extend(_unstated(ann, data[name], f"{loc}{name}."))
+    tables = data.get("collectives") if model is HardwareProfile else None
+    for op, links in (tables or {}).items() if isinstance(tables, dict) else ():
+        for link, entry in (links or {}).items() if isinstance(links, dict) else ():
+            out.extend(_unstated(AlphaBeta, entry, f"collectives.{op}.{link}."))
+    return out
+
+
+def _unprovenanced(data: Any) -> str | None:
+    """Calibrated collectives come with the provenance ``calibrate`` writes after them."""
+    if isinstance(data, dict) and data.get("collectives") and not data.get("provenance"):
+        return ("has calibrated collectives but no provenance (cut short?); calibrate "
+                "writes provenance after the collectives")
+    return None
+
+
+def validate_profile(data: Any, path: str) -> HardwareProfile:
+    """A profile file's data, strictly validated; UserError naming field, value and fix."""
+    from pydantic import ValidationError
+
+    missing = _unstated(HardwareProfile, data)
+    if missing:
+        raise UserError([Problem("cluster.system", path, f"profile does not state "
+                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                                 " (cut short?); every field must be given")])
+    try:
+        profile = HardwareProfile.model_validate(data, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        value = repr(first.get("input"))[:40]
+        raise UserError([Problem("cluster.system", path, f"not a valid hardware profile: "
+                                 f"{loc} = {value}: {first['msg']}")]) from None
+    bad = _unprovenanced(data)
+    if bad:
+        raise UserError([Problem("cluster.system", path, bad)])
+    return profile
+
+
+@lru_cache(maxsize=64)
+def _load_profile_file(path: str, mtime: float) -> HardwareProfile:
+    return validate_profile(read_yaml(Path(path), "cluster.system"), path)
+
+
+def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProfile:
+    """A bundled preset by name, or a profile YAML by path (relative to ``base_dir``)."""
+    if name_or_path in preset_system_names():
+        path = SYSTEMS_DIR / f"{name_or_path}.yaml"
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if path.suffix.lower() not in (".yaml", ".yml") or not path.exists():
+            import difflib
+
+            near = difflib.get_close_matches(name_or_path, preset_system_names(), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise UserError([Problem("cluster.system", name_or_path,
+                                     f"{hint}not a preset ({', '.join(preset_system_names())}) "
+                                     "nor an existing profile .yaml file")])
+    return _load_profile_file(str(path.resolve()), path.stat().st_mtime)
