@@ -69,7 +69,7 @@ def run_engine(scenario: str, fidelity: str) -> dict[str, Any]:
     """Build and simulate once; times and counts (no report, no files)."""
     from simulator.builder.workload import build_workload
     from simulator.engine.engine import simulate
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     s = load_scenario(scenario)
     load_before = loadavg()

@@ -48,7 +48,7 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
     sys.path.insert(0, str(ROOT))
     from simulator.api import Timings, run_scenario, write_outputs
     from simulator.outputs.rank_selection import parse_rank_selection
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     s = load_scenario(scenario, overrides)
     timings: Timings = {}

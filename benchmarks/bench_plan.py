@@ -6,7 +6,8 @@ GPT-3 175B on 1,024 A100-80GB (global batch 1536, sequence 2048) and Llama-3
 every engine re-simulation is run). Reports wall seconds, CPU seconds of this
 process and its workers, candidates considered / invalid / not yet simulated /
 out of memory / fitting, and the chosen layout with its engine step time. The
-Llama-3 plan's 8,192 tokens also enumerate CP 2 (:data:`simulator.search.plan.CP_MIN_TOKENS`).
+Llama-3 plan's 8,192 tokens also enumerate CP 2
+(:data:`simulator.strategies.context.strategy.CP_MIN_TOKENS`).
 Target (issue "Scale and search", item 2): each plan ≤ 60 s on two cores with
 ≥ 10,000 candidates.
 Nothing fails when it is missed; on a shared machine read the CPU seconds too.
@@ -31,8 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simulator.search.candidates import PlanRequest  # noqa: E402
 from simulator.search.executors import open_executor  # noqa: E402
-from simulator.search.plan import PlanRequest, layout_label, run_plan  # noqa: E402
+from simulator.search.plan import layout_label, run_plan  # noqa: E402
 
 PLANS = (
     PlanRequest("gpt3-175b", 1024, "dgx-a100-80gb", 1536, 2048),

@@ -46,7 +46,7 @@ def measure(gpus: int, fidelity: str) -> dict[str, Any]:
 
     from simulator.builder.workload import build_workload
     from simulator.engine.engine import simulate
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.spec.load import scenario_from_dict
 
     s = scenario_from_dict(yaml.safe_load(scenario_text(gpus)))
     t0 = time.process_time()

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from simulator.api import run_scenario  # noqa: E402
-from simulator.spec.scenario import load_scenario  # noqa: E402
+from simulator.spec.load import load_scenario  # noqa: E402
 
 SCENARIOS = ("gpt3-175b-1024", "gpt3-175b-1024-slow-gpu", "gpt3-175b-1024-slow-nic")
 TARGET_RATIO = 3.0

@@ -29,7 +29,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-sim=("$py" -m simulator.cli.main)  # an array, so that timeout can run it
+sim=("$py" -m simulator.cli)  # an array, so that timeout can run it
 
 pack() {  # OUT_DIR as it stands into $GV_ARCHIVE, atomically
     [ -n "${GV_ARCHIVE:-}" ] || return 0
@@ -90,7 +90,7 @@ stage calibrate "${limits[1]}" "${sim[@]}" calibrate --device "$device" $calib \
     && stage host-cost 120 "${sim[@]}" host-cost "$out/profile.yaml" --device "$device"
 sheet=$("$py" -c "
 import sys
-from calibration.microbench.fit_profile import datasheet_preset
+from calibration.devices import preset_for as datasheet_preset
 print(datasheet_preset(sys.argv[1]) or 'cpu-1thread')" "$(head -1 "$out/gpu.txt")")
 
 {

@@ -5,7 +5,9 @@
 - :mod:`calibration.measured`: real TP/PP/DP runs of a small GPT to compare
   against the simulation (``clustersim measure``, ``compare``, ``validation``).
 
-:mod:`calibration.host` holds what both share (CPU name, torchrun launches);
-measured profiles live in ``calibration/profiles/``. torch is imported lazily
-inside functions, so ``import calibration`` works without it.
+What both share sits here: :mod:`calibration.host` (PyTorch, the CPU's name, torchrun
+launches), :mod:`calibration.devices` (which bundled preset a CUDA device is) and
+:mod:`calibration.commands` (the commands the CLI discovers); measured profiles live in
+``calibration/profiles/``. torch is imported lazily inside functions, so
+``import calibration`` works without it.
 """

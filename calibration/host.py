@@ -1,8 +1,8 @@
-"""What both products share about the machine they run on: the CPU's name (a CPU
-calibration's or a measured CPU run's "device"), the ``PYTHONPATH`` torchrun's
-workers need, stopping a torchrun launch, the host allocator a CPU "device" runs
-with (:func:`keep_freed_memory`), and the share of the CPU a hypervisor took while
-something ran (:class:`StealMeter`).
+"""What both products share about the machine they run on: PyTorch itself
+(:func:`require_torch`), the CPU's name (a CPU calibration's or a measured CPU run's
+"device"), the ``PYTHONPATH`` torchrun's workers need, stopping a torchrun launch, the
+host allocator a CPU "device" runs with (:func:`keep_freed_memory`), and the share of
+the CPU a hypervisor took while something ran (:class:`StealMeter`).
 
 Microbenchmarks (:mod:`calibration.microbench`) and measured runs
 (:mod:`calibration.measured`) both launch workers with ``torchrun`` in a process
@@ -26,6 +26,19 @@ from typing import Any
 # workers are started by module name (``-m calibration.measured.parallel_worker``)
 # and must import them even from an uninstalled checkout.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def require_torch() -> Any:
+    """``torch``, or a UserError saying how to install it (a command that measures needs it;
+    the CLI and the fitter do not)."""
+    from simulator.errors import Problem, UserError
+
+    try:
+        import torch
+    except ImportError:
+        raise UserError([Problem("", None, "calibration needs PyTorch: pip install "
+                                 "'clustersim[calibrate]' (or torch)")]) from None
+    return torch
 
 
 def worker_pythonpath(env: dict[str, str] | None = None) -> str:

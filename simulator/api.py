@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.analysis import report
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.memory_timeline import memory_timeline
 from simulator.builder.budget import check_engine_cost, check_stages
 from simulator.builder.workload import build_workload, simulated_ranks
@@ -34,7 +34,8 @@ from simulator.outputs.span_table import span_table
 from simulator.outputs.timeline_files import write_timeline
 from simulator.outputs.trace_export import atomic_output, write_chrome_trace
 from simulator.outputs.trace_links import TraceLinks, trace_links
-from simulator.spec.scenario import Scenario, not_yet_simulated
+from simulator.spec.rules import not_yet_simulated
+from simulator.spec.scenario import Scenario
 
 PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
 
@@ -157,7 +158,7 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
         write_results(out_dir / "results.json", results)
     written.append(out_dir / "results.json")
     if plots and spans is not None:
-        from simulator.outputs.plots.figures import plot_all
+        from simulator.outputs.plots.run import plot_all
 
         with _timed(timings, "write_plots"):
             written.extend(plot_all(out_dir, results, spans))

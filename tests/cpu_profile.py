@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from calibration.microbench.fit_profile import build_profile, fit_compute
-from simulator.system.hardware import load_system
+from calibration.microbench.fit_profile import fit_compute
+from calibration.microbench.profile_build import build_profile
+from simulator.system.profiles import load_system
 
 
 def profile_from(records: list[dict[str, Any]], drift: float | None = None) -> dict[str, Any]:

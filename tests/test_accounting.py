@@ -21,10 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine import balanced, make_scenario, run_engine
 
-from simulator.analysis import accounting as acc
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.accounting.vocabulary import (
+    CATEGORIES,
+    COMM_CATEGORIES,
+    COMPUTE_CATEGORIES,
+    IDLE_CATEGORIES,
+    label,
+)
+from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.api import simulate_scenario
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 SCENARIOS = sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))
 REL = 1e-9
@@ -35,8 +41,8 @@ def assert_partition(results: dict[str, Any]) -> None:
     assert results["time_breakdown_s"], "one entry per simulated rank"
     for entry in results["time_breakdown_s"]:
         # "ranks": how many ranks the entry stands for (asymmetric folding)
-        assert set(entry) - {"ranks"} == {"rank", "stage", *acc.CATEGORIES}
-        values = [entry[c] for c in acc.CATEGORIES]
+        assert set(entry) - {"ranks"} == {"rank", "stage", *CATEGORIES}
+        values = [entry[c] for c in CATEGORIES]
         assert min(values) >= -REL * step, entry
         assert sum(values) == pytest.approx(step, rel=REL)
     assert sum(results["step_breakdown_s"].values()) == pytest.approx(step, rel=REL)
@@ -90,10 +96,10 @@ def test_single_rank_is_all_compute_and_optimizer() -> None:
     (entry,) = met["time_breakdown_s"]
     assert entry["forward"] == pytest.approx(3e-3)
     assert entry["backward_input"] == pytest.approx(6e-3)
-    idle = sum(entry[c] for c in acc.IDLE_CATEGORIES + acc.COMM_CATEGORIES)
+    idle = sum(entry[c] for c in IDLE_CATEGORIES + COMM_CATEGORIES)
     assert idle == pytest.approx(0.0, abs=1e-12)
     assert met["critical_path_s"] == pytest.approx(
-        {c: entry[c] for c in acc.CATEGORIES}, abs=1e-12)
+        {c: entry[c] for c in CATEGORIES}, abs=1e-12)
 
 
 def test_fused_backward_splits_input_and_weight() -> None:
@@ -115,7 +121,7 @@ def test_free_pipeline_bubble_is_the_closed_form(schedule: str) -> None:
         assert entry["imbalance_idle"] == pytest.approx(0.0, abs=1e-9)
     # with free communication the critical path is compute, end to end
     path = met["critical_path_s"]
-    compute = sum(path[c] for c in acc.COMPUTE_CATEGORIES)
+    compute = sum(path[c] for c in COMPUTE_CATEGORIES)
     assert compute == pytest.approx(met["step_time_s"], rel=1e-9)
     assert met["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
 
@@ -164,8 +170,8 @@ def test_peer_wait_of_a_collective_is_wait() -> None:
 
 
 def test_categories_and_labels() -> None:
-    assert len(set(acc.CATEGORIES)) == len(acc.CATEGORIES)
+    assert len(set(CATEGORIES)) == len(CATEGORIES)
     for kind in ("tp", "pp", "dp", "zero", "offload", "embedding_tie", "ep", "cp"):
-        assert f"{kind}_transfer" in acc.CATEGORIES and f"{kind}_wait" in acc.CATEGORIES
-    assert acc.label("embedding_tie_wait") == "embedding-tie wait"
-    assert acc.label("pipeline_bubble") == "pipeline bubble"
+        assert f"{kind}_transfer" in CATEGORIES and f"{kind}_wait" in CATEGORIES
+    assert label("embedding_tie_wait") == "embedding-tie wait"
+    assert label("pipeline_bubble") == "pipeline bubble"

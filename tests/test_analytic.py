@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from simulator.api import simulate_scenario
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 SCENARIOS = sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))
 
@@ -48,8 +48,8 @@ def test_analytic_prices_the_collectives_the_engine_issues_in_line(
     reduce-scatter per unit after every micro-batch, not once a step."""
     import yaml
 
-    from simulator.spec.scenario import scenario_from_dict
-    from simulator.system.hardware import SYSTEMS_DIR
+    from simulator.spec.load import scenario_from_dict
+    from simulator.system.profiles import SYSTEMS_DIR
 
     system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
     system["gpu"].update({"collective_sync_us": {"intra_node": 800.0},

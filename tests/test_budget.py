@@ -16,7 +16,7 @@ from simulator.builder.budget import (
 )
 from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 SCENARIOS = Path(__file__).parents[1] / "scenarios"
 SMALL = SCENARIOS / "llama2-7b-8gpu-ddp.yaml"

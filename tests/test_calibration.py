@@ -33,7 +33,9 @@ from calibration.microbench.fit import (
 )
 from simulator.cli.main import main
 from simulator.errors import UserError
-from simulator.system.hardware import COST_CLASSES, HardwareProfile, load_system
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system
+from simulator.system.units import COST_CLASSES
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,7 +405,7 @@ def test_knots_are_monotone_when_asked_and_valid_for_the_schema() -> None:
     samples = [(1e6, 0.5), (2e6, 0.4), (1e7, 0.3), (1e8, 0.9), (1e9, 0.8)]
     pts = knots(samples, monotone=True)
     assert [e for _, e in pts] == sorted(e for _, e in pts)
-    from simulator.system.hardware import EfficiencyCurve
+    from simulator.system.curves import EfficiencyCurve
 
     EfficiencyCurve(points=tuple(pts))
 
@@ -412,7 +414,8 @@ def test_knots_floor_a_launch_bound_kernel_inside_the_schema() -> None:
     """An H200 timed an 8x32x32 bf16 GEMM (16 KFLOP) at 18 us: 9e-7 of peak. The knot is
     floored at the schema's minimum and the profile still loads (it was floored at
     exactly 1e-4, which the schema's open interval refused: the calibration died)."""
-    from simulator.system.hardware import MIN_EFFICIENCY, EfficiencyCurve
+    from simulator.system.curves import EfficiencyCurve
+    from simulator.system.units import MIN_EFFICIENCY
 
     peak = 989e12
     samples = [(16384.0, 16384.0 / 18e-6 / peak), (6.6e4, 6.6e4 / 18e-6 / peak),
@@ -450,11 +453,11 @@ def test_results_store_skips_a_torn_line(tmp_path: Path,
 @pytest.mark.slow
 def test_hung_collective_times_out_is_recorded_and_the_rest_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibration.microbench import funcol_host, rank_spread, send_sync
     from calibration.microbench.bench_collectives import run_collectives
     from calibration.microbench.bench_timing import Device
-    from calibration.microbench.collective_sync import sync_key
-    from calibration.microbench.interference import interference_key
+    from calibration.microbench.terms import funcol_host, rank_spread, send_sync
+    from calibration.microbench.terms.collective_sync import sync_key
+    from calibration.microbench.terms.interference import interference_key
 
     hung = "cpu/t1/collective/all_reduce/n2/4096"
     monkeypatch.setenv(HANG_ENV, hung)

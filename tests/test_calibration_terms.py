@@ -12,14 +12,17 @@ from typing import Any
 import pytest
 from cpu_profile import profile_from
 
-from calibration.microbench.bench_compute import KERNEL_CLASS, Job, run_jobs
+from calibration.microbench.bench_compute import KERNEL_CLASS
+from calibration.microbench.bench_jobs import Job, run_jobs
 from calibration.microbench.bench_results import ResultsStore
 from calibration.microbench.bench_timing import budget_for
 from calibration.microbench.busy_guard import DRIFT_LIMIT, SPREAD_LIMIT, judge
 from calibration.microbench.fit import fit_efficiency, fit_intercept
-from calibration.microbench.fit_profile import fit_compute, write_profile
+from calibration.microbench.fit_profile import fit_compute
 from calibration.microbench.fit_terms import CLASS_SOURCES
-from simulator.system.hardware import COST_CLASSES, load_system
+from calibration.microbench.profile_build import write_profile
+from simulator.system.profiles import load_system
+from simulator.system.units import COST_CLASSES
 
 OVERHEAD_S = 7e-6
 PEAK_FLOPS = 1e11  # 0.1 TFLOP/s
@@ -259,7 +262,7 @@ def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:
     """Attention records count the full square of a causal call; the cost model charges a
     causal flash kernel ``compute_scale`` of the counted FLOPs. Fitted against the plain
     peak the skipped half was discounted twice: a calibrated shape cost half its time."""
-    from simulator.model.inventory import CAUSAL_FLASH_SCALE, Op
+    from simulator.model.inventory.ops import CAUSAL_FLASH_SCALE, Op
     from simulator.system.costs import CostModel
 
     recs = [r if r["kind"] not in ("attention", "attention_bwd") else {**r, "causal": True}
@@ -274,6 +277,6 @@ def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:
 
 
 def load_system_from(profile: dict[str, Any]) -> Any:
-    from simulator.system.hardware import validate_profile
+    from simulator.system.profiles import validate_profile
 
     return validate_profile(profile, "test")

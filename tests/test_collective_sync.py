@@ -22,22 +22,21 @@ from typing import Any
 import pytest
 from cpu_profile import profile_from
 
-from calibration.microbench import collective_sync as cs
-from calibration.microbench.fit_profile import write_profile
-from calibration.microbench.fit_terms import collective_sync_spread
+from calibration.microbench.profile_build import write_profile
 from calibration.microbench.report_tables import summary_text
+from calibration.microbench.terms import collective_sync as cs
+from calibration.microbench.terms.collective_sync import uncertainty as collective_sync_spread
 from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
 from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.spec.scenario import Scenario, scenario_from_dict
-from simulator.system.collectives import GroupShape, estimate, expand, make_plan, phase_latencies
-from simulator.system.hardware import (
-    BurstCurve,
-    HardwareProfile,
-    SyncCurve,
-    load_system,
-    validate_profile,
-)
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.system.collectives.choice import make_plan
+from simulator.system.collectives.cost import estimate, expand, phase_latencies
+from simulator.system.collectives.plan import GroupShape
+from simulator.system.curves import BurstCurve, SyncCurve
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system, validate_profile
 
 # µs per round (rank 0, rank 1) beyond back to back, by message size
 EXCESS_US = {
@@ -455,7 +454,7 @@ def test_the_growth_leaves_out_the_wait_the_rank_spread_already_charges() -> Non
     """The burst's ``with`` holds the wait for the slower rank, which the rank spread c
     charges as compute (1 + c · e_2 per op): c · e_2 · (B − 1 ms) comes off the growth,
     never below 0."""
-    from calibration.microbench.fit_terms import collective_sync_burst
+    from calibration.microbench.terms.collective_sync import burst_by_link as collective_sync_burst
     from simulator.system.costs import expected_max_normal
 
     c, e2 = 0.05, expected_max_normal(2)

@@ -11,21 +11,14 @@ import pytest
 from simulator.analysis.report import spans_frame
 from simulator.builder.tasks import Program, Task, Workload
 from simulator.engine.engine import simulate
-from simulator.schedules.schedule import build_schedule
-from simulator.spec.scenario import scenario_from_dict
-from simulator.system.collectives import (
-    GroupShape,
-    Plan,
-    busbw,
-    busbw_factor,
-    candidates,
-    estimate,
-    expand,
-    make_plan,
-    nccl_plans,
-)
-from simulator.system.hardware import load_system
+from simulator.schedules.registry import build_schedule
+from simulator.spec.load import scenario_from_dict
+from simulator.system.collectives.choice import candidates, make_plan
+from simulator.system.collectives.cost import estimate, expand
+from simulator.system.collectives.plan import GroupShape, Plan, busbw, busbw_factor
+from simulator.system.collectives.tuner import nccl_plans
 from simulator.system.layout import Layout
+from simulator.system.profiles import load_system
 
 HW = load_system("dgx-a100-80gb")
 B_INTRA = HW.intra_node.bandwidth_GBps * 1e9 * HW.intra_node.efficiency
@@ -396,7 +389,7 @@ def test_engine_all_to_all_across_nodes_equals_estimate(algorithm, shape):
 @pytest.mark.parametrize(("nodes", "gpn"), [(1, 8), (2, 1)])
 def test_analytic_all_to_all_time_closed_form(nodes, gpn):
     """The analytic estimate's collective helper on an expert-parallel-sized group."""
-    from simulator.analysis.analytic import _collective_time
+    from simulator.strategies.timing import collective_time as _collective_time
 
     n = nodes * gpn
     s = scenario_from_dict({

@@ -9,14 +9,16 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from simulator.analysis.accounting import CATEGORIES
+from simulator.analysis.accounting.vocabulary import CATEGORIES
+from simulator.analysis.memory import memory_report
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
 from simulator.errors import ScenarioError
 from simulator.model import transformer as mdl
-from simulator.model.memory import memory_report, stage_params
-from simulator.spec.scenario import Scenario, scenario_from_dict
-from simulator.strategies import compression as cmp
+from simulator.model.memory import stage_params
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.strategies.compression import arithmetic as cmp
 
 GPT = {"layers": 4, "hidden": 128, "heads": 4, "ffn_hidden": 512, "vocab": 512,
        "seq_len": 64}
@@ -276,7 +278,7 @@ def test_gpt2_slow_network_pair() -> None:
     removing the exposed all-reduce, at the cost of its fp32 error buffer."""
     from pathlib import Path
 
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     root = Path(__file__).resolve().parent.parent / "scenarios"
     ddp, psgd = (load_scenario(root / f"gpt2-xl-16gpu-slow-net-{v}.yaml")

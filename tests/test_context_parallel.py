@@ -19,7 +19,10 @@ from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload, local_scenario
 from simulator.cli.main import main
 from simulator.model import transformer as mdl
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.model.inventory.attention import context_parallel_ops
+from simulator.model.inventory.ops import Op
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.system.layout import Layout
 
 MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 1024, "seq_len": 4096,
@@ -59,7 +62,7 @@ def test_attention_core_against_the_whole_sequence() -> None:
     local = local_scenario(s).model
     assert local.seq_len == 1024
     full = mdl.layer_ops(s.model, 1, 1, False, "bf16", "fwd")
-    part = mdl.context_parallel_ops(mdl.layer_ops(local, 1, 1, False, "bf16", "fwd"), local,
+    part = context_parallel_ops(mdl.layer_ops(local, 1, 1, False, "bf16", "fwd"), local,
                                     1, 1, "bf16", "fwd", 4)
     core = {op.name: op for op in full}["attn_core"]
     mine = {op.name: op for op in part}["attn_core"]
@@ -184,8 +187,8 @@ def test_allgather_reorders_the_gathered_kv_in_the_attention_block() -> None:
     cost = CostModel(ring.hardware, "bf16")
     a, b = block_costs(ring, cost), block_costs(gathered, cost)
     nbytes = 2 * 4 * _kv_bytes(4, 2)
-    fwd = cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, nbytes, 0.0)])
-    bwd = cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, 2 * nbytes, 0.0)])
+    fwd = cost.ops_time([Op("cp_reorder", "memory", 0.0, nbytes, 0.0)])
+    bwd = cost.ops_time([Op("cp_reorder", "memory", 0.0, 2 * nbytes, 0.0)])
     assert b.fwd[0] - a.fwd[0] == pytest.approx(fwd, rel=1e-9)
     assert b.bwd_input[0] - a.bwd_input[0] == pytest.approx(bwd, rel=1e-9)
     assert b.fwd[1] == a.fwd[1] and b.bwd_weight == a.bwd_weight
@@ -234,7 +237,7 @@ def test_kept_gathered_kv_costs_its_memory_and_one_backward_reorder() -> None:
     cost = CostModel(saved.hardware, "bf16")
     a, b = block_costs(regather, cost), block_costs(saved, cost)
     nbytes = 2 * 4 * _kv_bytes(4, 2)  # one read and one write of the gathered K and V
-    one, two = (cost.ops_time([mdl.Op("cp_reorder", "memory", 0.0, k * nbytes, 0.0)])
+    one, two = (cost.ops_time([Op("cp_reorder", "memory", 0.0, k * nbytes, 0.0)])
                 for k in (1, 2))
     assert a.bwd_input[0] - b.bwd_input[0] == pytest.approx(two - one, rel=1e-9)
     assert b.fwd == a.fwd

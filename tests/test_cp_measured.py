@@ -15,7 +15,7 @@ from calibration.measured.measure_config import make_config
 from calibration.measured.measure_launch import torchrun_command
 from calibration.measured.measure_scenario import scenario_dict
 from simulator.api import simulate_scenario
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 torch = pytest.importorskip("torch")
 

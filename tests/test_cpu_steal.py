@@ -90,7 +90,9 @@ def test_validation_row_and_table_show_the_steal(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import calibration.measured.compare as cmp
     import calibration.measured.measure as msr
-    from calibration.measured.validation import CPU_CONFIGS, markdown, run_one, summary
+    from calibration.measured.validation_configs import CPU_CONFIGS
+    from calibration.measured.validation_runs import run_one
+    from calibration.measured.validation_table import markdown, summary
 
     monkeypatch.setattr(msr, "run_measure", lambda *a, **k: {
         "step_times_s": [1.0, 1.0, 1.0, 1.0], "cpu_steal": 0.35})

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from simulator.analysis.accounting import CATEGORIES
+from simulator.analysis.accounting.vocabulary import CATEGORIES
 from simulator.api import simulate_scenario, write_outputs
 from simulator.cli.main import main
 from simulator.errors import UserError
 from simulator.outputs.diff import diff_lines, load_run, run_diff, waterfall
 from simulator.outputs.plots.diff import waterfall_figure
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 REL = 1e-9
 SMALL = """\

@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
-from simulator.model.inventory import FLASH_BWD_KERNELS, dense_layer_ops, optimizer_op
-from simulator.spec.scenario import ModelSpec
+from simulator.model.inventory.dense import dense_layer_ops
+from simulator.model.inventory.ops import FLASH_BWD_KERNELS
+from simulator.model.inventory.optimizer import optimizer_op
+from simulator.spec.model_spec import ModelSpec
 from simulator.spec.stack import StackSpec, load_stack
 
 TINY = {"layers": 1, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128, "seq_len": 32}
@@ -131,8 +133,8 @@ def test_cpu_host_cost_adds_to_each_kernel_at_the_measured_rate() -> None:
     """On a CPU "device" one thread runs the framework and the kernels: an op costs its
     device time plus kernels × the profile's measured host cost (not the stack's GPU
     figure, not a max), and nothing when the stack replays a CUDA graph."""
-    from simulator.model.inventory import Op
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.model.inventory.ops import Op
+    from simulator.spec.load import scenario_from_dict
     from simulator.system.costs import CostModel
 
     s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"},
@@ -153,10 +155,10 @@ def test_cpu_host_cost_adds_to_each_kernel_at_the_measured_rate() -> None:
 
 def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
     pytest.importorskip("torch")
-    from calibration.measured.host_cost import (
+    from calibration.measured.host_cost import measure_host_us
+    from calibration.measured.host_counts import (
         HOST_GPT,
         MICRO_BATCHES,
-        measure_host_us,
         split_per_op,
         step_counts,
         step_kernels,
@@ -180,7 +182,7 @@ def test_host_bench_counts_the_inventory_kernels_of_its_step() -> None:
 def test_the_two_micro_batch_counts_tell_the_layers_host_cost_from_the_optimizers() -> None:
     """Closed form: steps timed at 1 and m micro-batches, built from known per-kernel
     costs, give those costs back; a noisy difference below 0 gives 0, never less."""
-    from calibration.measured.host_cost import StepCounts, split_per_op
+    from calibration.measured.host_counts import StepCounts, split_per_op
 
     c = StepCounts(first=200, later=260, optimizer=680)
     x, y = 5e-6, 3e-6
@@ -195,7 +197,7 @@ def test_dtensor_gemms_and_other_ops_are_told_apart_by_the_two_steps() -> None:
     """Closed form of split_gemm: DTensor extras built from a GEMM cost and an other-op
     cost (optimizer included) come back exactly; where noise makes one negative, it is 0
     and the other carries the later micro-batches' cost."""
-    from calibration.measured.host_cost import StepCounts, split_gemm, step_counts
+    from calibration.measured.host_counts import StepCounts, split_gemm, step_counts
 
     c = step_counts(dtensor=True)
     assert c.gemm_first == c.gemm_later > 0 and c.optimizer > c.first
@@ -216,7 +218,8 @@ def test_dtensor_ops_under_tp_and_sequence_parallelism() -> None:
     """TP as DTensor: the sharded linears' GEMMs, bias and weight grads dispatch through
     DTensor; with sequence parallelism the norms and the residual stream do too; the
     optimizer's ops on DTensor parameters as well; nothing without TP or off DTensor."""
-    from simulator.model.inventory import dtensor_tensors, layer_tensors
+    from simulator.model.inventory.layer import layer_tensors
+    from simulator.model.inventory.tensor_parallel import dtensor_tensors
 
     eager, spec = load_stack("pytorch-eager"), _spec()
 
@@ -237,8 +240,8 @@ def test_dtensor_ops_under_tp_and_sequence_parallelism() -> None:
 
 
 def test_dtensor_host_cost_is_charged_per_dtensor_op() -> None:
-    from simulator.model.inventory import Op
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.model.inventory.ops import Op
+    from simulator.spec.load import scenario_from_dict
     from simulator.system.costs import CostModel
 
     s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"},
@@ -261,9 +264,9 @@ def test_gemms_dtensor_cost_and_the_optimizers_host_cost_where_measured_apart() 
     """A GEMM's DTensor dispatch is priced at gpu.dtensor_gemm_us, every other DTensor op
     at dtensor_overhead_us; the optimizer's kernels at host_optimizer_us, every other
     kernel at host_overhead_us; absent, the general figures price all."""
-    from simulator.model.inventory import Op
+    from simulator.model.inventory.ops import Op
     from simulator.system.costs import CostModel
-    from simulator.system.hardware import load_system
+    from simulator.system.profiles import load_system
 
     hw = load_system("cpu-1thread")
     gemm = Op("g", "gemm", 1e3, 1e3, 1e3, "gemm_fwd", 2, dtensor=2)
@@ -289,7 +292,7 @@ def test_gemms_dtensor_cost_and_the_optimizers_host_cost_where_measured_apart() 
 
 def test_fsdp2_optimizer_steps_on_dtensor_parameters() -> None:
     from simulator.model import transformer as mdl
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.spec.load import scenario_from_dict
 
     def opt(zero: int, stack: str) -> int:
         s = scenario_from_dict({"name": "t", "model": {"preset": "tiny-gpt"}, "stack": stack,
@@ -311,7 +314,7 @@ def test_validation_adds_the_host_costs_to_its_cpu_profile(tmp_path: Path) -> No
     import shutil
 
     from calibration.measured.host_cost import add_to_profile
-    from simulator.system.hardware import SYSTEMS_DIR, load_system
+    from simulator.system.profiles import SYSTEMS_DIR, load_system
 
     path = tmp_path / "cpu.yaml"
     shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", path)
@@ -328,7 +331,7 @@ def _tp_collectives(stack: str, sp: bool, layers: int = 4,
                     m: int = 4) -> Counter[tuple[str, float]]:
     """Rank 0's TP collectives of one step of the measured GPT's shape at TP 2."""
     from simulator.builder.workload import build_workload
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.spec.load import scenario_from_dict
 
     s = scenario_from_dict({
         "name": "t", "stack": stack,
@@ -377,10 +380,10 @@ def test_analytic_counts_the_dtensor_backward_collectives() -> None:
     """The analytic method's TP time per layer follows the same count: forward 2,
     backward 4 (q, k, v, up) under DTensor without sequence parallelism, against
     Megatron's 2 and 2; full recomputation repeats the forward's."""
-    from simulator.analysis.analytic import _passes
+    from simulator.analysis.analytic.stage import passes as _passes
     from simulator.builder.workload import block_costs
-    from simulator.model.inventory import tp_block_collectives
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.model.inventory.tensor_parallel import tp_block_collectives
+    from simulator.spec.load import scenario_from_dict
     from simulator.system.costs import CostModel
 
     def analytic_tp(stack: str, recompute: str = "none") -> float:

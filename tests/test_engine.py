@@ -19,14 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.report import engine_metrics, spans_frame
 from simulator.api import simulate_scenario
 from simulator.builder.tasks import Program, Task, Workload
 from simulator.builder.workload import BlockCosts, build_workload
 from simulator.engine.engine import Engine, simulate
-from simulator.schedules.schedule import build_schedule
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.schedules.registry import build_schedule
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
 
@@ -238,7 +239,8 @@ def test_folded_equals_full_pipeline_only(pp, m, schedule):
 def test_engine_reports_unmatched_collective():
     """Two ranks of one group whose collectives carry different keys never meet: the
     engine must not return a result as if the step had finished."""
-    from simulator.system.collectives import GroupShape, make_plan
+    from simulator.system.collectives.choice import make_plan
+    from simulator.system.collectives.plan import GroupShape
 
     s = make_scenario(tp=2, m=1)
     plan = make_plan("all_reduce", 1e6, GroupShape(2, 2), "ring", s.hardware)
@@ -256,7 +258,8 @@ def test_engine_reports_unmatched_collective():
 
 def _compute_then_all_reduce(k: int, durations: list[float]) -> tuple[Workload, Scenario]:
     """k ranks of one TP group: compute of the given durations, then one all-reduce."""
-    from simulator.system.collectives import GroupShape, make_plan
+    from simulator.system.collectives.choice import make_plan
+    from simulator.system.collectives.plan import GroupShape
 
     s = make_scenario(tp=k, m=1)
     plan = make_plan("all_reduce", 1e6, GroupShape(k, k), "ring", s.hardware)
@@ -520,7 +523,8 @@ def _with_interference(s: Scenario, factor: float) -> Any:
 def _compute_beside_all_reduce() -> tuple[Workload, Scenario]:
     """Two DP ranks: compute ``a`` (1 s), then an all-reduce on the dp stream that waits
     for it, beside compute ``b`` and ``c`` (1 s each, one run) on the compute stream."""
-    from simulator.system.collectives import GroupShape, make_plan
+    from simulator.system.collectives.choice import make_plan
+    from simulator.system.collectives.plan import GroupShape
 
     s = make_scenario(dp=2, m=1)
     plan = make_plan("all_reduce", 500e9, GroupShape(2, 2), "ring", s.hardware)
@@ -598,7 +602,7 @@ def test_interference_bounds(pp, dp, m, factor, fidelity):
 def test_analytic_follows_the_engine_under_interference():
     """The closed form charges the backward (f − 1) × min(window, T / f) for the DP
     reduction it overlaps; its growth with f follows the engine's."""
-    from simulator.analysis.analytic import _stretch
+    from simulator.strategies.timing import stretch as _stretch
 
     assert _stretch(3.0, 2.0, 1.0) == 0.0
     assert _stretch(3.0, 2.0, 2.0) == pytest.approx(1.5)  # work T/f = 1.5 done at half speed

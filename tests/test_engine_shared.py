@@ -18,8 +18,9 @@ from simulator.builder.program import ProgramView, TaskView, share
 from simulator.builder.tasks import Program, Task, Workload
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
-from simulator.spec.scenario import load_scenario, scenario_from_dict
-from simulator.system.collectives import GroupShape, make_plan
+from simulator.spec.load import load_scenario, scenario_from_dict
+from simulator.system.collectives.choice import make_plan
+from simulator.system.collectives.plan import GroupShape
 from simulator.system.layout import Layout
 from tests.test_workload_golden import digest
 

@@ -14,8 +14,8 @@ from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload
 from simulator.model import transformer as mdl
 from simulator.search.sweep import run_sweep
-from simulator.spec.scenario import apply_overrides, scenario_from_dict
-from simulator.strategies import expert_parallel as epar
+from simulator.spec.load import apply_overrides, scenario_from_dict
+from simulator.strategies.expert import layer as epar
 from simulator.system.layout import Layout
 
 TINY_MOE: dict[str, Any] = {

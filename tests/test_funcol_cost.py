@@ -11,7 +11,8 @@ import pytest
 
 from simulator.analysis.uncertainty import step_time_of, with_hardware
 from simulator.builder.workload import build_workload
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 
 FUNCOL_US = 80.0
 

@@ -24,22 +24,20 @@ from typing import Any
 import pytest
 from cpu_profile import profile_from
 
-from calibration.microbench import funcol_host as fh
-from calibration.microbench.fit_profile import write_profile
-from calibration.microbench.fit_terms import funcol_host_spread
+from calibration.microbench.profile_build import write_profile
 from calibration.microbench.report_tables import summary_text
+from calibration.microbench.terms import funcol_host as fh
+from calibration.microbench.terms.funcol_host import uncertainty as funcol_host_spread
 from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
 from simulator.builder.workload import build_workload
 from simulator.errors import UserError
 from simulator.model import transformer as mdl
-from simulator.spec.scenario import Scenario, scenario_from_dict
-from simulator.system.hardware import (
-    UNCERTAINTY_TERMS,
-    HardwareProfile,
-    HostLine,
-    load_system,
-    validate_profile,
-)
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.system.curves import HostLine
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system, validate_profile
+from simulator.system.units import UNCERTAINTY_TERMS
 
 MIB = 1 << 20
 SIZES = (64 << 10, 256 << 10, 1 << 20)

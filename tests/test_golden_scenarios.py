@@ -28,7 +28,7 @@ from test_workload_golden import digest
 
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))

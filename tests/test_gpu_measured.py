@@ -48,7 +48,7 @@ def test_a_cuda_run_simulates_the_foreach_optimizer_and_autocast_it_runs() -> No
     """torch.optim.AdamW with neither foreach nor fused runs foreach on CUDA tensors and
     the for-loop on CPU ones (torch/optim/optimizer.py _default_to_fused_or_foreach);
     the CUDA runs step under bf16 autocast over fp32 parameters."""
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.spec.load import scenario_from_dict
 
     assert stack_for("cpu") == "pytorch-eager"
     cpu = scenario_from_dict(scenario_dict(_cfg("cpu")))
@@ -68,8 +68,8 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
     each of its 7 ops. A CUDA micro-batch adds autocast's casts: per layer 4 forward
     (q, k, v, up inputs), their 4 gradients back, 12 weight and bias gradients and the 2
     residual adds' gradients for their bf16 branches, and 2 each way around the logits."""
-    from calibration.measured.host_cost import HOST_GPT, step_counts
-    from simulator.model.inventory import optimizer_op
+    from calibration.measured.host_counts import HOST_GPT, step_counts
+    from simulator.model.inventory.optimizer import optimizer_op
     from simulator.spec.stack import StackSpec
 
     cpu, gpu = step_counts(device="cpu"), step_counts(device="cuda")
@@ -90,9 +90,9 @@ def test_host_cost_counts_the_host_work_of_the_devices_optimizer() -> None:
 def test_gpu_host_cost_is_a_floor_beside_the_kernels() -> None:
     """On a GPU profile (host not serial) the measured host cost replaces the stack's
     figure and bounds an op from below: max(device, kernels × host), never a sum."""
-    from simulator.model.inventory import Op
+    from simulator.model.inventory.ops import Op
     from simulator.system.costs import CostModel
-    from simulator.system.hardware import load_system
+    from simulator.system.profiles import load_system
 
     hw = load_system("dgx-h200")
     gpu = hw.gpu.model_copy(update={"host_overhead_us": 30.0})
@@ -110,7 +110,8 @@ def _host_lead_cost() -> Any:
     """The H200 preset at full HBM bandwidth for every size (a flat memory curve), no
     device overhead, 10 µs of host a kernel: a memory op's device time is bytes / HBM."""
     from simulator.system.costs import CostModel
-    from simulator.system.hardware import EfficiencyCurve, load_system
+    from simulator.system.curves import EfficiencyCurve
+    from simulator.system.profiles import load_system
 
     hw = load_system("dgx-h200")
     gpu = hw.gpu.model_copy(update={"host_overhead_us": 10.0, "kernel_overhead_us": 0.0,
@@ -120,7 +121,7 @@ def _host_lead_cost() -> Any:
 
 def _op(device_us: float) -> Any:
     """A one-kernel memory op whose device time is ``device_us`` on that flat curve."""
-    from simulator.model.inventory import Op
+    from simulator.model.inventory.ops import Op
 
     nbytes = device_us * 1e-6 * _host_lead_cost().hbm
     return Op("x", "memory", 0.0, nbytes, 0.0, "elementwise", 1)
@@ -214,7 +215,7 @@ def test_gpu_batches_are_queued_behind_a_spin_longer_than_their_issue() -> None:
 
 def _layer_ops(pass_: str, autocast: bool, dtype: str = "bf16") -> list[Any]:
     from simulator.model import transformer as mdl
-    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.model_spec import ModelSpec
     from simulator.spec.stack import StackSpec
 
     spec = ModelSpec.model_validate({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4,
@@ -263,7 +264,7 @@ def test_autocast_casts_each_linears_input_and_keeps_the_stream_in_fp32() -> Non
 
 
 def test_autocast_optimizer_has_no_16_bit_copy_to_write() -> None:
-    from simulator.model.inventory import optimizer_op
+    from simulator.model.inventory.optimizer import optimizer_op
     from simulator.spec.stack import StackSpec
 
     amp = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": True})
@@ -282,7 +283,7 @@ def test_host_cost_cli_writes_the_terms_into_a_profile(tmp_path: Any,
     import shutil
 
     from simulator.cli.main import main
-    from simulator.system.hardware import SYSTEMS_DIR, load_system
+    from simulator.system.profiles import SYSTEMS_DIR, load_system
 
     path = tmp_path / "cpu.yaml"
     shutil.copy(SYSTEMS_DIR / "cpu-1thread.yaml", path)
@@ -312,7 +313,7 @@ def test_pytorch_cross_entropy_is_log_softmax_and_nll_loss() -> None:
     vocab-parallel form runs six fp32 kernels each way (an H200 step of gpt-0.9b at
     micro-batches of 8 measured 13 ms of loss kernels, 16 of them)."""
     from simulator.model import transformer as mdl
-    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.model_spec import ModelSpec
     from simulator.spec.stack import StackSpec, load_stack
 
     spec = ModelSpec.model_validate({"preset": "tiny-gpt"})
@@ -378,7 +379,7 @@ def test_the_loss_has_a_curve_of_its_own_timed_on_vocabulary_wide_rows(kind: str
     )
     from calibration.microbench.bench_timing import Device, budget_for
     from simulator.model import transformer as mdl
-    from simulator.spec.scenario import ModelSpec
+    from simulator.spec.model_spec import ModelSpec
     from simulator.spec.stack import load_stack
 
     plan = memory_plan(budget_for(kind, "quick"), Device(kind))

@@ -26,7 +26,7 @@ from simulator.job.reliability import (
 )
 from simulator.job.train import choose_interval, job_spec
 from simulator.model.transformer import param_count
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 NO_FAILURES = {"gpu": 0.0, "host": 0.0, "nic": 0.0, "switch": 0.0, "software": 0.0}
 

@@ -19,8 +19,8 @@ from simulator.loading import (
     read_json,
     read_yaml,
 )
-from simulator.spec.scenario import load_scenario
-from simulator.system.hardware import load_system, preset_system_names, validate_profile
+from simulator.spec.load import load_scenario
+from simulator.system.profiles import load_system, preset_system_names, validate_profile
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
 SCENARIO = Path(__file__).parents[1] / "scenarios" / "llama2-7b-8gpu-ddp.yaml"

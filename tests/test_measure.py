@@ -70,7 +70,7 @@ def test_scenario_yaml_matches_the_documented_layout(tmp_path: Path) -> None:
 
 
 def test_scenario_validates_with_the_simulator(tmp_path: Path) -> None:
-    scenario = pytest.importorskip("simulator.spec.scenario")
+    scenario = pytest.importorskip("simulator.spec.load")
     cfg = make_config(
         tp=2, pp=2, dp=2, schedule="interleaved", zero=3, micro_batches=4, out_dir=tmp_path
     )
@@ -209,7 +209,7 @@ def test_step_time_leaves_out_the_harness_barrier(monkeypatch: pytest.MonkeyPatc
     barrier after it (a collective after the optimizer's compute, 3-4 ms of a ~52 ms
     tiny-gpt DP 2 step on the project's VM) is the harness's, not training's."""
     pytest.importorskip("torch")
-    from calibration.measured import parallel_worker as pw
+    from calibration.measured import timing as pw
 
     clock = [0.0]
     barriers: list[float] = []
@@ -236,7 +236,7 @@ def test_min_seconds_adds_steps_at_their_pace_the_most_any_rank_asks(
     needs to span it; every rank runs the most any rank asked (they meet in
     collectives), agreed by one all-reduce outside the timed steps."""
     pytest.importorskip("torch")
-    from calibration.measured import parallel_worker as pw
+    from calibration.measured import timing as pw
 
     assert pw.more_steps([1.0, 1.0, 1.0], 10.0) == 7
     assert pw.more_steps([0.5, 0.4, 0.6], 3.1) == 4  # 1.6 s short at 0.5 s a step

@@ -11,7 +11,7 @@ import yaml
 
 from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
 from calibration.measured.measure import make_config, run_measure, scenario_yaml
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 TINY = {"layers": 2, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
 PROFILE = Path(__file__).resolve().parent.parent / "calibration/profiles/cpu-epyc-1thread.yaml"

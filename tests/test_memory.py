@@ -9,23 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.model.inventory import zero3_blocks
+from simulator.analysis.memory import memory_report, peak_memory, stage_breakdown
+from simulator.model.inventory.sharding import zero3_blocks
 from simulator.model.memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
     in_flight_microbatches,
-    memory_report,
-    peak_memory,
-    stage_breakdown,
     stage_params,
     state_bytes_per_param,
-    zero3_root_bytes,
     zero_memory_bytes,
 )
 from simulator.model.transformer import embedding_params, head_params, layer_params, param_count
-from simulator.schedules.schedule import build_schedule
-from simulator.spec.scenario import Scenario, load_preset_model, scenario_from_dict
+from simulator.schedules.registry import build_schedule
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.model_spec import load_preset_model
+from simulator.spec.scenario import Scenario
 from simulator.spec.stack import load_stack
+from simulator.strategies.zero3.strategy import zero3_root_bytes
 
 GB = 1e9
 
@@ -199,7 +199,7 @@ def test_in_flight(schedule: str, p: int, m: int, v: int, stage: int, expected: 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 4), (3, 6), (4, 4), (4, 12), (5, 5), (8, 16)])
 def test_in_flight_matches_schedule_data(schedule: str, p: int, m: int) -> None:
-    # the closed forms agree with simulator.schedules.schedule' own accounting, rank by rank
+    # the closed forms agree with simulator.schedules' own accounting, rank by rank
     for v in ((2, 3) if schedule == "interleaved" else (1,)):
         built = build_schedule(schedule, p, m, v)
         for rank in range(p):

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from simulator.analysis.memory import stage_breakdown
 from simulator.analysis.memory_timeline import (
     component_bytes,
     downsample,
@@ -23,10 +24,14 @@ from simulator.analysis.memory_timeline import (
     static_bytes,
 )
 from simulator.builder.workload import build_workload
-from simulator.engine.engine import SimResult, simulate
-from simulator.model.memory import activation_bytes_per_layer, stage_breakdown, zero3_root_bytes
-from simulator.model.transformer import dtype_bytes, layer_params
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.engine.engine import simulate
+from simulator.engine.result import SimResult
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.memory import activation_bytes_per_layer
+from simulator.model.transformer import layer_params
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.strategies.zero3.strategy import zero3_root_bytes
 
 EXACT = 1e-12
 # 8 layers, h 128, a 8, V 512, s 64: a gathered layer (0.40 MB) is larger than the
@@ -379,7 +384,7 @@ def test_component_sizes_match_memory_py() -> None:
 def test_plot_draws_the_curves() -> None:
     """plots.memory_figure draws results["memory_timeline"] given as {rank: points}."""
     from simulator.analysis.report import common_metrics
-    from simulator.outputs.plots.figures import memory_figure
+    from simulator.outputs.plots.memory import memory_figure
 
     s = make(pp=2, dp=2, zero=3)
     result, tl = run(s)

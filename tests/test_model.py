@@ -7,11 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator.model.inventory.ops import Op, Pass, dtype_bytes
 from simulator.model.transformer import (
     PASSES,
-    Op,
-    Pass,
-    dtype_bytes,
     embedding_ops,
     embedding_params,
     hardware_flops_per_step,
@@ -29,7 +27,7 @@ from simulator.model.transformer import (
     pp_activation_bytes,
     tp_comm_bytes_per_layer,
 )
-from simulator.spec.scenario import ModelSpec, load_preset_model
+from simulator.spec.model_spec import ModelSpec, load_preset_model
 from simulator.spec.stack import load_stack
 
 REL = 1e-9

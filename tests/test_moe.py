@@ -21,7 +21,7 @@ from simulator.model.transformer import (
     ops_flops,
     param_count,
 )
-from simulator.spec.scenario import ModelSpec, load_preset_model
+from simulator.spec.model_spec import ModelSpec, load_preset_model
 
 MIXTRAL = load_preset_model("mixtral-8x7b")
 DSV3 = load_preset_model("deepseek-v3")
@@ -114,7 +114,7 @@ def test_layer_pattern(kw: dict[str, int], kinds: list[tuple[int, int]], moe_lay
 # ---------------------------------------------------------------- FLOPs
 
 
-def _gemm(spec: ModelSpec, layer: int, batch: int) -> float:
+def gemm(spec: ModelSpec, layer: int, batch: int) -> float:
     return sum(ops_flops(layer_ops(spec, batch, 1, False, "bf16", p, layer)) for p in PASSES)
 
 
@@ -124,7 +124,7 @@ def test_moe_layer_flops_are_six_per_active_matrix_param_per_token_plus_attentio
     spec, b = MIXTRAL, 2
     tokens, s, h = b * spec.seq_len, spec.seq_len, spec.hidden
     matrices = moe.active_layer_params(spec, 0) - 2 * h
-    assert _gemm(spec, 0, b) == pytest.approx(6 * matrices * tokens + 12 * b * s**2 * h,
+    assert gemm(spec, 0, b) == pytest.approx(6 * matrices * tokens + 12 * b * s**2 * h,
                                               rel=1e-12)
 
 
@@ -177,7 +177,7 @@ def test_capacity_factor_pads_hardware_flops_not_model_flops() -> None:
 
 def test_model_flops_sum_the_layer_kinds() -> None:
     batch = 2
-    by_layer = sum(_gemm(DSV3, i, batch) for i in range(DSV3.layers))
+    by_layer = sum(gemm(DSV3, i, batch) for i in range(DSV3.layers))
     ends = model_flops_per_step(DSV3, batch) - by_layer
     assert ends == pytest.approx(3 * 2 * batch * DSV3.seq_len * DSV3.hidden * DSV3.vocab,
                                  rel=1e-9)
@@ -248,7 +248,8 @@ def test_a_moe_layer_is_the_dense_frame_with_the_mlp_replaced(stack: str, pass_:
     (q, k, v apart under pytorch-eager, unfused attention under megatron-2021, their
     dgrad/wgrad classes), then router, permutation, experts and un-permutation; its
     FLOPs are the stack's-independent sum of both."""
-    from simulator.model.inventory import EAGER_ROUTING, dense_layer_ops
+    from simulator.model.inventory.dense import dense_layer_ops
+    from simulator.model.inventory.experts import EAGER_ROUTING
     from simulator.model.transformer import layer_ops
     from simulator.spec.stack import load_stack
 
@@ -295,7 +296,8 @@ def test_parameter_tensors_are_the_measured_workers_own() -> None:
     torch = pytest.importorskip("torch")
     from calibration.measured.gpt import GPT, GPTConfig
     from calibration.measured.moe_worker import MoEMLP
-    from simulator.model.inventory import expert_tensors, layer_tensors
+    from simulator.model.inventory.experts import expert_tensors
+    from simulator.model.inventory.layer import layer_tensors
     from simulator.spec.stack import load_stack
 
     eager, spec = load_stack("pytorch-eager"), _tiny_moe()
@@ -316,7 +318,7 @@ def test_parameter_tensors_are_the_measured_workers_own() -> None:
 def test_grouped_experts_hold_one_tensor_per_projection() -> None:
     """torchtitan's GroupedExperts: w1, w2, w3 for every local expert at once; the
     per-expert modules of the other stacks: one gate/up and down per expert."""
-    from simulator.model.inventory import expert_tensors
+    from simulator.model.inventory.experts import expert_tensors
     from simulator.spec.stack import load_stack
 
     assert expert_tensors(MIXTRAL, load_stack("torchtitan"), 8) == 3
@@ -330,7 +332,7 @@ def test_the_expert_step_loops_over_the_experts_tensors() -> None:
     """Under a for-loop AdamW (10 kernels per tensor) the experts' own step runs over
     the routed experts' tensors of the rank's MoE layers, the dense step over the rest."""
     from simulator.model import transformer as mdl
-    from simulator.spec.scenario import scenario_from_dict
+    from simulator.spec.load import scenario_from_dict
 
     s = scenario_from_dict({"name": "t", "model": {**_tiny_moe().model_dump(
         exclude_none=True), "preset": None}, "stack": "pytorch-eager",
@@ -423,7 +425,7 @@ def test_eager_routing_moves_what_the_workers_ops_read_and_write(experts: int,
     buffers' reshuffle around its E/ep experts) is what our MoE worker's ops read and
     write, counted op by op under a dispatch mode, forward and backward."""
     pytest.importorskip("torch")
-    from simulator.model.inventory import eager_buffer_op, eager_routing_rows
+    from simulator.model.inventory.experts import eager_buffer_op, eager_routing_rows
 
     hidden, tokens = 24, 32
     fwd, bwd = _routing_rows(experts, ep, hidden, tokens)
@@ -443,9 +445,9 @@ def test_experts_launch_per_module_and_carry_their_weight_gradients() -> None:
     pass's weight gradients hold, beside the wgrad GEMMs, a bias gradient per biased
     linear and expert and AccumulateGrad over the experts' tensors (2 local experts
     at EP 2: 8 tensors, as the worker builds them)."""
-    from simulator.model.inventory import expert_tensors
-    from simulator.spec.scenario import scenario_from_dict
-    from simulator.strategies import expert_parallel as epar
+    from simulator.model.inventory.experts import expert_tensors
+    from simulator.spec.load import scenario_from_dict
+    from simulator.strategies.expert import layer as epar
 
     def scenario(stack: str) -> Any:
         return scenario_from_dict({

@@ -11,16 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator.system import nccl
-from simulator.system.collectives import (
-    GroupShape,
-    candidates,
-    estimate,
-    expand,
-    make_plan,
-    nccl_plans,
-    nccl_time,
-)
-from simulator.system.hardware import AlphaBeta, load_system
+from simulator.system.collectives.choice import candidates, make_plan
+from simulator.system.collectives.cost import estimate, expand
+from simulator.system.collectives.plan import GroupShape
+from simulator.system.collectives.tuner import nccl_plans, nccl_time
+from simulator.system.hardware import AlphaBeta
+from simulator.system.profiles import load_system
 
 A100 = load_system("dgx-a100-80gb")  # no NVLS
 H100 = load_system("dgx-h100")  # NVLS
@@ -291,7 +287,7 @@ def test_profile_may_leave_nvls_out() -> None:
     import yaml
 
     from simulator.errors import UserError
-    from simulator.system.hardware import SYSTEMS_DIR, validate_profile
+    from simulator.system.profiles import SYSTEMS_DIR, validate_profile
 
     data = yaml.safe_load((SYSTEMS_DIR / "dgx-h100.yaml").read_text())
     assert validate_profile(data, "h100").intra_node.nvls

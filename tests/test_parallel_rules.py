@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
+from simulator.analysis.memory import memory_report
 from simulator.cli.main import main
 from simulator.errors import ScenarioError
-from simulator.model.memory import memory_report
-from simulator.spec.scenario import apply_overrides, scenario_from_dict
+from simulator.spec.load import apply_overrides, scenario_from_dict
 
 MIXTRAL_64: dict[str, Any] = {
     "name": "mixtral-ep",

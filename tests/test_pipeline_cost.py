@@ -13,7 +13,8 @@ import pytest
 from calibration.measured.pipeline_cost import action_us
 from simulator.analysis.uncertainty import step_time_of, with_hardware
 from simulator.builder.workload import build_workload
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 
 ACTION_US = 700.0
 

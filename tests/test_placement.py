@@ -18,14 +18,16 @@ import pytest
 from test_accounting import assert_partition
 from test_engine import balanced, make_scenario, run_engine
 
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.memory import memory_report, peak_memory
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
 from simulator.errors import ScenarioError
-from simulator.model.memory import memory_report, peak_memory, stage_params
+from simulator.model.memory import stage_params
 from simulator.model.transformer import param_count
+from simulator.spec.load import load_scenario, scenario_from_dict
 from simulator.spec.placement import chunk_layers, stage_layer_count, stage_layers
-from simulator.spec.scenario import ParallelSpec, load_scenario, scenario_from_dict
+from simulator.spec.scenario import ParallelSpec
 
 MODEL = {"hidden": 512, "heads": 8, "vocab": 4096, "seq_len": 128}
 EXACT = 1e-9

@@ -13,37 +13,34 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.memory import peak_memory
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
 from simulator.errors import ScenarioError, UserError
-from simulator.model.memory import peak_memory
 from simulator.outputs.plots.search import pareto_figure
+from simulator.outputs.search_files import write_plan
 from simulator.search.cache import ResultCache
-from simulator.search.plan import (
-    CP_MIN_TOKENS,
+from simulator.search.candidates import (
     KNOBS,
     PlanRequest,
-    assess,
     base_scenario,
     candidate_scenario,
     candidates,
-    cp_degrees,
+)
+from simulator.search.plan import (
+    assess,
     degrees_label,
     pareto_mask,
     peak_memory_bytes,
     plan_lines,
     resimulated,
     run_plan,
-    write_plan,
 )
-from simulator.spec.scenario import (
-    consistency_problems,
-    expert_parallel_problems,
-    load_scenario,
-    not_yet_simulated,
-    scenario_from_dict,
-)
+from simulator.spec.load import load_scenario, scenario_from_dict
+from simulator.spec.rules import consistency_problems, not_yet_simulated
+from simulator.strategies.context.strategy import CP_MIN_TOKENS, cp_degrees
+from simulator.strategies.expert.strategy import expert_parallel_problems
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 # Llama-2 7B on 16 A100 (2 nodes): 32 heads, 32 layers

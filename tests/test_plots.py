@@ -14,10 +14,15 @@ import pytest
 from matplotlib.figure import Figure
 
 from simulator.api import simulate_scenario, write_outputs
-from simulator.outputs.plots import figures as plots
+from simulator.outputs.plots.breakdown import breakdown_figure, breakdown_segments, plot_breakdown
+from simulator.outputs.plots.common import KIND_COLOURS, PATH_COLOUR
+from simulator.outputs.plots.memory import memory_figure, plot_memory
+from simulator.outputs.plots.run import plot_all
+from simulator.outputs.plots.timeline import plot_timeline, timeline_figure
 from simulator.outputs.timeline_files import read_timeline
-from simulator.schedules.schedule import build_schedule, execute
-from simulator.spec.scenario import scenario_from_dict
+from simulator.schedules.action import execute
+from simulator.schedules.registry import build_schedule
+from simulator.spec.load import scenario_from_dict
 
 MS = 1e-3
 GIB = 1e9  # plots use decimal GB, as the CLI
@@ -105,7 +110,7 @@ def engine_run(out: Path, schedule: str = "1f1b", v: int = 1, p: int = 4, m: int
 def test_plot_all_writes_three_valid_pngs(tmp_path: Path, name: str, v: int) -> None:
     engine_run(tmp_path, name, v)
     before = {p.name for p in tmp_path.iterdir()}
-    paths = plots.plot_all(tmp_path)
+    paths = plot_all(tmp_path)
     assert [p.name for p in paths] == ["timeline.png", "breakdown.png", "memory.png"]
     for path in paths:
         width, height = png_size(path)
@@ -117,11 +122,11 @@ def test_plot_all_writes_three_valid_pngs(tmp_path: Path, name: str, v: int) -> 
 
 def test_plot_all_without_a_timeline_draws_the_rest(tmp_path: Path) -> None:
     engine_run(tmp_path, method="analytic")
-    assert [p.name for p in plots.plot_all(tmp_path)] == ["breakdown.png", "memory.png"]
+    assert [p.name for p in plot_all(tmp_path)] == ["breakdown.png", "memory.png"]
     with pytest.raises(FileNotFoundError, match=r"results\.json"):
-        plots.plot_all(tmp_path / "missing")
+        plot_all(tmp_path / "missing")
     spans, _ = schedule_run()
-    path = plots.plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
+    path = plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
     png_size(path)
 
 
@@ -133,10 +138,10 @@ def test_breakdown_bars_add_up_to_the_step(tmp_path: Path, name: str, v: int,
     """On real output: every stage's bar is exactly the step time (a partition, no
     clamp), and its drawn rectangles stack to the same height."""
     results = engine_run(tmp_path, name, v, method=method)
-    segments = plots.breakdown_segments(results)
+    segments = breakdown_segments(results)
     total = sum(segments.values())
     np.testing.assert_allclose(total, [results["step_time_s"]] * 4, rtol=1e-9)
-    fig = plots.breakdown_figure(results)
+    fig = breakdown_figure(results)
     ax = fig.axes[0]
     tops = {}
     for patch in ax.patches:
@@ -150,25 +155,25 @@ def test_breakdown_bars_add_up_to_the_step(tmp_path: Path, name: str, v: int,
 def test_breakdown_needs_the_accounting() -> None:
     _, results = schedule_run()
     with pytest.raises(ValueError, match="time_breakdown_s"):
-        plots.breakdown_segments(results)
+        breakdown_segments(results)
 
 
 def test_breakdown_figure_labels_bubbles(tmp_path: Path) -> None:
     results = engine_run(tmp_path, "gpipe")
-    fig = plots.breakdown_figure(results)
+    fig = breakdown_figure(results)
     assert sum("bubble\n" in t for t in texts(fig)) == 4
     assert "pipeline bubble" in legend_labels(fig)
     assert "tp transfer" in legend_labels(fig)
-    png_size(plots.plot_breakdown(results, tmp_path / "breakdown.png"))
+    png_size(plot_breakdown(results, tmp_path / "breakdown.png"))
 
 
 def test_timeline_draws_the_critical_path_and_peer_waits(tmp_path: Path) -> None:
     results = engine_run(tmp_path, "1f1b")
     spans = read_timeline(tmp_path)
     assert (spans["comm_start"] >= spans["start"]).all()
-    fig = plots.timeline_figure(spans, results)
+    fig = timeline_figure(spans, results)
     assert "critical path" in legend_labels(fig)
-    (line,) = [ln for ln in fig.axes[0].lines if ln.get_color() == plots._PATH_COLOUR]
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_color() == PATH_COLOUR]
     xs = line.get_xdata()
     scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[fig.axes[0].get_xlabel().split("(")[1][:-1]]
     assert xs[0] == pytest.approx(0.0, abs=1e-9)
@@ -177,7 +182,7 @@ def test_timeline_draws_the_critical_path_and_peer_waits(tmp_path: Path) -> None
 
 def test_timeline_rows_legend_and_title() -> None:
     spans, results = schedule_run("gpipe", p=2, m=2)
-    fig = plots.timeline_figure(spans, results)
+    fig = timeline_figure(spans, results)
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
     assert [t.get_text() for t in ax.get_yticklabels(minor=True)] == ["pp", "dp"] * 2
@@ -192,18 +197,18 @@ def test_timeline_rows_legend_and_title() -> None:
 def test_timeline_labels_microbatches_only_when_few() -> None:
     spans, results = schedule_run("gpipe", p=2, m=2)
     # each stage runs F0 F1 B0 B1: eight labelled runs
-    assert sorted(texts(plots.timeline_figure(spans, results))) == ["0"] * 4 + ["1"] * 4
+    assert sorted(texts(timeline_figure(spans, results))) == ["0"] * 4 + ["1"] * 4
     many, _ = schedule_run("1f1b", p=4, m=64)  # 512 runs: too many to label
-    assert texts(plots.timeline_figure(many, results)) == []
+    assert texts(timeline_figure(many, results)) == []
 
 
 def test_timeline_all_ranks_draws_every_rank() -> None:
     spans, results = schedule_run("gpipe", p=2, m=2)
     replica = spans.assign(rank=spans["rank"] + 2, dp=1)
     both = pd.concat([spans.assign(dp=0), replica], ignore_index=True)
-    stages = plots.timeline_figure(both, results).axes[0].get_yticklabels()
+    stages = timeline_figure(both, results).axes[0].get_yticklabels()
     assert [t.get_text() for t in stages] == ["stage 0", "stage 1"]
-    ranks = plots.timeline_figure(both, results, all_ranks=True).axes[0].get_yticklabels()
+    ranks = timeline_figure(both, results, all_ranks=True).axes[0].get_yticklabels()
     assert [t.get_text() for t in ranks] == [
         "rank 0 (stage 0)", "rank 2 (stage 0)", "rank 1 (stage 1)", "rank 3 (stage 1)"]
 
@@ -213,8 +218,8 @@ def test_short_comm_spans_stay_visible_and_compute_is_drawn_on_top() -> None:
                           "op": ["F", "tp.all_reduce", "pp.send"],
                           "kind": ["forward", "tp", "pp"], "microbatch": [0, 0, 0],
                           "start": [0.0, 1.0, 1.0], "end": [1.0, 1.0 + 1e-9, 1.0 + 1e-9]})
-    ax = plots.timeline_figure(spans).axes[0]
-    collections = {plots.KIND_COLOURS[k]: k for k in ("forward", "tp", "pp")}
+    ax = timeline_figure(spans).axes[0]
+    collections = {KIND_COLOURS[k]: k for k in ("forward", "tp", "pp")}
     widths, zorders = {}, {}
     for collection in ax.collections:
         colour = matplotlib.colors.to_hex(np.asarray(collection.get_facecolor())[0])
@@ -228,7 +233,7 @@ def test_short_comm_spans_stay_visible_and_compute_is_drawn_on_top() -> None:
 
 def test_timeline_of_no_spans_still_draws(tmp_path: Path) -> None:
     spans, _ = schedule_run()
-    path = plots.plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
+    path = plot_timeline(spans.iloc[:0], None, tmp_path / "timeline.png")
     png_size(path)
 
 
@@ -237,23 +242,23 @@ def test_memory_marks_oom_and_draws_the_timeline_panel(tmp_path: Path) -> None:
     results["memory"][0]["activations"] = 50 * GIB
     results["memory"][0]["total"] = 91 * GIB
     results["fits_in_memory"] = False
-    fig = plots.memory_figure(results)
+    fig = memory_figure(results)
     assert len(fig.axes) == 1
     assert "91.0\nOOM" in texts(fig) and "DOES NOT FIT" in fig.axes[0].get_title()
     results["memory_timeline"] = [[[0.0, 40 * GIB], [1 * MS, 70 * GIB], [3 * MS, 45 * GIB]],
                                   [[0.0, 30 * GIB], [2 * MS, 50 * GIB]]]
-    fig = plots.memory_figure(results)
+    fig = memory_figure(results)
     assert len(fig.axes) == 2
     assert legend_labels(fig)[-3:] == ["rank 0", "rank 1", "capacity"]
-    path = plots.plot_memory(results, tmp_path / "memory.png")
-    assert png_size(path)[1] > png_size(plots.plot_memory(
+    path = plot_memory(results, tmp_path / "memory.png")
+    assert png_size(path)[1] > png_size(plot_memory(
         {**results, "memory_timeline": None}, tmp_path / "bars.png"))[1]
 
 
 def test_memory_timeline_of_many_ranks_uses_a_colour_scale() -> None:
     _, results = schedule_run("gpipe", p=2, m=2)
     results["memory_timeline"] = [[[0.0, r * GIB], [1 * MS, 2 * r * GIB]] for r in range(32)]
-    fig = plots.memory_figure(results)
+    fig = memory_figure(results)
     assert len(fig.axes) == 3  # bars, curves, colour bar
 
 
@@ -274,8 +279,8 @@ def test_quarter_million_span_timeline_draws_few_artists(tmp_path: Path) -> None
     """250,000 spans render as one collection per kind (what keeps them fast; timing
     itself is measured in benchmarks/, never asserted here)."""
     spans = big_spans()
-    fig = plots.timeline_figure(spans, {"scenario": {"name": "big"}})
+    fig = timeline_figure(spans, {"scenario": {"name": "big"}})
     collections = fig.axes[0].collections
     assert 0 < len(collections) <= 2 * len(set(spans["kind"]))
     assert sum(len(c.get_paths()) for c in collections) >= len(spans)
-    png_size(plots.plot_timeline(spans, {"scenario": {"name": "big"}}, tmp_path / "big.png"))
+    png_size(plot_timeline(spans, {"scenario": {"name": "big"}}, tmp_path / "big.png"))

@@ -13,7 +13,9 @@ from matplotlib.collections import PathCollection
 
 from simulator.errors import UserError
 from simulator.outputs.plots.search import heatmap_axes, heatmap_figure, heatmap_grid, pareto_figure
-from simulator.search.plan import PlanRequest, run_plan, write_plan
+from simulator.outputs.search_files import write_plan
+from simulator.search.candidates import PlanRequest
+from simulator.search.plan import run_plan
 from simulator.search.sweep import run_sweep
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"

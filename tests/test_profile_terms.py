@@ -11,14 +11,9 @@ import pytest
 import yaml
 
 from simulator.errors import UserError
-from simulator.system.hardware import (
-    COST_CLASSES,
-    UNCERTAINTY_TERMS,
-    HardwareProfile,
-    load_system,
-    preset_system_names,
-    validate_profile,
-)
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system, preset_system_names, validate_profile
+from simulator.system.units import COST_CLASSES, UNCERTAINTY_TERMS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = [ROOT / "calibration" / "profiles" / "cpu-epyc-1thread.yaml",

@@ -19,16 +19,18 @@ from typing import Any
 import pytest
 from cpu_profile import profile_from
 
-from calibration.microbench import rank_spread as rs
-from calibration.microbench.fit_profile import write_profile
-from calibration.microbench.fit_terms import rank_spread_spread
+from calibration.microbench.profile_build import write_profile
+from calibration.microbench.terms import rank_spread as rs
+from calibration.microbench.terms.rank_spread import uncertainty as rank_spread_spread
 from simulator.analysis.uncertainty import perturbed, with_hardware
 from simulator.builder.workload import build_workload
 from simulator.errors import UserError
-from simulator.model.inventory import gemm, mem
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.model.inventory.ops import gemm, mem
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel, expected_max_normal
-from simulator.system.hardware import HardwareProfile, load_system, validate_profile
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system, validate_profile
 
 
 def test_the_expected_maximum_of_normals_has_its_closed_forms() -> None:

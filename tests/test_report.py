@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from simulator.api import simulate_scenario
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 
 def test_tp_all_reduce_busbw_is_the_link_rate() -> None:

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator.errors import ScenarioError
-from simulator.spec.scenario import Scenario, scenario_from_dict, scenario_warnings
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.rules import scenario_warnings
+from simulator.spec.scenario import Scenario
 
 CONTRACT: dict[str, Any] = {
     "name": "gpt3-175b-1024",

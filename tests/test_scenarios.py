@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
+from simulator.analysis.memory import memory_report
 from simulator.cli.main import main
-from simulator.model.memory import memory_report
+from simulator.spec.load import load_scenario
 from simulator.spec.placement import stage_layer_count
-from simulator.spec.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 FILES = sorted(SCENARIOS.glob("*.yaml"))

@@ -8,25 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import simulator.schedules.schedule as schedules_module
-from simulator.analysis.analytic import pipeline_time
+import simulator.schedules.registry as schedules_module
+from simulator.analysis.analytic.stage import pipeline_time
 from simulator.model.memory import in_flight_microbatches
-from simulator.schedules.schedule import (
-    SCHEDULES,
-    Action,
-    Schedule,
-    ScheduleSpec,
-    TimedAction,
-    bubble_fraction,
-    build_schedule,
-    execute,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-    requirements,
-    validate,
-    zb_h1,
-)
+from simulator.schedules.action import Action, Schedule, TimedAction, bubble_fraction, execute
+from simulator.schedules.gpipe import gpipe
+from simulator.schedules.interleaved import interleaved_1f1b
+from simulator.schedules.one_f_one_b import one_f_one_b
+from simulator.schedules.registry import SCHEDULES, build_schedule, requirements
+from simulator.schedules.spec import ScheduleSpec
+from simulator.schedules.validate import validate
+from simulator.schedules.zb_h1 import zb_h1
 
 PS = [1, 2, 3, 4, 5, 8]
 MS = [1, 2, 3, 4, 7, 8, 16]

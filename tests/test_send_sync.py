@@ -21,22 +21,20 @@ from typing import Any
 import pytest
 from cpu_profile import profile_from
 
-from calibration.microbench import send_sync as ss
-from calibration.microbench.fit_profile import write_profile
-from calibration.microbench.fit_terms import send_sync_spread
+from calibration.microbench.profile_build import write_profile
 from calibration.microbench.report_tables import summary_text
-from simulator.analysis.analytic import analytic_estimate
+from calibration.microbench.terms import send_sync as ss
+from calibration.microbench.terms.send_sync import uncertainty as send_sync_spread
+from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.uncertainty import perturbed, step_time_of, with_hardware
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import Engine
 from simulator.errors import UserError
-from simulator.spec.scenario import Scenario, scenario_from_dict
-from simulator.system.hardware import (
-    UNCERTAINTY_TERMS,
-    HardwareProfile,
-    load_system,
-    validate_profile,
-)
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.system.hardware import HardwareProfile
+from simulator.system.profiles import load_system, validate_profile
+from simulator.system.units import UNCERTAINTY_TERMS
 
 # µs per send beyond back to back, per round (rank 0, rank 1), by message size
 EXCESS_US = {

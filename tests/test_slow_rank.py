@@ -16,8 +16,9 @@ import pytest
 
 from calibration.measured.measure import make_config, run_measure
 from calibration.measured.measure_scenario import scenario_dict
+from simulator.analysis.accounting.vocabulary import COMPUTE_CATEGORIES
 from simulator.api import simulate_scenario
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 TINY = {"layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64, "seq_len": 16}
 
@@ -196,13 +197,12 @@ def test_a_real_dp2_run_slows_only_rank_1(tmp_path: Path) -> None:
     # compare simulates the straggler as it slept: the slowdown that adds, to rank 1's
     # compute simulated without it, exactly what it slept in a median timed step
     from calibration.measured.compare import compare
-    from simulator.analysis import accounting as acc
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     got = compare(tmp_path, "cpu-1thread")
     base, _ = simulate_scenario(load_scenario(tmp_path / "scenario.yaml", [
         "cluster.system=cpu-1thread", "variability.slow_gpus=[]"]), "engine", "full")
-    compute = sum(base["time_breakdown_s"][1][c] for c in acc.COMPUTE_CATEGORIES)
+    compute = sum(base["time_breakdown_s"][1][c] for c in COMPUTE_CATEGORIES)
     # ... plus what its pieces took beyond their awake warm-up time (the wake-up cost)
     woke = by_rank[1]["slowdown_step_piece_s"] - by_rank[1]["slowdown_awake_piece_s"]
     assert got["slowdown_as_slept"] == {"rank": 1, "compute_slowdown": pytest.approx(

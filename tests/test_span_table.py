@@ -11,7 +11,7 @@ from simulator.analysis.memory_timeline import memory_timeline
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.outputs.span_table import SPAN_COLUMNS, span_table, stage_representatives
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 SMALL = {
     "name": "small", "model": {"preset": "tiny-gpt"},

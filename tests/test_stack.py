@@ -19,16 +19,21 @@ from hypothesis import strategies as st
 from simulator.builder.workload import build_workload
 from simulator.errors import ScenarioError
 from simulator.model import transformer as mdl
-from simulator.model.inventory import CORE_OPS, Op, kept_for_backward, optimizer_op
+from simulator.model.inventory.layer import kept_for_backward
+from simulator.model.inventory.ops import CORE_OPS, Op
+from simulator.model.inventory.optimizer import optimizer_op
 from simulator.model.memory import activation_bytes_per_layer
 from simulator.outputs.ops_table import op_rows
-from simulator.spec.scenario import (
-    ModelSpec,
-    OverlapSpec,
-    load_scenario,
-    scenario_from_dict,
+from simulator.spec.load import load_scenario, scenario_from_dict
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.scenario import OverlapSpec
+from simulator.spec.stack import (
+    STACKS_DIR,
+    StackSpec,
+    default_stack,
+    load_stack,
+    preset_stack_names,
 )
-from simulator.spec.stack import STACKS_DIR, StackSpec, load_stack, preset_stack_names
 from simulator.system.costs import CostModel
 
 SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
@@ -240,7 +245,7 @@ def test_host_bound_regime_and_cuda_graphs() -> None:
 
 
 def test_causal_flash_executes_half_the_counted_flops() -> None:
-    spec = mdl.default_stack()
+    spec = default_stack()
     gpt = scenario_from_dict({**_scenario(), "model": {"preset": "gpt3-175b"}}).model
     flash = next(op for op in mdl.layer_ops(gpt, 1, 8, stack=spec) if op.name == "attn_core")
     assert flash.compute_scale == 0.5
@@ -277,7 +282,7 @@ def test_ddp_first_bucket_closes_at_its_own_cap() -> None:
     """torch DDP's first bucket of a backward holds 1 MiB (``ddp_first_bucket_MB`` of the
     ``pytorch-eager`` stack), the rest ``dp_bucket_MB``: a model of a few MB reduces in
     two all-reduces, the first one the size of the first units that reach 1 MiB."""
-    from simulator.strategies import compression as cmp
+    from simulator.strategies.compression import arithmetic as cmp
 
     assert cmp.buckets([0.6e6] * 5, (1.048576e6, 25e6)) == [[0, 1], [2, 3, 4]]
     assert cmp.buckets([0.6e6] * 5, (25e6, 25e6)) == [[0, 1, 2, 3, 4]]

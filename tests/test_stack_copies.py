@@ -27,8 +27,11 @@ from hypothesis import strategies as st
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload
 from simulator.model import transformer as mdl
-from simulator.model.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.spec.stack import load_stack
 from simulator.system.costs import CostModel
 
@@ -93,7 +96,7 @@ def _copies_seconds(s: Scenario) -> float:
     gathers (each layer before forward and backward, the root once) and the reduces
     (each layer and the root), the accumulates on every micro-batch after the first."""
     cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
-    dp, dt = s.parallel.dp, mdl.dtype_bytes(s.training.dtype)
+    dp, dt = s.parallel.dp, dtype_bytes(s.training.dtype)
     unit, n = mdl.layer_params(s.model), layer_tensors(s.model, s.stack)
     root = mdl.embedding_params(s.model) + mdl.head_params(s.model)
     m, layers = s.microbatches, s.model.layers
@@ -189,7 +192,7 @@ def _ddp_seconds(s: Scenario) -> float:
     """The copies of one DDP step: each layer's (the head's final norm with the first
     reduced), the embedding's, in and back."""
     cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
-    dt, n = mdl.dtype_bytes(s.training.dtype), layer_tensors(s.model, s.stack)
+    dt, n = dtype_bytes(s.training.dtype), layer_tensors(s.model, s.stack)
     layer = mdl.layer_params(s.model)
     units = [(layer + mdl.head_params(s.model), n + 2)] + [(layer, n)] * (s.model.layers - 1) \
         + [(mdl.embedding_params(s.model), 2)]

@@ -39,11 +39,14 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from simulator.analysis.memory import memory_report
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
 from simulator.model import transformer as mdl
-from simulator.model.memory import in_flight_microbatches, memory_report, stage_params
-from simulator.spec.scenario import Scenario, load_scenario, scenario_from_dict
+from simulator.model.inventory.ops import CORE_OPS
+from simulator.model.memory import in_flight_microbatches, stage_params
+from simulator.spec.load import load_scenario, scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel
 
 # The closed forms below are for 16-bit gradient reductions overlapped with the backward,
@@ -538,7 +541,7 @@ def test_recompute_adds_the_forward(recompute: str, tp: int, pp: int, sp: bool,
     cost = CostModel(rec.hardware, rec.training.dtype, host_us=rec.stack.host_us)
     attn = cost.ops_time(op for op in mdl.layer_ops(rec.model, 1, tp, sp, "bf16", "fwd",
                                                     stack=rec.stack)
-                         if op.name in mdl.CORE_OPS)  # the unfused core: QKᵀ ... AV
+                         if op.name in CORE_OPS)  # the unfused core: QKᵀ ... AV
     for stage in range(pp):
         b, r = stage_of(sb, stage), stage_of(sr, stage)
         for op in ("F", "B", "I", "W"):

@@ -16,7 +16,7 @@ from simulator.errors import UserError
 from simulator.search.cache import ResultCache, code_version, scenario_key
 from simulator.search.executors import open_executor
 from simulator.search.sweep import best, parse_grid, points, run_sweep
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 BASE = """\
 name: sweep

@@ -1,4 +1,4 @@
-"""TP communication overlap (``stack.tp_overlap``, simulator/strategies/tp_overlap.py): the
+"""TP communication overlap (``stack.tp_overlap``, simulator/strategies/tensor/overlap.py): the
 closed forms of what each overlapped collective leaves exposed, the engine's pieces
 against them (the analytic method is the second, independent implementation), what
 bulk and pipelined each move, the limits (free and very slow links), and the refusals.
@@ -14,8 +14,10 @@ import pytest
 from simulator.analysis.uncertainty import step_time_of
 from simulator.builder.workload import block_costs, build_workload
 from simulator.errors import ScenarioError
-from simulator.spec.scenario import Scenario, not_yet_simulated, scenario_from_dict
-from simulator.strategies.tp_overlap import Window, exposed, overlap_windows
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.rules import not_yet_simulated
+from simulator.spec.scenario import Scenario
+from simulator.strategies.tensor.overlap import Window, exposed, overlap_windows
 
 
 def _tp(mode: str, *, schedule: str = "1f1b", pp: int = 1, bandwidth: float | None = None,

@@ -12,7 +12,7 @@ from simulator.api import Run, run_scenario
 from simulator.errors import UserError
 from simulator.outputs.rank_selection import parse_rank_selection, select_ranks
 from simulator.outputs.trace_export import to_chrome_trace
-from simulator.spec.scenario import scenario_from_dict
+from simulator.spec.load import scenario_from_dict
 
 SMALL = {
     "name": "small", "model": {"preset": "tiny-gpt"},

@@ -20,8 +20,8 @@ from simulator.analysis.uncertainty import (
 )
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
-from simulator.spec.scenario import load_scenario
-from simulator.system.hardware import load_system
+from simulator.spec.load import load_scenario
+from simulator.system.profiles import load_system
 from tests.small_scenario import SMALL
 
 SPREAD = {"gemm": 0.05, "attention": 0.08, "memory": 0.1, "intra_node": 0.1,

@@ -9,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from calibration.measured.validation import (
-    CPU_CONFIGS,
-    _profile,
-    configs_for,
-    markdown,
-    set_aside,
-    write_table,
-)
+from calibration.measured.validation import _profile, set_aside
+from calibration.measured.validation_configs import CPU_CONFIGS, configs_for
+from calibration.measured.validation_table import markdown, write_table
 from simulator.errors import UserError
 
 HEADER = {"device": "cpu", "device_name": "test cpu", "threads": 1, "torch": "x",
@@ -72,7 +67,7 @@ def test_calibrating_once_goes_through_calibrate_and_keeps_its_problems(tmp_path
 
 
 def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> None:
-    from calibration.measured.validation import repeatability_sentence, summary
+    from calibration.measured.validation_table import repeatability_sentence, summary
 
     small = [{**ROWS[0], "model": "small-gpt"},
              {**ROWS[0], "model": "small-gpt", "config": "tp2", "step_error": 0.02}]
@@ -93,7 +88,8 @@ def test_two_models_get_one_table_each_with_their_mean_and_largest_error() -> No
 
 
 def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
-    from calibration.measured.validation import check_profile, models
+    from calibration.measured.validation import check_profile
+    from calibration.measured.validation_configs import models
 
     assert models("tiny-gpt, small-gpt,tiny-gpt") == ("tiny-gpt", "small-gpt")
     with pytest.raises(UserError) as exc:
@@ -109,7 +105,7 @@ def test_bad_model_or_profile_fail_before_any_run(tmp_path: Path) -> None:
 
 
 def test_step_spread_and_how_a_rows_runs_are_pooled(tmp_path: Path) -> None:
-    from calibration.measured.validation import Run, pool, pool_note, step_spread
+    from calibration.measured.validation_runs import Run, pool, pool_note, step_spread
 
     assert step_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
     # quartiles 2.0 and 3.0 (inclusive method) over the median 2.5
@@ -171,7 +167,7 @@ def _args(**kw: object) -> argparse.Namespace:
 
 def test_each_configuration_runs_twice_and_their_pooled_median_is_compared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibration.measured.validation import run_one
+    from calibration.measured.validation_runs import run_one
 
     launched, spans, compared = _fake_runs(monkeypatch, [
         {"step_times_s": [1.0, 1.0, 1.0, 1.0], "cpu_steal": 0.0},
@@ -188,7 +184,7 @@ def test_each_configuration_runs_twice_and_their_pooled_median_is_compared(
 
 def test_a_stolen_run_is_set_aside_and_measured_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from calibration.measured.validation import run_one
+    from calibration.measured.validation_runs import run_one
 
     launched, _, compared = _fake_runs(monkeypatch, [
         {"step_times_s": [2.0, 2.0], "cpu_steal": 0.35},
@@ -210,7 +206,7 @@ def test_a_stolen_run_is_set_aside_and_measured_again(
 
 
 def test_the_summary_says_what_the_repeatability_alone_costs() -> None:
-    from calibration.measured.validation import repeatability_sentence, summary
+    from calibration.measured.validation_table import repeatability_sentence, summary
 
     rows = [{"config": "a", "step_error": 0.05, "runs": 2, "repeat": 0.08},
             {"config": "b", "step_error": -0.02, "runs": 2, "repeat": 0.04},

@@ -21,7 +21,8 @@ from simulator.analysis.steps import straggler_wait
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload
 from simulator.cli.main import main
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.spec.variability import JitterSpec, VariabilitySpec, classes, jitter_factors, resolve
 from simulator.system.layout import Layout
 

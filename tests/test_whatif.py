@@ -8,13 +8,16 @@ from typing import Any
 
 import pytest
 
-from simulator.analysis.accounting import COMPUTE_CATEGORIES
+from simulator.analysis.accounting.vocabulary import COMPUTE_CATEGORIES
 from simulator.analysis.whatif import SPEEDUP, cost_classes, step_time_with, what_if, what_if_lines
 from simulator.api import simulate_scenario
 from simulator.cli.main import main
-from simulator.model.transformer import Op
-from simulator.spec.scenario import Scenario, scenario_from_dict
-from simulator.system.collectives import GroupShape, estimate, make_plan
+from simulator.model.inventory.ops import Op
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
+from simulator.system.collectives.choice import make_plan
+from simulator.system.collectives.cost import estimate
+from simulator.system.collectives.plan import GroupShape
 from simulator.system.costs import COMPUTE_CLASSES, CostModel
 from simulator.system.hardware import AlphaBeta
 from simulator.system.layout import Layout

@@ -26,7 +26,7 @@ import pytest
 
 from simulator.builder.tasks import Workload
 from simulator.builder.workload import build_workload
-from simulator.spec.scenario import load_scenario
+from simulator.spec.load import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 FIELDS = ("id", "rank", "stream", "op", "kind", "name", "duration", "nbytes", "deps", "group",

@@ -1,5 +1,5 @@
 """ZeRO-3 with module units (``stack.zero3_unit: module``, DeepSpeed): one all-gather per
-linear module sized by its weight (:func:`simulator.model.inventory.zero3_blocks`), each
+linear module sized by its weight (:func:`simulator.model.inventory.sharding.zero3_blocks`), each
 block's gathered one block ahead (DeepSpeed's coordinator prefetches the next
 parameters in trace order under ``stage3_max_live_parameters``, about one block at
 GPT-3's sizes), and a block's own gathers gating only that block. The closed form: in
@@ -16,8 +16,10 @@ import pytest
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload
 from simulator.model import transformer as mdl
-from simulator.model.inventory import zero3_blocks
-from simulator.spec.scenario import Scenario, scenario_from_dict
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import zero3_blocks
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, load_stack
 
 
@@ -117,7 +119,7 @@ def test_the_memory_model_holds_the_blocks_the_engine_gathers(
     the fsdp_prefetch blocks after it (attention and MLP alternate; the largest window,
     here one starting at an MLP), or without prefetch the larger block alone; against
     layer units' 1 + prefetch layers, the unsharded gradient and the root the same."""
-    from simulator.model.memory import peak_memory
+    from simulator.analysis.memory import peak_memory
 
     def buffers(unit: str) -> float:
         s = scenario_from_dict({**_z3(unit).model_dump(mode="json", exclude={"hardware"}),
@@ -126,7 +128,7 @@ def test_the_memory_model_holds_the_blocks_the_engine_gathers(
         return peak_memory(s).comm_buffers
 
     s = _z3()
-    layer = mdl.layer_params(s.model) * mdl.dtype_bytes(s.training.dtype)
+    layer = mdl.layer_params(s.model) * dtype_bytes(s.training.dtype)
     parts = {b: sum(w) for b, w in zero3_blocks(s.model, s.stack, 1, layer).items()}
     gathered_layers = 1 + (prefetch if overlap else 0)
     assert buffers("layer") - buffers("module") == pytest.approx(

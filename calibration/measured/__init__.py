@@ -4,7 +4,9 @@ DP under torchrun and records step times and a compute / communication split;
 reports the errors; ``clustersim validation`` does both for a fixed set of
 configurations and writes the README's validation table.
 
-Entry points :mod:`calibration.measured.measure`, :mod:`calibration.measured.compare`
-and :mod:`calibration.measured.validation`; the torchrun worker is
-:mod:`calibration.measured.parallel_worker`.
+Entry points :mod:`calibration.measured.measure`, :mod:`calibration.measured.compare`,
+:mod:`calibration.measured.validation` and :mod:`calibration.measured.host_cost`; the
+torchrun workers are :mod:`calibration.measured.parallel_worker` (TP / PP / DP),
+``moe_worker`` and ``cp_worker``, which share :mod:`calibration.measured.worker_run` and
+its timing helpers, :mod:`calibration.measured.timing`.
 """

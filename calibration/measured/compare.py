@@ -42,6 +42,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from simulator.analysis.accounting.metrics import mean_breakdown
+from simulator.analysis.accounting.vocabulary import COMPUTE_CATEGORIES
 from simulator.errors import Problem, UserError
 
 FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_bytes")
@@ -68,11 +70,10 @@ def simulated_figures(results: dict[str, Any]) -> dict[str, float]:
     """The figures of a simulated run, from the accounting's per-rank breakdown: compute
     is the forward, backward and recompute categories, non-compute every category but
     those and the optimizer (communication, peer-waits and idle), mean over ranks."""
-    from simulator.analysis import accounting as acc
 
     step = float(results["step_time_s"])
-    mean = acc.mean_breakdown(results["time_breakdown_s"])
-    compute = sum(mean[c] for c in acc.COMPUTE_CATEGORIES if c != "optimizer")
+    mean = mean_breakdown(results["time_breakdown_s"])
+    compute = sum(mean[c] for c in COMPUTE_CATEGORIES if c != "optimizer")
     nc = step - compute - mean["optimizer"]
     state = max(m["weights"] + m["gradients"] + m["optimizer"] for m in results["memory"])
     return {"step_time_s": step, "compute_s": compute, "non_compute_s": nc,
@@ -99,7 +100,7 @@ def compare(run_dir: Path, profile: Path | str,
     if step_time_s is not None:
         measured = {**measured, "step_time_s": float(step_time_s)}
     from simulator.api import simulate_scenario
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     if not (run_dir / "scenario.yaml").exists():
         raise UserError([Problem("run_dir", str(run_dir), "has no scenario.yaml")])
@@ -137,9 +138,8 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
     simulated without the straggler it computes c seconds a step (every compute
     category, the optimizer's too: the sleeps follow the optimizer step as well), so
     the slowdown that adds exactly s + w is 1 + (s + w) / c."""
-    from simulator.analysis import accounting as acc
     from simulator.api import simulate_scenario
-    from simulator.spec.scenario import load_scenario
+    from simulator.spec.load import load_scenario
 
     slow = load_scenario(path, overrides).variability.slow_gpus
     if len(slow) != 1 or not slow[0].ranks or len(slow[0].ranks) != 1:
@@ -154,7 +154,7 @@ def slowdown_as_slept(path: Path, overrides: list[str], measured: dict[str, Any]
         slept += mine["slowdown_step_piece_s"] - mine["slowdown_awake_piece_s"]
     base = load_scenario(path, [*overrides, "variability.slow_gpus=[]"])
     results, _ = simulate_scenario(base, "engine", "full")
-    compute = sum(results["time_breakdown_s"][rank][c] for c in acc.COMPUTE_CATEGORIES)
+    compute = sum(results["time_breakdown_s"][rank][c] for c in COMPUTE_CATEGORIES)
     return (rank, 1.0 + float(slept) / compute) if compute > 0 else None
 
 
@@ -199,7 +199,7 @@ def plot_comparison(run_dir: Path, comparison: dict[str, Any], path: Path) -> No
     for rank, work, comm in measured:
         axes[0].broken_barh([(a, b - a) for a, b in work], (rank - 0.4, 0.5), color="#4c78a8")
         axes[0].broken_barh([(a, b - a) for a, b in comm], (rank + 0.15, 0.25), color="#54a24b")
-    from simulator.analysis.accounting import COMM_KINDS
+    from simulator.analysis.accounting.vocabulary import COMM_KINDS
 
     for rank, group in spans.groupby("rank"):
         is_comm = group["kind"].isin(COMM_KINDS)

@@ -10,7 +10,7 @@ while its iteration count is below the start, and counts one iteration per step.
 PowerSGDState refuses a start below 2 with error feedback, hence ``warmup >= 2``
 (:func:`calibration.measured.measure_config.validate`). The simulator's side of
 the same run is ``training.gradient_compression: {method: powersgd, rank: r,
-start_step: warmup}`` (:mod:`simulator.strategies.compression`).
+start_step: warmup}`` (:mod:`simulator.strategies.compression.arithmetic`).
 """
 
 from __future__ import annotations

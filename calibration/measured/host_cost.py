@@ -15,11 +15,12 @@ overlaps the kernels, as a GPU's host would.
 The measurement: training steps (forward and backward of each micro-batch, then AdamW)
 of the measured GPT (:mod:`calibration.measured.gpt`) at a degenerate size, width 8 and
 2 tokens, where every kernel is a few microseconds, each timed as the minimum over
-repeats, at one micro-batch and at :data:`MICRO_BATCHES` (in turn in each repeat). The
+repeats, at one micro-batch and at ``MICRO_BATCHES`` (in turn in each repeat). The
 difference is what the extra micro-batches' kernels cost, the rest of the one-micro-batch
-step what the optimizer's cost (:func:`split_per_op`), each divided by the kernels the
-simulator's inventory counts for that part under the ``pytorch-eager`` stack
-(:mod:`simulator.model.inventory`, :func:`step_counts`), less the bare per-kernel overhead:
+step what the optimizer's cost, each divided by the kernels the simulator's inventory
+counts for that part under the ``pytorch-eager`` stack (:mod:`simulator.model.inventory`;
+the counts and the split: :mod:`calibration.measured.host_counts`), less the bare
+per-kernel overhead:
 ``host_overhead_us`` for a layer's, the head's and the embedding's kernels,
 ``host_optimizer_us`` for the optimizer's. They differ: the for-loop AdamW's kernels
 are small elementwise ops with no autograd around them (here ~3 µs per kernel against
@@ -34,7 +35,7 @@ with sequence parallelism, so every kind of DTensor op is there) on a one-rank m
 less the plain steps. A GEMM on DTensors carries a matmul's sharding propagation and
 the views and transposes around it; an elementwise, norm or optimizer op on DTensors
 much less. The two steps' extra times give the two per-op figures
-(:func:`split_gemm`: the one-micro-batch step is optimizer-heavy, the later
+(``split_gemm``: the one-micro-batch step is optimizer-heavy, the later
 micro-batches GEMM-heavy), divided among the ops the inventory marks as
 DTensor-dispatched. Here ~140 µs per GEMM against ~11 µs per other op (one figure for
 all, as before, read ~28 µs, the optimizer's many elementwise ops outweighing the
@@ -52,114 +53,17 @@ profiler shows 0.3-0.5 ms per ``_c10d_functional::all_reduce`` on the main threa
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-#: the degenerate measured GPT: every kernel is tiny, the step is host cost
-HOST_GPT = {"layers": 4, "hidden": 8, "heads": 1, "ffn_hidden": 8, "vocab": 8, "seq_len": 2}
-BATCH = 1
-
-
-#: the second micro-batch count the step is timed at (the first is 1): what a
-#: micro-batch's kernels cost and what the optimizer's cost are told apart by the slope
-MICRO_BATCHES = 4
-
-
-@dataclass(frozen=True)
-class StepCounts:
-    """Kernels (or DTensor ops) of the degenerate step as the simulator counts them."""
-
-    first: int  # the first micro-batch's forward and backward (its grads are stolen)
-    later: int  # each later micro-batch's: the first's plus the gradient accumulation
-    optimizer: int  # the optimizer step's
-    gemm_first: int = 0  # of ``first``, GEMMs (cost classes gemm_*)
-    gemm_later: int = 0  # of ``later``, GEMMs
-
-    def total(self, micro_batches: int = 1) -> int:
-        return self.first + (micro_batches - 1) * self.later + self.optimizer
-
-
-def step_counts(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
-                dtensor: bool = False, device: str = "cpu") -> StepCounts:
-    """The step's kernels as the simulator counts them (the measured runs' stack and
-    dtype on ``device``, grads set to None before the first micro-batch), by part; with
-    ``dtensor`` the ones it dispatches on DTensors under TP with sequence parallelism
-    (counted at TP 2: which ops are DTensors does not depend on the mesh size)."""
-    from calibration.measured.measure_scenario import stack_for
-    from simulator.model import transformer as mdl
-    from simulator.model.inventory import dtensor_tensors, layer_tensors
-    from simulator.spec.scenario import ModelSpec
-    from simulator.spec.stack import StackSpec
-
-    stack = StackSpec.model_validate(stack_for(device))
-    dtype = "fp32" if device == "cpu" else "bf16"  # the measured runs' (autocast on CUDA)
-    spec = ModelSpec.model_validate({**sizes, "kv_heads": sizes["heads"], "activation": "gelu",
-                                     "norm": "layernorm", "bias": True,
-                                     "tied_embeddings": True, "position": "learned"})
-    tp, sp = (2, True) if dtensor else (1, False)
-    if dtensor:
-        spec = spec.model_copy(update={"heads": 2, "kv_heads": 2})
-    first = accum = gemm = gemm_accum = 0
-    for pass_ in ("fwd", "bwd_input", "bwd_weight"):
-        layer = mdl.layer_ops(spec, batch, tp, sp, dtype, pass_, 0, stack)
-        ops = (*layer * spec.layers,) if dtensor else (
-            *layer * spec.layers,
-            *mdl.embedding_ops(spec, batch, 1, False, dtype, pass_, stack),
-            *mdl.head_ops(spec, batch, 1, False, dtype, pass_, stack))
-        for op in ops:
-            n = op.dtensor if dtensor else op.kernels
-            g = n if op.cost_class.startswith("gemm") else 0
-            if op.name == "grad_accum":  # the first micro-batch's grads are stolen, not added
-                accum, gemm_accum = accum + n, gemm_accum + g
-            else:
-                first, gemm = first + n, gemm + g
-    tensors = spec.layers * layer_tensors(spec, stack) + 4
-    dtensors = spec.layers * dtensor_tensors(spec, stack, tp, sp)
-    opt = mdl.optimizer_op(1.0, tensors, stack, dtype, dtensors)
-    return StepCounts(first, first + accum, opt.dtensor if dtensor else opt.host_ops,
-                      gemm, gemm + gemm_accum)
-
-
-def step_kernels(sizes: dict[str, int] = HOST_GPT, batch: int = BATCH,
-                 dtensor: bool = False) -> int:
-    """Kernels (``dtensor``: DTensor ops) of a one-micro-batch step (:func:`step_counts`)."""
-    return step_counts(sizes, batch, dtensor).total()
-
-
-def split_per_op(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float, float]:
-    """Seconds per op of the micro-batches and of the optimizer step, from the step's
-    time at one micro-batch (``t1``) and at ``m``: ``tm − t1 = (m − 1)·later·x`` and
-    ``t1 = first·x + optimizer·y``; each at least 0 (noise can push a difference below)."""
-    return _two_terms(t1, tm, m, (counts.first, counts.optimizer), (counts.later, 0))
-
-
-def split_gemm(t1: float, tm: float, m: int, counts: StepCounts) -> tuple[float, float]:
-    """Seconds per GEMM op and per other op (the optimizer's included), from the step's
-    time at one micro-batch (``t1``) and at ``m``:
-    ``t1 = g₁·x_g + (o₁ + optimizer)·x_o`` and ``(tm − t1) / (m − 1) = g·x_g + o·x_o``
-    (``g``, ``o``: a later micro-batch's GEMM and other ops). Where noise drives one
-    below 0 it is 0 and the other carries the later micro-batches' cost."""
-    return _two_terms(
-        t1, tm, m, (counts.gemm_first, counts.first - counts.gemm_first + counts.optimizer),
-        (counts.gemm_later, counts.later - counts.gemm_later))
-
-
-def _two_terms(t1: float, tm: float, m: int, first: tuple[int, int],
-               later: tuple[int, int]) -> tuple[float, float]:
-    """Per-op seconds (x, y) ≥ 0 of two kinds of op from a step at one micro-batch and
-    at ``m``: ``t1 = first₀·x + first₁·y`` and ``(tm − t1)/(m − 1) = later₀·x +
-    later₁·y`` (the later micro-batches' ops of each kind). Where the exact solution
-    has a term below 0, that term is 0 and the other carries the later micro-batches'
-    cost."""
-    per = max(tm - t1, 0.0) / (m - 1)
-    (a, b), (c, d) = first, later
-    det = a * d - b * c
-    x, y = ((t1 * d - per * b) / det, (a * per - c * t1) / det) if det else (-1.0, 0.0)
-    if x >= 0 and y >= 0:
-        return x, y
-    if y < 0 and c:
-        return per / c, 0.0
-    return 0.0, per / d if d else 0.0
+from calibration.measured.host_counts import (
+    BATCH,
+    HOST_GPT,
+    MICRO_BATCHES,
+    split_gemm,
+    split_per_op,
+    step_counts,
+)
 
 
 def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
@@ -316,7 +220,7 @@ def add_to_profile(path: str, threads: int, device: str = "cpu") -> dict[str, An
 
     import yaml
 
-    from calibration.microbench.fit_profile import write_profile
+    from calibration.microbench.profile_build import write_profile
 
     profile = yaml.safe_load(Path(path).read_text())
     gpu = profile["gpu"]
@@ -343,7 +247,7 @@ def refit_profile(path: str) -> dict[str, Any]:
 
     import yaml
 
-    from calibration.microbench.fit_profile import write_profile
+    from calibration.microbench.profile_build import write_profile
     from simulator.errors import Problem, UserError
 
     profile = yaml.safe_load(Path(path).read_text())
@@ -407,7 +311,7 @@ def _cli_main(args: Any) -> int:
               f"{host['host_optimizer_us']:.1f} us per optimizer host unit, re-derived "
               f"({host['device']}) -> {path}")
         return 0
-    from calibration.microbench.calibrate import require_torch
+    from calibration.host import require_torch
 
     torch = require_torch()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -157,6 +157,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _layout_flags(p)
+    _model_flags(p)
+    _variant_flags(p)
+    _run_flags(p)
+    p.set_defaults(func=_cli_main)
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    """The parallel layout: the degrees, the schedule, ZeRO and the micro-batches."""
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel degree (stages)")
     p.add_argument("--dp", type=int, required=True, help="data-parallel degree")
@@ -172,6 +181,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--micro-batch-size", type=int, default=2, help="samples per micro-batch (default 2)"
     )
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model preset and its sizes overridden."""
     p.add_argument(
         "--model",
         default="tiny-gpt",
@@ -183,6 +196,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(
             f"--{size}", type=int, default=None, help=f"override the preset's {size}{note}"
         )
+
+
+def _variant_flags(p: argparse.ArgumentParser) -> None:
+    """What the run adds to the layout: sequence parallelism, PowerSGD, experts, CP and a
+    straggler on purpose."""
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -221,6 +239,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--slowdown", type=float, default=2.0,
         help="with --slow-rank: K, how many times as long its compute takes (default 2)",
     )
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """How long it runs, where, and where its results go."""
     p.add_argument("--steps", type=int, required=True, help="timed steps (at least)")
     p.add_argument(
         "--min-seconds", type=float, default=0.0,
@@ -237,7 +259,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"launch timeout in seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.set_defaults(func=_cli_main)
 
 
 def _cli_main(args: argparse.Namespace) -> int:

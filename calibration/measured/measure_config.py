@@ -90,6 +90,28 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(cfg: MeasureConfig) -> None:
     """Raise ``ValueError("field=value: problem; fix")`` for a run that cannot work."""
+    _run_problems(cfg)
+    _model_problems(cfg)
+    if cfg.powersgd_rank:
+        _powersgd_problems(cfg)
+    if cfg.experts or cfg.ep > 1:
+        _moe_problems(cfg)
+    if cfg.cp != 1:
+        _cp_problems(cfg)
+    if cfg.slow_rank >= 0 or cfg.slowdown != 1.0:
+        _slow_rank_problems(cfg)
+    _pipeline_problems(cfg)
+    if cfg.device == "cuda":
+        available = _cuda_device_count()
+        _require(
+            cfg.world_size <= available,
+            f"tp*pp*dp*cp={cfg.world_size}: only {available} CUDA device(s) here; "
+            "lower the degrees",
+        )
+
+
+def _run_problems(cfg: MeasureConfig) -> None:
+    """The degrees, counts, schedule, ZeRO stage, device and timeout."""
     for name in ("tp", "pp", "dp", "micro_batches", "micro_batch_size", "steps", "threads"):
         value = getattr(cfg, name)
         _require(
@@ -108,6 +130,10 @@ def validate(cfg: MeasureConfig) -> None:
     _require(cfg.zero in (0, 3), f"zero={cfg.zero}: choose 0 (DDP) or 3 (FSDP2 fully_shard)")
     _require(cfg.device in DEVICES, f"device={cfg.device!r}: choose cpu or cuda")
     _require(cfg.timeout_s > 0, f"timeout={cfg.timeout_s}: must be > 0 seconds")
+
+
+def _model_problems(cfg: MeasureConfig) -> None:
+    """The model's sizes, and their divisibility by the TP degree (and sequence parallel)."""
     m = cfg.model
     unknown = sorted(set(m) - set(MODEL_KEYS))
     _require(not unknown, f"model: unknown key(s) {unknown}; allowed: {', '.join(MODEL_KEYS)}")
@@ -132,31 +158,38 @@ def validate(cfg: MeasureConfig) -> None:
             m["seq_len"] % cfg.tp == 0,
             f"model.seq_len={m['seq_len']}: not divisible by tp={cfg.tp} (sequence parallel)",
         )
-    if cfg.powersgd_rank:
-        _require(cfg.powersgd_rank >= 1, f"powersgd_rank={cfg.powersgd_rank}: must be >= 1")
-        _require(
-            cfg.dp > 1 and cfg.zero == 0 and cfg.tp == 1,
-            f"powersgd_rank={cfg.powersgd_rank}: PowerSGD is a DDP hook; needs dp > 1, "
-            f"zero 0 and tp 1 (got dp={cfg.dp}, zero={cfg.zero}, tp={cfg.tp})",
-        )
-        _require(
-            cfg.warmup >= 2,
-            f"warmup={cfg.warmup}: PowerSGD starts after the warm-up steps and PyTorch "
-            "needs at least 2; use --warmup 2 or more",
-        )
-    if cfg.experts or cfg.ep > 1:
-        _moe_problems(cfg)
-    if cfg.cp != 1:
-        _cp_problems(cfg)
-    if cfg.slow_rank >= 0 or cfg.slowdown != 1.0:
-        _require(0 <= cfg.slow_rank < cfg.world_size,
-                 f"slow_rank={cfg.slow_rank}: name a rank 0..{cfg.world_size - 1} "
-                 "(--slow-rank R with --slowdown K)")
-        _require(1.0 <= cfg.slowdown <= 100.0,
-                 f"slowdown={cfg.slowdown}: must lie in [1, 100] (K times as long)")
-        _require(not cfg.experts and cfg.cp == 1,
-                 f"slow_rank={cfg.slow_rank}: the straggler option is in the dense TP/PP/DP "
-                 "worker only; use it without --experts and --cp")
+
+
+def _powersgd_problems(cfg: MeasureConfig) -> None:
+    """PowerSGD is a DDP hook that PyTorch starts after at least two steps."""
+    _require(cfg.powersgd_rank >= 1, f"powersgd_rank={cfg.powersgd_rank}: must be >= 1")
+    _require(
+        cfg.dp > 1 and cfg.zero == 0 and cfg.tp == 1,
+        f"powersgd_rank={cfg.powersgd_rank}: PowerSGD is a DDP hook; needs dp > 1, "
+        f"zero 0 and tp 1 (got dp={cfg.dp}, zero={cfg.zero}, tp={cfg.tp})",
+    )
+    _require(
+        cfg.warmup >= 2,
+        f"warmup={cfg.warmup}: PowerSGD starts after the warm-up steps and PyTorch "
+        "needs at least 2; use --warmup 2 or more",
+    )
+
+
+def _slow_rank_problems(cfg: MeasureConfig) -> None:
+    """The straggler is one rank of the dense worker, slowed 1 to 100 times."""
+    _require(0 <= cfg.slow_rank < cfg.world_size,
+             f"slow_rank={cfg.slow_rank}: name a rank 0..{cfg.world_size - 1} "
+             "(--slow-rank R with --slowdown K)")
+    _require(1.0 <= cfg.slowdown <= 100.0,
+             f"slowdown={cfg.slowdown}: must lie in [1, 100] (K times as long)")
+    _require(not cfg.experts and cfg.cp == 1,
+             f"slow_rank={cfg.slow_rank}: the straggler option is in the dense TP/PP/DP "
+             "worker only; use it without --experts and --cp")
+
+
+def _pipeline_problems(cfg: MeasureConfig) -> None:
+    """The layers cut evenly into stages, and the micro-batches each schedule needs."""
+    m = cfg.model
     stages = cfg.pp * cfg.virtual_stages
     _require(
         m["layers"] % stages == 0,
@@ -174,13 +207,6 @@ def validate(cfg: MeasureConfig) -> None:
             cfg.micro_batches % rounds == 0,
             f"micro_batches={cfg.micro_batches}: interleaved needs a multiple of "
             f"pp={cfg.pp} (or fewer than pp)",
-        )
-    if cfg.device == "cuda":
-        available = _cuda_device_count()
-        _require(
-            cfg.world_size <= available,
-            f"tp*pp*dp*cp={cfg.world_size}: only {available} CUDA device(s) here; "
-            "lower the degrees",
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from calibration.devices import preset_for
 from calibration.measured.measure_config import MeasureConfig
 
 #: The software stack every measured run executes (simulator/presets/stacks/pytorch-eager.yaml).
@@ -40,18 +41,9 @@ def _flow(mapping: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k}: {fmt(v)}" for k, v in mapping.items()) + "}"
 
 
-#: Bundled system presets by a word in ``torch.cuda.get_device_name()``, most specific first.
-_CUDA_SYSTEMS = (
-    ("h200", "dgx-h200"),
-    ("h100", "dgx-h100"),
-    ("a100-sxm4-40gb", "dgx-a100-40gb"),
-    ("a100-pcie-40gb", "dgx-a100-40gb"),
-    ("a100", "dgx-a100-80gb"),
-)
-
-
 def system_name(cfg: MeasureConfig, device_name: str | None = None) -> str:
-    """The system preset the scenario names: ``cpu-<threads>thread`` or the GPU's DGX preset.
+    """The system preset the scenario names: ``cpu-<threads>thread`` or the GPU's DGX preset
+    (:func:`calibration.devices.preset_for`).
 
     An unknown GPU gets a slug of its name; point ``cluster.system`` at a
     calibrated profile YAML before comparing.
@@ -63,7 +55,7 @@ def system_name(cfg: MeasureConfig, device_name: str | None = None) -> str:
 
         device_name = torch.cuda.get_device_name(0)
     slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    return next((preset for key, preset in _CUDA_SYSTEMS if key in slug), slug)
+    return preset_for(device_name) or slug
 
 
 def scenario_name(cfg: MeasureConfig) -> str:
@@ -85,34 +77,12 @@ def scenario_dict(
     cfg: MeasureConfig, device_name: str | None = None
 ) -> dict[str, dict[str, Any] | str]:
     """The simulator scenario equivalent to the run (one device per rank, one node)."""
-    m = cfg.model
-    training: dict[str, Any] = {
-        "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
-        "micro_batch": cfg.micro_batch_size,
-        "dtype": "bf16" if cfg.device == "cuda" else "fp32",
-    }
-    if cfg.powersgd_rank:  # the hook compresses from step `warmup`: the timed steps
-        training["gradient_compression"] = {"method": "powersgd", "rank": cfg.powersgd_rank,
-                                            "start_step": cfg.warmup}
     out: dict[str, dict[str, Any] | str] = {
         "name": scenario_name(cfg),
         # what calibration/measured/gpt.py runs: separate q/k/v, SDPA, DDP / FSDP2 /
         # torch.distributed.pipelining / DTensor TP, torch.optim.AdamW (the preset's comments)
         "stack": stack_for(cfg.device),
-        "model": {
-            "layers": m["layers"],
-            "hidden": m["hidden"],
-            "heads": m["heads"],
-            "kv_heads": m["heads"],
-            "ffn_hidden": m["ffn_hidden"],
-            "vocab": m["vocab"],
-            "seq_len": m["seq_len"],
-            "activation": "gelu",
-            "norm": "layernorm",
-            "bias": True,
-            "tied_embeddings": True,
-            "position": "learned",
-        },
+        "model": _model_section(cfg.model),
         "cluster": {
             "system": system_name(cfg, device_name),
             "nodes": 1,
@@ -128,14 +98,50 @@ def scenario_dict(
             "recompute": "none",
             "sequence_parallel": cfg.sequence_parallel,
         },
-        "training": training,
+        "training": _training_section(cfg),
     }
+    _variants_into(out, cfg)
+    return out
+
+
+def _model_section(m: dict[str, int]) -> dict[str, Any]:
+    """The measured GPT's sizes with the GPT-2 features :mod:`calibration.measured.gpt` has."""
+    return {
+        "layers": m["layers"],
+        "hidden": m["hidden"],
+        "heads": m["heads"],
+        "kv_heads": m["heads"],
+        "ffn_hidden": m["ffn_hidden"],
+        "vocab": m["vocab"],
+        "seq_len": m["seq_len"],
+        "activation": "gelu",
+        "norm": "layernorm",
+        "bias": True,
+        "tied_embeddings": True,
+        "position": "learned",
+    }
+
+
+def _training_section(cfg: MeasureConfig) -> dict[str, Any]:
+    training: dict[str, Any] = {
+        "global_batch": cfg.micro_batch_size * cfg.micro_batches * cfg.dp,
+        "micro_batch": cfg.micro_batch_size,
+        "dtype": "bf16" if cfg.device == "cuda" else "fp32",
+    }
+    if cfg.powersgd_rank:  # the hook compresses from step `warmup`: the timed steps
+        training["gradient_compression"] = {"method": "powersgd", "rank": cfg.powersgd_rank,
+                                            "start_step": cfg.warmup}
+    return training
+
+
+def _variants_into(out: dict[str, dict[str, Any] | str], cfg: MeasureConfig) -> None:
+    """What the MoE, CP, PowerSGD and straggler runs change in the scenario."""
+    model, parallel = out["model"], out["parallel"]
+    assert isinstance(model, dict) and isinstance(parallel, dict)
     if cfg.experts:  # calibration/measured/moe_worker.py: padded buffers, one dense reduction
-        model = out["model"]
-        parallel = out["parallel"]
-        assert isinstance(model, dict) and isinstance(parallel, dict)
         model.update(experts=cfg.experts, experts_per_token=cfg.experts_per_token,
-                     expert_ffn_hidden=m["ffn_hidden"], capacity_factor=cfg.capacity_factor)
+                     expert_ffn_hidden=cfg.model["ffn_hidden"],
+                     capacity_factor=cfg.capacity_factor)
         parallel.update(ep=cfg.ep, dp_bucket_MB=1e6)
         # no DDP: MoETrainer.reduce concatenates the dense gradients after the backward,
         # all-reduces them in one call, divides and copies them back (the DDP bucket's
@@ -144,19 +150,14 @@ def scenario_dict(
         out["stack"] = {**({"preset": stack} if isinstance(stack, str) else stack),
                         "grad_reduce": "after_backward", "ddp_first_bucket_MB": 0}
     if cfg.cp > 1:  # calibration/measured/cp_worker.py: K and V all-gathered, DDP over dp·cp
-        parallel = out["parallel"]
-        assert isinstance(parallel, dict)
         parallel.update(cp=cfg.cp, cp_comm_type="allgather")
     if cfg.powersgd_rank:
         from calibration.measured.compression_hook import POWERSGD_BUCKET_MB
 
-        parallel = out["parallel"]
-        assert isinstance(parallel, dict)
         parallel["dp_bucket_MB"] = POWERSGD_BUCKET_MB
     if cfg.slow_rank >= 0:  # calibration/measured/slow_rank.py: one straggler on purpose
         out["variability"] = {"slow_gpus": [{"ranks": [cfg.slow_rank],
                                              "compute_slowdown": cfg.slowdown}]}
-    return out
 
 
 def scenario_yaml(cfg: MeasureConfig, device_name: str | None = None) -> str:

@@ -67,7 +67,7 @@ def add_to_profile(path: str, threads: int) -> dict[str, Any]:
     (atomically, validated), with its provenance."""
     import yaml
 
-    from calibration.microbench.fit_profile import write_profile
+    from calibration.microbench.profile_build import write_profile
 
     profile = yaml.safe_load(Path(path).read_text())
     profile["gpu"].pop("pipeline_action_us", None)  # the slope the profile gives without it

@@ -6,7 +6,7 @@ machine inflates it little), the kernels ``powerSGD_hook`` runs per compressed
 matrix of the measured GPT (P = M·Q, Q = Mᵀ·P, M = P·Qᵀ with ``torch.bmm``) and its
 passes over the whole gradient (the error-feedback add, the copy of the bucket,
 the new error ``copy − M``, both as the hook writes them: a fresh tensor each
-step), and prints each beside the price :mod:`simulator.strategies.compression` gives it
+step), and prints each beside the price :mod:`simulator.strategies.compression.arithmetic` gives it
 with the profile. It is the diagnostic behind the PowerSGD row of the
 validation table (README): where the simulated hook is short, which kernel.
 """
@@ -37,9 +37,9 @@ def kernel_table(profile: str, model: str, rank: int, repeats: int = 9) -> list[
     """(kernel, measured s, simulated s) per step of the hook on ``model``'s gradients."""
     import torch
 
-    from simulator.strategies import compression as cmp
+    from simulator.strategies.compression import arithmetic as cmp
     from simulator.system.costs import CostModel
-    from simulator.system.hardware import load_system
+    from simulator.system.profiles import load_system
 
     torch.set_num_threads(1)
     cost = CostModel(load_system(profile), "fp32")
@@ -58,7 +58,7 @@ def kernel_table(profile: str, model: str, rank: int, repeats: int = 9) -> list[
         for name, left, right, out, dims in calls:
             row = rows.setdefault(name, [0.0, 0.0])
             row[0] += count * _median_cpu_s(partial(torch.bmm, left, right, out=out), repeats)
-            row[1] += count * cost.op_time(cmp._gemm(name, *dims))
+            row[1] += count * cost.op_time(cmp.fp32_gemm(name, *dims))
     elements = sum(n * m for n, m in shapes)
     x, y = torch.randn(elements), torch.randn(elements)
     passes: tuple[tuple[str, Callable[[], Any], int], ...] = (

@@ -2,7 +2,7 @@
 
 A validation simulates every row from one calibration, taken before the first row. On a
 shared VM the machine it describes does not stay put: on the project's 2-vCPU VM the
-rank spread (:mod:`calibration.microbench.rank_spread`) read 0.056 in a calibration, 0.128
+rank spread (:mod:`calibration.microbench.terms.rank_spread`) read 0.056 in a calibration, 0.128
 in the compute segments of a TP run a few minutes later and 0.19 forty minutes after it,
 which moves a TP step by several percent whatever the model does. So after its last row
 ``clustersim validation`` measures the terms it can measure in one short torchrun launch
@@ -34,21 +34,26 @@ TERMS: tuple[tuple[str, str, str, str], ...] = (
 def figures(records: list[dict[str, Any]]) -> dict[str, float | None]:
     """The terms fitted from a launch's records as the profile keeps them (µs for the
     sync costs, intra-node), None for a term without a successful record."""
-    from calibration.microbench import fit_terms as ft
+    from calibration.microbench.terms import (
+        collective_sync,
+        funcol_host,
+        interference,
+        rank_spread,
+        send_sync,
+    )
 
     def of(kind: str) -> list[dict[str, Any]]:
         return [r for r in records if r.get("kind") == kind]
 
-    spread, _ = ft.rank_spread(of("rank_spread"))
-    factor, _ = ft.interference_factor(of("interference"))
+    spread, _ = rank_spread.fit(of("rank_spread"))
+    factor, _ = interference.fit(of("interference"))
     out: dict[str, float | None] = {"rank_spread": spread,
                                     "interference": factor.get("intra_node")}
-    for key, fit in (("collective_sync_us", ft.collective_sync),
-                     ("send_sync_us", ft.send_sync)):
-        seconds = fit(of(key.removesuffix("_us")))[0].get("intra_node")
+    for key, term in (("collective_sync_us", collective_sync), ("send_sync_us", send_sync)):
+        seconds = term.fit(of(term.KIND))[0].get("intra_node")
         out[key] = None if seconds is None else seconds * 1e6
-    lines, _ = ft.funcol_host(of("funcol_host"))
-    for kind in ft.fh.KINDS:
+    lines, _ = funcol_host.fit(of("funcol_host"))
+    for kind in funcol_host.KINDS:
         out[f"funcol_host.{kind}"] = lines[kind][0] * 1e6 if kind in lines else None
     return out
 

@@ -1,11 +1,12 @@
-"""The part every measured worker with its own trainer shares: start the process group,
-time the steps, profile one, and gather ``measured.json`` on rank 0.
+"""The part every measured worker shares: start the process group, time the steps,
+profile one, and gather ``measured.json`` on rank 0.
 
-:mod:`calibration.measured.moe_worker` and :mod:`calibration.measured.cp_worker` build a
-trainer (a callable running one optimizer step, with ``coords``, ``optimizer``) and hand
-it to :func:`record_run`; :func:`worker_main` is their ``main``: it reads the
+:mod:`calibration.measured.parallel_worker`, :mod:`calibration.measured.moe_worker` and
+:mod:`calibration.measured.cp_worker` build a trainer (a callable running one optimizer
+step, with ``coords``, ``optimizer``) and hand it to :func:`record_run`;
+:func:`worker_main` is their ``main``: it reads the
 :class:`~calibration.measured.measure_config.MeasureConfig`, starts gloo (CPU) or NCCL
-(CUDA) and runs them. Timing and profiling are :mod:`calibration.measured.parallel_worker`'s.
+(CUDA) and runs them. Timing and profiling are :mod:`calibration.measured.timing`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from calibration.host import keep_freed_memory
 from calibration.measured.measure_config import MeasureConfig, write_json_atomic
 from calibration.measured.measure_trace import breakdown_from_trace
-from calibration.measured.parallel_worker import (
+from calibration.measured.timing import (
     peak_memory_bytes,
     profile_one_step,
     state_bytes,
@@ -41,9 +42,15 @@ def autocast_for(device: torch.device) -> Callable[[], AbstractContextManager[An
     return nullcontext
 
 
-def record_run(trainer: Any, cfg: MeasureConfig, device: torch.device) -> None:
-    """Time ``trainer``'s steps, profile one, and write ``measured.json`` from rank 0."""
-    times, losses = timed_steps(trainer, cfg, device)
+def record_run(trainer: Any, cfg: MeasureConfig, device: torch.device,
+               timed: Callable[[], Any] | None = None,
+               extra: Callable[[int], dict[str, Any]] | None = None,
+               tied_diff: Callable[[], float | None] | None = None) -> None:
+    """Time ``trainer``'s steps (through ``timed`` where given: the trainer wrapped, say
+    slowed down), profile one, and write ``measured.json`` from rank 0. ``extra`` adds to
+    this rank's figures (given the count of timed steps), ``tied_diff`` measures the tied
+    embedding's copies apart (every rank calls it, after profiling)."""
+    times, losses = timed_steps(trainer if timed is None else timed, cfg, device)
     peak = peak_memory_bytes(device)
     out = Path(cfg.out_dir)
     (out / "traces").mkdir(parents=True, exist_ok=True)
@@ -53,11 +60,13 @@ def record_run(trainer: Any, cfg: MeasureConfig, device: torch.device) -> None:
     mine = {"rank": rank, **trainer.coords, "step_times_s": times, "losses": losses,
             "peak_memory_bytes": peak, "state_bytes": state_bytes(trainer),
             "profiled_step_s": profiled,
-            **breakdown_from_trace(json.loads(trace_path.read_text()), device.type)}
+            **breakdown_from_trace(json.loads(trace_path.read_text()), device.type),
+            **(extra(len(times)) if extra is not None else {})}
+    diff = tied_diff() if tied_diff is not None else None
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        write_json_atomic(out / "measured.json", summarize(cfg, device, gathered, None))
+        write_json_atomic(out / "measured.json", summarize(cfg, device, gathered, diff))
     dist.barrier()  # leave together: a rank tearing down while its peers talk can abort
 
 

@@ -20,12 +20,10 @@ import threading
 from pathlib import Path
 
 from calibration.host import kill_process_group, worker_pythonpath
-from calibration.microbench import funcol_host, rank_spread, send_sync
 from calibration.microbench.bench_results import ResultsStore, failure_record
 from calibration.microbench.bench_timing import Budget, Device
-from calibration.microbench.collective_sync import sync_key
 from calibration.microbench.collectives_worker import collective_key
-from calibration.microbench.interference import interference_key
+from calibration.microbench.terms.registry import TERMS
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 MAX_LAUNCHES = 3
@@ -53,18 +51,14 @@ def run_collectives(device: Device, nproc: int, budget: Budget, store: ResultsSt
                     timeout_s: float, ops: tuple[str, ...] = OPS,
                     terms: bool = True) -> None:
     """Measure every (op, group size, message size) not yet in the results file, and
-    (``terms``) in the same launch the GEMM slowdown under all-reduces and the
-    collective sync cost (all-reduces after compute against back to back) and the send
-    sync cost (a ping-pong of sends after compute against back to back) and the host
-    time of DTensor's redistributions against the plain c10d collectives."""
+    (``terms``) in the same launch the two-rank terms not yet in it
+    (:data:`calibration.microbench.terms.registry.TERMS`: the GEMM slowdown under
+    all-reduces, the collective and send sync costs, the rank spread and the host time of
+    DTensor's redistributions)."""
     sizes = message_sizes(budget)
     groups = group_sizes(nproc)
     planned = [(op, n, s) for op in ops for n in groups for s in sizes]
-    term_flags = {interference_key(device.kind, device.threads): "--interference",
-                  sync_key(device.kind, device.threads): "--collective-sync",
-                  send_sync.sync_key(device.kind, device.threads): "--send-sync",
-                  rank_spread.spread_key(device.kind, device.threads): "--rank-spread",
-                  funcol_host.host_key(device.kind, device.threads): "--funcol-host"}
+    term_flags = {term.key(device.kind, device.threads): term.FLAG for term in TERMS.values()}
 
     def missing() -> list[tuple[str, int, int]]:
         done = store.done()

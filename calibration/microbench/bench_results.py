@@ -133,6 +133,17 @@ def measure_term(store: ResultsStore, key: str, kind: str, rank: int,
         print(summary(rec), flush=True)
 
 
+def latest_rounds(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest successful record that has rounds (a term measured in rounds)."""
+    ok = [r for r in records if r.get("ok") and r.get("rounds")]
+    return ok[-1] if ok else None
+
+
+def link_of(rec: dict[str, Any]) -> str:
+    """The link class a record was measured on (one node: ``intra_node``)."""
+    return str(rec.get("link", "intra_node"))
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Records of a results file, read only (the file is not created if absent)."""
     return list(_read_jsonl(path))

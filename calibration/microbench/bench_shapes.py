@@ -70,7 +70,7 @@ def _round8(x: float) -> int:
 
 
 def _layer_gemms(name: str, tp: int, tokens: int) -> list[tuple[str, int, int, int]]:
-    from simulator.spec.scenario import load_preset_model
+    from simulator.spec.model_spec import load_preset_model
 
     mdl = load_preset_model(name)
     if mdl.heads % tp or mdl.ffn % tp or mdl.vocab % tp:
@@ -101,7 +101,7 @@ def _scale(m: int, n: int, k: int, cap: float) -> tuple[int, int, int, int]:
 
 
 def model_gemm_shapes(budget: Budget, device: str) -> list[GemmShape]:
-    from simulator.spec.scenario import load_preset_model, preset_model_names
+    from simulator.spec.model_spec import load_preset_model, preset_model_names
 
     seen: dict[tuple[int, int, int], GemmShape] = {}
     for name in preset_model_names():
@@ -129,7 +129,7 @@ def grid_gemm_shapes(budget: Budget) -> list[GemmShape]:
 
 
 def attention_shapes(budget: Budget, device: str) -> list[AttentionShape]:
-    from simulator.spec.scenario import load_preset_model, preset_model_names
+    from simulator.spec.model_spec import load_preset_model, preset_model_names
 
     seqs = (1024, 2048, 4096, 8192) if device == "cuda" else (64, 128, 256, 512, 1024)
     seen: dict[tuple[int, int, int, int], AttentionShape] = {}

@@ -26,15 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from calibration.microbench.bench_compute import (
-    Job,
-    Runner,
-    gemm_plan,
-    gemm_runner,
-    key_prefix,
-    memory_job,
-    run_jobs,
-)
+from calibration.microbench.bench_compute import gemm_plan, gemm_runner, memory_job
+from calibration.microbench.bench_jobs import Job, Runner, key_prefix, run_jobs
 from calibration.microbench.bench_results import ResultsStore, progress
 from calibration.microbench.bench_shapes import AttentionShape, attention_shapes, spread_by_size
 from calibration.microbench.bench_timing import (

@@ -15,14 +15,14 @@ The profile has the schema of the bundled presets, so a scenario uses it with
   class; tiny adds and copies → ``kernel_overhead_us`` (the intercept);
 - a GEMM alone and under all-reduces, in the collectives' launch → ``interference``;
 - all-reduces after a compute burst against back to back, in the same launch →
-  ``collective_sync_us`` (:mod:`calibration.microbench.collective_sync`);
+  ``collective_sync_us`` (:mod:`calibration.microbench.terms.collective_sync`);
 - a ping-pong of sends after a compute burst against back to back, in the same launch →
-  ``send_sync_us`` (:mod:`calibration.microbench.send_sync`);
+  ``send_sync_us`` (:mod:`calibration.microbench.terms.send_sync`);
 - the same compute burst on two ranks at once, in the same launch → ``rank_spread``
-  (:mod:`calibration.microbench.rank_spread`);
+  (:mod:`calibration.microbench.terms.rank_spread`);
 - the issuing thread's time in DTensor's redistributions (all-reduce, all-gather,
   reduce-scatter) against the plain c10d collectives, in the same launch →
-  ``funcol_host`` (:mod:`calibration.microbench.funcol_host`);
+  ``funcol_host`` (:mod:`calibration.microbench.terms.funcol_host`);
 - all-reduce, all-gather, reduce-scatter, broadcast, send/recv and all-to-all under torchrun
   (gloo on CPU, NCCL on CUDA), 1 KiB up to 64 MiB (1 GiB on GPUs without
   ``--quick``), every group size 2..N → α and busbw per collective, or the same
@@ -37,7 +37,10 @@ A reference GEMM timed at the start and the end, and on a VM the hypervisor's st
 share, guard against a busy machine
 (:mod:`calibration.microbench.busy_guard`; ``--retry-busy N`` re-measures), and
 every fitted term's spread goes to the profile's ``uncertainty``
-(:mod:`calibration.microbench.fit_terms`).
+(:mod:`calibration.microbench.spread`). The flags are resolved in
+:mod:`calibration.microbench.calibrate_options`; the records are fitted in
+:mod:`calibration.microbench.fit_profile` and the profile written by
+:mod:`calibration.microbench.profile_build`.
 
 torch is imported only when a calibration runs: ``import calibration.microbench.calibrate``
 works without it.
@@ -49,10 +52,11 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from calibration.devices import preset_for
+from calibration.microbench.calibrate_options import Options, resolve_options
 from simulator.errors import Problem, UserError
 
 DESCRIPTION = """\
@@ -160,86 +164,9 @@ def run_report_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class Options:
-    device: str
-    dtype: str
-    level: str
-    nproc: int
-    threads: int
-    out: Path
-    results: Path
-    nccl_specs: tuple[str, ...]
-    skip: frozenset[str]
-    base: str
-    name: str
-    timeout_s: float
-    retry_failed: bool
-    device_name: str
-    retry_busy: int = 0
-
-
-def require_torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise UserError([Problem("", None, "calibration needs PyTorch: pip install "
-                                 "'clustersim[calibrate]' (or torch)")]) from None
-    return torch
-
-
-def resolve_options(args: argparse.Namespace) -> Options:
-    """Check the flags together; every problem found is reported at once."""
-    problems: list[Problem] = []
-    if not args.out:
-        problems.append(Problem("--out", None, "name the profile to write, e.g. --out cpu.yaml"))
-    elif Path(args.out).suffix.lower() not in (".yaml", ".yml"):
-        problems.append(Problem("--out", args.out, "the profile is YAML: end the name in .yaml"))
-    elif Path(args.out).is_dir():
-        problems.append(Problem("--out", args.out, "is a directory; name a .yaml file"))
-    if args.threads < 1:
-        problems.append(Problem("--threads", args.threads, "use 1 or more"))
-    if args.nproc is not None and args.nproc < 1:
-        problems.append(Problem("--nproc", args.nproc, "use 1 or more"))
-    if not 0 <= args.retry_busy <= 10:
-        problems.append(Problem("--retry-busy", args.retry_busy, "use 0 to 10 re-measures"))
-    if args.timeout is not None and args.timeout <= 0:
-        problems.append(Problem("--timeout", args.timeout, "use a positive number of seconds"))
-    if args.from_nccl_tests and "collectives" in args.skip:
-        problems.append(Problem("--skip", "collectives", "conflicts with --from-nccl-tests; "
-                                "drop one of them"))
-    if problems:
-        raise UserError(problems)
-    torch = require_torch()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError([Problem("--device", "cuda", "PyTorch sees no CUDA GPU here; use "
-                                 "--device cpu (or check CUDA_VISIBLE_DEVICES and the driver)")])
-    count = torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
-    nproc = args.nproc or (count if device == "cuda" else max(1, min(2, count // args.threads)))
-    if device == "cuda" and nproc > count:
-        raise UserError([Problem("--nproc", nproc, f"only {count} GPU(s) visible; use "
-                                 f"--nproc {count} or fewer")])
-    from calibration.host import cpu_name
-    from calibration.microbench.fit_profile import datasheet_preset
-
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    base = args.base or (datasheet_preset(device_name) or "dgx-h100" if device == "cuda"
-                         else "cpu-1thread")
-    out = Path(args.out)
-    results = Path(args.results) if args.results else out.with_suffix(".results.jsonl")
-    level = "tiny" if args.tiny else "quick" if args.quick else "full"
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")[:40]
-    return Options(device, args.dtype or ("bf16" if device == "cuda" else "fp32"), level, nproc,
-                   args.threads, out, results, tuple(args.from_nccl_tests or ()),
-                   frozenset(args.skip), base, args.name or f"calibrated-{slug}",
-                   args.timeout or (1800.0 if device == "cuda" else 300.0), args.retry_failed,
-                   device_name, args.retry_busy)
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
     opts = resolve_options(args)
-    from simulator.system.hardware import load_system
+    from simulator.system.profiles import load_system
 
     try:
         base = load_system(opts.base)  # a bad --base fails before any measuring
@@ -350,21 +277,19 @@ def _measure_collectives(opts: Options, device: Any, budget: Any, store: Any,
 
 
 def _datasheet(opts: Options) -> bool:
-    from calibration.microbench.fit_profile import datasheet_preset
-
-    return datasheet_preset(opts.device_name) is not None
+    return preset_for(opts.device_name) is not None
 
 
 def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
                    nccl_runs: list[Any], elapsed: float, guard: dict[str, Any]) -> Path:
     from calibration.microbench.fit_profile import (
-        build_profile,
         fit_collectives,
         fit_compute,
         samples_from_records,
-        write_profile,
     )
+    from calibration.microbench.profile_build import build_profile, write_profile
     from calibration.microbench.report_tables import collective_table, summary_text
+    from calibration.microbench.terms.registry import in_profile_order
 
     records = store.records()
     fits = fit_compute(records, opts.device, opts.dtype, opts.threads, opts.device_name,
@@ -391,8 +316,7 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
                     for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
-                              "overhead", "collective", "interference", "collective_sync",
-                              "send_sync", "funcol_host", "rank_spread")},
+                              "overhead", "collective", *in_profile_order())},
         "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),

@@ -22,6 +22,10 @@ records and prints progress on stderr.
 Sizes follow nccl-tests: S is the whole array (all-reduce buffer, all-gather
 output, reduce-scatter input, the buffer each rank sends in send/recv), float32
 elements, rounded down to a multiple of n elements.
+
+After the sweep, ranks 0 and 1 measure the two-rank terms their flags ask for, in the
+registry's order (:data:`calibration.microbench.terms.registry.TERMS`: each term's flag,
+key, rounds and summary), and rank 0 appends each one's record.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from calibration.microbench.bench_results import (
     failure_record,
     measure_term,
 )
+from calibration.microbench.dist import human, make_call, quiet_time, rank_max, sync
 from calibration.microbench.fit import Sample, busbw_factor, fit_alpha_beta
+from calibration.microbench.terms.registry import TERMS
 
 
 def collective_key(device: str, threads: int, op: str, n: int, size: int) -> str:
@@ -64,18 +70,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-batch-s", type=float, default=2e-4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--op-timeout-s", type=float, default=120.0)
-    p.add_argument("--interference", action="store_true",
-                   help="also time a GEMM alone and under all-reduces (ranks 0 and 1)")
-    p.add_argument("--collective-sync", action="store_true",
-                   help="also time all-reduces after compute against back to back (ranks 0, 1)")
-    p.add_argument("--send-sync", action="store_true",
-                   help="also time sends after compute (a ping-pong) against back to back "
-                        "(ranks 0, 1)")
-    p.add_argument("--rank-spread", action="store_true",
-                   help="also time the same compute burst on two ranks at once (ranks 0, 1)")
-    p.add_argument("--funcol-host", action="store_true",
-                   help="also time the host thread of DTensor's redistributions against "
-                        "the plain c10d collectives, by kind (ranks 0, 1)")
+    for name, term in TERMS.items():  # the two-rank terms, each asked for by its flag
+        p.add_argument(term.FLAG, action="store_true", dest=name, help=term.HELP)
     return p.parse_args(argv)
 
 
@@ -125,27 +121,14 @@ def _pair_terms(args: argparse.Namespace, store: ResultsStore, done: set[str], g
     flag and not yet in the results file: rank 0 records it (or its failure)."""
     import torch.distributed as dist
 
-    from calibration.microbench import (
-        collective_sync,
-        funcol_host,
-        interference,
-        rank_spread,
-        send_sync,
-    )
-
     meta = {"link": "intra_node", "nranks": 2, "device": args.device, "threads": args.threads}
-    for wanted, key, term, op in (
-            (args.interference, interference.interference_key, interference, "all_reduce"),
-            (args.collective_sync, collective_sync.sync_key, collective_sync, "all_reduce"),
-            (args.send_sync, send_sync.sync_key, send_sync, "send_recv"),
-            (args.rank_spread, rank_spread.spread_key, rank_spread, "compute"),
-            (args.funcol_host, funcol_host.host_key, funcol_host, "redistribute")):
-        if not wanted:
+    for name, term in TERMS.items():
+        if not getattr(args, name):
             continue
-        k = key(args.device, args.threads)
+        k = term.key(args.device, args.threads)
         if k not in done and rank < 2:
             rounds: Callable[[], dict[str, Any]] = partial(term.rounds, args.device, group, dev)
-            measure_term(store, k, term.KIND, rank, rounds, term.summary, op=op, **meta)
+            measure_term(store, k, term.KIND, rank, rounds, term.summary, op=term.OP, **meta)
         dist.barrier()
 
 
@@ -190,9 +173,9 @@ def _sweep(args: argparse.Namespace, store: ResultsStore, n: int, todo: list[tup
     again (up to three times the planned rounds) while its two best rounds differ
     by more than 10% or it reads more than 30% slower than an α-β fit through its
     collective's other points. Buffers are made fresh for each round. The time kept
-    is :func:`_quiet_time` of the rounds. Each round taken is appended at once (a
-    ``collective_round`` record); a point resumed with saved rounds joins at the
-    first round it lacks.
+    is :func:`calibration.microbench.dist.quiet_time` of the rounds. Each round taken
+    is appended at once (a ``collective_round`` record); a point resumed with saved
+    rounds joins at the first round it lacks.
     """
     order = {op: i for i, op in enumerate(args.op)}
     points = [_Point(op, size, collective_key(args.device, args.threads, op, n, size))
@@ -219,14 +202,14 @@ def _sweep(args: argparse.Namespace, store: ResultsStore, n: int, todo: list[tup
     for op in args.op:
         mine = [pt for pt in points if pt.op == op and not pt.failed and pt.rounds]
         for i, pt in enumerate(mine, 1):
-            t = _quiet_time(pt.rounds)
+            t = quiet_time(pt.rounds)
             algbw = pt.nbytes / t / 1e9
             busbw = algbw * busbw_factor(op, n)
             store.append({"key": pt.key, "kind": "collective", "ok": True, "bytes": pt.nbytes,
                           "count": pt.nbytes // 4, "time_s": t, "algbw_GBps": algbw,
                           "busbw_GBps": busbw, "round_times_s": pt.rounds, "calls": pt.k,
                           "reps": pt.reps, **_meta(args, op, n)})
-            print(f"[{op} n={n} {i}/{len(mine)}] {_human(pt.nbytes)}: {t * 1e6:.1f} us, "
+            print(f"[{op} n={n} {i}/{len(mine)}] {human(pt.nbytes)}: {t * 1e6:.1f} us, "
                   f"algbw {algbw:.3g} GB/s, busbw {busbw:.3g} GB/s", file=sys.stderr, flush=True)
 
 
@@ -244,7 +227,7 @@ def _measure_round(args: argparse.Namespace, store: ResultsStore, pt: _Point, n:
     try:
         if not pt.rounds:
             check_injected_failure(pt.key, may_hang=rank == 0)
-        call, nbuf, pt.nbytes = _make_call(pt.op, n, pt.size, group, dev, rank)
+        call, nbuf, pt.nbytes = make_call(pt.op, n, pt.size, group, dev, rank)
         if pt.k == 0:
             _calibrate(pt, call, nbuf, group, dev, args)
         else:
@@ -257,19 +240,9 @@ def _measure_round(args: argparse.Namespace, store: ResultsStore, pt: _Point, n:
             rec = failure_record(pt.key, "collective", exc, bytes=pt.size,
                                  **_meta(args, pt.op, n))
             store.append(rec)
-            print(f"[{pt.op} n={n}] {_human(pt.size)}: FAILED ({rec['error']})",
+            print(f"[{pt.op} n={n}] {human(pt.size)}: FAILED ({rec['error']})",
                   file=sys.stderr, flush=True)
         return False
-
-
-def _quiet_time(rounds: list[float]) -> float:
-    """The second-best round: the machine when nobody intruded, seen at least twice.
-
-    Not the minimum: one round can read fast by luck (a sample median over a few
-    samples), and a point given more rounds would read systematically faster.
-    Extra rounds go on until the two best agree within 10% (:func:`_needs_more`).
-    """
-    return sorted(rounds)[1] if len(rounds) > 1 else rounds[0]
 
 
 def _needs_more(pt: _Point, live: list[_Point], n: int) -> bool:
@@ -280,63 +253,12 @@ def _needs_more(pt: _Point, live: list[_Point], n: int) -> bool:
     best = sorted(pt.rounds)[:2]
     if len(best) == 2 and best[1] > 1.10 * best[0]:
         return True
-    same = [Sample(p.op, n, float(p.nbytes), _quiet_time(p.rounds)) for p in live
+    same = [Sample(p.op, n, float(p.nbytes), quiet_time(p.rounds)) for p in live
             if p.op == pt.op and p.rounds]
     if len(same) < 4:
         return False
     fit = fit_alpha_beta(same, holdout=False)
     return best[0] > 1.3 * fit.predict(pt.op, n, float(pt.nbytes))
-
-
-def _make_call(op: str, n: int, size: int, group: Any, dev: str, rank: int):
-    import torch
-    import torch.distributed as dist
-
-    numel = max(n, size // 4 // n * n)
-    nbytes = numel * 4
-    per_set = nbytes * (2 if op in ("all_gather", "reduce_scatter", "send_recv", "all_to_all")
-                        else 1)
-    nbuf = max(1, min(4, int(256e6 // per_set)))  # a few sets; caches matter little at these sizes
-
-    def rnd(k: int) -> Any:
-        return torch.empty(k, device=dev).uniform_(-1, 1)
-
-    if op == "all_reduce":
-        bufs = [rnd(numel) for _ in range(nbuf)]
-        return (lambda i: dist.all_reduce(bufs[i], group=group)), nbuf, nbytes
-    if op == "broadcast":
-        bufs = [rnd(numel) for _ in range(nbuf)]
-        return (lambda i: dist.broadcast(bufs[i], src=0, group=group)), nbuf, nbytes
-    if op == "all_gather":
-        ins = [rnd(numel // n) for _ in range(nbuf)]
-        outs = [torch.empty(numel, device=dev) for _ in range(nbuf)]
-        return (lambda i: dist.all_gather_into_tensor(outs[i], ins[i], group=group)), nbuf, nbytes
-    if op == "reduce_scatter":
-        ins = [rnd(numel) for _ in range(nbuf)]
-        outs = [torch.empty(numel // n, device=dev) for _ in range(nbuf)]
-        return (lambda i: dist.reduce_scatter_tensor(outs[i], ins[i], group=group)), nbuf, nbytes
-    if op == "all_to_all":  # nbytes per rank, nbytes/n to each member (nccl-tests alltoall)
-        ins = [rnd(numel) for _ in range(nbuf)]
-        outs = [torch.empty(numel, device=dev) for _ in range(nbuf)]
-        return (lambda i: dist.all_to_all_single(outs[i], ins[i], group=group)), nbuf, nbytes
-    if op == "send_recv":  # ring shift, as nccl-tests sendrecv: send to r+1, receive from r-1
-        sends = [rnd(numel) for _ in range(nbuf)]
-        recvs = [torch.empty(numel, device=dev) for _ in range(nbuf)]
-
-        def shift(i: int) -> None:
-            ops = [dist.P2POp(dist.isend, sends[i], (rank + 1) % n, group),
-                   dist.P2POp(dist.irecv, recvs[i], (rank - 1) % n, group)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return shift, nbuf, nbytes
-    raise ValueError(f"unknown collective {op}")
-
-
-def _sync(dev: str) -> None:
-    if dev.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def _calibrate(pt: _Point, call: Callable[[int], object], nbuf: int, group: Any, dev: str,
@@ -346,15 +268,15 @@ def _calibrate(pt: _Point, call: Callable[[int], object], nbuf: int, group: Any,
 
     for i in range(2):
         call(i % nbuf)
-    _sync(dev)
+    sync(dev)
     single = []
     for i in range(3):  # the fastest of three: an intruder must not shrink the sample count
         dist.barrier(group=group)
         t0 = time.perf_counter()
         call(i % nbuf)
-        _sync(dev)
+        sync(dev)
         single.append(time.perf_counter() - t0)
-    est = max(_max(min(single), group, dev), 1e-7)
+    est = max(rank_max(min(single), group, dev), 1e-7)
     pt.k = max(1, math.ceil(args.min_batch_s / est))
     per_round = args.target_s / args.rounds
     lo = max(2, math.ceil(args.min_reps / args.rounds))
@@ -370,32 +292,15 @@ def _round(pt: _Point, call: Callable[[int], object], nbuf: int, group: Any,
     samples = []
     for r in range(pt.reps):
         dist.barrier(group=group)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for j in range(pt.k):
             call((r * pt.k + j) % nbuf)
-        _sync(dev)
+        sync(dev)
         samples.append((time.perf_counter() - t0) / pt.k)
     worst = torch.tensor(samples, dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return worst.tolist()
-
-
-def _max(x: float, group: Any, dev: str) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ minimise relative error against):
   reduce-scatter input), as in nccl-tests.
 
 Efficiency curves are piecewise linear in log10(size), clamped at both ends
-(:class:`simulator.system.hardware.EfficiencyCurve`). The knots are the measured
+(:class:`simulator.system.curves.EfficiencyCurve`). The knots are the measured
 points smoothed by a running median of five (see :func:`knots`); on a GPU, GEMM
 and attention curves are then made non-decreasing (bigger problems do not get
 less efficient there), on a CPU they are not (a small GEMM runs from cache, and
@@ -45,7 +45,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.system.hardware import MIN_EFFICIENCY, interpolate_log
+from simulator.system.curves import interpolate_log
+from simulator.system.units import MIN_EFFICIENCY
 
 HOLDOUT_EVERY = 4
 
@@ -73,6 +74,11 @@ def holdout_mask(n: int, every: int = HOLDOUT_EVERY) -> list[bool]:
 
 def rel_error(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits, as a profile states a fitted figure."""
+    return float(f"{x:.{digits}g}")
 
 
 def median_or_none(xs: Sequence[float]) -> float | None:

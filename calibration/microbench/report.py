@@ -73,7 +73,8 @@ def write_report(profile_path: Path, out_dir: Path, results: Path | None = None)
 def _load_profile(path: Path) -> dict[str, Any]:
     from pydantic import ValidationError
 
-    from simulator.system.hardware import HardwareProfile, read_yaml
+    from simulator.loading import read_yaml
+    from simulator.system.hardware import HardwareProfile
 
     data = read_yaml(path, "PROFILE.yaml")
     try:
@@ -151,7 +152,7 @@ def _efficiency_plot(path: Path, part: str, recs: list[dict[str, Any]], size_key
                      fit: dict[str, Any] | None, overhead_s: float = 0.0) -> None:
     """Measured efficiency (net of the per-kernel overhead, as the curve is fitted)
     against the fitted curve."""
-    from simulator.system.hardware import interpolate_log
+    from simulator.system.curves import interpolate_log
 
     fig = _figure()
     ax = fig.add_subplot()

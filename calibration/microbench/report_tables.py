@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from calibration.microbench.collectives_worker import _human
+from calibration.microbench.dist import human
 from calibration.microbench.fit import AlphaBetaFit, Sample, busbw_factor
 
 
@@ -106,50 +106,12 @@ def terms_markdown(profile: dict[str, Any]) -> str:
 def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed: float) -> str:
     """What ``calibrate`` prints when it has written the profile."""
     gpu = profile["gpu"]
-    fit = profile["provenance"]["fit"]
     intra = profile["intra_node"]
     lines = [f"profile {profile['name']}: peak {gpu['peak_tflops']} TFLOP/s, "
              f"HBM {gpu['hbm_bandwidth_GBps']} GB/s, intra-node {intra['bandwidth_GBps']} GB/s "
              f"x {intra['efficiency']}, alpha {intra['latency_us']} us ({elapsed:.0f} s)"]
-    for part in ("gemm", "attention", "memory"):
-        if fit.get(part):
-            lines.append(f"  {part}: held-out median error "
-                         f"{_pct(fit[part]['holdout_median_rel_error'])} "
-                         f"({fit[part]['samples']} samples)")
-    if fit.get("kernel_overhead"):
-        lines.append(f"  kernel overhead: {gpu['kernel_overhead_us']} us per kernel (intercepts "
-                     + ", ".join(f"{k} {r['intercept_us']} us" for k, r in
-                                 fit["kernel_overhead"].items()) + ")")
-    classes = fit.get("classes") or {}
-    if classes:
-        lines.append("  class curves: " + ", ".join(
-            f"{c} {_pct(r['holdout_median_rel_error'])}" for c, r in classes.items() if r)
-            + " (held-out median error)")
-    for link, factor in (gpu.get("interference") or {}).items():
-        lines.append(f"  interference ({link}): compute x{factor} while a collective overlaps it")
-    curves = gpu.get("collective_sync_curve") or {}
-    for link, us in (gpu.get("collective_sync_us") or {}).items():
-        by_size = ", ".join(f"{_human(b)} {t:g}" for b, t in
-                            (curves.get(link) or {}).get("points", []))
-        lines.append(f"  collective sync ({link}): {us} us per collective after compute, "
-                     "beyond back to back" + (f" (by size, us: {by_size})" if by_size else ""))
-        grown = ", ".join(f"{b * 1e3:g} ms {t:+g}" for b, t in
-                          ((gpu.get("collective_sync_burst") or {}).get(link) or {})
-                          .get("points", []))
-        if grown:
-            lines.append(f"  collective sync ({link}) by the compute before it, us: {grown}")
-    for link, us in (gpu.get("send_sync_us") or {}).items():
-        lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
-                     "beyond back to back")
-    for link, us in (gpu.get("funcol_sync_us") or {}).items():
-        lines.append(f"  funcol sync ({link}): {us} us per DTensor redistribution after compute, "
-                     "beyond a plain collective")
-    for kind, line in (gpu.get("funcol_host") or {}).items():
-        lines.append(f"  funcol host ({kind}): {line.get('us')} us + {line.get('us_per_mib', 0)} "
-                     "us/MiB of host time per DTensor redistribution beyond a plain collective")
-    if gpu.get("rank_spread"):
-        lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
-                     "time; each synchronisation waits for the slowest)")
+    lines += _curve_lines(gpu, profile["provenance"]["fit"])
+    lines += _term_lines(gpu)
     for op, by_link in profile.get("collectives", {}).items():
         for link, ab in by_link.items():
             lines.append(f"  {op} {link}: alpha {ab['alpha_us']} us, busbw {ab['busbw_GBps']} "
@@ -168,3 +130,61 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     if warning:
         lines.append(warning)
     return "\n".join(lines)
+
+
+def _curve_lines(gpu: dict[str, Any], fit: dict[str, Any]) -> list[str]:
+    """The summary's lines on the curves: held-out errors, the overhead, the classes."""
+    lines = []
+    for part in ("gemm", "attention", "memory"):
+        if fit.get(part):
+            lines.append(f"  {part}: held-out median error "
+                         f"{_pct(fit[part]['holdout_median_rel_error'])} "
+                         f"({fit[part]['samples']} samples)")
+    if fit.get("kernel_overhead"):
+        lines.append(f"  kernel overhead: {gpu['kernel_overhead_us']} us per kernel (intercepts "
+                     + ", ".join(f"{k} {r['intercept_us']} us" for k, r in
+                                 fit["kernel_overhead"].items()) + ")")
+    classes = fit.get("classes") or {}
+    if classes:
+        lines.append("  class curves: " + ", ".join(
+            f"{c} {_pct(r['holdout_median_rel_error'])}" for c, r in classes.items() if r)
+            + " (held-out median error)")
+    return lines
+
+
+def _term_lines(gpu: dict[str, Any]) -> list[str]:
+    """The summary's lines on the two-rank terms, as the profile states them."""
+    lines = []
+    for link, factor in (gpu.get("interference") or {}).items():
+        lines.append(f"  interference ({link}): compute x{factor} while a collective overlaps it")
+    lines += _sync_lines(gpu)
+    for link, us in (gpu.get("send_sync_us") or {}).items():
+        lines.append(f"  send sync ({link}): {us} us per point-to-point send after compute, "
+                     "beyond back to back")
+    for link, us in (gpu.get("funcol_sync_us") or {}).items():
+        lines.append(f"  funcol sync ({link}): {us} us per DTensor redistribution after compute, "
+                     "beyond a plain collective")
+    for kind, line in (gpu.get("funcol_host") or {}).items():
+        lines.append(f"  funcol host ({kind}): {line.get('us')} us + {line.get('us_per_mib', 0)} "
+                     "us/MiB of host time per DTensor redistribution beyond a plain collective")
+    if gpu.get("rank_spread"):
+        lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
+                     "time; each synchronisation waits for the slowest)")
+    return lines
+
+
+def _sync_lines(gpu: dict[str, Any]) -> list[str]:
+    """The collective sync cost per link class: its figure, by size and by burst."""
+    lines = []
+    curves = gpu.get("collective_sync_curve") or {}
+    for link, us in (gpu.get("collective_sync_us") or {}).items():
+        by_size = ", ".join(f"{human(b)} {t:g}" for b, t in
+                            (curves.get(link) or {}).get("points", []))
+        lines.append(f"  collective sync ({link}): {us} us per collective after compute, "
+                     "beyond back to back" + (f" (by size, us: {by_size})" if by_size else ""))
+        grown = ", ".join(f"{b * 1e3:g} ms {t:+g}" for b, t in
+                          ((gpu.get("collective_sync_burst") or {}).get(link) or {})
+                          .get("points", []))
+        if grown:
+            lines.append(f"  collective sync ({link}) by the compute before it, us: {grown}")
+    return lines

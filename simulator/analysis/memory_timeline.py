@@ -6,7 +6,7 @@ rank's curve shows *when* its memory is held. The bytes are memory.py's, the
 times are the spans':
 
 - **static** (held all step): the stage's weights, gradients and optimizer
-  states exactly as :func:`~simulator.model.memory.stage_breakdown` counts them, and
+  states exactly as :func:`~simulator.analysis.memory.stage_breakdown` counts them, and
   with DDP / ZeRO-1/2 (dp > 1) its two gradient-bucket buffers (DDP allocates
   its buckets when it wraps the model, not per step).
 - **activations**: one layer of one micro-batch,
@@ -30,7 +30,7 @@ times are the spans':
   gradient is held while its weight gradient is computed (the B blocks, or W),
   and for the micro-batch whose backward triggers the layer's reduce-scatter,
   until that reduce-scatter ends. The stage's root unit
-  (:func:`~simulator.model.memory.zero3_root_bytes`: embedding, head) is held from its
+  (:func:`~simulator.strategies.zero3.strategy.zero3_root_bytes`: embedding, head) is held from its
   gather's start to the end of the micro-batch's backward (FSDP2 keeps its root
   gathered for the backward, reshards it after), once however many micro-batches
   overlap; on the last stage the output layer's unsharded gradient from the head's
@@ -74,16 +74,21 @@ logits' second copy too). Differences, by construction:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
+from simulator.analysis.memory import stage_breakdown
 from simulator.builder.tasks import Task
-from simulator.engine.engine import SimResult
+from simulator.engine.result import SimResult
 from simulator.model import memory as mem
 from simulator.model import transformer as mdl
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import zero3_collectives
 from simulator.spec.scenario import Scenario
+from simulator.strategies.zero3.strategy import zero3_root_bytes
 
 MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
@@ -101,7 +106,7 @@ def component_bytes(s: Scenario) -> dict[str, float]:
     """Bytes of one allocation of each kind on one GPU (memory.py's formulas)."""
     spec, par, trn = s.model, s.parallel, s.training
     b, t, sp, dt = trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype
-    tokens_h = b * spec.seq_len * spec.hidden * mdl.dtype_bytes(dt) / 2 / (t if sp else 1)
+    tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(dt) / 2 / (t if sp else 1)
     logits = 4.0 * b * spec.seq_len * spec.vocab / t
     return {
         "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, par.recompute, dt,
@@ -111,110 +116,138 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         "head": 4 * tokens_h + logits,  # final-norm + logits-GEMM inputs, fp32 logits (last)
         "dlogits": logits,  # the loss gradient's copy while the head's backward runs
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
-        "unit": mdl.layer_params(spec) / t * mdl.dtype_bytes(dt)
-        / mdl.zero3_collectives(spec, s.stack),
+        "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
+        / zero3_collectives(spec, s.stack),
     }
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
     """Held all step: memory.py's model states, and DDP / ZeRO-1/2 bucket buffers."""
-    br = mem.stage_breakdown(s, stage)
+    br = stage_breakdown(s, stage)
     total = br.weights + br.gradients + br.optimizer
     if s.parallel.zero <= 2:
         total += br.comm_buffers
     return total
 
 
+@dataclass
+class _Marks:
+    """What one rank's spans say about when each allocation starts and ends, keyed by
+    (layer, micro-batch), micro-batch or (chunk, micro-batch)."""
+
+    fwd_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    bwd_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    embed_f: dict[int, float] = field(default_factory=dict)
+    embed_b: dict[int, float] = field(default_factory=dict)
+    head_f: dict[int, float] = field(default_factory=dict)
+    head_b: dict[int, tuple[float, float]] = field(default_factory=dict)
+    wgrad: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [start, end]
+    # task producing a layer's weight grads
+    wgrad_ids: dict[int, tuple[int, int]] = field(default_factory=dict)
+    gathers: dict[tuple[int, int], list[tuple[int, float]]] = field(
+        default_factory=lambda: defaultdict(list))
+    # producing task id -> end of the RS that waits on it
+    reduce_end: dict[int, float] = field(default_factory=dict)
+    root_gather: dict[tuple[int, int], float] = field(default_factory=dict)  # gather start
+    root_grad: dict[tuple[int, int], float] = field(default_factory=dict)  # head's bwd start
+    root_reduce: dict[tuple[int, int], float] = field(default_factory=dict)  # root's RS end
+    bwd_last: dict[tuple[int, int], float] = field(default_factory=dict)  # chunk's bwd end
+
+
+def _passes(m: _Marks, t: Task, start: float, end: float) -> None:
+    """A compute span's marks: forward and backward ends, the model's ends."""
+    op, layer, mb = t.op, t.layer, t.microbatch
+    if op in ("B", "I", "W"):
+        key = (t.chunk, mb)
+        m.bwd_last[key] = max(m.bwd_last.get(key, end), end)
+        if layer < 0 and op != "I" and t.name.startswith("head"):
+            m.root_grad[t.chunk, mb] = start
+    if op == "F":
+        if layer >= 0:
+            m.fwd_end[layer, mb] = max(m.fwd_end.get((layer, mb), end), end)
+        elif t.name.startswith("embed"):
+            m.embed_f[mb] = end
+        elif t.name.startswith("head"):
+            m.head_f[mb] = end
+    elif op in ("B", "I"):
+        if layer >= 0:
+            m.bwd_end[layer, mb] = max(m.bwd_end.get((layer, mb), end), end)
+        elif t.name.startswith("head"):
+            m.head_b[mb] = (start, end)
+        elif t.name.startswith("embed"):
+            m.embed_b[mb] = end
+
+
+def _scan(spans: Iterable[tuple[Task, float, float]]) -> _Marks:
+    m = _Marks()
+    for t, start, end in spans:
+        op, layer, mb = t.op, t.layer, t.microbatch
+        _passes(m, t, start, end)
+        if op in ("B", "W") and layer >= 0:
+            w = m.wgrad.setdefault((layer, mb), [start, end])
+            w[0], w[1] = min(w[0], start), max(w[1], end)
+            m.wgrad_ids[t.id] = (layer, mb)
+        elif op == "zero.all_gather" and layer < 0:
+            m.root_gather[t.chunk, mb] = start
+        elif op == "zero.all_gather":
+            m.gathers[layer, mb].append((t.id, start))
+        elif t.kind == "dp" and op.endswith("reduce_scatter") and " root " in t.name:
+            m.root_reduce[t.chunk, mb] = end
+        elif t.kind == "dp" and op.endswith("reduce_scatter"):
+            for d in t.deps:
+                m.reduce_end[d] = max(m.reduce_end.get(d, end), end)
+    return m
+
+
+Hold = Callable[[int, Any, float, int, float], None]
+
+
+def _zero3_holds(s: Scenario, m: _Marks, hold: Hold) -> None:
+    """ZeRO-3's gathered units, unsharded gradients and the root unit's."""
+    par = s.parallel
+    for (layer, mb), items in m.gathers.items():
+        items.sort()  # creation order: the forward's gather, then the backward's
+        parts = zero3_collectives(s.model, s.stack)
+        for i, (_, t0) in enumerate(items):
+            forward = i < parts
+            if forward and par.reshard_after_forward:
+                t1 = m.fwd_end.get((layer, mb), t0)
+            else:
+                t1 = m.bwd_end.get((layer, mb), m.fwd_end.get((layer, mb), t0))
+            hold(_UNIT, layer, t0, _START_ALLOC, t1)
+    ends: dict[tuple[int, int], float] = {}
+    for tid, key in m.wgrad_ids.items():
+        if tid in m.reduce_end:
+            ends[key] = max(ends.get(key, 0.0), m.reduce_end[tid])
+    for key, (t0, t1) in m.wgrad.items():
+        hold(_GRAD, key, t0, _START_ALLOC, max(t1, ends.get(key, t1)))
+    for (chunk, mb), t0 in m.root_gather.items():
+        hold(_ROOT, chunk, t0, _START_ALLOC, m.bwd_last.get((chunk, mb), t0))
+    for (chunk, mb), t0 in m.root_grad.items():
+        t1 = m.bwd_last.get((chunk, mb), t0)
+        hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, m.root_reduce.get((chunk, mb), t1)))
+
+
 def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: float = 0.0,
                  ) -> list[tuple[float, int, int, Any, int]]:
     """(time, phase, component, key, +1/-1) for one rank's spans."""
-    fwd_end: dict[tuple[int, int], float] = {}
-    bwd_end: dict[tuple[int, int], float] = {}
-    embed_f: dict[int, float] = {}
-    embed_b: dict[int, float] = {}
-    head_f: dict[int, float] = {}
-    head_b: dict[int, tuple[float, float]] = {}
-    wgrad: dict[tuple[int, int], list[float]] = {}  # [start, end]
-    wgrad_ids: dict[int, tuple[int, int]] = {}  # task producing a layer's weight grads
-    gathers: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
-    reduce_end: dict[int, float] = {}  # producing task id -> end of the RS that waits on it
-    root_gather: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's gather start
-    root_grad: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the head's backward start
-    root_reduce: dict[tuple[int, int], float] = {}  # (chunk, mb) -> the root's RS end
-    bwd_last: dict[tuple[int, int], float] = {}  # (chunk, mb) -> end of the chunk's backward
-    for t, start, end in spans:
-        op, layer, mb = t.op, t.layer, t.microbatch
-        if op in ("B", "I", "W"):
-            key = (t.chunk, mb)
-            bwd_last[key] = max(bwd_last.get(key, end), end)
-            if layer < 0 and op != "I" and t.name.startswith("head"):
-                root_grad[t.chunk, mb] = start
-        if op == "F":
-            if layer >= 0:
-                fwd_end[layer, mb] = max(fwd_end.get((layer, mb), end), end)
-            elif t.name.startswith("embed"):
-                embed_f[mb] = end
-            elif t.name.startswith("head"):
-                head_f[mb] = end
-        elif op in ("B", "I"):
-            if layer >= 0:
-                bwd_end[layer, mb] = max(bwd_end.get((layer, mb), end), end)
-            elif t.name.startswith("head"):
-                head_b[mb] = (start, end)
-            elif t.name.startswith("embed"):
-                embed_b[mb] = end
-        if op in ("B", "W") and layer >= 0:
-            w = wgrad.setdefault((layer, mb), [start, end])
-            w[0], w[1] = min(w[0], start), max(w[1], end)
-            wgrad_ids[t.id] = (layer, mb)
-        elif op == "zero.all_gather" and layer < 0:
-            root_gather[t.chunk, mb] = start
-        elif op == "zero.all_gather":
-            gathers[layer, mb].append((t.id, start))
-        elif t.kind == "dp" and op.endswith("reduce_scatter") and " root " in t.name:
-            root_reduce[t.chunk, mb] = end
-        elif t.kind == "dp" and op.endswith("reduce_scatter"):
-            for d in t.deps:
-                reduce_end[d] = max(reduce_end.get(d, end), end)
-
+    m = _scan(spans)
     ev: list[tuple[float, int, int, Any, int]] = []
 
     def hold(comp: int, key: Any, t0: float, p0: int, t1: float) -> None:
         ev.append((t0, p0, comp, key, 1))
         ev.append((t1, _FREE, comp, key, -1))
 
-    for key, t0 in fwd_end.items():
-        hold(_ACT, key, t0, _END_ALLOC, bwd_end.get(key, t0))
-    for mb, t0 in embed_f.items():
-        hold(_EMBED, mb, t0, _END_ALLOC, embed_b.get(mb, t0))
-    for mb, t0 in head_f.items():
-        hold(_HEAD, mb, t0, _END_ALLOC, head_b.get(mb, (t0, t0))[1])
-    for mb, (t0, t1) in head_b.items():
+    for key, t0 in m.fwd_end.items():
+        hold(_ACT, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
+    for mb, t0 in m.embed_f.items():
+        hold(_EMBED, mb, t0, _END_ALLOC, m.embed_b.get(mb, t0))
+    for mb, t0 in m.head_f.items():
+        hold(_HEAD, mb, t0, _END_ALLOC, m.head_b.get(mb, (t0, t0))[1])
+    for mb, (t0, t1) in m.head_b.items():
         hold(_DLOGITS, mb, t0, _START_ALLOC, t1)
-
-    par = s.parallel
-    if par.zero == 3 and par.dp > 1:
-        for (layer, mb), items in gathers.items():
-            items.sort()  # creation order: the forward's gather, then the backward's
-            parts = mdl.zero3_collectives(s.model, s.stack)
-            for i, (_, t0) in enumerate(items):
-                forward = i < parts
-                if forward and par.reshard_after_forward:
-                    t1 = fwd_end.get((layer, mb), t0)
-                else:
-                    t1 = bwd_end.get((layer, mb), fwd_end.get((layer, mb), t0))
-                hold(_UNIT, layer, t0, _START_ALLOC, t1)
-        ends: dict[tuple[int, int], float] = {}
-        for tid, key in wgrad_ids.items():
-            if tid in reduce_end:
-                ends[key] = max(ends.get(key, 0.0), reduce_end[tid])
-        for key, (t0, t1) in wgrad.items():
-            hold(_GRAD, key, t0, _START_ALLOC, max(t1, ends.get(key, t1)))
-        for (chunk, mb), t0 in root_gather.items():
-            hold(_ROOT, chunk, t0, _START_ALLOC, bwd_last.get((chunk, mb), t0))
-        for (chunk, mb), t0 in root_grad.items():
-            t1 = bwd_last.get((chunk, mb), t0)
-            hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, root_reduce.get((chunk, mb), t1)))
+    if s.parallel.zero == 3 and s.parallel.dp > 1:
+        _zero3_holds(s, m, hold)
     # the engine adds durations along a run of compute tasks, so one task's end and the
     # next one's start may differ in the last bits: times within ``tol`` are one instant
     ev.sort(key=lambda e: e[0])
@@ -325,7 +358,7 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
         stage = layout.coord(rank).pp
         if stage not in statics:
             statics[stage] = static_bytes(s, stage)
-            roots[stage] = mem.zero3_root_bytes(s, stage)
+            roots[stage] = zero3_root_bytes(s, stage)
         events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time)
         points = _curve(statics[stage], (*sizes, *roots[stage]), events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})

@@ -18,15 +18,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.analysis import accounting as acc
+from simulator.analysis.accounting.breakdown import breakdown
+from simulator.analysis.accounting.critical_path import (
+    composition,
+    critical_path,
+    merge_segments,
+)
+from simulator.analysis.accounting.metrics import metrics
+from simulator.analysis.accounting.timing import Timing
+from simulator.analysis.accounting.vocabulary import label
+from simulator.analysis.memory import memory_report
 from simulator.builder.tasks import Workload
-from simulator.engine.engine import SimResult
-from simulator.model import memory as mem
+from simulator.engine.result import SimResult
 from simulator.model import transformer as mdl
 from simulator.outputs.span_table import span_table
 from simulator.spec.scenario import Scenario
-from simulator.strategies import compression as cmp
-from simulator.system.collectives import busbw_factor
+from simulator.strategies.compression import arithmetic as cmp
+from simulator.system.collectives.plan import busbw_factor
 
 
 def spans_frame(result: SimResult) -> pd.DataFrame:
@@ -35,7 +43,7 @@ def spans_frame(result: SimResult) -> pd.DataFrame:
     return span_table(result)
 
 
-def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[str, Any]]:
+def collective_summary(result: SimResult, timing: Timing) -> dict[str, dict[str, Any]]:
     """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
     algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
     × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
@@ -71,7 +79,7 @@ def collective_summary(result: SimResult, timing: acc.Timing) -> dict[str, dict[
     return out
 
 
-def _last(w: Workload, timing: acc.Timing) -> int:
+def _last(w: Workload, timing: Timing) -> int:
     """The task that ends the step (one on a compute stream when several end together)."""
     ends = timing.end_a
     candidates = np.flatnonzero(ends == ends.max()).tolist()
@@ -81,7 +89,7 @@ def _last(w: Workload, timing: acc.Timing) -> int:
 def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     """Step time, throughput, the accounting's breakdown and critical path, from the spans."""
     w = result.workload
-    timing = acc.Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
+    timing = Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
                            [t for prog in w.programs.values() for t in prog.streams.values()])
     compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
     step = result.end_time
@@ -89,17 +97,17 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
     # a data-parallel replica's pipeline: its TP ranks leave each stage together, and
     # its drain ends with the last of them (a straggler's TP peers wait for it)
     pipeline_of = {r: w.layout.coord(r).dp for r in w.programs}
-    entries, bubbles, phase = acc.breakdown(timing, compute, stage_of, pipeline_of, step,
+    entries, bubbles, phase = breakdown(timing, compute, stage_of, pipeline_of, step,
                                             s.parallel.schedule, s.parallel.pp,
                                             s.microbatches, s.parallel.virtual_stages)
     if w.weights is not None:  # asymmetric folding: an entry stands for its class
         for e in entries:
             e["ranks"] = int(w.weights[e["rank"]])
-    out = acc.metrics(entries, step, phase, bubbles)
+    out = metrics(entries, step, phase, bubbles)
     if result.spans:
-        out["critical_path"] = acc.merge_segments(acc.critical_path(timing, _last(w, timing),
+        out["critical_path"] = merge_segments(critical_path(timing, _last(w, timing),
                                                                     step))
-        out["critical_path_s"] = acc.composition(out["critical_path"])
+        out["critical_path_s"] = composition(out["critical_path"])
     out.update({
         "link_busy_s": result.link_busy,
         "collectives": collective_summary(result, timing),
@@ -122,7 +130,7 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
     hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute)
     model_tflops = model_flops / step_time / world / 1e12
     hw_tflops = hw_flops / step_time / world / 1e12
-    stages = mem.memory_report(s)
+    stages = memory_report(s)
     peak_mem = max(stages, key=lambda m: m.total)
     return {
         "tokens_per_s": s.training.global_batch * s.model.seq_len / step_time,
@@ -144,7 +152,7 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
 def _top(categories: dict[str, float], step: float, n: int = 4) -> str:
     """The ``n`` largest categories with their share of the step."""
     top = sorted(((v, k) for k, v in categories.items() if v > 0), reverse=True)[:n]
-    return "  ".join(f"{acc.label(k)} {v / step:.1%}" for v, k in top) if step > 0 else ""
+    return "  ".join(f"{label(k)} {v / step:.1%}" for v, k in top) if step > 0 else ""
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:

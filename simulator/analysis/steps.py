@@ -9,7 +9,8 @@ step is the same and one simulation stands for all N.
 
 **Waiting for the slowest rank** is the accounting's peer-wait: the seconds a rank
 sits at a collective until its last member arrives (``<kind>_wait`` summed over
-the kinds; :data:`simulator.analysis.accounting.WAIT_CATEGORIES`), as a mean over ranks and
+the kinds; :data:`simulator.analysis.accounting.vocabulary.WAIT_CATEGORIES`), as a mean over ranks
+and
 per step. A slow GPU or a jittered kernel anywhere in a group shows up there on
 every other member.
 """
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from simulator.analysis import accounting as acc
 from simulator.analysis import report
+from simulator.analysis.accounting.vocabulary import WAIT_CATEGORIES
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.spec.scenario import Scenario
@@ -33,7 +34,7 @@ QUANTILES = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
 
 def straggler_wait(mean: Mapping[str, float]) -> float:
     """Seconds of the mean rank's step spent waiting for a later peer at a collective."""
-    return sum(float(mean.get(c, 0.0)) for c in acc.WAIT_CATEGORIES)
+    return sum(float(mean.get(c, 0.0)) for c in WAIT_CATEGORIES)
 
 
 def distribution(values: list[float]) -> dict[str, float]:

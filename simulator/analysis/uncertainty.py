@@ -1,7 +1,7 @@
 """Uncertainty: the calibration's spread of each fitted term, carried to step time and MFU.
 
 A calibrated profile's ``uncertainty`` section gives each fitted term's relative
-standard deviation σ (:data:`simulator.system.hardware.UNCERTAINTY_TERMS`; how
+standard deviation σ (:data:`simulator.system.units.UNCERTAINTY_TERMS`; how
 calibration estimates it: :mod:`calibration.microbench.fit_terms`).
 ``clustersim run --uncertainty N`` draws N profiles and simulates each with the
 run's own method and fidelity (Monte Carlo):
@@ -39,14 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 from simulator.spec.scenario import Scenario
-from simulator.system.hardware import (
-    LINK_NAMES,
-    BurstCurve,
-    EfficiencyCurve,
-    HardwareProfile,
-    HostLine,
-    SyncCurve,
-)
+from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve
+from simulator.system.hardware import HardwareProfile
+from simulator.system.units import LINK_NAMES
 
 MAX_SAMPLES = 10_000
 PERCENTILES = (("p5", 5.0), ("p50", 50.0), ("p95", 95.0))
@@ -136,7 +131,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def step_time_of(s: Scenario, method: str, fidelity: str | None) -> float:
     """The step time of ``s`` as ``clustersim run`` prices it with ``method`` (step 0)."""
     if method == "analytic":
-        from simulator.analysis.analytic import analytic_estimate
+        from simulator.analysis.analytic.estimate import analytic_estimate
 
         return float(analytic_estimate(s)["step_time_s"])
     from simulator.builder.workload import build_workload

@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.spec.scenario import Scenario

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 from simulator.builder.workload import simulated_count
 from simulator.errors import Problem, UserError
-from simulator.model.inventory import zero3_collectives
+from simulator.model.inventory.sharding import zero3_collectives
+from simulator.schedules.registry import schedule_spec
+from simulator.spec.base import MAX_STAGES
 from simulator.spec.placement import stage_layer_count
-from simulator.spec.scenario import MAX_STAGES, Scenario
-from simulator.strategies import tp_overlap
+from simulator.spec.scenario import Scenario
+from simulator.strategies import registry
+from simulator.strategies.tensor import overlap as tp_overlap
 
 DEFAULT_MAX_TASKS = 25_000_000
 BYTES_PER_TASK = 1_600  # task, engine state and span row; measured on llama2-70b-128xh100
@@ -58,7 +61,7 @@ def tasks_per_layer(s: Scenario) -> int:
         forward = 6 if par.sequence_parallel else 4
     n = 2 * forward + (1 if par.tp > 1 else 2)
     n += {"none": 0, "selective": 1, "full": forward}[par.recompute]
-    if par.schedule == "zb-h1":
+    if schedule_spec(par.schedule).split_backward:  # a W action per layer
         n += 1
     if par.dp > 1 and par.zero >= 2:  # ZeRO-3: two gathers and a reduce-scatter per part
         n += 3 * zero3_collectives(s.model, s.stack) if par.zero == 3 else 1
@@ -71,7 +74,7 @@ def tasks_per_layer(s: Scenario) -> int:
         per_pass = 3 + (2 if par.etp > 1 else 0)
         passes = 3 if par.recompute == "full" else 2
         n += -(-per_pass * passes * s.model.moe_layers // s.model.layers)
-    return n
+    return n + sum(strategy.tasks_per_layer(s) for strategy in registry.strategies())
 
 
 def engine_cost(s: Scenario, fidelity: str) -> Cost:

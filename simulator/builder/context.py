@@ -3,7 +3,7 @@ and the hooks through which the pipeline walk calls the strategy passes.
 
 A :class:`Context` holds the programs being built and three primitives: ``add``
 (any task), ``compute`` (the hot path, positional) and ``collective`` (a task
-carrying its group's :class:`~simulator.system.collectives.Plan`, cached per (op, size,
+carrying its group's :class:`~simulator.system.collectives.plan.Plan`, cached per (op, size,
 group), and a ``group_key`` that is equal on every member: the group and the
 n-th collective of that group on this rank). Task ids are positions in the one
 task list, so the order in which passes append tasks *is* the program; the
@@ -27,14 +27,17 @@ from typing import TYPE_CHECKING, Any
 from simulator.builder.tasks import Program, Stream, Task
 from simulator.model import moe
 from simulator.model import transformer as mdl
-from simulator.model.inventory import END_TENSORS, layer_tensors
-from simulator.schedules.schedule import Action, Schedule
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import END_TENSORS, zero3_collectives
+from simulator.schedules.action import Action, Schedule
 from simulator.spec.placement import chunk_layers
 from simulator.spec.scenario import OverlapSpec, Scenario
-from simulator.system.collectives import GroupShape, Plan, make_plan
+from simulator.system.collectives.choice import make_plan
+from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.costs import CostModel
-from simulator.system.hardware import CollectiveName
 from simulator.system.layout import Layout
+from simulator.system.units import CollectiveName
 
 if TYPE_CHECKING:
     from simulator.builder.workload import BlockCosts
@@ -55,10 +58,10 @@ class Context:
         self._placed: dict[int, int] = {}  # rank -> where compute_after last placed a task
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
         self.last_stage = schedule.total_stages - 1
-        self.dt_bytes = mdl.dtype_bytes(s.training.dtype)
+        self.dt_bytes = dtype_bytes(s.training.dtype)
         self.grad_dt = s.stack.reduce_bytes(self.dt_bytes)  # gradients as they are reduced
         # ZeRO-3 collectives per layer: one, or one per linear module (the stack's unit)
-        self.zero3_parts = mdl.zero3_collectives(s.model, s.stack)
+        self.zero3_parts = zero3_collectives(s.model, s.stack)
         # a device that cannot overlap communication with compute runs it all in line
         # and the stack decides whether sends block and gradients reduce after backward
         self.overlap = s.stack.overlap(s.parallel.overlap) if s.hardware.gpu.comm_overlaps_compute \
@@ -172,7 +175,7 @@ class Context:
         of ``stage`` completes, in order: one per layer (the head's on the first, as the
         backward runs it first; its own when the stage has no layers), then the
         embedding's on stage 0. A MoE layer's routed experts are not among them: they
-        reduce over the expert data-parallel group (:mod:`simulator.strategies.expert`)."""
+        reduce over the expert data-parallel group (:mod:`simulator.strategies.expert.workload`)."""
         spec, tp, dt = self.s.model, self.s.parallel.tp, self.grad_dt
         if spec.is_moe:
             sizes = [(mdl.layer_params(spec, i) - moe.expert_params(spec, i)) / tp * dt
@@ -191,7 +194,8 @@ class Context:
 
     def grad_units(self, stage: int) -> list[tuple[float, int]]:
         """(elements, parameter tensors) of each entry of :meth:`grad_bytes`: a layer's
-        tensors (:func:`simulator.model.inventory.layer_tensors`), the head's final norm with the
+        tensors (:func:`simulator.model.inventory.layer.layer_tensors`), the head's final norm with
+        the
         layer it rides on, the embedding's two tables."""
         spec, ids = self.s.model, self.layers_of(stage)
         tensors = [layer_tensors(spec, self.s.stack, i)  # in grad_bytes' order
@@ -321,3 +325,8 @@ class Hooks:
     @classmethod
     def of(cls, passes: list[Pass]) -> Hooks:
         return cls(**{f.name: _overriding(passes, f.name) for f in fields(cls)})
+
+
+def part_label(part: int, parts: int) -> str:
+    """A task-name suffix for one of a unit's per-module collectives."""
+    return f" part {part + 1}/{parts}" if parts > 1 else ""

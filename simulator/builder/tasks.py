@@ -3,7 +3,7 @@
 A :class:`Workload` is, per simulated rank, an ordered list of :class:`Task` per
 stream (at full fidelity made on demand from one prototype per stage:
 :mod:`simulator.builder.program`). A task is compute (a fixed duration), a collective
-over a group (a :class:`~simulator.system.collectives.Plan`), or a point-to-point transfer
+over a group (a :class:`~simulator.system.collectives.plan.Plan`), or a point-to-point transfer
 (``dst``).
 Cross-stream and cross-rank dependencies are task ids. This module knows nothing
 of transformers or of SimPy: importing the engine loads no model arithmetic.
@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from simulator.schedules.schedule import Schedule
-from simulator.system.collectives import Plan
+from simulator.schedules.action import Schedule
+from simulator.system.collectives.plan import Plan
 from simulator.system.layout import Layout
 
 if TYPE_CHECKING:

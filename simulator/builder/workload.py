@@ -3,7 +3,7 @@
 A program is, per simulated rank, an ordered list of
 :class:`~simulator.builder.tasks.Task` per stream (``compute``, ``pp``, ``dp``,
 ``zero``, ``host``). A task is compute (a fixed duration priced by the cost
-model), a collective over a group (a :class:`~simulator.system.collectives.Plan`), or
+model), a collective over a group (a :class:`~simulator.system.collectives.plan.Plan`), or
 a point-to-point transfer. Cross-stream and cross-rank dependencies are task
 ids. Everything here is plain data: the engine runs it, tests inspect it.
 
@@ -12,12 +12,12 @@ This module prices one layer's blocks (:func:`block_costs`, from
 scenario to the passes of :mod:`simulator.builder.programs`, one per strategy, which
 follow Megatron-LM's execution:
 
-- pipeline (:mod:`simulator.strategies.pipeline`): the schedule's F/B/I/W actions
+- pipeline (:mod:`simulator.strategies.pipeline.workload`): the schedule's F/B/I/W actions
   as per-layer compute blocks (attention, MLP) with recomputation, p2p sends
   on the ``pp`` stream, the tied embedding's all-reduce;
-- tensor (:mod:`simulator.strategies.tensor`): TP collectives around blocks, the
+- tensor (:mod:`simulator.strategies.tensor.workload`): TP collectives around blocks, the
   vocab-parallel ends and the loss, on the compute stream;
-- data (:mod:`simulator.strategies.data`): DDP buckets, ZeRO-1/2 reduce-scatters
+- data (:mod:`simulator.strategies.data.workload`): DDP buckets, ZeRO-1/2 reduce-scatters
   and parameter all-gathers, ZeRO-3 / FSDP unit gathers with prefetch, the
   optimizer step;
 - offload (:mod:`simulator.strategies.offload`): ZeRO-Offload's PCIe copies and
@@ -45,11 +45,14 @@ from simulator.builder.programs import build_programs
 from simulator.builder.tasks import Program, Task, Workload
 from simulator.model import moe
 from simulator.model import transformer as mdl
-from simulator.schedules.schedule import Schedule, build_schedule
+from simulator.model.inventory.attention import context_parallel_ops
+from simulator.model.inventory.ops import Op, Pass
+from simulator.schedules.action import Schedule
+from simulator.schedules.registry import build_schedule
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
-from simulator.strategies.expert_parallel import expert_layer
-from simulator.strategies.tp_overlap import Windows, overlap_windows
+from simulator.strategies.expert.layer import expert_layer
+from simulator.strategies.tensor.overlap import Windows, overlap_windows
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
 
@@ -94,7 +97,7 @@ class BlockCosts:
         return self.moe
 
 
-def _split(ops: tuple[mdl.Op, ...], cost: CostModel, forward_order: bool) -> tuple[float, float]:
+def _split(ops: tuple[Op, ...], cost: CostModel, forward_order: bool) -> tuple[float, float]:
     names = [op.name for op in ops]
     cut = names.index("ln2") if forward_order else names.index("ln2") + 1
     first, second = cost.ops_time(ops[:cut]), cost.ops_time(ops[cut:])
@@ -112,8 +115,8 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
     kept = s.cp_keeps_gathered_kv
 
-    def ops(p: mdl.Pass) -> tuple[mdl.Op, ...]:
-        out = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
+    def ops(p: Pass) -> tuple[Op, ...]:
+        out = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
                                        spec, b, tp, dt, p, cp, gathered, kept)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
@@ -126,7 +129,7 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     if s.parallel.recompute == "full":
         rec_t = _split(fwd, cost, True)
     else:
-        rec = mdl.context_parallel_ops(
+        rec = context_parallel_ops(
             mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
             spec, b, tp, dt, "fwd", cp, gathered)
         rec_t = (cost.ops_time(rec), 0.0)

@@ -21,16 +21,12 @@ interval scan), ``train_timeline.csv`` (the events of the median run) and
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from simulator.errors import Problem, UserError
-from simulator.job.lifecycle import JobRun, JobSpec, run_job, run_many
+from simulator.job.lifecycle import JobRun, JobSpec, run_many
 from simulator.job.reliability import (
     checkpoint_cost,
     daly_interval,
@@ -46,9 +42,6 @@ SCAN_POINTS = range(-6, 7)  # Young's interval × √2^i
 # about 10 µs of CPU per checkpoint, and below it the scan would take minutes
 SCAN_MAX_CHECKPOINTS = 50_000
 PERCENTILES = (5, 50, 95)
-EXAMPLE = ("example:\n  clustersim train scenarios/llama3-70b-2048-train.yaml --tokens 15e12 "
-           "--out out/llama3-70b-train\n  clustersim train scenarios/llama3-70b-2048-train.yaml "
-           "--tokens 15e12 --checkpoint-interval young --set checkpoint.asynchronous=true")
 
 
 def job_spec(s: Scenario, tokens: float, step_time_s: list[float] | tuple[float, ...],
@@ -185,108 +178,3 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         f"{'cost USD':<20}  {pct('cost_usd', ',.0f')}  "
         f"(${res['usd_per_gpu_hour']:g} per GPU-hour)",
     ]
-
-
-# ---------------------------------------------------------------- command line
-
-
-def _interval_arg(text: str) -> str:
-    if text in ("auto", "young", "daly"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise UserError([Problem("--checkpoint-interval", text, "must be auto, young, daly or "
-                                 "a positive number of seconds")])
-    return repr(value)
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    if not (math.isfinite(args.tokens) and 0 < args.tokens <= 1e18):
-        raise UserError([Problem("--tokens", args.tokens, "must be a positive number of tokens "
-                                 "up to 1e18, e.g. 15e12")])
-    if not 1 <= args.seeds <= 100_000:
-        raise UserError([Problem("--seeds", args.seeds, "must be between 1 and 100000")])
-
-
-def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    """Load, simulate the step, run the job; write the outputs when ``args.out`` is set."""
-    from simulator.api import simulate_scenario
-    from simulator.spec.scenario import load_scenario
-
-    _check_args(args)
-    overrides = list(args.overrides)
-    if args.checkpoint_interval is not None:
-        overrides.append(f"checkpoint.interval={_interval_arg(args.checkpoint_interval)}")
-    if args.usd_per_gpu_hour is not None:
-        overrides.append(f"cost.usd_per_gpu_hour={args.usd_per_gpu_hour!r}")
-    s = load_scenario(args.scenario, overrides)
-    power_W(s)  # refuse a system without power figures before simulating
-    if args.out is not None:
-        from simulator.outputs.run_dir import check_out_dir
-
-        check_out_dir(args.out)
-    print(f"simulating one step of {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
-    step, _ = simulate_scenario(s, args.method, args.fidelity)
-    spec = job_spec(s, args.tokens, [step["step_time_s"]])
-    print(f"choosing the checkpoint interval ({s.checkpoint.interval}) ...", file=sys.stderr)
-    spec, interval = choose_interval(spec, s.checkpoint.interval, min(SCAN_SEEDS, args.seeds))
-    print(f"running the job {args.seeds} times ...", file=sys.stderr)
-    base = s.simulation.seed * 1_000_003
-    runs = run_many(spec, [base + i for i in range(args.seeds)])
-    res = train_results(s, spec, runs, step, interval, args.tokens)
-    if args.out is not None:
-        _write(args.out, res, run_job(spec, median_run(runs).seed, trace=True), args.no_plot)
-    return res
-
-
-def _write(out: Path, res: dict[str, Any], run: JobRun, no_plot: bool) -> None:
-    import pandas as pd
-
-    from simulator.api import write_results
-    from simulator.outputs.trace_export import atomic_output
-
-    out.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame(run.events, columns=["time_s", "steps", "event"])
-    table["tokens"] = table["steps"] * res["tokens_per_step"]
-    with atomic_output(out / "train_timeline.csv") as tmp:
-        table.to_csv(tmp, index=False)
-    res["median_run_seed"] = run.seed
-    write_results(out / "train.json", res)
-    if not no_plot:
-        from simulator.outputs.plots.job import plot_training
-
-        plot_training(out)
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    help_ = "time, goodput, energy and cost to train N tokens, with failures and checkpoints"
-    p = subparsers.add_parser("train", help=help_, description=help_, epilog=EXAMPLE,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", type=Path, help="scenario YAML file")
-    p.add_argument("--tokens", type=float, required=True, help="tokens to train, e.g. 15e12")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write train.json, train_timeline.csv and train.png here")
-    p.add_argument("--seeds", type=int, default=32, help="Monte Carlo runs (default 32)")
-    p.add_argument("--checkpoint-interval", default=None, metavar="auto|young|daly|SECONDS",
-                   help="override checkpoint.interval")
-    p.add_argument("--usd-per-gpu-hour", type=float, default=None,
-                   help="override cost.usd_per_gpu_hour")
-    p.add_argument("--method", choices=["engine", "analytic"], default=None,
-                   help="how the step time is simulated (default the scenario's)")
-    p.add_argument("--fidelity", choices=["folded", "full"], default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="KEY.PATH=VALUE", help="override a scenario key (repeatable)")
-    p.add_argument("--no-plot", action="store_true", help="skip train.png")
-    p.set_defaults(func=_cmd)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    res = run_train(args)
-    print("\n".join(summary_lines(res)))
-    if args.out is not None:
-        print(f"wrote train.json, train_timeline.csv{'' if args.no_plot else ', train.png'} "
-              f"to {args.out}/")
-    return 0

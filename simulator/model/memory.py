@@ -19,7 +19,7 @@ included, attention scores stored unless recomputed), generalised to GQA and
 SwiGLU so that a GPT block gives the table exactly; they are multiplied by the
 layers a stage holds (all its chunks; an uneven interleaved split counts the
 stage's total, an approximation when its chunks differ) and the schedule's
-in-flight micro-batches (its entry in :data:`simulator.schedules.schedule.SCHEDULES`). Full
+in-flight micro-batches (its entry in :data:`simulator.schedules.registry.SCHEDULES`). Full
 recomputation keeps each layer's input (sharded with sequence parallelism).
 The last stage also holds fp32 logits: the saved softmax of every micro-batch
 whose backward has not run yet, plus one more copy for the loss gradient.
@@ -49,21 +49,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.model import moe
-from simulator.model.inventory import kept_for_backward, zero3_blocks
+from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.model.inventory.layer import kept_for_backward
+from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
     RecomputeMode,
-    cp_kv_bytes,
-    default_stack,
-    dtype_bytes,
     embedding_params,
     head_params,
     layer_params,
 )
-from simulator.schedules.schedule import schedule_spec
-from simulator.spec.placement import stage_layer_count, stage_layers
-from simulator.spec.scenario import ModelSpec, Scenario
-from simulator.spec.stack import StackSpec
-from simulator.strategies import compression
+from simulator.schedules.registry import schedule_spec
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.placement import stage_layers
+from simulator.spec.scenario import Scenario
+from simulator.spec.stack import StackSpec, default_stack
 
 ADAMW_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
 
@@ -129,7 +128,7 @@ def activation_bytes_per_layer(
     """Stored activations of one layer on one TP rank.
 
     A dense layer keeps what its forward ops save in the op inventory
-    (:func:`simulator.model.inventory.kept_for_backward`), so compute and memory describe
+    (:func:`simulator.model.inventory.layer.kept_for_backward`), so compute and memory describe
     one program: under an unfused-attention stack with dropout (Megatron-LM 2021/2022)
     that is Korthikanti et al. 2022, Table 2 exactly, s·b·h·(34 + 5as/h) for GPT at
     t = 1 (the s×s scores, softmax and its dropout 5·a·s²·b, dropped by selective
@@ -140,7 +139,8 @@ def activation_bytes_per_layer(
     :attr:`simulator.spec.scenario.Scenario.cp_keeps_gathered_kv`)
     its core holds every rank's keys and values, cp − 1 chunks more, unless the layer
     is recomputed in full. A mixture of experts' layers are the inventory's too
-    (:func:`simulator.model.inventory.moe_layer_ops`); a latent-attention model's layers keep
+    (:func:`simulator.model.inventory.experts.moe_layer_ops`); a latent-attention model's layers
+    keep
     what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their own widths and
     a flash core, the same under selective recomputation, which a flash core leaves
     nothing to drop from).
@@ -171,7 +171,7 @@ def _kept_per_layer(spec: ModelSpec, micro_batch: int, tp: int, sequence_paralle
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
     """Peak micro-batches whose activations ``stage`` holds, in full-stage units: the
-    schedule registry's (:data:`simulator.schedules.schedule.SCHEDULES`), e.g. m for GPipe,
+    schedule registry's (:data:`simulator.schedules.registry.SCHEDULES`), e.g. m for GPipe,
     min(p - stage, m) for 1F1B and ZB-H1."""
     spec = schedule_spec(schedule)
     if min(p, m, v) < 1 or not 0 <= stage < p:
@@ -225,7 +225,7 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None)
     return total
 
 
-def _activations(scenario: Scenario, stage: int) -> float:
+def activations(scenario: Scenario, stage: int) -> float:
     spec, par, trn = scenario.model, scenario.parallel, scenario.training
     b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
@@ -250,7 +250,7 @@ def _activations(scenario: Scenario, stage: int) -> float:
     return total * in_flight
 
 
-def _logits(scenario: Scenario, stage: int) -> float:
+def logits(scenario: Scenario, stage: int) -> float:
     par = scenario.parallel
     if stage != par.pp - 1:
         return 0.0
@@ -262,51 +262,7 @@ def _logits(scenario: Scenario, stage: int) -> float:
     return fp32 * (held + 1)
 
 
-def _comm_buffers(scenario: Scenario, stage: int) -> float:
-    par = scenario.parallel
-    if par.dp == 1:
-        return 0.0
-    if par.zero <= 2:
-        return 2 * par.dp_bucket_MB * 1e6
-    spec = scenario.model
-    layer = max(_rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
-                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
-        * dtype_bytes(scenario.training.dtype)
-    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
-    if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
-    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
-        # DeepSpeed's modules, gathered by blocks as the engine runs them
-        # (simulator/strategies/data.py Zero3Pass): the running block and the fsdp_prefetch
-        # blocks after it (attention and MLP blocks alternate), without prefetch the
-        # running block alone; in layers
-        blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
-        seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
-        n = 1 + (par.fsdp_prefetch if ahead else 0)
-        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
-    else:  # the running layer plus the prefetched ones
-        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
-    root = sum(zero3_root_bytes(scenario, stage))
-    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
-
-
-def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
-    """ZeRO-3 on one GPU of pipeline ``stage``: bytes of the root unit's gathered
-    parameters (the embedding on the first stage, the final norm, output layer and a
-    tied embedding's copy on the last) and of the output layer's unsharded gradient
-    (last stage: the head's parameters, or the shared embedding's when tied)."""
-    spec, par = scenario.model, scenario.parallel
-    dt = dtype_bytes(scenario.training.dtype) / par.tp
-    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
-    gathered = embedding_params(spec) if stage == 0 else 0.0
-    grad = 0.0
-    if stage == par.pp - 1:
-        gathered += head_params(spec) + (tied if par.pp > 1 else 0)
-        grad = head_params(spec) + tied
-    return gathered * dt, grad * dt
-
-
-def _rank_params(scenario: Scenario, dense: float, experts: float) -> float:
+def rank_params(scenario: Scenario, dense: float, experts: float) -> float:
     """Parameters on one rank: dense ones split over tp, routed experts over
     expert_tp · ep (Megatron-LM's expert tensor and expert parallelism)."""
     par = scenario.parallel
@@ -315,48 +271,3 @@ def _rank_params(scenario: Scenario, dense: float, experts: float) -> float:
     return dense / par.tp + experts / (par.etp * par.ep)
 
 
-def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
-    """Memory of one GPU of pipeline ``stage``.
-
-    ZeRO shards the dense parameters' states over the data-parallel ranks with
-    their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group) and the
-    routed experts' states over the expert data-parallel ranks (edp)."""
-    par, dtype = scenario.parallel, scenario.training.dtype
-    runs = stage_layers(scenario.model.layers, par, stage)
-    total = stage_params(scenario.model, par.pp, stage, runs)
-    experts = stage_expert_params(scenario.model, par.pp, stage, runs)
-    psi = _rank_params(scenario, total - experts, 0)
-    grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
-    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes)
-    gradients, optimizer = psi * g, psi * o
-    weights = psi * w
-    if experts:
-        psi_e = experts / (par.etp * par.ep)
-        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes)
-        weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
-            optimizer + psi_e * oe
-    if par.zero_offload:
-        optimizer = 0.0
-        if par.zero >= 2:
-            gradients = 0.0  # each micro-batch's shard goes to the host
-    buffers, compression_state = compression.memory_extra(scenario, stage)
-    return MemoryBreakdown(
-        stage=stage,
-        weights=weights,
-        gradients=gradients,
-        optimizer=optimizer + compression_state,
-        activations=_activations(scenario, stage),
-        logits=_logits(scenario, stage),
-        comm_buffers=_comm_buffers(scenario, stage) + buffers,
-        capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
-    )
-
-
-def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:
-    """One breakdown per pipeline stage."""
-    return [stage_breakdown(scenario, stage) for stage in range(scenario.parallel.pp)]
-
-
-def peak_memory(scenario: Scenario) -> MemoryBreakdown:
-    """The stage with the largest total (the first such stage on ties)."""
-    return max(memory_report(scenario), key=lambda item: item.total)

@@ -45,11 +45,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from simulator.model import inventory as inv
-from simulator.model import transformer as mdl
-from simulator.model.inventory import routed_tokens
-from simulator.spec.scenario import MLASpec, ModelSpec
-from simulator.spec.stack import StackSpec
+from simulator.model.inventory.attention import attention_core
+from simulator.model.inventory.dense import dense_layer_ops
+from simulator.model.inventory.experts import moe_layer_ops, moe_mlp_ops, routed_tokens
+from simulator.model.inventory.ops import (
+    Op,
+    Pass,
+    act_elements,
+    dtype_bytes,
+    gemm,
+    mem,
+    norm_elements,
+)
+from simulator.spec.model_spec import MLASpec, ModelSpec
+from simulator.spec.stack import StackSpec, default_stack
 
 
 def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
@@ -133,33 +142,33 @@ def active_layer_params(spec: ModelSpec, layer: int) -> int:
 
 
 def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
-            pass_: mdl.Pass) -> dict[str, mdl.Op]:
+            pass_: Pass) -> dict[str, Op]:
     """The latent attention's ops on one TP rank (GEMMs and the core), by name."""
     tokens, h, heads = micro_batch * spec.seq_len, spec.hidden, spec.heads / tp
-    ops: dict[str, mdl.Op] = {}
+    ops: dict[str, Op] = {}
     if mla.q_lora_rank:
-        ops["q_down"] = mdl._gemm("q_down", tokens, h, mla.q_lora_rank, dt)
-        ops["q_norm"] = mdl._mem("q_norm", (2.0 if pass_ == "fwd" else 3.0)
+        ops["q_down"] = gemm("q_down", tokens, h, mla.q_lora_rank, dt)
+        ops["q_norm"] = mem("q_norm", (2.0 if pass_ == "fwd" else 3.0)
                                  * tokens * mla.q_lora_rank, dt)
-        ops["q_up"] = mdl._gemm("q_up", tokens, mla.q_lora_rank, heads * mla.qk_head_dim, dt)
+        ops["q_up"] = gemm("q_up", tokens, mla.q_lora_rank, heads * mla.qk_head_dim, dt)
     else:
-        ops["q_up"] = mdl._gemm("q_up", tokens, h, heads * mla.qk_head_dim, dt)
-    ops["kv_down"] = mdl._gemm("kv_down", tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, dt)
-    ops["kv_norm"] = mdl._mem("kv_norm", (2.0 if pass_ == "fwd" else 3.0)
+        ops["q_up"] = gemm("q_up", tokens, h, heads * mla.qk_head_dim, dt)
+    ops["kv_down"] = gemm("kv_down", tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, dt)
+    ops["kv_norm"] = mem("kv_norm", (2.0 if pass_ == "fwd" else 3.0)
                               * tokens * mla.kv_lora_rank, dt)
-    ops["kv_up"] = mdl._gemm("kv_up", tokens, mla.kv_lora_rank,
+    ops["kv_up"] = gemm("kv_up", tokens, mla.kv_lora_rank,
                              heads * (mla.qk_nope_head_dim + mla.v_head_dim), dt)
     core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
     qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
     if pass_ == "fwd":  # read q, k, v; write o
-        ops["attn_core"] = mdl.Op("attn_core", "attention", core,
+        ops["attn_core"] = Op("attn_core", "attention", core,
                                   dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
                                   0.0, 0.5)  # causal: a flash kernel skips masked blocks
     else:  # read q, k, v, o, do; write dq, dk, dv
-        ops["attn_core"] = mdl.Op("attn_core", "attention", 2 * core,
+        ops["attn_core"] = Op("attn_core", "attention", 2 * core,
                                   dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd", 3,
                                   0.0, 0.5)
-    ops["out_proj"] = mdl._gemm("out_proj", tokens, v, h, dt)
+    ops["out_proj"] = gemm("out_proj", tokens, v, h, dt)
     return ops
 
 
@@ -221,56 +230,56 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
 
 
 def _attention_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
-                   pass_: mdl.Pass) -> list[mdl.Op]:
+                   pass_: Pass) -> list[Op]:
     if spec.mla is not None:
         return list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_).values())
     tokens, h = micro_batch * spec.seq_len, spec.hidden
     qkv_width = h / tp + 2 * max(spec.kv / tp, 1.0) * spec.head_dim
-    return [mdl._gemm("qkv", tokens, h, qkv_width, dt),
-            mdl._attention_core(spec, micro_batch, tp, dt, pass_),
-            mdl._gemm("out_proj", tokens, h / tp, h, dt)]
+    return [gemm("qkv", tokens, h, qkv_width, dt),
+            attention_core(spec, micro_batch, tp, dt, pass_),
+            gemm("out_proj", tokens, h / tp, h, dt)]
 
 
 def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
-                   pass_: mdl.Pass) -> list[mdl.Op]:
+                   pass_: Pass) -> list[Op]:
     tokens, h = micro_batch * spec.seq_len, spec.hidden
     up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
-    return [mdl._gemm("mlp_up", tokens, h, up, dt),
-            mdl._mem("act", mdl._act_elements(spec, tokens, tp, pass_), dt),
-            mdl._gemm("mlp_down", tokens, spec.ffn / tp, h, dt)]
+    return [gemm("mlp_up", tokens, h, up, dt),
+            mem("act", act_elements(spec, tokens, tp, pass_), dt),
+            gemm("mlp_down", tokens, spec.ffn / tp, h, dt)]
 
 
 def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
-              pass_: mdl.Pass, layer: int, padded: bool = True,
-              stack: StackSpec | None = None) -> tuple[mdl.Op, ...]:
+              pass_: Pass, layer: int, padded: bool = True,
+              stack: StackSpec | None = None) -> tuple[Op, ...]:
     """Layer ``layer`` of a MoE or latent-attention model on one TP rank, in execution
     order. With standard attention the kernel-level inventory as ``stack`` runs it
-    (:func:`simulator.model.inventory.moe_layer_ops` for a routed-experts layer, the dense
+    (:func:`simulator.model.inventory.experts.moe_layer_ops` for a routed-experts layer, the dense
     layer's for the others). With latent attention the coarser list here (the same
     frame: norm, attention, residual, norm, MLP or experts, residual), whose forward
     ops carry what they keep for the backward (:func:`kept_bytes`; a mask per residual
     add where the stack has hidden dropout)."""
-    st = stack or mdl.default_stack()
+    st = stack or default_stack()
     if spec.mla is None:
         if spec.is_moe_layer(layer):
-            return inv.moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+            return moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
                                      padded)
-        return inv.dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
+        return dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
     masks = st.hidden_dropout > 0
-    dt = mdl.dtype_bytes(dtype)
+    dt = dtype_bytes(dtype)
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
     attention = _attention_ops(spec, micro_batch, tp, dt, pass_)
     if spec.is_moe_layer(layer):
-        mlp = inv.moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
+        mlp = moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
                               padded)
     else:
         mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_)
     if pass_ == "bwd_weight":
         return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
-    residual = mdl._mem("residual", 3.0 * local * spec.hidden, dt)
-    ops = (mdl._mem("ln1", mdl._norm_elements(spec, local, pass_), dt, "norm"), *attention,
-           residual, mdl._mem("ln2", mdl._norm_elements(spec, local, pass_), dt, "norm"), *mlp,
+    residual = mem("residual", 3.0 * local * spec.hidden, dt)
+    ops = (mem("ln1", norm_elements(spec, local, pass_), dt, "norm"), *attention,
+           residual, mem("ln2", norm_elements(spec, local, pass_), dt, "norm"), *mlp,
            residual)
     if pass_ != "fwd":
         return ops[::-1]

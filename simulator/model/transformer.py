@@ -1,6 +1,6 @@
 """Transformer arithmetic: parameters, per-layer operations, FLOPs per step.
 
-Pure functions over a :class:`~simulator.spec.scenario.ModelSpec`; no SimPy and no
+Pure functions over a :class:`~simulator.spec.model_spec.ModelSpec`; no SimPy and no
 hardware. The cost model turns an :class:`Op` into time (roofline of ``flops``
 against ``bytes`` with the profile's efficiency curves); this module only says
 how much work there is.
@@ -33,43 +33,30 @@ out exactly for a GPT block):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import lru_cache
 from typing import Literal
 
 from simulator.model import moe
-from simulator.model.inventory import (
+from simulator.model.inventory.dense import dense_layer_ops
+from simulator.model.inventory.experts import expert_tensors
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import (
     CORE_OPS,
-    ROOT_TENSORS,
-    EndPayload,
     Op,
-    OpKind,
     Pass,
-    dense_layer_ops,
-    dtensor_tensors,
     dtype_bytes,
-    expert_tensors,
-    layer_tensors,
-    optimizer_op,
-    zero3_collectives,
+    gemm,
+    mem,
+    norm_elements,
 )
-from simulator.model.inventory import act_elements as _act_elements
-from simulator.model.inventory import gemm as _gemm
-from simulator.model.inventory import kv_per_rank as _kv_per_rank
-from simulator.model.inventory import mem as _mem
-from simulator.model.inventory import norm_elements as _norm_elements
-from simulator.spec.scenario import ModelSpec, Scenario
-from simulator.spec.stack import DEFAULT_STACK, StackSpec, load_stack
-
-__all__ = ["CORE_OPS", "Op", "OpKind", "Pass", "_act_elements", "_gemm", "_kv_per_rank",
-           "_mem", "_norm_elements", "dtype_bytes", "zero3_collectives"]
+from simulator.model.inventory.optimizer import optimizer_op
+from simulator.model.inventory.sharding import ROOT_TENSORS
+from simulator.model.inventory.tensor_parallel import EndPayload, dtensor_tensors
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.scenario import Scenario
+from simulator.spec.stack import StackSpec, default_stack
 
 RecomputeMode = Literal["none", "selective", "full"]
 PASSES: tuple[Pass, ...] = ("fwd", "bwd_input", "bwd_weight")
-
-
-@lru_cache(maxsize=1)
-def default_stack() -> StackSpec:
-    return load_stack(DEFAULT_STACK)
 
 
 # ---------------------------------------------------------------- parameters
@@ -125,60 +112,6 @@ def active_param_count(spec: ModelSpec, embedding: bool = True) -> int:
 # ---------------------------------------------------------------- operations
 
 
-def _attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
-    """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
-    times as many keys (context parallelism: a rank's chunk of queries meets every
-    chunk's keys and values, as ring attention and the KV all-gather do, one flash call
-    per chunk). Causal: half the counted FLOPs execute (load-balanced chunks)."""
-    tokens, q_width = b * spec.seq_len, spec.hidden / tp
-    kv_width = _kv_per_rank(spec, tp) * spec.head_dim
-    fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
-    if pass_ == "fwd":  # read q, k, v; write o
-        return Op("attn_core", "attention", fwd_flops,
-                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
-                  "attention_fwd", cp, 0.0, 0.5)
-    # read q, k, v, o, do; write dq, dk, dv
-    return Op("attn_core", "attention", 2 * fwd_flops,
-              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops / cp,
-              "attention_bwd", 3 * cp, 0.0, 0.5)
-
-
-def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
-                         pass_: Pass, cp: int, kv_gathered: bool = False,
-                         kv_kept: bool = False) -> tuple[Op, ...]:
-    """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
-    against the whole sequence's keys (:func:`_attention_core`; context parallelism runs
-    a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
-    requires). With ``kv_gathered`` (the all-gather variant) the gathered keys and
-    values are put in sequence order before the core, and in backward their gradients
-    back in chunk order after it: one read and one write of the gathered bytes each
-    (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
-    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``); with
-    ``kv_kept`` (the stack keeps the gathered, ordered keys and values for the backward)
-    the backward reorders only the gradients."""
-    if cp == 1 or pass_ == "bwd_weight":
-        return ops
-    core = _attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
-    out: list[Op] = []
-    for op in ops:
-        if op.name in CORE_OPS:
-            if core in out:
-                continue  # an unfused core's other kernels: replaced by the one core
-            if kv_gathered:
-                copies = 1 if pass_ == "fwd" or kv_kept else 2
-                out.append(Op("cp_reorder", "memory", 0.0,
-                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
-            out.append(core)
-        else:
-            out.append(op)
-    return tuple(out)
-
-
-def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
-    """Bytes of one rank's key and value chunk of one layer (its TP share of KV heads)."""
-    return 2.0 * b * local.seq_len * _kv_per_rank(local, tp) * local.head_dim * dtype_bytes(dtype)
-
-
 def layer_ops(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     dtype: str = "bf16", pass_: Pass = "fwd", layer: int = 0, stack: StackSpec | None = None,
@@ -215,10 +148,10 @@ def embedding_ops(
     dropout = (Op("embedding_dropout", "memory", 0.0, (2 * dt + 1) * elements, 0.0,
                   "elementwise", 1, keep),) if st.hidden_dropout > 0 else ()
     if pass_ == "fwd":
-        return (_mem("embedding", (2.0 + per_token) * elements, dt, "copy", 1 + (per_token > 0)),
+        return (mem("embedding", (2.0 + per_token) * elements, dt, "copy", 1 + (per_token > 0)),
                 *dropout)
     if pass_ == "bwd_weight":  # read dy, read-modify-write the touched rows (and positions)
-        return (*dropout, _mem("embedding", (3.0 + per_token) * elements, dt, "copy",
+        return (*dropout, mem("embedding", (3.0 + per_token) * elements, dt, "copy",
                                1 + (per_token > 0)))
     return ()
 
@@ -238,7 +171,7 @@ def head_ops(
     dt, tokens = dtype_bytes(dtype), micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
-    logits = _gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
+    logits = gemm("logits", tokens, spec.hidden, spec.vocab / tp, dt, cls)
     amp = st.amp(dt)  # autocast: the norm and the loss in fp32, a cast on each side of the GEMM
     wide = st.fp32_under_amp(dt)
     if pass_ == "bwd_weight":
@@ -247,10 +180,10 @@ def head_ops(
                         + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
         return (logits,)
     loss = _loss(st, tokens * spec.vocab / tp, wide, pass_)
-    casts = ((_mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
-             (_mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
+    casts = ((mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
+             (mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
         if amp else ((), ())
-    ops = (_mem("final_norm", _norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
+    ops = (mem("final_norm", norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
            logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
 
@@ -295,7 +228,8 @@ def layer_recompute_ops(
 def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
                     part: Literal["dense", "experts", "all"] = "dense") -> Op:
     """The optimizer step on ``shard`` parameters of a rank holding the layer runs
-    ``layers``, as the scenario's stack runs it (:func:`simulator.model.inventory.optimizer_op`),
+    ``layers``, as the scenario's stack runs it
+    (:func:`simulator.model.inventory.optimizer.optimizer_op`),
     over the parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's
     without its routed experts) and the ends'; ``experts``, the routed experts' of the
     MoE layers among them (the expert pass's own step); ``all``, both in one step.
@@ -394,7 +328,8 @@ def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, dtype: str = "bf1
 
 def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPayload, float]:
     """Bytes of one TP collective at the model's ends by what it carries
-    (:func:`simulator.model.inventory.tp_end_collectives`): the b·s·h activation, the b·s·V
+    (:func:`simulator.model.inventory.tensor_parallel.tp_end_collectives`): the b·s·h activation,
+    the b·s·V
     logits, the cross-entropy's fp32 value per token."""
     tokens = micro_batch * spec.seq_len
     return {"activation": tp_comm_bytes_per_layer(spec, micro_batch, dtype),

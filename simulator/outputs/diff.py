@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simulator.analysis.accounting import CATEGORIES, label
+from simulator.analysis.accounting.vocabulary import CATEGORIES, label
 from simulator.errors import Problem, UserError
 from simulator.outputs.trace_export import atomic_output
 

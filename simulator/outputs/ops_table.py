@@ -22,7 +22,10 @@ from typing import Any
 from simulator.builder.workload import local_scenario
 from simulator.model import moe
 from simulator.model import transformer as mdl
-from simulator.model.inventory import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops, layer_tensors
+from simulator.model.inventory.attention import context_parallel_ops
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import Op, dtype_bytes
+from simulator.model.inventory.sharding import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops
 from simulator.model.memory import activation_bytes_per_layer, stage_params
 from simulator.spec.placement import stage_layers
 from simulator.spec.scenario import Scenario
@@ -33,7 +36,7 @@ COLUMNS = ("part", "pass", "op", "class", "kernels", "gflop", "mb", "saved_mb", 
 _PASS_NAMES = {"fwd": "forward", "bwd_input": "backward input", "bwd_weight": "backward weight"}
 
 
-def _row(cost: CostModel, part: str, pass_: str, op: mdl.Op) -> dict[str, Any]:
+def _row(cost: CostModel, part: str, pass_: str, op: Op) -> dict[str, Any]:
     return {"part": part, "pass": pass_, "op": op.name, "class": op.cost_class,
             "kernels": op.kernels, "gflop": op.flops / 1e9, "mb": op.bytes / 1e6,
             "saved_mb": op.saved / 1e6, "time_us": cost.op_time(op) * 1e6,
@@ -46,12 +49,12 @@ def _layer_rows(s: Scenario, cost: CostModel, layer: int, part: str) -> list[dic
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
     rows = []
     for p in mdl.PASSES:
-        ops = mdl.context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
+        ops = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
                                        spec, b, tp, dt, p, cp, gathered,
                                        s.cp_keeps_gathered_kv)
         rows += [_row(cost, part, _PASS_NAMES[p], op) for op in ops]
     rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack)
-    rec = mdl.context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
+    rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
     rows += [_row(cost, part, "recompute", op) for op in rec]
     total = sum(r["time_us"] for r in rows) or 1.0
     for r in rows:
@@ -77,14 +80,14 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
     if par.zero == 3 and par.dp * par.cp > 1:  # FSDP2's copies around one layer's collectives
         unit, n, dp = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack), \
             par.dp * par.cp
-        dtb = mdl.dtype_bytes(dt)
+        dtb = dtype_bytes(dt)
         rows += [_row(cost, "fsdp unit", "per gather", op)
                  for op in fsdp_gather_ops(s.stack, unit, dp, dtb, n)]
         rows += [_row(cost, "fsdp unit", "per reduce", op) for op in fsdp_reduce_ops(
             s.stack, unit, dp, dtb, s.stack.reduce_bytes(dtb), n, True)]
     if par.zero == 0 and par.dp * par.cp > 1:  # torch DDP's bucket copies of one layer
         unit, n = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack)
-        rdt = s.stack.reduce_bytes(mdl.dtype_bytes(dt))
+        rdt = s.stack.reduce_bytes(dtype_bytes(dt))
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)

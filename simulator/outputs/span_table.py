@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.engine.engine import SimResult
+from simulator.engine.result import SimResult
 
 #: Column name → dtype of a span table, in file order.
 SPAN_COLUMNS: Mapping[str, str] = {

@@ -36,7 +36,7 @@ import pandas as pd
 
 from simulator.analysis.memory_timeline import Curve, memory_timeline
 from simulator.builder.tasks import Task
-from simulator.engine.engine import SimResult
+from simulator.engine.result import SimResult
 from simulator.spec.scenario import Scenario
 from simulator.system.topology import Topology
 

@@ -3,30 +3,13 @@
 ``clustersim plan --model gpt3-175b --gpus 1024 --system dgx-a100-80gb
 --global-batch 1536`` answers in four passes over every candidate layout:
 
-1. **Enumerate**: TP dividing the model's heads and at most a node (unless
-   ``tp_beyond_node``), CP from :func:`cp_degrees`, PP dividing its layers,
-   DP = N / (TP · CP · PP) whole; for a mixture of experts every EP degree the
-   schema accepts for that stage (:func:`~simulator.spec.scenario.expert_parallel_degrees`:
-   a divisor of the experts dividing CP · DP, expert TP left at TP); then every
-   ZeRO stage, recompute mode, sequence parallelism (when TP > 1), micro-batch
-   size and schedule (GPipe, 1F1B, ZB-H1, and interleaved with every
-   virtual-stage count that gives each chunk whole layers). With one pipeline
-   stage the schedules are all the same step, so only 1F1B is kept.
-
-   CP by default: powers of two while each CP rank keeps at least
-   :data:`CP_MIN_TOKENS` tokens of a sequence, so a 2,048- or 4,096-token model
-   gets none and an 8,192-token one CP 2. The shortest chunks of published CP
-   runs are that long: NeMo's ``llm/recipes/llama3_70b.py`` pre-trains at 8,192
-   tokens with ``context_parallelism=2``, and the Llama 3 report (Table 4) runs
-   131,072 tokens at CP 16 (8,192 a rank); shorter chunks only add KV exchange
-   to thinner GEMMs. Where the simulator has no CP workload for the model
-   (:func:`~simulator.spec.scenario.not_yet_simulated`: a mixture of experts, latent
-   attention) the default is CP 1.
+1. **Enumerate** every candidate (:mod:`simulator.search.candidates`: one value per
+   dimension of the search, each strategy's and the planner's own, nested in order).
 2. **Validate** each candidate with the scenario schema's own rules (the
-   section models' field checks and :func:`~simulator.spec.scenario.consistency_problems`,
+   section models' field checks and :func:`~simulator.spec.rules.consistency_problems`,
    on a copy of one validated base scenario: presets are read once, not per
    candidate). Invalid candidates are rows with their error lines; so are valid
-   ones the engine cannot run yet (:func:`~simulator.spec.scenario.not_yet_simulated`,
+   ones the engine cannot run yet (:func:`~simulator.spec.rules.not_yet_simulated`,
    e.g. ZeRO-3 with experts), counted apart, since the choice is the engine's.
 3. **Prune by memory** with :mod:`simulator.model.memory`: the peak is the larger of
    the first and last stages (a middle stage holds no more weights, no more
@@ -35,93 +18,55 @@
    first three are dense) a middle stage can hold the most experts, so every
    stage is computed. Candidates above the GPU's capacity are rows marked as not
    fitting.
-4. **Rank** the survivors by :func:`~simulator.analysis.analytic.analytic_estimate`,
+4. **Rank** the survivors by :func:`~simulator.analysis.analytic.estimate.analytic_estimate`,
    then re-simulate the best ``top_k`` with the engine (folded), and the best of each
    ZeRO stage and CP degree besides (:func:`resimulated`: the estimate errs by family),
    and choose the fastest by the engine's step time.
 
 Passes 2–4 run on any ``concurrent.futures.Executor`` in chunks of
 :data:`CHUNK` candidates; engine results go through the on-disk cache. The
-table has a row per candidate (:data:`KNOBS`, its :data:`VERDICTS` entry, the error
+table has a row per candidate (its knobs, its :data:`VERDICTS` entry, the error
 lines, the memory peak, the analytic estimate where it fits, the engine's figures
 where simulated).
 """
 
 from __future__ import annotations
 
-import difflib
-import itertools
-import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
-from simulator.analysis.analytic import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.memory import stage_breakdown
 from simulator.errors import Problem, UserError
-from simulator.model.memory import stage_breakdown
 from simulator.model.moe import layer_kinds
-from simulator.outputs.trace_export import atomic_output
 from simulator.search.cache import (
     Figures,
     ResultCache,
-    code_version,
     map_cached,
     progress_bar,
     scenario_key,
 )
-from simulator.search.sweep import write_table
-from simulator.spec.scenario import (
-    ParallelSpec,
-    Scenario,
-    TrainingSpec,
-    consistency_problems,
-    expert_parallel_degrees,
-    not_yet_simulated,
-    preset_model_names,
-    scenario_from_dict,
+from simulator.search.candidates import (
+    Candidate,
+    PlanRequest,
+    base_scenario,
+    candidate_scenario,
+    candidates,
+    knobs,
 )
-from simulator.system.hardware import load_system
+from simulator.spec.rules import consistency_problems, not_yet_simulated
+from simulator.spec.scenario import Scenario
 
-#: A candidate's settings, in the order of :data:`Candidate`'s fields.
-KNOBS = ("tp", "cp", "pp", "dp", "ep", "schedule", "virtual_stages", "zero", "recompute",
-         "sequence_parallel", "micro_batch")
-Candidate = tuple[int, int, int, int, int, str, int, int, str, bool, int]
 #: What becomes of a candidate, one per row (the ``verdict`` column), in pass order.
 VERDICTS = ("invalid", "not yet simulated", "out of memory", "fits")
-CP_MIN_TOKENS = 4096  # default CP: each rank keeps at least this many tokens (module note)
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
 CHUNK = 250  # candidates per task: big enough to amortise a submit, small enough to balance
 ENGINE_FIGURES = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction")
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What to plan for, and which part of the space to search."""
-
-    model: str  # a model preset (`clustersim presets`)
-    gpus: int  # N, a multiple of the system's GPUs per node (or a divisor of it)
-    system: str  # a system preset or a hardware-profile YAML
-    global_batch: int  # sequences per step
-    seq_len: int | None = None  # default: the preset's
-    top_k: int = 5  # candidates re-simulated by the engine
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
-    schedules: tuple[str, ...] = SCHEDULES
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = RECOMPUTE
-    # CP degrees; None: powers of two down to CP_MIN_TOKENS tokens a rank (cp_degrees)
-    context_parallel: tuple[int, ...] | None = None
-    # EP degrees (a mixture of experts only), each kept where the stage admits it;
-    # None: every degree the schema accepts
-    expert_parallel: tuple[int, ...] | None = None
-    tp_beyond_node: bool = False  # allow TP groups that span nodes
-    dtype: str = "bf16"
 
 
 @dataclass
@@ -139,111 +84,6 @@ class Plan:
 # ---------------------------------------------------------------- pass 1 and 2
 
 
-def base_scenario(req: PlanRequest) -> Scenario:
-    """The model and cluster, validated once (training and parallel replaced later)."""
-    if req.model not in preset_model_names():
-        near = difflib.get_close_matches(req.model, preset_model_names(), n=1)
-        hint = f"did you mean '{near[0]}'? " if near else ""
-        raise UserError([Problem("--model", req.model, f"not a model preset; {hint}bundled: "
-                                 f"{', '.join(preset_model_names())}")])
-    try:
-        gpn = load_system(req.system).gpus_per_node
-    except UserError as exc:
-        raise UserError([Problem("--system", req.system, str(exc.problems[0]).split(": ", 1)[-1])
-                         ]) from None
-    if req.gpus % gpn == 0:
-        nodes, per_node = req.gpus // gpn, gpn
-    elif gpn % req.gpus == 0:
-        nodes, per_node = 1, req.gpus
-    else:
-        raise UserError([Problem("--gpus", req.gpus, f"{req.system} has {gpn} GPUs per node; "
-                                 f"use a multiple of {gpn} (or a divisor of it)")])
-    model: dict[str, Any] = {"preset": req.model}
-    if req.seq_len is not None:
-        model["seq_len"] = req.seq_len
-    data = {"name": f"plan-{req.model}-{req.gpus}", "model": model,
-            "cluster": {"system": req.system, "nodes": nodes, "gpus_per_node": per_node},
-            "parallel": {"dp": req.gpus},
-            "training": {"global_batch": req.gpus, "dtype": req.dtype},
-            "simulation": {"method": "engine", "fidelity": "folded"}}
-    base = scenario_from_dict(data)
-    base.hardware  # noqa: B018  resolve once; candidates share it through model_copy
-    return base.model_copy(update={"training": TrainingSpec(
-        global_batch=req.global_batch, dtype=cast(Any, req.dtype))})
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _schedules(req: PlanRequest, layers: int, pp: int) -> Iterator[tuple[str, int]]:
-    if pp == 1:
-        if req.schedules:
-            yield "1f1b", 1
-        return
-    for schedule in req.schedules:
-        if schedule != "interleaved":
-            yield schedule, 1
-            continue
-        for v in divisors(layers // pp):
-            if v >= 2:
-                yield schedule, v
-
-
-def cp_degrees(req: PlanRequest, base: Scenario) -> tuple[int, ...]:
-    """The CP degrees to try: the request's, or the default of the module note."""
-    if req.context_parallel is not None:
-        return req.context_parallel
-    probe = base.model_copy(update={"parallel": ParallelSpec(cp=2)})
-    if any(p.field == "parallel.cp" for p in not_yet_simulated(probe)):
-        return (1,)
-    out = [1]
-    while base.model.seq_len // (2 * out[-1]) >= CP_MIN_TOKENS:
-        out.append(2 * out[-1])
-    return tuple(out)
-
-
-def _ep_degrees(req: PlanRequest, base: Scenario, tp: int, cp: int, dp: int) -> list[int]:
-    """The EP degrees of a stage of tp · cp · dp ranks (1 for a dense model)."""
-    if not base.model.is_moe:
-        return [1]
-    valid = expert_parallel_degrees(base.model.experts, tp * cp * dp, tp)
-    wanted = valid if req.expert_parallel is None else req.expert_parallel
-    return [ep for ep in wanted if ep in valid]
-
-
-def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
-    """Every layout of pass 1, in a fixed order."""
-    spec, gpn = base.model, base.cluster.gpus_per_node or 1
-    if not spec.is_moe and any(ep > 1 for ep in req.expert_parallel or ()):
-        raise UserError([Problem("--expert-parallel", req.expert_parallel, f"{req.model} has "
-                                 "no routed experts (model.experts = 0); leave it out")])
-    out: list[Candidate] = []
-    for tp, cp, pp in itertools.product(divisors(spec.heads), cp_degrees(req, base),
-                                        divisors(spec.layers)):
-        if (tp > gpn and not req.tp_beyond_node) or req.gpus % (tp * cp * pp):
-            continue
-        dp = req.gpus // (tp * cp * pp)
-        batches = [b for b in req.micro_batches if b * dp <= req.global_batch]
-        for ep, (schedule, v), zero, recompute, sp in itertools.product(
-                _ep_degrees(req, base, tp, cp, dp), _schedules(req, spec.layers, pp),
-                req.zero_stages, req.recompute, (False, True) if tp > 1 else (False,)):
-            out.extend((tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b)
-                       for b in batches)
-    return out
-
-
-def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
-    """``base`` with a candidate's settings (field checks run; cross-field ones do not)."""
-    tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b = cand
-    par = ParallelSpec(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, schedule=cast(Any, schedule),
-                       virtual_stages=v, zero=cast(Any, zero), recompute=cast(Any, recompute),
-                       sequence_parallel=sp)
-    trn = TrainingSpec(global_batch=base.training.global_batch, micro_batch=b,
-                       dtype=base.training.dtype)
-    return base.model_copy(update={"parallel": par, "training": trn})
-
-
 # ---------------------------------------------------------------- pass 2 and 3 (workers)
 
 
@@ -257,7 +97,7 @@ def peak_memory_bytes(s: Scenario) -> float:
 
 def assess(base: Scenario, cand: Candidate) -> dict[str, Any]:
     """One candidate's row: validity, memory verdict and, if it fits, the estimate."""
-    row: dict[str, Any] = dict(zip(KNOBS, cand, strict=True))
+    row: dict[str, Any] = dict(zip(knobs(), cand, strict=True))
     row.update(microbatches=0, verdict="invalid", error="", peak_memory_GB=math.nan,
                fits=False, analytic_step_time_s=math.nan)
     s = candidate_scenario(base, cand)
@@ -300,7 +140,7 @@ def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor) -> p
         for future, chunk in zip(futures, chunks, strict=True):
             rows.extend(future.result()["rows"])
             bar.update(len(chunk))
-    return pd.DataFrame(rows, columns=[*KNOBS, "microbatches", "verdict", "error",
+    return pd.DataFrame(rows, columns=[*knobs(), "microbatches", "verdict", "error",
                                        "peak_memory_GB", "fits", "analytic_step_time_s"])
 
 
@@ -371,37 +211,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
                 base.hardware.gpu.memory_GB, counts)
 
 
-
-# ---------------------------------------------------------------- outputs
-
-
-def write_plan(plan: Plan, out: Path, plots: bool = True) -> list[Path]:
-    """plan.csv, plan.parquet, plan.json (request, counts, choice) and pareto.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [write_table(plan.table, out / "plan.csv"),
-               write_table(plan.table, out / "plan.parquet")]
-    meta = {"request": asdict(plan.request), "counts": plan.counts, "wall_s": plan.wall_s,
-            "gpu_memory_GB": plan.gpu_memory_GB,
-            "chosen": None if plan.chosen is None
-            else _plain(plan.table.loc[plan.chosen].to_dict()),
-            "version": code_version()}
-    with atomic_output(out / "plan.json") as tmp:
-        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    written.append(out / "plan.json")
-    if plots:
-        from simulator.outputs.plots.search import plot_pareto
-
-        written.append(plot_pareto(out))
-    return written
-
-
-def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """numpy scalars to Python ones, NaN to None (JSON)."""
-    out = {}
-    for k, v in row.items():
-        value = v.item() if hasattr(v, "item") else v
-        out[k] = None if isinstance(value, float) and math.isnan(value) else value
-    return out
+# ---------------------------------------------------------------- labels
 
 
 def degrees_label(row: Any) -> str:

@@ -20,7 +20,6 @@ sweep computes only the points that are missing. The table goes to
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -30,10 +29,10 @@ from typing import Any
 import pandas as pd
 
 from simulator.errors import Problem, UserError
-from simulator.outputs.trace_export import atomic_output
+from simulator.loading import read_yaml
 from simulator.search.cache import Figures, ResultCache, map_cached, scenario_key
-from simulator.spec.scenario import ClusterSpec, Scenario, apply_overrides, load_scenario
-from simulator.system.hardware import read_yaml
+from simulator.spec.load import apply_overrides, load_scenario
+from simulator.spec.scenario import ClusterSpec, Scenario
 
 COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "memory_peak_bytes",
            "fits_in_memory")
@@ -140,30 +139,3 @@ def best(table: pd.DataFrame, n: int = 5) -> pd.DataFrame:
         return table.iloc[0:0]
     ok = table[(table["error"] == "") & table["fits_in_memory"].fillna(False).astype(bool)]
     return ok.sort_values("tokens_per_s", ascending=False).head(n)
-
-
-def write_table(table: pd.DataFrame, path: Path) -> Path:
-    """CSV or Parquet by ``path``'s suffix, atomically."""
-    with atomic_output(path) as tmp:
-        if path.suffix == ".parquet":
-            table.to_parquet(tmp, index=False)
-        else:
-            table.to_csv(tmp, index=False)
-    return path
-
-
-def write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
-                plots: bool = True) -> list[Path]:
-    """sweep.csv, sweep.parquet, sweep.json (``meta``: axes, scenario, method) and, with
-    two axes of more than one value, heatmap.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [write_table(table, out / "sweep.csv"), write_table(table, out / "sweep.parquet")]
-    with atomic_output(out / "sweep.json") as tmp:
-        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    written.append(out / "sweep.json")
-    varied = [a for a in meta.get("axes", []) if table[a].nunique() > 1]
-    if plots and len(varied) >= 2:
-        from simulator.outputs.plots.search import plot_heatmap
-
-        written.append(plot_heatmap(out))
-    return written

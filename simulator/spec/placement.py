@@ -20,7 +20,7 @@ and last stage, which also carry the embedding and the output layer; and
 (``megatron/core/transformer/pipeline_parallel_layer_layout.py``) names the
 layers of every virtual stage, an empty one included (Megatron builds an
 identity there). A stage without layers, embedding or head relays activations
-and gradients unchanged (:mod:`simulator.strategies.pipeline` gives it zero-second
+and gradients unchanged (:mod:`simulator.strategies.pipeline.workload` gives it zero-second
 tasks).
 
 Every lookup is O(1) per virtual stage (the running sums are computed once per

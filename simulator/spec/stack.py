@@ -21,6 +21,7 @@ published end-to-end throughput. A scenario names one with ``stack: NAME`` or
 from __future__ import annotations
 
 import difflib
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,7 +73,7 @@ class StackSpec(BaseModel):
     pipeline_runtime: Literal["megatron", "deepspeed", "torch"] = "megatron"
     #: TP collectives against the GEMMs next to them (sequence parallelism only):
     #: ``none`` blocks the compute stream; ``bulk`` and ``pipelined`` as Transformer
-    #: Engine's userbuffers run them (:mod:`simulator.strategies.tp_overlap`)
+    #: Engine's userbuffers run them (:mod:`simulator.strategies.tensor.overlap`)
     tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
     cuda_graphs: bool = False  # kernels replayed from a graph: no per-kernel host cost
     host_overhead_us: float = Field(ge=0, le=1e4)  # host time to issue one kernel (eager)
@@ -88,8 +89,8 @@ class StackSpec(BaseModel):
     #: a stack with fp32 main grads), the gathered buffer split into the parameters
     #: (``split_with_sizes_copy``), the gradients packed for the reduce-scatter
     #: (``chunk_cat``) and the reduced shard added to ``.grad`` on later micro-batches
-    #: (:func:`simulator.model.inventory.fsdp_gather_ops`,
-    #: :func:`~simulator.model.inventory.fsdp_reduce_ops`)
+    #: (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
+    #: :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)
     fsdp_copies: bool = False
     #: torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each
     #: gradient is copied into its bucket, divided by the group size on the way
@@ -108,7 +109,8 @@ class StackSpec(BaseModel):
     #: PyTorch ops our measured MoE worker runs (calibration/measured/moe_worker.py,
     #: ``MoEMLP``: softmax, top-k, the one-hot slot count, masks, index and index_copy
     #: into the buffers, their transposed copies; the gate weighting, gather and sum
-    #: after the combine), one kernel per op (:data:`simulator.model.inventory.EAGER_ROUTING`)
+    #: after the combine), one kernel per op
+    #: (:data:`simulator.model.inventory.experts.EAGER_ROUTING`)
     moe_routing: Literal["fused", "eager"] = "fused"
     #: how a MoE layer holds its routed experts' parameters: ``modules``, one MLP module
     #: per expert, so one tensor per projection per expert (Megatron-core's SequentialMLP
@@ -211,3 +213,8 @@ def preset_fields(name: object) -> dict[str, Any]:
 def load_stack(name: str) -> StackSpec:
     """A bundled preset by name."""
     return StackSpec.model_validate({"preset": name})
+
+
+@lru_cache(maxsize=1)
+def default_stack() -> StackSpec:
+    return load_stack(DEFAULT_STACK)

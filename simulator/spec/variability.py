@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from simulator.errors import Problem, UserError
-from simulator.system.hardware import load_system
 from simulator.system.layout import Layout
+from simulator.system.profiles import load_system
 
 if TYPE_CHECKING:  # numpy only where draws are made: loading a scenario stays light
     import numpy as np

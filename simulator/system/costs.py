@@ -29,7 +29,7 @@ amplified by synchronisation). A step's cost model (``ranks``: its world) stretc
 every op by that factor: the wait at each synchronisation grows with the compute
 before it. ``ranks = 1`` prices one rank alone (``clustersim ops``).
 
-Nothing here knows what a transformer is: it prices :class:`simulator.model.inventory.Op`
+Nothing here knows what a transformer is: it prices :class:`simulator.model.inventory.ops.Op`
 records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
 ``memory``) are what ``speed`` addresses: it makes a kind that many times faster —
 every op of the kind, overheads included, takes its time divided by the factor —
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal, Protocol
 
-from simulator.system.hardware import Dtype, HardwareProfile
+from simulator.system.hardware import HardwareProfile
+from simulator.system.units import Dtype
 
 
 class CostedOp(Protocol):

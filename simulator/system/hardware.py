@@ -34,161 +34,32 @@ would give infinite or zero times downstream and non-finite results.
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Sequence
-from functools import lru_cache
-from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from simulator.errors import Problem, UserError
-from simulator.loading import PRESETS_DIR, read_yaml
-
-Dtype = Literal["bf16", "fp16", "fp32"]
-LinkName = Literal["intra_node", "inter_node"]
-#: What a transfer's time depends on: a GPU's NVSwitch port, its NIC, the fabric core.
-LinkClass = Literal["intra_node", "inter_node", "core"]
-CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv",
-                         "all_to_all"]
-#: The collectives DTensor's redistributions issue (``gpu.funcol_host``).
-FuncolKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
-
-SYSTEMS_DIR = PRESETS_DIR / "systems"
-
-# Physical ranges: wide enough for any real device (a CPU thread to a future
-# accelerator), narrow enough that products and quotients stay finite.
-RATE = Field(ge=1e-6, le=1e12)  # GB/s, Gb/s or TFLOP/s (1e12: "free" for what-ifs)
-TIME_US = Field(ge=0, le=1e7)  # microseconds (10 s)
-MIN_EFFICIENCY = 1e-4  # the slowest a curve may say: a calibration's fit floors its knots here
-EFFICIENCY = Field(ge=MIN_EFFICIENCY, le=1)  # achieved / peak
-
-Rate = Annotated[float, RATE]
-
-#: The op inventory's cost classes: GEMMs and attention are sized by the FLOPs of
-#: one call, the memory-bound classes by the bytes one kernel moves.
-CostClass = Literal["gemm_fwd", "gemm_dgrad", "gemm_wgrad", "attention_fwd", "attention_bwd",
-                    "softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
-                    "optimizer"]
-COST_CLASSES: tuple[str, ...] = get_args(CostClass)
-LINK_NAMES: tuple[str, ...] = get_args(LinkName)
-#: The terms calibration fits and whose relative spread a profile may record.
-UNCERTAINTY_TERMS: tuple[str, ...] = ("gemm", "attention", "memory", *COST_CLASSES,
-                                      "kernel_overhead", *LINK_NAMES, "interference",
-                                      "collective_sync", "send_sync", "funcol_host",
-                                      "funcol_sync", "rank_spread")
-#: A factor by which overlapped communication slows compute (1 = not at all).
-Interference = Annotated[float, Field(ge=1, le=10)]
-#: A relative standard deviation (σ / mean).
-RelativeStd = Annotated[float, Field(ge=0, le=1)]
+from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
+from simulator.system.units import (
+    COST_CLASSES,
+    LINK_NAMES,
+    RATE,
+    TIME_US,
+    UNCERTAINTY_TERMS,
+    CollectiveName,
+    CostClass,
+    Dtype,
+    Frozen,
+    FuncolKind,
+    Interference,
+    LinkClass,
+    LinkName,
+    Rate,
+    RelativeStd,
+)
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class _LogCurve(_Frozen):
-    """Points (size, value), interpolated in log10(size), flat beyond the ends; a
-    subclass bounds the values."""
-
-    LOW: ClassVar[float]
-    HIGH: ClassVar[float]
-    WHAT: ClassVar[str]
-    points: tuple[tuple[float, float], ...] = Field(min_length=1, max_length=1000)
-
-    @field_validator("points", mode="before")
-    @classmethod
-    def _tuples(cls, pts: Any) -> Any:
-        """YAML gives lists; strict validation wants the tuples the type names."""
-        if isinstance(pts, list):
-            return tuple(tuple(p) if isinstance(p, list) else p for p in pts)
-        return pts
-
-    @field_validator("points")
-    @classmethod
-    def _check(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-        sizes = [x for x, _ in pts]
-        if any(not 0 < x <= 1e30 for x in sizes) or sizes != sorted(set(sizes)):
-            raise ValueError("sizes must lie in (0, 1e30] and strictly increase")
-        if any(not cls.LOW <= v <= cls.HIGH for _, v in pts):
-            raise ValueError(f"{cls.WHAT} must lie in [{cls.LOW:g}, {cls.HIGH:g}]")
-        return pts
-
-    def __call__(self, size: float) -> float:
-        return interpolate_log(self.points, size)
-
-
-class HostLine(_Frozen):
-    """Host time of one call as a line in its bytes: ``us + us_per_mib · MiB``."""
-
-    us: float = Field(ge=0, le=1e7)
-    us_per_mib: float = Field(default=0.0, ge=0, le=1e7)
-
-    def seconds(self, nbytes: float) -> float:
-        return (self.us + self.us_per_mib * max(nbytes, 0.0) / (1 << 20)) * 1e-6
-
-
-class EfficiencyCurve(_LogCurve):
-    """Achieved / peak as a function of problem size, interpolated in log10(size)."""
-
-    LOW: ClassVar[float] = MIN_EFFICIENCY
-    HIGH: ClassVar[float] = 1.0
-    WHAT: ClassVar[str] = "efficiencies"
-
-
-class SyncCurve(_LogCurve):
-    """A sync cost in µs as a function of the collective's bytes, interpolated in
-    log10(bytes), flat beyond the measured sizes."""
-
-    LOW: ClassVar[float] = 0.0
-    HIGH: ClassVar[float] = 1e9
-    WHAT: ClassVar[str] = "sync costs (µs)"
-
-
-class BurstCurve(_LogCurve):
-    """What a collective after a compute burst costs beyond the sync cost after the
-    calibration's own burst, µs, as a function of the burst (seconds of compute on the
-    rank since its previous collective), interpolated in log10(seconds), flat beyond
-    the measured bursts: 0 at the calibration's burst, growing after longer ones,
-    negative (a discount, at most the sync cost itself) after shorter ones where the
-    calibration measured them, and without them no discount."""
-
-    LOW: ClassVar[float] = -1e6  # a discount of up to a second
-    HIGH: ClassVar[float] = 1e9
-    WHAT: ClassVar[str] = "sync costs (µs)"
-
-
-def _known_keys(data: Any, known: Sequence[str], what: str) -> Any:
-    """``data`` unchanged when it is a mapping whose keys all lie in ``known``; else a
-    ValueError naming the first unknown key, the nearest known one and the choices."""
-    if isinstance(data, dict):
-        for key in data:
-            if key not in known:
-                import difflib
-
-                near = difflib.get_close_matches(str(key), known, n=1)
-                hint = f"did you mean '{near[0]}'? " if near else ""
-                raise ValueError(f"unknown {what} '{key}'; {hint}use one of {', '.join(known)}")
-    return data
-
-
-def interpolate_log(points: Sequence[tuple[float, float]], size: float) -> float:
-    """Piecewise-linear in log10(size) through ``points`` (sorted by size), clamped at
-    both ends: the one rule every efficiency curve follows, calibrated or preset."""
-    if size <= points[0][0]:
-        return points[0][1]
-    if size >= points[-1][0]:
-        return points[-1][1]
-    lx = math.log10(size)
-    for (x0, e0), (x1, e1) in itertools.pairwise(points):
-        if size <= x1:
-            w = (lx - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
-            return e0 + w * (e1 - e0)
-    return points[-1][1]  # unreachable: size < points[-1][0] here
-
-
-class GPUSpec(_Frozen):
+class GPUSpec(Frozen):
     name: str
     peak_tflops: dict[Dtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
     memory_GB: float = Field(ge=1e-3, le=1e7)  # HBM capacity, 1e9 bytes
@@ -265,19 +136,19 @@ class GPUSpec(_Frozen):
     @field_validator("class_efficiency", mode="before")
     @classmethod
     def _cost_classes(cls, data: Any) -> Any:
-        return _known_keys(data, COST_CLASSES, "cost class")
+        return known_keys(data, COST_CLASSES, "cost class")
 
     @field_validator("funcol_host", mode="before")
     @classmethod
     def _funcol_kinds(cls, data: Any) -> Any:
-        return _known_keys(data, get_args(FuncolKind), "functional collective")
+        return known_keys(data, get_args(FuncolKind), "functional collective")
 
     @field_validator("interference", "collective_sync_us", "collective_sync_curve",
                      "collective_sync_burst", "send_sync_us", "funcol_sync_us",
                      mode="before")
     @classmethod
     def _link_names(cls, data: Any) -> Any:
-        return _known_keys(data, LINK_NAMES, "link class")
+        return known_keys(data, LINK_NAMES, "link class")
 
     def efficiency(self, cost_class: str, size: float) -> float:
         """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
@@ -329,7 +200,7 @@ class GPUSpec(_Frozen):
         return self.peak_tflops[dtype] * 1e12
 
 
-class LinkSpec(_Frozen):
+class LinkSpec(Frozen):
     bandwidth_GBps: float = RATE  # per GPU, per direction, line rate
     latency_us: float = TIME_US  # α: per algorithm step
     efficiency: float = Field(default=1.0, gt=1e-4, le=1)  # achieved busbw / line rate
@@ -357,19 +228,19 @@ class InterNodeSpec(LinkSpec):
     oversubscription: float = Field(default=1.0, ge=1, le=1e4)  # fat-tree taper (1 = none)
 
 
-class HostSpec(_Frozen):
+class HostSpec(Frozen):
     pcie_bandwidth_GBps: float = RATE  # per GPU, per direction (host <-> device)
     cpu_adam_params_per_s: float = Field(ge=1, le=1e16)  # CPU AdamW parameters/s of a host
 
 
-class PowerSpec(_Frozen):
+class PowerSpec(Frozen):
     """Electrical power under training load (energy of ``clustersim train``)."""
 
     gpu_W: float = Field(ge=0, le=1e6)  # board power of one GPU at its power limit, W
     host_W: float = Field(ge=0, le=1e7)  # one node without its GPUs (CPUs, NICs, fans), W
 
 
-class AlphaBeta(_Frozen):
+class AlphaBeta(Frozen):
     """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
 
     alpha_us: float = TIME_US
@@ -378,7 +249,7 @@ class AlphaBeta(_Frozen):
     median_rel_error: float | None = Field(default=None, ge=0)
 
 
-class HardwareProfile(_Frozen):
+class HardwareProfile(Frozen):
     name: str
     description: str = ""
     gpu: GPUSpec
@@ -397,7 +268,7 @@ class HardwareProfile(_Frozen):
     @field_validator("uncertainty", mode="before")
     @classmethod
     def _terms(cls, data: Any) -> Any:
-        return _known_keys(data, UNCERTAINTY_TERMS, "uncertainty term")
+        return known_keys(data, UNCERTAINTY_TERMS, "uncertainty term")
 
     def link(self, name: LinkName) -> LinkSpec:
         return self.intra_node if name == "intra_node" else self.inter_node
@@ -437,89 +308,3 @@ class HardwareProfile(_Frozen):
         return self.model_copy(update={link: faster, "collectives": collectives})
 
 
-def preset_system_names() -> list[str]:
-    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.yaml"))
-
-
-#: Fields a profile file may leave out (older profiles predate them).
-OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "interference",
-                   "collective_sync_us", "collective_sync_curve", "collective_sync_burst",
-                   "send_sync_us",
-                   "uncertainty", "nvls", "host_serial",
-                   "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
-                   "dtensor_gemm_us", "pipeline_action_us",
-                   "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread")
-
-
-def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
-    """Fields of ``model`` (and its sections) that ``data`` does not state."""
-    if not isinstance(data, dict):
-        return []
-    out = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if name not in data and name not in OPTIONAL_FIELDS:
-            out.append(loc + name)
-        elif isinstance(ann, type) and issubclass(ann, BaseModel) \
-                and ann is not EfficiencyCurve:
-            out.extend(_unstated(ann, data[name], f"{loc}{name}."))
-    tables = data.get("collectives") if model is HardwareProfile else None
-    for op, links in (tables or {}).items() if isinstance(tables, dict) else ():
-        for link, entry in (links or {}).items() if isinstance(links, dict) else ():
-            out.extend(_unstated(AlphaBeta, entry, f"collectives.{op}.{link}."))
-    return out
-
-
-def _unprovenanced(data: Any) -> str | None:
-    """Calibrated collectives come with the provenance ``calibrate`` writes after them."""
-    if isinstance(data, dict) and data.get("collectives") and not data.get("provenance"):
-        return ("has calibrated collectives but no provenance (cut short?); calibrate "
-                "writes provenance after the collectives")
-    return None
-
-
-def validate_profile(data: Any, path: str) -> HardwareProfile:
-    """A profile file's data, strictly validated; UserError naming field, value and fix."""
-    from pydantic import ValidationError
-
-    missing = _unstated(HardwareProfile, data)
-    if missing:
-        raise UserError([Problem("cluster.system", path, f"profile does not state "
-                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
-                                 " (cut short?); every field must be given")])
-    try:
-        profile = HardwareProfile.model_validate(data, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        value = repr(first.get("input"))[:40]
-        raise UserError([Problem("cluster.system", path, f"not a valid hardware profile: "
-                                 f"{loc} = {value}: {first['msg']}")]) from None
-    bad = _unprovenanced(data)
-    if bad:
-        raise UserError([Problem("cluster.system", path, bad)])
-    return profile
-
-
-@lru_cache(maxsize=64)
-def _load_profile_file(path: str, mtime: float) -> HardwareProfile:
-    return validate_profile(read_yaml(Path(path), "cluster.system"), path)
-
-
-def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProfile:
-    """A bundled preset by name, or a profile YAML by path (relative to ``base_dir``)."""
-    if name_or_path in preset_system_names():
-        path = SYSTEMS_DIR / f"{name_or_path}.yaml"
-    else:
-        path = Path(name_or_path).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        if path.suffix.lower() not in (".yaml", ".yml") or not path.exists():
-            import difflib
-
-            near = difflib.get_close_matches(name_or_path, preset_system_names(), n=1)
-            hint = f"did you mean '{near[0]}'? " if near else ""
-            raise UserError([Problem("cluster.system", name_or_path,
-                                     f"{hint}not a preset ({', '.join(preset_system_names())}) "
-                                     "nor an existing profile .yaml file")])
-    return _load_profile_file(str(path.resolve()), path.stat().st_mtime)

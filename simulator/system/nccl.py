@@ -1,5 +1,7 @@
-"""NCCL's tuning model as data: which (algorithm, protocol) pairs a collective may
-run with, what each costs, and the pick NCCL's tuner makes.
+"""NCCL's tuning model as data: what each (algorithm, protocol) pair costs. Which pairs
+a collective may run with is each algorithm's own entry
+(:mod:`simulator.system.collectives`), and the pick is the tuner's
+(:mod:`simulator.system.collectives.tuner`), which reads these tables.
 
 Sources (NVIDIA/nccl, re-expressed here, never copied):
 
@@ -128,32 +130,6 @@ class Shape:
     @property
     def per_node(self) -> int:
         return self.ranks // self.nodes
-
-
-def algorithms(op: Op, shape: Shape, version: str = DEFAULT_NCCL_VERSION,
-               nvls: bool = False) -> list[NcclAlgorithm]:
-    """The algorithms NCCL ``version`` may run ``op`` with on this group, in the tuner's
-    loop order. Tree only for all-reduce; PAT for all-gather / reduce-scatter from 2.23
-    with one rank per node; on NVSwitch gen 3 NVLS for a one-node all-reduce (across
-    nodes it needs CollNet, not modelled) and NVLS-tree for a multi-node one."""
-    ver = parse_version(version)
-    if op == "all_reduce":
-        out: list[NcclAlgorithm] = ["tree", "ring"]
-        if nvls and ver >= NVLS_SINCE and shape.nodes == 1 and shape.ranks > 1:
-            out.append("nvls")
-        if nvls and ver >= NVLS_TREE_SINCE and shape.nodes > 1 and shape.per_node > 1:
-            out.append("nvls_tree")
-        return out
-    out = ["ring"]
-    if op in ("all_gather", "reduce_scatter") and ver >= PAT_SINCE \
-            and shape.per_node == 1 and shape.nodes > 1:
-        out.append("pat")
-    return out
-
-
-def protocols(algorithm: NcclAlgorithm) -> tuple[Protocol, ...]:
-    """NVLS, NVLS-tree and PAT run Simple only; ring and tree all three."""
-    return PROTOCOLS if algorithm in ("ring", "tree") else ("Simple",)
 
 
 def bandwidth_factor(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: Shape,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from simulator.system.hardware import HardwareProfile, LinkName
+from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
+from simulator.system.units import LinkName
 
 LinkId = tuple[object, ...]
 CORE: LinkId = ("core",)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
-from simulator.outputs.diff import Bar
-from simulator.outputs.plots.figures import _format_seconds, _save, _time_unit
+from simulator.outputs.plots.common import format_seconds, save, time_unit
+
+if TYPE_CHECKING:
+    from simulator.outputs.diff import Bar
 
 _TOTAL = "#4C78A8"
 _MORE = "#E45756"  # B spends more time here
@@ -34,7 +36,7 @@ def waterfall_figure(diff: Mapping[str, Any], bars: Sequence[Bar]) -> Figure:
     names = {k.upper(): f"{k.upper()}: {runs[k]['scenario']} ({Path(runs[k]['dir']).name})"
              for k in ("a", "b")}
     top = max(max(bar.start, bar.end) for bar in bars)
-    scale, unit = _time_unit(top)
+    scale, unit = time_unit(top)
     levels = [x for bar in bars for x in (bar.start, bar.end) if not bar.total] \
         or [bars[0].end, bars[-1].end]
     low, high = min(levels), max(levels)
@@ -46,8 +48,8 @@ def waterfall_figure(diff: Mapping[str, Any], bars: Sequence[Bar]) -> Figure:
         colour = _TOTAL if bar.total else (_MORE if bar.end > bar.start else _LESS)
         ax.barh(y, (hi - lo) * scale, left=lo * scale, height=0.6, color=colour)
         delta = bar.end - bar.start
-        text = _format_seconds(bar.end) if bar.total else \
-            ("+" if delta > 0 else "−") + _format_seconds(abs(delta))
+        text = format_seconds(bar.end) if bar.total else \
+            ("+" if delta > 0 else "−") + format_seconds(abs(delta))
         ax.text(hi * scale + (top - left) * scale * 0.01, y, text, va="center", fontsize=8)
         if y + 1 < len(bars):
             ax.plot([bar.end * scale] * 2, [y + 0.3, y + 0.7], color="#888888",
@@ -56,15 +58,15 @@ def waterfall_figure(diff: Mapping[str, Any], bars: Sequence[Bar]) -> Figure:
     ax.invert_yaxis()
     ax.set_xlim(left * scale, (top + (top - left) * 0.15) * scale or 1.0)
     ax.set_xlabel(f"time per step ({unit})" + (f"; the axis starts at "
-                                                f"{_format_seconds(left)}" if left else ""))
+                                                f"{format_seconds(left)}" if left else ""))
     step = diff["step_time_s"]
     rel = f" ({step['delta'] / step['a']:+.1%})" if step["a"] > 0 else ""
-    ax.set_title(f"step time from A to B: {_format_seconds(step['a'])} → "
-                 f"{_format_seconds(step['b'])}{rel}", fontsize=11)
+    ax.set_title(f"step time from A to B: {format_seconds(step['a'])} → "
+                 f"{format_seconds(step['b'])}{rel}", fontsize=11)
     return fig
 
 
 def plot_waterfall(diff: Mapping[str, Any], bars: Sequence[Bar],
                    path: str | os.PathLike[str]) -> Path:
     """Save :func:`waterfall_figure` as a PNG at ``path`` (atomically)."""
-    return _save(waterfall_figure(diff, bars), path)
+    return save(waterfall_figure(diff, bars), path)

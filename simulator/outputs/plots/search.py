@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from simulator.errors import Problem, UserError
-from simulator.outputs.plots.figures import _save
+from simulator.outputs.plots.common import save
 from simulator.search.plan import degrees_label
 
 _CLOUD = "#9FB4CC"
@@ -122,7 +122,7 @@ def plot_pareto(plan_dir: str | os.PathLike[str]) -> Path:
     """``pareto.png`` from ``plan_dir/plan.csv`` and ``plan.json``."""
     out = Path(plan_dir)
     table = pd.read_csv(out / "plan.csv", keep_default_na=False, na_values=[""])
-    return _save(pareto_figure(table, _read_meta(out / "plan.json")), out / "pareto.png")
+    return save(pareto_figure(table, _read_meta(out / "plan.json")), out / "pareto.png")
 
 
 # ---------------------------------------------------------------- heatmap
@@ -210,4 +210,4 @@ def plot_heatmap(sweep_dir: str | os.PathLike[str], axes: Sequence[str] | None =
     meta = _read_meta(out / "sweep.json")
     x, y = heatmap_axes(table, list(axes or meta.get("axes", [])))
     title = f"sweep of {meta['scenario']} ({meta.get('method', '')})" if "scenario" in meta else ""
-    return _save(heatmap_figure(table, x, y, title), out / "heatmap.png")
+    return save(heatmap_figure(table, x, y, title), out / "heatmap.png")

@@ -1,0 +1,271 @@
+"""Analytic estimate: the closed-form step time.
+
+The oracle the engine is tested against where the closed form is exact, and the
+fast path for sweeps. Per micro-batch and stage, compute comes from the same
+block costs the engine uses (roofline × efficiency); TP collectives add their
+uncontended α-β time on the critical path. The pipeline then takes
+
+- GPipe / 1F1B: (m + p − 1) × t_stage,
+- interleaved: (m + (p − 1)/v) × t_stage (t_stage is the whole stage, all chunks),
+- ZB-H1: m × (t_F + t_B + t_W) + (p − 1)(t_F + t_B − t_W) (when m ≥ p),
+
+with t_stage the slowest stage's. An uneven layer placement
+(``parallel.layers_per_stage``, :mod:`simulator.spec.placement`) gives every virtual
+stage its own times; the schedule's actions are then placed in time with them
+(:func:`simulator.schedules.action.execute`, exact with free communication: the slowest
+stage sets the pace, e.g. 1F1B with the last stage slowest takes Σ_i (t_F,i + t_B,i)
++ (m − 1)(t_F + t_B) of the last stage). A mixture of experts adds, per MoE layer
+and pass, its routed experts' compute and two all-to-alls (and the expert-TP all-
+gather and reduce-scatter) to the pass they sit in, its experts' gradient reductions
+over the expert data-parallel group to the DP reduction and their shard to the
+optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them, each
+with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) are
+exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
+of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
+all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
+compute hides and, per micro-batch, the root unit's gather (embedding, head), which
+waits for the compute before it (FSDP2's root pre-forward); ZeRO-Offload replaces
+the optimizer step with CPU Adam and the copy back. Contention between concurrent
+flows is ignored here — that is the engine's job, as are degraded links and jitter
+(a slow GPU slows its stage's compute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from simulator.analysis.accounting.breakdown import schedule_bubble
+from simulator.analysis.accounting.metrics import metrics
+from simulator.analysis.accounting.vocabulary import categories
+from simulator.analysis.analytic.stage import (
+    pipeline_phase,
+    pipeline_time,
+    slowdown,
+    stage_passes,
+    stage_times,
+)
+from simulator.builder.workload import BlockCosts, block_costs, layout_of, local_scenario
+from simulator.model import transformer as mdl
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.memory import stage_params
+from simulator.spec.placement import stage_layer_count, stage_layers
+from simulator.spec.scenario import Scenario
+from simulator.strategies import registry
+from simulator.strategies.base import AnalyticView
+from simulator.strategies.compression.arithmetic import effective_method
+from simulator.strategies.compression.strategy import compressed_reduction, momentum_exchange
+from simulator.strategies.context.strategy import cp_exposed
+from simulator.strategies.data.strategy import ddp_copies, parameter_gather
+from simulator.strategies.expert.layer import edp_group
+from simulator.strategies.expert.strategy import Experts, expert_times, stage_expert_split
+from simulator.strategies.offload import cpu_adam_s, offload_step_s
+from simulator.strategies.pipeline.strategy import pipeline_sends
+from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
+from simulator.strategies.timing import collective_time, interference, stretch
+from simulator.strategies.zero3.strategy import zero3_reduction, zero3_step
+from simulator.system.costs import CostModel
+from simulator.system.hardware import HardwareProfile
+from simulator.system.layout import Layout
+from simulator.system.units import CollectiveName
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    """The pipeline phase and what produced it."""
+
+    c: BlockCosts
+    per_stage: dict[int, BlockCosts]  # a mixed-generation cluster: a stage's own blocks
+    t_tp: float
+    experts: Experts
+    t_cp: float
+    ends: Ends
+    stages: list[tuple[float, ...]]  # (t_F, t_B_input, t_W) per stage
+    slowest: int
+    t_pipe: float
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """The busiest stage's gradients and their reduction."""
+
+    busiest: int
+    layers: list[int]  # layers per stage
+    params: float
+    expert_params: list[float]  # each MoE layer's routed experts on one rank
+    grad_bytes: float
+    param_bytes: float
+    dp_op: CollectiveName
+    t_dp: float
+
+
+def _pipeline(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
+              c: BlockCosts, per_stage: dict[int, BlockCosts]) -> _Pipe:
+    par = s.parallel
+    t_tp = tp_time(s, layout, cost, hw)
+    experts = expert_times(s, layout, cost, hw)
+    t_cp = cp_exposed(s, layout, c, hw)
+    ends = tp_ends(s, layout, cost, hw)
+    stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
+              for st in range(par.pp)]
+    slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
+    t_pipe = pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends)
+    return _Pipe(c, per_stage, t_tp, experts, t_cp, ends, stages, slowest, t_pipe)
+
+
+def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
+    """The busiest stage's parameters (its layers plus the embedding on the first stage
+    and the output layer, with a tied embedding's copy, on the last, as memory counts
+    them; with experts the stage with the most, which reduce over edp) and the time of
+    their gradients' reduction."""
+    par, spec, trn = s.parallel, s.model, s.training
+    layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]
+    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st))
+            for st in range(par.pp)]
+    busiest = max(range(par.pp), key=held.__getitem__)
+    params: float = held[busiest]
+    expert_params: list[float] = []
+    if spec.is_moe:  # the stage with the most experts; experts reduce over edp
+        by_stage = [stage_expert_split(s, st) for st in range(par.pp)]
+        dense_tp, expert_params = max(by_stage, key=lambda d: sum(d[1]))
+        params = dense_tp * par.tp
+    rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))  # the reduction's dtype
+    grad_bytes = params / par.tp * rdt
+    param_bytes = params / par.tp * dtype_bytes(trn.dtype)
+    dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
+    if par.zero == 3 and par.dp * par.cp > 1 and not spec.is_moe:  # per layer (module), root
+        t_dp = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op)
+    group = edp_group(layout, 0, par.etp, par.ep)
+    t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
+    return _Grads(busiest, layers, params, expert_params, grad_bytes, param_bytes, dp_op, t_dp)
+
+
+def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
+               pipe: _Pipe, g: _Grads) -> tuple[float, float, float, float, float]:
+    """(exposed reduction, its compute, interference's stretch of the backward, the
+    momentum exchange, its compute): the reduction beyond what the last backward hides
+    (all of it without overlap), every micro-batch's under ZeRO-2/3, or compression's."""
+    par, m = s.parallel, s.microbatches
+    _, b, w = pipe.stages[pipe.slowest]
+    overlaps = hw.gpu.comm_overlaps_compute
+    hidden = (b + w) / par.virtual_stages if s.stack.overlap(par.overlap).dp and overlaps \
+        else 0.0
+    t_comp = 0.0  # compression compute on the exposed path (counted as optimizer)
+    # the backward the reduction overlaps runs 1/f as fast while it is in flight
+    slow = stretch(g.t_dp, hidden, interference(s, layout, g.dp_op, g.grad_bytes,
+                                                layout.dp_group(0), hw))
+    exposed_dp = max(0.0, g.t_dp - hidden - slow)
+    if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
+        # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
+        # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
+        # communication does not overlap compute, else beside the next micro-batch's work
+        window = sum(pipe.stages[pipe.slowest]) if hidden else 0.0  # a micro-batch
+        exposed_dp += (m - 1) * max(0.0, g.t_dp - window)
+    if effective_method(s) != "none":
+        slow = 0.0
+        exposed_dp, t_comp = compressed_reduction(s, layout, hw, cost, hidden, g.busiest)
+    t_exch, t_exch_comp = momentum_exchange(s, layout, hw, cost, g.busiest)
+    return exposed_dp, t_comp, slow, t_exch, t_exch_comp
+
+
+def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
+               stage_cost: dict[int, CostModel], g: _Grads) -> tuple[float, float]:
+    """(the optimizer step, the rank's shard): the stack's AdamW on the busiest stage's
+    shard with the TP norms' all-reduces, at the slowest GPU's pace; or ZeRO-Offload's."""
+    par, spec = s.parallel, s.model
+    shard = g.params / par.tp / (par.dp * par.cp if par.zero >= 1 else 1)
+    if g.expert_params:
+        shard += sum(g.expert_params) / (par.edp if par.zero >= 1 else 1)
+    if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
+        return offload_step_s(s, layout, hw, shard), shard
+    runs = stage_layers(spec.layers, par, g.busiest)
+    opt = mdl.optimizer_op_of(s, shard, runs, "all" if g.expert_params else "dense")
+    t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
+        + tp_optimizer(s, layout, cost, hw, g.layers[g.busiest], g.busiest == par.pp - 1)
+    if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
+        t_opt *= max(slowdown(s).values(), default=1.0)
+    return t_opt, shard
+
+
+def _extensions(view: AnalyticView) -> dict[str, float]:
+    """Seconds each strategy's own terms add to the step, by category (nothing for the
+    built-in ones, whose terms are above)."""
+    out: dict[str, float] = {}
+    for strategy in registry.strategies():
+        for category, seconds in strategy.analytic_terms(view).items():
+            out[category] = out.get(category, 0.0) + seconds
+    return out
+
+
+def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
+             after: dict[str, float]) -> tuple[list[dict[str, Any]], list[float]]:
+    """Per stage, the breakdown (its passes times m, then what follows the pipeline)
+    with its bubble split from imbalance by the schedule's closed form."""
+    par, m = s.parallel, s.microbatches
+    entries, bubbles = [], []
+    for st in range(par.pp):
+        entry: dict[str, Any] = {"rank": layout.rank(st, 0, 0), "stage": st}
+        entry.update(dict.fromkeys(categories(), 0.0))
+        passes = stage_passes(s, pipe.per_stage.get(st, pipe.c), pipe.t_tp, st, pipe.experts,
+                              pipe.t_cp, pipe.ends)
+        for category, seconds in passes.items():
+            entry[category] = m * seconds
+        for category, seconds in after.items():
+            entry[category] += seconds
+        own = pipe.stages[st]
+        idle = pipe.t_pipe - m * sum(own)
+        ideal = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *own) - m * sum(own)
+        entry["pipeline_bubble"] = min(idle, max(ideal, 0.0))
+        entry["imbalance_idle"] = idle - entry["pipeline_bubble"]
+        entries.append(entry)
+        bubbles.append(schedule_bubble(ideal, idle))
+    return entries, bubbles
+
+
+def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
+                      cost: CostModel | None = None,
+                      hw: HardwareProfile | None = None) -> dict[str, Any]:
+    """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
+    hardware profile (``--what-if`` prices the same step with one class faster)."""
+    hw = hw or s.hardware
+    cost = cost or CostModel(hw, s.training.dtype, host_us=s.stack.host_us,
+                             ranks=s.parallel.world)
+    c = costs or block_costs(s, cost)
+    # a mixed-generation cluster: each stage's blocks on its own system
+    stage_cost = {st: replace(cost, hw=h) for st, h in s.stage_hardware.items()}
+    per_stage = {st: block_costs(s, sc) for st, sc in stage_cost.items()}
+    s = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
+    par = s.parallel
+    layout = layout_of(s)
+    overlaps = hw.gpu.comm_overlaps_compute
+    pipe = _pipeline(s, layout, cost, hw, c, per_stage)
+    g = _gradients(s, layout, hw)
+    exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g)
+    t_p2p = pipeline_sends(s, layout, hw, not (s.stack.overlap(par.overlap).pp and overlaps))
+    t_opt, shard = _optimizer(s, layout, cost, hw, stage_cost, g)
+    f, b, _ = pipe.stages[pipe.slowest]
+    t_zero, fsdp_fwd, fsdp_bwd = zero3_step(s, layout, cost, hw, c, f, b,
+                                            g.layers[pipe.slowest], g.busiest,
+                                            g.layers[g.busiest])
+    t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
+    t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
+    t_pipe = pipe.t_pipe
+    step = t_pipe + t_p2p + exposed_dp + slow + t_opt + t_gather + t_zero + t_exch + t_ddp
+    extra = _extensions(AnalyticView(s, layout, cost, hw, t_pipe))
+    for seconds in extra.values():
+        step += seconds
+    after = {"pp_transfer": t_p2p, "zero_transfer": t_zero - fsdp_fwd - fsdp_bwd,
+             "forward": fsdp_fwd, "backward_weight": fsdp_bwd + t_ddp, "backward_input": slow,
+             "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}
+    if par.zero_offload:
+        after["optimizer"] = cpu_adam_s(layout, hw, shard) + t_comp + t_exch_comp
+        after["offload_transfer"] = t_opt + t_comp + t_exch_comp - after["optimizer"]
+    else:
+        after["optimizer"] = t_opt + t_comp + t_exch_comp
+    for category, seconds in extra.items():
+        after[category] = after.get(category, 0.0) + seconds
+    entries, bubbles = _entries(s, layout, pipe, after)
+    out = metrics(entries, step, (0.0, t_pipe), bubbles)
+    out["optimizer_s"] = t_opt
+    return out

@@ -1,0 +1,173 @@
+"""One micro-batch through a pipeline stage in closed form, and the pipeline phase.
+
+Per micro-batch and stage, compute comes from the same block costs the engine uses
+(roofline × efficiency); TP collectives add their uncontended α-β time on the critical
+path, a mixture of experts its routed experts and all-to-alls, context parallelism its
+exposed key/value exchange. The pipeline then takes the schedule's closed form at the
+slowest stage's times (the schedule registry's ``pipeline_time``); an uneven layer
+placement gives every virtual stage its own times and the schedule's actions are placed
+in time with them (:func:`simulator.schedules.action.execute`).
+"""
+
+from __future__ import annotations
+
+from simulator.builder.workload import BlockCosts, layout_of
+from simulator.model import moe
+from simulator.model.inventory.tensor_parallel import tp_block_collectives
+from simulator.schedules.action import execute
+from simulator.schedules.registry import build_schedule, schedule_spec
+from simulator.spec.placement import chunk_layers, is_even, stage_layers
+from simulator.spec.scenario import Scenario
+from simulator.spec.variability import resolve
+from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
+from simulator.strategies.tensor.overlap import exposed
+from simulator.strategies.tensor.strategy import NO_ENDS, Ends
+
+EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
+
+
+def layer_kinds_of(s: Scenario, runs: list[range]) -> list[tuple[int, int]]:
+    """(a representative layer, how many like it) over the layer ``runs``."""
+    if not s.model.is_moe:
+        return [(0, sum(len(r) for r in runs))]
+    return [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
+
+
+def chunk_kinds(s: Scenario, stage: int) -> list[tuple[int, int]]:
+    """(a representative layer, how many like it) on pipeline rank ``stage``, all chunks."""
+    return layer_kinds_of(s, stage_layers(s.model.layers, s.parallel, stage))
+
+
+def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
+            first: bool, last: bool, experts: Experts = NO_EXPERTS,
+            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
+    """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
+    ``first``, the output layer when ``last``), by category: forward, backward_input,
+    backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
+    layer's routed experts forward and input-gradient seconds, one all-to-all's and
+    one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
+    context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
+    collectives at the embedding and the output layer (:func:`_tp_ends`)."""
+    par, spec = s.parallel, s.model
+    passes = 3 if par.recompute == "full" else 2
+    # a layer's TP collectives: forward (again when fully recomputed) and backward
+    gather = 1 if par.sequence_parallel else 0
+    fwd_n, bwd_n = (sum(tp_block_collectives(spec, s.stack, par.tp, par.sequence_parallel,
+                                             label, backward) + gather
+                        for label in ("attn", "mlp")) for backward in (False, True))
+    tp_layer = t_tp * (fwd_n * (passes - 1) + bwd_n)
+    split_f = split_b = 0.0  # what TP overlap's chunked GEMMs add, forward and backward
+    if c.tp_windows:  # TP overlap: each SP collective less what its GEMM hides
+        comm_f, split_f = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, False,
+                                  issue=c.tp_issue)
+        comm_b, split_b = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, True,
+                                  weights=not schedule_spec(par.schedule).split_backward,
+                                  issue=c.tp_issue)
+        tp_layer = comm_f * (passes - 1) + comm_b
+    out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
+                         "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
+    for layer, count in kinds:
+        lc = c.layer(layer)
+        out["forward"] += count * sum(lc.fwd)
+        out["backward_input"] += count * sum(lc.bwd_input)
+        out["backward_weight"] += count * sum(lc.bwd_weight)
+        out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
+        out["tp_transfer"] += count * tp_layer
+        out["forward"] += count * split_f
+        out["recompute"] += count * split_f if par.recompute == "full" else 0.0
+        out["backward_input"] += count * split_b
+        out["cp_transfer"] += count * t_cp
+        if spec.is_moe_layer(layer):
+            fwd, bwd, a2a, etp = experts
+            out["forward"] += count * fwd
+            out["backward_input"] += count * bwd
+            out["recompute"] += count * fwd if par.recompute == "full" else 0.0
+            out["ep_transfer"] += count * 2 * a2a * passes
+            out["tp_transfer"] += count * 2 * etp * passes
+    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
+        if present:
+            out["forward"] += end[0]
+            out["backward_input"] += end[1]
+            out["backward_weight"] += end[2]
+            out["tp_transfer"] += sum(tp)
+    out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
+    out["backward_input"] += chunks * c.action
+    return out
+
+
+def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
+                  ends: Ends = NO_ENDS) -> dict[str, float]:
+    """:func:`passes` of one pipeline stage (all its chunks)."""
+    return slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage), stage == 0,
+                              stage == s.parallel.pp - 1, experts, t_cp,
+                              s.parallel.virtual_stages, ends), stage)
+
+
+def slowdown(s: Scenario) -> dict[int, float]:
+    """Per pipeline stage, the largest compute factor of its ranks
+    (``variability.slow_gpus``)."""
+    layout = layout_of(s)
+    out: dict[int, float] = {}
+    for rank, f in resolve(s.variability, layout.world).compute.items():
+        st = layout.coord(rank).pp
+        out[st] = max(out.get(st, 1.0), f)
+    return out
+
+
+def slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
+    """Passes ``d`` at the pace of the stage's slowest GPU: its TP and DP peers wait
+    for it (communication keeps its time)."""
+    slow = slowdown(s).get(stage, 1.0) if s.variability.slow_gpus else 1.0
+    if slow == 1.0:
+        return d
+    return {k: v if k.endswith("_transfer") else v * slow for k, v in d.items()}
+
+
+def times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
+    """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
+    count in the pass they sit in."""
+    comm = d["tp_transfer"] + d["ep_transfer"] + d["cp_transfer"]
+    comm_f = comm / (3 if s.parallel.recompute == "full" else 2)
+    return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
+            d["backward_weight"])
+
+
+def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
+                 experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
+                 ends: Ends = NO_ENDS) -> tuple[float, ...]:
+    """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
+    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends))
+
+
+def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
+                    slowest: tuple[float, ...],
+                    per_stage: dict[int, BlockCosts] | None = None,
+                    ends: Ends = NO_ENDS) -> float:
+    """The pipeline phase: the schedule's closed form at the slowest stage's times for an
+    even placement; for an uneven one (:mod:`simulator.spec.placement`) the schedule's actions
+    placed in time with each virtual stage's own times
+    (:func:`simulator.schedules.action.execute`, exact with free communication), or the
+    closed form, an upper bound, when the pipeline has more than :data:`EXECUTED_ACTIONS`
+    actions."""
+    par, m = s.parallel, s.microbatches
+    closed = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *slowest)
+    n = par.pp * par.virtual_stages
+    if (is_even(par) and not per_stage) or 3 * n * m > EXECUTED_ACTIONS:
+        return closed
+    per_stage = per_stage or {}
+    runs = [[chunk_layers(s.model.layers, par, k)] for k in range(n)]
+    chunks = [times(s, slowed(s, passes(s, per_stage.get(k % par.pp, c), t_tp,
+                                        layer_kinds_of(s, runs[k]), k == 0, k == n - 1,
+                                        experts, t_cp, 1, ends), k % par.pp))
+              for k in range(n)]
+    sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
+    timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
+                    [x[2] for x in chunks])
+    return max(x.end for x in timed) - min(x.start for x in timed)
+
+
+def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Closed-form pipeline phase for stage times (t_F, t_B, t_W) per micro-batch: the
+    schedule registry's (:data:`simulator.schedules.registry.SCHEDULES`)."""
+    return schedule_spec(schedule).pipeline_time(p, m, v, f, b, w)

@@ -1,0 +1,42 @@
+"""``clustersim memory``: per-rank memory table and out-of-memory verdict."""
+
+from __future__ import annotations
+
+import argparse
+
+from simulator.cli.common import (
+    Subparsers,
+    add_command,
+    load,
+    scenario_args,
+)
+
+HELP = "per-rank memory table and out-of-memory verdict"
+EXAMPLE = ("example:\n"
+           "  clustersim memory scenarios/gpt3-175b-1024.yaml --set parallel.zero=1")
+
+
+def add_parser(sub: Subparsers) -> None:
+    q = add_command(sub, "memory", HELP, EXAMPLE)
+    scenario_args(q)
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulator.analysis.memory import memory_report
+    from simulator.builder.budget import check_stages
+
+    s = load(args)
+    check_stages(s)
+    gb = 1e9
+    cols = ("stage", "weights", "grads", "optimizer", "activations", "logits", "buffers",
+            "total", "fits")
+    print(f"{s.name}: per-GPU memory in GB (capacity {s.hardware.gpu.memory_GB:g} GB, "
+          f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {s.parallel.recompute})")
+    print("  ".join(f"{c:>11}" for c in cols))
+    for m in memory_report(s):
+        vals = (m.weights, m.gradients, m.optimizer, m.activations, m.logits, m.comm_buffers,
+                m.total)
+        print("  ".join([f"{m.stage:>11}", *(f"{v / gb:>11.2f}" for v in vals),
+                         f"{'yes' if m.fits else 'NO':>11}"]))
+    return 0

@@ -1,0 +1,80 @@
+"""``clustersim plan``: search every layout of a model on N GPUs: plan.csv, pareto.png and
+the fastest layout that fits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from simulator.cli.common import (
+    Subparsers,
+    add_command,
+    computed_line,
+    int_list,
+    result_cache,
+    search_args,
+)
+
+HELP = ("search every layout of a model on N GPUs: plan.csv, pareto.png and the fastest "
+        "layout that fits")
+EXAMPLE = ("examples:\n"
+           "  clustersim plan --model gpt3-175b --gpus 1024 --system dgx-a100-80gb "
+           "--global-batch 1536\n"
+           "  clustersim plan --model llama3-70b --gpus 512 --system dgx-h100 --global-batch "
+           "1024 --seq-len 8192 --dask local:2 --out out/llama\n"
+           "  clustersim plan --model mixtral-8x7b --gpus 64 --system dgx-h100 --global-batch "
+           "256 --expert-parallel 2,4,8")
+
+
+def add_parser(sub: Subparsers) -> None:
+    q = add_command(sub, "plan", HELP, EXAMPLE)
+    q.add_argument("--model", required=True, help="model preset (clustersim presets)")
+    q.add_argument("--gpus", type=int, required=True, help="N, GPUs in all")
+    q.add_argument("--system", required=True, help="system preset or hardware-profile YAML")
+    q.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    q.add_argument("--seq-len", type=int, default=None, help="default: the model preset's")
+    q.add_argument("--top", type=int, default=5,
+                   help="re-simulate the K best with the engine (and the best of each ZeRO "
+                   "stage and CP degree besides; 0: none)")
+    q.add_argument("--micro-batches", default="1,2,4,8,16", metavar="B1,B2,...",
+                   help="micro-batch sizes to try")
+    q.add_argument("--context-parallel", default=None, metavar="C1,C2,...",
+                   help="CP degrees to try (default: 1, and powers of two while each CP rank "
+                   "keeps >= 4096 tokens; 1 for a mixture of experts)")
+    q.add_argument("--expert-parallel", default=None, metavar="E1,E2,...",
+                   help="EP degrees to try, a mixture of experts only (default: every divisor "
+                   "of the experts that divides a stage's cp * dp)")
+    q.add_argument("--tp-beyond-node", action="store_true",
+                   help="also try TP groups larger than a node")
+    q.add_argument("--out", type=Path, default=None, help="output directory "
+                   "(default out/plan-<model>-<gpus>)")
+    search_args(q)
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulator.outputs.run_dir import check_out_dir, default_out_dir
+    from simulator.outputs.search_files import write_plan
+    from simulator.search.candidates import PlanRequest
+    from simulator.search.executors import open_executor
+    from simulator.search.plan import plan_lines, run_plan
+
+    cp, ep = (None if text is None else int_list(flag, text) for flag, text in
+              (("--context-parallel", args.context_parallel),
+               ("--expert-parallel", args.expert_parallel)))
+    req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
+                      args.top, int_list("--micro-batches", args.micro_batches),
+                      context_parallel=cp, expert_parallel=ep,
+                      tp_beyond_node=args.tp_beyond_node)
+    out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
+    check_out_dir(out)
+    cache = result_cache(args, out)
+    print(f"planning {args.model} on {args.gpus} GPUs ...", file=sys.stderr)
+    with open_executor(args.dask, args.workers) as pool:
+        plan = run_plan(req, pool, cache)
+    print(computed_line(cache, "engine run"), file=sys.stderr)
+    written = write_plan(plan, out, plots=not args.no_plots)
+    print("\n".join(plan_lines(plan)))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    return 0

@@ -1,0 +1,44 @@
+"""``clustersim presets``: list bundled models and systems."""
+
+from __future__ import annotations
+
+import argparse
+
+from simulator.cli.common import (
+    Subparsers,
+    add_command,
+)
+
+HELP = "list bundled models and systems"
+EXAMPLE = ("example:\n"
+           "  clustersim presets")
+
+
+def add_parser(sub: Subparsers) -> None:
+    q = add_command(sub, "presets", HELP, EXAMPLE)
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulator.model import transformer as mdl
+    from simulator.spec.model_spec import load_preset_model, preset_model_names
+    from simulator.system.profiles import load_system, preset_system_names
+
+    print("models:")
+    for name in preset_model_names():
+        spec = load_preset_model(name)
+        moe = (f" experts={spec.experts} top-{spec.experts_per_token}, "
+               f"{mdl.active_param_count(spec) / 1e9:.2f} B active "
+               f"({mdl.active_param_count(spec, embedding=False) / 1e9:.2f} B without the "
+               "input embedding)") if spec.is_moe else ""
+        print(f"  {name:<14} {mdl.param_count(spec) / 1e9:8.2f} B params  l={spec.layers} "
+              f"h={spec.hidden} a={spec.heads} kv={spec.kv} ffn={spec.ffn} V={spec.vocab} "
+              f"s={spec.seq_len}{moe}")
+    print("systems:")
+    for name in preset_system_names():
+        hw = load_system(name)
+        bf16 = hw.gpu.peak_tflops.get("bf16", 0.0)
+        print(f"  {name:<14} {hw.gpus_per_node} x {hw.gpu.name}: {bf16:g} TFLOP/s bf16, "
+              f"{hw.gpu.memory_GB:g} GB, NVLink {hw.intra_node.bandwidth_GBps:g} GB/s, "
+              f"NIC {hw.inter_node.bandwidth_GBps:g} GB/s per GPU")
+    return 0

@@ -1,0 +1,48 @@
+"""What a run of the engine produces: every task's start and end by task id, each
+collective's transfer start and last-arriving member, link busy time and totals.
+The span list and the dictionaries of collective starts are made on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from simulator.builder.tasks import Workload
+
+
+@dataclass
+class SimResult:
+    """Times by task id (``start``, ``end``; ``begin``: a collective's transfer start,
+    else NaN; ``last``: the member task that arrived last, else -1) and totals."""
+
+    workload: Workload
+    start: np.ndarray
+    end: np.ndarray
+    begin: np.ndarray
+    last: np.ndarray
+    link_busy: dict[str, float]  # seconds per link class, summed over simulated links
+    end_time: float
+    events: int
+    wall_s: float
+
+    @cached_property
+    def spans(self) -> list[tuple[int, float, float]]:
+        """(task id, start, end) of every task, by id."""
+        return list(zip(range(len(self.start)), self.start.tolist(), self.end.tolist(),
+                        strict=True))
+
+    @cached_property
+    def comm_start(self) -> dict[int, float]:
+        """Collective task id -> when its transfer began (every member had arrived)."""
+        ids = np.flatnonzero(~np.isnan(self.begin))
+        return dict(zip(ids.tolist(), self.begin[ids].tolist(), strict=True))
+
+    @cached_property
+    def last_arrival(self) -> dict[int, int]:
+        """Collective task id -> the member task that arrived last (for the members
+        that waited)."""
+        ids = np.flatnonzero(self.last >= 0)
+        return dict(zip(ids.tolist(), self.last[ids].tolist(), strict=True))

@@ -1,0 +1,227 @@
+"""The SimPy processes: one per (simulated rank, stream), walking its compiled steps.
+
+A step waits for its dependencies (events of other tasks), then:
+
+- a compute run holds the stream for its durations summed in order (or, under
+  interference, for as long as its work takes at the rank's changing pace);
+- a collective registers its member's arrival at the rendezvous of its group (the
+  transfer starts at the latest arrival; the last member to register runs it, the
+  others wait for its end: one timeout per collective, not per member), then runs its
+  plan phase by phase (:meth:`simulator.engine.engine.Engine.transfer`);
+- a point-to-point send is one flow over the links between the two ranks.
+
+This is the engine's hottest loop: SimPy's classes are called directly
+(``env.timeout`` makes a bound method per call) and the clock is read from ``_now``
+(``now`` is a property). Nothing here knows what a transformer is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import simpy
+from simpy.events import AllOf, Event, Timeout
+
+from simulator.engine.compile import RUN, SEND, Instance
+
+if TYPE_CHECKING:
+    from simulator.engine.engine import Engine
+
+Process = Generator[simpy.Event, Any, None]
+
+
+class Rendezvous:
+    """The members of one collective so far: how many arrived, when the latest will,
+    which task that is, and the longest compute burst a member arrives from."""
+
+    __slots__ = ("arrived", "burst", "done", "last", "members", "start")
+
+    def __init__(self, env: simpy.Environment, members: int) -> None:
+        self.members = members
+        self.arrived = 0
+        self.done = Event(env)
+        self.start = 0.0
+        self.last = -1
+        self.burst = 0.0  # the longest compute burst a member arrives from
+
+
+def waits(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> list[simpy.Event]:
+    """The events of ``deps`` that have not fired yet."""
+    event_of = e.event_of
+    if e.w.shared is None:  # task ids
+        pending = [event_of(d) for d in deps]
+    else:  # (owner, local index): the owner's peer of this rank's
+        ids_of, delta = e.ids_of, inst.delta
+        pending = [event_of(ids_of[owner + delta][local]) for owner, local in deps]
+    return [ev for ev in pending if not ev.triggered]
+
+
+def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
+           name: str = "compute") -> Process:
+    """The process of one stream of one simulated rank."""
+    env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
+    starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
+    slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
+    # the compute burst before each collective, where the profile's sync cost grows
+    # with it: this stream's compute adds to the rank's, a collective takes its share
+    counts, busy, mark = e.burst_counters(rank, name)
+    for kind, deps, a, b, g, tail, dependents, lead in steps:
+        if deps:
+            pending = waits(e, inst, deps)
+            if pending:
+                yield AllOf(env, pending)
+        if kind == RUN:  # a: the run, b: its last task when someone waits for it,
+            t0 = env._now  # g: whether interference may slow it
+            total = totals[a]
+            if counts:
+                busy[rank] += total
+            if total > 0:
+                if slowing and g:
+                    yield e.interference.slow_run(rank, base + a, total)  # type: ignore[union-attr]
+                else:
+                    yield Timeout(env, total)
+            run_t0[base + a] = t0
+            if b >= 0:
+                event_of(ids[b]).succeed()
+            continue
+        t0 = env._now  # this task's start: when the rank arrives at it
+        if lead >= 0:  # a run first: the rank arrives when the run ends
+            run_t0[base + lead] = t0
+            t0 += totals[lead]
+            if counts:
+                busy[rank] += totals[lead]
+        gid = ids[a]
+        if kind == SEND:  # b: the destination, g: the bytes
+            yield send(e, inst, b, g)
+        else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
+            burst, grp = 0.0, groups[g]
+            if e.bursts:  # the rank's compute since its last collective
+                burst = busy[rank] - mark[rank]
+                mark[rank] = busy[rank]
+            rv = arrive(e, grp, tail, t0, gid, burst) if size[grp] > 1 else None
+            if rv is not None and rv.arrived < rv.members:  # another member runs it
+                yield rv.done
+                waited(e, rv, gid, t0, dependents)
+                continue
+            wait = lead_in(e, t0, gid, rv)  # until the latest arrival
+            if wait > 0:
+                yield Timeout(env, wait)
+            ev = flow(e, gid, b, grp, rv, burst if rv is None else rv.burst)
+            if ev is None:  # more than one flow, or a burst's extra cost first
+                yield from move(e, gid, b, grp, rv, burst if rv is None else rv.burst)
+            else:
+                yield ev
+        starts[gid] = t0
+        ends[gid] = env._now
+        if dependents:
+            event_of(gid).succeed()
+
+
+def send(e: Engine, inst: Instance, dst: int, nbytes: float) -> simpy.Event:
+    """A point-to-point send to the prototype's peer ``dst`` of the rank: its flow."""
+    dst = e.dst(inst, dst)
+    ev = e.send(inst.rank, dst, nbytes)
+    if e.interference is not None:
+        e.interference.slow_while(ev, (inst.rank, dst),
+                                  e.interference.send_factor(inst.rank, dst))
+    return ev
+
+
+def arrive(e: Engine, grp: int, tail: Any, t0: float, gid: int,
+           burst: float) -> Rendezvous:
+    """A member of group ``grp`` registers that it arrives at ``t0``: members register
+    when they will arrive; the last to register waits for the latest arrival and runs the
+    transfer (its rendezvous leaves the table), the others wait for it to end."""
+    key = (grp, tail)
+    rv = e.rendezvous.get(key)
+    if rv is None:
+        rv = e.rendezvous[key] = Rendezvous(e.env, e.size[grp])
+    rv.arrived += 1
+    if e.bursts:
+        rv.burst = max(rv.burst, burst)
+    if t0 >= rv.start:
+        rv.start, rv.last = t0, gid
+    if rv.arrived == rv.members:
+        del e.rendezvous[key]
+    return rv
+
+
+def waited(e: Engine, rv: Rendezvous, gid: int, t0: float, dependents: int) -> None:
+    """A member that waited for the transfer another ran: its span and event."""
+    e.begin[gid] = rv.start
+    if rv.last != gid:  # it waited for the latest arrival
+        e.last[gid] = rv.last
+    e.start[gid] = t0
+    e.end[gid] = e.env._now
+    if dependents:
+        e.event_of(gid).succeed()
+
+
+def lead_in(e: Engine, t0: float, gid: int, rv: Rendezvous | None) -> float:
+    """Seconds until the member that runs a collective (the last to register, or a group
+    of one) reaches its start: the latest arrival's (noted as what it waited for)."""
+    now = e.env._now
+    if rv is None:
+        return t0 - now
+    if rv.last != gid:
+        e.last[gid] = rv.last
+    return rv.start - now
+
+
+def flow(e: Engine, gid: int, phases: Any, grp: int, rv: Rendezvous | None,
+         burst: float) -> simpy.Event | None:
+    """A collective of one flow, started now: its completion, which is the waiting
+    members' event too (no generator, no second event to wake them); None, with nothing
+    started, for a plan of more flows or a sync cost that grows with the burst
+    (:func:`move`)."""
+    if len(phases) != 1 or len(phases[0][0]) != 1:
+        return None
+    cut = 0.0  # a short burst's discount, off the first phase's latency
+    if e.bursts:
+        cut = e.burst_cost(phases, burst)
+        if cut > 0:
+            return None
+    e.begin[gid] = e.env._now
+    legs, alpha = phases[0]
+    link_class, nbytes = legs[0]
+    ev = e.net.transfer(nbytes, e.group_links(grp, link_class), e.group_weight(grp),
+                        max(alpha + cut, 0.0), None if rv is None else rv.done)
+    slow = e.interference
+    if slow is not None:
+        slow.slow_while(ev, e.members[grp], slow.coll_factor(phases))
+    return ev
+
+
+def move(e: Engine, gid: int, phases: Any, grp: int, rv: Rendezvous | None,
+         burst: float) -> Process:
+    """The transfer of a collective whose members have all arrived; wakes the members
+    that wait (``rv``) when it ends."""
+    env = e.env
+    e.begin[gid] = env._now
+    cut = 0.0  # a short burst's discount, off the first phase's latency
+    if e.bursts:
+        extra = e.burst_cost(phases, burst)
+        if extra > 0:
+            yield Timeout(env, extra)
+        else:
+            cut = extra
+    slow = e.interference
+    if len(phases) == 1 and len(phases[0][0]) == 1:
+        # one flow, whose completion is the members' event: no generator, no second
+        # event to wake them
+        legs, alpha = phases[0]
+        link_class, nbytes = legs[0]
+        ev = e.net.transfer(nbytes, e.group_links(grp, link_class), e.group_weight(grp),
+                            max(alpha + cut, 0.0), None if rv is None else rv.done)
+        if slow is not None:
+            slow.slow_while(ev, e.members[grp], slow.coll_factor(phases))
+        yield ev
+        return
+    ev = Event(env)
+    if slow is not None:
+        slow.slow_while(ev, e.members[grp], slow.coll_factor(phases))
+    yield from e.transfer(grp, phases, cut)
+    ev.succeed()
+    if rv is not None:
+        rv.done.succeed()

@@ -1,0 +1,122 @@
+"""The attention variants: the unfused core (scores, softmax, dropout, AV) or one
+FlashAttention kernel, rotary embeddings, and the core under context parallelism
+(a rank's queries against every chunk's keys and values).
+"""
+
+from __future__ import annotations
+
+from simulator.model.inventory.ops import (
+    CAUSAL_FLASH_SCALE,
+    CORE_OPS,
+    FLASH_BWD_KERNELS,
+    Op,
+    Pass,
+    Shape,
+    dtype_bytes,
+    kv_per_rank,
+    mem,
+)
+from simulator.spec.model_spec import ModelSpec
+
+
+def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
+    """The attention core: one flash kernel, or the unfused sequence."""
+    T, dt, S = x.tokens, x.dt, x.scores
+    fwd_flops = 4.0 * x.b * x.spec.seq_len ** 2 * x.q  # QKᵀ and AV, the full square
+    heads = x.spec.heads / x.tp
+    if x.st.flash:
+        if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
+            return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
+                       fwd_flops, "attention_fwd", 1,
+                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, CAUSAL_FLASH_SCALE)]
+        return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
+                   2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
+                   CAUSAL_FLASH_SCALE)]
+    fused_softmax = x.st.attention == "unfused_fused_softmax"
+    dropout = x.st.attention_dropout > 0
+    half = fwd_flops / 2
+    if pass_ == "fwd":
+        ops = [Op("attn_scores", "gemm", half, dt * (T * (x.q + x.kv) + S), half, "gemm_fwd",
+                  1, dt * T * (x.q + x.kv)),
+               mem("attn_softmax", (2 if fused_softmax else 4) * S, dt, "softmax",
+                   1 if fused_softmax else 2, dt * S)]
+        if dropout:  # read p, write p' and the 1-byte mask; keep both
+            ops.append(Op("attn_dropout", "memory", 0.0, (2 * dt + 1) * S, 0.0, "elementwise",
+                          1, (dt + 1) * S))
+        ops.append(Op("attn_av", "gemm", half, dt * (S + T * (x.kv + x.q)), half, "gemm_fwd",
+                      1, dt * T * x.kv))
+        return ops
+    # backward in forward order (the caller reverses): dQ, dK from dS; dS from dP; dP, dV
+    ops = [Op("attn_scores", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
+              "gemm_dgrad", 2),
+           mem("attn_softmax", 3 * S, dt, "softmax", 1 if fused_softmax else 2)]
+    if dropout:
+        ops.append(Op("attn_dropout", "memory", 0.0, (2 * dt + 1) * S, 0.0, "elementwise"))
+    ops.append(Op("attn_av", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
+                  "gemm_dgrad", 2))
+    return ops
+
+
+def rope_ops(x: Shape, pass_: Pass) -> list[Op]:
+    """Rotary embedding on q and k: one fused kernel each, or the eager sequence
+    (slice, neg, cat, two muls, add: ~6 passes over the tensor, 5 kernels)."""
+    if x.spec.position != "rope" or pass_ == "bwd_weight":
+        return []
+    elements = x.tokens * (x.q + x.kv)
+    if x.st.fused("rope"):
+        return [mem("rope", 2 * elements, x.dt, "elementwise", 2)]
+    return [mem("rope", 12 * elements, x.dt, "elementwise", 10)]
+
+
+def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
+    """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
+    times as many keys (context parallelism: a rank's chunk of queries meets every
+    chunk's keys and values, as ring attention and the KV all-gather do, one flash call
+    per chunk). Causal: half the counted FLOPs execute (load-balanced chunks)."""
+    tokens, q_width = b * spec.seq_len, spec.hidden / tp
+    kv_width = kv_per_rank(spec, tp) * spec.head_dim
+    fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
+    if pass_ == "fwd":  # read q, k, v; write o
+        return Op("attn_core", "attention", fwd_flops,
+                  dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
+                  "attention_fwd", cp, 0.0, 0.5)
+    # read q, k, v, o, do; write dq, dk, dv
+    return Op("attn_core", "attention", 2 * fwd_flops,
+              dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops / cp,
+              "attention_bwd", 3 * cp, 0.0, 0.5)
+
+
+def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
+                         pass_: Pass, cp: int, kv_gathered: bool = False,
+                         kv_kept: bool = False) -> tuple[Op, ...]:
+    """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
+    against the whole sequence's keys (:func:`attention_core`; context parallelism runs
+    a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
+    requires). With ``kv_gathered`` (the all-gather variant) the gathered keys and
+    values are put in sequence order before the core, and in backward their gradients
+    back in chunk order after it: one read and one write of the gathered bytes each
+    (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
+    ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``); with
+    ``kv_kept`` (the stack keeps the gathered, ordered keys and values for the backward)
+    the backward reorders only the gradients."""
+    if cp == 1 or pass_ == "bwd_weight":
+        return ops
+    core = attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
+    out: list[Op] = []
+    for op in ops:
+        if op.name in CORE_OPS:
+            if core in out:
+                continue  # an unfused core's other kernels: replaced by the one core
+            if kv_gathered:
+                copies = 1 if pass_ == "fwd" or kv_kept else 2
+                out.append(Op("cp_reorder", "memory", 0.0,
+                              copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
+            out.append(core)
+        else:
+            out.append(op)
+    return tuple(out)
+
+
+def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
+    """Bytes of one rank's key and value chunk of one layer (its TP share of KV heads)."""
+    return 2.0 * b * local.seq_len * kv_per_rank(local, tp) * local.head_dim * dtype_bytes(dtype)

@@ -1,0 +1,42 @@
+"""A layer of either kind, dense or a mixture of experts' MoE layer: how many parameter
+tensors it has and what it keeps for backward, from the op inventory of its kind.
+"""
+
+from __future__ import annotations
+
+from simulator.model.inventory.dense import dense_layer_ops
+from simulator.model.inventory.experts import moe_layer_ops, moe_layer_tensors
+from simulator.model.inventory.ops import CORE_OPS, Shape, dense_layer_tensors, dtype_bytes
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.stack import StackSpec
+
+
+def layer_tensors(spec: ModelSpec, stack: StackSpec, layer: int | None = None) -> int:
+    """Parameter tensors of one layer as the stack builds it, its routed experts apart
+    (:func:`expert_tensors`): a dense layer's linears (weights and biases) and norms, or
+    where ``layer`` is one of a mixture of experts' MoE layers :func:`moe_layer_tensors`
+    (the optimizer's per-tensor kernels, DDP's bucket copies)."""
+    if layer is not None and spec.is_moe_layer(layer):
+        return moe_layer_tensors(spec, stack)
+    return dense_layer_tensors(spec, stack)
+
+
+def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                      dtype: str, recompute: str, stack: StackSpec, layer: int = 0) -> float:
+    """Bytes one layer (dense, or a mixture of experts' ``layer``) keeps between its
+    forward and backward: what its forward ops save; under selective recomputation the
+    core's internals (scores, softmax, dropout, statistics) are dropped and only its
+    inputs Q, K, V kept; under full recomputation only the layer's input (sharded under
+    sequence parallelism; fp32 under autocast)."""
+    x = Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    if recompute == "full":
+        return x.rs * x.local * spec.hidden
+    ops = moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack) \
+        if spec.is_moe_layer(layer) else \
+        dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
+    if recompute == "selective":
+        core_inputs = x.dt * x.tokens * (x.q + 2 * x.kv)
+        return sum(op.saved for op in ops if op.name not in CORE_OPS) + core_inputs
+    return sum(op.saved for op in ops)
+
+

@@ -1,0 +1,175 @@
+"""The inventory's vocabulary: an :class:`Op` (FLOPs, HBM bytes, cost class, kernels,
+bytes kept for backward), the passes, element sizes, and :class:`Shape`, one layer on
+one TP rank for one micro-batch, that every op builder reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.stack import StackSpec
+
+OpKind = Literal["gemm", "attention", "memory"]
+
+
+Pass = Literal["fwd", "bwd_input", "bwd_weight"]
+
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+#: the ops inside the attention core (what selective recomputation re-runs)
+CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av")
+
+
+FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 2}  # dO·O preprocess, main kernel(, dQ convert)
+
+
+#: Executed / counted FLOPs of a causal flash-attention kernel: it skips the blocks above
+#: the diagonal (FlashAttention-2, Dao 2023, §3.1.1). Efficiencies of such kernels are
+#: quoted against the executed FLOPs (flash-attn's benchmarks/benchmark_flash_attention.py
+#: halves its FLOP count when causal), and calibration fits them the same way
+#: (calibration/microbench/fit_terms.py ``executed_peak``).
+CAUSAL_FLASH_SCALE = 0.5
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel (group) of one micro-batch on one TP rank."""
+
+    name: str  # "ln1", "qkv", "attn_core", "out_proj", "residual", "logits", ...
+    kind: OpKind  # gemm / attention are FLOP-bound; memory is bandwidth-bound
+    flops: float  # counted FLOPs on one TP rank, for one micro-batch
+    bytes: float  # HBM bytes read + written on one TP rank
+    gemm_flops: float  # FLOPs of the single underlying call (efficiency-curve lookup)
+    cls: str = ""  # cost class (gemm_fwd, attention_bwd, softmax, norm, ...); "" = by kind
+    kernels: int = 1  # kernel launches
+    saved: float = 0.0  # bytes this forward op keeps for the backward
+    compute_scale: float = 1.0  # executed / counted FLOPs (CAUSAL_FLASH_SCALE: skipped blocks)
+    dtensor: int = 0  # of its kernels, those dispatched on DTensor operands (TP as DTensor)
+    #: what the host pays for, in units of the per-kernel host cost: one a kernel unless
+    #: set (a foreach optimizer's host work is per tensor, its launches per chunk)
+    host_units: int | None = None
+
+    @property
+    def host_ops(self) -> int:
+        """Units of host work (``host_units``, else one per kernel)."""
+        return self.kernels if self.host_units is None else self.host_units
+
+    @property
+    def cost_class(self) -> str:
+        if self.cls:
+            return self.cls
+        return {"gemm": "gemm_fwd", "attention": "attention_fwd"}.get(self.kind, "elementwise")
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element: bf16/fp16 2, fp32 4."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}") from None
+
+
+def gemm(name: str, m: float, k: float, n: float, dt: int, cls: str = "", kernels: int = 1,
+         saved: float = 0.0) -> Op:
+    """An (m×k)·(k×n) product in ``kernels`` equal calls; its dgrad and wgrad read and
+    write the same three shapes."""
+    flops = 2.0 * m * k * n
+    return Op(name, "gemm", flops, dt * (m * k + k * n + m * n), flops / kernels, cls, kernels,
+              saved)
+
+
+def mem(name: str, elements: float, dt: int, cls: str = "", kernels: int = 1,
+        saved: float = 0.0) -> Op:
+    return Op(name, "memory", 0.0, dt * elements, 0.0, cls, kernels, saved)
+
+
+def kv_per_rank(spec: ModelSpec, tp: int) -> float:
+    return max(spec.kv / tp, 1.0)  # replicated when tp > kv_heads
+
+
+def norm_elements(spec: ModelSpec, tokens: float, pass_: Pass) -> float:
+    # forward reads x, writes y; backward reads x and dy, writes dx (stats are tiny)
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * spec.hidden
+
+
+def act_elements(spec: ModelSpec, tokens: float, tp: int, pass_: Pass) -> float:
+    f = spec.ffn / tp
+    if spec.activation == "swiglu":  # fwd: gate, up -> out; bwd: gate, up, dy -> dgate, dup
+        return (3.0 if pass_ == "fwd" else 5.0) * tokens * f
+    return (2.0 if pass_ == "fwd" else 3.0) * tokens * f  # gelu: x -> y; x, dy -> dx
+
+
+def qkv_linears(stack: StackSpec) -> int:
+    """The attention's input projections: one QKV GEMM, or separate q, k and v."""
+    return 1 if stack.fused("projections") else 3
+
+
+def up_linears(spec: ModelSpec, stack: StackSpec) -> int:
+    """The MLP's input projections: up, or separate gate and up of a gated MLP."""
+    return 2 if spec.activation == "swiglu" and not stack.fused("projections") else 1
+
+
+def norm_tensors(spec: ModelSpec) -> int:
+    """Parameter tensors of one norm: γ and β of a LayerNorm, γ of an RMSNorm."""
+    return 2 if spec.norm == "layernorm" else 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One layer on one TP rank for one micro-batch."""
+
+    spec: ModelSpec
+    b: int
+    tp: int
+    sp: bool
+    dt: int
+    st: StackSpec
+
+    @property
+    def tokens(self) -> float:
+        return float(self.b * self.spec.seq_len)
+
+    @property
+    def local(self) -> float:  # tokens of norms, residuals and dropouts on this rank
+        return self.tokens / self.tp if self.sp else self.tokens
+
+    @property
+    def q(self) -> float:
+        return self.spec.hidden / self.tp
+
+    @property
+    def kv(self) -> float:
+        return kv_per_rank(self.spec, self.tp) * self.spec.head_dim
+
+    @property
+    def scores(self) -> float:  # elements of the s×s matrices of this rank's heads
+        return self.b * (self.spec.heads / self.tp) * float(self.spec.seq_len) ** 2
+
+    @property
+    def up(self) -> float:
+        return (2 if self.spec.activation == "swiglu" else 1) * self.spec.ffn / self.tp
+
+    @property
+    def up_kernels(self) -> int:
+        return up_linears(self.spec, self.st)
+
+    @property
+    def qkv_kernels(self) -> int:
+        return qkv_linears(self.st)
+
+    @property
+    def rs(self) -> int:
+        """Bytes of a residual-stream element: fp32 under autocast (norms run in fp32 and
+        the 16-bit branch adds into the fp32 stream), else the training dtype's."""
+        return self.st.fp32_under_amp(self.dt)
+
+
+def dense_layer_tensors(spec: ModelSpec, stack: StackSpec) -> int:
+    """Parameter tensors of one dense layer as the stack builds it: its linears (weights
+    and biases) and norms."""
+    linears = qkv_linears(stack) + 1 + up_linears(spec, stack) + 1
+    return linears * (2 if spec.bias else 1) + 2 * norm_tensors(spec)

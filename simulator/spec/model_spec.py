@@ -1,0 +1,156 @@
+"""The model section: a decoder-only transformer, dense or a mixture of experts, with
+latent attention optionally, and the bundled model presets it may start from.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from simulator.loading import PRESETS_DIR, read_yaml
+from simulator.spec.base import MAX_SIZE, Frozen
+
+MODELS_DIR = PRESETS_DIR / "models"
+
+
+class MLASpec(Frozen):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through
+    low-rank latents; each head's query/key is a no-position part plus a RoPE part."""
+
+    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)  # query latent; 0 = full-rank query projection
+    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # the shared key/value latent
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head query/key width without RoPE
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # RoPE width (the key part shared by heads)
+    v_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head value width
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class RouterSkewSpec(Frozen):
+    """Uneven expert loads (:mod:`simulator.strategies.expert.layer`): each MoE layer's share of
+    the routed tokens per expert is one draw from a symmetric Dirichlet distribution of
+    ``concentration`` (small: a few experts take most tokens; large: near balanced),
+    from a generator seeded with ``seed``. The most loaded expert-parallel rank sets the
+    pace of the all-to-all and of the expert GEMMs."""
+
+    distribution: Literal["dirichlet"] = "dirichlet"
+    concentration: float = Field(default=1.0, ge=1e-3, le=1e6)  # Dirichlet alpha per expert
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+
+class ModelSpec(Frozen):
+    """A decoder-only transformer. Defaults describe a GPT (Megatron) block.
+
+    A mixture of experts replaces the MLP of its MoE layers by ``experts`` routed
+    experts (``experts_per_token`` of them per token) plus ``shared_experts`` that
+    every token passes through, each an MLP of width ``expert_ffn_hidden``. Layer i
+    is a MoE layer when i >= first_dense_layers and (i - first_dense_layers) is a
+    multiple of moe_layer_freq; the other layers keep the dense MLP of ffn_hidden.
+    """
+
+    preset: str | None = None  # the bundled preset these fields started from
+    layers: int = Field(gt=0, le=MAX_SIZE)
+    hidden: int = Field(gt=0, le=MAX_SIZE)  # h
+    heads: int = Field(gt=0, le=MAX_SIZE)  # a, query heads
+    kv_heads: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # GQA when < heads; default heads
+    ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default 4 × hidden
+    vocab: int = Field(gt=0, le=MAX_SIZE)  # V
+    seq_len: int = Field(gt=0, le=MAX_SIZE)  # s
+    activation: Literal["gelu", "swiglu"] = "gelu"  # swiglu has three MLP matrices
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    bias: bool = True  # linear layers carry biases (GPT) or not (LLaMA)
+    tied_embeddings: bool = True  # output projection shares the input embedding
+    position: Literal["learned", "rope"] = "learned"  # learned adds s × h parameters
+    mla: MLASpec | None = None  # multi-head latent attention instead of (GQA) attention
+    # mixture of experts; experts = 0 is a dense model
+    experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # routed experts per MoE layer
+    experts_per_token: int = Field(default=1, gt=0, le=MAX_SIZE)  # top-k routing
+    # width of one expert's MLP; default ffn_hidden
+    expert_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    shared_experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # experts every token uses
+    first_dense_layers: int = Field(default=0, ge=0, le=MAX_SIZE)  # leading dense layers
+    moe_layer_freq: int = Field(default=1, gt=0, le=MAX_SIZE)  # every k-th layer after them
+    # None: dropless (every routed token is computed); c: each expert computes a fixed
+    # buffer of c · k · tokens / experts, padded when short, tokens beyond it dropped
+    capacity_factor: float | None = Field(default=None, ge=0.01, le=1e4)
+    # softmax top-k (Mixtral) | sigmoid top-k with a per-expert bias (DeepSeek-V3)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    # None: every expert receives the same number of tokens
+    router_skew: RouterSkewSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("preset") is not None:
+            data = {**_preset_fields(data["preset"]), **data}
+        if isinstance(data.get("heads"), int) and data.get("kv_heads") is None:
+            data = {**data, "kv_heads": data["heads"]}
+        if isinstance(data.get("hidden"), int) and data.get("ffn_hidden") is None:
+            data = {**data, "ffn_hidden": 4 * data["hidden"]}
+        if data.get("expert_ffn_hidden") is None and isinstance(data.get("ffn_hidden"), int):
+            data = {**data, "expert_ffn_hidden": data["ffn_hidden"]}
+        return data
+
+    @property
+    def kv(self) -> int:
+        assert self.kv_heads is not None
+        return self.kv_heads
+
+    @property
+    def ffn(self) -> int:
+        assert self.ffn_hidden is not None
+        return self.ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def expert_ffn(self) -> int:
+        assert self.expert_ffn_hidden is not None
+        return self.expert_ffn_hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has routed experts instead of the dense MLP."""
+        if not self.is_moe or layer < self.first_dense_layers:
+            return False
+        return (layer - self.first_dense_layers) % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        after = self.layers - self.first_dense_layers
+        if not self.is_moe or after <= 0:
+            return 0
+        return -(-after // self.moe_layer_freq)
+
+
+def _preset_fields(name: object) -> dict[str, Any]:
+    if not isinstance(name, str) or not (MODELS_DIR / f"{name}.yaml").exists():
+        near = difflib.get_close_matches(str(name), preset_model_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ValueError(f"unknown model preset; {hint}bundled: {', '.join(preset_model_names())}")
+    base = read_yaml(MODELS_DIR / f"{name}.yaml", "model.preset")
+    assert isinstance(base, dict), f"preset {name} is not a mapping"
+    return base
+
+
+def preset_model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def load_preset_model(name: str) -> ModelSpec:
+    return ModelSpec.model_validate({"preset": name})

@@ -1,0 +1,83 @@
+"""A pydantic validation error as one line: the field, the value and the fix.
+
+Strict validation words an error by its kind (a whole number written otherwise, a
+number out of range, an unknown key with the closest valid one); every reader of a
+scenario or of a section of it (:mod:`simulator.spec.load`, a strategy's options in
+:mod:`simulator.spec.rules`) turns its errors into problems here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+
+from simulator.errors import Problem
+from simulator.spec.base import MAX_STAGES
+from simulator.spec.scenario import Scenario
+
+_WHOLE = "must be a whole number written in decimal, e.g. 128 (not true, \"8\", 0x80, 1_28, 128.0)"
+
+
+_FIXES = {
+    "missing": "required; add it",
+    "int_type": _WHOLE,
+    "int_parsing": _WHOLE,
+    "int_from_float": _WHOLE,
+    "float_type": "must be a number, e.g. 25 or 2.5e+1 (not true or a quoted string)",
+    "float_parsing": "must be a number, e.g. 25 or 2.5e+1",
+    "finite_number": "must be a finite number (not .inf or .nan)",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be text; quote it if it looks like a number, date or true/false",
+    "dict_type": "must be a mapping of keys",
+    "model_type": "must be a mapping of keys",
+    "model_attributes_type": "must be a mapping of keys",
+    "tuple_type": "must be a list, e.g. [7, 8, 8, 7]",
+    "too_long": f"has too many entries: at most {MAX_STAGES:,}, one per pipeline stage",
+}
+
+
+def problem_of(err: Any, prefix: tuple[str, ...] = (),
+               root: type[BaseModel] | None = None) -> Problem:
+    """One pydantic error as a problem naming the field, the value and the fix; the
+    field under ``prefix`` when ``root`` (default the scenario) was validated there."""
+    loc = [str(x) for x in err["loc"]]
+    field = ".".join([*prefix, *loc]) or "scenario"
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        return Problem(field, value, _unknown_key_fix(loc, root or Scenario))
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than_equal": "<=",
+              "less_than": "<"}[kind]
+        bound = next(iter(err.get("ctx", {}).values()), "")
+        return Problem(field, value, f"must be {op} {bound}")
+    if kind in ("literal_error", "enum"):
+        return Problem(field, value, f"must be one of {err['ctx']['expected']}")
+    if kind == "value_error":
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        return Problem(field, value, msg)
+    return Problem(field, value, _FIXES.get(kind, str(err["msg"])))
+
+
+def _section_fields(loc: list[str], root: type[BaseModel]) -> list[str]:
+    model = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        # an optional section (``mla: MLASpec | None``) names its model among the args
+        ann = next((a for a in (ann, *typing.get_args(ann))
+                    if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if ann is None:
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _unknown_key_fix(loc: list[str], root: type[BaseModel]) -> str:
+    valid = _section_fields(loc, root)
+    near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    return f"unknown key; {hint}valid keys here: {', '.join(valid)}"

@@ -1,0 +1,114 @@
+"""Rules across the sections of a scenario: each problem names the field, the value
+and the fix. What validates but has no workload yet, and legal but probably unintended
+choices (warnings), are here too.
+
+The rules of one parallelism are its strategy's (:mod:`simulator.strategies.registry`:
+each strategy's ``problems``, ``unsupported`` and ``warnings``); here are the rules of
+the model and the cluster, a new strategy's own section (``strategies.<name>``,
+validated by its options model) and the variability.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from simulator.errors import Problem
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.problems import problem_of
+from simulator.spec.scenario import Scenario
+from simulator.spec.variability import variability_problems
+from simulator.strategies import registry
+
+
+def consistency_problems(s: Scenario) -> list[Problem]:
+    """Rules across sections; each problem names the field, the value and the fix."""
+    par, mdl = s.parallel, s.model
+    out: list[Problem] = []
+    if s.cluster.gpus != par.world:
+        out.append(Problem("parallel", f"tp({par.tp}) * cp({par.cp}) * pp({par.pp}) * "
+                           f"dp({par.dp}) = {par.world}",
+                           f"must equal cluster.nodes({s.cluster.nodes}) * gpus_per_node"
+                           f"({s.cluster.gpus_per_node}) = {s.cluster.gpus}; change the degrees "
+                           "or the cluster size"))
+    if mdl.kv > mdl.heads or mdl.heads % mdl.kv:
+        out.append(Problem("model.kv_heads", mdl.kv, f"must divide model.heads ({mdl.heads}): "
+                           "each KV head serves a whole group of query heads"))
+    if mdl.hidden % mdl.heads and mdl.mla is None:
+        out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
+                           f"({mdl.heads}); head size must be whole"))
+    options = options_problems(s)
+    if options:  # a strategy's rules read its options: they must be valid first
+        return out + options
+    for strategy in registry.strategies():
+        out += strategy.problems(s)
+    return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp)
+
+
+def options_problems(s: Scenario) -> list[Problem]:
+    """Each ``strategies.<name>`` section against its strategy's options model: an unknown
+    strategy, a strategy without options, and every problem of the section's fields."""
+    known = {st.name: st for st in registry.strategies() if st.options is not None}
+    out: list[Problem] = []
+    for name, section in s.strategies.items():
+        strategy = known.get(name)
+        if strategy is None:
+            out.append(Problem(f"strategies.{name}", "set", "unknown strategy or one without "
+                               f"options; with options: {', '.join(known) or 'none'}"))
+            continue
+        assert strategy.options is not None
+        try:
+            strategy.options.model_validate(section, strict=True)
+        except ValidationError as exc:
+            out += [problem_of(err, ("strategies", name), strategy.options)
+                    for err in exc.errors()]
+    return out
+
+
+def moe_problems(mdl: ModelSpec) -> list[Problem]:
+    """The mixture-of-experts and latent-attention fields of a model, among themselves."""
+    out: list[Problem] = []
+    if not mdl.is_moe:
+        dense_defaults = {"experts_per_token": 1, "shared_experts": 0, "first_dense_layers": 0,
+                          "moe_layer_freq": 1, "capacity_factor": None, "router_skew": None}
+        for name, default in dense_defaults.items():
+            if getattr(mdl, name) != default:
+                out.append(Problem(f"model.{name}", getattr(mdl, name), "only for a mixture of "
+                                   "experts (model.experts = 0); set model.experts or remove it"))
+    else:
+        if mdl.experts_per_token > mdl.experts:
+            out.append(Problem("model.experts_per_token", mdl.experts_per_token,
+                               f"more than model.experts ({mdl.experts}); use at most "
+                               f"{mdl.experts}"))
+        if mdl.first_dense_layers >= mdl.layers:
+            out.append(Problem("model.first_dense_layers", mdl.first_dense_layers,
+                               f"leaves no MoE layer among model.layers ({mdl.layers}); use "
+                               f"fewer than {mdl.layers}"))
+    if mdl.mla is not None and mdl.kv != mdl.heads:
+        out.append(Problem("model.kv_heads", mdl.kv, f"latent attention (model.mla) gives every "
+                           f"head its own key and value; set kv_heads = heads ({mdl.heads}) or "
+                           "leave it out"))
+    return out
+
+
+def not_yet_simulated(s: Scenario) -> list[Problem]:
+    """What validates and has a memory model but no workload yet: latent attention in a
+    dense model, and what each strategy's pass does not build (context parallelism with
+    experts or latent attention, the combinations of a mixture of experts that the
+    expert pass does not build, TP communication overlap with either of those)."""
+    mdl = s.model
+    out: list[Problem] = []
+    if mdl.mla is not None and not mdl.is_moe:
+        out.append(Problem("model.mla", "set", "not yet simulated: latent attention has "
+                           "parameter, FLOP and memory arithmetic (clustersim memory), but run "
+                           "needs its workload ops; use a model without mla"))
+    for strategy in registry.strategies():
+        out += strategy.unsupported(s)
+    return out
+
+
+def scenario_warnings(s: Scenario) -> list[str]:
+    """Legal but probably unintended choices: each strategy's."""
+    out: list[str] = []
+    for strategy in registry.strategies():
+        out += strategy.warnings(s)
+    return out

@@ -1,0 +1,214 @@
+"""Data-parallel pass: gradient synchronisation, ZeRO sharding and the optimizer step.
+
+DDP (Li et al. 2020): gradients are bucketed (``dp_bucket_MB``; the stack's
+``ddp_first_bucket_MB`` for the first bucket of a backward, as torch DDP does) in the
+order the last micro-batch's backward produces them, each bucket all-reduced on the
+``dp`` stream as soon as it is full (on the compute stream without
+``overlap.dp``); the optimizer step waits for all of them. Gradients
+accumulate locally over the other micro-batches.
+
+ZeRO (Rajbhandari et al. 2020): stages 1 and 2 reduce-scatter the buckets
+instead (ZeRO-1 may all-reduce; Megatron's distributed optimizer scatters) and
+all-gather the updated parameters after the step, 2Ψ per rank like DDP's
+all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
+reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
+behaviour under gradient accumulation: m × the traffic of one reduction).
+ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
+:class:`Zero3Pass` gathers the units' parameters. The parameters outside the
+layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
+sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
+gradients are reduce-scattered as one more unit after the micro-batch's
+backward (FSDP2's root post-backward callback), and nothing is gathered after
+the step.
+
+The optimizer step (AdamW on the rank's shard as the stack runs it:
+:func:`simulator.model.inventory.optimizer.optimizer_op`, clipping included) runs on the compute
+stream after every reduction; under ZeRO-Offload the offload pass runs it on the host instead.
+"""
+
+from __future__ import annotations
+
+from simulator.builder.context import Context, Pass, part_label
+from simulator.builder.tasks import Stream, Task
+from simulator.model import transformer as mdl
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import Op
+from simulator.model.inventory.sharding import (
+    ROOT_TENSORS,
+    ddp_copy_ops,
+    fsdp_reduce_ops,
+)
+from simulator.schedules.action import Action
+from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
+from simulator.strategies.compression.workload import Compressor, Unit
+from simulator.system.units import CollectiveName
+
+
+class DataPass(Pass):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par = ctx.s.parallel
+        self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
+        self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
+        self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
+        self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+        self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
+        # gradient compression (training.gradient_compression) reduces the buckets instead
+        self.compressor = Compressor(ctx, self.stream) \
+            if effective_method(ctx.s) != "none" else None
+
+    def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
+                     chunk: int) -> None:
+        par, pending = self.ctx.s.parallel, self.pending[rank]
+        if par.dp * par.cp == 1 and not par.zero_offload:  # no replica holds these weights
+            return
+        if self.compressor is not None and not self.compressor.in_backward:
+            return  # 1-bit Adam exchanges the momentum in the optimizer step instead
+        self.flushed[rank] = False  # a backward's buckets start with the first one's cap
+        if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+            self.bucket(rank, action.stage, done, chunk, pending)
+            self.flush(rank, pending, chunk)
+        elif self.ctx.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
+            self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
+
+    def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
+               pending: list[tuple[float, Task, Unit]]) -> None:
+        """Bucket the gradients that ``done`` complete, flushing full buckets."""
+        par = self.ctx.s.parallel
+        if par.zero == 3:  # FSDP reduce-scatters each unit's gradients
+            for i, (size, task) in enumerate(self.zero3_units(stage, done)):
+                pending.append((size, task, (stage, i)))
+                self.flush(rank, pending, chunk)
+            return
+        for i, (size, task) in enumerate(zip(self.ctx.grad_bytes(stage), done, strict=True)):
+            pending.append((size, task, (stage, i)))
+            if sum(p[0] for p in pending) >= self.caps[self.flushed[rank]]:
+                self.flush(rank, pending, chunk)
+                self.flushed[rank] = True
+
+    def zero3_units(self, stage: int, done: list[Task]) -> list[tuple[float, Task]]:
+        """ZeRO-3's gradient units of a backward of ``stage`` with the task each waits for:
+        every layer as its gradients complete, then the root (embedding, head) after the
+        backward's last gradient, as FSDP2's root post-backward reduce-scatters it."""
+        ctx = self.ctx
+        layers = len(ctx.layers_of(stage))
+        layer = mdl.layer_params(ctx.s.model) / ctx.s.parallel.tp * ctx.grad_dt
+        units = [(layer, task) for task in done[:layers]]
+        root = ctx.root_params(stage) * ctx.grad_dt
+        if root and done:
+            units.append((root, done[-1]))
+        return units
+
+    def flush(self, rank: int, pending: list[tuple[float, Task, Unit]], chunk: int) -> None:
+        if not pending:
+            return
+        size, after = sum(p[0] for p in pending), pending[-1][1]
+        units = [p[2] for p in pending]
+        pending.clear()
+        ctx, op = self.ctx, self.reduce
+        t: Task | None
+        if ctx.s.parallel.zero == 0 and len(ctx.layout.dp_group(rank)) > 1:
+            after = self.ddp_pack(rank, units, after)
+        if self.compressor is not None and len(ctx.layout.dp_group(rank)) > 1:
+            t = self.compressor.reduce(rank, op, size, units, after, chunk)
+        else:
+            stage, index = units[0]
+            zero3 = ctx.s.parallel.zero == 3
+            root = zero3 and index >= len(ctx.layers_of(stage))  # its root
+            parts = ctx.zero3_parts if zero3 and not root else 1
+            group = ctx.layout.dp_group(rank)
+            pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
+                if zero3 and len(group) > 1 else (None, ())
+            after = pack or after
+            for part in range(parts):
+                t = ctx.collective(rank, self.stream, op, "dp", group,
+                                   size / parts, f"dp.{op} {'root' if root else 'bucket'} "
+                                   f"{size / 1e6:.1f} MB{part_label(part, parts)}",
+                                   after.microbatch if root else -1, chunk=chunk)
+                if t is not None and part == 0:
+                    t.deps.append(after.id)
+            if accumulate and t is not None:
+                t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
+                            name=f"fsdp.grad_accum mb{after.microbatch}",
+                            duration=ctx.cost_of(rank).ops_time(accumulate),
+                            microbatch=after.microbatch, chunk=chunk)
+        for bucket_reduced in ctx.hooks.bucket_reduced:
+            bucket_reduced(rank, size, t or after, chunk)
+
+    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
+                    chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
+        """FSDP2's copies around one unit's reduce-scatter of ``size`` bytes
+        (:func:`simulator.model.inventory.sharding.fsdp_reduce_ops`): the gradient pack as a task
+        on the
+        compute stream after ``after`` (None without the copies) and the accumulate's ops,
+        which run after the reduce-scatter on its stream."""
+        ctx = self.ctx
+        tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
+        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.dp_group(rank)),
+                              ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
+        if not ops:
+            return None, ()
+        t = ctx.compute_after(rank, after, "Z", "backward", f"fsdp.chunk_cat mb{after.microbatch}",
+                              ctx.cost_of(rank).ops_time(ops[:1]))
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t, ops[1:]
+
+    def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:
+        """torch DDP's copies of a bucket's gradients into it (``units`` of it;
+        :func:`simulator.model.inventory.sharding.ddp_copy_ops`) as a task right after ``after`` on
+        the
+        compute stream, which the bucket's reduction then waits for; ``after`` itself
+        without the copies."""
+        ctx = self.ctx
+        seconds = self.ddp_copies_s(rank, units, back=False)
+        if not seconds:
+            return after
+        t = ctx.compute_after(rank, after, "D", "backward", "ddp.bucket_in", seconds)
+        t.weight_s = t.duration  # gradient work: the backward's weight share
+        return t
+
+    def ddp_copies_s(self, rank: int, units: list[Unit], back: bool) -> float:
+        """Seconds of DDP's copies of ``units`` into their buckets, or ``back``."""
+        ctx = self.ctx
+        sizes = {st: ctx.grad_units(st) for st, _ in units}
+        cost, stack = ctx.cost_of(rank), ctx.s.stack
+        return sum(cost.ops_time(ddp_copy_ops(stack, sizes[st][i][0], ctx.grad_dt,
+                                              sizes[st][i][1], back)) for st, i in units)
+
+    def sync_end(self, rank: int) -> None:
+        self.flush(rank, self.pending[rank], 0)
+
+    def step(self, rank: int) -> None:
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero_offload:  # the offload pass steps on the host
+            return
+        if self.compressor is not None:
+            self.compressor.exchange(rank)
+        params = ctx.params_of(rank)
+        shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
+        streams = ctx.programs[rank].streams
+        if par.zero == 0 and len(ctx.layout.dp_group(rank)) > 1 \
+                and (self.compressor is None or self.compressor.in_backward):
+            # DDP's finalize: every reduced bucket back into the gradients
+            units = [(st, i) for st in ctx.stages_of(rank)
+                     for i in range(len(ctx.grad_units(st)))]
+            seconds = self.ddp_copies_s(rank, units, back=True)
+            if seconds:
+                back = ctx.compute(rank, "D", "backward", "ddp.bucket_out", seconds, -1, -1, 0)
+                back.weight_s = seconds
+                back.deps.extend(d.id for d in streams["dp"])
+        t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
+                        ctx.optimizer_time(rank, shard), -1, -1, 0)
+        t.deps.extend(d.id for d in streams["dp"])
+        t.deps.extend(d.id for d in streams["zero"][-1:])
+
+    def after_step(self, rank: int) -> None:
+        """ZeRO-1/2: all-gather the updated parameters (ZeRO-3 gathers every unit at
+        use instead)."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero not in (1, 2):
+            return
+        ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank),
+                       ctx.params_of(rank) * ctx.dt_bytes, "dp.all_gather updated params")
+
+

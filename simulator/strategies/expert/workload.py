@@ -1,0 +1,154 @@
+"""Expert pass: a mixture of experts' routed experts, their all-to-alls and gradients.
+
+Per MoE layer and micro-batch (:mod:`simulator.strategies.expert.layer` has the groups, the
+sizes and the load), after the MLP block's router, permutation and shared experts
+(the pipeline's ``mlp`` block):
+
+- forward: the dispatch all-to-all over the EP group, with expert_tp > 1 an
+  all-gather over the expert-TP group, the routed experts' grouped GEMMs (a
+  ``forward`` compute task), the reduce-scatter, the combine all-to-all;
+- backward, before the MLP block's backward: the mirror (the combine's gradient
+  all-to-all, all-gather, the experts' input-gradient GEMMs, reduce-scatter, the
+  dispatch's gradient all-to-all). The experts' weight gradients sit in the MLP
+  block's weight share (:class:`~simulator.builder.workload.BlockCosts`), so B carries them
+  and ZB-H1's W defers them like any weight gradient;
+- full recomputation repeats the forward's all-to-alls and GEMMs (kind
+  ``recompute``).
+
+The all-to-alls (kind ``ep``) and the expert-TP collectives (kind ``tp``) run on
+the compute stream: the next kernel needs their tokens. Every rank of a group runs
+at the pace of the most loaded one (see the load in
+:mod:`simulator.strategies.expert.layer`), so folded and full simulation agree.
+
+Expert gradients reduce over the expert data-parallel group, one collective per
+MoE layer when its gradients are complete (after the stage's last backward; after
+every backward under ZeRO-2), all-reduce or, under ZeRO-1/2, reduce-scatter, on
+the ``dp`` stream (kind ``dp``). The optimizer steps the experts' shard (1/edp
+under ZeRO) and ZeRO-1/2 all-gather the updated experts over edp after the step.
+
+Installed for a mixture of experts, before the tensor pass (so a forward MLP
+block's tokens come home before its TP reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from simulator.builder.context import Context, Pass
+from simulator.builder.tasks import Stream, Task
+from simulator.model import transformer as mdl
+from simulator.schedules.action import Action
+from simulator.strategies.expert import layer as epar
+from simulator.system.units import CollectiveName
+
+
+class ExpertPass(Pass):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        s, par = ctx.s, ctx.s.parallel
+        self.layer = epar.expert_layer(s)
+        self.seconds = {p: ctx.cost.ops_time(getattr(self.layer, p))
+                        for p in ("fwd", "bwd_input")}
+        self.etp, self.ep = par.etp, par.ep
+        self.full_recompute = par.recompute == "full"
+        self.mlp_seen: dict[int, tuple[bool, int]] = {}  # rank -> (forward, mlp blocks so far)
+        self.group_of: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
+        self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+        self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
+
+    # ------------------------------------------------------------ per layer
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> Task | None:
+        self.mlp_seen[rank] = (forward, 0)
+        return None
+
+    def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+              chunk: int, backward: bool) -> None:
+        if label != "mlp" or not self.ctx.s.model.is_moe_layer(layer):
+            return
+        forward, seen = self.mlp_seen[rank]
+        if before:
+            seen += 1
+            self.mlp_seen[rank] = (forward, seen)
+        # in a backward, full recomputation's forward blocks come first
+        recompute = not forward and self.full_recompute and seen == 1
+        if forward or recompute:
+            if not before:
+                self.experts(rank, "recompute" if recompute else "forward", mb, layer, chunk)
+        elif before:
+            self.experts(rank, "backward", mb, layer, chunk)
+
+    def experts(self, rank: int, kind: str, mb: int, layer: int, chunk: int) -> None:
+        """All-to-all, (all-gather), the experts, (reduce-scatter), all-to-all."""
+        ctx = self.ctx
+        group, tp_group = self.groups(rank)
+        first, last = ("dispatch", "combine") if kind != "backward" else ("combine", "dispatch")
+        where = f"L{layer} mb{mb}"
+        ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
+                       f"ep.all_to_all {first} {where}", mb, layer, chunk)
+        ctx.collective(rank, "compute", "all_gather", "tp", tp_group, self.layer.etp_bytes,
+                       f"tp.all_gather experts {where}", mb, layer, chunk)
+        op, seconds = {"forward": ("F", self.seconds["fwd"]),
+                       "recompute": ("R", self.seconds["fwd"]),
+                       "backward": ("B", self.seconds["bwd_input"])}[kind]
+        ctx.compute(rank, op, kind, f"{kind}.experts {where}", seconds, mb, layer, chunk)
+        ctx.collective(rank, "compute", "reduce_scatter", "tp", tp_group, self.layer.etp_bytes,
+                       f"tp.reduce_scatter experts {where}", mb, layer, chunk)
+        ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
+                       f"ep.all_to_all {last} {where}", mb, layer, chunk)
+
+    def groups(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``rank``'s EP and expert-TP groups (built once per rank)."""
+        found = self.group_of.get(rank)
+        if found is None:
+            lay = self.ctx.layout
+            found = (epar.ep_group(lay, rank, self.etp, self.ep),
+                     epar.etp_group(lay, rank, self.etp))
+            self.group_of[rank] = found
+        return found
+
+    # ------------------------------------------------------------ gradients
+    def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
+                     chunk: int) -> None:
+        ctx, par = self.ctx, self.ctx.s.parallel
+        group = epar.edp_group(ctx.layout, rank, self.etp, self.ep)
+        if len(group) == 1:
+            return
+        if par.zero < 2 and ctx.last_backward(ctx.layout.coord(rank).pp).get(action.stage) \
+                != index:
+            return  # gradients accumulate until the stage's last backward
+        for layer, task in zip(reversed(ctx.layers_of(action.stage)), done, strict=False):
+            size = epar.expert_grad_bytes(ctx.s, layer)
+            t = ctx.collective(rank, self.stream, self.reduce, "dp", group, size,
+                               f"dp.{self.reduce} experts L{layer}", chunk=chunk) \
+                if size else None
+            if t is not None:
+                t.deps.append(task.id)
+                self.reduced[rank].append(t)
+
+    def layers(self, rank: int) -> list[range]:
+        """The layer runs ``rank`` holds, one per chunk."""
+        ctx = self.ctx
+        return [ctx.layers_of(st) for st in ctx.stages_of(rank)]
+
+    def expert_params(self, rank: int) -> float:
+        ctx = self.ctx
+        return sum(epar.expert_grad_bytes(ctx.s, layer) for run in self.layers(rank)
+                   for layer in run) / ctx.grad_dt
+
+    def step(self, rank: int) -> None:
+        """The optimizer on the experts' shard, once their gradients are reduced."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        shard = self.expert_params(rank) / (par.edp if par.zero >= 1 else 1)
+        t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step experts",
+                        ctx.cost.op_time(mdl.optimizer_op_of(ctx.s, shard, self.layers(rank),
+                                                             "experts")), -1, -1, 0)
+        t.deps.extend(r.id for r in self.reduced[rank])
+
+    def after_step(self, rank: int) -> None:
+        """ZeRO-1/2: all-gather the updated experts over the expert data-parallel group."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if par.zero not in (1, 2):
+            return
+        ctx.collective(rank, "compute", "all_gather", "dp",
+                       epar.edp_group(ctx.layout, rank, self.etp, self.ep),
+                       self.expert_params(rank) * ctx.dt_bytes, "dp.all_gather updated experts")

@@ -1,0 +1,119 @@
+"""Pipeline parallelism as a strategy: the layer placement and the schedule's
+requirements, the bubble warning, the fill and drain sends of the closed form, and the
+search over stage counts and schedules.
+
+Its workload is the walk itself (:class:`~simulator.strategies.pipeline.workload.PipelinePass`),
+which the builder drives and every other strategy's pass hooks into, so it installs no
+pass of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from simulator.errors import Problem
+from simulator.model import transformer as mdl
+from simulator.schedules import registry
+from simulator.schedules.registry import requirements, schedule_spec
+from simulator.spec.base import divisor_list
+from simulator.spec.placement import placement_problems
+from simulator.spec.scenario import Scenario
+from simulator.strategies.base import Dimension, Strategy
+from simulator.system.hardware import HardwareProfile
+from simulator.system.layout import Layout
+
+
+def schedule_problems(s: Scenario, per_step: int) -> list[Problem]:
+    """What the schedule's registry entry requires of pp, micro-batches and chunks."""
+    par, trn = s.parallel, s.training
+    m = trn.global_batch // per_step
+    out = []
+    for req in requirements(par.schedule, par.pp, m, par.virtual_stages):
+        if req.field == "virtual_stages":
+            out.append(Problem("parallel.virtual_stages", par.virtual_stages, req.text))
+        elif not trn.global_batch % per_step:  # m is only meaningful when it is whole
+            out.append(Problem("training.global_batch", trn.global_batch,
+                               f"{req.text}; use global_batch a multiple of "
+                               f"{per_step * req.multiple}"))
+    return out
+
+
+def pipeline_sends(s: Scenario, layout: Layout, hw: HardwareProfile, in_line: bool) -> float:
+    """The pipeline's transfers on the critical path: the fill and drain, 2(p − 1)·v sends
+    of a micro-batch's activations (b·s·h, /t with sequence parallelism), each with the
+    profile's send sync cost as the engine's sends pay it; with every send ``in_line``
+    (no overlap), also the steady state's: a forward's send and the next backward's
+    receive are one batched exchange (Megatron's send_forward_recv_backward), so each
+    stage waits for v·m transfers."""
+    par, spec, trn = s.parallel, s.model, s.training
+    if par.pp == 1:
+        return 0.0
+    src, dst = layout.rank(0, 0, 0), layout.rank(1, 0, 0)
+    same = layout.node(src) == layout.node(dst)
+    link = hw.intra_node if same else hw.inter_node
+    nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
+    if par.sequence_parallel:
+        nbytes /= par.tp
+    # each send also pays the sync cost after compute, as the engine's sends do
+    sync = hw.gpu.send_sync_s("intra_node" if same else "inter_node")
+    t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s
+                                                     + sync)
+    if in_line:
+        t_p2p += t_p2p / (par.pp - 1) * s.microbatches / 2
+    return t_p2p
+
+
+class PipelineParallel(Strategy):
+    name = "pipeline"
+    kinds = ("pp", "embedding_tie")
+
+    def active(self, s: Scenario) -> bool:
+        return True  # one stage is a pipeline of one: the walk runs every step
+
+    def problems(self, s: Scenario) -> list[Problem]:
+        per_step = s.training.micro_batch * s.parallel.dp
+        return placement_problems(s.model.layers, s.parallel) + schedule_problems(s, per_step)
+
+    def warnings(self, s: Scenario) -> list[str]:
+        par, m = s.parallel, s.microbatches
+        if par.pp == 1 or not schedule_spec(par.schedule).flush or m >= 4 * par.pp:
+            return []
+        bubble = (par.pp - 1) / (m + par.pp - 1)
+        return [f"warning: m = {m} micro-batches for pp = {par.pp}: the bubble is "
+                f"{bubble:.0%} of the step (m >= {4 * par.pp} keeps it under ~20%)"]
+
+    def dimensions(self) -> tuple[Dimension, ...]:
+        return (Dimension(("pp",), ("parallel.pp",), 30, _stage_counts),
+                Dimension(("schedule", "virtual_stages"),
+                          ("parallel.schedule", "parallel.virtual_stages"), 60, _schedules))
+
+
+def _stage_counts(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[tuple[int]]:
+    """PP dividing the layers, with tp · cp · pp dividing the GPUs."""
+    for pp in divisor_list(base.model.layers):
+        if req.gpus % (chosen["tp"] * chosen["cp"] * pp) == 0:
+            yield (pp,)
+
+
+def _schedules(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[tuple[str, int]]:
+    """Each requested schedule; one with chunks at every virtual-stage count that gives
+    each chunk whole layers; with one stage only the default (every schedule is then the
+    same step)."""
+    pp, layers = chosen["pp"], base.model.layers
+    if pp == 1:
+        if req.schedules:
+            yield registry.DEFAULT_SCHEDULE, 1
+        return
+    for schedule in req.schedules:
+        spec = schedule_spec(schedule)
+        if not spec.chunked:
+            yield schedule, 1
+            continue
+        lo, hi = spec.chunks
+        for v in divisor_list(layers // pp):  # chunks of whole layers
+            if v >= lo and (hi is None or v <= hi):
+                yield schedule, v
+
+
+PIPELINE = PipelineParallel()

@@ -1,0 +1,288 @@
+"""Pipeline pass: the schedule's actions as compute tasks and point-to-point sends.
+
+It walks each simulated rank's actions from :mod:`simulator.schedules.action` and
+calls the other passes' hooks (:class:`~simulator.builder.context.Pass`) where
+their tasks belong. An F, B or I of a virtual stage expands to per-layer
+blocks (attention, MLP) of the layers :mod:`simulator.spec.placement` gives it (a
+stage with none, nor the embedding or head, relays: one zero-second task) on
+the compute stream, with the embedding's on the
+first stage and the output layer's on the last; B carries the weight
+gradients as well (its task records that share in ``weight_s``), I only the
+input gradients, and W (ZB-H1, Qi et al. 2024) one weight-gradient task per
+layer. Recomputation runs before each layer's backward: the attention core
+only (``selective``) or the layer's whole forward (``full``, with its TP
+collectives).
+
+Activations after an F and input gradients after a B or I (b·s·h bytes per TP
+rank, b·s·h/t with sequence parallelism, Megatron-core's p2p shapes) go out
+on the ``pp`` stream as soon as they are produced (on the compute stream
+without ``overlap.pp``); the receiver's first compute of that action waits for
+the transfer. Sends are matched to receivers once every rank is built.
+
+Under ``torch.distributed.pipelining`` (a stack with ``pipeline_runtime: torch``) each F
+and B (or I) action ends with the runtime's own host time where the profile measured it
+(``gpu.pipeline_action_us``, on the host: only where the stack has a per-kernel host
+cost, as DTensor's), on the compute stream before the action's send: the stage's Python
+around the action (its receive and send ops, the chunk's autograd call) runs there.
+
+At the end of the step, a tied word embedding's gradient is all-reduced
+between the first and the last stage (Megatron's embedding group; kind
+``embedding_tie``), after the data pass's last buckets and before the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+from simulator.builder.context import Context
+from simulator.builder.tasks import Stream, Task
+from simulator.model import transformer as mdl
+from simulator.schedules.action import Action
+
+
+class PipelinePass:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        s = ctx.s
+        self.act_bytes = mdl.pp_activation_bytes(s.model, s.training.micro_batch,
+                                                 s.training.dtype)
+        if s.parallel.sequence_parallel:  # the boundary tensor is [s/t, b, h] per TP rank
+            self.act_bytes /= s.parallel.tp
+        self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
+        self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
+
+    # ------------------------------------------------------------ driver
+    def build_rank(self, rank: int) -> None:
+        ctx, sched, hooks = self.ctx, self.ctx.sched, self.ctx.hooks
+        compute = ctx.programs[rank].streams["compute"]
+        for i, a in enumerate(sched.actions[ctx.layout.coord(rank).pp]):
+            chunk = sched.chunk_of(a.stage)
+            if a.kind == "F":
+                self.forward(rank, a, chunk)
+                self.runtime(rank, a, chunk)
+                if a.stage < ctx.last_stage:
+                    self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
+                continue
+            if a.kind == "W":
+                done = self.weight_grad(rank, a, chunk)
+            else:
+                done = self.backward(rank, a, chunk, weights=a.kind == "B")
+                self.runtime(rank, a, chunk)
+                if a.stage > 0:
+                    self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
+                if a.kind == "I":
+                    continue
+            for weight_grads in hooks.weight_grads:
+                weight_grads(rank, i, a, done, chunk)
+        for sync_end in hooks.sync_end:
+            sync_end(rank)
+        self.embedding_tie(rank)
+        for step in hooks.step:
+            step(rank)
+        for after_step in hooks.after_step:
+            after_step(rank)
+
+    def resolve(self) -> None:
+        """Make each action's first compute wait for the transfer it receives."""
+        tasks, layout, clean = self.ctx.tasks, self.ctx.layout, self.ctx.clean_tp
+        for task, key in self.waits:
+            sid = self.sends.get(key)
+            if sid is None and clean is not None:  # an odd TP index the sender's stage lacks
+                c = layout.coord(key[3])
+                sid = self.sends.get((*key[:3], layout.rank(c.pp, c.dp, clean, c.cp)))
+            if sid is not None and tasks[sid].rank != task.rank:
+                task.deps.append(sid)
+
+    # ------------------------------------------------------------ actions
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> list[int]:
+        """Tasks on other streams that the layer's first compute waits for."""
+        waits = []
+        for layer_start in self.ctx.hooks.layer_start:
+            t = layer_start(rank, forward, mb, layer, chunk)
+            if t is not None and t.stream != "compute":
+                waits.append(t.id)
+        return waits
+
+    def forward(self, rank: int, a: Action, chunk: int) -> Task:
+        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
+        compute = ctx.programs[rank].streams["compute"]
+        begin = len(compute)  # the action's first compute-stream task (see below)
+        head: Task | None = None
+        starts = []  # tasks on other streams the forward's first compute waits for
+        for forward_start in hooks.forward_start:
+            g = forward_start(rank, a.stage, mb, chunk)
+            if g is not None and g.stream != "compute":
+                starts.append(g.id)
+        if a.stage == 0:
+            head = ctx.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
+            for edge in hooks.edge:
+                edge(rank, "embed", True, mb, chunk)
+        for layer in ctx.layers_of(a.stage):
+            waits = self.layer_start(rank, True, mb, layer, chunk)
+            for blk, label in ((0, "attn"), (1, "mlp")):
+                for block in hooks.block:
+                    block(rank, label, True, mb, layer, chunk, False)
+                t = ctx.compute(rank, "F", "forward", f"fwd.{label} L{layer} mb{mb}",
+                                c.layer(layer).fwd[blk], mb, layer, chunk)
+                if blk == 0:
+                    t.deps.extend(waits)
+                head = head or t
+                t = self.after_block(rank, label, mb, layer, chunk, False, t)
+            for layer_end in hooks.layer_end:
+                layer_end(rank, t)
+        if a.stage == ctx.last_stage:
+            for edge in hooks.edge:
+                edge(rank, "head", True, mb, chunk)
+            t = ctx.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
+            head = head or t
+            for loss in hooks.loss:
+                loss(rank, mb, chunk)
+        if head is None:  # a stage without layers passes the activations on
+            head = self.relay(rank, "F", mb, chunk)
+        # what the action receives gates its first task on the compute stream, which may
+        # be a collective before the first block (sequence parallelism's all-gather)
+        first = _first_from(compute, begin, head)
+        first.deps.extend(starts)
+        if a.stage > 0:
+            self.waits.append((first, ("act", a.stage - 1, mb, rank)))
+        return head
+
+    def after_block(self, rank: int, label: str, mb: int, layer: int, chunk: int,
+                    backward: bool, t: Task) -> Task:
+        """The ``block(before=False)`` hooks after block task ``t``; the task that stands
+        for the block afterwards (a pass that split it returns its last piece)."""
+        for block in self.ctx.hooks.block:
+            end = block(rank, label, False, mb, layer, chunk, backward)
+            if end is not None:
+                t = end
+        return t
+
+    def backward(self, rank: int, a: Action, chunk: int, weights: bool) -> list[Task]:
+        """B (``weights``) or I: head, layers in reverse, embedding; returns the tasks
+        that finish each layer's weight gradients (for the data pass)."""
+        ctx, hooks, c, mb = self.ctx, self.ctx.hooks, self.ctx.c_of(rank), a.microbatch
+        w = 1.0 if weights else 0.0
+        op = "B" if weights else "I"
+        compute = ctx.programs[rank].streams["compute"]
+        begin = len(compute)
+        first: Task | None = None
+        done: list[Task] = []
+        if a.stage == ctx.last_stage:
+            first = ctx.compute(rank, op, "backward", f"head.bwd mb{mb}",
+                                c.head[1] + w * c.head[2], mb, -1, chunk)
+            first.weight_s = w * c.head[2]
+            if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
+                done.append(first)
+            for edge in hooks.edge:
+                edge(rank, "head", False, mb, chunk)
+        for layer in reversed(ctx.layers_of(a.stage)):
+            waits = self.layer_start(rank, False, mb, layer, chunk)
+            if ctx.s.parallel.recompute != "none":
+                t = self.recompute(rank, mb, layer, chunk)
+                first = first or t
+                t.deps.extend(waits)
+                waits = []
+            lc = c.layer(layer)
+            for blk, label in ((1, "mlp"), (0, "attn")):
+                for block in hooks.block:
+                    block(rank, label, True, mb, layer, chunk, True)
+                t = ctx.compute(rank, op, "backward", f"bwd.{label} L{layer} mb{mb}",
+                                lc.bwd_input[blk] + w * lc.bwd_weight[blk], mb, layer, chunk)
+                t.weight_s = w * lc.bwd_weight[blk]
+                if blk == 1:
+                    t.deps.extend(waits)
+                first = first or t
+                t = self.after_block(rank, label, mb, layer, chunk, True, t)
+            done.append(t)
+            for layer_end in hooks.layer_end:
+                layer_end(rank, t)
+        if a.stage == 0:
+            for edge in hooks.edge:
+                edge(rank, "embed", False, mb, chunk)
+            t = ctx.compute(rank, op, "backward", f"embed.bwd mb{mb}", w * c.embed[2], mb, -1,
+                            chunk)
+            t.weight_s = w * c.embed[2]
+            first = first or t
+            done.append(t)
+        if first is None:  # a stage without layers passes the gradients on
+            first = self.relay(rank, op, mb, chunk)
+        if a.stage < ctx.last_stage:  # as in forward: the action's first compute-stream task
+            self.waits.append((_first_from(compute, begin, first),
+                               ("grad", a.stage + 1, mb, rank)))
+        return done
+
+    def runtime(self, rank: int, a: Action, chunk: int) -> None:
+        """The pipeline runtime's host time for one F or B/I action (``BlockCosts.action``),
+        on the compute stream before the action's send."""
+        seconds = self.ctx.c_of(rank).action
+        if seconds:
+            kind = "forward" if a.kind == "F" else "backward"
+            self.ctx.compute(rank, a.kind, kind, f"pp.runtime {a.kind} mb{a.microbatch}",
+                             seconds, a.microbatch, -1, chunk)
+
+    def relay(self, rank: int, op: str, mb: int, chunk: int) -> Task:
+        """A zero-second task of a stage that holds no layers (a Megatron-LM identity
+        stage): what the received transfer feeds and the next send follows."""
+        kind = "forward" if op == "F" else "backward"
+        return self.ctx.compute(rank, op, kind, f"relay mb{mb}", 0.0, mb, -1, chunk)
+
+    def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
+        ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
+        if ctx.s.parallel.recompute == "selective":
+            return ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
+                               c.recompute[0], mb, layer, chunk)
+        first = None
+        for blk, label in ((0, "attn"), (1, "mlp")):
+            for block in ctx.hooks.block:
+                block(rank, label, True, mb, layer, chunk, False)
+            t = ctx.compute(rank, "R", "recompute", f"recompute.{label} L{layer} mb{mb}",
+                            c.recompute[blk], mb, layer, chunk)
+            first = first or t
+            self.after_block(rank, label, mb, layer, chunk, False, t)
+        assert first is not None
+        return first
+
+    def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
+        ctx, c, mb = self.ctx, self.ctx.c_of(rank), a.microbatch
+        done = []
+        if a.stage == ctx.last_stage:
+            t = ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1,
+                            chunk)
+            if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
+                done.append(t)
+        for layer in reversed(ctx.layers_of(a.stage)):
+            done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
+                                    sum(c.layer(layer).bwd_weight), mb, layer, chunk))
+        if a.stage == 0:
+            done.append(ctx.compute(rank, "W", "weight_grad", f"embed.wgrad mb{mb}",
+                                    c.embed[2], mb, -1, chunk))
+        return done
+
+    def send(self, rank: int, direction: str, a: Action, after: Task, to_stage: int,
+             chunk: int) -> None:
+        ctx, coord, stage, mb = self.ctx, self.ctx.layout.coord(rank), a.stage, a.microbatch
+        dst = ctx.layout.rank(ctx.sched.rank_of(to_stage), coord.dp, coord.tp, coord.cp)
+        stream: Stream = "pp" if ctx.overlap.pp else "compute"
+        t = ctx.add(rank, stream, op="pp.send", kind="pp",
+                    name=f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", dst=dst,
+                    nbytes=self.act_bytes, microbatch=mb, chunk=chunk)
+        t.deps.append(after.id)
+        self.sends[(direction, stage, mb, dst)] = t.id
+
+    # ------------------------------------------------------------ end of step
+    def embedding_tie(self, rank: int) -> None:
+        """All-reduce the tied embedding's gradient between the first and last stage."""
+        ctx, coord, par = self.ctx, self.ctx.layout.coord(rank), self.ctx.s.parallel
+        if not ctx.tied_copy_params() or coord.pp not in (0, par.pp - 1):
+            return
+        group = (ctx.layout.rank(0, coord.dp, coord.tp, coord.cp),
+                 ctx.layout.rank(par.pp - 1, coord.dp, coord.tp, coord.cp))
+        size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
+        ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
+                       "embedding_tie.all_reduce tied embedding grads")
+
+
+def _first_from(compute: list[Task], begin: int, fallback: Task) -> Task:
+    """An action's first compute-stream task (it was added at index ``begin``), or
+    ``fallback`` where the action added none."""
+    return compute[begin] if len(compute) > begin else fallback

@@ -1,0 +1,3 @@
+"""Tensor (and sequence) parallelism: Megatron-LM's collectives around each block, DTensor's
+functional collectives, and TP communication overlap (``overlap``).
+"""

@@ -1,0 +1,49 @@
+"""Closed-form timing the strategies' analytic terms share: a collective's uncontended
+time on the scenario's layout (its plan as ``simulation.collective_algorithm`` and the
+stack's NCCL version choose it), how much slower compute runs while it is in flight
+(``gpu.interference``), and what that costs the compute it overlaps.
+"""
+
+from __future__ import annotations
+
+from simulator.spec.scenario import Scenario
+from simulator.system.collectives.choice import make_plan
+from simulator.system.collectives.cost import estimate
+from simulator.system.collectives.plan import GroupShape
+from simulator.system.hardware import HardwareProfile
+from simulator.system.layout import Layout
+from simulator.system.units import CollectiveName
+
+
+def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
+                     group: tuple[int, ...], hw: HardwareProfile) -> float:
+    if len(group) <= 1 or size <= 0:
+        return 0.0
+    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
+                     s.stack.nccl_version)
+    return estimate(plan, hw)
+
+
+def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
+                  group: tuple[int, ...], hw: HardwareProfile) -> float:
+    """How many times slower compute runs while this collective is in flight: the
+    largest ``gpu.interference`` of the link classes its plan crosses (1 where
+    transfers run in line with compute, as the engine has it)."""
+    if len(group) <= 1 or size <= 0 or not hw.gpu.interference \
+            or not hw.gpu.comm_overlaps_compute:
+        return 1.0
+    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
+                     s.stack.nccl_version)
+    return max((hw.gpu.interference_factor(leg.link_class) for phase in plan.phases
+                for leg in phase.legs), default=1.0)
+
+
+def stretch(t_comm: float, window: float, factor: float) -> float:
+    """What a transfer of ``t_comm`` adds to the ``window`` of compute it overlaps when
+    that compute runs ``factor`` times slower while it is in flight: (f − 1) × the work
+    done meanwhile, min(window, t_comm / f)."""
+    if factor <= 1.0 or window <= 0 or t_comm <= 0:
+        return 0.0
+    return (factor - 1.0) * min(window, t_comm / factor)

@@ -1,0 +1,231 @@
+"""ZeRO-3 / FSDP as a strategy: its pass, its closed-form terms (each unit's gathers
+beyond what prefetching hides, the root unit's, FSDP2's copies) and the buffers it
+holds (gathered units, an unsharded gradient, the root unit).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from simulator.model import moe
+from simulator.model import transformer as mdl
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import (
+    ROOT_TENSORS,
+    fsdp_gather_ops,
+    fsdp_reduce_ops,
+    zero3_blocks,
+    zero3_collectives,
+)
+from simulator.model.memory import rank_params
+from simulator.model.transformer import embedding_params, head_params, layer_params
+from simulator.spec.placement import stage_layer_count
+from simulator.spec.scenario import Scenario
+from simulator.strategies.base import Strategy
+from simulator.strategies.timing import collective_time
+from simulator.strategies.zero3.workload import Zero3Pass
+from simulator.system.costs import CostModel
+from simulator.system.hardware import HardwareProfile
+from simulator.system.layout import Layout
+from simulator.system.units import CollectiveName
+
+if TYPE_CHECKING:
+    from simulator.builder.context import Context, Pass
+    from simulator.builder.workload import BlockCosts
+
+
+def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
+    """ZeRO-3 on one GPU of pipeline ``stage``: bytes of the root unit's gathered
+    parameters (the embedding on the first stage, the final norm, output layer and a
+    tied embedding's copy on the last) and of the output layer's unsharded gradient
+    (last stage: the head's parameters, or the shared embedding's when tied)."""
+    spec, par = scenario.model, scenario.parallel
+    dt = dtype_bytes(scenario.training.dtype) / par.tp
+    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
+    gathered = embedding_params(spec) if stage == 0 else 0.0
+    grad = 0.0
+    if stage == par.pp - 1:
+        gathered += head_params(spec) + (tied if par.pp > 1 else 0)
+        grad = head_params(spec) + tied
+    return gathered * dt, grad * dt
+
+
+def zero3_buffers(scenario: Scenario, stage: int) -> float:
+    """ZeRO-3's communication buffers on one GPU of ``stage``: the gathered 16-bit
+    parameters of the running unit and the prefetched ones (by modules, as DeepSpeed
+    gathers them: the running block and the ``fsdp_prefetch`` blocks after it), one
+    layer's unsharded gradient before its reduce-scatter, and the root unit
+    (:func:`zero3_root_bytes`)."""
+    par = scenario.parallel
+    spec = scenario.model
+    layer = max(rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
+                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
+        * dtype_bytes(scenario.training.dtype)
+    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
+    if not par.reshard_after_forward:  # every layer of the stage stays gathered
+        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
+    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
+        # DeepSpeed's modules, gathered by blocks as the engine runs them
+        # (Zero3Pass): the running block and the fsdp_prefetch
+        # blocks after it (attention and MLP blocks alternate), without prefetch the
+        # running block alone; in layers
+        blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
+        seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
+        n = 1 + (par.fsdp_prefetch if ahead else 0)
+        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
+    else:  # the running layer plus the prefetched ones
+        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
+    root = sum(zero3_root_bytes(scenario, stage))
+    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
+
+
+def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
+    """ZeRO-3's collectives per step on one rank of pipeline ``stage``, as the engine's
+    workload issues them: per micro-batch, each layer's gathers (before its forward
+    and, with ``reshard_after_forward``, before its backward) and reduce-scatter, one
+    per part (:func:`simulator.model.inventory.sharding.zero3_collectives`), and the root unit's
+    gather
+    and reduce-scatter on a stage holding the embedding or the head (FSDP2 keeps the
+    root gathered from its forward to its backward). A step of FSDP2 with L layers on
+    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters."""
+    par = s.parallel
+    if par.zero != 3 or par.dp * par.cp == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}
+    parts = zero3_collectives(s.model, s.stack)
+    layers = stage_layer_count(s.model.layers, par, stage) * parts
+    root = 1 if stage in (0, par.pp - 1) else 0
+    gathers = (2 if par.reshard_after_forward else 1) * layers + root
+    return {"all_gather": s.microbatches * gathers,
+            "reduce_scatter": s.microbatches * (layers + root)}
+
+
+def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
+                 on_compute_only: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per step of FSDP2's copies around a stage's ZeRO-3
+    collectives (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
+    :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`) as the engine places them: the
+    copy-out
+    after each gather and the gradient pack before each reduce-scatter on the compute
+    stream; the copy-in and the accumulate (micro-batches after the first) on the
+    collectives' streams, so only where those run in line (``on_compute_only`` false).
+    A stage's ``layers`` and its root unit."""
+    par, spec, stack = s.parallel, s.model, s.stack
+    if par.zero != 3 or par.dp * par.cp == 1 or not stack.fsdp_copies:
+        return 0.0, 0.0
+    dt = dtype_bytes(s.training.dtype)
+    rdt, dp, m = stack.reduce_bytes(dt), par.dp * par.cp, s.microbatches
+    tensors = layer_tensors(spec, stack)
+    unit = mdl.layer_params(spec) / par.tp
+    root = zero3_root_bytes(s, stage)[0] / dt
+
+    def gather(elements: float, n: int) -> float:
+        ops = fsdp_gather_ops(stack, elements, dp, dt, n)
+        return cost.ops_time(ops[-1:] if on_compute_only else ops)
+
+    def reduce(elements: float, n: int) -> float:  # a step's: m packs, m − 1 accumulates
+        return sum(cost.ops_time(ops[:1] if on_compute_only else ops) * k for ops, k in (
+            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, False), 1),
+            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, True), m - 1)))
+
+    fwd = m * (layers * gather(unit, tensors) + gather(root, ROOT_TENSORS))
+    bwd = m * layers * (gather(unit, tensors) if par.reshard_after_forward else 0.0) \
+        + layers * reduce(unit, tensors) + reduce(root, ROOT_TENSORS)
+    return fwd, bwd
+
+
+def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
+    """The largest root unit's gather, once per micro-batch on its stage: it waits for
+    the compute issued before it, so no prefetch hides it."""
+    sizes = [zero3_root_bytes(s, st)[0] for st in {0, s.parallel.pp - 1}]
+    return max(collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+               for size in sizes)
+
+
+def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
+                   hw: HardwareProfile, layers: int, c: BlockCosts) -> float:
+    """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
+    forward and, resharded, before backward) beyond what the previous unit's compute
+    hides when prefetched: the previous layer's, or with module units
+    (:func:`simulator.model.inventory.sharding.zero3_blocks`) the previous block's."""
+    par, spec, trn = s.parallel, s.model, s.training
+    if not layers:
+        return 0.0
+    blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
+    group, dt = layout.dp_group(0), dtype_bytes(trn.dtype)
+    t_ag = {b: sum(collective_time(s, layout, "all_gather", e * dt, group, hw) for e in es)
+            for b, es in blocks.items()}
+    prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
+        and hw.gpu.comm_overlaps_compute
+    if not prefetch:
+        gathers = sum(t_ag.values())
+        return layers * gathers * (2 if par.reshard_after_forward else 1)
+    if len(blocks) == 1:  # a layer unit, hidden behind the layer before
+        fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
+        bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
+        return fwd + (bwd if par.reshard_after_forward else 0.0)
+    # module units: each block's gathers behind the block that runs before it
+    lc = c.layer(0)
+    fwd = max(0.0, t_ag["attn"] - lc.fwd[1]) + max(0.0, t_ag["mlp"] - lc.fwd[0])
+    bwd_blocks = tuple(lc.bwd_input[i] + lc.bwd_weight[i] for i in range(2))
+    # In backward the block gathered second in a layer starts as the layer before's
+    # gradients go out (its reduce-scatters, issued when its backward ends, overlapped):
+    # sharing the links fairly, the gather takes up to twice its time.
+    shared = 0.0
+    if s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute:
+        rdt = s.stack.reduce_bytes(dt)
+        shared = sum(collective_time(s, layout, "reduce_scatter", e * rdt, group, hw)
+                     for es in blocks.values() for e in es)
+    if par.recompute == "full":  # attention first (recomputed after the attention's backward)
+        second = t_ag["mlp"] + min(t_ag["mlp"], shared)
+        bwd = max(0.0, t_ag["attn"] - bwd_blocks[0]) + max(0.0, second - lc.recompute[0])
+    else:  # MLP first (after the attention's backward), then attention (after the MLP's)
+        second = t_ag["attn"] + min(t_ag["attn"], shared)
+        bwd = max(0.0, t_ag["mlp"] - bwd_blocks[0]) + max(0.0, second - bwd_blocks[1])
+    return layers * (fwd + (bwd if par.reshard_after_forward else 0.0))
+
+
+def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
+                    dp_op: CollectiveName) -> float:
+    """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
+    ``layers`` layers (one collective per module with module units) and its root unit."""
+    par, spec, trn = s.parallel, s.model, s.training
+    rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
+    parts = zero3_collectives(spec, s.stack)
+    units = layers * parts
+    roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units
+    unit = mdl.layer_params(spec) / par.tp * rdt / parts
+    root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
+    group = layout.dp_group(0)
+    return units * collective_time(s, layout, dp_op, unit, group, hw) \
+        + roots * collective_time(s, layout, dp_op, root, group, hw)
+
+
+def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
+               c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
+               layers_busiest: int) -> tuple[float, float, float]:
+    """(ZeRO-3's exposed time per step, FSDP2's copies in forward, in backward): each
+    layer's gathers beyond what prefetching hides and the root's, per micro-batch, on the
+    slowest stage; the copies on the busiest."""
+    par, m = s.parallel, s.microbatches
+    overlaps = hw.gpu.comm_overlaps_compute
+    t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c)
+              + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
+                                     par.overlap.zero3_prefetch and overlaps)
+    t_zero += fsdp_fwd + fsdp_bwd
+    return t_zero, fsdp_fwd, fsdp_bwd
+
+
+class Zero3(Strategy):
+    name = "zero3"
+    kinds = ("zero",)
+
+    def active(self, s: Scenario) -> bool:
+        return s.parallel.zero == 3 and s.parallel.dp * s.parallel.cp > 1
+
+    def make_pass(self, ctx: Context) -> Pass | None:
+        return Zero3Pass(ctx)
+
+
+ZERO3 = Zero3()

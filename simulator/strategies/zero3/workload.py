@@ -1,0 +1,149 @@
+"""ZeRO-3 / FSDP units on the timeline: each unit's parameters all-gathered over the
+data-parallel group before its forward and (resharded) again before its backward,
+prefetched on the ``zero`` stream, the stage's root unit once per micro-batch, and
+FSDP2's copies around the gathers.
+"""
+
+from __future__ import annotations
+
+from simulator.builder.context import Context, Pass, part_label
+from simulator.builder.tasks import Stream, Task
+from simulator.model import transformer as mdl
+from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.sharding import (
+    ROOT_TENSORS,
+    fsdp_gather_ops,
+    zero3_blocks,
+)
+
+
+class Zero3Pass(Pass):
+    """ZeRO-3 / FSDP units: each layer's parameters all-gathered over DP before its
+    forward and, with ``reshard_after_forward``, again before its backward, on the
+    ``zero`` stream ``fsdp_prefetch`` units ahead: the gather may start once the unit
+    ``fsdp_prefetch + 1`` back has run (on the compute stream, in line, without
+    ``overlap.zero3_prefetch``). The stage's root unit (:meth:`Context.root_params`)
+    is gathered once per micro-batch before the forward's first compute, after the
+    compute issued before it (FSDP2's root pre-forward: the all-gather stream waits
+    for the current stream, and the root is not resharded after forward, so its
+    backward needs no second gather). Installed when zero = 3 and dp > 1.
+
+    A unit is a layer (FSDP's transformer block), or under a stack whose ZeRO-3 unit is
+    the module (DeepSpeed) a block: each linear module is its own all-gather
+    (:func:`simulator.model.inventory.sharding.zero3_blocks`, sized by its weight), the attention
+    block's (QKV, out-proj) before it and the MLP block's (up, down) before the MLP,
+    each gather starting once the block ``fsdp_prefetch + 1`` back has run, and a
+    zero-second ``zero3.wait`` holding the block for its own. DeepSpeed fetches a
+    submodule's parameters in its pre-forward hook and prefetches the next ones in
+    trace order up to ``stage3_prefetch_bucket_size`` (5e7 elements) at a time while
+    fewer than ``stage3_max_live_parameters`` (1e9) are gathered
+    (runtime/zero/partitioned_param_coordinator.py ``fetch_sub_module``;
+    runtime/zero/config.py): about one block ahead at these sizes, not a layer. In a
+    backward the blocks need their parameters in the order they run: the recomputed
+    forward's (attention, MLP) under full recomputation, else MLP then attention."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        par, spec = ctx.s.parallel, ctx.s.model
+        self.unit_done: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
+        # elements of each all-gather of one layer, by the block that needs them first
+        self.blocks = zero3_blocks(spec, ctx.s.stack, par.tp, mdl.layer_params(spec) / par.tp)
+        self.by_block = len(self.blocks) > 1
+        # parameter tensors of one gather: the layer's, or one linear module's
+        self.tensors = (2 if spec.bias else 1) if self.by_block \
+            else layer_tensors(spec, ctx.s.stack)
+        count = sum(len(parts) for parts in self.blocks.values())  # the layer's, numbered
+        first = {"attn": 0, "mlp": len(self.blocks["attn"])}
+        self.labels = {block: [part_label(first[block] + i, count) for i in range(len(parts))]
+                       for block, parts in self.blocks.items()}
+        self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
+        self.forward: dict[int, bool] = {}  # rank -> whether the layer gathering is a forward
+        self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
+
+    def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
+        ctx = self.ctx
+        size = ctx.root_params(stage) * ctx.dt_bytes
+        compute = ctx.programs[rank].streams["compute"]
+        before, first = compute[-1] if compute else None, len(ctx.tasks)
+        t = self.all_gather(rank, size, ROOT_TENSORS, f"root s{stage} mb{mb}", True, mb, -1,
+                            chunk)
+        if t is not None and self.stream == "zero" and before is not None:
+            ctx.tasks[first].deps.append(before.id)
+        return t
+
+    def all_gather(self, rank: int, size: float, tensors: int, label: str, forward: bool,
+                   mb: int, layer: int, chunk: int) -> Task | None:
+        """One all-gather of ``size`` bytes (``tensors`` parameter tensors) on the unit's
+        stream, with FSDP2's copies
+        around it where the stack has them
+        (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`):
+        the copy-in before it on the same stream, the copy-out after it on the compute
+        stream, which is then what the unit's compute waits for. Its first task is the
+        first one added (the caller hangs the prefetch dependency on it)."""
+        ctx = self.ctx
+        group = ctx.layout.dp_group(rank)
+        ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
+                              tensors) if len(group) > 1 else ()
+        kind = "forward" if forward else "backward"
+        cost = ctx.cost_of(rank)
+        if ops:
+            ctx.add(rank, self.stream, op="Z", kind=kind, name=f"fsdp.copy_in {label}",
+                    duration=cost.ops_time(ops[:-1]), microbatch=mb, layer=layer, chunk=chunk)
+        t = ctx.collective(rank, self.stream, "all_gather", "zero", group, size,
+                           f"zero3.all_gather {label}", mb, layer, chunk)
+        if t is None or not ops:
+            return t
+        out = ctx.compute(rank, "Z", kind, f"fsdp.copy_out {label}", cost.ops_time(ops[-1:]),
+                          mb, layer, chunk)
+        out.deps.append(t.id)
+        return out
+
+    def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
+                    chunk: int) -> Task | None:
+        if not forward and not self.ctx.s.parallel.reshard_after_forward:
+            return None
+        if not self.by_block:
+            return self.gather(rank, "attn", forward, mb, layer, chunk)
+        order = ["attn", "mlp"] if forward or self.ctx.s.parallel.recompute == "full" \
+            else ["mlp", "attn"]
+        self.pending[rank] = order[1:]
+        self.forward[rank] = forward
+        return self.gather(rank, order[0], forward, mb, layer, chunk)
+
+    def gather(self, rank: int, block: str, forward: bool, mb: int, layer: int,
+               chunk: int) -> Task | None:
+        """The all-gathers of one unit, in order on the stream; the last of them."""
+        par, ctx = self.ctx.s.parallel, self.ctx
+        done = self.unit_done[rank]
+        t: Task | None = None
+        for i, (elements, label) in enumerate(zip(self.blocks[block], self.labels[block],
+                                                  strict=True)):  # one per module, in order
+            first = len(ctx.tasks)
+            t = self.all_gather(rank, elements * ctx.dt_bytes, self.tensors,
+                                f"L{layer}{label} mb{mb}", forward, mb, layer, chunk)
+            if t is not None and i == 0 and self.stream == "zero" \
+                    and len(done) > par.fsdp_prefetch:
+                ctx.tasks[first].deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        return t
+
+    def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+              chunk: int, backward: bool) -> Task | None:
+        if not self.by_block:
+            return None
+        ctx = self.ctx
+        if not before:  # the block (and what followed it in line) has run
+            self.unit_done[rank].append(ctx.programs[rank].streams["compute"][-1])
+            return None
+        pending = self.pending.get(rank)
+        if pending and pending[0] == label:
+            pending.pop(0)
+            t = self.gather(rank, label, self.forward.get(rank, True), mb, layer, chunk)
+            if t is not None and self.stream == "zero":
+                w = ctx.compute(rank, "Z", "backward" if backward else "forward",
+                                f"zero3.wait L{layer} {label} mb{mb}", 0.0, mb, layer, chunk)
+                w.deps.append(t.id)
+        return None
+
+    def layer_end(self, rank: int, last: Task) -> None:
+        if not self.by_block:
+            self.unit_done[rank].append(last)
