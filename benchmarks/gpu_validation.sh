@@ -90,7 +90,7 @@ stage calibrate "${limits[1]}" "${sim[@]}" calibrate --device "$device" $calib \
     && stage host-cost 120 "${sim[@]}" host-cost "$out/profile.yaml" --device "$device"
 sheet=$("$py" -c "
 import sys
-from calibration.devices import preset_for as datasheet_preset
+from simulator.system.devices import preset_for as datasheet_preset
 print(datasheet_preset(sys.argv[1]) or 'cpu-1thread')" "$(head -1 "$out/gpu.txt")")
 
 {

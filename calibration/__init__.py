@@ -6,8 +6,9 @@
   against the simulation (``clustersim measure``, ``compare``, ``validation``).
 
 What both share sits here: :mod:`calibration.host` (PyTorch, the CPU's name, torchrun
-launches), :mod:`calibration.devices` (which bundled preset a CUDA device is) and
-:mod:`calibration.commands` (the commands the CLI discovers); measured profiles live in
+launches) and :mod:`calibration.commands` (the commands the CLI discovers); which bundled
+preset a CUDA device is comes from the simulator's one table
+(:mod:`simulator.system.devices`); measured profiles live in
 ``calibration/profiles/``. torch is imported lazily inside functions, so
 ``import calibration`` works without it.
 """

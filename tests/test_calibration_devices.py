@@ -1,4 +1,4 @@
-"""One device-name table (calibration/devices.py): the measured run's scenario and the
+"""One device-name table (simulator/system/devices.py): the measured run's scenario and the
 calibration's datasheet peaks name the same bundled preset for every CUDA device name,
 a bare "A100" included."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from calibration.devices import DEVICE_PRESETS, preset_for
 from calibration.measured.measure_config import make_config
 from calibration.measured.measure_scenario import scenario_dict, system_name
 from calibration.microbench.fit_profile import datasheet_preset, fit_compute
+from simulator.system.devices import DEVICE_PRESETS, preset_for
 from simulator.system.profiles import load_system
 
 #: what torch.cuda.get_device_name() reports, and the preset each one is

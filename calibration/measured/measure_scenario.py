@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from calibration.devices import preset_for
 from calibration.measured.measure_config import MeasureConfig
+from simulator.system.devices import preset_for
 
 #: The software stack every measured run executes (simulator/presets/stacks/pytorch-eager.yaml).
 STACK = "pytorch-eager"
@@ -43,7 +43,7 @@ def _flow(mapping: dict[str, Any]) -> str:
 
 def system_name(cfg: MeasureConfig, device_name: str | None = None) -> str:
     """The system preset the scenario names: ``cpu-<threads>thread`` or the GPU's DGX preset
-    (:func:`calibration.devices.preset_for`).
+    (:func:`simulator.system.devices.preset_for`).
 
     An unknown GPU gets a slug of its name; point ``cluster.system`` at a
     calibrated profile YAML before comparing.

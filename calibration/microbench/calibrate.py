@@ -55,9 +55,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from calibration.devices import preset_for
 from calibration.microbench.calibrate_options import Options, resolve_options
 from simulator.errors import Problem, UserError
+from simulator.system.devices import preset_for
 
 DESCRIPTION = """\
 Measure this machine and write a hardware profile (the presets' schema; a scenario

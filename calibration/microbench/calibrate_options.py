@@ -1,7 +1,7 @@
 """The ``calibrate`` command's flags checked together and resolved into :class:`Options`:
 the device (cuda when PyTorch sees a GPU), the dtype, the processes and threads, the
 results file beside the profile, and the base preset for what is not measured (the
-device's datasheet preset, :mod:`calibration.devices`, on a GPU; ``cpu-1thread`` on a
+device's datasheet preset, :mod:`simulator.system.devices`, on a GPU; ``cpu-1thread`` on a
 CPU). Every problem with the flags is reported at once, before torch is imported.
 """
 
@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibration.devices import preset_for
 from calibration.host import cpu_name, require_torch
 from simulator.errors import Problem, UserError
+from simulator.system.devices import preset_for
 
 
 @dataclass(frozen=True)

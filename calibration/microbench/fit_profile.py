@@ -3,7 +3,7 @@ curves, the collectives and the terms.
 
 Peaks. The efficiency curves are relative to ``gpu.peak_tflops[dtype]`` and
 ``gpu.hbm_bandwidth_GBps``, and must stay ≤ 1. On a CUDA device whose datasheet
-a bundled preset carries (A100, H100, H200: :mod:`calibration.devices`) the datasheet
+a bundled preset carries (A100, H100, H200: :mod:`simulator.system.devices`) the datasheet
 peak is used, so the curve reads as "fraction of datasheet" like the presets'; otherwise
 (a CPU, an unknown GPU) the peak is the best rate measured. The other dtypes' peaks come
 from the same few large GEMMs timed in each dtype (peak × their speed ratio), so
@@ -19,7 +19,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from calibration.devices import preset_for as datasheet_preset
 from calibration.microbench.fit import (
     AlphaBetaFit,
     CurveFit,
@@ -37,6 +36,7 @@ from calibration.microbench.fit_terms import (
     fit_overhead,
     fit_two_rank,
 )
+from simulator.system.devices import preset_for as datasheet_preset
 from simulator.system.hardware import HardwareProfile
 from simulator.system.profiles import load_system
 

@@ -27,11 +27,12 @@ from simulator.cli.commands import (
     sweep,
     train,
     validate,
+    validate_runs,
 )
 
 #: The simulator's commands, in ``--help`` order: each module has ``add_parser(sub)``.
 COMMANDS: tuple[ModuleType, ...] = (validate, run, memory, ops, presets, schema, sweep, plan,
-                                    plot, diff, train)
+                                    plot, diff, train, validate_runs)
 GROUP = "clustersim.commands"
 
 

@@ -1,7 +1,7 @@
-"""Which bundled system preset a CUDA device is: one table, read by the measured runs'
-scenario (``cluster.system``, :func:`calibration.measured.measure_scenario.system_name`)
-and by the calibration's datasheet peaks (:func:`calibration.microbench.fit_profile.
-fit_compute`), so that both name the same preset for the same device.
+"""Which bundled system preset a GPU is: one table, read by the measured runs' scenario
+(``cluster.system``), by the calibration's datasheet peaks and by the published runs'
+scenarios (their ``gpu`` column, :mod:`simulator.published.mapping`), so that all name
+the same preset for the same device.
 
 The table is read most specific first: a name matches an entry when it holds every one of
 the entry's words (case ignored). ``torch.cuda.get_device_name()`` carries an A100's
@@ -16,6 +16,7 @@ from __future__ import annotations
 #: (words the device name holds, bundled system preset), most specific first
 DEVICE_PRESETS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("h200",), "dgx-h200"),
+    (("h800",), "hgx-h800"),
     (("h100",), "dgx-h100"),
     (("a100", "80gb"), "dgx-a100-80gb"),
     (("a100", "40gb"), "dgx-a100-40gb"),

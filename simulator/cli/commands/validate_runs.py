@@ -1,0 +1,57 @@
+"""``clustersim validate-runs``: simulate every row of a table of published (or your
+own) measured runs and set it beside the measurement, by row and by regime."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from simulator.cli.common import Subparsers, add_command, positive_int
+
+HELP = ("simulate every row of a table of measured runs and compare, by row and by "
+        "regime: runs.csv, regimes.csv, runs.md, scatter.png")
+EXAMPLE = ("examples:\n"
+           "  clustersim validate-runs docs/validation/published/llm-foundry.csv "
+           "--out out/llm-foundry\n"
+           "  clustersim validate-runs my-runs.csv --method engine --rows h100 --workers 2")
+
+
+def add_parser(sub: Subparsers) -> None:
+    q = add_command(sub, "validate-runs", HELP, EXAMPLE)
+    q.add_argument("table", type=Path, help="CSV of runs (the columns of "
+                   "docs/validation/published/llm-foundry.csv)")
+    q.add_argument("--method", choices=["analytic", "engine"], default="analytic",
+                   help="closed form (default, milliseconds a row) or the engine (folded)")
+    q.add_argument("--rows", default=None, metavar="TEXT",
+                   help="only the rows whose name contains TEXT (case ignored)")
+    q.add_argument("--out", type=Path, default=None, help="output directory "
+                   "(default out/validate-runs-<table>)")
+    q.add_argument("--workers", type=positive_int, default=None,
+                   help="local processes (default: cores)")
+    q.add_argument("--no-plots", action="store_true", help="skip scatter.png")
+    q.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulator.outputs.run_dir import check_out_dir, default_out_dir
+    from simulator.published.compare import compare_rows, regime_summary
+    from simulator.published.report import summary_lines, write_report
+    from simulator.published.rows import read_rows
+    from simulator.search.cache import progress_bar
+    from simulator.search.executors import open_executor
+
+    rows = read_rows(args.table)
+    if args.rows:
+        rows = [r for r in rows if args.rows.lower() in r.name.lower()]
+    out = args.out or default_out_dir(f"validate-runs-{args.table.stem}")
+    check_out_dir(out)
+    print(f"simulating {len(rows)} run(s) ({args.method}) ...", file=sys.stderr)
+    with open_executor(None, args.workers) as pool, progress_bar(len(rows), "runs") as bar:
+        table = compare_rows(rows, args.method, pool, bar.update)
+    regimes = regime_summary(table)
+    meta = {"table": str(args.table), "method": args.method, "rows_filter": args.rows}
+    written = write_report(out, table, regimes, meta, plots=not args.no_plots)
+    print("\n".join(summary_lines(table, regimes)))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    return 0

@@ -1,0 +1,95 @@
+"""What ``clustersim validate-runs`` writes and prints: the per-row table
+(``runs.csv``), the regime summary (``regimes.csv``), a Markdown page with both and the
+rows it could not express (``runs.md``), the numbers of the run (``summary.json``) and
+the scatter (``scatter.png``), each file atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from simulator.outputs.trace_export import atomic_output
+
+
+def totals(table: pd.DataFrame) -> dict[str, Any]:
+    """Rows, rows compared, rows not expressed (by reason), mean and mean |error|."""
+    done = table[table["error"].notna()]
+    reasons = table.loc[table["error"].isna(), "reason"].value_counts()
+    return {"rows": len(table), "compared": len(done),
+            "not_expressed": int(table["error"].isna().sum()),
+            "mean_error": float(done["error"].mean()) if len(done) else math.nan,
+            "mean_abs_error": float(done["error"].abs().mean()) if len(done) else math.nan,
+            "not_fitting": int((done["fits"] == False).sum()),  # noqa: E712 (a column)
+            "reasons": {str(k): int(v) for k, v in reasons.items()}}
+
+
+def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame) -> list[str]:
+    t = totals(table)
+    lines = [f"{t['rows']} row(s): {t['compared']} compared, {t['not_expressed']} not "
+             "expressed" + (f"; mean error {t['mean_error']:+.1%}, mean |error| "
+                            f"{t['mean_abs_error']:.1%}" if t["compared"] else "")]
+    if t["not_fitting"]:
+        lines.append(f"{t['not_fitting']} compared row(s) trained but do not fit in the "
+                     "simulation's memory")
+    for reason, n in list(t["reasons"].items())[:5]:
+        lines.append(f"  not expressed ({n}): {reason}")
+    if len(regimes):
+        worst = regimes.iloc[regimes["mean_error"].abs().argmax()]
+        lines.append(f"largest regime error: {worst['regime']} {worst['group']}: "
+                     f"{worst['mean_error']:+.1%} over {worst['rows']} row(s)")
+    return lines
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table of ``frame`` (cells as text, pipes escaped)."""
+    cells = [[str(v).replace("|", "\\|") for v in row] for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |",
+             "|" + "|".join("---" for _ in frame.columns) + "|"]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in cells)])
+
+
+def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any]) -> str:
+    t = totals(table)
+    head = [f"# Published runs: {meta.get('table', '')}", "",
+            f"`clustersim validate-runs` with `--method {meta.get('method', '')}`: "
+            f"{t['rows']} rows, {t['compared']} compared, {t['not_expressed']} not expressed.",
+            ""]
+    if t["compared"]:
+        head += [f"Mean error {t['mean_error']:+.1%} (simulated / measured − 1: positive "
+                 f"reads faster than measured), mean |error| {t['mean_abs_error']:.1%}.", ""]
+    reg = regimes.assign(mean_error=regimes["mean_error"].map("{:+.1%}".format),
+                         mean_abs_error=regimes["mean_abs_error"].map("{:.1%}".format),
+                         worst=regimes["worst"].map("{:+.1%}".format))
+    done = table[table["error"].notna()]
+    rows = done.assign(error=done["error"].map("{:+.1%}".format),
+                       simulated=done["simulated"].map("{:.4g}".format),
+                       params_B=done["params_B"].map("{:.3g}".format))
+    skipped = table[table["error"].isna()][["name", "reason"]]
+    return "\n".join([*head, "## By regime", "", markdown_table(reg), "",
+                      "## Rows", "", markdown_table(rows.drop(columns=["reason"])),
+                      "", "## Not expressed", "",
+                      markdown_table(skipped) if len(skipped) else "none", ""])
+
+
+def write_report(out: Path, table: pd.DataFrame, regimes: pd.DataFrame,
+                 meta: dict[str, Any], plots: bool = True) -> list[Path]:
+    from simulator.outputs.search_files import write_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_table(table, out / "runs.csv"), write_table(regimes, out / "regimes.csv")]
+    with atomic_output(out / "runs.md") as tmp:
+        tmp.write_text(_markdown(table, regimes, meta), encoding="utf-8")
+    written.append(out / "runs.md")
+    with atomic_output(out / "summary.json") as tmp:
+        tmp.write_text(json.dumps({**meta, **totals(table)}, indent=2) + "\n", encoding="utf-8")
+    written.append(out / "summary.json")
+    if plots:
+        from simulator.outputs.plots.published import plot_published
+
+        written.append(plot_published(table, out / "scatter.png", str(meta.get("table", ""))))
+    return written
