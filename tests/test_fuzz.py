@@ -279,3 +279,19 @@ def test_peak_memory_is_the_invocations_not_the_test_runners(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout.splitlines()[-1])
     assert usage["maxrss_bytes"] < 200 << 20, usage
+
+
+@pytest.mark.parametrize("override, rc, says", [
+    # found by the fuzz above: an explicit null meant no GPU count (an assert fired)
+    ("cluster.gpus_per_node=", 0, ""),
+    # a home directory that does not exist, a name longer than the file system allows
+    ("cluster.system=~0/profile.yaml", 2, "cannot look it up"),
+    ("cluster.system=~nosuchuser", 2, "cannot look it up"),
+    ("cluster.system=" + "a" * 300 + ".yaml", 2, "cannot look it up"),
+])
+def test_overrides_the_fuzz_found(tmp_path: Path, override: str, rc: int, says: str) -> None:
+    scenario = tmp_path / "base.yaml"
+    scenario.write_text(BASE_TEXT)
+    case = run_one(["validate", str(scenario), "--set", override])
+    assert_clean(case)
+    assert case["rc"] == rc and says in case["stderr"], case

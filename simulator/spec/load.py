@@ -68,9 +68,17 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
         system = cluster["system"]
         candidate = (path.parent / system)
         if system.endswith((".yaml", ".yml")) and not Path(system).is_absolute() \
-                and candidate.exists():
+                and _exists(candidate):
             cluster["system"] = str(candidate.resolve())
     return scenario_from_dict(data)
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a name the file system refuses (too long) does not."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def scenario_from_dict(data: Any) -> Scenario:

@@ -78,7 +78,9 @@ class ClusterSpec(Frozen):
             hw = load_system(data["system"])
         except UserError:
             return data  # _check_system reports it against cluster.system
-        return {"gpus_per_node": hw.gpus_per_node, **data}
+        if data.get("gpus_per_node") is None:  # absent or null: the system's
+            return {**data, "gpus_per_node": hw.gpus_per_node}
+        return data
 
     @field_validator("system")
     @classmethod

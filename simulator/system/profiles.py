@@ -93,10 +93,16 @@ def load_system(name_or_path: str, base_dir: Path | None = None) -> HardwareProf
     if name_or_path in preset_system_names():
         path = SYSTEMS_DIR / f"{name_or_path}.yaml"
     else:
-        path = Path(name_or_path).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        if path.suffix.lower() not in (".yaml", ".yml") or not path.exists():
+        try:  # ~nosuchuser/... and names longer than the file system allows
+            path = Path(name_or_path).expanduser()
+            if not path.is_absolute() and base_dir is not None:
+                path = base_dir / path
+            found = path.suffix.lower() in (".yaml", ".yml") and path.exists()
+        except (RuntimeError, OSError) as exc:
+            raise UserError([Problem("cluster.system", name_or_path,
+                                     f"cannot look it up ({exc}); give a preset name or "
+                                     "the path of a profile .yaml file")]) from None
+        if not found:
             import difflib
 
             near = difflib.get_close_matches(name_or_path, preset_system_names(), n=1)
