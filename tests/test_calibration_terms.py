@@ -260,19 +260,21 @@ def test_busy_machine_is_remeasured_until_quiet(
 
 def test_a_causal_attention_curve_charges_the_time_it_was_fitted_on() -> None:
     """Attention records count the full square of a causal call; the cost model charges a
-    causal flash kernel ``compute_scale`` of the counted FLOPs. Fitted against the plain
-    peak the skipped half was discounted twice: a calibrated shape cost half its time."""
-    from simulator.model.inventory.ops import CAUSAL_FLASH_SCALE, Op
+    causal flash kernel ``compute_scale`` of the counted FLOPs (a backward 1.25 times
+    that: it recomputes the scores). Fitted against the plain peak the skipped half was
+    discounted twice: a calibrated shape cost half its time."""
+    from simulator.model.inventory.ops import Op, flash_scale
     from simulator.system.costs import CostModel
 
     recs = [r if r["kind"] not in ("attention", "attention_bwd") else {**r, "causal": True}
             for r in _records()]
     prof = load_system_from(profile_from(recs))
     cost = CostModel(prof, "fp32")
-    for kind, cls in (("attention", "attention_fwd"), ("attention_bwd", "attention_bwd")):
+    for kind, cls, pass_ in (("attention", "attention_fwd", "fwd"),
+                             ("attention_bwd", "attention_bwd", "bwd_input")):
         for r in (r for r in recs if r["kind"] == kind and r["flops"] >= 1e8):
             op = Op("attn_core", "attention", r["flops"], 0.0, r["flops"], cls, 1, 0.0,
-                    CAUSAL_FLASH_SCALE)
+                    flash_scale(pass_))
             assert cost.op_time(op) == pytest.approx(r["time_s"], rel=1e-3), (cls, r["flops"])
 
 

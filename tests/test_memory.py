@@ -15,11 +15,18 @@ from simulator.model.memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
     in_flight_microbatches,
+    logits,
     stage_params,
     state_bytes_per_param,
     zero_memory_bytes,
 )
-from simulator.model.transformer import embedding_params, head_params, layer_params, param_count
+from simulator.model.transformer import (
+    embedding_params,
+    head_ops,
+    head_params,
+    layer_params,
+    param_count,
+)
 from simulator.schedules.registry import build_schedule
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.model_spec import load_preset_model
@@ -331,3 +338,65 @@ def test_zero_stages_reduce_peak_memory(layers_per_stage: int, pp: int, tp: int,
         column = [t[stage] for t in totals]
         column[3] -= sum(zero3_root_bytes(s, stage))
         assert column == sorted(column, reverse=True)
+
+
+def _head_scenario(stack: dict[str, Any]) -> Scenario:
+    return scenario_from_dict({
+        "name": "t", "model": {"preset": "llama2-7b", "seq_len": 2048},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "zero": 3}, "training": {"global_batch": 64, "micro_batch": 4},
+        "stack": stack})
+
+
+def test_flash_attns_fused_loss_holds_16_bit_logits_not_an_fp32_softmax() -> None:
+    """flash_attn/losses/cross_entropy.py saves the logits in their own dtype and an fp32
+    log-sum-exp per row, and its backward writes ``torch.empty_like(logits)``; Megatron's
+    and PyTorch's losses keep the fp32 softmax (plus an fp32 copy for the gradient)."""
+    flash = _head_scenario({"preset": "composer-fsdp1"})
+    torch_ = _head_scenario({"preset": "composer-fsdp1", "loss": "torch"})
+    assert flash.stack.loss == "flash"
+    tokens = 4 * 2048
+    elements = tokens * flash.model.vocab
+    held = 1  # one micro-batch at a time without pipeline parallelism
+    assert logits(flash, 0) == (2 * elements + 4 * tokens) * held + 2 * elements
+    assert logits(torch_, 0) == 4 * elements * (held + 1)
+
+
+def test_flash_attns_fused_loss_reads_the_logits_once_and_writes_their_gradient() -> None:
+    for autocast in (False, True):  # a custom kernel: autocast casts nothing for it
+        s = _head_scenario({"preset": "composer-fsdp1", "autocast": autocast})
+        elements = 4 * 2048 * s.model.vocab
+        fwd = {op.name: op for op in head_ops(s.model, 4, 1, False, "bf16", "fwd", s.stack)}
+        bwd = {op.name: op for op in head_ops(s.model, 4, 1, False, "bf16", "bwd_input",
+                                              s.stack)}
+        assert (fwd["loss"].bytes, fwd["loss"].kernels) == (2 * elements, 1)
+        assert (bwd["loss"].bytes, bwd["loss"].kernels) == (4 * elements, 1)
+        assert "amp_cast_logits" not in fwd and "amp_cast_logits" not in bwd
+
+
+def test_fsdp_mixed_precision_keeps_the_master_in_the_fp32_parameters() -> None:
+    """Under FSDP's mixed precision the sharded parameters stay fp32 and are what the
+    optimizer updates (``stack.master_weights: parameters``): 4 + 4 + 8 bytes a
+    parameter, where a separate fp32 master beside 16-bit parameters (the ZeRO paper,
+    Megatron, DeepSpeed) holds 2 + 4 + 12 with fp32 main gradients."""
+    assert state_bytes_per_param(3, 8, "bf16", 4, fp32_params=True) == (0.5, 0.5, 1.0)
+    assert state_bytes_per_param(3, 8, "bf16", 4) == (0.25, 0.5, 1.5)
+    assert state_bytes_per_param(1, 8, "bf16", 4, fp32_params=True) == (4.0, 4.0, 1.0)
+    fsdp = _head_scenario({"preset": "composer-fsdp1"})
+    separate = _head_scenario({"preset": "composer-fsdp1", "master_weights": "optimizer"})
+    a, b = stage_breakdown(fsdp, 0), stage_breakdown(separate, 0)
+    assert (a.weights, a.gradients, a.optimizer) == \
+        (2 * b.weights, b.gradients, b.optimizer * 8 / 12)
+    assert a.weights + a.gradients + a.optimizer == pytest.approx(
+        (b.weights + b.gradients + b.optimizer) * 16 / 18)
+
+
+def test_an_optimizer_step_on_fp32_parameters_writes_no_16_bit_copy() -> None:
+    from simulator.model.inventory.optimizer import optimizer_op
+
+    fsdp = load_stack("composer-fsdp1")
+    separate = fsdp.model_copy(update={"master_weights": "optimizer"})
+    assert fsdp.fp32_params(2) and not separate.fp32_params(2) and not fsdp.fp32_params(4)
+    clip = 3 * 4  # global-norm clipping reads the fp32 gradients once more and scales them
+    assert optimizer_op(1e6, 10, fsdp, "bf16").bytes == 1e6 * (4 + 24 + clip)
+    assert optimizer_op(1e6, 10, separate, "bf16").bytes == 1e6 * (4 + 24 + 2 + clip)

@@ -42,7 +42,7 @@ STACKS = preset_stack_names()
 
 def test_presets_load_and_every_value_has_its_source() -> None:
     assert set(STACKS) == {"megatron-2021", "megatron-2022", "megatron-core", "torchtitan",
-                           "deepspeed", "pytorch-eager"}
+                           "deepspeed", "pytorch-eager", "composer-fsdp1"}
     for name in STACKS:
         stack = load_stack(name)
         assert stack.name == name

@@ -80,7 +80,17 @@ def test_perturbed_profile_scales_each_term_and_clamps() -> None:
     assert out.intra_node.bandwidth_GBps == 1.25 * hw.intra_node.bandwidth_GBps
     assert out.inter_node == hw.inter_node
     assert out.gpu.interference_factor("intra_node") == 1.0  # 0.75, kept at 1
+    assert out.gpu.attention_kernels == hw.gpu.attention_kernels
     assert perturbed(hw, {}) == hw
+
+
+def test_the_attention_term_scales_the_fused_kernels_curves_too() -> None:
+    hw = load_system("dgx-h100")
+    out = perturbed(hw, {"attention": 1.5})
+    for name, kernel in hw.gpu.attention_kernels.items():
+        for pass_ in ("fwd", "bwd"):
+            assert out.gpu.attention_kernels[name].efficiency(pass_, 4096, 128) == \
+                pytest.approx(min(1.5 * kernel.efficiency(pass_, 4096, 128), 1.0))
 
 
 @pytest.mark.parametrize("method", ["analytic", "engine"])

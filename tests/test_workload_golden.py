@@ -42,29 +42,29 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("2e46a93a946b80e7", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("a2ba0e1159ab1c65", 4364),
+        ("bdaeb113c91b196d", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("6610528b6ff9ca73", 2952),
+        ("7c4577c57eaea089", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("65c59e689bae6d2f", 7752),
+        ("cbaf13f68e855d70", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
-        ("c3257cb8b9c9a68f", 6248),
+        ("d1cc2aec119eafbd", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("cd8ad5fb38c4c0bc", 2282),
+        ("45ae42588da00e0c", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("0eca9ed17eeb7af7", 8516),
+        ("7b19e51c6c4f953d", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("38a5c4d52f1c500b", 2706),
+        ("9104f3d531ed5ed2", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
-        ("241a6f291752a716", 1648),
+        ("951992a2cb9bae58", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("7120bcc95b50dc9d", 2260),
+        ("b0a35c00fe8f3ef6", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
         ("d32bcb439af1f91c", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):

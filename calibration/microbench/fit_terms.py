@@ -95,7 +95,7 @@ def fit_classes(by_kind: dict[str, list[dict[str, Any]]], flops_peak: float | No
             continue
         size = "flops" if flops else "bytes"
         if cls.startswith("attention_"):
-            peak = executed_peak(rs, peak)
+            peak = executed_peak(rs, peak, "bwd" if cls == "attention_bwd" else "fwd")
         out.classes[cls] = fit_efficiency([r[size] for r in rs], [r["time_s"] for r in rs],
                                           peak, monotone=flops and monotone_flops,
                                           offset_s=overhead_s)
@@ -103,21 +103,23 @@ def fit_classes(by_kind: dict[str, list[dict[str, Any]]], flops_peak: float | No
     return out
 
 
-def executed_peak(records: list[dict[str, Any]], peak: float) -> float:
-    """The peak an attention curve is fitted against: ``peak / CAUSAL_FLASH_SCALE`` when
-    every record timed a causal call, so that the curve's efficiencies are of executed
-    FLOPs, as the cost model reads them (``flops · compute_scale / (peak · eff)``,
-    :mod:`simulator.system.costs`).
+def executed_peak(records: list[dict[str, Any]], peak: float, pass_: str = "fwd") -> float:
+    """The peak an attention curve is fitted against: ``peak / flash_scale`` when every
+    record timed a causal call, so that the curve's efficiencies are of executed FLOPs,
+    as the cost model reads them (``flops · compute_scale / (peak · eff)``,
+    :mod:`simulator.system.costs`): the causal half, and for a backward (``pass_``) its
+    recomputation of the scores (:func:`simulator.model.inventory.ops.flash_scale`).
 
-    The records count the full square (``4·b·a·s²·d``, causal not discounted); fitted
-    against the plain peak, a causal kernel's curve held the skipped half already and
-    the cost model halved it again, charging half the time a calibrated shape took.
-    Whatever the kernel really skips at a size (on a CPU at s = 256 the flash kernel's
-    one key block covers the whole row: it skips little) is then in the curve."""
-    from simulator.model.inventory.ops import CAUSAL_FLASH_SCALE
+    The records count the full square (``4·b·a·s²·d``, causal not discounted; a backward
+    twice that); fitted against the plain peak, a causal kernel's curve held the skipped
+    half already and the cost model halved it again, charging half the time a calibrated
+    shape took. Whatever the kernel really skips at a size (on a CPU at s = 256 the flash
+    kernel's one key block covers the whole row: it skips little) is then in the
+    curve."""
+    from simulator.model.inventory.ops import flash_scale
 
     causal = bool(records) and all(r.get("causal") for r in records)
-    return peak / CAUSAL_FLASH_SCALE if causal else peak
+    return peak / flash_scale(pass_) if causal else peak
 
 
 def best_rate(records: list[dict[str, Any]], size: str, overhead_s: float) -> float:

@@ -64,12 +64,13 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     experts = stage_expert_params(scenario.model, par.pp, stage, runs)
     psi = rank_params(scenario, total - experts, 0)
     grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
-    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes)
+    fp32 = scenario.stack.fp32_params(dtype_bytes(dtype))
+    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes, fp32)
     gradients, optimizer = psi * g, psi * o
     weights = psi * w
     if experts:
         psi_e = experts / (par.etp * par.ep)
-        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes)
+        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes, fp32)
         weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
             optimizer + psi_e * oe
     gradients, optimizer = offloaded(scenario, gradients, optimizer)

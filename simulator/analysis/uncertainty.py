@@ -9,7 +9,8 @@ run's own method and fidelity (Monte Carlo):
 - each term with a spread gets one factor per sample, lognormal with median 1 and
   coefficient of variation σ: f = exp(s·z), s = √ln(1 + σ²), z standard normal;
 - an efficiency term (``gemm``, ``attention``, ``memory``, a cost class's own
-  curve) multiplies every point of its curve by f, clamped to at most 1;
+  curve) multiplies every point of its curve by f, clamped to at most 1
+  (``attention`` the fused attention kernels' curves too);
   ``kernel_overhead`` multiplies the per-kernel overhead by 1/f (a larger
   efficiency and a smaller overhead both mean faster); a link class is f times
   faster (bandwidth, latency and its calibrated collectives, as
@@ -74,6 +75,12 @@ def perturbed(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile
     for term, field in CURVES.items():
         if term in factors:
             gpu[field] = _scaled(getattr(hw.gpu, field), factors[term])
+    if "attention" in factors and hw.gpu.attention_kernels:  # the kernels' own curves too
+        f = factors["attention"]
+        gpu["attention_kernels"] = {
+            name: k.model_copy(update={"fwd": {d: _scaled(c, f) for d, c in k.fwd.items()},
+                                       "bwd": {d: _scaled(c, f) for d, c in k.bwd.items()}})
+            for name, k in hw.gpu.attention_kernels.items()}
     classes = {cls: _scaled(curve, factors[cls]) if cls in factors else curve
                for cls, curve in hw.gpu.class_efficiency.items()}
     if classes != hw.gpu.class_efficiency:

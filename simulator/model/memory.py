@@ -7,11 +7,12 @@ Model states follow the ZeRO paper's table for mixed-precision AdamW: 2 bytes
 of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
 master weights, momentum, variance) per parameter, sharded over N_d = dp by
 ZeRO stage (1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4
-+ 4 + 8 (the weights are the master copy). Parameters are the stage's layers
-(:mod:`simulator.spec.placement`: an even split, or ``parallel.layers_per_stage``)
-plus the embedding on the first stage and the final norm and output projection
-on the last; a tied output projection has its own copy on the last stage when
-pp > 1, as Megatron keeps it. A stage's parameters divide by tp (norms and
++ 4 + 8 (the weights are the master copy), and so does 16-bit training whose fp32
+parameters are the master (autocast; FSDP's mixed precision, ``stack.master_weights``).
+Parameters are the stage's layers (:mod:`simulator.spec.placement`: an even split, or
+``parallel.layers_per_stage``) plus the embedding on the first stage and the final
+norm and output projection on the last; a tied output projection has its own copy on
+the last stage when pp > 1, as Megatron keeps it. A stage's parameters divide by tp (norms and
 biases replicated across TP ranks, < 0.1 %, are ignored).
 
 Activations follow Korthikanti et al. 2022 (Table 2, 16-bit, dropout masks
@@ -22,7 +23,8 @@ stage's total, an approximation when its chunks differ) and the schedule's
 in-flight micro-batches (its entry in :data:`simulator.schedules.registry.SCHEDULES`). Full
 recomputation keeps each layer's input (sharded with sequence parallelism).
 The last stage also holds fp32 logits: the saved softmax of every micro-batch
-whose backward has not run yet, plus one more copy for the loss gradient.
+whose backward has not run yet, plus one more copy for the loss gradient (under
+flash-attn's fused loss the 16-bit logits and a 16-bit gradient: :func:`logits`).
 
 Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
 ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers (by modules, as
@@ -93,15 +95,17 @@ class MemoryBreakdown:
 # ---------------------------------------------------------------- model states
 
 
-def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: int | None = None
-                          ) -> tuple[float, float, float]:
+def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: int | None = None,
+                          fp32_params: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one rank; ``grad_bytes``
-    overrides the gradients' width (4 where the stack keeps fp32 main grads)."""
+    overrides the gradients' width (4 where the stack keeps fp32 main grads);
+    ``fp32_params``: the parameters are fp32 and are the master copy (autocast, FSDP's
+    mixed precision: :meth:`simulator.spec.stack.StackSpec.fp32_params`)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {zero}")
     if n_d < 1:
         raise ValueError(f"data-parallel degree must be >= 1; got {n_d}")
-    if dtype_bytes(dtype) == 4:
+    if dtype_bytes(dtype) == 4 or fp32_params:
         weights, grads, optimizer = 4.0, 4.0, 8.0  # fp32: master weights are the weights
     else:
         weights, grads, optimizer = 2.0, 2.0, float(ADAMW_K)
@@ -251,15 +255,21 @@ def activations(scenario: Scenario, stage: int) -> float:
 
 
 def logits(scenario: Scenario, stage: int) -> float:
+    """What the loss holds on the last stage: per micro-batch whose backward has not
+    run, the fp32 softmax (Megatron's vocab-parallel loss, PyTorch's log_softmax), plus
+    one more copy for the logits' gradient; under flash-attn's fused loss
+    (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
+    and a 16-bit gradient."""
     par = scenario.parallel
     if stage != par.pp - 1:
         return 0.0
-    fp32 = 4.0 * scenario.training.micro_batch * scenario.model.seq_len \
-        * scenario.model.vocab / par.tp
-    if par.cp > 1:
-        fp32 /= par.cp
+    tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
+    elements = tokens * scenario.model.vocab / par.tp
     held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
-    return fp32 * (held + 1)
+    if scenario.stack.loss == "flash":
+        dt = dtype_bytes(scenario.training.dtype)
+        return (dt * elements + 4.0 * tokens) * held + dt * elements
+    return 4.0 * elements * (held + 1)
 
 
 def rank_params(scenario: Scenario, dense: float, experts: float) -> float:

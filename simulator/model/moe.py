@@ -45,20 +45,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from simulator.model.inventory.attention import attention_core
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import moe_layer_ops, moe_mlp_ops, routed_tokens
 from simulator.model.inventory.ops import (
+    FLASH_BWD_KERNELS,
     Op,
     Pass,
     act_elements,
     dtype_bytes,
+    flash_scale,
     gemm,
     mem,
     norm_elements,
 )
 from simulator.spec.model_spec import MLASpec, ModelSpec
 from simulator.spec.stack import StackSpec, default_stack
+from simulator.system.attention_kernels import AttentionCall
 
 
 def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
@@ -142,8 +144,10 @@ def active_layer_params(spec: ModelSpec, layer: int) -> int:
 
 
 def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
-            pass_: Pass) -> dict[str, Op]:
-    """The latent attention's ops on one TP rank (GEMMs and the core), by name."""
+            pass_: Pass, kernel: str = "flash2") -> dict[str, Op]:
+    """The latent attention's ops on one TP rank (GEMMs and the core, one ``kernel`` call
+    priced at the mean of its QK and V head dimensions, as its FLOPs count them), by
+    name."""
     tokens, h, heads = micro_batch * spec.seq_len, spec.hidden, spec.heads / tp
     ops: dict[str, Op] = {}
     if mla.q_lora_rank:
@@ -160,14 +164,16 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
                              heads * (mla.qk_nope_head_dim + mla.v_head_dim), dt)
     core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
     qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
+    call = AttentionCall(kernel, spec.seq_len, (mla.qk_head_dim + mla.v_head_dim) / 2)
     if pass_ == "fwd":  # read q, k, v; write o
         ops["attn_core"] = Op("attn_core", "attention", core,
-                                  dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
-                                  0.0, 0.5)  # causal: a flash kernel skips masked blocks
+                              dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
+                              0.0, flash_scale(pass_), attn=call)
     else:  # read q, k, v, o, do; write dq, dk, dv
         ops["attn_core"] = Op("attn_core", "attention", 2 * core,
-                                  dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd", 3,
-                                  0.0, 0.5)
+                              dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd",
+                              FLASH_BWD_KERNELS.get(kernel, 3), 0.0, flash_scale(pass_),
+                              attn=call)
     ops["out_proj"] = gemm("out_proj", tokens, v, h, dt)
     return ops
 
@@ -229,17 +235,6 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
 # ---------------------------------------------------------------- a whole layer
 
 
-def _attention_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
-                   pass_: Pass) -> list[Op]:
-    if spec.mla is not None:
-        return list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_).values())
-    tokens, h = micro_batch * spec.seq_len, spec.hidden
-    qkv_width = h / tp + 2 * max(spec.kv / tp, 1.0) * spec.head_dim
-    return [gemm("qkv", tokens, h, qkv_width, dt),
-            attention_core(spec, micro_batch, tp, dt, pass_),
-            gemm("out_proj", tokens, h / tp, h, dt)]
-
-
 def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
                    pass_: Pass) -> list[Op]:
     tokens, h = micro_batch * spec.seq_len, spec.hidden
@@ -269,7 +264,9 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     dt = dtype_bytes(dtype)
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
-    attention = _attention_ops(spec, micro_batch, tp, dt, pass_)
+    # the core keeps the flash form whatever the stack (an unfused one's: FlashAttention-2)
+    attention = list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_,
+                             st.attention if st.flash else "flash2").values())
     if spec.is_moe_layer(layer):
         mlp = moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
                               padded)

@@ -179,10 +179,11 @@ def head_ops(
             logits = Op(logits.name, "gemm", logits.flops, logits.bytes
                         + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
         return (logits,)
-    loss = _loss(st, tokens * spec.vocab / tp, wide, pass_)
+    flash = st.loss == "flash"  # a custom kernel on the GEMM's 16-bit logits: no cast
+    loss = _loss(st, tokens * spec.vocab / tp, dt if flash else wide, pass_)
     casts = ((mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
-             (mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt, "copy"),)) \
-        if amp else ((), ())
+             () if flash else (mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt,
+                                   "copy"),)) if amp else ((), ())
     ops = (mem("final_norm", norm_elements(spec, local, pass_), wide, "norm"), *casts[0],
            logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
@@ -195,8 +196,13 @@ def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
     ``F.cross_entropy``: forward log_softmax (logits read, fp32 log-probabilities
     written) and nll_loss's gather; backward nll_loss's zero-filled gradient and its
     scatter, then log_softmax's backward (gradient and log-probabilities read, the
-    logits' gradient written)."""
+    logits' gradient written). flash-attn's (``flash``): forward reads the logits and
+    writes a loss and log-sum-exp per row; backward reads the logits again and writes
+    their gradient, one kernel each way."""
     cls = "cross_entropy"  # vocabulary-wide rows: their own curve, not the softmax's
+    if st.loss == "flash":  # forward reads the logits; backward reads them, writes the grad
+        return Op("loss", "memory", 0.0, elements * wide * (1 if pass_ == "fwd" else 2), 0.0,
+                  cls, 1)
     if st.fused("cross_entropy"):
         return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, cls, 1)
     if st.loss == "torch":

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import difflib
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from simulator.loading import PRESETS_DIR, read_yaml
+from simulator.system.units import FusedAttention
 
 if TYPE_CHECKING:
     from simulator.spec.scenario import OverlapSpec
@@ -36,9 +37,11 @@ DEFAULT_STACK = "megatron-core"
 
 #: unfused: baddbmm, scale + mask + softmax as separate kernels, dropout, bmm;
 #: unfused_fused_softmax: the same with one fused scale-mask-softmax kernel (Megatron's
-#: FusedScaleMaskSoftmax); flash2 / flash3: one FlashAttention kernel forward (and its
-#: backward), no s×s matrix in memory, masked blocks of a causal mask skipped.
-Attention = Literal["unfused", "unfused_fused_softmax", "flash2", "flash3"]
+#: FusedScaleMaskSoftmax); flash2 / flash3 / cudnn: one fused kernel forward (and its
+#: backward), no s×s matrix in memory, masked blocks of a causal mask skipped:
+#: FlashAttention-2, FlashAttention-3 or cuDNN's fused attention, each priced on its own
+#: curves where the hardware profile has them (``gpu.attention_kernels``).
+Attention = Literal["unfused", "unfused_fused_softmax", FusedAttention]
 #: projections: QKV as one GEMM and SwiGLU's gate and up as one; bias_act: bias add and
 #: GeLU (or SwiGLU's silu · up) in one kernel; bias_dropout_add: bias, dropout and
 #: residual add in one kernel; rope: rotary embedding as one kernel; cross_entropy: the
@@ -139,12 +142,25 @@ class StackSpec(BaseModel):
     #: (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its
     #: gradients and the parameters' gradients stay fp32 (:mod:`simulator.model.inventory`)
     autocast: bool = False
+    #: where the fp32 master weights live under 16-bit training: in the optimizer's state
+    #: beside 16-bit parameters (the ZeRO paper's 2 + 2 + 12 bytes; Megatron's
+    #: Float16OptimizerWithFloat16Params and distributed optimizer, DeepSpeed's bf16
+    #: optimizer), or in the ``parameters`` themselves, kept in fp32 and cast to 16 bits
+    #: only for compute (PyTorch FSDP's mixed precision: FSDP1 frees its low-precision
+    #: shard after each all-gather, torch/distributed/fsdp/_flat_param.py
+    #: ``_free_low_precision_sharded_param``; FSDP2 casts in the all-gather's copy-in):
+    #: 4 + 4 + 8 bytes, and the optimizer step writes no 16-bit copy
+    master_weights: Literal["optimizer", "parameters"] = "optimizer"
     #: the cross-entropy's kernels without the ``cross_entropy`` fusion: Megatron's
     #: vocab-parallel form (max, subtract, exp, sum, log, gather in fp32: six kernels each
     #: way), or PyTorch's ``F.cross_entropy`` (``torch``: log_softmax and nll_loss,
     #: aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: two kernels forward,
-    #: three backward)
-    loss: Literal["vocab_parallel", "torch"] = "vocab_parallel"
+    #: three backward); both keep an fp32 softmax for the backward. ``flash``:
+    #: flash-attn's fused cross entropy (flash_attn/losses/cross_entropy.py, with or
+    #: without the fusion): one kernel each way on the 16-bit logits, which it keeps
+    #: with a per-row fp32 log-sum-exp, its backward writing a 16-bit gradient
+    #: (``torch.empty_like(logits)``)
+    loss: Literal["vocab_parallel", "torch", "flash"] = "vocab_parallel"
 
     @model_validator(mode="before")
     @classmethod
@@ -164,7 +180,7 @@ class StackSpec(BaseModel):
 
     @property
     def flash(self) -> bool:
-        return self.attention in ("flash2", "flash3")
+        return self.attention in get_args(FusedAttention)
 
     @property
     def host_us(self) -> float:
@@ -180,6 +196,11 @@ class StackSpec(BaseModel):
         """Bytes of an element autocast keeps in fp32 (norms, the residual stream, the
         embedding table, the loss): 4 under autocast, else the training dtype's."""
         return 4 if self.amp(dtype_bytes) else dtype_bytes
+
+    def fp32_params(self, dtype_bytes: int) -> bool:
+        """The parameters are fp32 and are the master copy under 16-bit training:
+        autocast's, or a stack that keeps its master weights in the parameters."""
+        return self.amp(dtype_bytes) or (dtype_bytes < 4 and self.master_weights == "parameters")
 
     def main_grad_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.main_grads == "fp32" else dtype_bytes

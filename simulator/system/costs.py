@@ -5,8 +5,11 @@ An op's device time is its roofline,
 plus the profile's per-kernel overhead for each of its kernels; the efficiency curves
 come from the profile (datasheet presets or calibration) per cost class, falling back
 to ``gemm_efficiency`` / ``attention_efficiency`` / ``memory_efficiency`` where the
-profile has no curve of its own for the class. ``scale`` is the fraction of the counted
-FLOPs the kernel executes (a causal flash kernel skips the masked half).
+profile has no curve of its own for the class; a fused attention call is priced on its
+kernel's curves by sequence length and head dimension where the profile has them
+(:mod:`simulator.system.attention_kernels`). ``scale`` is the fraction of the counted
+FLOPs the kernel executes (a causal flash kernel skips the masked half; its backward
+recomputes the scores).
 
 Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
 so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal, Protocol
 
+from simulator.system.attention_kernels import AttentionCall
 from simulator.system.hardware import HardwareProfile
 from simulator.system.units import Dtype
 
@@ -68,6 +72,8 @@ class CostedOp(Protocol):
     def dtensor(self) -> int: ...
     @property
     def host_ops(self) -> int: ...
+    @property
+    def attn(self) -> AttentionCall | None: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -114,7 +120,7 @@ class CostModel:
         if op.kind == "memory" or op.flops <= 0:
             compute = 0.0
         else:
-            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0))
+            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn)
             compute = op.flops * op.compute_scale / (self.peak * eff)
         host_us = self.host_us
         step = cls == "optimizer"  # the optimizer's figures where measured apart

@@ -39,6 +39,7 @@ from typing import Annotated, Any, get_args
 from pydantic import Field, field_validator
 
 from simulator.errors import Problem, UserError
+from simulator.system.attention_kernels import AttentionCall, AttentionKernel
 from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
 from simulator.system.units import (
     COST_CLASSES,
@@ -51,6 +52,7 @@ from simulator.system.units import (
     Dtype,
     Frozen,
     FuncolKind,
+    FusedAttention,
     Interference,
     LinkClass,
     LinkName,
@@ -98,6 +100,10 @@ class GPUSpec(Frozen):
     funcol_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
     # a curve per cost class; a class without one uses the generic curve of its kind
     class_efficiency: dict[CostClass, EfficiencyCurve] = Field(default_factory=dict)
+    # fused attention kernels on their own curves over sequence length and head dimension
+    # (simulator/system/attention_kernels.py), by the stack's attention; a kernel without
+    # one, or a profile whose calibration measured attention_fwd / attention_bwd, uses those
+    attention_kernels: dict[FusedAttention, AttentionKernel] = Field(default_factory=dict)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once
@@ -138,6 +144,11 @@ class GPUSpec(Frozen):
     def _cost_classes(cls, data: Any) -> Any:
         return known_keys(data, COST_CLASSES, "cost class")
 
+    @field_validator("attention_kernels", mode="before")
+    @classmethod
+    def _attention_kernels(cls, data: Any) -> Any:
+        return known_keys(data, get_args(FusedAttention), "attention kernel")
+
     @field_validator("funcol_host", mode="before")
     @classmethod
     def _funcol_kinds(cls, data: Any) -> Any:
@@ -150,14 +161,22 @@ class GPUSpec(Frozen):
     def _link_names(cls, data: Any) -> Any:
         return known_keys(data, LINK_NAMES, "link class")
 
-    def efficiency(self, cost_class: str, size: float) -> float:
+    def efficiency(self, cost_class: str, size: float,
+                   call: AttentionCall | None = None) -> float:
         """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
         and attention, bytes moved otherwise): the class's own curve when the profile
-        has one, else ``gemm_efficiency``, ``attention_efficiency`` or
+        has one (calibration measured it), else for a fused attention ``call`` its
+        kernel's curves at the call's sequence length and head dimension where the
+        profile has them, else ``gemm_efficiency``, ``attention_efficiency`` or
         ``memory_efficiency`` by the class's kind."""
         if cost_class not in COST_CLASSES:
             raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
         curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
+        if curve is None and call is not None:
+            kernel = self.attention_kernels.get(call.kernel)  # type: ignore[call-overload]
+            if kernel is not None:
+                return kernel.efficiency("bwd" if cost_class == "attention_bwd" else "fwd",
+                                         call.seq_len, call.head_dim)
         if curve is None:
             curve = (self.gemm_efficiency if cost_class.startswith("gemm_")
                      else self.attention_efficiency if cost_class.startswith("attention_")

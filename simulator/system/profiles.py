@@ -30,7 +30,8 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "uncertainty", "nvls", "host_serial",
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
-                   "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread")
+                   "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread",
+                   "attention_kernels")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:

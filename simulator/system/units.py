@@ -28,6 +28,13 @@ CollectiveName = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcas
 FuncolKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 
+#: The fused attention kernels a stack may run (``stack.attention``) and a profile may
+#: price on their own measured curves (``gpu.attention_kernels``): FlashAttention-2,
+#: FlashAttention-3 (Hopper) and cuDNN's fused attention (Transformer Engine's
+#: FusedAttention, PyTorch's SDPA cuDNN backend).
+FusedAttention = Literal["flash2", "flash3", "cudnn"]
+
+
 # Physical ranges: wide enough for any real device (a CPU thread to a future
 # accelerator), narrow enough that products and quotients stay finite.
 RATE = Field(ge=1e-6, le=1e12)  # GB/s, Gb/s or TFLOP/s (1e12: "free" for what-ifs)

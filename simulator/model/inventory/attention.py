@@ -6,17 +6,18 @@ FlashAttention kernel, rotary embeddings, and the core under context parallelism
 from __future__ import annotations
 
 from simulator.model.inventory.ops import (
-    CAUSAL_FLASH_SCALE,
     CORE_OPS,
     FLASH_BWD_KERNELS,
     Op,
     Pass,
     Shape,
     dtype_bytes,
+    flash_scale,
     kv_per_rank,
     mem,
 )
 from simulator.spec.model_spec import ModelSpec
+from simulator.system.attention_kernels import AttentionCall
 
 
 def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
@@ -25,13 +26,15 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
     fwd_flops = 4.0 * x.b * x.spec.seq_len ** 2 * x.q  # QKᵀ and AV, the full square
     heads = x.spec.heads / x.tp
     if x.st.flash:
+        call = AttentionCall(x.st.attention, x.spec.seq_len, x.spec.head_dim)
         if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
             return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
                        fwd_flops, "attention_fwd", 1,
-                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, CAUSAL_FLASH_SCALE)]
+                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, flash_scale(pass_),
+                       attn=call)]
         return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
                    2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
-                   CAUSAL_FLASH_SCALE)]
+                   flash_scale(pass_), attn=call)]
     fused_softmax = x.st.attention == "unfused_fused_softmax"
     dropout = x.st.attention_dropout > 0
     half = fwd_flops / 2
@@ -68,22 +71,27 @@ def rope_ops(x: Shape, pass_: Pass) -> list[Op]:
     return [mem("rope", 12 * elements, x.dt, "elementwise", 10)]
 
 
-def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1) -> Op:
+def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1,
+                   kernel: str = "flash2") -> Op:
     """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
     times as many keys (context parallelism: a rank's chunk of queries meets every
-    chunk's keys and values, as ring attention and the KV all-gather do, one flash call
-    per chunk). Causal: half the counted FLOPs execute (load-balanced chunks)."""
+    chunk's keys and values, as ring attention and the KV all-gather do, one ``kernel``
+    call per chunk, each priced at the chunk's length). Causal: half the counted FLOPs
+    execute (load-balanced chunks); the backward recomputes the scores
+    (:func:`~simulator.model.inventory.ops.flash_scale`)."""
     tokens, q_width = b * spec.seq_len, spec.hidden / tp
     kv_width = kv_per_rank(spec, tp) * spec.head_dim
     fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
+    call = AttentionCall(kernel, spec.seq_len, spec.head_dim)
     if pass_ == "fwd":  # read q, k, v; write o
         return Op("attn_core", "attention", fwd_flops,
                   dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
-                  "attention_fwd", cp, 0.0, 0.5)
+                  "attention_fwd", cp, 0.0, flash_scale(pass_), attn=call)
     # read q, k, v, o, do; write dq, dk, dv
     return Op("attn_core", "attention", 2 * fwd_flops,
               dt * tokens * (4 * q_width + 4 * cp * kv_width), 2 * fwd_flops / cp,
-              "attention_bwd", 3 * cp, 0.0, 0.5)
+              "attention_bwd", FLASH_BWD_KERNELS.get(kernel, 3) * cp, 0.0,
+              flash_scale(pass_), attn=call)
 
 
 def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
@@ -101,7 +109,9 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
     the backward reorders only the gradients."""
     if cp == 1 or pass_ == "bwd_weight":
         return ops
-    core = attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp)
+    # the stack's fused kernel; an unfused stack's core runs FlashAttention-2
+    kernel = next((op.attn.kernel for op in ops if op.attn is not None), "flash2")
+    core = attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp, kernel)
     out: list[Op] = []
     for op in ops:
         if op.name in CORE_OPS:

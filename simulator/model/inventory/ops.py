@@ -10,6 +10,7 @@ from typing import Literal
 
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.stack import StackSpec
+from simulator.system.attention_kernels import AttentionCall
 
 OpKind = Literal["gemm", "attention", "memory"]
 
@@ -24,7 +25,13 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av")
 
 
-FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 2}  # dO·O preprocess, main kernel(, dQ convert)
+#: A fused attention backward's launches: the dO·O row sums, the main kernel and the
+#: conversion of dQ, accumulated in fp32 (FlashAttention-2's csrc/flash_attn/src/
+#: flash_bwd_launch_template.h: flash_bwd_dot_do_o_kernel, the main kernel, kernel_dq;
+#: FlashAttention-3's hopper/flash_bwd_launch_template.h: FlashAttnBwdPreprocess, the
+#: main kernel, FlashAttnBwdPostprocessConvertdQ; cuDNN's SDPA backward chain: dot
+#: preprocess, the fused main kernel, the dQ convert)
+FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 3, "cudnn": 3}
 
 
 #: Executed / counted FLOPs of a causal flash-attention kernel: it skips the blocks above
@@ -33,6 +40,20 @@ FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 2}  # dO·O preprocess, main kernel(
 #: halves its FLOP count when causal), and calibration fits them the same way
 #: (calibration/microbench/fit_terms.py ``executed_peak``).
 CAUSAL_FLASH_SCALE = 0.5
+
+
+#: Executed / counted FLOPs of a fused attention backward: it keeps no probabilities, so
+#: it recomputes S = QKᵀ before dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K and dK = dSᵀ·Q, five
+#: GEMMs of the forward's two, 2.5 times the forward where the model counts 2
+#: (FlashAttention-2, Dao 2023, Algorithm 2; flash-attn's benchmark_flash_attention.py
+#: counts the backward as 2.5 × the forward; cuDNN's "fused five-GEMM" backward)
+FLASH_BWD_RECOMPUTE = 1.25
+
+
+def flash_scale(pass_: str) -> float:
+    """Executed / counted FLOPs of a causal fused attention call in ``pass_`` (``fwd`` or
+    a backward): the causal half, times the backward's recomputation."""
+    return CAUSAL_FLASH_SCALE * (1.0 if pass_ == "fwd" else FLASH_BWD_RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,9 @@ class Op:
     #: what the host pays for, in units of the per-kernel host cost: one a kernel unless
     #: set (a foreach optimizer's host work is per tensor, its launches per chunk)
     host_units: int | None = None
+    #: a fused attention call: priced on its kernel's curves by sequence and head dimension
+    #: where the profile has them (simulator/system/attention_kernels.py)
+    attn: AttentionCall | None = None
 
     @property
     def host_ops(self) -> int:

@@ -15,8 +15,9 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
     """AdamW on ``params`` parameters in ``tensors`` tensors (one rank's shard).
 
     Per parameter: read the gradient (main-grad dtype), read and write the fp32 master
-    weight, momentum and variance, write the 16-bit copy (fp32 training: the weights are
-    the master); global-norm clipping reads the gradients once more and scales them in
+    weight, momentum and variance, write the 16-bit copy (fp32 training, autocast or
+    FSDP's mixed precision, ``stack.master_weights: parameters``: the weights are the
+    master, no copy); global-norm clipping reads the gradients once more and scales them in
     place. Kernels: fused multi-tensor apply launches one kernel per ~110 tensors or
     2.1e7 elements (apex ``multi_tensor_apply``: 110 tensors, 320 blocks × 65,536);
     ``foreach`` runs its ~7 foreach ops over the same chunks; ``per_tensor`` (the for-loop
@@ -31,8 +32,9 @@ def optimizer_op(params: float, tensors: int, stack: StackSpec, dtype: str,
     dt = dtype_bytes(dtype)
     amp = stack.amp(dt)  # autocast: the parameters and their gradients are fp32
     g = 4 if amp else stack.main_grad_bytes(dt)
-    # fp32 parameters: w, m, v read + write; else the fp32 master too, and the 16-bit copy
-    per_param = g + 24.0 if dt == 4 or amp else g + 24.0 + dt
+    # fp32 parameters (the master): w, m, v read + write; else the fp32 master too, and
+    # the 16-bit copy
+    per_param = g + 24.0 if dt == 4 or stack.fp32_params(dt) else g + 24.0 + dt
     clip = 3 * g if stack.grad_clip else 0
     chunks = max(1, math.ceil(tensors / 110), math.ceil(params / 2.1e7))
     kernels = {"fused": chunks, "foreach": 7 * chunks, "per_tensor": 10 * tensors}[stack.optimizer]
