@@ -23,7 +23,12 @@ from simulator.errors import ScenarioError
 from simulator.model.inventory.attention import attention_core, attention_ops
 from simulator.model.inventory.ops import FLASH_BWD_RECOMPUTE, Op, Pass, Shape, flash_scale
 from simulator.spec.load import scenario_from_dict
-from simulator.system.attention_kernels import AttentionCall, AttentionKernel, AttentionPass
+from simulator.system.attention_kernels import (
+    AttentionCall,
+    AttentionKernel,
+    AttentionPass,
+    selected_kernel,
+)
 from simulator.system.costs import CostModel
 from simulator.system.profiles import load_system
 from simulator.system.units import FusedAttention
@@ -198,3 +203,27 @@ def test_a_longer_sequence_never_runs_a_causal_kernel_slower_per_flop(
         dims = sorted(k.fwd if pass_ == "fwd" else k.bwd)
         vals = [k.efficiency(pass_, seq, d) for d in dims]
         assert min(vals) - 1e-12 <= k.efficiency(pass_, seq, dim) <= max(vals) + 1e-12
+
+
+def test_transformer_engines_choice_is_cudnn_from_hopper_on_and_flash2_before() -> None:
+    """TE's ``get_attention_backend`` prefers cuDNN's fused attention on sm90 and later
+    where both run, FlashAttention before; megatron-core says ``te``."""
+    assert selected_kernel("te", "9.0") == "cudnn" and selected_kernel("te", "10.0") == "cudnn"
+    assert selected_kernel("te", "8.0") == "flash2" and selected_kernel("te", None) == "flash2"
+    assert selected_kernel("flash3", "8.0") == "flash3"  # a named kernel is itself
+    assert load_system("dgx-h100").gpu.compute_capability == "9.0"
+    assert load_system("dgx-a100-80gb").gpu.compute_capability == "8.0"
+    for system, kernel in (("dgx-h100", "cudnn"), ("dgx-a100-80gb", "flash2")):
+        s = _scenario({"preset": "megatron-core"}, system=system)
+        assert s.stack.attention == "te"
+        op = _core(s, "fwd")
+        gpu = s.hardware.gpu
+        assert gpu.efficiency("attention_fwd", op.gemm_flops, op.attn) == \
+            gpu.attention_kernels[kernel].efficiency("fwd", 4096, 128)
+
+
+def test_a_compute_capability_is_checked() -> None:
+    gpu = load_system("dgx-h100").gpu
+    for bad in ("9", "sm90", "9.0.1", ""):
+        with pytest.raises(ValueError, match="compute_capability"):
+            type(gpu).model_validate({**gpu.model_dump(), "compute_capability": bad})

@@ -51,7 +51,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
      "folded"):
         ("cbaf13f68e855d70", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
-        ("d1cc2aec119eafbd", 6248),
+        ("ba36f279a7c8990d", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
         ("45ae42588da00e0c", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",

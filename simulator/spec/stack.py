@@ -41,7 +41,9 @@ DEFAULT_STACK = "megatron-core"
 #: backward), no s×s matrix in memory, masked blocks of a causal mask skipped:
 #: FlashAttention-2, FlashAttention-3 or cuDNN's fused attention, each priced on its own
 #: curves where the hardware profile has them (``gpu.attention_kernels``).
-Attention = Literal["unfused", "unfused_fused_softmax", FusedAttention]
+#: te: Transformer Engine's choice by architecture, cuDNN's from Hopper on, FlashAttention-2
+#: before (simulator/system/attention_kernels.py ``selected_kernel``).
+Attention = Literal["unfused", "unfused_fused_softmax", FusedAttention, "te"]
 #: projections: QKV as one GEMM and SwiGLU's gate and up as one; bias_act: bias add and
 #: GeLU (or SwiGLU's silu · up) in one kernel; bias_dropout_add: bias, dropout and
 #: residual add in one kernel; rope: rotary embedding as one kernel; cross_entropy: the
@@ -180,7 +182,7 @@ class StackSpec(BaseModel):
 
     @property
     def flash(self) -> bool:
-        return self.attention in get_args(FusedAttention)
+        return self.attention in (*get_args(FusedAttention), "te")
 
     @property
     def host_us(self) -> float:

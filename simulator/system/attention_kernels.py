@@ -34,6 +34,24 @@ from simulator.system.units import Frozen
 AttentionPass = Literal["fwd", "bwd"]
 
 
+#: Transformer Engine's own choice (``stack.attention: te``, DotProductAttention under
+#: ``--attention-backend auto``): where FlashAttention and cuDNN's fused attention both
+#: can run, TE prefers cuDNN's on Hopper and later "for performance" and FlashAttention
+#: before (transformer_engine/pytorch/attention/dot_product_attention/utils.py,
+#: ``get_attention_backend``: "Select FusedAttention for performance")
+TE = "te"
+
+
+def selected_kernel(kernel: str, compute_capability: str | None) -> str:
+    """The kernel a call of ``kernel`` runs on a GPU of ``compute_capability``: TE's
+    choice resolved (cuDNN from 9.0, FlashAttention-2 below it or where the profile
+    does not say), any other kernel itself."""
+    if kernel != TE:
+        return kernel
+    major = int(compute_capability.split(".")[0]) if compute_capability else 0
+    return "cudnn" if major >= 9 else "flash2"
+
+
 class AttentionCall(NamedTuple):
     """What a fused attention call is priced by: its kernel, the sequence length each
     query meets (one chunk's under context parallelism) and the head dimension."""

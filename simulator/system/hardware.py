@@ -39,7 +39,7 @@ from typing import Annotated, Any, get_args
 from pydantic import Field, field_validator
 
 from simulator.errors import Problem, UserError
-from simulator.system.attention_kernels import AttentionCall, AttentionKernel
+from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
 from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
 from simulator.system.units import (
     COST_CLASSES,
@@ -104,6 +104,10 @@ class GPUSpec(Frozen):
     # (simulator/system/attention_kernels.py), by the stack's attention; a kernel without
     # one, or a profile whose calibration measured attention_fwd / attention_bwd, uses those
     attention_kernels: dict[FusedAttention, AttentionKernel] = Field(default_factory=dict)
+    # CUDA compute capability (NVIDIA's CUDA GPUs table: A100 8.0, H100/H200/H800 9.0),
+    # which selects the kernel of a stack whose framework picks by architecture
+    # (attention_kernels.selected_kernel); absent: pre-Hopper
+    compute_capability: str | None = Field(default=None, pattern=r"^[1-9][0-9]?\.[0-9]$")
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once
@@ -173,7 +177,8 @@ class GPUSpec(Frozen):
             raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
         curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
         if curve is None and call is not None:
-            kernel = self.attention_kernels.get(call.kernel)  # type: ignore[call-overload]
+            kernel = self.attention_kernels.get(  # type: ignore[call-overload]
+                selected_kernel(call.kernel, self.compute_capability))
             if kernel is not None:
                 return kernel.efficiency("bwd" if cost_class == "attention_bwd" else "fwd",
                                          call.seq_len, call.head_dim)

@@ -31,7 +31,7 @@ CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av
 #: FlashAttention-3's hopper/flash_bwd_launch_template.h: FlashAttnBwdPreprocess, the
 #: main kernel, FlashAttnBwdPostprocessConvertdQ; cuDNN's SDPA backward chain: dot
 #: preprocess, the fused main kernel, the dQ convert)
-FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 3, "cudnn": 3}
+FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 3, "cudnn": 3, "te": 3}
 
 
 #: Executed / counted FLOPs of a causal flash-attention kernel: it skips the blocks above
