@@ -110,14 +110,16 @@ def test_gpt3_megatron_2021_table_lists_unfused_attention_dropouts_and_fp32_main
 # ---------------------------------------------------------------- kept for backward
 
 dense_specs = st.builds(
-    lambda layers, heads, head_dim, kv_div, ffn_mul, s, act, norm, bias, pos: ModelSpec(
-        layers=layers, hidden=heads * head_dim, heads=heads, kv_heads=heads // kv_div,
+    lambda layers, heads, head_dim, kv_div, ffn_mul, s, act, norm, bias, pos, apart: ModelSpec(
+        layers=layers, hidden=heads * head_dim * 3 // 4 if apart else heads * head_dim,
+        heads=heads, head_dim=head_dim if apart else None, kv_heads=heads // kv_div,
         ffn_hidden=ffn_mul * heads * head_dim, vocab=1000, seq_len=s, activation=act,
         norm=norm, bias=bias, position=pos),
     st.integers(1, 4), st.sampled_from([4, 8, 16]), st.sampled_from([16, 32, 64]),
     st.sampled_from([1, 2, 4]), st.integers(2, 4), st.sampled_from([64, 128, 512]),
     st.sampled_from(["gelu", "swiglu"]), st.sampled_from(["layernorm", "rmsnorm"]),
-    st.booleans(), st.sampled_from(["learned", "rope"]))
+    st.booleans(), st.sampled_from(["learned", "rope"]),
+    st.booleans())  # heads x head_dim wider than hidden (Qwen3's model.head_dim)
 
 
 def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
@@ -129,7 +131,8 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     rs = 4 if stack.amp(dt) else dt  # autocast: the residual stream is fp32
     if recompute == "full":
         return rs * L * h
-    q, kv, f = h / tp, max(spec.kv / tp, 1) * spec.head_dim, spec.ffn / tp
+    q, kv = spec.heads * spec.head_size / tp, max(spec.kv / tp, 1) * spec.head_size
+    f = spec.ffn / tp
     heads = spec.heads / tp
     S = b * heads * s * s
     out = (2 * rs + 2 * dt) * L * h  # the two norms' and the QKV and MLP-up projections' inputs

@@ -77,7 +77,7 @@ def _layer_gemms(name: str, tp: int, tokens: int) -> list[tuple[str, int, int, i
         return []
     if mdl.is_moe or mdl.mla is not None:
         return []  # expert and latent GEMMs join with the expert workload pass
-    d = mdl.head_dim
+    d = mdl.head_size
     kv_local = max(mdl.kv // tp, 1)  # KV heads are replicated when tp > kv
     up = mdl.ffn // tp * (2 if mdl.activation == "swiglu" else 1)
     return [
@@ -143,12 +143,12 @@ def attention_shapes(budget: Budget, device: str) -> list[AttentionShape]:
             heads = mdl.heads // tp
             for s in seqs:
                 for b in (1, 2):
-                    shape = AttentionShape(b, heads, s, mdl.head_dim, f"{name} tp{tp}")
+                    shape = AttentionShape(b, heads, s, mdl.head_size, f"{name} tp{tp}")
                     while shape.flops > budget.max_gemm_flops and shape.heads > 1:
-                        shape = AttentionShape(b, shape.heads // 2, s, mdl.head_dim,
+                        shape = AttentionShape(b, shape.heads // 2, s, mdl.head_size,
                                                f"{name} tp{tp} (heads cut)")
                     if shape.flops <= budget.max_gemm_flops:
-                        seen.setdefault((b, shape.heads, s, mdl.head_dim), shape)
+                        seen.setdefault((b, shape.heads, s, mdl.head_size), shape)
     return spread_by_size(list(seen.values()), budget.attention_shapes, lambda s: s.flops)
 
 

@@ -105,8 +105,8 @@ def mla_params(spec: ModelSpec, mla: MLASpec) -> int:
 def attention_params(spec: ModelSpec) -> int:
     if spec.mla is not None:
         return mla_params(spec, spec.mla)
-    h, kv_width = spec.hidden, spec.kv * spec.head_dim
-    return 2 * h * h + 2 * h * kv_width + ((2 * h + 2 * kv_width) if spec.bias else 0)
+    h, q_width, kv_width = spec.hidden, spec.q_width, spec.kv * spec.head_size
+    return 2 * h * q_width + 2 * h * kv_width + ((q_width + h + 2 * kv_width) if spec.bias else 0)
 
 
 def mlp_params(spec: ModelSpec, width: int) -> int:

@@ -73,13 +73,13 @@ def layer_params(spec: ModelSpec, layer: int = 0) -> int:
     """
     if spec.is_moe or spec.mla is not None:
         return moe.layer_params(spec, layer)
-    h, kv_width = spec.hidden, spec.kv * spec.head_dim
-    attention = 2 * h * h + 2 * h * kv_width  # q and out h×h; k and v h×(kv·head_dim)
+    h, q_width, kv_width = spec.hidden, spec.q_width, spec.kv * spec.head_size
+    attention = 2 * h * q_width + 2 * h * kv_width  # q and out h×(a·head_dim); k, v h×(kv·head_dim)
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
     mlp = mlp_matrices * h * spec.ffn
     biases = 0
     if spec.bias:
-        biases = (2 * h + 2 * kv_width) + ((mlp_matrices - 1) * spec.ffn + h)
+        biases = (q_width + h + 2 * kv_width) + ((mlp_matrices - 1) * spec.ffn + h)
     return attention + mlp + biases + 2 * _norm_params(spec)
 
 

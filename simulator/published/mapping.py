@@ -13,6 +13,8 @@ ran, or why the simulator cannot say it.
   SHARD_GRAD_OP ZeRO-2, HYBRID_SHARD is not modelled); ``recompute`` (full, selective or
   none); the mixed-precision mode of FSDP (PURE reduces the gradients in the training
   dtype) as stack overrides.
+- **Model**: the row's dimensions over the framework's architecture; a head width
+  apart from hidden / heads (Qwen3, GPT-OSS) from ``other_flags`` (:data:`HEAD_DIM`).
 - **Batch and dtype**: the global batch in sequences, the micro-batch, bf16/fp16/fp32
   (autocast ``amp_`` or not); fp8 is not modelled yet.
 
@@ -146,6 +148,12 @@ def _parallel(row: Row) -> dict[str, Any]:
             "sequence_parallel": sp in ("true", "yes", "1")}
 
 
+#: a head width the table has no column for, stated in ``other_flags`` by either name
+#: (Hugging Face ``head_dim``, Megatron-LM ``--kv-channels``): ``head_dim 128``,
+#: ``head_dim=128``, ``--kv-channels 128``
+HEAD_DIM = re.compile(r"(?:\bhead[_ ]dim|kv[_-]channels)\s*[=:]?\s*(\d+)", re.IGNORECASE)
+
+
 def _model(row: Row, fw: Framework) -> dict[str, Any]:
     out: dict[str, Any] = {**fw.model, "layers": row.layers, "hidden": row.hidden,
                            "heads": row.heads, "vocab": row.vocab, "seq_len": row.seq_len}
@@ -153,6 +161,9 @@ def _model(row: Row, fw: Framework) -> dict[str, Any]:
         out["kv_heads"] = row.kv_heads
     if row.ffn_hidden:
         out["ffn_hidden"] = row.ffn_hidden
+    head_dim = HEAD_DIM.search(row.other_flags)
+    if head_dim:
+        out["head_dim"] = int(head_dim.group(1))
     if row.experts:
         out["experts"] = row.experts
         out["experts_per_token"] = row.topk or 1

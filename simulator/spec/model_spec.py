@@ -60,6 +60,10 @@ class ModelSpec(Frozen):
     hidden: int = Field(gt=0, le=MAX_SIZE)  # h
     heads: int = Field(gt=0, le=MAX_SIZE)  # a, query heads
     kv_heads: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # GQA when < heads; default heads
+    # width of each query, key and value head (Megatron-LM --kv-channels, Hugging Face
+    # head_dim); default hidden / heads. Set apart where heads x head_dim != hidden
+    # (Qwen3-32B: 64 heads of 128 over h 5120; Gemma; GPT-OSS)
+    head_dim: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default 4 × hidden
     vocab: int = Field(gt=0, le=MAX_SIZE)  # V
     seq_len: int = Field(gt=0, le=MAX_SIZE)  # s
@@ -94,6 +98,11 @@ class ModelSpec(Frozen):
             data = {**_preset_fields(data["preset"]), **data}
         if isinstance(data.get("heads"), int) and data.get("kv_heads") is None:
             data = {**data, "kv_heads": data["heads"]}
+        hidden, heads = data.get("hidden"), data.get("heads")
+        if data.get("head_dim") is None and isinstance(hidden, int) \
+                and isinstance(heads, int) and heads > 0 \
+                and (hidden % heads == 0 or data.get("mla") is not None):
+            data = {**data, "head_dim": max(hidden // heads, 1)}
         if isinstance(data.get("hidden"), int) and data.get("ffn_hidden") is None:
             data = {**data, "ffn_hidden": 4 * data["hidden"]}
         if data.get("expert_ffn_hidden") is None and isinstance(data.get("ffn_hidden"), int):
@@ -111,8 +120,16 @@ class ModelSpec(Frozen):
         return self.ffn_hidden
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_size(self) -> int:
+        """Each head's width (``head_dim``, resolved to hidden / heads when not set)."""
+        assert self.head_dim is not None
+        return self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        """The attention's inner width, heads x head_dim: what the query projection
+        writes and the output projection reads (hidden unless head_dim is set apart)."""
+        return self.heads * self.head_size
 
     @property
     def expert_ffn(self) -> int:

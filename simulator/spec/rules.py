@@ -33,9 +33,10 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     if mdl.kv > mdl.heads or mdl.heads % mdl.kv:
         out.append(Problem("model.kv_heads", mdl.kv, f"must divide model.heads ({mdl.heads}): "
                            "each KV head serves a whole group of query heads"))
-    if mdl.hidden % mdl.heads and mdl.mla is None:
+    if mdl.head_dim is None:
         out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
-                           f"({mdl.heads}); head size must be whole"))
+                           f"({mdl.heads}); head size must be whole: set model.head_dim "
+                           "where each head's width is not hidden / heads"))
     options = options_problems(s)
     if options:  # a strategy's rules read its options: they must be valid first
         return out + options

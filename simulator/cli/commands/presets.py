@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
                f"({mdl.active_param_count(spec, embedding=False) / 1e9:.2f} B without the "
                "input embedding)") if spec.is_moe else ""
         print(f"  {name:<14} {mdl.param_count(spec) / 1e9:8.2f} B params  l={spec.layers} "
-              f"h={spec.hidden} a={spec.heads} kv={spec.kv} ffn={spec.ffn} V={spec.vocab} "
+              f"h={spec.hidden} a={spec.heads}"
+              f"{f' d={spec.head_size}' if spec.q_width != spec.hidden else ''} kv={spec.kv} "
+              f"ffn={spec.ffn} V={spec.vocab} "
               f"s={spec.seq_len}{moe}")
     print("systems:")
     for name in preset_system_names():

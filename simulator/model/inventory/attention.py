@@ -26,7 +26,7 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
     fwd_flops = 4.0 * x.b * x.spec.seq_len ** 2 * x.q  # QKᵀ and AV, the full square
     heads = x.spec.heads / x.tp
     if x.st.flash:
-        call = AttentionCall(x.st.attention, x.spec.seq_len, x.spec.head_dim)
+        call = AttentionCall(x.st.attention, x.spec.seq_len, x.spec.head_size)
         if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
             return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
                        fwd_flops, "attention_fwd", 1,
@@ -79,10 +79,10 @@ def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: i
     call per chunk, each priced at the chunk's length). Causal: half the counted FLOPs
     execute (load-balanced chunks); the backward recomputes the scores
     (:func:`~simulator.model.inventory.ops.flash_scale`)."""
-    tokens, q_width = b * spec.seq_len, spec.hidden / tp
-    kv_width = kv_per_rank(spec, tp) * spec.head_dim
+    tokens, q_width = b * spec.seq_len, spec.q_width / tp
+    kv_width = kv_per_rank(spec, tp) * spec.head_size
     fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
-    call = AttentionCall(kernel, spec.seq_len, spec.head_dim)
+    call = AttentionCall(kernel, spec.seq_len, spec.head_size)
     if pass_ == "fwd":  # read q, k, v; write o
         return Op("attn_core", "attention", fwd_flops,
                   dt * tokens * (2 * q_width + 2 * cp * kv_width), fwd_flops / cp,
@@ -129,4 +129,4 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
 
 def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
     """Bytes of one rank's key and value chunk of one layer (its TP share of KV heads)."""
-    return 2.0 * b * local.seq_len * kv_per_rank(local, tp) * local.head_dim * dtype_bytes(dtype)
+    return 2.0 * b * local.seq_len * kv_per_rank(local, tp) * local.head_size * dtype_bytes(dtype)

@@ -163,11 +163,11 @@ class Shape:
 
     @property
     def q(self) -> float:
-        return self.spec.hidden / self.tp
+        return self.spec.q_width / self.tp
 
     @property
     def kv(self) -> float:
-        return kv_per_rank(self.spec, self.tp) * self.spec.head_dim
+        return kv_per_rank(self.spec, self.tp) * self.spec.head_size
 
     @property
     def scores(self) -> float:  # elements of the s×s matrices of this rank's heads

@@ -128,12 +128,12 @@ def layer_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     """A dense layer's gradient tensors as (rows, columns): nn.Linear weights are
     (out, in); biases and norm weights are n×1. Their elements sum to
     :func:`simulator.model.transformer.layer_params`."""
-    h, f, kvw = spec.hidden, spec.ffn, spec.kv * spec.head_dim
-    shapes = [(h, h), (kvw, h), (kvw, h), (h, h)]
+    h, f, q, kvw = spec.hidden, spec.ffn, spec.q_width, spec.kv * spec.head_size
+    shapes = [(q, h), (kvw, h), (kvw, h), (h, q)]
     up = 2 if spec.activation == "swiglu" else 1
     shapes += [(f, h)] * up + [(h, f)]
     if spec.bias:
-        shapes += [(h, 1), (kvw, 1), (kvw, 1), (h, 1)] + [(f, 1)] * up + [(h, 1)]
+        shapes += [(q, 1), (kvw, 1), (kvw, 1), (h, 1)] + [(f, 1)] * up + [(h, 1)]
     norm = [(h, 1)] * (2 if spec.norm == "layernorm" else 1)
     return shapes + norm * 2
 
