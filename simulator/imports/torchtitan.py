@@ -103,7 +103,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise UserError([Problem("torchtitan", str(path), f"not valid TOML: {exc}")]) from None
+        raise UserError([Problem("torchtitan", path.name, f"not valid TOML: {exc}")]) from None
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -276,9 +276,9 @@ def checkpointing(c: Config, d: Draft) -> None:
     elif mode == "selective" and option.isdigit() and int(option) >= 1:
         d.set("parallel.recompute", "full")
         if option != "1":
-            d.note("activation_checkpoint.selective_ac_option", option, "every "
-                   f"{option}th layer checkpointed: the schema recomputes all layers or "
-                   "none; simulated as full")
+            d.note("activation_checkpoint.selective_ac_option", option, f"one layer in "
+                   f"{option} checkpointed: the schema recomputes all layers or none; "
+                   "simulated as full")
     elif mode == "memory_budget":
         d.set("parallel.recompute", "none")
         d.note("activation_checkpoint.mode", mode, "no field for a memory budget; "
