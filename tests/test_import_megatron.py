@@ -78,8 +78,9 @@ def test_gpt3_175b_imports_as_the_bundled_scenario(tmp_path: Path) -> None:
     mine, theirs = (simulate_scenario(load_scenario(p), method="analytic")[0]
                     for p in (out, bundled))
     assert mine["step_time_s"] == theirs["step_time_s"]
-    text = out.read_text()
-    assert "--step-batch-size-schedule 0:16 2.4B:320" in text.split("\nname:")[0]
+    header = out.read_text().split("\nname:")[0]
+    assert "--step-batch-size-schedule 0:16 2.4B:320" in header
+    assert "torchrun --nnodes 1: the launcher's; --nodes 128 given instead" in header
 
 
 @needs_bash

@@ -197,6 +197,9 @@ def import_megatron(argv: list[str], system: str, nodes: int | None, gpus: int |
     if nodes is None and gpus is None and launch_nodes is not None:
         gpus = launch_nodes * per_node if per_node else None
         nodes = None if per_node else launch_nodes
+    elif launch_nodes is not None:
+        given = f"--nodes {nodes}" if nodes is not None else f"--gpus {gpus}"
+        d.note("torchrun --nnodes", launch_nodes, f"the launcher's; {given} given instead")
     layout(d, system, nodes, gpus, "megatron")
     d.set("model", model_section(d.data["model"]))
     if d.get("training.global_batch") is None:  # Megatron's default: one micro-batch per rank
