@@ -17,6 +17,7 @@ from types import ModuleType
 
 from simulator.cli.commands import (
     diff,
+    import_config,
     memory,
     ops,
     plan,
@@ -32,7 +33,7 @@ from simulator.cli.commands import (
 
 #: The simulator's commands, in ``--help`` order: each module has ``add_parser(sub)``.
 COMMANDS: tuple[ModuleType, ...] = (validate, run, memory, ops, presets, schema, sweep, plan,
-                                    plot, diff, train, validate_runs)
+                                    plot, diff, train, validate_runs, import_config)
 GROUP = "clustersim.commands"
 
 
