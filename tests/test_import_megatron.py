@@ -205,3 +205,19 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rc == 2 and len(err) == 1, err
     assert all(w in err[0] for w in words), err[0]
     assert out.read_text() == "kept\n"  # nothing written over it
+
+
+def test_kv_channels_apart_from_hidden_over_heads_is_the_head_width(tmp_path: Path) -> None:
+    """Qwen3-32B as Megatron-LM launches it: 64 heads of --kv-channels 128 over a hidden
+    size of 5120 (8192 wide attention), GQA with 8 groups."""
+    args = ["--num-layers", "64", "--hidden-size", "5120", "--num-attention-heads", "64",
+            "--kv-channels", "128", "--group-query-attention", "--num-query-groups", "8",
+            "--ffn-hidden-size", "25600", "--swiglu", "--seq-length", "4096",
+            "--micro-batch-size", "1", "--vocab-size", "151936", "--bf16",
+            "--tensor-model-parallel-size", "8"]
+    rc, out = _import(tmp_path, args, "--nodes", "1")
+    assert rc == 0
+    model = load_scenario(out).model
+    assert (model.head_dim, model.q_width, model.hidden) == (128, 8192, 5120)
+    rc, out = _import(tmp_path, [*BASE, "--kv-channels", "64"], "--nodes", "1")  # 1024/16
+    assert rc == 0 and "head_dim" not in yaml.safe_load(out.read_text())["model"]

@@ -233,10 +233,9 @@ def dense(a: Parsed, d: Draft) -> None:
     d.set("model.activation", "swiglu" if swiglu else "gelu")
     if a.given("--group-query-attention"):
         d.set("model.kv_heads", a.number("--num-query-groups", 1))
-    channels = a.number("--kv-channels")
+    channels = a.number("--kv-channels")  # validate_args: hidden / heads when absent
     if channels is not None and channels * heads != hidden:
-        d.note("--kv-channels", channels, f"the schema's head size is hidden / heads "
-               f"({hidden // heads}); simulated with that")
+        d.set("model.head_dim", channels)
     norm = a.text("--normalization", "LayerNorm")
     if norm not in ("LayerNorm", "RMSNorm"):
         raise UserError([Problem("--normalization", norm, "expected LayerNorm or RMSNorm")])
