@@ -98,6 +98,24 @@ def test_jobs_placed_apart_run_exactly_as_alone(tmp_path: Path, over: dict[str, 
     assert c.contention.contended == {}
 
 
+def test_each_step_draws_its_own_jitter_alone_and_together_alike(tmp_path: Path) -> None:
+    path = _cluster(tmp_path, placement="packed")
+    jittery = {**DP_JOB, "variability": {"jitter": {"sigma": 0.2}}}
+    (tmp_path / "dp.yaml").write_text(yaml.safe_dump(jittery))
+    c = _run(path)
+    times = c.alone[0].steps[0].times
+    assert len(set(times)) == len(times) == 2  # step 1's draws are not step 0's
+    assert c.together.steps[0].times == times
+
+
+def test_a_scenario_given_as_the_cluster_file_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _cluster(tmp_path)
+    assert main(["colocate", str(tmp_path / "dp.yaml")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "is a scenario (it has model)" in line
+
+
 def test_a_job_alone_on_the_cluster_is_the_single_job_simulation(tmp_path: Path) -> None:
     c = _run(_cluster(tmp_path, placement="packed"))
     s = load_scenario(tmp_path / "dp.yaml", ["simulation.fidelity=full"])

@@ -7,8 +7,8 @@ itself (same nodes, same fabric, no other job); together, every job runs in one 
 environment on one network (:func:`simulator.engine.together.run_together`). A job's
 slowdown is its mean measured step time together over its mean alone: where no link
 carries two jobs' flows the two runs do the same arithmetic and the slowdown is
-exactly 1. Every step of a job replays the same step (its variability's draws of
-step 0).
+exactly 1. A job's k-th step (measured or not) has its jitter's draws of step k, as
+``clustersim run --steps``; without jitter every step is the same.
 """
 
 from __future__ import annotations
@@ -39,10 +39,21 @@ class ColocatedJob:
     name: str
     path: Path
     scenario: Scenario
-    workload: Workload  # its step at full fidelity, replayed every step
+    workload: Workload  # its first step at full fidelity
     nodes: list[int] = field(default_factory=list)
     steps: int = 1
     start_s: float = 0.0
+    _later: dict[int, Workload] = field(default_factory=dict)
+
+    def workload_of(self, step: int) -> Workload:
+        """Step ``step``'s workload: the first one's, but for a jitter's own draws."""
+        if step == 0 or self.scenario.variability.jitter is None:
+            return self.workload
+        got = self._later.get(step)
+        if got is None:
+            got = self._later[step] = build_workload(self.scenario, fidelity="full",
+                                                     step=step)
+        return got
 
 
 @dataclass
@@ -131,10 +142,10 @@ def _run(shape: FabricShape, jobs: list[ColocatedJob], starts: list[float],
     engine_jobs = []
     for i in indices:
         j = jobs[i]
-        workload = j.workload
-        topo = PlacedTopology(workload.layout, j.scenario.hardware, fabric, j.nodes, i,
-                              workload.link_factors)
-        engine_jobs.append(Job(workload, j.scenario.hardware, topo, steps[i], starts[i]))
+        topo = PlacedTopology(j.workload.layout, j.scenario.hardware, fabric, j.nodes, i,
+                              j.workload.link_factors)
+        engine_jobs.append(Job(j.workload_of, j.scenario.hardware, topo, steps[i],
+                               starts[i]))
     watch = Contention(fabric.job_of)
     return run_together(engine_jobs, fabric.capacity, fabric.shared, watch), watch
 

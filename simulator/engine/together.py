@@ -1,13 +1,13 @@
 """Several workloads on one network, in one SimPy environment.
 
-Each job is a workload (its programs, groups and rank numbering), the topology that
-names the links its ranks use on the shared network, a number of measured steps and
-a start time. A job runs its step again and again, one :class:`Engine` per step (the
-next starts when every stream of the last is done); its flows share the network's
-links with every other job's, and nothing else connects them: jobs are not
-synchronised with each other. A job that has run its measured steps keeps stepping,
-unmeasured, until every job has run its own, so that no measured step runs on a
-fabric emptier than it would be in the steady state; the run stops there.
+Each job is a workload per step (its programs, groups and rank numbering), the
+topology that names the links its ranks use on the shared network, a number of
+measured steps and a start time. A job runs its steps one after another, one
+:class:`Engine` per step (the next starts when every stream of the last is done); its
+flows share the network's links with every other job's, and nothing else connects
+them: jobs are not synchronised with each other. A job that has run its measured
+steps keeps stepping, unmeasured, until every job has run its own, so that no
+measured step runs on a fabric emptier than it would be in the steady state; the run stops there.
 
 Nothing here knows what a transformer is.
 """
@@ -31,7 +31,7 @@ from simulator.system.topology import LinkId, Topology
 
 @dataclass
 class Job:
-    workload: Workload
+    workload_of: Callable[[int], Workload]  # its k-th step's workload (k from 0)
     hw: HardwareProfile
     topo: Topology  # its ranks' links on the shared network
     steps: int  # measured steps
@@ -89,8 +89,10 @@ def _job(env: simpy.Environment, net: FlowNetwork, job: Job, steps: Steps, done:
          current: list[Engine | None], index: int) -> Generator[simpy.Event, Any, None]:
     if job.start_s > 0:
         yield Timeout(env, job.start_s)
+    k = 0
     while True:
-        engine = current[index] = Engine(job.workload, job.hw, env, job.topo, net)
+        engine = current[index] = Engine(job.workload_of(k), job.hw, env, job.topo, net)
+        k += 1
         t0 = env.now
         yield engine.launch()
         if len(steps.starts) < job.steps:

@@ -131,6 +131,10 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
     if not isinstance(data, dict):
         raise UserError([Problem("cluster file", str(path), "must be a YAML mapping with "
                                  "keys name, system, nodes, jobs")])
+    if "model" in data and "jobs" not in data:
+        raise UserError([Problem("cluster file", str(path), "is a scenario (it has model); "
+                                 "a cluster file names system, nodes and jobs, each job a "
+                                 "scenario (docs/colocate.md)")])
     try:
         spec = ClusterFile.model_validate(data, strict=True)
     except ValidationError as exc:
