@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from simulator.cli.commands import (
+    colocate,
     diff,
     import_config,
     memory,
@@ -33,7 +34,8 @@ from simulator.cli.commands import (
 
 #: The simulator's commands, in ``--help`` order: each module has ``add_parser(sub)``.
 COMMANDS: tuple[ModuleType, ...] = (validate, run, memory, ops, presets, schema, sweep, plan,
-                                    plot, diff, train, validate_runs, import_config)
+                                    plot, diff, train, validate_runs, import_config,
+                                    colocate)
 GROUP = "clustersim.commands"
 
 

@@ -58,12 +58,21 @@ from simulator.system.units import LinkName
 
 
 class Engine:
-    def __init__(self, workload: Workload, hw: HardwareProfile) -> None:
+    """One workload's processes. Alone it owns its SimPy environment, topology and
+    network; several engines given one ``env`` and one ``net`` (each its own ``topo``,
+    which names the links its ranks use on that network) run side by side, each with
+    its own programs, groups and rendezvous (:mod:`simulator.engine.together`)."""
+
+    def __init__(self, workload: Workload, hw: HardwareProfile,
+                 env: simpy.Environment | None = None, topo: Topology | None = None,
+                 net: FlowNetwork | None = None) -> None:
         self.w = workload
         self.hw = hw
-        self.env = simpy.Environment()
-        self.topo = Topology(workload.layout, hw, workload.link_factors)
-        self.net = FlowNetwork(self.env, self.topo.capacity, self.topo.shared)
+        self.env = simpy.Environment() if env is None else env
+        self.topo = Topology(workload.layout, hw, workload.link_factors) if topo is None \
+            else topo
+        self.net = FlowNetwork(self.env, self.topo.capacity, self.topo.shared) \
+            if net is None else net
         self.events: dict[int, simpy.Event] = {}
         self.rendezvous: dict[tuple[Any, ...], Rendezvous] = {}
         self._group_id: dict[tuple[int, ...], int] = {}
@@ -182,12 +191,7 @@ class Engine:
         analytic estimate), the run advances in twentieths of it and reports the
         fraction of simulated time done (it may pass 1 when the estimate is short)."""
         start = time.perf_counter()
-        procs = [self.env.process(stream(self, inst, steps, name)) for inst in self.instances
-                 for name, steps in zip(inst.template.stream_names, inst.template.streams,
-                                        strict=True)]
-        # stop when every stream is done: stale completions of rescheduled flows may
-        # still sit in the queue, later than the step's end
-        finished = self.env.all_of(procs)
+        finished = self.launch()
         with gc_paused():
             until = 0.0
             while not finished.triggered:
@@ -202,7 +206,20 @@ class Engine:
                     break
                 if progress is not None and horizon > 0:
                     progress(self.env.now / horizon)
-        wall = time.perf_counter() - start
+        return self.collect(time.perf_counter() - start)
+
+    def launch(self) -> simpy.Event:
+        """Start every stream's process; the event fires when all are done (stop there:
+        stale completions of rescheduled flows may still sit in the queue, later than
+        the step's end)."""
+        procs = [self.env.process(stream(self, inst, steps, name)) for inst in self.instances
+                 for name, steps in zip(inst.template.stream_names, inst.template.streams,
+                                        strict=True)]
+        return self.env.all_of(procs)
+
+    def collect(self, wall: float) -> SimResult:
+        """What the run gave (after the event of :meth:`launch` fired, or the queue ran
+        dry: a deadlock, raised here), ``wall`` seconds of it."""
         start_a, end_a = self._spans()
         unfinished = np.flatnonzero(np.isnan(end_a))
         if len(unfinished):
@@ -210,7 +227,7 @@ class Engine:
             raise RuntimeError(f"deadlock: {len(unfinished)} tasks never ran, first "
                                f"{first.name} on rank {first.rank}")
         busy: dict[str, float] = {}
-        for link, secs in self.net.busy.items():
+        for link, secs in self.topo.own(self.net.busy).items():
             key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
             busy[key] = busy.get(key, 0.0) + secs
         end = float(end_a.max()) if len(end_a) else 0.0
@@ -344,10 +361,7 @@ class Engine:
         key = (grp, link_class)
         links = self._links.get(key)
         if links is None:
-            seen: dict[Any, None] = {}
-            for r in self.members[grp]:
-                seen.update(dict.fromkeys(self.topo.links(r, link_class)))
-            links = self._links[key] = tuple(seen)
+            links = self._links[key] = self.topo.group_links(self.members[grp], link_class)
         return links
 
     def _phases(self, plan: Plan) -> list[tuple[list[tuple[LinkName, float]], float]]:

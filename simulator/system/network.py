@@ -10,7 +10,14 @@ therefore each take twice as long as one alone.
 A flow's ``weight`` is how many identical flows it stands for on *shared* links:
 symmetry folding simulates one representative rank and charges the links that
 ranks share (the fabric core) with the load of all the ranks it represents. On a
-rank's private links (its NVSwitch port, its NIC) a flow always counts once.
+rank's private links (its NVSwitch port, its NIC) a flow always counts once. Where a
+flow's members sit behind different shared links (a collective spanning several
+leaves of a cluster's fabric), its links come as a :class:`Route`, which carries the
+load the flow puts on each link and replaces that rule.
+
+A ``watch`` (optional) sees every flow start and end, with its links: what the
+colocation of several jobs on one fabric uses to tell which links their flows shared.
+Without one nothing is recorded.
 
 The network owns no global state; it lives in the SimPy environment it is given.
 """
@@ -19,12 +26,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import simpy
 from simpy.events import Event, Timeout
 
 from simulator.system.topology import LinkId
+
+
+class Route(tuple[LinkId, ...]):
+    """Links (a tuple of link ids) with the load a flow over them puts on each: how
+    many flows it stands for there (``loads``, one per link, in order)."""
+
+    loads: tuple[float, ...]
+
+    def __new__(cls, links: Sequence[LinkId], loads: Sequence[float]) -> Route:
+        route = super().__new__(cls, links)
+        if len(route) != len(loads):
+            raise ValueError(f"{len(route)} links but {len(loads)} loads")
+        route.loads = tuple(float(x) for x in loads)
+        return route
+
+
+class Watch(Protocol):
+    """Told when a flow starts and when it ends (its links, the time)."""
+
+    def started(self, links: tuple[_Link, ...], now: float) -> None: ...
+
+    def ended(self, links: tuple[_Link, ...], now: float) -> None: ...
 
 
 class _Link:
@@ -44,11 +73,14 @@ class _Link:
 
 
 class Flow:
-    __slots__ = ("done", "gen", "latency", "links", "rate", "remaining", "updated", "weight")
+    __slots__ = ("done", "gen", "latency", "links", "loads", "rate", "remaining", "updated",
+                 "weight")
 
     def __init__(self, done: simpy.Event, links: tuple[_Link, ...], nbytes: float,
-                 weight: float, now: float, latency: float = 0.0) -> None:
+                 weight: float, now: float, latency: float = 0.0,
+                 loads: tuple[float, ...] | None = None) -> None:
         self.done = done
+        self.loads = loads  # per link, its load there (a Route's), else None
         self.latency = latency
         self.links = links
         self.remaining = nbytes
@@ -69,6 +101,7 @@ class FlowNetwork:
         # collective) -> (that tuple, kept alive so its id stays unique, its links)
         self._resolved: dict[int, tuple[Sequence[LinkId], tuple[_Link, ...]]] = {}
         self.flows_started = 0
+        self.watch: Watch | None = None
 
     @property
     def busy(self) -> dict[LinkId, float]:
@@ -101,20 +134,34 @@ class FlowNetwork:
             return done
         now = self.env._now
         objs = self._resolve(links)
-        flow = Flow(done, objs, float(nbytes), weight, now, latency)
+        loads = links.loads if type(links) is Route else None
+        flow = Flow(done, objs, float(nbytes), weight, now, latency, loads)
         affected: dict[Flow, None] = {}
         rate = math.inf
-        for link in objs:
-            on = link.flows
-            if on:
-                affected.update(on)
-            else:
-                link.since = now
-            on[flow] = None
-            link.load += weight if link.weighted else 1.0
-            r = link.cap / link.load
-            rate = min(rate, r)
+        if loads is None:
+            for link in objs:
+                on = link.flows
+                if on:
+                    affected.update(on)
+                else:
+                    link.since = now
+                on[flow] = None
+                link.load += weight if link.weighted else 1.0
+                r = link.cap / link.load
+                rate = min(rate, r)
+        else:
+            for link, add in zip(objs, loads, strict=True):
+                on = link.flows
+                if on:
+                    affected.update(on)
+                else:
+                    link.since = now
+                on[flow] = None
+                link.load += add
+                rate = min(rate, link.cap / link.load)
         self.flows_started += 1
+        if self.watch is not None:
+            self.watch.started(objs, now)
         if affected:  # the neighbours' rates change: settle them at the old ones first
             _settle(affected, now)
             affected[flow] = None
@@ -150,15 +197,30 @@ class FlowNetwork:
         flow.remaining = 0.0
         flow.gen = -1
         affected: dict[Flow, None] = {}
-        for link in flow.links:
-            on = link.flows
-            del on[flow]
-            if on:
-                link.load -= flow.weight if link.weighted else 1.0
-                affected.update(on)
-            else:
-                link.load = 0.0
-                link.busy += now - link.since
+        loads = flow.loads
+        if loads is None:
+            weight = flow.weight
+            for link in flow.links:
+                on = link.flows
+                del on[flow]
+                if on:
+                    link.load -= weight if link.weighted else 1.0
+                    affected.update(on)
+                else:
+                    link.load = 0.0
+                    link.busy += now - link.since
+        else:
+            for link, sub in zip(flow.links, loads, strict=True):
+                on = link.flows
+                del on[flow]
+                if on:
+                    link.load -= sub
+                    affected.update(on)
+                else:
+                    link.load = 0.0
+                    link.busy += now - link.since
+        if self.watch is not None:
+            self.watch.ended(flow.links, now)
         if affected:
             _settle(affected, now)
             self._reschedule(affected)

@@ -18,7 +18,7 @@ A link id is a plain tuple: ``("nvl", rank)``, ``("nic", rank)`` or ``("core",)`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
@@ -67,6 +67,19 @@ class Topology:
         if self.oversubscribed:
             return (("nic", rank), CORE)
         return (("nic", rank),)
+
+    def group_links(self, members: Sequence[int], link_class: LinkName) -> tuple[LinkId, ...]:
+        """Every member's link of a class, shared links once: a ring moves in lock-step,
+        so one flow over all of them proceeds at the slowest member's share."""
+        seen: dict[LinkId, None] = {}
+        for r in members:
+            seen.update(dict.fromkeys(self.links(r, link_class)))
+        return tuple(seen)
+
+    def own(self, busy: Mapping[LinkId, float]) -> dict[LinkId, float]:
+        """Of a network's busy seconds by link, this topology's links (all of them: a
+        topology alone on its network)."""
+        return dict(busy)
 
     def send_links(self, src: int, dst: int, link_class: LinkName) -> tuple[LinkId, ...]:
         """The links a point-to-point transfer occupies: the sender's, plus the
