@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from simulator.cli.commands import (
+    compare_trace,
     diff,
     memory,
     ops,
@@ -32,7 +33,7 @@ from simulator.cli.commands import (
 
 #: The simulator's commands, in ``--help`` order: each module has ``add_parser(sub)``.
 COMMANDS: tuple[ModuleType, ...] = (validate, run, memory, ops, presets, schema, sweep, plan,
-                                    plot, diff, train, validate_runs)
+                                    plot, diff, train, validate_runs, compare_trace)
 GROUP = "clustersim.commands"
 
 
