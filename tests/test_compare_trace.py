@@ -239,11 +239,12 @@ def test_multi_rank_job_end_to_end_names_the_rank_that_differs(
     assert main(["compare-trace", str(tmp_path / "traces"), str(scenario),
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "ranks that differ most from the simulation" in printed
+    assert "ranks farthest from the median measured rank (off_peers): 5 (" in printed
     data = json.loads((out / "comparison.json").read_text())
     ranks = {r["rank"]: r for r in data["ranks"]}
     assert sorted(ranks) == list(range(8))
     assert max(ranks, key=lambda r: ranks[r]["off_peers"]) == 5
+    assert data["differing_ranks"]["off_peers"][0] == 5
     # rank 5 computes 3.2 ms of 4 (the others 1.6) and waits 0.4 in its AllReduce
     assert ranks[5]["compute_measured"] == pytest.approx(3.2e-3)
     assert ranks[5]["exposed_comm_measured"] == pytest.approx(0.4e-3)

@@ -13,7 +13,7 @@ the simulation the same way (:mod:`simulator.traces.simulated`). Three tables:
   how far the rank's measured breakdown lies from its simulation, and ``off_peers``,
   how far it lies from the median measured rank, each the sum over the classes,
   exposed communication and idle of |a − b|, as a fraction of the measured step;
-- the ranks that differ most (:func:`differing_ranks`), by ``off_sim``.
+- the ranks that differ most (:func:`differing_ranks`), by either distance.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ def rank_table(measured: Mapping[int, Mapping[str, float]],
     return pd.DataFrame(rows)
 
 
-def differing_ranks(ranks: pd.DataFrame, top: int = 5) -> pd.DataFrame:
-    """The ``top`` ranks whose measured breakdown lies farthest from their simulation."""
-    return ranks.sort_values(["off_sim", "rank"], ascending=[False, True]).head(top)
+def differing_ranks(ranks: pd.DataFrame, key: str, top: int = 5) -> pd.DataFrame:
+    """The ``top`` ranks of the rank table farthest by ``key`` (``off_sim`` or
+    ``off_peers``), farthest first, ties by rank."""
+    return ranks.sort_values([key, "rank"], ascending=[False, True]).head(top)
 
 
 def compare_traces(directory: Path, s: Scenario, fidelity: str | None = None
@@ -112,5 +113,6 @@ def compare_traces(directory: Path, s: Scenario, fidelity: str | None = None
     simulated = simulated_figures(s, results, spans, list(measured))
     ranks = rank_table(measured, simulated)
     return {"classes": class_table(measured, simulated), "ranks": ranks,
-            "differing": differing_ranks(ranks), "results": results,
+            "differing": {k: differing_ranks(ranks, k) for k in ("off_sim", "off_peers")},
+            "results": results,
             "measured": measured, "simulated": simulated}

@@ -38,14 +38,19 @@ def _value(row: Mapping[str, Any], key: str) -> str:
     return f"{v / 1e6:.3f} MB" if row["unit"] == "bytes" else f"{_ms(v)} ms"
 
 
-def class_lines(classes: pd.DataFrame) -> list[str]:
-    """The class table as aligned text (per step, mean over ranks)."""
-    rows = [("figure", "measured", "(min-max)", "simulated", "error")]
+def _class_rows(classes: pd.DataFrame) -> list[tuple[str, ...]]:
+    """Header, then each class with something on either side, in milliseconds or MB."""
+    rows: list[tuple[str, ...]] = [("figure", "measured", "(min-max)", "simulated", "error")]
     for _, r in classes[_nonzero(classes)].iterrows():
         lo, hi = _value(r, "measured_min"), _value(r, "measured_max")
-        spread = f"{lo.split()[0]}-{hi}"
-        rows.append((str(r["figure"]), _value(r, "measured"), spread, _value(r, "simulated"),
-                     _err(float(r["error"]))))
+        rows.append((str(r["figure"]), _value(r, "measured"), f"{lo.split()[0]}-{hi}",
+                     _value(r, "simulated"), _err(float(r["error"]))))
+    return rows
+
+
+def class_lines(classes: pd.DataFrame) -> list[str]:
+    """The class table as aligned text (per step, mean over ranks)."""
+    rows = _class_rows(classes)
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]
@@ -57,13 +62,32 @@ def _nonzero(classes: pd.DataFrame) -> pd.Series:
         classes["figure"].isin(ALWAYS)
 
 
-def _markdown(df: pd.DataFrame) -> list[str]:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        cells = [f"{v:.6g}" if isinstance(v, float) else str(v) for v in r]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    return ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+            *("| " + " | ".join(r) + " |" for r in rows[1:])]
+
+
+def _rank_rows(ranks: pd.DataFrame) -> list[tuple[str, ...]]:
+    """Each rank, its times in milliseconds and its distances."""
+    cols = [c for c in ranks.columns if c not in ("rank", "sim_rank", "steps")]
+    rows = [("rank", "sim rank", "steps", *(c.replace("_", " ") + (" (ms)" if not
+                                                                   c.startswith("off") else "")
+                                            for c in cols))]
+    for _, r in ranks.iterrows():
+        rows.append((str(int(r["rank"])), str(int(r["sim_rank"])), str(int(r["steps"])),
+                     *(f"{r[c]:.2f}" if c.startswith("off") else _ms(float(r[c]))
+                       for c in cols)))
+    return rows
+
+
+def differing_lines(comparison: Mapping[str, Any]) -> list[str]:
+    """The ranks farthest from the simulation and from their peers, one line each."""
+    def top(key: str) -> str:
+        return ", ".join(f"{int(r['rank'])} ({r[key]:.2f})"
+                         for _, r in comparison["differing"][key].iterrows())
+
+    return [f"ranks farthest from the simulation (off_sim): {top('off_sim')}",
+            f"ranks farthest from the median measured rank (off_peers): {top('off_peers')}"]
 
 
 def markdown(comparison: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
@@ -72,17 +96,15 @@ def markdown(comparison: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
              f"{len(comparison['ranks'])} measured rank(s); per step, measured "
              f"{_ms(float(step['measured']))} ms, simulated "
              f"{_ms(float(step['simulated']))} ms ({_err(float(step['error']))}). "
-             "Seconds per step, mean over the measured ranks; the classes are "
-             "defined in docs/compare-trace.md.", "", "## By class", "",
-             *_markdown(comparison["classes"]), "", "## The ranks that differ most", "",
-             "off_sim: |measured - simulated| over the classes, exposed communication "
-             "and idle, as a fraction of the measured step; off_peers: the same against "
-             "the median measured rank.", "",
-             *_markdown(comparison["differing"][["rank", "sim_rank", "off_sim", "off_peers",
-                                                 "step_measured", "step_simulated",
-                                                 "exposed_comm_measured",
-                                                 "exposed_comm_simulated"]]),
-             "", "## By rank", "", *_markdown(comparison["ranks"]), ""]
+             "Per step, mean over the measured ranks (the CSV files have seconds and "
+             "bytes); the classes are defined in docs/compare-trace.md.", "",
+             "## By class", "", *_table(_class_rows(comparison["classes"])), "",
+             "## The ranks that differ most", "",
+             "off_sim: the sum over the classes, exposed communication and idle of "
+             "|measured - simulated|, as a fraction of the measured step; off_peers: the "
+             "same against the median measured rank.", "",
+             *(f"- {line}" for line in differing_lines(comparison)), "",
+             "## By rank", "", *_table(_rank_rows(comparison["ranks"])), ""]
     return "\n".join(lines)
 
 
@@ -127,7 +149,8 @@ def write_report(out: Path, comparison: Mapping[str, Any], meta: Mapping[str, An
     results = comparison["results"]
     data = {**meta, "classes": comparison["classes"].to_dict("records"),
             "ranks": comparison["ranks"].to_dict("records"),
-            "differing_ranks": [int(r) for r in comparison["differing"]["rank"]],
+            "differing_ranks": {k: [int(r) for r in v["rank"]]
+                                for k, v in comparison["differing"].items()},
             "simulated_results": {k: results[k] for k in (
                 "step_time_s", "step_breakdown_s", "exposed_comm_s", "fidelity")}}
     path = out / "comparison.json"

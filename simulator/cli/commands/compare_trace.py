@@ -37,7 +37,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.run_dir import check_out_dir, default_out_dir
     from simulator.traces.compare import compare_traces
-    from simulator.traces.report import class_lines, write_report
+    from simulator.traces.report import class_lines, differing_lines, write_report
 
     s = load(args)
     out = args.out or default_out_dir(f"compare-trace-{s.name}")
@@ -49,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
     written = write_report(out, comparison, meta, plot=not args.no_plots)
     print("per step, mean over the measured ranks:")
     print("\n".join(class_lines(comparison["classes"])))
-    top = comparison["differing"]
-    print("ranks that differ most from the simulation (off_sim, fraction of the step): "
-          + ", ".join(f"{int(r['rank'])} ({r['off_sim']:.2f})" for _, r in top.iterrows()))
+    print("\n".join(differing_lines(comparison)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
