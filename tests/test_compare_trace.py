@@ -382,3 +382,59 @@ def test_a_measured_cpu_job_end_to_end(tmp_path: Path) -> None:
     for c in ("gemm", "attention", "norm", "elementwise", "all_reduce"):
         assert classes[c]["measured"] > 0 and math.isfinite(classes[c]["simulated"]), c
     assert (out / "classes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------- the simulated side
+
+
+def test_simulated_spans_cut_like_a_trace() -> None:
+    """A hand-made span table: forward 0-10, a TP all-reduce 10-12 on the compute
+    stream, a DP all-reduce 5-15 on its own, the optimizer 15-16, an offload copy
+    16-17, in a 20-step: compute 11 (10 split by the shares, the optimizer
+    elementwise), all-reduce 10 of which 5 exposed, memcpy 1, idle 3."""
+    import pandas as pd
+
+    from simulator.traces.simulated import span_figures
+
+    spans = pd.DataFrame([
+        {"rank": 0, "stage": 0, "kind": "forward", "op": "F", "start": 0.0, "end": 10.0,
+         "bytes": 0.0},
+        {"rank": 0, "stage": 0, "kind": "tp", "op": "tp.all_reduce", "start": 10.0,
+         "end": 12.0, "bytes": 100.0},
+        {"rank": 0, "stage": 0, "kind": "dp", "op": "dp.all_reduce", "start": 5.0,
+         "end": 15.0, "bytes": 50.0},
+        {"rank": 0, "stage": 0, "kind": "optimizer", "op": "optimizer", "start": 15.0,
+         "end": 16.0, "bytes": 0.0},
+        {"rank": 0, "stage": 0, "kind": "offload", "op": "offload.d2h", "start": 16.0,
+         "end": 17.0, "bytes": 8.0}])
+    shares = {"gemm": 0.5, "attention": 0.2, "norm": 0.1, "elementwise": 0.2}
+    f = span_figures(spans, 20.0, shares)
+    assert (f["gemm"], f["attention"], f["norm"]) == pytest.approx((5, 2, 1))
+    assert f["elementwise"] == pytest.approx(3)
+    assert f["compute"] == pytest.approx(11)
+    assert (f["all_reduce"], f["comm"], f["exposed_comm"]) == pytest.approx((10, 10, 5))
+    assert f["memcpy"] == pytest.approx(1)
+    assert f["idle"] == pytest.approx(3)
+    assert f["bytes_all_reduce"] == 150.0
+
+
+@pytest.mark.parametrize(("fidelity", "expected"), [
+    ("folded", {0: 0, 1: 0, 3: 0, 4: 4, 5: 4, 7: 4}),
+    ("full", {0: 0, 1: 1, 3: 3, 4: 4, 5: 5, 7: 7})])
+def test_a_measured_rank_stands_beside_its_stage_when_folded(
+        tmp_path: Path, fidelity: str, expected: dict[int, int]) -> None:
+    from simulator.api import simulate_scenario
+    from simulator.spec.load import load_scenario
+    from simulator.traces.simulated import class_shares, simulated_figures
+
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    s = load_scenario(path, [])
+    results, spans = simulate_scenario(s, "engine", fidelity)
+    assert spans is not None
+    sim = simulated_figures(s, results, spans, list(expected))
+    assert {r: int(f["sim_rank"]) for r, f in sim.items()} == expected
+    for stage in (0, 1):
+        shares = class_shares(s, stage)
+        assert sum(shares.values()) == pytest.approx(1)
+        assert min(shares.values()) >= 0 and shares["gemm"] > 0
