@@ -307,6 +307,10 @@ def _bad_cases(tmp: Path) -> list[tuple[Path, str]]:
     case("string-ts", json.dumps({"traceEvents": [good[0], {**good[1], "ts": "5"}]}),
          "traceEvents[1].ts is '5'")
     case("nan", '{"traceEvents": [{"ph": "X", "ts": NaN, "dur": 1}]}', "NaN")
+    case("huge-int", '{"traceEvents": [{"ph": "X", "ts": 1%s, "dur": 1}]}' % ("0" * 400),
+         "traceEvents[0].ts is 1000")
+    case("overflow", json.dumps({"traceEvents": [{**good[1], "ts": 1.7e308, "dur": 1.7e308}]}),
+         "traceEvents[0] ends past the largest time")
     case("args-list", json.dumps({"traceEvents": [{**good[1], "args": [1]}]}),
          "traceEvents[0].args")
     case("bad-rank", json.dumps({"traceEvents": good, "distributedInfo": {"rank": -1}}),
@@ -438,3 +442,72 @@ def test_a_measured_rank_stands_beside_its_stage_when_folded(
         shares = class_shares(s, stage)
         assert sum(shares.values()) == pytest.approx(1)
         assert min(shares.values()) >= 0 and shares["gemm"] > 0
+
+
+# ----------------------------------------------------------------- properties
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KERNELS = ("sm90_xmma_gemm", "flash_fwd_kernel", "layer_norm_kernel", "elementwise_kernel",
+            "ncclDevKernel_AllReduce", "ncclDevKernel_AllGather", "Memcpy DtoD")
+_span = st.tuples(st.sampled_from(_KERNELS), st.integers(0, 200), st.integers(0, 50),
+                  st.sampled_from((7, 8, 20)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_span, min_size=1, max_size=25))
+def test_overlap_figures_partition_the_step(tmp_path_factory: pytest.TempPathFactory,
+                                            spans: list[tuple[str, int, int, int]]) -> None:
+    """Any kernels on any streams: exposed communication is communication outside
+    compute; compute, exposed communication, memcpy outside both and idle add up to the
+    step; a class is at most the union of its kind; the union is at most their sum."""
+    events = [kernel(n, a, a + d, s, cat="gpu_memcpy" if n.startswith("Memcpy") else "kernel")
+              for n, a, d, s in spans]
+    path = write(tmp_path_factory.mktemp("p") / "rank0.json", events, rank=0)
+    f = figures_of(path)
+    busy = union((e["ts"] / MS, (e["ts"] + e["dur"]) / MS) for e in events)
+    compute = union((e["ts"] / MS, (e["ts"] + e["dur"]) / MS) for e in events
+                    if not e["name"].startswith(("nccl", "Memcpy")))
+    # no ProfilerStep: one step from the first event to the last, empty ones too
+    assert f["step"] == pytest.approx(max(a + d for _, a, d, _ in spans)
+                                      - min(a for _, a, _, _ in spans))
+    assert f["idle"] == pytest.approx(f["step"] - length(busy), abs=1e-9)
+    assert f["compute"] == pytest.approx(length(compute), abs=1e-9)
+    assert 0 <= f["exposed_comm"] <= f["comm"] + 1e-9
+    assert f["compute"] + f["exposed_comm"] <= f["step"] - f["idle"] + 1e-9
+    assert max(f[c] for c in COMPUTE_CLASSES) <= f["compute"] + 1e-9
+    assert f["compute"] <= sum(f[c] for c in COMPUTE_CLASSES) + 1e-9
+
+
+_value = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(-1e3, 1e6),
+                   st.sampled_from((10**400, 1.7e308)),
+                   st.text(max_size=8), st.lists(st.integers(), max_size=2))
+_event = st.dictionaries(
+    st.sampled_from(("ph", "cat", "name", "ts", "dur", "args", "pid", "tid")),
+    st.one_of(_value, st.sampled_from(("X", "kernel", "cpu_op", "user_annotation",
+                                       "ProfilerStep#1", "ncclDevKernel_AllReduce")),
+              st.dictionaries(st.sampled_from(("stream", "Collective name", "dtype",
+                                               "In msg nelems")), _value, max_size=3)),
+    max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.lists(_event, max_size=6),
+                 st.dictionaries(st.sampled_from(("traceEvents", "distributedInfo")),
+                                 st.one_of(_value, st.lists(_event, max_size=6),
+                                           st.dictionaries(st.just("rank"), _value)),
+                                 max_size=2)))
+def test_any_json_is_figures_or_a_one_line_error(tmp_path_factory: pytest.TempPathFactory,
+                                                 doc: Any) -> None:
+    """Whatever JSON a trace file holds, reading and cutting it gives finite figures or
+    a UserError of one line naming the file, never another exception."""
+    path = tmp_path_factory.mktemp("j") / "rank0.json"
+    path.write_text(json.dumps(doc))
+    try:
+        f = rank_figures([read_trace(path)])
+    except reader.UserError as exc:
+        lines = str(exc).splitlines()
+        assert len(lines) == 1 and str(path) in lines[0]
+    else:
+        assert all(math.isfinite(v) and v >= -1e-9 for v in f.values())

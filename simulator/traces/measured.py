@@ -48,7 +48,7 @@ from simulator.traces.classes import (
     kernel_class,
 )
 from simulator.traces.intervals import Interval, intersect, length, subtract, union
-from simulator.traces.reader import TraceFile
+from simulator.traces.reader import TraceFile, finite_number
 
 US = 1e-6  # trace times are microseconds
 STEP_ANNOTATION = re.compile(r"^ProfilerStep#\d+$")
@@ -86,9 +86,8 @@ def message_bytes(args: Mapping[str, Any]) -> float:
     """A collective's payload from its event's arguments (the larger of its input and
     output; 0 where the trace does not say)."""
     size = ELEMENT_BYTES.get(str(args.get("dtype", "")).lower(), 0)
-    counts = [args.get("In msg nelems"), args.get("Out msg nelems")]
-    n = max((float(c) for c in counts if isinstance(c, int | float)
-             and not isinstance(c, bool) and math.isfinite(c) and c >= 0), default=0.0)
+    counts = (finite_number(args.get(k)) for k in ("In msg nelems", "Out msg nelems"))
+    n = max((c for c in counts if c is not None and c >= 0), default=0.0)
     return n * size
 
 

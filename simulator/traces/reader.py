@@ -80,14 +80,26 @@ def _gunzip(path: Path, data: bytes) -> bytes:
     return out
 
 
+def finite_number(value: Any) -> float | None:
+    """``value`` as a finite float, or None: not a number, a boolean, infinite, or an
+    integer too large for a float (JSON integers have no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _number(path: Path, event: dict[str, Any], key: str, i: int) -> float:
     value = event.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or \
-            not math.isfinite(value) or (key == "dur" and value < 0):
+    number = finite_number(value)
+    if number is None or (key == "dur" and number < 0):
         raise _bad(path, f"traceEvents[{i}].{key}", f"is {_show(value)}; a complete event needs "
                    f"a finite {'non-negative ' if key == 'dur' else ''}number of "
                    "microseconds")
-    return float(value)
+    return number
 
 
 def _events(path: Path, doc: Any) -> list[dict[str, Any]]:
@@ -101,8 +113,9 @@ def _events(path: Path, doc: Any) -> list[dict[str, Any]]:
             raise _bad(path, f"traceEvents[{i}]", f"is {type(e).__name__}, not an object")
         if e.get("ph") != "X":
             continue
-        _number(path, e, "ts", i)
-        _number(path, e, "dur", i)
+        if not math.isfinite(_number(path, e, "ts", i) + _number(path, e, "dur", i)):
+            raise _bad(path, f"traceEvents[{i}]", "ends past the largest time a float "
+                       "holds; is ts in microseconds?")
         for key, kind in (("name", str), ("cat", str), ("args", dict)):
             if key in e and not isinstance(e[key], kind):
                 raise _bad(path, f"traceEvents[{i}].{key}", f"is {_show(e[key])}; expected "
