@@ -198,6 +198,17 @@ def test_cpu_time_goes_to_the_innermost_op_that_names_a_class(tmp_path: Path) ->
     assert f["step"] == pytest.approx(20)
 
 
+def test_cpu_profiler_steps_divide_the_figures(tmp_path: Path) -> None:
+    """Two CPU ProfilerStep annotations of 10 ms, each with a 5 ms aten::mm; an op
+    before the first step does not count."""
+    f = figures_of(write(tmp_path / "rank0.json", [
+        cpu_op("aten::add", -4, -1), step(1, 0, 10, cat="user_annotation"),
+        cpu_op("aten::mm", 0, 5), step(2, 10, 20, cat="user_annotation"),
+        cpu_op("aten::mm", 12, 17)]))
+    assert (f["step"], f["gemm"], f["elementwise"]) == pytest.approx((10, 5, 0))
+    assert f["idle"] == pytest.approx(5)
+
+
 # ----------------------------------------------------------------- files and ranks
 
 
@@ -307,6 +318,7 @@ def _bad_cases(tmp: Path) -> list[tuple[Path, str]]:
     case("string-ts", json.dumps({"traceEvents": [good[0], {**good[1], "ts": "5"}]}),
          "traceEvents[1].ts is '5'")
     case("nan", '{"traceEvents": [{"ph": "X", "ts": NaN, "dur": 1}]}', "NaN")
+    case("deep", '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "recursion")
     case("huge-int", '{"traceEvents": [{"ph": "X", "ts": 1%s, "dur": 1}]}' % ("0" * 400),
          "traceEvents[0].ts is 1000")
     case("overflow", json.dumps({"traceEvents": [{**good[1], "ts": 1.7e308, "dur": 1.7e308}]}),
