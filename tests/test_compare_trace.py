@@ -406,8 +406,9 @@ def test_a_measured_cpu_job_end_to_end(tmp_path: Path) -> None:
 def test_simulated_spans_cut_like_a_trace() -> None:
     """A hand-made span table: forward 0-10, a TP all-reduce 10-12 on the compute
     stream, a DP all-reduce 5-15 on its own, the optimizer 15-16, an offload copy
-    16-17, in a 20-step: compute 11 (10 split by the shares, the optimizer
-    elementwise), all-reduce 10 of which 5 exposed, memcpy 1, idle 3."""
+    16-17 and the host's optimizer step 17-19 (no device time), in a 20-step: compute
+    11 (10 split by the shares, the optimizer elementwise), all-reduce 10 of which 5
+    exposed, memcpy 1, idle 3."""
     import pandas as pd
 
     from simulator.traces.simulated import span_figures
@@ -422,7 +423,10 @@ def test_simulated_spans_cut_like_a_trace() -> None:
         {"rank": 0, "stage": 0, "kind": "optimizer", "op": "optimizer", "start": 15.0,
          "end": 16.0, "bytes": 0.0},
         {"rank": 0, "stage": 0, "kind": "offload", "op": "offload.d2h", "start": 16.0,
-         "end": 17.0, "bytes": 8.0}])
+         "end": 17.0, "bytes": 8.0},
+        {"rank": 0, "stage": 0, "kind": "optimizer", "op": "optimizer", "start": 17.0,
+         "end": 19.0, "bytes": 0.0, "stream": "host"}])
+    spans["stream"] = spans["stream"].fillna("compute")
     shares = {"gemm": 0.5, "attention": 0.2, "norm": 0.1, "elementwise": 0.2}
     f = span_figures(spans, 20.0, shares)
     assert (f["gemm"], f["attention"], f["norm"]) == pytest.approx((5, 2, 1))

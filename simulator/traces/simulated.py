@@ -12,7 +12,8 @@ rank's non-optimizer compute by its stage's op inventory (:mod:`simulator.output
 ops_table`): each op's priced time, a layer's ops times the layers the stage holds, the
 embedding on the first stage and the head on the last, folded into trace classes by
 :data:`simulator.traces.classes.COST_CLASS_TRACE`. The optimizer's spans are
-``elementwise``; an offload's transfers are ``memcpy``.
+``elementwise``; an offload's transfers are ``memcpy``; what the host stream computes (an
+offloaded optimizer's CPU step) is no device time and counts nowhere.
 
 A folded run simulates one rank per class of identical ranks; a measured rank that
 was not simulated is set beside its stage's simulated rank.
@@ -39,6 +40,8 @@ from simulator.traces.classes import (
     comm_kind,
 )
 from simulator.traces.intervals import Interval, length, subtract, union
+
+HOST_STREAM = "host"
 
 
 def class_shares(s: Scenario, stage: int) -> dict[str, float]:
@@ -68,7 +71,8 @@ def span_figures(spans: pd.DataFrame, step: float, shares: Mapping[str, float]
     kind = spans["kind"].astype(str)
     copies = spans[kind.isin(SIMULATED_MEMCPY_KINDS)]
     comm_rows = spans[kind.isin(kinds - SIMULATED_MEMCPY_KINDS)]
-    compute_rows = spans[~kind.isin(kinds)]
+    # the host's own work (an offloaded optimizer's CPU step) is no kernel of the device
+    compute_rows = spans[~kind.isin(kinds) & (spans["stream"].astype(str) != HOST_STREAM)]
     optimizer = kind.loc[compute_rows.index] == "optimizer"
     per: dict[str, list[Interval]] = defaultdict(list)
     for op, rows in comm_rows.groupby(comm_rows["op"].astype(str).map(comm_kind)):
