@@ -52,7 +52,9 @@ from simulator.traces.reader import TraceFile, finite_number
 
 US = 1e-6  # trace times are microseconds
 STEP_ANNOTATION = re.compile(r"^ProfilerStep#\d+$")
-DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+#: Device events by category, lower-cased: older Kineto wrote Kernel, Memcpy, Memset
+#: (HolisticTraceAnalysis takes both: hta/analyzers/breakdown_analysis.py kernel_cats).
+DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"})
 #: Bytes per element of the ``dtype`` argument of a collective's event.
 ELEMENT_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "bfloat16": 2,
                  "half": 2, "float16": 2, "int": 4, "int32": 4, "long": 8, "int64": 8,
@@ -66,8 +68,13 @@ def _interval(e: Mapping[str, Any]) -> Interval:
     return start, start + float(e["dur"])
 
 
+def _cat(e: Mapping[str, Any]) -> str:
+    """The event's category, lower-cased (see :data:`DEVICE_CATS`)."""
+    return str(e.get("cat", "")).lower()
+
+
 def is_device_trace(events: Iterable[Mapping[str, Any]]) -> bool:
-    return any(e.get("cat") in DEVICE_CATS for e in events)
+    return any(_cat(e) in DEVICE_CATS for e in events)
 
 
 def step_windows(events: list[dict[str, Any]], device: bool) -> list[Interval]:
@@ -97,7 +104,7 @@ def device_classes(events: list[dict[str, Any]]
     out: dict[str, list[Interval]] = defaultdict(list)
     calls = []
     for e in events:
-        cat = e.get("cat")
+        cat = _cat(e)
         if cat not in DEVICE_CATS:
             continue
         args = e.get("args", {})
