@@ -253,12 +253,18 @@ def _no_constant(name: str) -> Any:
 
 def read_json(path: Path, what: str, limit: int = JSON_LIMIT_BYTES) -> Any:
     """Read a JSON file (UTF-8, finite numbers only, bounded) or raise a UserError."""
-    text = decode_text(read_bytes(path, what, limit), what, str(path))
+    return parse_json(read_bytes(path, what, limit), what, str(path))
+
+
+def parse_json(data: bytes, what: str, where: str) -> Any:
+    """JSON from bytes already read within their bound (UTF-8, finite numbers only), or a
+    one-line UserError naming ``where``."""
+    text = decode_text(data, what, where)
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         fix = "is empty" if not text.strip() else \
             f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        raise _problem(what, str(path), f"{fix}; was it cut short? write it again") from None
+        raise _problem(what, where, f"{fix}; was it cut short? write it again") from None
     except (ValueError, RecursionError) as exc:
-        raise _problem(what, str(path), f"is not valid JSON ({str(exc)[:80]})") from None
+        raise _problem(what, where, f"is not valid JSON ({str(exc)[:80]})") from None

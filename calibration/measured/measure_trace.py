@@ -34,56 +34,18 @@ communication; the copy-in/copy-out ops inside them count as compute too.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import Any
 
-COMM_PATTERN = re.compile(
-    r"all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|broadcast|wait_tensor",
-    re.IGNORECASE,
-)
+from simulator.traces.classes import COMM_PATTERN
+from simulator.traces.intervals import Interval, length, subtract, union
 
-Interval = tuple[float, float]
+__all__ = ["COMM_PATTERN", "Interval", "breakdown_from_trace", "is_comm", "length",
+           "subtract", "trace_intervals", "union"]
 
 
 def is_comm(name: str) -> bool:
     """Whether a trace event of this name is communication (see module docstring)."""
     return not name.startswith("aten::") and COMM_PATTERN.search(name) is not None
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint union of ``[start, end)`` intervals."""
-    merged: list[Interval] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def length(intervals: list[Interval]) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
-    """``a`` minus ``b``; both sorted and disjoint."""
-    out: list[Interval] = []
-    j = 0
-    for start, end in a:
-        cur = start
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            if b[k][0] > cur:
-                out.append((cur, b[k][0]))
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < end:
-            out.append((cur, end))
-    return out
 
 
 def _spans(trace: dict[str, Any] | list[Any]) -> list[dict[str, Any]]:

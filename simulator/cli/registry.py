@@ -17,6 +17,7 @@ from types import ModuleType
 
 from simulator.cli.commands import (
     colocate,
+    compare_trace,
     diff,
     import_config,
     memory,
@@ -35,7 +36,7 @@ from simulator.cli.commands import (
 #: The simulator's commands, in ``--help`` order: each module has ``add_parser(sub)``.
 COMMANDS: tuple[ModuleType, ...] = (validate, run, memory, ops, presets, schema, sweep, plan,
                                     plot, diff, train, validate_runs, import_config,
-                                    colocate)
+                                    colocate, compare_trace)
 GROUP = "clustersim.commands"
 
 
