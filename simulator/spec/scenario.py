@@ -8,8 +8,9 @@ holds the sections (the model's and a long run's are in :mod:`simulator.spec.mod
 and :mod:`simulator.spec.job_spec`); the rules across them are
 :mod:`simulator.spec.rules`.
 
-Keys are the user-facing contract (README "Scenario reference"); unknown keys are
-errors with the closest valid key suggested. Files are read through
+Keys are the user-facing contract (docs/reference/scenario.md, written from this
+schema; each field's docstring is its description there and in ``clustersim schema``);
+unknown keys are errors with the closest valid key suggested. Files are read through
 :mod:`simulator.loading` (bounded, UTF-8, unique keys) and validated strictly: a
 whole number must be written as one (``true``, ``"8"``, ``0x80`` and ``128.0`` are
 refused for an integer), and every number has a finite, physical range. Every
