@@ -5,7 +5,10 @@ and each of them exists."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,4 +124,17 @@ def test_every_page_of_the_site_exists_and_every_guide_is_in_it() -> None:
     nav = list(_nav_pages(config["nav"]))
     assert [p for p in nav if not (DOCS / p).is_file()] == []
     top = {p.name for p in DOCS.glob("*.md")}
-    assert top <= set(nav)
+    missing = sorted(top - set(nav))
+    assert missing == [], f"add these pages to the nav of mkdocs.yml: {missing}"
+
+
+@pytest.mark.slow
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """What CI runs (.ci/run): broken links, anchors or a failing hook stop the build."""
+    pytest.importorskip("mkdocs")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                           "--site-dir", str(tmp_path / "site")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "site" / "reference" / "scenario" / "index.html").is_file()
