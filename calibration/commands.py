@@ -21,5 +21,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "host-cost": ("calibration.measured.host_cost", "time eager PyTorch's host cost per "
                   "kernel (the measured GPT at a degenerate size) and write it into a profile"),
     "validation": ("calibration.measured.validation", "measure fixed small configurations "
-                   "and compare each with its simulation (the README's validation table)"),
+                   "and compare each with its simulation (docs/validation.md's table)"),
 }

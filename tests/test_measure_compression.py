@@ -55,7 +55,8 @@ def test_powersgd_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_kernel_table_prices_every_kernel() -> None:
-    """The diagnostic behind the README's PowerSGD row: every kernel measured and priced."""
+    """The diagnostic behind the validation table's PowerSGD row: every kernel measured and
+    priced."""
     from calibration.measured.powersgd_kernels import kernel_table
 
     rows = kernel_table(str(PROFILE), "tiny-gpt", rank=4, repeats=3)

@@ -2,7 +2,7 @@
 DP under torchrun and records step times and a compute / communication split;
 ``clustersim compare`` simulates the same scenario with a calibrated profile and
 reports the errors; ``clustersim validation`` does both for a fixed set of
-configurations and writes the README's validation table.
+configurations and writes the validation table (docs/validation.md).
 
 Entry points :mod:`calibration.measured.measure`, :mod:`calibration.measured.compare`,
 :mod:`calibration.measured.validation` and :mod:`calibration.measured.host_cost`; the

@@ -8,7 +8,7 @@ passes over the whole gradient (the error-feedback add, the copy of the bucket,
 the new error ``copy − M``, both as the hook writes them: a fresh tensor each
 step), and prints each beside the price :mod:`simulator.strategies.compression.arithmetic` gives it
 with the profile. It is the diagnostic behind the PowerSGD row of the
-validation table (README): where the simulated hook is short, which kernel.
+validation table (docs/validation.md): where the simulated hook is short, which kernel.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def _rows(args: argparse.Namespace, out: Path, profile: str, names: tuple[str, .
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "validation", help="measure fixed small configurations and compare each with "
-        "its simulation (the README's validation table)",
+        "its simulation (docs/validation.md's table)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
         epilog="example:\n  clustersim validation --device cpu --out runs/validation\n"
         "  clustersim validation --device cpu --model small-gpt,tiny-gpt --out runs/val\n"

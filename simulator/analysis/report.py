@@ -1,7 +1,7 @@
 """Report: metrics from a finished simulation (or an analytic estimate).
 
-Every time category comes from :mod:`simulator.analysis.accounting` (README "Reading the
-outputs"): ``time_breakdown_s`` per simulated rank, ``step_breakdown_s`` their
+Every time category comes from :mod:`simulator.analysis.accounting` (docs/outputs.md,
+"The accounting"): ``time_breakdown_s`` per simulated rank, ``step_breakdown_s`` their
 mean, ``critical_path_s``; ``bubble_fraction`` is the mean pipeline bubble over
 ranks as a fraction of the pipeline phase (first forward to last backward).
 ``exposed_comm_s`` per kind is the mean transfer + peer-wait time that held a

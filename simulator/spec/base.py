@@ -15,7 +15,12 @@ MAX_STAGES = 100_000  # pp × virtual_stages: per-stage tables and closed forms 
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    """A scenario section: frozen, unknown keys refused, every number finite; each
+    field's docstring is its ``description`` in the JSON Schema (``clustersim schema``)
+    and in the scenario reference."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 def not_bool(value: Any) -> Any:

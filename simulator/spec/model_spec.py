@@ -22,11 +22,16 @@ class MLASpec(Frozen):
     """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through
     low-rank latents; each head's query/key is a no-position part plus a RoPE part."""
 
-    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)  # query latent; 0 = full-rank query projection
-    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # the shared key/value latent
-    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head query/key width without RoPE
-    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # RoPE width (the key part shared by heads)
-    v_head_dim: int = Field(gt=0, le=MAX_SIZE)  # per-head value width
+    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)
+    """Rank of the query latent; 0 = a full-rank query projection."""
+    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)
+    """Rank of the key/value latent shared by the heads."""
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)
+    """Per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)
+    """RoPE width of a head's query/key (the key part is shared by the heads)."""
+    v_head_dim: int = Field(gt=0, le=MAX_SIZE)
+    """Per-head value width."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -41,8 +46,12 @@ class RouterSkewSpec(Frozen):
     pace of the all-to-all and of the expert GEMMs."""
 
     distribution: Literal["dirichlet"] = "dirichlet"
-    concentration: float = Field(default=1.0, ge=1e-3, le=1e6)  # Dirichlet alpha per expert
+    """The distribution of the experts' shares of the tokens (a symmetric Dirichlet)."""
+    concentration: float = Field(default=1.0, ge=1e-3, le=1e6)
+    """Dirichlet α per expert: small, a few experts take most tokens; large, near
+    balanced."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """Seed of the draw (the same draw for every MoE layer)."""
 
 
 class ModelSpec(Frozen):
@@ -55,39 +64,60 @@ class ModelSpec(Frozen):
     multiple of moe_layer_freq; the other layers keep the dense MLP of ffn_hidden.
     """
 
-    preset: str | None = None  # the bundled preset these fields started from
+    preset: str | None = None
+    """A bundled model preset (``clustersim presets``) these fields start from; fields
+    given beside it override the preset's."""
     layers: int = Field(gt=0, le=MAX_SIZE)
-    hidden: int = Field(gt=0, le=MAX_SIZE)  # h
-    heads: int = Field(gt=0, le=MAX_SIZE)  # a, query heads
-    kv_heads: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # GQA when < heads; default heads
-    # width of each query, key and value head (Megatron-LM --kv-channels, Hugging Face
-    # head_dim); default hidden / heads. Set apart where heads x head_dim != hidden
-    # (Qwen3-32B: 64 heads of 128 over h 5120; Gemma; GPT-OSS)
+    """Transformer layers (l)."""
+    hidden: int = Field(gt=0, le=MAX_SIZE)
+    """Hidden size (h)."""
+    heads: int = Field(gt=0, le=MAX_SIZE)
+    """Query attention heads (a)."""
+    kv_heads: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """Key/value heads: grouped-query attention when fewer than heads; default heads."""
     head_dim: int | None = Field(default=None, gt=0, le=MAX_SIZE)
-    ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default 4 × hidden
-    vocab: int = Field(gt=0, le=MAX_SIZE)  # V
-    seq_len: int = Field(gt=0, le=MAX_SIZE)  # s
-    activation: Literal["gelu", "swiglu"] = "gelu"  # swiglu has three MLP matrices
+    """Width of each query, key and value head (Megatron-LM --kv-channels, Hugging Face
+    head_dim); default hidden / heads. Set it where heads × head_dim is not hidden
+    (Qwen3-32B: 64 heads of 128 over a hidden size of 5120)."""
+    ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """Width of the MLP's inner layer; default 4 × hidden."""
+    vocab: int = Field(gt=0, le=MAX_SIZE)
+    """Vocabulary size (V)."""
+    seq_len: int = Field(gt=0, le=MAX_SIZE)
+    """Sequence length in tokens (s)."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation: gelu (two MLP matrices) or swiglu (three)."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    bias: bool = True  # linear layers carry biases (GPT) or not (LLaMA)
-    tied_embeddings: bool = True  # output projection shares the input embedding
-    position: Literal["learned", "rope"] = "learned"  # learned adds s × h parameters
-    mla: MLASpec | None = None  # multi-head latent attention instead of (GQA) attention
-    # mixture of experts; experts = 0 is a dense model
-    experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # routed experts per MoE layer
-    experts_per_token: int = Field(default=1, gt=0, le=MAX_SIZE)  # top-k routing
-    # width of one expert's MLP; default ffn_hidden
+    """Normalisation: layernorm (weight and bias) or rmsnorm (weight only)."""
+    bias: bool = True
+    """Linear layers carry biases (GPT) or not (LLaMA)."""
+    tied_embeddings: bool = True
+    """The output projection shares the input embedding's matrix."""
+    position: Literal["learned", "rope"] = "learned"
+    """Position encoding: learned (adds s × h parameters) or rope (rotary, none)."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3) instead of (grouped-query)
+    attention; none by default."""
+    experts: int = Field(default=0, ge=0, le=MAX_SIZE)
+    """Routed experts per MoE layer (E); 0 is a dense model."""
+    experts_per_token: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Experts each token is routed to (top-k)."""
     expert_ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_SIZE)
-    shared_experts: int = Field(default=0, ge=0, le=MAX_SIZE)  # experts every token uses
-    first_dense_layers: int = Field(default=0, ge=0, le=MAX_SIZE)  # leading dense layers
-    moe_layer_freq: int = Field(default=1, gt=0, le=MAX_SIZE)  # every k-th layer after them
-    # None: dropless (every routed token is computed); c: each expert computes a fixed
-    # buffer of c · k · tokens / experts, padded when short, tokens beyond it dropped
+    """Width of one expert's MLP; default ffn_hidden."""
+    shared_experts: int = Field(default=0, ge=0, le=MAX_SIZE)
+    """Experts every token passes through, beside the routed ones."""
+    first_dense_layers: int = Field(default=0, ge=0, le=MAX_SIZE)
+    """Leading layers that keep the dense MLP."""
+    moe_layer_freq: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """After the dense layers, every k-th layer is a MoE layer."""
     capacity_factor: float | None = Field(default=None, ge=0.01, le=1e4)
-    # softmax top-k (Mixtral) | sigmoid top-k with a per-expert bias (DeepSeek-V3)
+    """null: dropless (every routed token is computed); c: each expert computes a fixed
+    buffer of c · k · tokens / experts, padded when short, tokens beyond it dropped."""
     router: Literal["softmax", "sigmoid"] = "softmax"
-    # None: every expert receives the same number of tokens
+    """softmax top-k (Mixtral) or sigmoid top-k with a per-expert bias (DeepSeek-V3)."""
     router_skew: RouterSkewSpec | None = None
+    """Uneven expert loads drawn from a Dirichlet; null: every expert receives the same
+    number of tokens."""
 
     @model_validator(mode="before")
     @classmethod

@@ -76,8 +76,32 @@ def _section_fields(loc: list[str], root: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
+#: What other tools call a key (Megatron-LM's and Hugging Face's arguments, common
+#: shorthand) -> the key of the section that means it, suggested when it is unknown there.
+OTHER_NAMES = {
+    "tensor": "tp", "tensor_parallel": "tp", "tensor_model_parallel_size": "tp",
+    "pipeline": "pp", "pipeline_parallel": "pp", "pipeline_model_parallel_size": "pp",
+    "data": "dp", "data_parallel": "dp", "data_parallel_size": "dp",
+    "context": "cp", "context_parallel": "cp", "context_parallel_size": "cp",
+    "expert": "ep", "expert_parallel": "ep", "expert_model_parallel_size": "ep",
+    "zero_stage": "zero", "sp": "sequence_parallel",
+    "activation_checkpointing": "recompute", "gradient_checkpointing": "recompute",
+    "recompute_granularity": "recompute", "virtual_pipeline_model_parallel_size":
+    "virtual_stages", "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
+    "precision": "dtype", "num_layers": "layers", "n_layers": "layers",
+    "num_hidden_layers": "layers", "hidden_size": "hidden", "d_model": "hidden",
+    "num_attention_heads": "heads", "n_heads": "heads", "num_key_value_heads": "kv_heads",
+    "num_query_groups": "kv_heads", "ffn_hidden_size": "ffn_hidden",
+    "intermediate_size": "ffn_hidden", "vocab_size": "vocab", "seq_length": "seq_len",
+    "max_position_embeddings": "seq_len", "num_experts": "experts",
+    "moe_router_topk": "experts_per_token", "num_nodes": "nodes", "gpu": "system",
+}
+
+
 def _unknown_key_fix(loc: list[str], root: type[BaseModel]) -> str:
     valid = _section_fields(loc, root)
-    near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+    other = OTHER_NAMES.get(loc[-1])
+    near = [other] if other in valid else difflib.get_close_matches(loc[-1], valid, n=1,
+                                                                      cutoff=0.5)
     hint = f"did you mean '{near[0]}'? " if near else ""
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"

@@ -37,6 +37,10 @@ def consistency_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("model.hidden", mdl.hidden, f"not divisible by model.heads "
                            f"({mdl.heads}); head size must be whole: set model.head_dim "
                            "where each head's width is not hidden / heads"))
+    if par.fsdp is not None and par.fsdp != (par.zero == 3):
+        out.append(Problem("parallel.fsdp", par.fsdp, f"contradicts parallel.zero = {par.zero} "
+                           "(fsdp: true means zero: 3, false a zero below 3); remove fsdp "
+                           "and keep zero"))
     options = options_problems(s)
     if options:  # a strategy's rules read its options: they must be valid first
         return out + options
@@ -108,8 +112,12 @@ def not_yet_simulated(s: Scenario) -> list[Problem]:
 
 
 def scenario_warnings(s: Scenario) -> list[str]:
-    """Legal but probably unintended choices: each strategy's."""
+    """Legal but probably unintended choices (each strategy's), and another name read
+    as the one the schema uses."""
     out: list[str] = []
+    if s.parallel.fsdp:
+        out.append("warning: parallel.fsdp = true: read as parallel.zero: 3 (ZeRO-3, FSDP's "
+                   "full sharding of parameters, gradients and optimizer states); write zero: 3")
     for strategy in registry.strategies():
         out += strategy.warnings(s)
     return out

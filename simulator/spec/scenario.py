@@ -8,8 +8,9 @@ holds the sections (the model's and a long run's are in :mod:`simulator.spec.mod
 and :mod:`simulator.spec.job_spec`); the rules across them are
 :mod:`simulator.spec.rules`.
 
-Keys are the user-facing contract (README "Scenario reference"); unknown keys are
-errors with the closest valid key suggested. Files are read through
+Keys are the user-facing contract (docs/reference/scenario.md, written from this
+schema; each field's docstring is its description there and in ``clustersim schema``);
+unknown keys are errors with the closest valid key suggested. Files are read through
 :mod:`simulator.loading` (bounded, UTF-8, unique keys) and validated strictly: a
 whole number must be written as one (``true``, ``"8"``, ``0x80`` and ``128.0`` are
 refused for an integer), and every number has a finite, physical range. Every
@@ -57,17 +58,22 @@ Method = Literal["engine", "analytic"]
 class ClusterSpec(Frozen):
     """How many nodes of which system; optional overrides of the system's numbers."""
 
-    system: str  # preset name (`clustersim presets`) or path to a hardware-profile YAML
+    system: str
+    """A system preset name (``clustersim presets``) or the path of a hardware-profile
+    YAML (``clustersim calibrate`` writes one)."""
     nodes: int = Field(gt=0, le=MAX_SIZE)
+    """Nodes in the cluster."""
     gpus_per_node: int | None = Field(default=None, gt=0, le=MAX_SIZE)
-    # per GPU, per direction
+    """GPUs per node; default the system's."""
     intra_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e12)
-    # per GPU (its NIC)
+    """NVLink/NVSwitch bandwidth per GPU, per direction, GB/s (1e9 bytes/s); default
+    the system's."""
     inter_node_bandwidth_GBps: float | None = Field(default=None, ge=1e-3, le=1e12)
-    # α of both link classes
+    """Network bandwidth per GPU (its NIC), per direction, GB/s; default the system's."""
     link_latency_us: float | None = Field(default=None, ge=0, le=1e7)
-    # fat-tree taper, 1 = non-blocking
+    """Latency α per algorithm step of both link classes, µs; default the system's."""
     oversubscription: float | None = Field(default=None, ge=1, le=1e4)
+    """Fat-tree core taper (1 = non-blocking); default the system's."""
 
     @model_validator(mode="before")
     @classmethod
@@ -101,10 +107,13 @@ class ClusterSpec(Frozen):
 class OverlapSpec(Frozen):
     """Which communication runs on its own stream, overlapping compute."""
 
-    dp: bool = True  # DP gradient buckets reduce while backward continues
-    pp: bool = True  # pipeline send/recv on a separate stream
-    zero3_prefetch: bool = True  # ZeRO-3 all-gathers the next unit ahead of use
-
+    dp: bool = True
+    """Data-parallel gradient buckets reduce on their own stream while the backward
+    continues."""
+    pp: bool = True
+    """Pipeline sends and receives run on their own stream."""
+    zero3_prefetch: bool = True
+    """ZeRO-3 all-gathers the next unit ahead of its use."""
 
 class ParallelSpec(Frozen):
     """Degrees as Megatron-LM defines them (``parallel_state.initialize_model_parallel``):
@@ -115,31 +124,63 @@ class ParallelSpec(Frozen):
     data-parallel degree."""
 
     tp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Tensor-parallel degree: each layer's matrices split over tp GPUs."""
     pp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Pipeline-parallel degree: the layers split into pp stages."""
     dp: int = Field(default=1, gt=0, le=MAX_SIZE)
-    cp: int = Field(default=1, gt=0, le=MAX_SIZE)  # context parallel: the sequence split
-    # how CP ranks exchange keys and values (Megatron-LM's --cp-comm-type): p2p, ring
-    # attention overlapped with the attention compute; allgather, before it (Llama 3)
+    """Data-parallel degree: model replicas (sharded under ZeRO)."""
+    cp: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Context-parallel degree: each sequence split over cp GPUs."""
     cp_comm_type: Literal["p2p", "allgather"] = "p2p"
-    ep: int = Field(default=1, gt=0, le=MAX_SIZE)  # expert parallel: the experts split
-    expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)  # default tp
+    """How CP ranks exchange keys and values (Megatron-LM's ``--cp-comm-type``): p2p,
+    ring attention overlapped with the attention compute; allgather, before it (Llama
+    3)."""
+    ep: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Expert-parallel degree: a MoE layer's experts split over ep GPUs, carved out of
+    a stage's tp · cp · dp ranks."""
+    expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """Tensor-parallel degree of the experts; default tp."""
     schedule: Schedule = DEFAULT_SCHEDULE
-    # chunks per pipeline rank (interleaved)
+    """Pipeline schedule."""
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
-    # layers of each stage (pp entries; pp · virtual_stages, in virtual-stage order, when
-    # interleaved), summing to model.layers; default an even split (simulator/spec/placement.py)
+    """Model chunks per pipeline rank (> 1 only with the interleaved schedule)."""
     layers_per_stage: tuple[Annotated[int, Field(ge=0, le=MAX_SIZE)], ...] | None = Field(
         default=None, max_length=MAX_STAGES)
-    # 0 DDP, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
+    """Layers of each stage for an uneven split, e.g. [7, 8, 8, 7]: pp entries, or pp ·
+    virtual_stages in virtual-stage order when interleaved (0 allowed), summing to
+    model.layers; default layers / pp each."""
     zero: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_bool)] = 0
-    zero_offload: bool = False  # optimizer states and step on the host (ZeRO-Offload)
-    fsdp_prefetch: int = Field(default=1, ge=0, le=1000)  # ZeRO-3 units gathered ahead
-    reshard_after_forward: bool = True  # ZeRO-3 frees gathered params after forward
+    """ZeRO stage: 0 DDP, 1 shards optimizer states, 2 also gradients, 3 also
+    parameters (FSDP)."""
+    zero_offload: bool = False
+    """Optimizer states and step on the host CPU (ZeRO-Offload)."""
+    fsdp_prefetch: int = Field(default=1, ge=0, le=1000)
+    """ZeRO-3 units gathered ahead of the one computing."""
+    reshard_after_forward: bool = True
+    """ZeRO-3 frees the gathered parameters after the forward (and gathers again for
+    the backward)."""
     recompute: Recompute = "none"
+    """Activation recomputation: none, selective (the attention core) or full (each
+    layer from its input)."""
     sequence_parallel: bool = False
-    # DDP gradient bucket size, 1e6 bytes
+    """Sequence parallelism (Megatron): norms and dropouts split over the TP ranks;
+    all-gather and reduce-scatter instead of all-reduce."""
     dp_bucket_MB: float = Field(default=25.0, ge=0.01, le=1e6)
+    """Data-parallel gradient bucket size, MB (1e6 bytes)."""
     overlap: OverlapSpec = OverlapSpec()
+    """Which communication overlaps compute on its own stream."""
+    fsdp: bool | None = Field(default=None, exclude=True)
+    """Another name: fsdp: true is read as zero: 3 (FSDP's full sharding), with a
+    warning; write zero: 3."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fsdp_means_zero3(cls, data: Any) -> Any:
+        """``fsdp: true`` without a ``zero`` is ZeRO-3; a ``zero`` beside it is checked
+        against it by :func:`simulator.spec.rules.consistency_problems`."""
+        if isinstance(data, dict) and data.get("fsdp") is True and "zero" not in data:
+            return {**data, "zero": 3}
+        return data
 
     @field_validator("layers_per_stage", mode="before")
     @classmethod
@@ -178,57 +219,83 @@ class GradientCompressionSpec(Frozen):
     (:mod:`simulator.strategies.compression.arithmetic`). A field
     left out takes the method's default; a field of another method is an error."""
 
-    # none | powersgd (PyTorch's DDP hook) | onebit_adam (DeepSpeed's OnebitAdam) |
-    # bf16 | fp8 (gradients reduced at 2 / 1 bytes per element on the wire)
     method: CompressionMethod = "none"
-    # powersgd: matrix_approximation_rank r (default 4; PyTorch's default is 1)
+    """none, powersgd (PyTorch's DDP hook), onebit_adam (DeepSpeed's OnebitAdam), bf16
+    or fp8 (gradients reduced at 2 / 1 bytes per element on the wire)."""
     rank: int | None = Field(default=None, ge=1, le=65536)
-    # powersgd: a matrix is compressed only if (n + m)·r · rate < n·m (PyTorch's default 2)
+    """powersgd: matrix_approximation_rank r of P and Q; default 4 (PyTorch's is 1)."""
     min_compression_rate: float | None = Field(default=None, gt=0, le=1e6)
-    # powersgd: start_powerSGD_iter, vanilla all-reduce before it (PyTorch's default 1000)
+    """powersgd: an n × m matrix is compressed only if (n + m) · r · rate < n · m;
+    default 2 (PyTorch's)."""
     start_step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
-    # onebit_adam: uncompressed Adam warm-up steps before the variance freezes (DeepSpeed's
-    # default 100000)
+    """powersgd: start_powerSGD_iter, vanilla all-reduce before it; default 1000
+    (PyTorch's)."""
     freeze_step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
-    # which step (0-based) the scenario describes; default: one after the warm-up (the
-    # steady state). A step before start_step / freeze_step is simulated uncompressed.
+    """onebit_adam: uncompressed Adam warm-up steps before the variance freezes;
+    default 100000 (DeepSpeed's)."""
     step: int | None = Field(default=None, ge=0, le=MAX_SIZE)
-
+    """The step (0-based) the scenario describes; default one after the warm-up (the
+    steady state). A step before start_step / freeze_step is simulated uncompressed."""
 
 class TrainingSpec(Frozen):
-    global_batch: int = Field(gt=0, le=MAX_SIZE)  # sequences per optimizer step (B)
-    micro_batch: int = Field(default=1, gt=0, le=MAX_SIZE)  # sequences per micro-batch (b)
-    dtype: Dtype = "bf16"  # training precision; optimizer is mixed-precision AdamW
-    optimizer: Literal["adamw"] = "adamw"
-    # data-parallel gradient compression (default none)
-    gradient_compression: GradientCompressionSpec = GradientCompressionSpec()
+    """The batch, the precision and the optimizer of one training step."""
 
+    global_batch: int = Field(gt=0, le=MAX_SIZE)
+    """Sequences per optimizer step (B)."""
+    micro_batch: int = Field(default=1, gt=0, le=MAX_SIZE)
+    """Sequences per micro-batch (b)."""
+    dtype: Dtype = "bf16"
+    """Training precision; the optimizer is mixed-precision AdamW."""
+    optimizer: Literal["adamw"] = "adamw"
+    """The optimizer (AdamW)."""
+    gradient_compression: GradientCompressionSpec = GradientCompressionSpec()
+    """Data-parallel gradient compression; none by default."""
 
 class SimulationSpec(Frozen):
-    method: Method = "engine"  # engine (discrete-event) or analytic (closed form)
-    fidelity: Fidelity = "folded"  # folded: one rank per stage stands for its symmetric peers
-    collective_algorithm: Algorithm = "auto"  # auto picks per collective like NCCL
-    # seed of the random draws (failures in `clustersim train`); a step is deterministic
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """How the step is simulated."""
 
+    method: Method = "engine"
+    """engine (discrete-event) or analytic (closed form, milliseconds)."""
+    fidelity: Fidelity = "folded"
+    """folded: one rank per stage stands for its symmetric peers; full: every rank."""
+    collective_algorithm: Algorithm = "auto"
+    """auto: NCCL's choice of algorithm and protocol per collective; or one algorithm
+    for every collective (the textbook α-β form)."""
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """Seed of the random draws (the failures of ``clustersim train``); a step is
+    deterministic."""
 
 class Scenario(Frozen):
+    """A training-cluster scenario: a model, a cluster, a parallel layout, a batch."""
+
     name: str = Field(min_length=1, max_length=200)
+    """The scenario's name (the default output directory is out/<name>)."""
     description: str = Field(default="", max_length=10_000)
+    """Free text: what the scenario demonstrates and its sources."""
     model: ModelSpec
+    """The transformer: a preset, fields, or a preset with overrides."""
     cluster: ClusterSpec
+    """The machines: a system and how many nodes."""
     parallel: ParallelSpec = ParallelSpec()
+    """The parallel layout: degrees, schedule, ZeRO, recomputation, overlap."""
     training: TrainingSpec
+    """Batch, micro-batch, precision, gradient compression."""
     simulation: SimulationSpec = SimulationSpec()
-    reliability: ReliabilitySpec = ReliabilitySpec()  # failures (clustersim train)
-    checkpoint: CheckpointSpec = CheckpointSpec()  # checkpoints (clustersim train)
-    cost: CostSpec = CostSpec()  # energy and price (clustersim train)
-    variability: VariabilitySpec = VariabilitySpec()  # stragglers, slow links, jitter
-    # the training framework: a preset name or {preset: NAME, overrides} (simulator/spec/stack.py)
+    """Method, fidelity, collective algorithm, seed."""
+    reliability: ReliabilitySpec = ReliabilitySpec()
+    """Failures of a long run (``clustersim train`` only)."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """Checkpoints of a long run (``clustersim train`` only)."""
+    cost: CostSpec = CostSpec()
+    """Energy and price of a long run (``clustersim train`` only)."""
+    variability: VariabilitySpec = VariabilitySpec()
+    """Stragglers, slow links and jitter."""
     stack: StackSpec = Field(default_factory=lambda: load_stack(DEFAULT_STACK))
-    # a strategy outside ``parallel`` by name -> its own options (validated by the
-    # strategy's options model: simulator/strategies/base.py)
+    """The training framework: a stack preset name, or {preset: NAME, field: value,
+    ...}; default megatron-core."""
     strategies: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=100)
+    """Options of a strategy outside ``parallel``, by strategy name (validated by the
+    strategy's own options model)."""
 
     _name_printable = field_validator("name")(printable)
 

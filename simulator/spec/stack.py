@@ -57,112 +57,137 @@ GradDtype = Literal["fp32", "param"]
 class StackSpec(BaseModel):
     """One training framework's choices (a preset, optionally overridden field by field)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
-    preset: str | None = None  # the bundled preset these fields started from
+    preset: str | None = None
+    """A bundled stack preset (``clustersim presets``) these fields start from; fields
+    given beside it override the preset's."""
     name: str = Field(min_length=1, max_length=100)
+    """The stack's name (a preset's own)."""
     description: str = Field(default="", max_length=2000)
+    """Free text: the framework and version the preset describes."""
     attention: Attention
-    attention_dropout: float = Field(ge=0, lt=1)  # on the softmax output (unfused kernels)
-    hidden_dropout: float = Field(ge=0, lt=1)  # after out-proj, after the MLP, on embeddings
+    """The attention kernel: unfused (baddbmm, softmax, dropout, bmm as separate
+    kernels), unfused_fused_softmax (Megatron's fused scale-mask-softmax), flash2,
+    flash3 or cudnn (one fused kernel, no s×s matrix in memory), or te (Transformer
+    Engine's choice by GPU architecture)."""
+    attention_dropout: float = Field(ge=0, lt=1)
+    """Dropout probability on the softmax output (unfused kernels)."""
+    hidden_dropout: float = Field(ge=0, lt=1)
+    """Dropout probability after the output projection, after the MLP and on the
+    embeddings."""
     fusions: tuple[Fusion, ...] = ()
-    main_grads: GradDtype  # dtype gradients accumulate in across micro-batches
-    grad_reduce_dtype: GradDtype  # dtype of the data-parallel reduction
-    grad_reduce: Literal["overlapped", "after_backward"]  # DP reduce during or after backward
-    optimizer: Literal["fused", "foreach", "per_tensor"]  # how AdamW launches its kernels
-    grad_clip: bool = True  # global-norm clipping before the step (read + scale the grads)
-    pipeline_send: Literal["blocking", "async"]  # compute waits for its sends, or not
-    #: the code that runs a pipeline stage's actions: Megatron's schedules, DeepSpeed's
-    #: PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
-    #: profile may have measured, ``gpu.pipeline_action_us``)
+    """Fused kernels: projections (QKV as one GEMM, SwiGLU's gate and up as one),
+    bias_act, bias_dropout_add, rope, cross_entropy, bias_gemm (the bias added inside
+    the GEMM)."""
+    main_grads: GradDtype
+    """The dtype gradients accumulate in across micro-batches: fp32 (main grads) or
+    param (the parameters' dtype)."""
+    grad_reduce_dtype: GradDtype
+    """The dtype of the data-parallel gradient reduction: fp32 or param."""
+    grad_reduce: Literal["overlapped", "after_backward"]
+    """The data-parallel reduction runs during the backward (overlapped) or after it."""
+    optimizer: Literal["fused", "foreach", "per_tensor"]
+    """How AdamW launches its kernels: one fused kernel, foreach (a few per group of
+    tensors) or per tensor."""
+    grad_clip: bool = True
+    """Global-norm gradient clipping before the step (reads and scales the gradients)."""
+    pipeline_send: Literal["blocking", "async"]
+    """Pipeline sends: compute waits for them (blocking) or not (async)."""
     pipeline_runtime: Literal["megatron", "deepspeed", "torch"] = "megatron"
-    #: TP collectives against the GEMMs next to them (sequence parallelism only):
-    #: ``none`` blocks the compute stream; ``bulk`` and ``pipelined`` as Transformer
-    #: Engine's userbuffers run them (:mod:`simulator.strategies.tensor.overlap`)
+    """The code that runs a pipeline stage's actions: Megatron's schedules, DeepSpeed's
+    PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
+    profile may have measured, ``gpu.pipeline_action_us``)."""
     tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
-    cuda_graphs: bool = False  # kernels replayed from a graph: no per-kernel host cost
-    host_overhead_us: float = Field(ge=0, le=1e4)  # host time to issue one kernel (eager)
+    """TP collectives against the GEMMs next to them (sequence parallelism only):
+    none blocks the compute stream; bulk and pipelined as Transformer Engine's
+    userbuffers run them."""
+    cuda_graphs: bool = False
+    """Kernels replayed from a CUDA graph: no per-kernel host cost."""
+    host_overhead_us: float = Field(ge=0, le=1e4)
+    """Host time to issue one kernel in eager mode, µs."""
     nccl_version: str = Field(default="2.18", pattern=r"^\d+\.\d+(\.\d+)?$")
-    #: ZeRO-3 / FSDP collectives per layer: one for the whole layer (FSDP's unit, a
-    #: transformer block), or one per linear module (DeepSpeed fetches each submodule's
-    #: parameters; parameters under its persistence threshold, norms and biases, stay
-    #: whole and are not gathered)
+    """The NCCL version whose algorithms, protocols and tuning model pick what a
+    collective runs under simulation.collective_algorithm: auto."""
     zero3_unit: Literal["layer", "module"] = "layer"
-    #: FSDP2's flat-buffer copies around each unit's collectives (torch/distributed/fsdp/
-    #: _fully_shard/_fsdp_collectives.py): the shard copied into the all-gather buffer
-    #: (``all_gather_copy_in``; cast into a flat buffer first under a MixedPrecisionPolicy,
-    #: a stack with fp32 main grads), the gathered buffer split into the parameters
-    #: (``split_with_sizes_copy``), the gradients packed for the reduce-scatter
-    #: (``chunk_cat``) and the reduced shard added to ``.grad`` on later micro-batches
-    #: (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
-    #: :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)
+    """ZeRO-3 / FSDP collectives per layer: one for the whole layer (FSDP's unit, a transformer
+    block), or one per linear module (DeepSpeed fetches each submodule's parameters;
+    parameters under its persistence threshold, norms and biases, stay whole and are not
+    gathered)"""
     fsdp_copies: bool = False
-    #: torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each
-    #: gradient is copied into its bucket, divided by the group size on the way
-    #: (``at::mul_out``), and the reduced bucket copied back into the gradients after the
-    #: backward (``copy_bucket_to_grad``; torch/csrc/distributed/c10d/reducer.cpp,
-    #: ``mark_variable_ready_dense`` and ``finalize_bucket_dense``)
+    """FSDP2's flat-buffer copies around each unit's collectives (torch/distributed/fsdp/
+    _fully_shard/_fsdp_collectives.py): the shard copied into the all-gather buffer
+    (``all_gather_copy_in``; cast into a flat buffer first under a MixedPrecisionPolicy, a
+    stack with fp32 main grads), the gathered buffer split into the parameters
+    (``split_with_sizes_copy``), the gradients packed for the reduce-scatter (``chunk_cat``)
+    and the reduced shard added to ``.grad`` on later micro-batches
+    (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
+    :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)"""
     ddp_copies: bool = False
-    #: torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
-    #: ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap
-    #: = dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after
-    #: the first step keeps it); 0: every bucket ``dp_bucket_MB``
+    """torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each gradient is
+    copied into its bucket, divided by the group size on the way (``at::mul_out``), and the
+    reduced bucket copied back into the gradients after the backward (``copy_bucket_to_grad``;
+    torch/csrc/distributed/c10d/reducer.cpp, ``mark_variable_ready_dense`` and
+    ``finalize_bucket_dense``)"""
     ddp_first_bucket_MB: float = Field(default=0.0, ge=0, le=1e6)
-    #: how a mixture of experts routes its tokens into the experts' buffers and back:
-    #: ``fused``, a permutation and an un-permutation kernel (Megatron-core's
-    #: moe_utils.permute / unpermute); ``eager``, the capacity-buffer routing of plain
-    #: PyTorch ops our measured MoE worker runs (calibration/measured/moe_worker.py,
-    #: ``MoEMLP``: softmax, top-k, the one-hot slot count, masks, index and index_copy
-    #: into the buffers, their transposed copies; the gate weighting, gather and sum
-    #: after the combine), one kernel per op
-    #: (:data:`simulator.model.inventory.experts.EAGER_ROUTING`)
+    """torch DDP closes its first gradient bucket at this size (1e6 bytes), the others at
+    ``parallel.dp_bucket_MB`` (torch/nn/parallel/distributed.py: first_bucket_bytes_cap =
+    dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, and the Reducer's bucket rebuild after the first
+    step keeps it); 0: every bucket ``dp_bucket_MB``"""
     moe_routing: Literal["fused", "eager"] = "fused"
-    #: how a MoE layer holds its routed experts' parameters: ``modules``, one MLP module
-    #: per expert, so one tensor per projection per expert (Megatron-core's SequentialMLP
-    #: and TEGroupedMLP, whose GroupedLinear keeps ``weight0`` … ``weight{n-1}``;
-    #: DeepSpeed's ``Experts`` ModuleList; our measured MoE worker), or ``grouped``, one
-    #: 3-D tensor per projection for all local experts (torchtitan's ``GroupedExperts``):
-    #: what a per-tensor or foreach optimizer loops over
+    """how a mixture of experts routes its tokens into the experts' buffers and back: ``fused``,
+    a permutation and an un-permutation kernel (Megatron-core's moe_utils.permute /
+    unpermute); ``eager``, the capacity-buffer routing of plain PyTorch ops our measured MoE
+    worker runs (calibration/measured/moe_worker.py, ``MoEMLP``: softmax, top-k, the one-hot
+    slot count, masks, index and index_copy into the buffers, their transposed copies; the
+    gate weighting, gather and sum after the combine), one kernel per op
+    (:data:`simulator.model.inventory.experts.EAGER_ROUTING`)"""
     moe_experts: Literal["modules", "grouped"] = "modules"
-    #: what the all-gather variant of context parallelism keeps for the backward:
-    #: ``regather``, the rank's own key/value chunk, all-gathered again in backward
-    #: (Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` saves the local k, v and its
-    #: backward calls ``gather_along_first_dim`` on them again:
-    #: transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), or
-    #: ``saved``, the gathered keys and values themselves, so the backward has only the
-    #: gradients' reduce-scatter (an autograd all-gather whose output the attention saves,
-    #: as our measured CP worker's ``GatherKV``: calibration/measured/cp_worker.py), at
-    #: cp times the key/value memory
+    """how a MoE layer holds its routed experts' parameters: ``modules``, one MLP module per
+    expert, so one tensor per projection per expert (Megatron-core's SequentialMLP and
+    TEGroupedMLP, whose GroupedLinear keeps ``weight0`` … ``weight{n-1}``; DeepSpeed's
+    ``Experts`` ModuleList; our measured MoE worker), or ``grouped``, one 3-D tensor per
+    projection for all local experts (torchtitan's ``GroupedExperts``): what a per-tensor or
+    foreach optimizer loops over"""
     cp_kv_backward: Literal["regather", "saved"] = "regather"
-    #: TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op
-    #: on DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's
-    #: sharded parameters are DTensors, so its optimizer step does; its forward and
-    #: backward run on plain unsharded tensors)
+    """what the all-gather variant of context parallelism keeps for the backward: ``regather``,
+    the rank's own key/value chunk, all-gathered again in backward (Transformer Engine's
+    ``AttnFuncWithCPAndKVAllGather`` saves the local k, v and its backward calls
+    ``gather_along_first_dim`` on them again:
+    transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), or
+    ``saved``, the gathered keys and values themselves, so the backward has only the
+    gradients' reduce-scatter (an autograd all-gather whose output the attention saves, as our
+    measured CP worker's ``GatherKV``: calibration/measured/cp_worker.py), at cp times the
+    key/value memory"""
     dtensor: bool = False
-    #: torch.autocast over fp32 parameters (PyTorch AMP): GEMMs and attention run in the
-    #: training dtype on operands cast per call, norms, softmax and the loss in fp32
-    #: (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its
-    #: gradients and the parameters' gradients stay fp32 (:mod:`simulator.model.inventory`)
+    """TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op on
+    DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's sharded
+    parameters are DTensors, so its optimizer step does; its forward and backward run on plain
+    unsharded tensors)"""
     autocast: bool = False
-    #: where the fp32 master weights live under 16-bit training: in the optimizer's state
-    #: beside 16-bit parameters (the ZeRO paper's 2 + 2 + 12 bytes; Megatron's
-    #: Float16OptimizerWithFloat16Params and distributed optimizer, DeepSpeed's bf16
-    #: optimizer), or in the ``parameters`` themselves, kept in fp32 and cast to 16 bits
-    #: only for compute (PyTorch FSDP's mixed precision: FSDP1 frees its low-precision
-    #: shard after each all-gather, torch/distributed/fsdp/_flat_param.py
-    #: ``_free_low_precision_sharded_param``; FSDP2 casts in the all-gather's copy-in):
-    #: 4 + 4 + 8 bytes, and the optimizer step writes no 16-bit copy
+    """torch.autocast over fp32 parameters (PyTorch AMP): GEMMs and attention run in the training
+    dtype on operands cast per call, norms, softmax and the loss in fp32
+    (torch/csrc/autograd/autocast_mode.cpp's fp32 list), so the residual stream, its gradients
+    and the parameters' gradients stay fp32 (:mod:`simulator.model.inventory`)"""
     master_weights: Literal["optimizer", "parameters"] = "optimizer"
-    #: the cross-entropy's kernels without the ``cross_entropy`` fusion: Megatron's
-    #: vocab-parallel form (max, subtract, exp, sum, log, gather in fp32: six kernels each
-    #: way), or PyTorch's ``F.cross_entropy`` (``torch``: log_softmax and nll_loss,
-    #: aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: two kernels forward,
-    #: three backward); both keep an fp32 softmax for the backward. ``flash``:
-    #: flash-attn's fused cross entropy (flash_attn/losses/cross_entropy.py, with or
-    #: without the fusion): one kernel each way on the 16-bit logits, which it keeps
-    #: with a per-row fp32 log-sum-exp, its backward writing a 16-bit gradient
-    #: (``torch.empty_like(logits)``)
+    """where the fp32 master weights live under 16-bit training: in the optimizer's state beside
+    16-bit parameters (the ZeRO paper's 2 + 2 + 12 bytes; Megatron's
+    Float16OptimizerWithFloat16Params and distributed optimizer, DeepSpeed's bf16 optimizer),
+    or in the ``parameters`` themselves, kept in fp32 and cast to 16 bits only for compute
+    (PyTorch FSDP's mixed precision: FSDP1 frees its low-precision shard after each all-
+    gather, torch/distributed/fsdp/_flat_param.py ``_free_low_precision_sharded_param``; FSDP2
+    casts in the all-gather's copy-in): 4 + 4 + 8 bytes, and the optimizer step writes no
+    16-bit copy"""
     loss: Literal["vocab_parallel", "torch", "flash"] = "vocab_parallel"
+    """the cross-entropy's kernels without the ``cross_entropy`` fusion: Megatron's vocab-
+    parallel form (max, subtract, exp, sum, log, gather in fp32: six kernels each way), or
+    PyTorch's ``F.cross_entropy`` (``torch``: log_softmax and nll_loss,
+    aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: two kernels forward, three
+    backward); both keep an fp32 softmax for the backward. ``flash``: flash-attn's fused cross
+    entropy (flash_attn/losses/cross_entropy.py, with or without the fusion): one kernel each
+    way on the 16-bit logits, which it keeps with a per-row fp32 log-sum-exp, its backward
+    writing a 16-bit gradient (``torch.empty_like(logits)``)"""
 
     @model_validator(mode="before")
     @classmethod

@@ -58,46 +58,65 @@ LinkClass = Literal["intra_node", "inter_node"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 class SlowGPUs(_Frozen):
     """Ranks whose compute takes ``compute_slowdown`` times as long (1.25: 0.8× speed)."""
 
-    ranks: list[int] | None = None  # these ranks ...
-    random: int | None = Field(default=None, gt=0, le=10**7)  # ... or k drawn with the seed
+    ranks: list[int] | None = None
+    """These ranks are slow (give either ranks or random)."""
+    random: int | None = Field(default=None, gt=0, le=10**7)
+    """This many ranks, drawn with ``variability.seed``, are slow."""
     compute_slowdown: float = Field(ge=1e-3, le=1000)
+    """Factor on every compute duration of those ranks (1.25 = 0.8× speed)."""
 
 
 class SlowLink(_Frozen):
     """One rank's port of a link class at a fraction of its bandwidth."""
 
     rank: int = Field(ge=0, le=10**9)
+    """The rank whose port is degraded."""
     link: LinkClass
+    """Which port: intra_node (its NVLink/NVSwitch port) or inter_node (its NIC)."""
     bandwidth_factor: float = Field(ge=1e-6, le=1)
+    """Fraction of the port's bandwidth left (0.5 = half)."""
 
 
 class JitterSpec(_Frozen):
     """Per-task compute jitter: duration × a factor of mean 1."""
 
     distribution: Literal["lognormal", "empirical"] = "lognormal"
-    sigma: float = Field(default=0.05, ge=0, le=2)  # lognormal: σ of log(factor)
-    samples: list[float] = []  # empirical: measured durations (any unit; rescaled)
+    """lognormal (of ``sigma``) or empirical (drawn from ``samples``)."""
+    sigma: float = Field(default=0.05, ge=0, le=2)
+    """lognormal: σ of log(factor), dimensionless."""
+    samples: list[float] = []
+    """empirical: measured durations (any unit; rescaled to mean 1)."""
 
 
 class StageSystem(_Frozen):
     """Pipeline stages that run on another system (a mixed-generation cluster)."""
 
     stages: list[int] = Field(min_length=1)
-    system: str = Field(min_length=1, max_length=4096)  # preset name or profile YAML
+    """Pipeline stages (0-based) on this system."""
+    system: str = Field(min_length=1, max_length=4096)
+    """A system preset name or the path of a hardware-profile YAML."""
 
 
 class VariabilitySpec(_Frozen):
+    """Stragglers, degraded links and jitter (all optional); seeded."""
+
     slow_gpus: list[SlowGPUs] = []
+    """Ranks whose compute is slower."""
     slow_links: list[SlowLink] = []
+    """Ranks whose NVLink port or NIC runs at a fraction of its bandwidth."""
     jitter: JitterSpec | None = None
+    """Per-task compute jitter; none by default."""
     stage_systems: list[StageSystem] = []
+    """Pipeline stages on another system (a mixed-generation cluster)."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """Seed of the random ranks and of the jitter draws."""
 
     @property
     def active(self) -> bool:

@@ -1,4 +1,4 @@
-"""``clustersim presets``: list bundled models and systems."""
+"""``clustersim presets``: list bundled models, systems and training stacks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from simulator.cli.common import (
     add_command,
 )
 
-HELP = "list bundled models and systems"
+HELP = "list bundled models, systems and training stacks"
 EXAMPLE = ("example:\n"
            "  clustersim presets")
 
@@ -20,9 +20,15 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _models()
+    _systems()
+    _stacks()
+    return 0
+
+
+def _models() -> None:
     from simulator.model import transformer as mdl
     from simulator.spec.model_spec import load_preset_model, preset_model_names
-    from simulator.system.profiles import load_system, preset_system_names
 
     print("models:")
     for name in preset_model_names():
@@ -36,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
               f"{f' d={spec.head_size}' if spec.q_width != spec.hidden else ''} kv={spec.kv} "
               f"ffn={spec.ffn} V={spec.vocab} "
               f"s={spec.seq_len}{moe}")
+
+
+def _systems() -> None:
+    from simulator.system.profiles import load_system, preset_system_names
+
     print("systems:")
     for name in preset_system_names():
         hw = load_system(name)
@@ -43,4 +54,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<14} {hw.gpus_per_node} x {hw.gpu.name}: {bf16:g} TFLOP/s bf16, "
               f"{hw.gpu.memory_GB:g} GB, NVLink {hw.intra_node.bandwidth_GBps:g} GB/s, "
               f"NIC {hw.inter_node.bandwidth_GBps:g} GB/s per GPU")
-    return 0
+
+
+def _stacks() -> None:
+    """Each stack preset (``stack: NAME``) with its own one-line description."""
+    from simulator.spec.stack import DEFAULT_STACK, load_stack, preset_stack_names
+
+    print(f"stacks (stack: NAME; default {DEFAULT_STACK}):")
+    for name in preset_stack_names():
+        print(f"  {name:<14} {load_stack(name).description}")
