@@ -228,6 +228,17 @@ def test_rank_from_distributed_info_else_the_name_and_files_add_steps(tmp_path: 
     assert f["step"] * 1e3 == pytest.approx(10)
 
 
+def test_a_measured_run_directory_means_its_traces(tmp_path: Path) -> None:
+    """`clustersim measure --out RUN` writes measured.json beside RUN/traces/: RUN is
+    read as its traces, not its metadata."""
+    run = tmp_path / "run"
+    write(run / "traces" / "trace_rank0.json", [step(0, 0, 10), kernel("gemm", 0, 4)])
+    (run / "measured.json").write_text(json.dumps({"step_time_s": 0.01}))
+    traces = read_traces(run)
+    assert list(traces) == [0]
+    assert rank_figures(traces[0])["gemm"] * 1e3 == pytest.approx(4)
+
+
 def _small_job(directory: Path, slow: int | None = None) -> None:
     """Eight ranks of the small scenario (TP 2, PP 2, DP 2), one step each: a GEMM,
     attention, a norm, a TP AllReduce after them; ``slow`` takes twice as long to

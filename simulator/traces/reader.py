@@ -55,10 +55,14 @@ def _show(value: Any) -> str:
 
 
 def trace_files(directory: Path) -> list[Path]:
-    """The trace files of ``directory`` (not its subdirectories), sorted by name."""
+    """The trace files of ``directory`` (not its subdirectories), sorted by name; of
+    its ``traces/`` where it has one (the run directory ``clustersim measure`` writes,
+    its metadata beside the traces)."""
     if not directory.is_dir():
         raise _bad(directory, "(DIR)", "is not a directory; give the directory holding "
                    "every rank's profiler traces")
+    if (directory / "traces").is_dir():
+        directory = directory / "traces"
     found = sorted(p for p in directory.iterdir()
                    if p.name.endswith((".json", ".json.gz")) and not p.name.startswith("."))
     if not found:
