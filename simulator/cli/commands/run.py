@@ -14,6 +14,7 @@ from simulator.cli.common import (
     positive_int,
     scenario_args,
 )
+from simulator.cli.exit_codes import allow_oom_arg, fit_status, memory_verdict
 from simulator.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -24,18 +25,20 @@ EXAMPLE = ("examples:\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
            "--no-plots\n"
-           "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic\n"
+           "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set parallel.zero=1 --method "
+           "analytic\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --what-if --no-plots\n"
            "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set cluster.system=cpu.yaml "
-           "--uncertainty 200 --seed 1 --method analytic")
+           "--uncertainty 200 --seed 1 --method analytic --allow-oom")
 MAX_STEPS = 100_000  # --steps: each step is one simulation
 
 
 def add_parser(sub: Subparsers) -> None:
-    q = add_command(sub, "run", HELP, EXAMPLE)
+    q = add_command(sub, "run", HELP, EXAMPLE, exit_codes=True)
     scenario_args(q)
-    q.add_argument("--out", type=Path, default=None, help="output directory "
-                   "(default out/<scenario name>)")
+    q.add_argument("--out", type=Path, default=None, help="output directory (default "
+                   "out/<scenario name>, or out/<name>-set-<digest of the --set overrides> "
+                   "with overrides, so differently overridden runs never share one)")
     q.add_argument("--method", choices=["engine", "analytic"], default=None,
                    help="discrete-event engine (default) or closed-form estimate")
     q.add_argument("--fidelity", choices=["folded", "full"], default=None,
@@ -64,6 +67,7 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
                    help="ranks in trace.json: stages (default: each pipeline stage's lowest "
                    "rank), all, or a list such as 0,5,17")
+    allow_oom_arg(q)
     q.set_defaults(func=run)
 
 
@@ -127,7 +131,7 @@ def _summary(results: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.rank_selection import parse_rank_selection
-    from simulator.outputs.run_dir import check_out_dir, default_out_dir, staged_run
+    from simulator.outputs.run_dir import check_out_dir, replaced_run_note, run_out_dir, staged_run
 
     samples, seed = None, 0
     if args.uncertainty is not None:  # a bad flag fails before the scenario is read
@@ -136,9 +140,12 @@ def run(args: argparse.Namespace) -> int:
         samples, seed = parse_samples(args.uncertainty), parse_seed(args.seed)
     s = load(args)
     trace_ranks = parse_rank_selection(args.trace_ranks)
-    out = args.out or default_out_dir(s.name)
+    out = args.out or run_out_dir(s.name, args.overrides)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
     _check(args, s)
+    note = replaced_run_note(out, s.to_dict())
+    if note:
+        print(note, file=sys.stderr)
     from simulator.api import run_scenario, write_outputs  # pandas: after the checks
 
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
@@ -151,4 +158,4 @@ def run(args: argparse.Namespace) -> int:
                                 timeline=args.timeline, trace=run.trace)
     print("\n".join(_summary(results)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
-    return 0
+    return fit_status(memory_verdict(results["memory"]), args.allow_oom, written=True)
