@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from simulator.cli.exit_codes import allow_oom_arg, fit_status, memory_verdict
 from simulator.errors import Problem, UserError
 
 if TYPE_CHECKING:
+    from simulator.api import Timings
     from simulator.spec.scenario import Scenario
 
 HELP = "simulate one training step and write results.json and the timelines"
@@ -109,11 +111,11 @@ def _extras(args: argparse.Namespace, s: Scenario, results: dict[str, Any],
                                      results.get("fidelity"), say)
 
 
-def _summary(results: dict[str, Any]) -> list[str]:
+def _summary(results: dict[str, Any], wall: dict[str, float]) -> list[str]:
     """The run's summary, then each extra's."""
     from simulator.analysis.report import summary_lines
 
-    lines = summary_lines(results)
+    lines = summary_lines(results, wall)
     if "steps" in results:
         from simulator.analysis.steps import summary_lines as steps_lines
 
@@ -138,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         from simulator.analysis.uncertainty import parse_samples, parse_seed
 
         samples, seed = parse_samples(args.uncertainty), parse_seed(args.seed)
+    started = time.perf_counter()
     s = load(args)
     trace_ranks = parse_rank_selection(args.trace_ranks)
     out = args.out or run_out_dir(s.name, args.overrides)
@@ -149,13 +152,21 @@ def run(args: argparse.Namespace) -> int:
     from simulator.api import run_scenario, write_outputs  # pandas: after the checks
 
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
+    timings: Timings = {}
+    simulating = time.perf_counter()
     run = run_scenario(s, args.method, args.fidelity, progress=True, trace_ranks=trace_ranks,
-                       max_tasks=args.max_tasks)
+                       max_tasks=args.max_tasks, timings=timings)
     results, spans = run.results, run.spans
     _extras(args, s, results, samples, seed)
+    writing = time.perf_counter()
     with staged_run(out) as staging:
         written = write_outputs(staging, results, spans, plots=not args.no_plots,
                                 timeline=args.timeline, trace=run.trace)
-    print("\n".join(_summary(results)))
+    # build: reading the scenario and building the workload; simulate: the engine (or
+    # the estimate), the accounting and the extras; write: every output file
+    build = simulating - started + timings.get("build", (0.0, 0.0))[0]
+    wall = {"build": build, "simulate": writing - started - build,
+            "write": time.perf_counter() - writing}
+    print("\n".join(_summary(results, wall)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return fit_status(memory_verdict(results["memory"]), args.allow_oom, written=True)
