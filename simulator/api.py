@@ -155,8 +155,8 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
                   ) -> list[Path]:
     """Write a run directory: the timeline in ``timeline`` format (parquet, csv or both),
     trace.json (the ranks and extras of ``trace``, else one rank per stage), then
-    results.json, then the PNGs. Returns the paths written. ``timings`` (benchmarks)
-    receives each file group's wall and CPU seconds."""
+    results.json, then the PNGs, then report.html. Returns the paths written.
+    ``timings`` (benchmarks) receives each file group's wall and CPU seconds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if spans is not None:
@@ -173,4 +173,14 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
 
         with _timed(timings, "write_plots"):
             written.extend(plot_all(out_dir, results, spans))
+    with _timed(timings, "write_report"):
+        written.append(write_run_report(out_dir, results))
     return written
+
+
+def write_run_report(out_dir: Path, results: dict[str, Any]) -> Path:
+    """``report.html`` from ``results`` and the PNGs already in ``out_dir``."""
+    from simulator.outputs.report_html import write_report
+
+    return write_report(out_dir, results, report.summary_lines(results)
+                        + report.extras_lines(results))

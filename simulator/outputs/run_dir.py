@@ -51,7 +51,7 @@ from simulator.errors import Problem, UserError
 MANIFEST = "manifest.json"
 #: Names a run writes; removed from a reused directory even when no manifest lists them.
 KNOWN_OUTPUTS = ("results.json", "timeline.csv", "timeline.parquet", "trace.json",
-                 "timeline.png", "breakdown.png", "memory.png")
+                 "timeline.png", "breakdown.png", "memory.png", "report.html")
 _STAGING = re.compile(r"^\.(?P<name>.+)\.staging-(?P<pid>\d+)-[0-9a-f]+$")
 
 

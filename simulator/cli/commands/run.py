@@ -113,17 +113,9 @@ def _extras(args: argparse.Namespace, s: Scenario, results: dict[str, Any],
 
 def _summary(results: dict[str, Any], wall: dict[str, float]) -> list[str]:
     """The run's summary, then each extra's."""
-    from simulator.analysis.report import summary_lines
+    from simulator.analysis.report import extras_lines, summary_lines
 
-    lines = summary_lines(results, wall)
-    if "steps" in results:
-        from simulator.analysis.steps import summary_lines as steps_lines
-
-        lines += steps_lines(results["steps"])
-    if "uncertainty" in results:
-        from simulator.analysis.uncertainty import summary_lines as uncertainty_lines
-
-        lines += uncertainty_lines(results["uncertainty"])
+    lines = summary_lines(results, wall) + extras_lines(results)
     if "what_if" in results:
         from simulator.analysis.whatif import what_if_lines
 
