@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,8 @@ from simulator.outputs.trace_links import TraceLinks, trace_links
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
 
-PROGRESS_TASKS = 500_000  # above this many tasks a run reports progress
+#: Above this many tasks a run on a terminal shows a bar (about 2 s of engine time).
+PROGRESS_TASKS = 200_000
 
 
 def _ranks(s: Scenario, fidelity: str) -> tuple[int, ...]:
@@ -58,8 +59,19 @@ def _timed(timings: Timings | None, phase: str) -> Iterator[None]:
         timings[phase] = (w0 + time.perf_counter() - wall, c0 + time.process_time() - cpu)
 
 
-def _progress_line(fraction: float) -> None:
-    print(f"  simulated {fraction:.0%} of the estimated step", file=sys.stderr, flush=True)
+@contextmanager
+def _engine_bar(active: bool) -> Iterator[Callable[[float], None] | None]:
+    """A bar of the simulated share of the estimated step (stderr, a terminal only)."""
+    if not active:
+        yield None
+        return
+    from simulator.outputs.progress import progress_bar
+
+    with progress_bar(100, "simulating", "%") as bar:
+        def advance(fraction: float) -> None:
+            bar.update(max(0.0, min(100.0, 100 * fraction) - bar.n))
+
+        yield advance
 
 
 @dataclass
@@ -102,11 +114,10 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
         with _timed(timings, "build"):
             workload = build_workload(s, fidelity=fidelity)
         horizon = 0.0
-        if progress and len(workload.tasks) > PROGRESS_TASKS:
+        if progress and len(workload.tasks) > PROGRESS_TASKS and sys.stderr.isatty():
             horizon = analytic_estimate(s)["step_time_s"]
-        with _timed(timings, "simulate"):
-            result = simulate(workload, s.hardware, _progress_line if horizon else None,
-                              horizon)
+        with _timed(timings, "simulate"), _engine_bar(horizon > 0) as advance:
+            result = simulate(workload, s.hardware, advance, horizon)
         with _timed(timings, "metrics"):
             out = report.engine_metrics(s, result)
         with _timed(timings, "span_table"):
@@ -144,8 +155,8 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
                   ) -> list[Path]:
     """Write a run directory: the timeline in ``timeline`` format (parquet, csv or both),
     trace.json (the ranks and extras of ``trace``, else one rank per stage), then
-    results.json, then the PNGs. Returns the paths written. ``timings`` (benchmarks)
-    receives each file group's wall and CPU seconds."""
+    results.json, then the PNGs, then report.html. Returns the paths written.
+    ``timings`` (benchmarks) receives each file group's wall and CPU seconds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if spans is not None:
@@ -162,4 +173,14 @@ def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | 
 
         with _timed(timings, "write_plots"):
             written.extend(plot_all(out_dir, results, spans))
+    with _timed(timings, "write_report"):
+        written.append(write_run_report(out_dir, results))
     return written
+
+
+def write_run_report(out_dir: Path, results: dict[str, Any]) -> Path:
+    """``report.html`` from ``results`` and the PNGs already in ``out_dir``."""
+    from simulator.outputs.report_html import write_report
+
+    return write_report(out_dir, results, report.summary_lines(results)
+                        + report.extras_lines(results))

@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from small_scenario import SMALL as BASE_TEXT
 
+from simulator.cli.exit_codes import DOES_NOT_FIT
+
 ROOT = Path(__file__).parents[1]
 HOSTILE = ROOT / "tests" / "data" / "hostile"
 
@@ -47,8 +49,10 @@ MEASURED = [
 ]
 
 
-def assert_clean(case: dict[str, Any], allowed: tuple[Any, ...] = (0, 2)) -> None:
-    """Exit 0 or 2; with 2, every problem on one printable ``error:`` line."""
+def assert_clean(case: dict[str, Any], allowed: tuple[Any, ...] = (0, 2, DOES_NOT_FIT)
+                 ) -> None:
+    """Exit 0, 2 or 3 (does not fit); with 2, every problem on one printable ``error:``
+    line."""
     err = case["stderr"]
     assert case["rc"] in allowed, case
     assert "Traceback" not in err, err
@@ -108,7 +112,7 @@ def plot_cases(tmp: Path) -> list[list[str]]:
 def _expected(argv: list[str]) -> tuple[int, ...]:
     """Exit statuses a corpus case may give: 2, except for valid inputs."""
     if argv[0] == "validate" and Path(argv[1]).name in ("huge-batch.yaml", "huge-layers.yaml"):
-        return (0,)  # valid scenarios; only running them is refused
+        return (DOES_NOT_FIT,)  # valid scenarios that do not fit; running them is refused
     return (2,)
 
 

@@ -15,10 +15,10 @@ from matplotlib.figure import Figure
 
 from simulator.api import simulate_scenario, write_outputs
 from simulator.outputs.plots.breakdown import breakdown_figure, breakdown_segments, plot_breakdown
-from simulator.outputs.plots.common import KIND_COLOURS, PATH_COLOUR
+from simulator.outputs.plots.common import KIND_COLOURS, PATH_COLOUR, category_style
 from simulator.outputs.plots.memory import memory_figure, plot_memory
 from simulator.outputs.plots.run import plot_all
-from simulator.outputs.plots.timeline import plot_timeline, timeline_figure
+from simulator.outputs.plots.timeline import categorised, plot_timeline, timeline_figure
 from simulator.outputs.timeline_files import read_timeline
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule
@@ -180,6 +180,42 @@ def test_timeline_draws_the_critical_path_and_peer_waits(tmp_path: Path) -> None
     assert xs[-1] == pytest.approx(results["step_time_s"] * scale, rel=1e-9)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_timeline_bars_add_up_to_the_accounting(tmp_path: Path, schedule: str) -> None:
+    """Each simulated rank's compute bars, by category, are the accounting's seconds: a
+    fused backward's two parts (input, then its weight share) and zb-h1's split W."""
+    results = engine_run(tmp_path, schedule)
+    bars = categorised(read_timeline(tmp_path))
+    seconds = (bars["end"] - bars["start"]).groupby([bars["rank"], bars["category"]]).sum()
+    for entry in results["time_breakdown_s"]:
+        for category in ("forward", "backward_input", "backward_weight", "recompute",
+                         "optimizer"):
+            drawn = seconds.get((entry["rank"], category), 0.0)
+            assert drawn == pytest.approx(entry[category], rel=1e-9, abs=1e-12), category
+    assert (bars["category"] == "backward_weight").any()
+    fig = timeline_figure(read_timeline(tmp_path), results)
+    colours = {matplotlib.colors.to_hex(np.asarray(c.get_facecolor())[0])
+               for ax in fig.axes for c in ax.collections}
+    assert {category_style(c)["color"].lower() for c in ("backward_input", "backward_weight")
+            } <= colours
+
+
+def test_timeline_zooms_into_the_steady_state(tmp_path: Path) -> None:
+    results = engine_run(tmp_path, "1f1b", m=16)
+    spans = read_timeline(tmp_path)
+    fig = timeline_figure(spans, results)
+    assert len(fig.axes) == 2 and "steady state" in fig.axes[1].get_title()
+    lo, hi = results["pipeline_phase_s"]
+    # four cycles of the phase's m + p - 1 slots, centred in it
+    width = 4 * (hi - lo) / (16 + 4 - 1)
+    scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[fig.axes[1].get_xlabel().split("(")[1][:-1]]
+    x0, x1 = fig.axes[1].get_xlim()
+    assert x0 / scale == pytest.approx((lo + hi) / 2 - width / 2, rel=1e-9)
+    assert (x1 - x0) / scale == pytest.approx(1.005 * width, rel=1e-9)  # axes' 0.5% margin
+    few = engine_run(tmp_path / "few", "1f1b", m=4)
+    assert len(timeline_figure(read_timeline(tmp_path / "few"), few).axes) == 1
+
+
 def test_timeline_rows_legend_and_title() -> None:
     spans, results = schedule_run("gpipe", p=2, m=2)
     fig = timeline_figure(spans, results)
@@ -187,7 +223,9 @@ def test_timeline_rows_legend_and_title() -> None:
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
     assert [t.get_text() for t in ax.get_yticklabels(minor=True)] == ["pp", "dp"] * 2
     labels = legend_labels(fig)
-    assert labels[:5] == ["forward", "backward", "pp", "dp", "optimizer"]
+    # the accounting's categories, in its order: the breakdown's names and colours
+    assert labels[:5] == ["forward", "backward input", "optimizer", "pp transfer",
+                          "dp transfer"]
     assert "idle (bubble)" in labels and "pipeline phase" in labels
     title = ax.get_title()
     assert "toy-gpipe" in title and "gpipe" in title and "m=2" in title
@@ -198,8 +236,12 @@ def test_timeline_labels_microbatches_only_when_few() -> None:
     spans, results = schedule_run("gpipe", p=2, m=2)
     # each stage runs F0 F1 B0 B1: eight labelled runs
     assert sorted(texts(timeline_figure(spans, results))) == ["0"] * 4 + ["1"] * 4
-    many, _ = schedule_run("1f1b", p=4, m=64)  # 512 runs: too many to label
-    assert texts(timeline_figure(many, results)) == []
+    many, many_results = schedule_run("1f1b", p=4, m=64)  # 512 runs: too many to label
+    whole, zoom = timeline_figure(many, many_results).axes
+    assert [t.get_text() for t in whole.texts] == []
+    # the steady-state zoom shows four cycles: its micro-batches are labelled there
+    numbers = {int(t.get_text()) for t in zoom.texts}
+    assert 4 <= len(numbers) <= 12 and max(numbers) - min(numbers) <= 12
 
 
 def test_timeline_all_ranks_draws_every_rank() -> None:
@@ -255,11 +297,17 @@ def test_memory_marks_oom_and_draws_the_timeline_panel(tmp_path: Path) -> None:
         {**results, "memory_timeline": None}, tmp_path / "bars.png"))[1]
 
 
-def test_memory_timeline_of_many_ranks_uses_a_colour_scale() -> None:
+def test_memory_timeline_of_many_ranks_labels_a_line_per_class() -> None:
     _, results = schedule_run("gpipe", p=2, m=2)
-    results["memory_timeline"] = [[[0.0, r * GIB], [1 * MS, 2 * r * GIB]] for r in range(32)]
+    results["memory_timeline"] = [{"rank": 64 * s, "stage": s,
+                                   "points": [[0.0, s * GIB], [1 * MS, 2 * s * GIB]]}
+                                  for s in range(32)]
     fig = memory_figure(results)
-    assert len(fig.axes) == 3  # bars, curves, colour bar
+    assert len(fig.axes) == 2  # bars and curves: no colour bar of rank numbers
+    labels = legend_labels(fig)
+    assert labels[-33:] == [f"stage {s} (rank {64 * s})" for s in range(32)] + ["capacity"]
+    colours = {matplotlib.colors.to_hex(line.get_color()) for line in fig.axes[1].lines[:32]}
+    assert len(colours) == 32
 
 
 def big_spans(n: int = 250_000, p: int = 16) -> pd.DataFrame:

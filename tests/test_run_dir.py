@@ -61,12 +61,13 @@ def test_second_run_replaces_the_first_as_a_set(small: Path, tmp_path: Path) -> 
     assert main(["run", str(small), "--out", str(out), "--method", "analytic",
                  "--no-plots"]) == 0
     second = json.loads((out / MANIFEST).read_text())
-    assert set(second["files"]) == {"results.json"} and second["run_id"] != first["run_id"]
+    assert set(second["files"]) == {"results.json", "report.html"}
+    assert second["run_id"] != first["run_id"]
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt",
-                                                      "results.json"]
+                                                      "report.html", "results.json"]
     assert main(["plot", str(out)]) == 0  # draws breakdown and memory, adds them
     assert set(json.loads((out / MANIFEST).read_text())["files"]) == {
-        "results.json", "breakdown.png", "memory.png"}
+        "results.json", "breakdown.png", "memory.png", "report.html"}
     check_run_dir(out)
     assert _strays(tmp_path) == []
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from simulator.analysis.memory import memory_report
+from simulator.cli.exit_codes import DOES_NOT_FIT
 from simulator.cli.main import main
 from simulator.spec.load import load_scenario
 from simulator.spec.placement import stage_layer_count
@@ -78,7 +79,7 @@ def _run(path: Path, out_root: Path) -> tuple[int, str, dict[str, Any] | None]:
         out = out_root / path.stem
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            rc = main(["run", str(path), "--out", str(out), "--no-plots"])
+            rc = main(["run", str(path), "--out", str(out), "--no-plots", "--allow-oom"])
         results = json.loads((out / "results.json").read_text()) if rc == 0 else None
         _RUNS[path.stem] = (rc, err.getvalue(), results)
     return _RUNS[path.stem]
@@ -110,8 +111,10 @@ def test_has_header_comment(path: Path) -> None:
 
 @pytest.mark.parametrize("path", _params())
 def test_validates(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", str(path)]) == 0
-    assert ": ok (" in capsys.readouterr().out
+    fits = all(m.fits for m in memory_report(load_scenario(path)))
+    assert main(["validate", str(path)]) == (0 if fits else DOES_NOT_FIT)
+    out = capsys.readouterr().out
+    assert ": ok (" in out and out.endswith("fits\n" if fits else "DOES NOT FIT\n")
     assert load_scenario(path).name == path.stem  # name matches the file
 
 

@@ -29,7 +29,7 @@ def reference(result) -> pd.DataFrame:  # type: ignore[no-untyped-def]
         t, c = tasks[tid], layout.coord(tasks[tid].rank)
         rows.append((t.rank, c.pp, c.tp, c.dp, t.stream, t.op, t.kind, t.name, t.microbatch,
                      t.layer, t.chunk, start, result.comm_start.get(tid, start), end, t.nbytes,
-                     tid))
+                     tid, t.weight_s))
     df = pd.DataFrame(rows, columns=list(SPAN_COLUMNS))
     return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
 

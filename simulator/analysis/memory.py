@@ -96,3 +96,9 @@ def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:
 def peak_memory(scenario: Scenario) -> MemoryBreakdown:
     """The stage with the largest total (the first such stage on ties)."""
     return max(memory_report(scenario), key=lambda item: item.total)
+
+
+def stage_rows(report: list[MemoryBreakdown]) -> list[dict[str, float]]:
+    """``{"stage", "total", "capacity"}`` per stage: the rows results.json's ``memory``
+    holds, which :func:`simulator.cli.exit_codes.memory_verdict` judges."""
+    return [{"stage": m.stage, "total": m.total, "capacity": m.capacity} for m in report]

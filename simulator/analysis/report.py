@@ -26,7 +26,7 @@ from simulator.analysis.accounting.critical_path import (
 )
 from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.timing import Timing
-from simulator.analysis.accounting.vocabulary import label
+from simulator.analysis.accounting.vocabulary import categories, label
 from simulator.analysis.memory import memory_report
 from simulator.builder.tasks import Workload
 from simulator.engine.result import SimResult
@@ -149,14 +149,28 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
     }
 
 
-def _top(categories: dict[str, float], step: float, n: int = 4) -> str:
-    """The ``n`` largest categories with their share of the step."""
-    top = sorted(((v, k) for k, v in categories.items() if v > 0), reverse=True)[:n]
-    return "  ".join(f"{label(k)} {v / step:.1%}" for v, k in top) if step > 0 else ""
+#: A category whose share of the step is at least this is named in the summary.
+SHOWN_SHARE = 0.02
 
 
-def summary_lines(results: dict[str, Any]) -> list[str]:
-    """The short console table."""
+def shares_text(seconds: dict[str, float], step: float) -> str:
+    """Every category at or above :data:`SHOWN_SHARE` of the step, in the vocabulary's
+    order (the same for every line), then what the smaller ones add up to."""
+    if step <= 0:
+        return ""
+    order = {c: i for i, c in enumerate(categories())}
+    ranked = sorted(seconds, key=lambda c: order.get(c, len(order)))
+    shown = [c for c in ranked if seconds[c] >= SHOWN_SHARE * step]
+    rest = sum(v for c, v in seconds.items() if c not in shown and v > 0)
+    parts = [f"{label(c)} {seconds[c] / step:.1%}" for c in shown]
+    if rest > 0:
+        parts.append(f"(others {rest / step:.1%})")
+    return "  ".join(parts)
+
+
+def summary_lines(results: dict[str, Any], wall: dict[str, float] | None = None) -> list[str]:
+    """The short console table; ``wall``: the run's wall seconds by phase (build,
+    simulate, write ...), when the caller timed them."""
     gb = 1e9
     rows = [
         ("scenario", results["scenario"]["name"]),
@@ -171,10 +185,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     ]
     mean = results.get("step_breakdown_s") or {}
     if mean:
-        rows.append(("where the step goes", _top(mean, results["step_time_s"])))
+        rows.append(("where the step goes", shares_text(mean, results["step_time_s"])))
     path = results.get("critical_path_s") or {}
     if path:
-        rows.append(("critical path", _top(path, results["step_time_s"])))
+        rows.append(("critical path", shares_text(path, results["step_time_s"])))
     comp = results.get("gradient_compression") or {}
     if comp.get("method", "none") != "none":
         gb_wire = comp["wire_bytes_per_gpu"] / 1e9
@@ -191,5 +205,34 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         rows.append(("simulation", f"{results['sim_wall_s']:.2f} s wall, "
                                    f"{results['sim_events']:,} events, "
                                    f"{results['ranks_simulated']} ranks simulated"))
+    if wall:
+        rows.append(("wall time", "  ".join(f"{k} {v:.2f} s" for k, v in wall.items())
+                     + f"  (total {sum(wall.values()):.2f} s)"))
     width = max(len(k) for k, _ in rows)
-    return [f"{k:<{width}}  {v}" for k, v in rows]
+    return [line for k, v in rows for line in _wrapped(f"{k:<{width}}  ", v)]
+
+
+def extras_lines(results: dict[str, Any]) -> list[str]:
+    """The summaries of a run's extras beside the step: many steps, uncertainty."""
+    lines: list[str] = []
+    if "steps" in results:
+        from simulator.analysis.steps import summary_lines as steps_lines
+
+        lines += steps_lines(results["steps"])
+    if "uncertainty" in results:
+        from simulator.analysis.uncertainty import summary_lines as uncertainty_lines
+
+        lines += uncertainty_lines(results["uncertainty"])
+    return lines
+
+
+def _wrapped(head: str, text: str, width: int = 100) -> list[str]:
+    """``head`` then ``text``, broken between its two-space-separated parts at ``width``
+    with the continuation lines indented under the first."""
+    lines, line = [], head
+    for part in text.split("  "):
+        if line.strip() and len(line) + len(part) > width and line != head:
+            lines.append(line.rstrip())
+            line = " " * len(head)
+        line += part + "  "
+    return [*lines, line.rstrip()]

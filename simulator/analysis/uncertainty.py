@@ -152,7 +152,7 @@ def monte_carlo(s: Scenario, n: int, seed: int, point: dict[str, Any],
     """The ``uncertainty`` block of results.json. ``point`` is the plain run's results
     (``step_time_s``, ``mfu``, ``method``, ``fidelity``): the answer when the profile
     has no spread, and the method each sample is simulated with (or ``step_time``)."""
-    from simulator.search.cache import progress_bar
+    from simulator.outputs.progress import progress_bar
 
     spread = {t: v for t, v in s.hardware.uncertainty.items() if v > 0}
     block: dict[str, Any] = {"samples": n, "seed": seed, "relative_std": dict(spread)}

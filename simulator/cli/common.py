@@ -19,9 +19,14 @@ if TYPE_CHECKING:
 Subparsers = argparse._SubParsersAction
 
 
-def add_command(sub: Subparsers, name: str, help_: str, example: str) -> argparse.ArgumentParser:
-    """A subcommand whose ``--help`` shows its help line and worked example."""
-    return sub.add_parser(name, help=help_, description=help_, epilog=example,
+def add_command(sub: Subparsers, name: str, help_: str, example: str,
+                exit_codes: bool = False) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows its help line and worked example (and, with
+    ``exit_codes``, the exit-status table: the commands that give a memory verdict)."""
+    from simulator.cli.exit_codes import epilog
+
+    return sub.add_parser(name, help=help_, description=help_,
+                          epilog=f"{example}\n\n{epilog()}" if exit_codes else example,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 

@@ -6,7 +6,8 @@ Example::
     clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set parallel.zero=2 --method analytic
 
 User errors (a bad scenario, an unknown preset, a bad flag) print one line per
-problem on stderr and exit with status 2, without a traceback.
+problem on stderr and exit with status 2, without a traceback; a layout that does
+not fit in GPU memory exits with status 3 (:mod:`simulator.cli.exit_codes`).
 
 Building the parser imports nothing heavy: each command's module
 (:mod:`simulator.cli.commands`) imports what it runs inside ``run``, and the commands
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 from simulator import __version__
 from simulator.cli.commands.run import EXAMPLE
+from simulator.cli.exit_codes import BROKEN_PIPE, INTERRUPTED, USAGE, epilog
 from simulator.cli.registry import COMMANDS, PluginCommands
 from simulator.errors import UserError
 
@@ -42,7 +44,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     the plugins' table is read only when ``command`` is not one of the simulator's."""
     p = argparse.ArgumentParser(
         prog="clustersim", description="Discrete-event simulator of large-model training "
-        "clusters.", epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "clusters.", epilog=f"{EXAMPLE}\n\n{epilog()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"clustersim {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     own: set[str] = set()
@@ -73,16 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         for line in exc.lines():
             print(f"error: {line}", file=sys.stderr)
-        return 2
+        return USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         # the reader went away (`clustersim diff A B | head`): stop quietly, and keep
         # Python from reporting the pipe again when it flushes stdout at exit
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 141
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import numpy as np
 import simpy
 
 from simulator.job.reliability import COMPONENTS, CheckpointCost, Component
+from simulator.outputs.progress import progress_bar
 
 Event = tuple[float, float, str]  # (seconds, steps trained and in memory, what happened)
 
@@ -254,5 +255,13 @@ def run_job(spec: JobSpec, seed: int, trace: bool = False) -> JobRun:
     return job.run
 
 
-def run_many(spec: JobSpec, seeds: Sequence[int]) -> list[JobRun]:
-    return [run_job(spec, seed) for seed in seeds]
+def run_many(spec: JobSpec, seeds: Sequence[int], desc: str | None = None) -> list[JobRun]:
+    """One run per seed; with ``desc``, a progress bar (a terminal only, after 2 s)."""
+    if desc is None:
+        return [run_job(spec, seed) for seed in seeds]
+    runs = []
+    with progress_bar(len(seeds), desc) as bar:
+        for seed in seeds:
+            runs.append(run_job(spec, seed))
+            bar.update()
+    return runs

@@ -34,6 +34,7 @@ from simulator.job.reliability import (
     power_W,
     young_interval,
 )
+from simulator.outputs.progress import progress_bar
 from simulator.spec.scenario import Scenario
 
 SCAN_SEEDS = 8  # runs per interval of the auto scan
@@ -78,12 +79,15 @@ def choose_interval(spec: JobSpec, choice: str | float,
                              for i in SCAN_POINTS})
         info["scan_floor_steps"] = floor
         best = (-1.0, spec.steps)
-        for k in candidates:
-            trial = _with_every(spec, k)
-            goodput = float(np.mean([r.goodput for r in run_many(trial, range(scan_seeds))]))
-            info["scan"].append({"interval_s": k * spec.mean_step_s, "every_steps": k,
-                                 "goodput": goodput})
-            best = max(best, (goodput, k))
+        with progress_bar(len(candidates), "checkpoint intervals") as bar:
+            for k in candidates:
+                trial = _with_every(spec, k)
+                goodput = float(np.mean([r.goodput for r in run_many(trial,
+                                                                     range(scan_seeds))]))
+                info["scan"].append({"interval_s": k * spec.mean_step_s, "every_steps": k,
+                                     "goodput": goodput})
+                best = max(best, (goodput, k))
+                bar.update()
         every = best[1]
     info.update(interval_s=every * spec.mean_step_s, every_steps=every)
     return _with_every(spec, every), info

@@ -145,7 +145,8 @@ def _fmt(key: str, value: float, unit: tuple[float, str], signed: bool = False) 
     if key == "memory_peak_bytes":
         return f"{value / 1e9:{sign}.2f} GB"
     if key in ("mfu", "bubble_fraction"):
-        return f"{value:{sign}.2%}"
+        # a difference of two percentages is in percentage points, not percent
+        return f"{100 * value:+.2f} pp" if signed else f"{value:.2%}"
     if key == "tokens_per_s":
         return f"{value:{sign},.0f}"
     return f"{value * unit[0]:{sign}#.4g} {unit[1]}"

@@ -22,7 +22,11 @@ left alone.
 
 The default output directory is ``out/<name>`` with the name reduced to letters,
 digits, ``.``, ``_`` and ``-`` (:func:`default_out_dir`), so ``name: ../../x`` or
-an absolute name stays under ``out/``.
+an absolute name stays under ``out/``. A run with ``--set`` overrides defaults to
+``out/<name>-set-<digest>`` (:func:`run_out_dir`: eight hex digits of the overrides,
+in order), so runs of one scenario with different overrides never share a
+directory; a run into an ``--out`` that holds a run of a different scenario says so
+on stderr, naming what differs (:func:`replaced_run_note`), before replacing it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,7 @@ from simulator.errors import Problem, UserError
 MANIFEST = "manifest.json"
 #: Names a run writes; removed from a reused directory even when no manifest lists them.
 KNOWN_OUTPUTS = ("results.json", "timeline.csv", "timeline.parquet", "trace.json",
-                 "timeline.png", "breakdown.png", "memory.png")
+                 "timeline.png", "breakdown.png", "memory.png", "report.html")
 _STAGING = re.compile(r"^\.(?P<name>.+)\.staging-(?P<pid>\d+)-[0-9a-f]+$")
 
 
@@ -55,6 +59,47 @@ def default_out_dir(name: str) -> Path:
     """``out/<name>`` with the name made a single safe path component."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:100]
     return Path("out") / (safe or "run")
+
+
+def run_out_dir(name: str, overrides: Sequence[str] = ()) -> Path:
+    """``run``'s default directory: ``out/<name>``, or ``out/<name>-set-<digest>`` with
+    overrides (the SHA-256 of the ``--set`` strings in order, eight hex digits)."""
+    base = default_out_dir(name)
+    if not overrides:
+        return base
+    digest = hashlib.sha256("\n".join(overrides).encode("utf-8", "surrogatepass")).hexdigest()
+    return base.with_name(f"{base.name[:86]}-set-{digest[:8]}")
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def replaced_run_note(out: Path, scenario: Mapping[str, Any], shown: int = 3) -> str | None:
+    """A line saying that ``out`` holds a complete run of another scenario (the keys
+    that differ, old → new), or None (no run there, or the same scenario)."""
+    from simulator.loading import read_json
+
+    if not (out / MANIFEST).is_file() or not (out / "results.json").is_file():
+        return None
+    try:
+        old = read_json(out / "results.json", "--out").get("scenario")
+    except (UserError, AttributeError):
+        return None
+    before, after = _flat(old if isinstance(old, Mapping) else {}), _flat(scenario)
+    keys = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if not keys:
+        return None
+    diffs = ", ".join(f"{k}: {before.get(k, '-')!r} → {after.get(k, '-')!r}"
+                      for k in keys[:shown])
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return (f"note: {out} holds a run of a different scenario ({diffs}{more}); replacing it "
+            "(give another --out to keep both)")
 
 
 def check_out_dir(out: Path) -> None:

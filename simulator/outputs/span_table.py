@@ -5,9 +5,11 @@ Columns (:data:`SPAN_COLUMNS`): where it ran (``rank`` and its ``stage``,
 ``name``, ``microbatch``, ``layer``, ``chunk``; ``-1`` for "no micro-batch /
 layer"), when (``start``, ``end`` in seconds; ``comm_start``, when a collective's
 transfer began, the time before it being peer-wait, and ``start`` for other
-spans), the payload ``bytes`` (0 for compute) and ``task``, the id of the
+spans), the payload ``bytes`` (0 for compute), ``task``, the id of the
 engine task that left the span (unique per row; :mod:`simulator.outputs.trace_links`
-refers to spans by it). Rows are sorted by (rank, start, end).
+refers to spans by it), and ``weight_s``, the weight-gradient share of a fused
+backward's time (the accounting's ``backward_weight``; 0 for other spans). Rows
+are sorted by (rank, start, end).
 
 Compact dtypes: int32 for indices, float64 for times and bytes, and pandas
 categoricals for the four text columns, whose few distinct values repeat over
@@ -50,13 +52,14 @@ SPAN_COLUMNS: Mapping[str, str] = {
     "end": "float64",
     "bytes": "float64",
     "task": "int64",
+    "weight_s": "float64",  # a fused backward: the weight-gradient share of its time (else 0)
 }
 
 #: Columns a span table must have; the others get the defaults below.
 REQUIRED_COLUMNS = ("rank", "stream", "op", "start", "end")
 _DEFAULTS: Mapping[str, Any] = {
     "stage": 0, "tp": 0, "dp": 0, "kind": "", "name": "",
-    "microbatch": -1, "layer": -1, "chunk": 0, "bytes": 0.0, "task": -1,
+    "microbatch": -1, "layer": -1, "chunk": 0, "bytes": 0.0, "task": -1, "weight_s": 0.0,
     "comm_start": np.nan,  # then start: a table from before comm_start knows no waits
 }
 TEXT_COLUMNS = tuple(c for c, d in SPAN_COLUMNS.items() if d == "category")
@@ -175,6 +178,7 @@ def span_table(result: SimResult) -> pd.DataFrame:
     columns["comm_start"] = _comm_start(result.comm_start, len(tasks), tid, columns["start"])
     columns["bytes"] = _column(tasks, "nbytes", np.float64)[tid]
     columns["task"] = tid
+    columns["weight_s"] = _column(tasks, "weight_s", np.float64)[tid]
     return pd.DataFrame({c: columns[c] for c in SPAN_COLUMNS})
 
 

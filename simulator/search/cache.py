@@ -11,7 +11,8 @@ whole entries or none, and the next run computes only what is missing.
 
 :func:`map_cached` is the loop sweeps and plans share: look every job up, send
 the misses to a ``concurrent.futures.Executor`` (local processes or a Dask
-cluster's), store each result as it arrives, and show a progress bar.
+cluster's), store each result as it arrives, and show a progress bar
+(:func:`simulator.outputs.progress.progress_bar`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from concurrent.futures import Executor, as_completed
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from simulator import __version__
+from simulator.outputs.progress import progress_bar
 from simulator.outputs.trace_export import atomic_output
 from simulator.spec.scenario import Scenario
 
@@ -120,9 +120,3 @@ def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Jo
     done = [r for r in results if r is not None]
     assert len(done) == len(jobs), "every job has a result"
     return done
-
-
-def progress_bar(total: int, desc: str) -> tqdm[Any]:
-    """A tqdm bar on stderr, shown only when stderr is a terminal."""
-    return tqdm(total=total, desc=desc, unit="", disable=None, leave=False,
-                dynamic_ncols=True, mininterval=0.5)

@@ -9,6 +9,14 @@ sequence parallelism when TP > 1) and the planner's own (recompute mode, micro-b
 size). Dimensions nest by their order; a branch with no values is pruned. A strategy
 registered beside the built-in ones adds its own dimensions, and :func:`knobs` its
 columns.
+
+The model is a preset or a YAML file holding a scenario's ``model`` section (or a
+whole scenario, whose ``model`` section is taken); ``stack`` names a stack preset;
+``sets`` are ``--set`` overrides as ``run`` takes them. An override of a searched
+field (``parallel.zero=1``, ``training.micro_batch=2``) pins that dimension: only the
+candidates with that value remain. Any other override (``parallel.dp_bucket_MB``,
+``training.optimizer``, ``model.seq_len``) goes into the base scenario that every
+candidate starts from.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from simulator.errors import Problem, UserError
+from simulator.loading import parse_override, read_yaml
 from simulator.schedules import registry as schedules
-from simulator.spec.load import scenario_from_dict
+from simulator.spec.load import apply_overrides, scenario_from_dict
 from simulator.spec.model_spec import preset_model_names
 from simulator.spec.scenario import ParallelSpec, Scenario, TrainingSpec
 from simulator.strategies import registry
@@ -37,7 +47,7 @@ Candidate = tuple[Any, ...]
 class PlanRequest:
     """What to plan for, and which part of the space to search."""
 
-    model: str  # a model preset (`clustersim presets`)
+    model: str  # a model preset (`clustersim presets`) or a model YAML file
     gpus: int  # N, a multiple of the system's GPUs per node (or a divisor of it)
     system: str  # a system preset or a hardware-profile YAML
     global_batch: int  # sequences per step
@@ -55,15 +65,61 @@ class PlanRequest:
     expert_parallel: tuple[int, ...] | None = None
     tp_beyond_node: bool = False  # allow TP groups that span nodes
     dtype: str = "bf16"
+    stack: str | None = None  # a stack preset; None: the scenario default
+    sets: tuple[str, ...] = ()  # ``--set key.path=value`` overrides (module note)
+
+    @property
+    def model_name(self) -> str:
+        """The preset's name, or the model file's stem."""
+        return Path(self.model).stem if _is_file(self.model) else self.model
 
 
-def base_scenario(req: PlanRequest) -> Scenario:
-    """The model and cluster, validated once (training and parallel replaced later)."""
-    if req.model not in preset_model_names():
-        near = difflib.get_close_matches(req.model, preset_model_names(), n=1)
+def _is_file(model: str) -> bool:
+    return model.endswith((".yaml", ".yml")) or Path(model).is_file()
+
+
+def _model_section(model: str) -> dict[str, Any]:
+    """``model``'s scenario section: ``{preset: NAME}``, or a YAML file's mapping."""
+    if _is_file(model):
+        data = read_yaml(Path(model), "--model")
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            data = data["model"]  # a whole scenario: its model section
+        if not isinstance(data, dict):
+            raise UserError([Problem("--model", model, "must hold a mapping: a scenario's "
+                                     "model section, e.g. {preset: llama2-7b, seq_len: 8192}")])
+        return data
+    if model not in preset_model_names():
+        near = difflib.get_close_matches(model, preset_model_names(), n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
-        raise UserError([Problem("--model", req.model, f"not a model preset; {hint}bundled: "
-                                 f"{', '.join(preset_model_names())}")])
+        raise UserError([Problem("--model", model, f"not a model preset; {hint}bundled: "
+                                 f"{', '.join(preset_model_names())}; or a model .yaml file")])
+    return {"preset": model}
+
+
+def searched_fields() -> tuple[str, ...]:
+    """The scenario fields the search sets, one per knob, in :func:`knobs` order."""
+    return tuple(f for d in dimensions() for f in d.fields)
+
+
+def split_sets(sets: tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
+    """``--set`` overrides as (those for the base scenario, pins of searched fields)."""
+    searched, base, pins = set(searched_fields()), [], {}
+    for text in sets:
+        key, sep, raw = text.partition("=")
+        if key.strip() in ("training.global_batch", "training.dtype") and sep:
+            flag = "--global-batch" if key.strip().endswith("batch") else "the plan's dtype"
+            raise UserError([Problem("--set", text, f"the plan sets {key.strip()}; use {flag}")])
+        if sep and key.strip() in searched:
+            pins[key.strip()] = parse_override(raw, f"--set {key.strip()}")
+        else:
+            base.append(text)
+    return base, pins
+
+
+def base_data(req: PlanRequest) -> dict[str, Any]:
+    """The base scenario as its file would hold it (``--set`` overrides applied; parallel
+    and training as placeholders the candidates replace)."""
+    model = _model_section(req.model)
     try:
         gpn = load_system(req.system).gpus_per_node
     except UserError as exc:
@@ -76,18 +132,26 @@ def base_scenario(req: PlanRequest) -> Scenario:
     else:
         raise UserError([Problem("--gpus", req.gpus, f"{req.system} has {gpn} GPUs per node; "
                                  f"use a multiple of {gpn} (or a divisor of it)")])
-    model: dict[str, Any] = {"preset": req.model}
     if req.seq_len is not None:
         model["seq_len"] = req.seq_len
-    data = {"name": f"plan-{req.model}-{req.gpus}", "model": model,
-            "cluster": {"system": req.system, "nodes": nodes, "gpus_per_node": per_node},
-            "parallel": {"dp": req.gpus},
-            "training": {"global_batch": req.gpus, "dtype": req.dtype},
-            "simulation": {"method": "engine", "fidelity": "folded"}}
-    base = scenario_from_dict(data)
+    system = str(Path(req.system).resolve()) if _is_file(req.system) else req.system
+    data: dict[str, Any] = {
+        "name": f"plan-{req.model_name}-{req.gpus}", "model": model,
+        "cluster": {"system": system, "nodes": nodes, "gpus_per_node": per_node},
+        "parallel": {"dp": req.gpus},
+        "training": {"global_batch": req.gpus, "dtype": req.dtype},
+        "simulation": {"method": "engine", "fidelity": "folded"}}
+    if req.stack is not None:
+        data["stack"] = {"preset": req.stack}
+    return apply_overrides(data, split_sets(req.sets)[0])
+
+
+def base_scenario(req: PlanRequest) -> Scenario:
+    """The model and cluster, validated once (training and parallel replaced later)."""
+    base = scenario_from_dict(base_data(req))
     base.hardware  # noqa: B018  resolve once; candidates share it through model_copy
-    return base.model_copy(update={"training": TrainingSpec(
-        global_batch=req.global_batch, dtype=cast(Any, req.dtype))})
+    return base.model_copy(update={"training": base.training.model_copy(
+        update={"global_batch": req.global_batch})})
 
 
 def _micro_batches(req: PlanRequest, base: Scenario,
@@ -136,7 +200,20 @@ def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
             walk(i + 1)
 
     walk(0)
-    return out
+    return _pinned(out, split_sets(req.sets)[1])
+
+
+def _pinned(cands: list[Candidate], pins: Mapping[str, Any]) -> list[Candidate]:
+    """The candidates whose searched fields equal every pin (``--set`` of a knob)."""
+    fields = searched_fields()
+    for key, value in pins.items():
+        i = fields.index(key)
+        tried = sorted({c[i] for c in cands}, key=str)
+        cands = [c for c in cands if c[i] == value]
+        if not cands:
+            raise UserError([Problem("--set", f"{key}={value}", "no candidate layout has it; "
+                                     f"the search tried {', '.join(map(str, tried))}")])
+    return cands
 
 
 def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
@@ -144,9 +221,12 @@ def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
     fields = dict(zip((f for d in dimensions() for f in d.fields), cand, strict=True))
     parallel = {k.removeprefix("parallel."): v for k, v in fields.items()
                 if k.startswith("parallel.")}
-    par = ParallelSpec(**cast(Any, parallel))
-    trn = TrainingSpec(global_batch=base.training.global_batch,
-                       micro_batch=fields["training.micro_batch"], dtype=base.training.dtype)
+    # the base's own parallel settings (--set ones: dp_bucket_MB, overlap, ...) stay
+    kept = {k: getattr(base.parallel, k) for k in base.parallel.model_fields_set
+            if f"parallel.{k}" not in fields}
+    par = ParallelSpec(**cast(Any, {**kept, **parallel}))
+    trn = TrainingSpec(**{**base.training.model_dump(exclude_unset=True),
+                          "micro_batch": fields["training.micro_batch"]})
     update: dict[str, Any] = {"parallel": par, "training": trn}
     options = {k.removeprefix("strategies."): v for k, v in fields.items()
                if k.startswith("strategies.")}

@@ -79,6 +79,7 @@ class Plan:
     wall_s: float
     gpu_memory_GB: float  # the capacity candidates were pruned against
     counts: dict[str, int] = field(default_factory=dict)
+    chosen_scenario: Scenario | None = None  # the chosen layout, as the engine ran it
 
 
 # ---------------------------------------------------------------- pass 1 and 2
@@ -198,9 +199,10 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
     if fits.any():
         table.loc[fits, "pareto"] = pareto_mask(table.loc[fits, "peak_memory_GB"],
                                                 table.loc[fits, "analytic_step_time_s"])
-    chosen = None
+    chosen, chosen_scenario = None, None
     if len(ranked):
         chosen = int(table.loc[ranked.index, "engine_step_time_s"].astype(float).idxmin())
+        chosen_scenario = scenarios[list(ranked.index).index(chosen)]
     table["chosen"] = table.index == chosen
     n = table["verdict"].value_counts()
     counts = {"candidates": len(table), "invalid": int(n.get("invalid", 0)),
@@ -208,7 +210,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
               "out_of_memory": int(n.get("out of memory", 0)), "fit": int(n.get("fits", 0)),
               "simulated": len(ranked)}
     return Plan(req, table, chosen, time.perf_counter() - start,
-                base.hardware.gpu.memory_GB, counts)
+                base.hardware.gpu.memory_GB, counts, chosen_scenario)
 
 
 # ---------------------------------------------------------------- labels
@@ -237,7 +239,7 @@ def plan_lines(plan: Plan) -> list[str]:
     req, c, t = plan.request, plan.counts, plan.table
     unsupported = (f"{c['not_yet_simulated']:,} not yet simulated, "
                    if c["not_yet_simulated"] else "")
-    lines = [f"planned {req.model} on {req.gpus:,} GPUs of {req.system}, global batch "
+    lines = [f"planned {req.model_name} on {req.gpus:,} GPUs of {req.system}, global batch "
              f"{req.global_batch}: {c['candidates']:,} candidates considered, {c['invalid']:,} "
              f"invalid, {unsupported}{c['out_of_memory']:,} do not fit, {c['fit']:,} fit; "
              f"{c['simulated']} simulated in {plan.wall_s:.1f} s"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,11 @@ COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "memory_peak
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[str]]:
-    """``key.path=v1,v2,...`` strings into an ordered mapping of axes."""
+    """``key.path=v1,v2,...`` strings into an ordered mapping of axes; a key the schema
+    does not have is refused here, before any point is tried (one line, with the closest
+    valid key), not reported as the same error on every point."""
+    from simulator.spec.problems import key_problem
+
     axes: dict[str, list[str]] = {}
     for spec in specs:
         key, sep, values = spec.partition("=")
@@ -47,6 +51,9 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list[str]]:
         if not sep or not key.strip() or not items:
             raise UserError([Problem("--grid", spec, "expected key.path=v1,v2,..., e.g. "
                                      "parallel.tp=1,2,4,8")])
+        problem = key_problem(key.strip(), "--grid")
+        if problem is not None:
+            raise UserError([problem])
         axes[key.strip()] = items
     return axes
 
@@ -73,16 +80,28 @@ def _assignments(point: dict[str, str], data: dict[str, Any]) -> list[str]:
     return [*out, f"parallel.dp={max(dp, 1)}"]
 
 
-def resolve(path: str | Path, base_sets: Sequence[str],
-            grid: Sequence[dict[str, str]]) -> list[Scenario | str]:
-    """Each point's validated scenario, or its validation errors as one string."""
+def resolve(path: str | Path, base_sets: Sequence[str], grid: Sequence[dict[str, str]],
+            warn: Callable[[str], None] | None = None) -> list[Scenario | str]:
+    """Each point's validated scenario, or its validation errors as one string;
+    ``warn`` receives each distinct warning of the valid points (once, in grid order)."""
+    from simulator.spec.rules import scenario_warnings
+
     data = read_yaml(Path(path), "scenario")
     out: list[Scenario | str] = []
+    said: set[str] = set()
     for point in grid:
         try:
-            out.append(load_scenario(path, [*base_sets, *_assignments(point, data)]))
+            s = load_scenario(path, [*base_sets, *_assignments(point, data)])
         except UserError as exc:
             out.append("; ".join(exc.lines()))
+            continue
+        out.append(s)
+        if warn is None:
+            continue
+        for line in scenario_warnings(s):
+            if line not in said:
+                said.add(line)
+                warn(line)
     return out
 
 
@@ -97,10 +116,12 @@ def evaluate(s: Scenario, method: str) -> Figures:
 
 def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[str] = (),
               method: str = "analytic", executor: Executor | None = None,
-              cache: ResultCache | None = None) -> pd.DataFrame:
-    """Every point of the grid, in grid order; cached points are not computed again."""
+              cache: ResultCache | None = None, warn: Callable[[str], None] | None = None
+              ) -> pd.DataFrame:
+    """Every point of the grid, in grid order; cached points are not computed again.
+    ``warn`` receives the points' distinct warnings before anything is computed."""
     grid = points(axes)
-    resolved = resolve(path, list(base_sets), grid)
+    resolved = resolve(path, list(base_sets), grid, warn)
     scenarios = [s for s in resolved if isinstance(s, Scenario)]
     jobs = [(scenario_key(s, method, s.simulation.fidelity), (s, method)) for s in scenarios]
     own = executor is None
@@ -131,6 +152,20 @@ def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[
     for name in ("tp", "cp", "pp", "dp", "ep", "microbatches"):
         table[name] = table[name].astype("Int64")
     return table
+
+
+def invalid_lines(table: pd.DataFrame, axes: Sequence[str], shown: int = 20) -> list[str]:
+    """Each invalid point's settings and reason, one line each (the first ``shown``;
+    a last line counts the rest)."""
+    if "error" not in table:
+        return []
+    bad = table[table["error"] != ""]
+    lines = [f"  {', '.join(f'{k}={row[k]}' for k in axes)}: {row['error']}"
+             for _, row in bad.head(shown).iterrows()]
+    if len(bad) > shown:
+        lines.append(f"  ... and {len(bad) - shown} more (the error column of sweep.csv "
+                     "with --out)")
+    return lines
 
 
 def best(table: pd.DataFrame, n: int = 5) -> pd.DataFrame:

@@ -105,3 +105,23 @@ def _unknown_key_fix(loc: list[str], root: type[BaseModel]) -> str:
                                                                       cutoff=0.5)
     hint = f"did you mean '{near[0]}'? " if near else ""
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
+
+
+def key_problem(key: str, flag: str, root: type[BaseModel] = Scenario) -> Problem | None:
+    """A problem when the dotted ``key`` names no field of the schema (an unknown part,
+    with the closest valid one), else None: the check a grid axis gets before its
+    points are tried. Below a field that is not a section (a mapping such as
+    ``strategies``) any key is accepted; the point's own validation judges it."""
+    parts = key.split(".")
+    model = root
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return Problem(flag, key, _unknown_key_fix(parts[: i + 1], root))
+        ann = field.annotation
+        section = next((a for a in (ann, *typing.get_args(ann))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if section is None:
+            return None
+        model = section
+    return None

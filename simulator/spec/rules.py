@@ -111,10 +111,31 @@ def not_yet_simulated(s: Scenario) -> list[Problem]:
     return out
 
 
+#: Tokens a step beyond any published training run's. The largest we know of ramps to
+#: 15,360 sequences of 4,096 tokens (62.9M; DeepSeek-V3 technical report, §4.2); Llama 3
+#: 405B ran 16M. A step above 64 Mi tokens almost always means a batch given in tokens
+#: where ``training.global_batch`` counts sequences.
+MAX_PLAUSIBLE_TOKENS = 64 * 2**20
+
+
+def batch_warning(global_batch: int, seq_len: int, field: str = "training.global_batch"
+                  ) -> list[str]:
+    """A warning when ``global_batch`` sequences of ``seq_len`` tokens exceed
+    :data:`MAX_PLAUSIBLE_TOKENS` a step, with the batch it probably meant."""
+    tokens = global_batch * seq_len
+    if tokens <= MAX_PLAUSIBLE_TOKENS:
+        return []
+    meant = max(1, round(global_batch / seq_len))
+    return [f"warning: {field} = {global_batch:,} sequences × {seq_len:,} tokens = "
+            f"{tokens:.3g} tokens a step, more than any published training run used (above "
+            f"{MAX_PLAUSIBLE_TOKENS / 2**20:.0f}M); {field} counts sequences, not tokens: "
+            f"for {global_batch:,} tokens a step use {meant:,} sequences"]
+
+
 def scenario_warnings(s: Scenario) -> list[str]:
-    """Legal but probably unintended choices (each strategy's), and another name read
-    as the one the schema uses."""
-    out: list[str] = []
+    """Legal but probably unintended choices: an implausible batch, another name read
+    as the one the schema uses, then each strategy's."""
+    out = batch_warning(s.training.global_batch, s.model.seq_len)
     if s.parallel.fsdp:
         out.append("warning: parallel.fsdp = true: read as parallel.zero: 3 (ZeRO-3, FSDP's "
                    "full sharding of parameters, gradients and optimizer states); write zero: 3")

@@ -10,6 +10,7 @@ from simulator.cli.common import (
     load,
     scenario_args,
 )
+from simulator.cli.exit_codes import allow_oom_arg, fit_status, memory_verdict
 
 HELP = "per-rank memory table and out-of-memory verdict"
 EXAMPLE = ("example:\n"
@@ -17,13 +18,14 @@ EXAMPLE = ("example:\n"
 
 
 def add_parser(sub: Subparsers) -> None:
-    q = add_command(sub, "memory", HELP, EXAMPLE)
+    q = add_command(sub, "memory", HELP, EXAMPLE, exit_codes=True)
     scenario_args(q)
+    allow_oom_arg(q)
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.analysis.memory import memory_report
+    from simulator.analysis.memory import memory_report, stage_rows
     from simulator.builder.budget import check_stages
 
     s = load(args)
@@ -34,9 +36,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{s.name}: per-GPU memory in GB (capacity {s.hardware.gpu.memory_GB:g} GB, "
           f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {s.parallel.recompute})")
     print("  ".join(f"{c:>11}" for c in cols))
-    for m in memory_report(s):
+    stages = memory_report(s)
+    for m in stages:
         vals = (m.weights, m.gradients, m.optimizer, m.activations, m.logits, m.comm_buffers,
                 m.total)
         print("  ".join([f"{m.stage:>11}", *(f"{v / gb:>11.2f}" for v in vals),
                          f"{'yes' if m.fits else 'NO':>11}"]))
-    return 0
+    verdict = memory_verdict(stage_rows(stages))
+    print(verdict.line())
+    return fit_status(verdict, args.allow_oom)

@@ -15,6 +15,7 @@ from simulator.cli.common import (
     result_cache,
     search_args,
 )
+from simulator.errors import Problem, UserError
 
 HELP = ("search every layout of a model on N GPUs: plan.csv, pareto.png and the fastest "
         "layout that fits")
@@ -24,12 +25,25 @@ EXAMPLE = ("examples:\n"
            "  clustersim plan --model llama3-70b --gpus 512 --system dgx-h100 --global-batch "
            "1024 --seq-len 8192 --dask local:2 --out out/llama\n"
            "  clustersim plan --model mixtral-8x7b --gpus 64 --system dgx-h100 --global-batch "
-           "256 --expert-parallel 2,4,8")
+           "256 --expert-parallel 2,4,8\n"
+           "  clustersim plan --model my-model.yaml --stack megatron-core --gpus 64 --system "
+           "dgx-h100 --global-batch 512 --set parallel.zero=1 --write-scenario best.yaml\n"
+           "  clustersim run best.yaml   # the chosen layout: the plan's step time")
 
 
 def add_parser(sub: Subparsers) -> None:
     q = add_command(sub, "plan", HELP, EXAMPLE)
-    q.add_argument("--model", required=True, help="model preset (clustersim presets)")
+    q.add_argument("--model", required=True, metavar="PRESET|FILE.yaml",
+                   help="model preset (clustersim presets), or a YAML file holding a "
+                   "scenario's model section (e.g. {preset: llama2-7b, layers: 40}) or a whole "
+                   "scenario (its model section is used)")
+    q.add_argument("--stack", default=None, metavar="PRESET",
+                   help="training-stack preset (clustersim presets; default the scenario "
+                   "default)")
+    q.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY.PATH=VALUE", help="override a scenario key (repeatable), as "
+                   "run takes it; a searched key (parallel.zero=1, training.micro_batch=2) "
+                   "pins that dimension of the search")
     q.add_argument("--gpus", type=int, required=True, help="N, GPUs in all")
     q.add_argument("--system", required=True, help="system preset or hardware-profile YAML")
     q.add_argument("--global-batch", type=int, required=True, help="sequences per step")
@@ -49,6 +63,9 @@ def add_parser(sub: Subparsers) -> None:
                    help="also try TP groups larger than a node")
     q.add_argument("--out", type=Path, default=None, help="output directory "
                    "(default out/plan-<model>-<gpus>)")
+    q.add_argument("--write-scenario", type=Path, default=None, metavar="FILE.yaml",
+                   help="also write the chosen layout as a scenario `clustersim run` takes "
+                   "unchanged (it gives the plan's engine step time)")
     search_args(q)
     q.set_defaults(func=run)
 
@@ -56,9 +73,10 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.run_dir import check_out_dir, default_out_dir
     from simulator.outputs.search_files import write_plan
-    from simulator.search.candidates import PlanRequest
+    from simulator.search.candidates import PlanRequest, base_scenario, candidates
     from simulator.search.executors import open_executor
     from simulator.search.plan import plan_lines, run_plan
+    from simulator.spec.rules import batch_warning
 
     cp, ep = (None if text is None else int_list(flag, text) for flag, text in
               (("--context-parallel", args.context_parallel),
@@ -66,15 +84,28 @@ def run(args: argparse.Namespace) -> int:
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
                       args.top, int_list("--micro-batches", args.micro_batches),
                       context_parallel=cp, expert_parallel=ep,
-                      tp_beyond_node=args.tp_beyond_node)
-    out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
+                      tp_beyond_node=args.tp_beyond_node, stack=args.stack,
+                      sets=tuple(args.overrides))
+    if args.write_scenario is not None and args.write_scenario.suffix not in (".yaml", ".yml"):
+        raise UserError([Problem("--write-scenario", str(args.write_scenario),
+                                 "must end in .yaml or .yml (a scenario file)")])
+    out = args.out or default_out_dir(f"plan-{req.model_name}-{args.gpus}")
     check_out_dir(out)
+    # a bad model, stack, system or --set (a pin no candidate has): one line, now
+    candidates(req, base := base_scenario(req))
+    for line in batch_warning(args.global_batch, base.model.seq_len, "--global-batch"):
+        print(line, file=sys.stderr)
     cache = result_cache(args, out)
-    print(f"planning {args.model} on {args.gpus} GPUs ...", file=sys.stderr)
+    print(f"planning {req.model_name} on {args.gpus} GPUs ...", file=sys.stderr)
     with open_executor(args.dask, args.workers) as pool:
         plan = run_plan(req, pool, cache)
     print(computed_line(cache, "engine run"), file=sys.stderr)
     written = write_plan(plan, out, plots=not args.no_plots)
     print("\n".join(plan_lines(plan)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    if args.write_scenario is not None:
+        from simulator.search.chosen import write_scenario
+
+        path = write_scenario(plan, args.write_scenario)
+        print(f"wrote the chosen layout to {path} (clustersim run {path})")
     return 0

@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.plots.run import plot_all  # matplotlib: after the checks
 
     written = plot_all(args.run_dir)
+    from simulator.api import write_run_report
+    from simulator.outputs.run_files import read_results
+
+    written.append(write_run_report(args.run_dir, read_results(args.run_dir / "results.json")))
     names = sorted({*manifest["files"], *(p.name for p in written)})
     write_manifest(args.run_dir, [n for n in names if n != MANIFEST], manifest.get("run_id"))
     for path in written:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +15,11 @@ from simulator.cli.common import (
     positive_int,
     scenario_args,
 )
+from simulator.cli.exit_codes import allow_oom_arg, fit_status, memory_verdict
 from simulator.errors import Problem, UserError
 
 if TYPE_CHECKING:
+    from simulator.api import Timings
     from simulator.spec.scenario import Scenario
 
 HELP = "simulate one training step and write results.json and the timelines"
@@ -24,18 +27,20 @@ EXAMPLE = ("examples:\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --out out/gpt3\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --set parallel.schedule=gpipe "
            "--no-plots\n"
-           "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --method analytic\n"
+           "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set parallel.zero=1 --method "
+           "analytic\n"
            "  clustersim run scenarios/gpt3-175b-1024.yaml --what-if --no-plots\n"
            "  clustersim run scenarios/llama2-7b-8gpu-ddp.yaml --set cluster.system=cpu.yaml "
-           "--uncertainty 200 --seed 1 --method analytic")
+           "--uncertainty 200 --seed 1 --method analytic --allow-oom")
 MAX_STEPS = 100_000  # --steps: each step is one simulation
 
 
 def add_parser(sub: Subparsers) -> None:
-    q = add_command(sub, "run", HELP, EXAMPLE)
+    q = add_command(sub, "run", HELP, EXAMPLE, exit_codes=True)
     scenario_args(q)
-    q.add_argument("--out", type=Path, default=None, help="output directory "
-                   "(default out/<scenario name>)")
+    q.add_argument("--out", type=Path, default=None, help="output directory (default "
+                   "out/<scenario name>, or out/<name>-set-<digest of the --set overrides> "
+                   "with overrides, so differently overridden runs never share one)")
     q.add_argument("--method", choices=["engine", "analytic"], default=None,
                    help="discrete-event engine (default) or closed-form estimate")
     q.add_argument("--fidelity", choices=["folded", "full"], default=None,
@@ -64,6 +69,7 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
                    help="ranks in trace.json: stages (default: each pipeline stage's lowest "
                    "rank), all, or a list such as 0,5,17")
+    allow_oom_arg(q)
     q.set_defaults(func=run)
 
 
@@ -105,19 +111,11 @@ def _extras(args: argparse.Namespace, s: Scenario, results: dict[str, Any],
                                      results.get("fidelity"), say)
 
 
-def _summary(results: dict[str, Any]) -> list[str]:
+def _summary(results: dict[str, Any], wall: dict[str, float]) -> list[str]:
     """The run's summary, then each extra's."""
-    from simulator.analysis.report import summary_lines
+    from simulator.analysis.report import extras_lines, summary_lines
 
-    lines = summary_lines(results)
-    if "steps" in results:
-        from simulator.analysis.steps import summary_lines as steps_lines
-
-        lines += steps_lines(results["steps"])
-    if "uncertainty" in results:
-        from simulator.analysis.uncertainty import summary_lines as uncertainty_lines
-
-        lines += uncertainty_lines(results["uncertainty"])
+    lines = summary_lines(results, wall) + extras_lines(results)
     if "what_if" in results:
         from simulator.analysis.whatif import what_if_lines
 
@@ -127,28 +125,40 @@ def _summary(results: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.rank_selection import parse_rank_selection
-    from simulator.outputs.run_dir import check_out_dir, default_out_dir, staged_run
+    from simulator.outputs.run_dir import check_out_dir, replaced_run_note, run_out_dir, staged_run
 
     samples, seed = None, 0
     if args.uncertainty is not None:  # a bad flag fails before the scenario is read
         from simulator.analysis.uncertainty import parse_samples, parse_seed
 
         samples, seed = parse_samples(args.uncertainty), parse_seed(args.seed)
+    started = time.perf_counter()
     s = load(args)
     trace_ranks = parse_rank_selection(args.trace_ranks)
-    out = args.out or default_out_dir(s.name)
+    out = args.out or run_out_dir(s.name, args.overrides)
     check_out_dir(out)  # before simulating: a bad --out is one line, not a lost run
     _check(args, s)
+    note = replaced_run_note(out, s.to_dict())
+    if note:
+        print(note, file=sys.stderr)
     from simulator.api import run_scenario, write_outputs  # pandas: after the checks
 
     print(f"simulating {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
+    timings: Timings = {}
+    simulating = time.perf_counter()
     run = run_scenario(s, args.method, args.fidelity, progress=True, trace_ranks=trace_ranks,
-                       max_tasks=args.max_tasks)
+                       max_tasks=args.max_tasks, timings=timings)
     results, spans = run.results, run.spans
     _extras(args, s, results, samples, seed)
+    writing = time.perf_counter()
     with staged_run(out) as staging:
         written = write_outputs(staging, results, spans, plots=not args.no_plots,
                                 timeline=args.timeline, trace=run.trace)
-    print("\n".join(_summary(results)))
+    # build: reading the scenario and building the workload; simulate: the engine (or
+    # the estimate), the accounting and the extras; write: every output file
+    build = simulating - started + timings.get("build", (0.0, 0.0))[0]
+    wall = {"build": build, "simulate": writing - started - build,
+            "write": time.perf_counter() - writing}
+    print("\n".join(_summary(results, wall)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
-    return 0
+    return fit_status(memory_verdict(results["memory"]), args.allow_oom, written=True)

@@ -42,19 +42,27 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.run_dir import check_out_dir
     from simulator.outputs.search_files import write_sweep
     from simulator.search.executors import open_executor
-    from simulator.search.sweep import best, parse_grid, run_sweep
+    from simulator.search.sweep import best, invalid_lines, parse_grid, run_sweep
 
-    load(args)  # the base scenario must validate before its points are tried
+    axes = parse_grid(args.grid)  # a bad axis is one line, before the scenario is read
+    from simulator.spec.rules import scenario_warnings
+
+    said = set(scenario_warnings(load(args)))  # the base must validate; load warns once
+
+    def warn(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            print(line, file=sys.stderr)
+
     if args.out:
         check_out_dir(args.out)
-    axes = parse_grid(args.grid)
     n = 1
     for values in axes.values():
         n *= len(values)
     print(f"sweeping {n} point(s) ({args.method}) ...", file=sys.stderr)
     cache = result_cache(args, args.out)
     with open_executor(args.dask, args.workers) as pool:
-        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache)
+        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache, warn)
     print(computed_line(cache, "point"), file=sys.stderr)
     if args.out:
         meta = {"scenario": str(args.scenario), "axes": list(axes), "sets": args.overrides,
@@ -63,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {', '.join(p.name for p in written)} to {args.out}/")
     invalid = int((table["error"] != "").sum()) if "error" in table else 0
     top = best(table)
+    if invalid:
+        print(f"{invalid} invalid point(s):")
+        print("\n".join(invalid_lines(table, list(axes))))
     print(f"{len(table) - invalid} valid point(s), {invalid} invalid; fastest that fit:")
     cols = [*axes, "tp", "pp", "dp", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction"]
     print(top[[c for c in dict.fromkeys(cols) if c in top]].to_string(index=False)

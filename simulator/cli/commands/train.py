@@ -69,7 +69,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     spec, interval = choose_interval(spec, s.checkpoint.interval, min(SCAN_SEEDS, args.seeds))
     print(f"running the job {args.seeds} times ...", file=sys.stderr)
     base = s.simulation.seed * 1_000_003
-    runs = run_many(spec, [base + i for i in range(args.seeds)])
+    runs = run_many(spec, [base + i for i in range(args.seeds)], "job runs")
     res = train_results(s, spec, runs, step, interval, args.tokens)
     if args.out is not None:
         _write(args.out, res, run_job(spec, median_run(runs).seed, trace=True), args.no_plot)

@@ -1,4 +1,5 @@
-"""``clustersim validate``: check a scenario; exit 0, or 2 with one line per problem."""
+"""``clustersim validate``: check a scenario and give its memory verdict; exit 0, 2 with
+one line per problem, or 3 when the layout does not fit in GPU memory."""
 
 from __future__ import annotations
 
@@ -11,20 +12,25 @@ from simulator.cli.common import (
     load,
     scenario_args,
 )
+from simulator.cli.exit_codes import OK, allow_oom_arg, fit_status, memory_verdict
+from simulator.errors import UserError
 
-HELP = "check a scenario; exit 0, or 2 with one line per problem"
+HELP = ("check a scenario and give its memory verdict (the analytic memory model, "
+        "milliseconds); exit 0, 2 with one line per problem, or 3 when it does not fit")
 EXAMPLE = ("example:\n"
            "  clustersim validate scenarios/gpt3-175b-1024.yaml")
 
 
 def add_parser(sub: Subparsers) -> None:
-    q = add_command(sub, "validate", HELP, EXAMPLE)
+    q = add_command(sub, "validate", HELP, EXAMPLE, exit_codes=True)
     scenario_args(q)
+    allow_oom_arg(q)
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.builder.budget import DEFAULT_MAX_TASKS, engine_cost
+    from simulator.analysis.memory import memory_report, stage_rows
+    from simulator.builder.budget import DEFAULT_MAX_TASKS, check_stages, engine_cost
 
     s = load(args)
     cost = engine_cost(s, s.simulation.fidelity)
@@ -37,4 +43,11 @@ def run(args: argparse.Namespace) -> int:
                     if deg > 1)
     print(f"{args.scenario}: ok ({s.name}: {par.world} GPUs, tp {par.tp} · "
           f"pp {par.pp} · dp {par.dp}{extra}, {par.schedule}, m = {s.microbatches})")
-    return 0
+    try:
+        check_stages(s)  # a valid scenario whose stages are too many to tabulate
+    except UserError as exc:
+        print(f"memory: not estimated ({exc.lines()[0]})")
+        return OK
+    verdict = memory_verdict(stage_rows(memory_report(s)))
+    print(verdict.line())
+    return fit_status(verdict, args.allow_oom)

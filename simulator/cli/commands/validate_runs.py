@@ -34,11 +34,11 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from simulator.outputs.progress import progress_bar
     from simulator.outputs.run_dir import check_out_dir, default_out_dir
     from simulator.published.compare import compare_rows, regime_summary
     from simulator.published.report import summary_lines, write_report
     from simulator.published.rows import read_rows
-    from simulator.search.cache import progress_bar
     from simulator.search.executors import open_executor
 
     rows = read_rows(args.table)

@@ -15,36 +15,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from simulator.analysis.accounting.metrics import stage_breakdown
-from simulator.analysis.accounting.vocabulary import CATEGORIES, COMM_CATEGORIES, label
+from simulator.analysis.accounting.vocabulary import CATEGORIES, label
 from simulator.outputs.plots.common import (
-    BUBBLE_COLOUR,
-    KIND_COLOURS,
-    OTHER_COLOUR,
+    category_style,
     format_seconds,
     save,
     scenario_header,
     time_unit,
 )
-
-
-def _category_style(category: str) -> dict[str, Any]:
-    """Face colour and hatch of an accounting category: compute in its kind's colour,
-    transfers solid and peer-waits hatched in their comm kind's, idle in greys."""
-    if category in COMM_CATEGORIES:
-        kind, part = category.rsplit("_", 1)
-        colour = KIND_COLOURS.get(kind, OTHER_COLOUR)
-        return {"color": colour, "hatch": ".." if part == "wait" else None,
-                "alpha": 0.55 if part == "wait" else 1.0}
-    styles = {"forward": (KIND_COLOURS["forward"], None),
-              "backward_input": (KIND_COLOURS["backward"], None),
-              "backward_weight": (KIND_COLOURS["weight_grad"], None),
-              "recompute": (KIND_COLOURS["recompute"], None),
-              "optimizer": (KIND_COLOURS["optimizer"], None),
-              "pipeline_bubble": (BUBBLE_COLOUR, "//"),
-              "imbalance_idle": ("#C9C9C9", "xx"),
-              "tail": ("#F7F7F7", "--")}
-    colour, hatch = styles.get(category, (OTHER_COLOUR, None))
-    return {"color": colour, "hatch": hatch, "alpha": 1.0}
 
 
 def breakdown_segments(results: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -89,7 +67,7 @@ def breakdown_figure(results: Mapping[str, Any]) -> Figure:
     x = np.arange(n)
     bottom = np.zeros(n)
     for category, seconds in segments.items():
-        style = _category_style(category)
+        style = category_style(category)
         ax.bar(x, seconds * scale, bottom=bottom, width=0.7, label=label(category),
                color=style["color"], alpha=style["alpha"], hatch=style["hatch"],
                edgecolor="#888888", linewidth=0.4)

@@ -35,6 +35,13 @@ KIND_COLOURS: Mapping[str, str] = {
 
 OTHER_COLOUR = "#79706E"
 
+#: The accounting category of a compute span's kind (a backward span's weight-gradient
+#: share, ``weight_s``, is ``backward_weight``; a communication kind's span is its
+#: ``<kind>_transfer``, the peer-wait before ``comm_start`` its ``<kind>_wait``).
+COMPUTE_SPAN_CATEGORY: Mapping[str, str] = {
+    "forward": "forward", "backward": "backward_input", "weight_grad": "backward_weight",
+    "recompute": "recompute", "optimizer": "optimizer"}
+
 
 BUBBLE_COLOUR = "#E6E6E6"
 
@@ -49,6 +56,27 @@ GB = 1e9  # decimal gigabytes, as the CLI and README
 
 
 DPI = 120
+
+
+def category_style(category: str) -> dict[str, Any]:
+    """Face colour, hatch and alpha of an accounting category, the same in every figure:
+    compute in its kind's colour (backward input and backward weight apart), transfers
+    solid and peer-waits hatched in their communication kind's, idle in greys."""
+    kind, _, part = category.rpartition("_")
+    if kind and part in ("transfer", "wait"):
+        colour = KIND_COLOURS.get(kind, OTHER_COLOUR)
+        return {"color": colour, "hatch": ".." if part == "wait" else None,
+                "alpha": 0.55 if part == "wait" else 1.0}
+    styles = {"forward": (KIND_COLOURS["forward"], None),
+              "backward_input": (KIND_COLOURS["backward"], None),
+              "backward_weight": (KIND_COLOURS["weight_grad"], None),
+              "recompute": (KIND_COLOURS["recompute"], None),
+              "optimizer": (KIND_COLOURS["optimizer"], None),
+              "pipeline_bubble": (BUBBLE_COLOUR, "//"),
+              "imbalance_idle": ("#C9C9C9", "xx"),
+              "tail": ("#F7F7F7", "--")}
+    colour, hatch = styles.get(category, (KIND_COLOURS.get(category, OTHER_COLOUR), None))
+    return {"color": colour, "hatch": hatch, "alpha": 1.0}
 
 
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:

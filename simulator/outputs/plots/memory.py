@@ -1,5 +1,6 @@
 """Memory: each stage's breakdown stacked against the GPU's capacity, and where the run
-recorded it, each rank's memory over the step.
+recorded it, each recorded rank's memory over the step: one labelled line per class of
+identical ranks (a run records one rank per stage, standing for its peers).
 """
 
 from __future__ import annotations
@@ -10,13 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.axes import Axes
-from matplotlib.cm import ScalarMappable
-from matplotlib.collections import LineCollection
-from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
 
 from simulator.outputs.plots.common import CAPACITY_COLOUR, GB, save, scenario_header, time_unit
 
@@ -67,51 +64,62 @@ def _memory_bars(ax: Axes, memory: Sequence[Mapping[str, Any]]) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
 
 
-def _memory_curves(ax: Axes, fig: Figure, timeline: Any, capacity: float) -> None:
-    """Each rank's allocated bytes over the step as a step curve (one colour per rank)."""
+def _curves(timeline: Any) -> list[tuple[str, np.ndarray]]:
+    """(label, points) per recorded rank: ``stage s (rank r)`` where the entry names its
+    stage (each recorded rank stands for its class of identical ranks), else ``rank r``."""
     if isinstance(timeline, Mapping):
-        items: Any = sorted(timeline.items())
+        items: Any = [{"rank": r, "points": p} for r, p in sorted(timeline.items())]
     else:
-        items = [(e["rank"], e["points"]) if isinstance(e, Mapping) else (i, e)
+        items = [e if isinstance(e, Mapping) else {"rank": i, "points": e}
                  for i, e in enumerate(timeline)]
-    curves = [(int(rank), np.asarray(points, dtype=float).reshape(-1, 2))
-              for rank, points in items if len(points)]
+    out = []
+    for e in items:
+        points = np.asarray(e["points"], dtype=float).reshape(-1, 2)
+        if len(points):
+            name = f"rank {int(e['rank'])}"
+            out.append((f"stage {int(e['stage'])} ({name})" if "stage" in e else name, points))
+    return out
+
+
+def _line_colours(n: int) -> list[Any]:
+    """Distinct colours for ``n`` labelled lines (none red: capacity is red)."""
+    if n <= len(_RANK_COLOURS):
+        return list(_RANK_COLOURS[:n])
+    tab20 = colormaps["tab20"]
+    paired = [tab20(i) for i in range(20) if i not in (6, 7)]  # no reds: capacity is red
+    if n <= len(paired):
+        return paired[:n]
+    return [colormaps["viridis"](i / (n - 1)) for i in range(n)]
+
+
+def _memory_curves(ax: Axes, timeline: Any, capacity: float) -> None:
+    """Each recorded rank's allocated bytes over the step as a step curve: one labelled
+    line per rank class (the legend names its stage and rank)."""
+    curves = _curves(timeline)
     if not curves:
         return
     t_max = max(float(c[:, 0].max()) for _, c in curves)
     scale, unit = time_unit(t_max)
-    segments = []
-    for _, c in curves:  # a post-step curve: hold each value until the next point (or the end)
+    colours = _line_colours(len(curves))
+    handles: list[Any] = []
+    y_max = 0.0
+    for (name, c), colour in zip(curves, colours, strict=True):
+        # a post-step curve: hold each value until the next point (or the end)
         xs = np.append(np.repeat(c[:, 0], 2)[1:], t_max) * scale
         ys = np.repeat(c[:, 1], 2) / GB
-        segments.append(np.column_stack([xs, ys]))
-    ranks = [r for r, _ in curves]
-    handles: list[Any] = []
-    if len(ranks) <= len(_RANK_COLOURS):  # few ranks: one named colour each
-        colours = list(_RANK_COLOURS[: len(ranks)])
-        ax.add_collection(LineCollection(segments, colors=colours, linewidths=1.2))
-        handles = [Line2D([], [], color=c, label=f"rank {r}") for c, r in zip(colours, ranks,
-                                                                            strict=True)]
-    else:  # many ranks: a colour scale
-        norm = Normalize(min(ranks), max(ranks))
-        ax.add_collection(LineCollection(segments, array=np.asarray(ranks, dtype=float),
-                                         cmap="viridis", norm=norm, linewidths=0.8))
-        bar = fig.colorbar(ScalarMappable(norm=norm, cmap="viridis"), ax=ax, pad=0.01)
-        bar.set_label("rank")
-        bar.locator = MaxNLocator(integer=True)
-        bar.update_ticks()
+        handles += ax.plot(xs, ys, color=colour, linewidth=1.1, label=name)
+        y_max = max(y_max, float(ys.max()))
     if capacity > 0:
         handles.append(ax.axhline(capacity / GB, color=CAPACITY_COLOUR, linewidth=1.6,
                                   linestyle="--", label="capacity"))
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
-                  frameon=False)
-    y_max = max(float(s[:, 1].max()) for s in segments)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7,
+              frameon=False, ncol=-(-len(handles) // 20))
     ax.set_xlim(0, t_max * scale * 1.01 or 1.0)
     ax.set_ylim(0, max(y_max, capacity / GB) * 1.08 or 1.0)
     ax.set_xlabel(f"time ({unit})")
     ax.set_ylabel("allocated GB")
-    ax.set_title("allocated memory over the step", fontsize=9)
+    ax.set_title("allocated memory over the step, one line per class of identical ranks",
+                 fontsize=9)
 
 
 def memory_figure(results: Mapping[str, Any]) -> Figure:
@@ -124,7 +132,7 @@ def memory_figure(results: Mapping[str, Any]) -> Figure:
     _memory_bars(axes[0], memory)
     capacity = max((float(m.get("capacity", 0.0)) for m in memory), default=0.0)
     if timeline:
-        _memory_curves(axes[1], fig, timeline, capacity)
+        _memory_curves(axes[1], timeline, capacity)
     name, _ = scenario_header(results)
     peak = float(results.get("memory_peak_bytes", 0.0)) / GB
     verdict = "fits" if results.get("fits_in_memory", True) else "DOES NOT FIT"

@@ -94,7 +94,8 @@ def pareto_figure(table: pd.DataFrame, meta: dict[str, Any] | None = None) -> Fi
     if len(chosen):
         row = chosen.iloc[0]
         x, y = row["peak_memory_GB"], row["engine_step_time_s"]
-        ax.scatter([x], [y], marker="*", s=260, c=_ENGINE, edgecolors="black", zorder=5)
+        ax.scatter([x], [y], marker="*", s=260, c=_ENGINE, edgecolors="black", zorder=5,
+                   label="chosen: the engine's fastest")
         right = x > float(fits["peak_memory_GB"].median())
         ax.annotate(_chosen_label(row), (x, y), xytext=(-40 if right else 40, 70),
                     textcoords="offset points", ha="right" if right else "left",

@@ -2,10 +2,16 @@
 ranks of a stage run the same program unless a scenario makes them differ;
 ``all_ranks=True`` draws every rank). The compute stream is the main bar; the
 other streams (pp, dp, host, ...) are thinner sub-rows below it, so white gaps
-in the main bar are the pipeline bubble. A collective's peer-wait (before
-``comm_start``) is drawn apart from its transfer, and the critical path as a line
-under the bars. Bars are one :class:`~matplotlib.collections.PolyCollection` per
-kind, added without autoscaling: 250,000 spans draw in about 1.5 s. Micro-batch
+in the main bar are the pipeline bubble. Every bar has the colour of its accounting
+category, as the breakdown draws it (:func:`~simulator.outputs.plots.common.category_style`):
+a fused backward in two parts, backward input then its ``weight_s`` of backward weight;
+a collective's peer-wait (before ``comm_start``) hatched in its kind's colour, apart
+from its transfer. The critical path is a line under the bars. When the step holds
+many micro-batches a second panel zooms into the steady state (a few micro-batches'
+cycles in the middle of the pipeline phase, framed on the whole-step panel), where
+single forwards and backwards and their micro-batch numbers can be read. Bars are
+one :class:`~matplotlib.collections.PolyCollection` per category, added without
+autoscaling: 250,000 spans draw in about 1.5 s. Micro-batch
 numbers are written into the compute bars when there are few enough (one label per
 contiguous run of a micro-batch's forward, backward, ... including the TP
 collectives between its layers) and the run is wide enough to hold its label.
@@ -27,11 +33,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from simulator.analysis.accounting.vocabulary import categories, label
 from simulator.outputs.plots.common import (
+    COMPUTE_SPAN_CATEGORY,
     DPI,
-    KIND_COLOURS,
-    OTHER_COLOUR,
     PATH_COLOUR,
+    category_style,
     format_seconds,
     path_ranks,
     save,
@@ -42,6 +49,7 @@ from simulator.outputs.plots.common import (
 from simulator.outputs.span_table import normalize_spans
 
 _LABELLED_KINDS = ("forward", "backward", "weight_grad", "recompute")
+_COMPUTE = frozenset(COMPUTE_SPAN_CATEGORY.values())
 
 
 _STREAM_ORDER = ("compute", "pp", "dp", "host")
@@ -58,6 +66,8 @@ _MANY_SPANS = 200_000  # above this, bars are drawn without antialiasing (faster
 
 
 _TIMELINE_PX = 1500  # about the time axis' width in pixels (14 in at DPI)
+_ZOOM_MIN_MICROBATCHES = 8  # from this many micro-batches on, a steady-state zoom panel
+_ZOOM_CYCLES = 4  # micro-batch cycles the zoom shows
 
 
 def _timeline_rows(spans: pd.DataFrame, all_ranks: bool,
@@ -106,31 +116,36 @@ def _bar_polys(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, h: np.ndarray) ->
 
 
 def _draw_bars(ax: Axes, bars: pd.DataFrame, scale: float, min_width: float) -> list[str]:
-    """One PolyCollection per (kind, chunk parity); returns the kinds drawn, legend order.
+    """One PolyCollection per (category, chunk parity); returns the categories drawn, in
+    the vocabulary's order.
 
     Bars off the compute stream are at least ``min_width`` (seconds, about a
     pixel) wide, so that a 50 µs send in a one-second step still shows; compute
     bars keep their width, as their neighbours share the pixel (antialiasing then
-    mixes the colours by time share). Compute kinds are drawn last, on top.
+    mixes the colours by time share). Compute categories are drawn last, on top.
     """
     many = len(bars) >= _MANY_SPANS
     edges = len(bars) <= _EDGED_SPANS
-    present = {str(k) for k in bars["kind"].unique()}
-    kinds = [k for k in KIND_COLOURS if k in present] + sorted(present - set(KIND_COLOURS))
-    for (kind, odd), group in bars.groupby(["kind", bars["chunk"] % 2], sort=False):
+    for (category, odd), group in bars.groupby(["category", bars["chunk"] % 2], sort=False):
         start = group["start"].to_numpy()
         widen = np.where(group["stream"].to_numpy() == "compute", 0.0, min_width)
         end = np.maximum(group["end"].to_numpy(), start + widen)
         verts = _bar_polys(start * scale, end * scale, group["y0"].to_numpy(),
                            group["h"].to_numpy())
+        style = category_style(str(category))
         # an (n, 4, 2) array (not a list) takes PolyCollection's fast path
         ax.add_collection(PolyCollection(
-            cast(Any, verts), facecolors=KIND_COLOURS.get(str(kind), OTHER_COLOUR),
-            alpha=0.6 if odd else 1.0,  # odd virtual chunks are lighter
+            cast(Any, verts), facecolors=style["color"], hatch=style["hatch"],
+            alpha=style["alpha"] * (0.6 if odd else 1.0),  # odd virtual chunks are lighter
             edgecolors="white" if edges else "none", linewidths=0.3 if edges else 0,
-            antialiased=not many, zorder=2.1 if kind in _LABELLED_KINDS else 2.0,
+            antialiased=not many, zorder=2.1 if category in _COMPUTE else 2.0,
         ), autolim=False)  # the caller sets the limits; extents of 1e5 paths cost seconds
-    return kinds
+    return _in_order({str(c) for c in bars["category"].unique()})
+
+
+def _in_order(present: set[str]) -> list[str]:
+    order = {c: i for i, c in enumerate(categories())}
+    return sorted(present, key=lambda c: (order.get(c, len(order)), c))
 
 
 def _microbatch_runs(bars: pd.DataFrame) -> pd.DataFrame:
@@ -173,7 +188,8 @@ def _label_microbatches(ax: Axes, fig: Figure, bars: pd.DataFrame, scale: float)
             continue
         ax.text((start + end) / 2 * scale, y0 + h / 2, text,
                 ha="center", va="center", fontsize=7, zorder=3, clip_on=True,
-                color=text_colour(KIND_COLOURS.get(str(kind), OTHER_COLOUR)))
+                color=text_colour(category_style(COMPUTE_SPAN_CATEGORY.get(str(kind),
+                                                                           str(kind)))["color"]))
         count += 1
     return count
 
@@ -216,18 +232,31 @@ def _timeline_axes(ax: Axes, rows: pd.DataFrame, bands: Mapping[str, tuple[float
         ax.spines[side].set_visible(False)
 
 
-def _split_waits(spans: pd.DataFrame) -> pd.DataFrame:
-    """A collective whose members arrived at different times is drawn in two parts: the
-    peer-wait (kind ``wait``) up to ``comm_start``, then the transfer in its own kind."""
-    waiting = spans["comm_start"] > spans["start"]
-    if not waiting.any():
-        return spans
-    waits = spans[waiting].copy()
+def categorised(spans: pd.DataFrame) -> pd.DataFrame:
+    """The bars of a span table, each with its accounting ``category``: a fused
+    backward split into backward input and its ``weight_s`` of backward weight, a
+    collective whose members arrived at different times into its peer-wait (up to
+    ``comm_start``) and its transfer."""
+    kind = spans["kind"].astype(str)
+    compute = kind.map(COMPUTE_SPAN_CATEGORY)
+    comm = spans["stream"].ne("host") & compute.isna() & kind.ne("")
+    category = compute.fillna(kind.where(~comm, kind + "_transfer"))
+    bars = spans.assign(category=category.to_numpy())
+    weight = np.minimum(bars["weight_s"].to_numpy(), (bars["end"] - bars["start"]).to_numpy())
+    split = (bars["category"] == "backward_input").to_numpy() & (weight > 0)
+    waiting = (bars["comm_start"] > bars["start"]).to_numpy() & comm.to_numpy()
+    if not split.any() and not waiting.any():
+        return bars
+    weights = bars[split].copy()
+    weights["start"] = weights["end"] - weight[split]
+    weights["category"] = "backward_weight"
+    waits = bars[waiting].copy()
     waits["end"] = waits["comm_start"]
-    waits["kind"] = "wait"
-    moved = spans.copy()
+    waits["category"] = kind[waiting].to_numpy() + "_wait"
+    moved = bars.copy()
+    moved.loc[split, "end"] = weights["start"].to_numpy()
     moved.loc[waiting, "start"] = moved.loc[waiting, "comm_start"]
-    return pd.concat([moved, waits], ignore_index=True)
+    return pd.concat([moved, weights, waits], ignore_index=True)
 
 
 def _draw_critical_path(ax: Axes, spans: pd.DataFrame, rows: pd.DataFrame,
@@ -259,44 +288,101 @@ def _draw_critical_path(ax: Axes, spans: pd.DataFrame, rows: pd.DataFrame,
     return True
 
 
+def steady_window(spans: pd.DataFrame, results: Mapping[str, Any] | None
+                  ) -> tuple[float, float] | None:
+    """The zoom panel's time window: :data:`_ZOOM_CYCLES` micro-batch cycles (the
+    pipeline phase over m + p - 1 slots) around the middle of the pipeline phase, or
+    None when the step holds fewer than :data:`_ZOOM_MIN_MICROBATCHES` micro-batches
+    (the whole-step panel then shows them all)."""
+    phase = (results or {}).get("pipeline_phase_s")
+    m = int(spans["microbatch"].max()) + 1 if len(spans) else 0
+    if m < _ZOOM_MIN_MICROBATCHES or not phase or len(phase) != 2:
+        return None
+    lo, hi = float(phase[0]), float(phase[1])
+    stages = int(spans["stage"].max()) + 1
+    width = min(hi - lo, _ZOOM_CYCLES * (hi - lo) / (m + stages - 1))
+    middle = (lo + hi) / 2
+    return middle - width / 2, middle + width / 2
+
+
+def _legend(categories_drawn: list[str], spans: pd.DataFrame) -> list[Any]:
+    handles: list[Any] = []
+    for c in categories_drawn:
+        style = category_style(c)
+        handles.append(Patch(facecolor=style["color"], hatch=style["hatch"],
+                             alpha=style["alpha"], edgecolor="#999999" if style["hatch"]
+                             else "none", label=label(c)))
+    if (spans["chunk"] % 2 == 1).any():
+        handles.append(Patch(facecolor=category_style("forward")["color"], alpha=0.6,
+                             label="lighter: odd virtual chunk"))
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
+    return handles
+
+
+def _panel(ax: Axes, spans: pd.DataFrame, bars: pd.DataFrame, rows: pd.DataFrame,
+           bands: Mapping[str, tuple[float, float]], results: Mapping[str, Any] | None,
+           window: tuple[float, float], unit_scale: tuple[float, str],
+           all_ranks: bool) -> tuple[list[str], bool]:
+    """One panel over ``window`` (seconds): bars, axes, phase lines and critical path;
+    returns the categories drawn and whether the path was."""
+    scale, unit = unit_scale
+    t_lo, t_hi = window
+    inside = bars[(bars["end"] >= t_lo) & (bars["start"] <= t_hi)]
+    drawn = _draw_bars(ax, inside, scale, min_width=(t_hi - t_lo) / _TIMELINE_PX)
+    _timeline_axes(ax, rows, bands, (t_lo * scale, t_hi * scale), unit)
+    phase = (results or {}).get("pipeline_phase_s")
+    if phase and len(phase) == 2:
+        for t in phase:
+            ax.axvline(float(t) * scale, color="#555555", linestyle="--", linewidth=0.8)
+    path = _draw_critical_path(ax, spans, rows, bands, (results or {}).get("critical_path"),
+                               scale, all_ranks)
+    return drawn, path
+
+
 def timeline_figure(spans: pd.DataFrame, results: Mapping[str, Any] | None = None,
                     all_ranks: bool = False) -> Figure:
-    """Per-stage Gantt chart of a span table (see the module notes)."""
+    """Per-stage Gantt chart of a span table, with a steady-state zoom when the step
+    holds many micro-batches (see the module notes)."""
     spans = normalize_spans(spans)
     rows = _timeline_rows(spans, all_ranks, path_ranks(results or {}))
     bands = _stream_bands(sorted(set(spans["stream"])))
-    bars = _split_waits(spans).merge(rows[["rank", "row"]], on="rank")
+    bars = categorised(spans).merge(rows[["rank", "row"]], on="rank")
     # astype: an empty column maps to strings, not numbers
     bars["y0"] = bars["row"] + bars["stream"].map(lambda s: bands[s][0]).astype(float)
     bars["h"] = bars["stream"].map(lambda s: bands[s][1]).astype(float)
     t_first = float(spans["start"].min()) if len(spans) else 0.0
     t_end = float(spans["end"].max()) if len(spans) else 0.0
     t_start = 0.0 if 0.0 <= t_first <= 0.05 * t_end else t_first  # a later window: zoom in
-    scale, unit = time_unit(t_end - t_start)
-    fig = Figure(figsize=(14, min(2.2 + 0.55 * max(len(rows), 1), 40)), layout="constrained")
-    ax = fig.add_subplot()
-    kinds = _draw_bars(ax, bars, scale, min_width=(t_end - t_start) / _TIMELINE_PX)
-    _timeline_axes(ax, rows, bands, (t_start * scale, t_end * scale), unit)
-    handles: list[Any] = [Patch(facecolor=KIND_COLOURS.get(k, OTHER_COLOUR), label=k)
-                          for k in kinds]
-    if (spans["chunk"] % 2 == 1).any():
-        handles.append(Patch(facecolor=KIND_COLOURS["forward"], alpha=0.6,
-                             label="lighter: odd virtual chunk"))
-    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
-    phase = (results or {}).get("pipeline_phase_s")
-    if phase and len(phase) == 2:
-        for t in phase:
-            ax.axvline(float(t) * scale, color="#555555", linestyle="--", linewidth=0.8)
+    zoom = steady_window(spans, results)
+    height = min(2.2 + 0.55 * max(len(rows), 1), 40)
+    fig = Figure(figsize=(14, height * (1.8 if zoom else 1.0)), layout="constrained")
+    axes = fig.subplots(2 if zoom else 1, 1, squeeze=False)[:, 0]
+    scale = time_unit(t_end - t_start)
+    drawn, path = _panel(axes[0], spans, bars, rows, bands, results, (t_start, t_end), scale,
+                         all_ranks)
+    if zoom:
+        axes[0].axvspan(zoom[0] * scale[0], zoom[1] * scale[0], facecolor="none",
+                        edgecolor="black", linewidth=1.2, zorder=4)
+        zscale = scale  # the whole step's unit: the zoom's ticks read as times in the step
+        zdrawn, _ = _panel(axes[1], spans, bars, rows, bands, results, zoom, zscale, all_ranks)
+        drawn = _in_order(set(drawn) | set(zdrawn))
+        axes[1].set_title(f"steady state, zoomed: {format_seconds(zoom[1] - zoom[0])} in the "
+                          "middle of the pipeline phase (framed above)", fontsize=10)
+    handles = _legend(drawn, spans)
+    if (results or {}).get("pipeline_phase_s"):
         handles.append(Line2D([], [], color="#555555", linestyle="--", label="pipeline phase"))
-    if _draw_critical_path(ax, spans, rows, bands, (results or {}).get("critical_path"), scale,
-                           all_ranks):
+    if path:
         handles.append(Line2D([], [], color=PATH_COLOUR, linewidth=2.5, label="critical path"))
     if spans.empty:
-        ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center")
-    ax.set_title(_timeline_title(spans, results), fontsize=11)
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 12),
+        axes[0].text(0.5, 0.5, "no spans recorded", transform=axes[0].transAxes, ha="center")
+    axes[0].set_title(_timeline_title(spans, results), fontsize=11)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8),
                fontsize=8, frameon=False)
-    _label_microbatches(ax, fig, bars, scale)
+    if zoom:
+        shown = bars[(bars["end"] > zoom[0]) & (bars["start"] < zoom[1])]
+        _label_microbatches(axes[1], fig, shown, zscale[0])
+    else:
+        _label_microbatches(axes[0], fig, bars, scale[0])
     return fig
 
 
