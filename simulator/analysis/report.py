@@ -202,9 +202,9 @@ def summary_lines(results: dict[str, Any], wall: dict[str, float] | None = None)
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "
                                 f"{cap / gb:.0f} GB  ({verdict})"))
     if "sim_wall_s" in results:
-        rows.append(("simulation", f"{results['sim_wall_s']:.2f} s wall, "
-                                   f"{results['sim_events']:,} events, "
-                                   f"{results['ranks_simulated']} ranks simulated"))
+        rows.append(("simulation", f"{results['ranks_simulated']} ranks simulated, "
+                                   f"{results['sim_events']:,} events "
+                                   f"(SimPy's run {results['sim_wall_s']:.2f} s)"))
     if wall:
         rows.append(("wall time", "  ".join(f"{k} {v:.2f} s" for k, v in wall.items())
                      + f"  (total {sum(wall.values()):.2f} s)"))
