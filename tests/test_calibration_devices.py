@@ -17,6 +17,8 @@ from simulator.system.profiles import load_system
 
 #: what torch.cuda.get_device_name() reports, and the preset each one is
 REAL_NAMES = {
+    "NVIDIA GB200": "gb200-nvl72",
+    "NVIDIA B200": "dgx-b200",
     "NVIDIA H200": "dgx-h200",
     "NVIDIA H100 80GB HBM3": "dgx-h100",
     "NVIDIA A100-SXM4-80GB": "dgx-a100-80gb",

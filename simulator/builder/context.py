@@ -141,7 +141,7 @@ class Context:
             return None
         plan = self.plans.get((op, size, group))
         if plan is None:
-            shape = GroupShape(len(group), len(group) // self.layout.nodes_spanned(group))
+            shape = GroupShape(len(group), len(group) // self.layout.domains_spanned(group))
             plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
                              self.s.hardware, self.s.stack.nccl_version)
             self.plans[(op, size, group)] = plan

@@ -156,7 +156,7 @@ def share(layout: Layout, tasks: list[Task], programs: Mapping[int, Program],
             for g in proto_groups:
                 mapped = shared.group(rank, g)
                 if mapped not in known or \
-                        layout.nodes_spanned(mapped) != layout.nodes_spanned(g):
+                        layout.domains_spanned(mapped) != layout.domains_spanned(g):
                     return None
     return shared
 

@@ -119,6 +119,11 @@ def load_jobs(spec: ClusterFile, base: Path) -> tuple[FabricShape, list[Colocate
         if spec.jobs[i].name is None and [x.name for x in jobs].count(j.name) > 1:
             j.name = f"{j.name}-{i}"
     names = [j.name for j in jobs]
+    if hw.domain_gpus > hw.gpus_per_node:
+        raise UserError([Problem("system", spec.system, f"its NVLink domains join "
+                                 f"{hw.domain_gpus // hw.gpus_per_node} nodes; colocate "
+                                 "places jobs by node on a network of nodes: use a system "
+                                 "whose NVLink domain is one node")])
     for i, j in enumerate(jobs):
         gpn = j.scenario.cluster.gpus_per_node
         if gpn is not None and gpn > hw.gpus_per_node:

@@ -2,7 +2,7 @@
 
 A candidate is one value per dimension of the search: each strategy's
 (:meth:`simulator.strategies.base.Strategy.dimensions`: TP dividing the heads and at
-most a node unless ``tp_beyond_node``, CP, PP dividing the layers with DP = N / (TP · CP
+most an NVLink domain unless ``tp_beyond_node``, CP, PP dividing the layers with DP = N / (TP · CP
 · PP) whole, for a mixture of experts every EP degree the stage admits, every schedule
 with the virtual-stage counts that give each chunk whole layers, every ZeRO stage,
 sequence parallelism when TP > 1) and the planner's own (recompute mode, micro-batch
@@ -63,7 +63,7 @@ class PlanRequest:
     # EP degrees (a mixture of experts only), each kept where the stage admits it;
     # None: every degree the schema accepts
     expert_parallel: tuple[int, ...] | None = None
-    tp_beyond_node: bool = False  # allow TP groups that span nodes
+    tp_beyond_node: bool = False  # allow TP groups that span NVLink domains
     dtype: str = "bf16"
     stack: str | None = None  # a stack preset; None: the scenario default
     sets: tuple[str, ...] = ()  # ``--set key.path=value`` overrides (module note)

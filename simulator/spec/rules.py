@@ -30,6 +30,7 @@ def consistency_problems(s: Scenario) -> list[Problem]:
                            f"must equal cluster.nodes({s.cluster.nodes}) * gpus_per_node"
                            f"({s.cluster.gpus_per_node}) = {s.cluster.gpus}; change the degrees "
                            "or the cluster size"))
+    out += domain_problems(s)
     if mdl.kv > mdl.heads or mdl.heads % mdl.kv:
         out.append(Problem("model.kv_heads", mdl.kv, f"must divide model.heads ({mdl.heads}): "
                            "each KV head serves a whole group of query heads"))
@@ -47,6 +48,17 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     for strategy in registry.strategies():
         out += strategy.problems(s)
     return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp)
+
+
+def domain_problems(s: Scenario) -> list[Problem]:
+    """An NVLink domain holds whole nodes: a scenario's GPUs per node must divide it."""
+    domain = s.hardware.nvlink_domain_gpus
+    gpn = s.cluster.gpus_per_node or 1
+    if domain is None or domain % gpn == 0:
+        return []
+    return [Problem("cluster.gpus_per_node", gpn, f"does not divide {s.cluster.system}'s "
+                    f"NVLink domain ({domain} GPUs), which holds whole nodes; use a divisor "
+                    f"of {domain}")]
 
 
 def options_problems(s: Scenario) -> list[Problem]:

@@ -19,7 +19,7 @@ def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float
                      group: tuple[int, ...], hw: HardwareProfile) -> float:
     if len(group) <= 1 or size <= 0:
         return 0.0
-    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
     plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
                      s.stack.nccl_version)
     return estimate(plan, hw)
@@ -33,7 +33,7 @@ def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
     if len(group) <= 1 or size <= 0 or not hw.gpu.interference \
             or not hw.gpu.comm_overlaps_compute:
         return 1.0
-    shape = GroupShape(len(group), len(group) // layout.nodes_spanned(group))
+    shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
     plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
                      s.stack.nccl_version)
     return max((hw.gpu.interference_factor(leg.link_class) for phase in plan.phases

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 #: (words the device name holds, bundled system preset), most specific first
 DEVICE_PRESETS: tuple[tuple[tuple[str, ...], str], ...] = (
+    # "NVIDIA GB200" holds "b200": the Grace-Blackwell part (its NVL72 rack) first
+    (("gb200",), "gb200-nvl72"),
+    (("b200",), "dgx-b200"),
     (("h200",), "dgx-h200"),
     (("h800",), "hgx-h800"),
     (("h100",), "dgx-h100"),

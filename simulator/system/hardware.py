@@ -10,6 +10,8 @@ Achievable efficiency is data too: a piecewise-linear curve over log10(problem
 size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamped
 at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
 latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
+The ``intra_node`` class joins the GPUs of one NVLink domain: a node, or where
+``nvlink_domain_gpus`` says so, several (a GB200 NVL72 rack's 18 trays).
 
 Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
 in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
@@ -36,7 +38,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, get_args
 
-from pydantic import Field, field_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from simulator.errors import Problem, UserError
 from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
@@ -278,7 +286,10 @@ class HardwareProfile(Frozen):
     description: str = ""
     gpu: GPUSpec
     gpus_per_node: int = Field(gt=0, le=10_000)
-    intra_node: IntraNodeSpec  # NVSwitch (or NVLink) port of one GPU
+    # GPUs one NVLink domain joins, a whole number of nodes: a GB200 NVL72 rack's 72 GPUs
+    # over 18 trays of 4 talk over NVLink Switch, not the network; absent: one node
+    nvlink_domain_gpus: int | None = Field(default=None, gt=0, le=100_000)
+    intra_node: IntraNodeSpec  # NVSwitch (or NVLink) port of one GPU, across its domain
     inter_node: InterNodeSpec  # one NIC per GPU (rail), through the fat-tree
     host: HostSpec
     power: PowerSpec | None = None  # absent in calibrated profiles (not measured)
@@ -293,6 +304,28 @@ class HardwareProfile(Frozen):
     @classmethod
     def _terms(cls, data: Any) -> Any:
         return known_keys(data, UNCERTAINTY_TERMS, "uncertainty term")
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> HardwareProfile:
+        domain = self.nvlink_domain_gpus
+        if domain is not None and domain % self.gpus_per_node:
+            raise ValueError(f"nvlink_domain_gpus ({domain}) must be a multiple of "
+                             f"gpus_per_node ({self.gpus_per_node}): a domain holds whole nodes")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without a domain of its own the field is left out, as a profile file leaves
+        it out: a run's echo of the hardware (and its hash) reads as before the field."""
+        out: dict[str, Any] = handler(self)
+        if self.nvlink_domain_gpus is None:
+            out.pop("nvlink_domain_gpus", None)
+        return out
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of one NVLink domain: what the ``intra_node`` link class joins."""
+        return self.nvlink_domain_gpus or self.gpus_per_node
 
     def link(self, name: LinkName) -> LinkSpec:
         return self.intra_node if name == "intra_node" else self.inter_node

@@ -2,9 +2,12 @@
 
 Megatron-LM's order (``megatron/core/parallel_state.py``, tp-cp-ep-dp-pp) with TP
 innermost: ``rank = ((pp_idx · dp + dp_idx) · cp + cp_idx) · tp + tp_idx``. A TP
-group is ``tp`` consecutive ranks (inside one node whenever tp ≤ GPUs per node),
-context-parallel peers are ``tp`` apart, DP peers ``cp · tp`` apart and pipeline
-stages ``dp · cp · tp`` apart. Nodes hold consecutive ranks. The gradient
+group is ``tp`` consecutive ranks (inside one NVLink domain whenever tp divides the
+domain), context-parallel peers are ``tp`` apart, DP peers ``cp · tp`` apart and
+pipeline stages ``dp · cp · tp`` apart. Nodes hold consecutive ranks, and NVLink
+domains consecutive nodes: a node (``domain_gpus`` 0, the default), or several where
+NVLink Switch joins them (a GB200 NVL72 rack), which is what a collective's link
+class and its shape (domains spanned, members per domain) go by. The gradient
 reduction's group is the data-parallel group *with* context parallelism (every
 rank of the stage with the same TP index: CP ranks hold the same weights), as
 Megatron's ``get_data_parallel_group(with_context_parallel=True)``.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+
+from simulator.system.units import LinkName
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,11 @@ class Layout:
     dp: int
     gpus_per_node: int
     cp: int = 1
+    domain_gpus: int = 0  # GPUs of one NVLink domain; 0: one node
+
+    @property
+    def domain_size(self) -> int:
+        return self.domain_gpus or self.gpus_per_node
 
     @property
     def world(self) -> int:
@@ -70,12 +80,20 @@ class Layout:
         c = self.coord(rank)
         return tuple(self.rank(c.pp, c.dp, c.tp, k) for k in range(self.cp))
 
-    def nodes_spanned(self, group: tuple[int, ...]) -> int:
-        return len({self.node(r) for r in group})
+    def domain(self, rank: int) -> int:
+        """The NVLink domain of ``rank``: what its NVLink port reaches."""
+        return rank // self.domain_size
+
+    def domains_spanned(self, group: tuple[int, ...]) -> int:
+        return len({self.domain(r) for r in group})
 
     def group_link(self, group: tuple[int, ...]) -> str:
         """The slowest link class a collective over ``group`` crosses."""
-        return "intra_node" if self.nodes_spanned(group) <= 1 else "inter_node"
+        return "intra_node" if self.domains_spanned(group) <= 1 else "inter_node"
+
+    def link_class(self, a: int, b: int) -> LinkName:
+        """The link class between two ranks: NVLink within a domain, else the network."""
+        return "intra_node" if self.domain(a) == self.domain(b) else "inter_node"
 
     def representatives(self) -> tuple[int, ...]:
         """One rank per pipeline stage (dp 0, tp 0): what folded simulation runs."""

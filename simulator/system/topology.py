@@ -1,6 +1,7 @@
 """Topology: the links a transfer crosses and how fast each one is.
 
-Each GPU has an NVSwitch port (intra-node, per direction) and a rail NIC
+Each GPU has an NVSwitch port (the ``intra_node`` class: to every GPU of its NVLink
+domain, one node or a rack's trays, per direction) and a rail NIC
 (inter-node, one per GPU; with fewer NICs than GPUs each GPU gets its share of
 the node's NIC bandwidth). NVSwitch and a non-blocking fat-tree are full-duplex
 and never the bottleneck, so a flow occupies the *sender's* egress port; ring
@@ -89,5 +90,4 @@ class Topology:
         return (*links, port) if self.degraded.get(port, 1.0) < 1.0 else links
 
     def link_class(self, a: int, b: int) -> LinkName:
-        same = self.layout.node(a) == self.layout.node(b)
-        return "intra_node" if same else "inter_node"
+        return self.layout.link_class(a, b)

@@ -60,7 +60,8 @@ def add_parser(sub: Subparsers) -> None:
                    help="EP degrees to try, a mixture of experts only (default: every divisor "
                    "of the experts that divides a stage's cp * dp)")
     q.add_argument("--tp-beyond-node", action="store_true",
-                   help="also try TP groups larger than a node")
+                   help="also try TP groups larger than an NVLink domain "
+                   "(a node, or a GB200 NVL72 rack)")
     q.add_argument("--out", type=Path, default=None, help="output directory "
                    "(default out/plan-<model>-<gpus>)")
     q.add_argument("--write-scenario", type=Path, default=None, metavar="FILE.yaml",

@@ -51,8 +51,10 @@ def _systems() -> None:
     for name in preset_system_names():
         hw = load_system(name)
         bf16 = hw.gpu.peak_tflops.get("bf16", 0.0)
-        print(f"  {name:<14} {hw.gpus_per_node} x {hw.gpu.name}: {bf16:g} TFLOP/s bf16, "
-              f"{hw.gpu.memory_GB:g} GB, NVLink {hw.intra_node.bandwidth_GBps:g} GB/s, "
+        domain = (f" (NVLink domain {hw.domain_gpus} GPUs)"
+                  if hw.domain_gpus > hw.gpus_per_node else "")
+        print(f"  {name:<14} {hw.gpus_per_node} x {hw.gpu.name}{domain}: {bf16:g} TFLOP/s "
+              f"bf16, {hw.gpu.memory_GB:g} GB, NVLink {hw.intra_node.bandwidth_GBps:g} GB/s, "
               f"NIC {hw.inter_node.bandwidth_GBps:g} GB/s per GPU")
 
 

@@ -50,13 +50,13 @@ def pipeline_sends(s: Scenario, layout: Layout, hw: HardwareProfile, in_line: bo
     if par.pp == 1:
         return 0.0
     src, dst = layout.rank(0, 0, 0), layout.rank(1, 0, 0)
-    same = layout.node(src) == layout.node(dst)
-    link = hw.intra_node if same else hw.inter_node
+    link_class = layout.link_class(src, dst)
+    link = hw.link(link_class)
     nbytes = mdl.pp_activation_bytes(spec, trn.micro_batch, trn.dtype)
     if par.sequence_parallel:
         nbytes /= par.tp
     # each send also pays the sync cost after compute, as the engine's sends do
-    sync = hw.gpu.send_sync_s("intra_node" if same else "inter_node")
+    sync = hw.gpu.send_sync_s(link_class)
     t_p2p = 2 * (par.pp - 1) * par.virtual_stages * (nbytes / link.bytes_per_s + link.alpha_s
                                                      + sync)
     if in_line:

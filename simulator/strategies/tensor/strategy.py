@@ -138,11 +138,15 @@ class TensorParallel(Strategy):
                         "without context parallelism); use tp_overlap: none")]
 
     def warnings(self, s: Scenario) -> list[str]:
-        gpn = s.cluster.gpus_per_node or 1
-        if s.parallel.tp <= gpn:
-            return []
-        return [f"warning: parallel.tp = {s.parallel.tp} is larger than a node "
-                f"({gpn} GPUs): TP collectives cross the inter-node fabric"]
+        tp, domain = s.parallel.tp, s.hardware.domain_gpus
+        if tp > domain:
+            return [f"warning: parallel.tp = {tp} is larger than an NVLink domain "
+                    f"({domain} GPUs): TP collectives cross the inter-node fabric"]
+        if domain % tp and s.parallel.world > domain:
+            return [f"warning: parallel.tp = {tp} does not divide the NVLink domain "
+                    f"({domain} GPUs): some TP groups straddle two domains and cross the "
+                    "inter-node fabric; use a divisor of the domain"]
+        return []
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return TensorPass(ctx)
@@ -154,10 +158,10 @@ class TensorParallel(Strategy):
 
 
 def _tp_degrees(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[tuple[int]]:
-    """TP dividing the heads, at most a node unless the request allows more."""
-    gpn = base.cluster.gpus_per_node or 1
+    """TP dividing the heads, at most an NVLink domain unless the request allows more."""
+    domain = base.hardware.domain_gpus
     for tp in divisor_list(base.model.heads):
-        if tp <= gpn or req.tp_beyond_node:
+        if tp <= domain or req.tp_beyond_node:
             yield (tp,)
 
 
