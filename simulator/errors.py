@@ -49,3 +49,13 @@ class UserError(Exception):
 
 class ScenarioError(UserError):
     """The scenario does not validate; ``problems`` lists every rule it breaks."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM: ``signal_name`` says which; ``message`` what long work
+    kept and how to resume it (empty when there is nothing to say)."""
+
+    def __init__(self, signal_name: str = "SIGINT", message: str = "") -> None:
+        super().__init__(message or signal_name)
+        self.signal_name = signal_name
+        self.message = message

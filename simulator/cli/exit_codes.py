@@ -22,6 +22,7 @@ USAGE = 2
 DOES_NOT_FIT = 3
 INTERRUPTED = 130
 BROKEN_PIPE = 141
+TERMINATED = 143
 
 #: status -> what it means, in the order ``--help`` lists them.
 EXIT_CODES: dict[int, str] = {
@@ -31,8 +32,10 @@ EXIT_CODES: dict[int, str] = {
            "fix; nothing simulated",
     DOES_NOT_FIT: "run, memory, validate: the layout does not fit in GPU memory (peak above "
                   "capacity on some stage); run still wrote its outputs; --allow-oom gives 0",
-    INTERRUPTED: "interrupted (Ctrl-C); no half-written output is left",
+    INTERRUPTED: "interrupted (Ctrl-C); no half-written output is left; sweep and plan keep "
+                 "every point they finished in the cache and say how to resume",
     BROKEN_PIPE: "the reader of stdout went away (`clustersim diff A B | head`)",
+    TERMINATED: "terminated (SIGTERM, e.g. a batch system's time limit): as for Ctrl-C",
 }
 
 

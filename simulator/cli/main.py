@@ -23,14 +23,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from simulator import __version__
 from simulator.cli.commands.run import EXAMPLE
-from simulator.cli.exit_codes import BROKEN_PIPE, INTERRUPTED, USAGE, epilog
+from simulator.cli.exit_codes import BROKEN_PIPE, INTERRUPTED, TERMINATED, USAGE, epilog
 from simulator.cli.registry import COMMANDS, PluginCommands
-from simulator.errors import UserError
+from simulator.errors import Interrupted, UserError
 
 #: The commands installed packages add: name -> (module with ``add_parser(sub)``, the help
 #: line ``clustersim --help`` lists). A test checks each line against the one the module
@@ -68,24 +70,37 @@ def _command(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: long work stops the same way (what it finished kept, how to
+    resume said), with its own exit status."""
+    raise Interrupted("SIGTERM")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser(_command(argv)).parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         return int(args.func(args))
     except UserError as exc:
         for line in exc.lines():
             print(f"error: {line}", file=sys.stderr)
         return USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as exc:
+        name = getattr(exc, "signal_name", "SIGINT")
+        message = getattr(exc, "message", "")
+        print(f"interrupted ({name})" + (f": {message}" if message else ""), file=sys.stderr)
+        return TERMINATED if name == "SIGTERM" else INTERRUPTED
     except BrokenPipeError:
         # the reader went away (`clustersim diff A B | head`): stop quietly, and keep
         # Python from reporting the pipe again when it flushes stdout at exit
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return BROKEN_PIPE
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,15 @@ import functools
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, as_completed
+from concurrent.futures import Executor, Future, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 from simulator import __version__
+from simulator.errors import Interrupted
 from simulator.outputs.progress import progress_bar
 from simulator.outputs.trace_export import atomic_output
 from simulator.spec.scenario import Scenario
@@ -92,12 +95,36 @@ class ResultCache:
 Job = tuple[str | None, tuple[Any, ...]]  # (cache key or None, arguments of the function)
 
 
+#: how many times the jobs a dead worker took down are sent again before giving up
+RESUBMITS = 3
+
+
+def _dead_worker_errors() -> tuple[type[BaseException], ...]:
+    """What a future raises when the process running it died: a local pool breaks
+    (every pending future of it fails); Dask gives up on a task whose workers kept
+    dying (after its own retries)."""
+    errors: list[type[BaseException]] = [BrokenProcessPool]
+    try:
+        from distributed import KilledWorker
+    except ImportError:
+        pass
+    else:
+        errors.append(KilledWorker)
+    return tuple(errors)
+
+
 def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Job],
                cache: ResultCache | None = None, desc: str = "points") -> list[Figures]:
     """``fn(*args)`` for every job, in job order; cached jobs are not submitted.
 
     Each result is stored as soon as it arrives, so an interrupted call keeps
-    everything finished before the interruption.
+    everything finished before the interruption: Ctrl-C or SIGTERM stops what is
+    pending and raises :class:`~simulator.errors.Interrupted` saying how many are kept
+    and that the same command resumes; the rerun says how many it takes from the
+    cache. Jobs lost with a worker process that died are sent again (a broken local
+    pool is replaced first where the executor can:
+    :class:`~simulator.search.executors.RespawningPool`), at most :data:`RESUBMITS`
+    times, so every job has exactly one result.
     """
     results: list[Figures | None] = [None] * len(jobs)
     todo = []
@@ -107,16 +134,81 @@ def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Jo
             todo.append(i)
         else:
             results[i] = hit
+    if cache is not None and len(todo) < len(jobs):
+        print(f"{len(jobs) - len(todo)} of {len(jobs)} {desc} from the cache ({cache.root}); "
+              f"computing {len(todo)}", file=sys.stderr)
     if todo:
-        futures = {executor.submit(fn, *jobs[i][1]): i for i in todo}
-        with progress_bar(len(todo), desc) as bar:
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = value = future.result()
-                key = jobs[i][0]
-                if cache is not None and key is not None:
-                    cache.put(key, value)
-                bar.update()
+        pending: dict[Future[Figures], int] = {}
+        try:
+            _compute(executor, fn, jobs, todo, results, cache, desc, pending)
+        except KeyboardInterrupt as exc:
+            _abort(executor)
+            for future, i in pending.items():  # finished while the signal was handled
+                if results[i] is None and future.done() and not future.cancelled() \
+                        and future.exception() is None:
+                    _store(results, jobs, cache, i, future.result())
+            raise Interrupted(getattr(exc, "signal_name", "SIGINT"),
+                              _resume_line(results, jobs, cache, desc)) from None
     done = [r for r in results if r is not None]
     assert len(done) == len(jobs), "every job has a result"
     return done
+
+
+def _store(results: list[Figures | None], jobs: Sequence[Job], cache: ResultCache | None,
+           i: int, value: Figures) -> None:
+    results[i] = value
+    key = jobs[i][0]
+    if cache is not None and key is not None:
+        cache.put(key, value)
+
+
+def _compute(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Job],
+             todo: list[int], results: list[Figures | None], cache: ResultCache | None,
+             desc: str, pending: dict[Future[Figures], int]) -> None:
+    """Submit ``todo``, store each result as it arrives, resubmit what dead workers lost;
+    ``pending`` holds the futures in flight (what an interruption harvests)."""
+    dead = _dead_worker_errors()
+    pending.update({executor.submit(fn, *jobs[i][1]): i for i in todo})
+    with progress_bar(len(todo), desc) as bar:
+        for attempt in range(RESUBMITS + 1):
+            lost: list[int] = []
+            for future in as_completed(pending):
+                i = pending[future]
+                try:
+                    value = future.result()
+                except dead:
+                    lost.append(i)
+                    continue
+                _store(results, jobs, cache, i, value)
+                bar.update()
+            if not lost:
+                return
+            if attempt == RESUBMITS:
+                raise RuntimeError(f"{len(lost)} {desc} lost with dead worker processes "
+                                   f"{RESUBMITS + 1} times")
+            print(f"a worker process died: sending its {len(lost)} {desc} again "
+                  f"({attempt + 1} of {RESUBMITS})", file=sys.stderr)
+            respawn = getattr(executor, "respawn", None)
+            if respawn is not None:
+                respawn()
+            pending.clear()
+            pending.update({executor.submit(fn, *jobs[i][1]): i for i in sorted(lost)})
+
+
+def _abort(executor: Executor) -> None:
+    """Stop the executor's pending and running work without waiting for it."""
+    abort = getattr(executor, "abort", None)
+    if abort is not None:
+        abort()
+    else:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _resume_line(results: Sequence[Figures | None], jobs: Sequence[Job],
+                 cache: ResultCache | None, desc: str) -> str:
+    kept = sum(r is not None for r in results)
+    if cache is None:
+        return (f"{kept} of {len(jobs)} {desc} were done and none is kept (the cache is "
+                "off): a rerun computes them all")
+    return (f"{kept} of {len(jobs)} {desc} done and kept in the cache ({cache.root}); "
+            f"run the same command again to compute the remaining {len(jobs) - kept}")

@@ -4,7 +4,10 @@ Both hand out a ``concurrent.futures.Executor``, the only interface
 :mod:`simulator.search.sweep` and :mod:`simulator.search.plan` use, so neither knows which it
 got. ``--dask`` picks the backend:
 
-- absent: a ``ProcessPoolExecutor`` of ``--workers`` processes (default: cores);
+- absent: a :class:`RespawningPool` of ``--workers`` processes (default: cores): a
+  ``ProcessPoolExecutor`` that is replaced when one of its processes dies (a broken
+  pool refuses all further work; :func:`simulator.search.cache.map_cached` then sends
+  the lost jobs again) and that Ctrl-C stops without waiting for running work;
 - ``local:W``: a ``distributed.LocalCluster`` of W single-threaded worker
   processes started for this command and closed after it;
 - ``tcp://HOST:8786`` (or ``tls://``, ``ws://``, ...): an existing scheduler, which
@@ -19,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from simulator.errors import Problem, UserError
 
+T = TypeVar("T")
 _SCHEMES = ("tcp://", "tls://", "ws://", "wss://", "inproc://", "ucx://")
 CONNECT_TIMEOUT_S = 15
 
@@ -44,6 +48,37 @@ def parse_dask(spec: str) -> tuple[str, int | str]:
                              "scheduler address such as tcp://HOST:8786")])
 
 
+class RespawningPool(Executor):
+    """Local worker processes that survive one of them dying: :meth:`respawn` replaces
+    the broken ``ProcessPoolExecutor`` (whose every pending future failed with
+    ``BrokenProcessPool``) by a fresh one, and :meth:`abort` stops pending and running
+    work at once (Ctrl-C: the worker processes are terminated, not waited for)."""
+
+    def __init__(self, max_workers: int) -> None:
+        self.max_workers = max_workers
+        self._pool = ProcessPoolExecutor(max_workers=max_workers)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def pids(self) -> list[int]:
+        """The worker processes' ids (started on the first submissions)."""
+        return sorted(getattr(self._pool, "_processes", None) or {})
+
+    def respawn(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = ProcessPoolExecutor(max_workers=self.max_workers)
+
+    def abort(self) -> None:
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 @contextmanager
 def open_executor(dask: str | None = None, workers: int | None = None,
                   processes: bool = True) -> Iterator[Executor]:
@@ -53,7 +88,7 @@ def open_executor(dask: str | None = None, workers: int | None = None,
     process (quick to start; for tests and small sweeps).
     """
     if dask is None:
-        with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        with RespawningPool(workers or os.cpu_count() or 1) as pool:
             yield pool
         return
     kind, arg = parse_dask(dask)

@@ -47,9 +47,9 @@ from simulator.errors import Problem, UserError
 from simulator.model.moe import layer_kinds
 from simulator.search.cache import (
     Figures,
+    Job,
     ResultCache,
     map_cached,
-    progress_bar,
     scenario_key,
 )
 from simulator.search.candidates import (
@@ -134,13 +134,11 @@ def simulate_candidate(s: Scenario) -> Figures:
 
 
 def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor) -> pd.DataFrame:
-    chunks = [cands[i:i + CHUNK] for i in range(0, len(cands), CHUNK)]
-    futures = [executor.submit(assess_chunk, base, chunk) for chunk in chunks]
-    rows: list[dict[str, Any]] = []
-    with progress_bar(len(cands), "candidates") as bar:
-        for future, chunk in zip(futures, chunks, strict=True):
-            rows.extend(future.result()["rows"])
-            bar.update(len(chunk))
+    """Every candidate's analytic assessment, in chunks of :data:`CHUNK` (through
+    :func:`map_cached`, uncached: a chunk lost with a dead worker is sent again)."""
+    jobs: list[Job] = [(None, (base, cands[i:i + CHUNK])) for i in range(0, len(cands), CHUNK)]
+    rows = [row for part in map_cached(executor, assess_chunk, jobs, None, "candidate chunks")
+            for row in part["rows"]]
     return pd.DataFrame(rows, columns=[*knobs(), "microbatches", "verdict", "error",
                                        "peak_memory_GB", "fits", "analytic_step_time_s"])
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import pandas as pd
 from simulator.errors import Problem, UserError
 from simulator.loading import read_yaml
 from simulator.search.cache import Figures, ResultCache, map_cached, scenario_key
+from simulator.search.executors import RespawningPool
 from simulator.spec.load import apply_overrides, load_scenario
 from simulator.spec.scenario import ClusterSpec, Scenario
 
@@ -125,7 +126,7 @@ def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[
     scenarios = [s for s in resolved if isinstance(s, Scenario)]
     jobs = [(scenario_key(s, method, s.simulation.fidelity), (s, method)) for s in scenarios]
     own = executor is None
-    pool = executor or ProcessPoolExecutor(max_workers=min(os.cpu_count() or 1, len(grid)))
+    pool = executor or RespawningPool(min(os.cpu_count() or 1, len(grid)))
     try:
         figures = iter(map_cached(pool, evaluate, jobs, cache, "points"))
     finally:
