@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from simulator.errors import Problem, UserError
 from simulator.schedules import registry as schedules
+from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.model_spec import preset_model_names
 from simulator.spec.scenario import ParallelSpec, Scenario, TrainingSpec
@@ -55,6 +56,8 @@ class PlanRequest:
     expert_parallel: tuple[int, ...] | None = None
     tp_beyond_node: bool = False  # allow TP groups that span nodes
     dtype: str = "bf16"
+    # kept free on every GPU: no layout needs more than capacity − headroom
+    headroom: Headroom = DEFAULT_HEADROOM
 
 
 def base_scenario(req: PlanRequest) -> Scenario:

@@ -47,6 +47,10 @@ def add_parser(sub: Subparsers) -> None:
                    "of the experts that divides a stage's cp * dp)")
     q.add_argument("--tp-beyond-node", action="store_true",
                    help="also try TP groups larger than a node")
+    q.add_argument("--headroom", default="5%", metavar="SHARE|GB",
+                   help="memory kept free on every GPU for the allocator's fragmentation: a "
+                   "share (5%%, the default: Megatron-LM's 1.05 overhead factor) or an amount "
+                   "(4GB); no layout returned needs more than capacity less it")
     q.add_argument("--out", type=Path, default=None, help="output directory "
                    "(default out/plan-<model>-<gpus>)")
     search_args(q)
@@ -58,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.search_files import write_plan
     from simulator.search.candidates import PlanRequest
     from simulator.search.executors import open_executor
+    from simulator.search.headroom import parse_headroom
     from simulator.search.plan import plan_lines, run_plan
 
     cp, ep = (None if text is None else int_list(flag, text) for flag, text in
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
                       args.top, int_list("--micro-batches", args.micro_batches),
                       context_parallel=cp, expert_parallel=ep,
-                      tp_beyond_node=args.tp_beyond_node)
+                      tp_beyond_node=args.tp_beyond_node,
+                      headroom=parse_headroom(args.headroom))
     out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
     check_out_dir(out)
     cache = result_cache(args, out)
