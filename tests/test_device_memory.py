@@ -159,3 +159,23 @@ def test_a_profile_without_runtime_gets_a_gpus_defaults_and_a_cpu_none() -> None
     assert gpu.runtime_memory() == RuntimeMemory()
     assert gpu.model_copy(update={"host_serial": True}).runtime_memory() == NO_RUNTIME
     assert NO_RUNTIME.context_GB == NO_RUNTIME.nccl_channels == 0
+
+
+def test_cli_memory_lists_every_item_with_its_source(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from simulator.cli.main import main
+
+    path = Path(__file__).parent.parent / "scenarios" / "llama3-405b-16k-h100.yaml"
+    assert main(["memory", str(path)]) == 0
+    out = capsys.readouterr().out
+    header, _, items = out.partition("item by item:")
+    assert "device" in header.splitlines()[1] and items
+    lines = items.strip().splitlines()
+    assert len(lines) == 6 + len(dm.DEVICE_TERMS)
+    for term in dm.DEVICE_TERMS:
+        assert any(line.split("GB  ")[-1] == term.source for line in lines
+                   if line.strip().startswith(term.name))
+    # TP and DP rings (16 channels) and two pipeline peers on 2 network channels each
+    assert "NCCL buffers             0.45 GB" in items
