@@ -28,6 +28,7 @@ from simulator.search.candidates import (
     candidate_scenario,
     candidates,
 )
+from simulator.search.headroom import DEFAULT_HEADROOM
 from simulator.search.plan import (
     assess,
     degrees_label,
@@ -36,6 +37,7 @@ from simulator.search.plan import (
     plan_lines,
     resimulated,
     run_plan,
+    usable_bytes,
 )
 from simulator.spec.load import load_scenario, scenario_from_dict
 from simulator.spec.rules import consistency_problems, not_yet_simulated
@@ -100,7 +102,7 @@ def test_verdict_is_the_schema_verdict(cand: tuple) -> None:  # type: ignore[typ
         return
     assert row["error"] == ""
     assert row["peak_memory_GB"] * 1e9 == pytest.approx(peak_memory(s).total, rel=1e-12)
-    assert row["fits"] == peak_memory(s).fits
+    assert row["fits"] == (peak_memory(s).total <= usable_bytes(s, DEFAULT_HEADROOM))
     if row["fits"]:
         assert row["analytic_step_time_s"] == analytic_estimate(s)["step_time_s"]
 

@@ -4,7 +4,8 @@ states, the communication buffers of DDP's buckets or ZeRO-3's gathered units
 (:func:`simulator.strategies.data.strategy.bucket_buffers`,
 :func:`simulator.strategies.zero3.strategy.zero3_buffers`), ZeRO-Offload's states on
 the host, gradient compression's buffers and states, and a new strategy's own terms
-(its ``memory_terms``). One :class:`~simulator.model.memory.MemoryBreakdown` per
+(its ``memory_terms``), and the device's own terms beside the tensors
+(:mod:`simulator.model.device_memory`). One :class:`~simulator.model.memory.MemoryBreakdown` per
 pipeline stage; 1 GB = 1e9 bytes.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from simulator.model.device_memory import DEVICE_TERMS, device_terms
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import (
     MemoryBreakdown,
@@ -84,6 +86,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         logits=logits(scenario, stage),
         comm_buffers=comm_buffers(scenario, stage) + buffers,
         capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
+        device=tuple(device_terms(scenario, stage).items()),
     )
     return _extended(scenario, stage, out)
 
@@ -102,3 +105,27 @@ def stage_rows(report: list[MemoryBreakdown]) -> list[dict[str, float]]:
     """``{"stage", "total", "capacity"}`` per stage: the rows results.json's ``memory``
     holds, which :func:`simulator.cli.exit_codes.memory_verdict` judges."""
     return [{"stage": m.stage, "total": m.total, "capacity": m.capacity} for m in report]
+
+
+#: Where each tensor field of a breakdown comes from (docs/model.md, "Memory per GPU")
+TENSOR_SOURCES: dict[str, tuple[str, str]] = {
+    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp·cp under ZeRO-3)"),
+    "gradients": ("grads", "stack.main_grad_bytes per parameter (Megatron-Core keeps fp32 main "
+                           "grads, unsharded below ZeRO-2)"),
+    "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (distrib_optimizer.py: "
+                               "6 + 12/d with the grads)"),
+    "activations": ("activations", "op inventory's saved tensors × the schedule's in-flight "
+                                   "micro-batches (Korthikanti et al. 2022, Table 2)"),
+    "logits": ("logits", "fp32 softmax of micro-batches awaiting backward, + its gradient"),
+    "comm_buffers": ("buffers", "DDP buckets (parallel.dp_bucket_MB) or ZeRO-3's gathered "
+                                "units and unsharded gradients"),
+}
+
+
+def memory_items(m: MemoryBreakdown) -> list[tuple[str, float, str]]:
+    """Every item of ``m``: (name, bytes, source), the tensors' fields then the device's
+    terms (:data:`simulator.model.device_memory.DEVICE_TERMS`)."""
+    sources = {term.name: term.source for term in DEVICE_TERMS}
+    return [*((name, getattr(m, field), source)
+              for field, (name, source) in TENSOR_SOURCES.items()),
+            *((name, nbytes, sources.get(name, "")) for name, nbytes in m.device)]

@@ -5,8 +5,9 @@ peaks; this module puts the same quantities on the simulated timeline, so a
 rank's curve shows *when* its memory is held. The bytes are memory.py's, the
 times are the spans':
 
-- **static** (held all step): the stage's weights, gradients and optimizer
-  states exactly as :func:`~simulator.analysis.memory.stage_breakdown` counts them, and
+- **static** (held all step): the stage's weights, gradients, optimizer
+  states and device terms (:mod:`simulator.model.device_memory`) exactly as
+  :func:`~simulator.analysis.memory.stage_breakdown` counts them, and
   with DDP / ZeRO-1/2 (dp > 1) its two gradient-bucket buffers (DDP allocates
   its buckets when it wraps the model, not per step).
 - **activations**: one layer of one micro-batch,
@@ -122,9 +123,10 @@ def component_bytes(s: Scenario) -> dict[str, float]:
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
-    """Held all step: memory.py's model states, and DDP / ZeRO-1/2 bucket buffers."""
+    """Held all step: memory.py's model states and device terms (context, workspaces,
+    NCCL, allocator rounding), and DDP / ZeRO-1/2 bucket buffers."""
     br = stage_breakdown(s, stage)
-    total = br.weights + br.gradients + br.optimizer
+    total = br.weights + br.gradients + br.optimizer + br.runtime
     if s.parallel.zero <= 2:
         total += br.comm_buffers
     return total

@@ -143,7 +143,8 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
         "fits_in_memory": all(m.fits for m in stages),
         "memory": [{"stage": m.stage, "weights": m.weights, "gradients": m.gradients,
                     "optimizer": m.optimizer, "activations": m.activations,
-                    "logits": m.logits, "comm_buffers": m.comm_buffers, "total": m.total,
+                    "logits": m.logits, "comm_buffers": m.comm_buffers, "device": m.runtime,
+                    "total": m.total,
                     "capacity": m.capacity} for m in stages],
         "gradient_compression": cmp.traffic(s),
     }

@@ -39,6 +39,10 @@ last, when the micro-batch's activations are freed, and is not counted).
 ZeRO-Offload moves the
 optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
 
+Beside the tensors, ``device`` holds what the process keeps on the GPU regardless of
+them, by named term (:mod:`simulator.model.device_memory`: the CUDA context, cuBLAS
+workspaces, NCCL's buffers per communicator, the caching allocator's rounding).
+
 Gradient compression (:func:`simulator.strategies.compression.memory_extra`) adds PowerSGD's
 error-feedback buffer, P, Q and bucket copies (the DDP hook's state) and the cast
 buckets of bf16/fp8 to the communication buffers, and 1-bit Adam's worker and
@@ -81,11 +85,18 @@ class MemoryBreakdown:
     logits: float
     comm_buffers: float
     capacity: float  # GPU HBM, 1e9 × memory_GB
+    # memory beside the tensors, by named term (simulator.model.device_memory.DEVICE_TERMS)
+    device: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def runtime(self) -> float:
+        """The device terms together: context, workspaces, NCCL, allocator rounding."""
+        return sum(nbytes for _, nbytes in self.device)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations
-                + self.logits + self.comm_buffers)
+                + self.logits + self.comm_buffers + self.runtime)
 
     @property
     def fits(self) -> bool:

@@ -50,7 +50,7 @@ def write_plan(plan: Plan, out: Path, plots: bool = True) -> list[Path]:
     written = [write_table(plan.table, out / "plan.csv"),
                write_table(plan.table, out / "plan.parquet")]
     meta = {"request": asdict(plan.request), "counts": plan.counts, "wall_s": plan.wall_s,
-            "gpu_memory_GB": plan.gpu_memory_GB,
+            "gpu_memory_GB": plan.gpu_memory_GB, "usable_GB": plan.usable_GB,
             "chosen": None if plan.chosen is None
             else _plain(plan.table.loc[plan.chosen].to_dict()),
             "version": code_version()}

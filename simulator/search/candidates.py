@@ -30,6 +30,7 @@ from typing import Any, cast
 from simulator.errors import Problem, UserError
 from simulator.loading import parse_override, read_yaml
 from simulator.schedules import registry as schedules
+from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
 from simulator.spec.load import apply_overrides, scenario_from_dict
 from simulator.spec.model_spec import preset_model_names
 from simulator.spec.scenario import ParallelSpec, Scenario, TrainingSpec
@@ -67,6 +68,8 @@ class PlanRequest:
     dtype: str = "bf16"
     stack: str | None = None  # a stack preset; None: the scenario default
     sets: tuple[str, ...] = ()  # ``--set key.path=value`` overrides (module note)
+    # kept free on every GPU: no layout needs more than capacity − headroom
+    headroom: Headroom = DEFAULT_HEADROOM
 
     @property
     def model_name(self) -> str:

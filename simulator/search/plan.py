@@ -11,17 +11,21 @@
    candidate). Invalid candidates are rows with their error lines; so are valid
    ones the engine cannot run yet (:func:`~simulator.spec.rules.not_yet_simulated`,
    e.g. ZeRO-3 with experts), counted apart, since the choice is the engine's.
-3. **Prune by memory** with :mod:`simulator.model.memory`: the peak is the larger of
+3. **Prune by memory** with :mod:`simulator.analysis.memory` (the tensors and the
+   device's own terms): the peak is the larger of
    the first and last stages (a middle stage holds no more weights, no more
    in-flight micro-batches and no embedding or logits, so it never exceeds the
    first) when all layers are alike; with dense and MoE layers mixed (DeepSeek-V3's
    first three are dense) a middle stage can hold the most experts, so every
-   stage is computed. Candidates above the GPU's capacity are rows marked as not
-   fitting.
+   stage is computed. Candidates above the GPU's capacity less the request's
+   headroom (:mod:`simulator.search.headroom`: 5 % by default, for the allocator's
+   fragmentation) are rows marked as not fitting: no layout returned needs more.
 4. **Rank** the survivors by :func:`~simulator.analysis.analytic.estimate.analytic_estimate`,
    then re-simulate the best ``top_k`` with the engine (folded), and the best of each
    ZeRO stage and CP degree besides (:func:`resimulated`: the estimate errs by family),
-   and choose the fastest by the engine's step time.
+   and choose the fastest by the engine's step time. A simulated MFU above the
+   kernel-level ceiling (:func:`~simulator.analysis.ceiling.mfu_ceiling`) is flagged
+   in its row and warned about in the summary.
 
 Passes 2–4 run on any ``concurrent.futures.Executor`` in chunks of
 :data:`CHUNK` candidates; engine results go through the on-disk cache. The
@@ -42,6 +46,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.ceiling import mfu_ceiling
 from simulator.analysis.memory import stage_breakdown
 from simulator.errors import Problem, UserError
 from simulator.model.moe import layer_kinds
@@ -60,6 +65,7 @@ from simulator.search.candidates import (
     candidates,
     knobs,
 )
+from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
 from simulator.spec.rules import consistency_problems, not_yet_simulated
 from simulator.spec.scenario import Scenario
 
@@ -77,9 +83,10 @@ class Plan:
     table: pd.DataFrame
     chosen: int | None  # index into table, None when nothing fits
     wall_s: float
-    gpu_memory_GB: float  # the capacity candidates were pruned against
+    gpu_memory_GB: float  # the GPU's capacity
     counts: dict[str, int] = field(default_factory=dict)
     chosen_scenario: Scenario | None = None  # the chosen layout, as the engine ran it
+    usable_GB: float = math.inf  # capacity less the headroom: what candidates were pruned against
 
 
 # ---------------------------------------------------------------- pass 1 and 2
@@ -96,11 +103,19 @@ def peak_memory_bytes(s: Scenario) -> float:
     return max(stage_breakdown(s, stage).total for stage in stages)
 
 
-def assess(base: Scenario, cand: Candidate) -> dict[str, Any]:
-    """One candidate's row: validity, memory verdict and, if it fits, the estimate."""
+def usable_bytes(s: Scenario, headroom: Headroom) -> float:
+    """What a layout of ``s`` may use on its smallest GPU: capacity less ``headroom``."""
+    capacity = min(s.hardware_of_stage(st).gpu.memory_GB for st in range(s.parallel.pp)) * 1e9
+    return capacity - headroom.bytes(capacity)
+
+
+def assess(base: Scenario, cand: Candidate,
+           headroom: Headroom = DEFAULT_HEADROOM) -> dict[str, Any]:
+    """One candidate's row: validity, memory verdict against capacity less ``headroom``
+    and, if it fits, the estimate and the kernel-level MFU ceiling."""
     row: dict[str, Any] = dict(zip(knobs(), cand, strict=True))
     row.update(microbatches=0, verdict="invalid", error="", peak_memory_GB=math.nan,
-               fits=False, analytic_step_time_s=math.nan)
+               fits=False, analytic_step_time_s=math.nan, mfu_ceiling=math.nan)
     s = candidate_scenario(base, cand)
     problems = consistency_problems(s)
     if not problems:
@@ -110,16 +125,18 @@ def assess(base: Scenario, cand: Candidate) -> dict[str, Any]:
         return row
     peak = peak_memory_bytes(s)
     row.update(microbatches=s.microbatches, peak_memory_GB=peak / 1e9,
-               fits=peak <= s.hardware.gpu.memory_GB * 1e9)
+               fits=peak <= usable_bytes(s, headroom))
     row["verdict"] = "fits" if row["fits"] else "out of memory"
     if row["fits"]:
         row["analytic_step_time_s"] = analytic_estimate(s)["step_time_s"]
+        row["mfu_ceiling"] = mfu_ceiling(s)
     return row
 
 
-def assess_chunk(base: Scenario, chunk: Sequence[Candidate]) -> Figures:
+def assess_chunk(base: Scenario, chunk: Sequence[Candidate],
+                 headroom: Headroom = DEFAULT_HEADROOM) -> Figures:
     """A chunk's rows (module level: picklable for process and Dask workers)."""
-    return {"rows": [assess(base, c) for c in chunk]}
+    return {"rows": [assess(base, c, headroom) for c in chunk]}
 
 
 def simulate_candidate(s: Scenario) -> Figures:
@@ -133,14 +150,17 @@ def simulate_candidate(s: Scenario) -> Figures:
 # ---------------------------------------------------------------- the plan
 
 
-def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor) -> pd.DataFrame:
+def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor,
+                headroom: Headroom) -> pd.DataFrame:
     """Every candidate's analytic assessment, in chunks of :data:`CHUNK` (through
     :func:`map_cached`, uncached: a chunk lost with a dead worker is sent again)."""
-    jobs: list[Job] = [(None, (base, cands[i:i + CHUNK])) for i in range(0, len(cands), CHUNK)]
+    jobs: list[Job] = [(None, (base, cands[i:i + CHUNK], headroom))
+                       for i in range(0, len(cands), CHUNK)]
     rows = [row for part in map_cached(executor, assess_chunk, jobs, None, "candidate chunks")
             for row in part["rows"]]
     return pd.DataFrame(rows, columns=[*knobs(), "microbatches", "verdict", "error",
-                                       "peak_memory_GB", "fits", "analytic_step_time_s"])
+                                       "peak_memory_GB", "fits", "analytic_step_time_s",
+                                       "mfu_ceiling"])
 
 
 def pareto_mask(memory: pd.Series, step: pd.Series) -> pd.Series:
@@ -184,7 +204,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
             raise UserError([Problem(flag, value, f"must be >= {low}")])
     base = base_scenario(req)
     cands = candidates(req, base)
-    table = _assess_all(base, cands, executor)
+    table = _assess_all(base, cands, executor, req.headroom)
     fits = table["fits"].astype(bool)
     ranked = table.loc[resimulated(table[fits], req.top_k)]
     scenarios = [candidate_scenario(base, cands[i]) for i in ranked.index]
@@ -193,6 +213,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
     for name in ENGINE_FIGURES:
         table[f"engine_{name}"] = math.nan
         table.loc[ranked.index, f"engine_{name}"] = [f[name] for f in figures]
+    table["above_ceiling"] = table["engine_mfu"] > table["mfu_ceiling"]
     table["pareto"] = False
     if fits.any():
         table.loc[fits, "pareto"] = pareto_mask(table.loc[fits, "peak_memory_GB"],
@@ -208,7 +229,8 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
               "out_of_memory": int(n.get("out of memory", 0)), "fit": int(n.get("fits", 0)),
               "simulated": len(ranked)}
     return Plan(req, table, chosen, time.perf_counter() - start,
-                base.hardware.gpu.memory_GB, counts, chosen_scenario)
+                base.hardware.gpu.memory_GB, counts, chosen_scenario,
+                usable_bytes(base, req.headroom) / 1e9)
 
 
 # ---------------------------------------------------------------- labels
@@ -239,8 +261,9 @@ def plan_lines(plan: Plan) -> list[str]:
                    if c["not_yet_simulated"] else "")
     lines = [f"planned {req.model_name} on {req.gpus:,} GPUs of {req.system}, global batch "
              f"{req.global_batch}: {c['candidates']:,} candidates considered, {c['invalid']:,} "
-             f"invalid, {unsupported}{c['out_of_memory']:,} do not fit, {c['fit']:,} fit; "
-             f"{c['simulated']} simulated in {plan.wall_s:.1f} s"]
+             f"invalid, {unsupported}{c['out_of_memory']:,} do not fit in "
+             f"{plan.usable_GB:.1f} GB ({plan.gpu_memory_GB:g} GB less {req.headroom} "
+             f"headroom), {c['fit']:,} fit; {c['simulated']} simulated in {plan.wall_s:.1f} s"]
     if plan.chosen is None and c["fit"]:
         return [*lines, "nothing re-simulated (--top 0): no choice"]
     if plan.chosen is None:
@@ -262,6 +285,17 @@ def plan_lines(plan: Plan) -> list[str]:
     best = t.loc[plan.chosen]
     lines.append(f"best: {layout_label(best)}: {best['engine_step_time_s']:.3f} s a step "
                  f"(engine, folded), {best['engine_tokens_per_s']:,.0f} tokens/s, MFU "
-                 f"{best['engine_mfu']:.1%}, {best['peak_memory_GB']:.1f} GB")
-    return lines
+                 f"{best['engine_mfu']:.1%} (kernel-level ceiling {best['mfu_ceiling']:.1%}), "
+                 f"{best['peak_memory_GB']:.1f} GB")
+    return lines + ceiling_warnings(t)
+
+
+def ceiling_warnings(table: pd.DataFrame) -> list[str]:
+    """A line per simulated row whose MFU exceeds its kernel-level ceiling
+    (:func:`~simulator.analysis.ceiling.mfu_ceiling`)."""
+    over = table[table.get("above_ceiling", pd.Series(False, index=table.index)).astype(bool)]
+    return [f"warning: {layout_label(row)}: predicted MFU {row['engine_mfu']:.1%} exceeds the "
+            f"kernel-level ceiling {row['mfu_ceiling']:.1%} (the best kernel efficiency × "
+            f"model / hardware FLOPs): check the profile's curves and the FLOP counts"
+            for _, row in over.iterrows()]
 

@@ -69,6 +69,27 @@ from simulator.system.units import (
 )
 
 
+class RuntimeMemory(Frozen):
+    """What the GPU holds per process besides tensors (simulator/model/device_memory.py);
+    the defaults are an H100's, a preset states its own with the source."""
+
+    # the CUDA context with lazy module loading, 1e9 bytes: "around 400MB if CUDA >= 11.7
+    # is used and lazy module loading enabled" (pytorch/pytorch#109888)
+    context_GB: float = Field(default=0.4, ge=0, le=1e3)
+    # cuBLAS workspace per handle and stream, MiB (PyTorch CublasHandlePool.cpp
+    # getChosenWorkspaceSize: 32 on Hopper and Blackwell, 8.125 before)
+    cublas_workspace_MiB: float = Field(default=32.0, ge=0, le=1e5)
+    gemm_streams: int = Field(default=1, ge=0, le=64)  # streams that run GEMMs
+    # channels NCCL's topology search gives a communicator (its INIT log's "coll channels");
+    # 0: no NCCL (a CPU profile's gloo)
+    nccl_channels: int = Field(default=16, ge=0, le=64)
+
+
+#: a CPU process's: no CUDA context, cuBLAS workspace or NCCL
+NO_RUNTIME = RuntimeMemory(context_GB=0.0, cublas_workspace_MiB=0.0, gemm_streams=0,
+                           nccl_channels=0)
+
+
 class GPUSpec(Frozen):
     name: str
     peak_tflops: dict[Dtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
@@ -150,6 +171,9 @@ class GPUSpec(Frozen):
     # (calibration/microbench/rank_spread.py; simulator.system.costs.expected_max_normal;
     # absent = 0)
     rank_spread: float = Field(default=0.0, ge=0, le=1)
+    # memory beside the tensors: context, workspaces, NCCL channels (RuntimeMemory);
+    # absent: a CUDA GPU's defaults, none on a CPU device (runtime_memory)
+    runtime: RuntimeMemory | None = None
 
     @field_validator("class_efficiency", mode="before")
     @classmethod
@@ -195,6 +219,14 @@ class GPUSpec(Frozen):
                      else self.attention_efficiency if cost_class.startswith("attention_")
                      else self.memory_efficiency)
         return curve(size)
+
+    def runtime_memory(self) -> RuntimeMemory:
+        """``runtime`` where the profile states it; else nothing on a CPU device
+        (``host_serial``: gloo, no CUDA context, cuBLAS or NCCL) and a CUDA GPU's
+        defaults otherwise (a profile calibrated before the field)."""
+        if self.runtime is not None:
+            return self.runtime
+        return NO_RUNTIME if self.host_serial else RuntimeMemory()
 
     def interference_factor(self, link_class: str) -> float:
         """How many times slower compute runs while a collective on ``link_class``

@@ -31,7 +31,8 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
                    "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread",
-                   "attention_kernels", "compute_capability", "nvlink_domain_gpus")
+                   "attention_kernels", "compute_capability", "nvlink_domain_gpus",
+                   "runtime")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
@@ -43,7 +44,7 @@ def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
         ann = field.annotation
         if name not in data and name not in OPTIONAL_FIELDS:
             out.append(loc + name)
-        elif isinstance(ann, type) and issubclass(ann, BaseModel) \
+        elif name in data and isinstance(ann, type) and issubclass(ann, BaseModel) \
                 and ann is not EfficiencyCurve:
             out.extend(_unstated(ann, data[name], f"{loc}{name}."))
     tables = data.get("collectives") if model is HardwareProfile else None

@@ -25,23 +25,27 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.analysis.memory import memory_report, stage_rows
+    from simulator.analysis.memory import memory_items, memory_report, stage_rows
     from simulator.builder.budget import check_stages
 
     s = load(args)
     check_stages(s)
     gb = 1e9
     cols = ("stage", "weights", "grads", "optimizer", "activations", "logits", "buffers",
-            "total", "fits")
+            "device", "total", "fits")
     print(f"{s.name}: per-GPU memory in GB (capacity {s.hardware.gpu.memory_GB:g} GB, "
           f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {s.parallel.recompute})")
     print("  ".join(f"{c:>11}" for c in cols))
-    stages = memory_report(s)
-    for m in stages:
+    report = memory_report(s)
+    for m in report:
         vals = (m.weights, m.gradients, m.optimizer, m.activations, m.logits, m.comm_buffers,
-                m.total)
+                m.runtime, m.total)
         print("  ".join([f"{m.stage:>11}", *(f"{v / gb:>11.2f}" for v in vals),
                          f"{'yes' if m.fits else 'NO':>11}"]))
-    verdict = memory_verdict(stage_rows(stages))
+    peak = max(report, key=lambda item: item.total)
+    print(f"\nstage {peak.stage} (the peak), item by item:")
+    for name, nbytes, source in memory_items(peak):
+        print(f"  {name:<20} {nbytes / gb:>8.2f} GB  {source}")
+    verdict = memory_verdict(stage_rows(report))
     print(verdict.line())
     return fit_status(verdict, args.allow_oom)

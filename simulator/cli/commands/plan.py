@@ -62,6 +62,10 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--tp-beyond-node", action="store_true",
                    help="also try TP groups larger than an NVLink domain "
                    "(a node, or a GB200 NVL72 rack)")
+    q.add_argument("--headroom", default="5%", metavar="SHARE|GB",
+                   help="memory kept free on every GPU for the allocator's fragmentation: a "
+                   "share (5%%, the default: Megatron-LM's 1.05 overhead factor) or an amount "
+                   "(4GB); no layout returned needs more than capacity less it")
     q.add_argument("--out", type=Path, default=None, help="output directory "
                    "(default out/plan-<model>-<gpus>)")
     q.add_argument("--write-scenario", type=Path, default=None, metavar="FILE.yaml",
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.search_files import write_plan
     from simulator.search.candidates import PlanRequest, base_scenario, candidates
     from simulator.search.executors import open_executor
+    from simulator.search.headroom import parse_headroom
     from simulator.search.plan import plan_lines, run_plan
     from simulator.spec.rules import batch_warning
 
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                       args.top, int_list("--micro-batches", args.micro_batches),
                       context_parallel=cp, expert_parallel=ep,
                       tp_beyond_node=args.tp_beyond_node, stack=args.stack,
-                      sets=tuple(args.overrides))
+                      sets=tuple(args.overrides),
+                      headroom=parse_headroom(args.headroom))
     if args.write_scenario is not None and args.write_scenario.suffix not in (".yaml", ".yml"):
         raise UserError([Problem("--write-scenario", str(args.write_scenario),
                                  "must end in .yaml or .yml (a scenario file)")])

@@ -25,6 +25,7 @@ MEMORY_PARTS: Mapping[str, str] = {
     "activations": "#E45756",
     "logits": "#B279A2",
     "comm_buffers": "#9D755D",
+    "device": "#BAB0AC",  # context, workspaces, NCCL, allocator rounding
 }
 
 _RANK_COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9")  # no red: capacity is red

@@ -107,6 +107,11 @@ def pareto_figure(table: pd.DataFrame, meta: dict[str, Any] | None = None) -> Fi
         ax.axvline(capacity, color=_CAPACITY, ls="--", lw=1)
         ax.text(capacity, 0.02, f" {capacity:g} GB", color=_CAPACITY, va="bottom",
                 ha="right", rotation=90, transform=ax.get_xaxis_transform())
+    usable = meta.get("usable_GB")  # capacity less the planner's headroom
+    if capacity and usable and usable < capacity:
+        ax.axvline(usable, color=_CAPACITY, ls=":", lw=1)
+        ax.text(usable, 0.02, f" {usable:.1f} GB less headroom", color=_CAPACITY,
+                va="bottom", ha="right", rotation=90, transform=ax.get_xaxis_transform())
     if len(fits):
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(_PLAIN)

@@ -1,0 +1,54 @@
+"""The kernel-level MFU ceiling: the most a step could reach if its kernels alone set it.
+
+A step's MFU is the model's FLOPs over (GPUs × peak × step time). Its kernels execute
+the hardware FLOPs (the model's plus what recomputation runs again), none faster than
+the best efficiency any of the profile's compute curves reaches: the generic GEMM and
+attention curves, a calibrated class curve of a GEMM or attention class, a fused
+attention kernel's curves (:class:`~simulator.system.hardware.GPUSpec`). With no
+communication, no bubble and memory-bound kernels free, the step would take at least
+hardware FLOPs / (GPUs × peak × e_best), so
+
+    MFU ≤ e_best × model FLOPs / hardware FLOPs,
+
+the ceiling here. A prediction above it says the figure rests on something other than
+the kernels' measured speed (a curve, an overlap or a FLOP count to look at); the
+planner warns where one does (:mod:`simulator.search.plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from simulator.model import transformer as mdl
+from simulator.spec.scenario import Scenario
+from simulator.system.curves import EfficiencyCurve
+from simulator.system.hardware import GPUSpec
+
+#: the cost classes whose curves are compute (FLOPs), not bytes moved
+COMPUTE_PREFIXES = ("gemm_", "attention_")
+
+
+def _compute_curves(gpu: GPUSpec) -> Iterable[EfficiencyCurve]:
+    yield gpu.gemm_efficiency
+    yield gpu.attention_efficiency
+    for cost_class, curve in gpu.class_efficiency.items():
+        if cost_class.startswith(COMPUTE_PREFIXES):
+            yield curve
+    for kernel in gpu.attention_kernels.values():
+        yield from kernel.fwd.values()
+        yield from kernel.bwd.values()
+
+
+def best_kernel_efficiency(gpu: GPUSpec) -> float:
+    """The highest achieved / peak any compute curve of ``gpu`` reaches."""
+    return max(value for curve in _compute_curves(gpu) for _, value in curve.points)
+
+
+def mfu_ceiling(s: Scenario) -> float:
+    """e_best × model FLOPs / hardware FLOPs of ``s`` (module note); the lowest e_best
+    of its stages' GPUs on a mixed cluster."""
+    best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
+               for st in range(s.parallel.pp))
+    batch = s.training.global_batch
+    return best * mdl.model_flops_per_step(s.model, batch) \
+        / mdl.hardware_flops_per_step(s.model, batch, s.parallel.recompute)
