@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -58,23 +57,16 @@ def default_out_dir(name: str) -> Path:
 
 
 def check_out_dir(out: Path) -> None:
-    """Refuse, before any simulation, an output path that cannot become a directory."""
-    fix = "choose another --out"
-    if out.exists() and not out.is_dir():
-        raise UserError([Problem("--out", str(out), f"is an existing file; {fix}")])
-    parent = out
-    while not parent.exists():
-        if parent.parent == parent:
-            break
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError([Problem("--out", str(out), f"lies under {parent}, which is a file; "
-                                 f"{fix}")])
-    try:  # a real probe: permission bits do not bind root, a read-only mount does
-        shutil.rmtree(tempfile.mkdtemp(prefix=".clustersim-probe-", dir=parent))
-    except OSError as exc:
-        raise UserError([Problem("--out", str(out), f"cannot be written ({parent}: "
-                                 f"{exc.strerror or exc}); {fix}")]) from None
+    """Refuse, before any simulation, an output path that cannot become a directory
+    (:mod:`simulator.outputs.writing` names each reason)."""
+    from simulator.outputs.writing import existing_ancestor, local_path, lookup, probe_writable
+
+    target = local_path(out, "--out")
+    if lookup(target, "--out") is not None and not target.is_dir():
+        raise UserError([Problem("--out", str(out), "is an existing file; choose another "
+                                 "--out")])
+    probe_writable(target if target.is_dir() else existing_ancestor(target, "--out"),
+                   "--out", out)
 
 
 def _sha256(path: Path) -> str:

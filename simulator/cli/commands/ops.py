@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     rows = op_rows(s)
     print(format_table(s, rows))
     if args.csv:
-        with atomic_output(args.csv) as tmp:
+        with atomic_output(args.csv, "--csv") as tmp:
             tmp.write_text(to_csv(rows), encoding="utf-8")
         print(f"wrote {args.csv}")
     return 0
