@@ -42,6 +42,7 @@ from typing import Any
 
 from simulator import __version__
 from simulator.errors import Problem, UserError
+from simulator.outputs.writing import output_lock
 
 MANIFEST = "manifest.json"
 #: Names a run writes; removed from a reused directory even when no manifest lists them.
@@ -136,17 +137,23 @@ def staged_run(out: Path) -> Iterator[Path]:
         yield staging
         names = sorted(p.name for p in staging.iterdir() if p.is_file() and p.name != MANIFEST)
         write_manifest(staging, names)
-        if not out.exists():
-            staging.rename(out)  # a new directory: one rename
-            return
-        (out / MANIFEST).unlink(missing_ok=True)
-        for name in _previous_files(out):
-            (out / name).unlink(missing_ok=True)
-        for name in names:
-            (staging / name).replace(out / name)
-        (staging / MANIFEST).replace(out / MANIFEST)
+        with output_lock(out):  # another run into the same place moves its set in first
+            _move_in(staging, out, names)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staging: Path, out: Path, names: list[str]) -> None:
+    """The staged files replace ``out``'s run, the manifest last (module notes)."""
+    if not out.exists():
+        staging.rename(out)  # a new directory: one rename
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+    for name in _previous_files(out):
+        (out / name).unlink(missing_ok=True)
+    for name in names:
+        (staging / name).replace(out / name)
+    (staging / MANIFEST).replace(out / MANIFEST)
 
 
 def check_run_dir(run_dir: Path) -> dict[str, Any]:

@@ -157,14 +157,16 @@ def read_table(path: Path, fix: str) -> pd.DataFrame:
                                  f"({str(exc).splitlines()[0][:80]}); {fix}")]) from None
     plain, numeric = TABLE_COLUMNS.get(path.name, ((), ()))
     missing = [c for c in (*plain, *numeric) if c not in table]
+    kind = path.name.split(".")[0].split("_")[0]
     if missing:
-        raise UserError([Problem(f"{path}: {missing[0]}", None, f"the column is missing "
-                                 f"({len(missing)} missing in all); {fix}")])
+        raise UserError([Problem("run_dir", str(path), f"is not a clustersim {kind} output: "
+                                 f"it has no column {missing[0]!r} ({len(missing)} missing "
+                                 f"in all); {fix}")])
     for name in numeric:
         values = pd.to_numeric(table[name], errors="coerce")
         bad = table[name].notna() & ~np.isfinite(values.fillna(np.inf))
         if bad.any():
-            raise UserError([Problem(f"{path}: {name}", table[name][bad].iloc[0],
+            raise UserError([Problem(f"{path}: column {name}", table[name][bad].iloc[0],
                                      f"is not a finite number; {fix}")])
         table[name] = values
     return table

@@ -23,6 +23,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -130,3 +131,46 @@ def atomic_output(path: str | os.PathLike[str], flag: str = "output") -> Iterato
         raise write_failed(target, exc, flag) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+LOCK_WAIT_S = 60.0  # how long a second writer of the same directory waits for the first
+
+
+@contextmanager
+def output_lock(out: Path, flag: str = "--out", wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold ``.NAME.lock`` beside the directory ``out`` (``fcntl.flock``) while its files
+    are written: a second process writing the same directory waits up to ``wait_s``
+    seconds, then refuses in one line naming the holder's pid. The lock file stays (a
+    removed lock file races a waiting process); the OS releases the lock if the holder
+    dies."""
+    import fcntl
+    import time
+
+    lock = out.parent / f".{out.name[:200]}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise write_failed(lock, exc, flag) from None
+    try:
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                if time.monotonic() >= deadline:
+                    raise _refuse(flag, out, f"another clustersim (pid {holder}) is still "
+                                  f"writing there after {wait_s:g} s; wait for it to finish "
+                                  "or give another path") from None
+                if not told:
+                    print(f"waiting for another clustersim (pid {holder}) writing to {out} "
+                          "...", file=sys.stderr)
+                    told = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

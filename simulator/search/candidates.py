@@ -18,7 +18,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from pydantic import ValidationError
+
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_CANDIDATES
 from simulator.schedules import registry as schedules
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.model_spec import preset_model_names
@@ -55,6 +58,7 @@ class PlanRequest:
     expert_parallel: tuple[int, ...] | None = None
     tp_beyond_node: bool = False  # allow TP groups that span nodes
     dtype: str = "bf16"
+    max_candidates: int = MAX_CANDIDATES  # refuse a larger search (--max-candidates)
 
 
 def base_scenario(req: PlanRequest) -> Scenario:
@@ -86,8 +90,12 @@ def base_scenario(req: PlanRequest) -> Scenario:
             "simulation": {"method": "engine", "fidelity": "folded"}}
     base = scenario_from_dict(data)
     base.hardware  # noqa: B018  resolve once; candidates share it through model_copy
-    return base.model_copy(update={"training": TrainingSpec(
-        global_batch=req.global_batch, dtype=cast(Any, req.dtype))})
+    try:
+        training = TrainingSpec(global_batch=req.global_batch, dtype=cast(Any, req.dtype))
+    except ValidationError as exc:
+        raise UserError([Problem("--global-batch", req.global_batch,
+                                 exc.errors()[0]["msg"])]) from None
+    return base.model_copy(update={"training": training})
 
 
 def _micro_batches(req: PlanRequest, base: Scenario,
@@ -130,6 +138,13 @@ def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
     def walk(i: int) -> None:
         if i == len(dims):
             out.append(tuple(chosen[k] for k in names))
+            if len(out) > req.max_candidates:  # stop here: the rest is not enumerated
+                raise UserError([Problem("--gpus", req.gpus, f"{req.model} on {req.gpus:,} "
+                                         f"GPUs makes more than {req.max_candidates:,} "
+                                         "candidate layouts; narrow the search "
+                                         "(--micro-batches, --context-parallel, "
+                                         "--expert-parallel), or raise the limit with "
+                                         "--max-candidates N")])
             return
         for values in dims[i].values(req, base, chosen):
             chosen.update(zip(dims[i].knobs, values, strict=True))

@@ -44,6 +44,7 @@ import pandas as pd
 from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.memory import stage_breakdown
 from simulator.errors import Problem, UserError
+from simulator.limits import check_ranks
 from simulator.model.moe import layer_kinds
 from simulator.search.cache import (
     Figures,
@@ -183,6 +184,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
                              ("--top", req.top_k, 0)):
         if value < low:
             raise UserError([Problem(flag, value, f"must be >= {low}")])
+    check_ranks(req.gpus, field="--gpus", option="")
     base = base_scenario(req)
     cands = candidates(req, base)
     table = _assess_all(base, cands, executor)

@@ -12,9 +12,11 @@ from simulator.cli.common import (
     add_command,
     computed_line,
     int_list,
+    positive_int,
     result_cache,
     search_args,
 )
+from simulator.limits import MAX_CANDIDATES
 
 HELP = ("search every layout of a model on N GPUs: plan.csv, pareto.png and the fastest "
         "layout that fits")
@@ -45,6 +47,8 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--expert-parallel", default=None, metavar="E1,E2,...",
                    help="EP degrees to try, a mixture of experts only (default: every divisor "
                    "of the experts that divides a stage's cp * dp)")
+    q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
+                   help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
     q.add_argument("--tp-beyond-node", action="store_true",
                    help="also try TP groups larger than a node")
     q.add_argument("--out", type=Path, default=None, help="output directory "
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
                       args.top, int_list("--micro-batches", args.micro_batches),
                       context_parallel=cp, expert_parallel=ep,
-                      tp_beyond_node=args.tp_beyond_node)
+                      tp_beyond_node=args.tp_beyond_node, max_candidates=args.max_candidates)
     out = args.out or default_out_dir(f"plan-{args.model}-{args.gpus}")
     check_out_dir(out)
     cache = result_cache(args, out)

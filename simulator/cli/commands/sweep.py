@@ -11,10 +11,12 @@ from simulator.cli.common import (
     add_command,
     computed_line,
     load,
+    positive_int,
     result_cache,
     scenario_args,
     search_args,
 )
+from simulator.limits import MAX_POINTS
 
 HELP = "evaluate a grid of overrides of one scenario; table and best points"
 EXAMPLE = ("example:\n"
@@ -34,6 +36,8 @@ def add_parser(sub: Subparsers) -> None:
                    help="analytic (default, milliseconds a point) or the engine")
     q.add_argument("--out", type=Path, default=None, help="write sweep.csv, sweep.parquet, "
                    "sweep.json and heatmap.png here")
+    q.add_argument("--max-points", type=positive_int, default=MAX_POINTS, metavar="N",
+                   help=f"refuse a grid of more points (default {MAX_POINTS:,})")
     search_args(q)
     q.set_defaults(func=run)
 
@@ -42,19 +46,18 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.run_dir import check_out_dir
     from simulator.outputs.search_files import write_sweep
     from simulator.search.executors import open_executor
-    from simulator.search.sweep import best, parse_grid, run_sweep
+    from simulator.search.sweep import best, check_grid, parse_grid, run_sweep
 
     load(args)  # the base scenario must validate before its points are tried
     if args.out:
         check_out_dir(args.out)
     axes = parse_grid(args.grid)
-    n = 1
-    for values in axes.values():
-        n *= len(values)
+    n = check_grid(axes, args.max_points)  # before any point is made
     print(f"sweeping {n} point(s) ({args.method}) ...", file=sys.stderr)
     cache = result_cache(args, args.out)
     with open_executor(args.dask, args.workers) as pool:
-        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache)
+        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache,
+                          args.max_points)
     print(computed_line(cache, "point"), file=sys.stderr)
     if args.out:
         meta = {"scenario": str(args.scenario), "axes": list(axes), "sets": args.overrides,
