@@ -19,9 +19,10 @@ MAX_CANDIDATES = 200_000
 #: ``run`` (and every point of a sweep, a plan or a train): simulated GPUs, folded or
 #: not; the estimate walks each rank's groups once, about 3.5 s a million, ``--max-ranks``
 MAX_RANKS = 1 << 22
-#: ``train``: SimPy events of all Monte Carlo runs together (checkpoints, failures,
-#: restarts; the interval scan included), ``--max-events``
-MAX_JOB_EVENTS = 50_000_000
+#: ``train``: estimated events of all Monte Carlo runs together (checkpoints; failures
+#: and restarts weigh 100 each; the interval scan included), about 2 µs each (40 s),
+#: ``--max-events``
+MAX_JOB_EVENTS = 20_000_000
 
 
 def check_size(field: str, value: object, what: str, figure: float, limit: int, option: str,

@@ -116,12 +116,13 @@ def load(args: argparse.Namespace) -> Scenario:
 
 
 def result_cache(args: argparse.Namespace, out: Path | None) -> ResultCache | None:
+    from simulator.outputs.writing import check_dir_destination
     from simulator.search.cache import ResultCache
 
     if args.no_cache:
         return None
     default = out / "cache" if out else Path("~/.cache/clustersim")
-    return ResultCache(args.cache or default)
+    return ResultCache(check_dir_destination(args.cache or default, "--cache"))
 
 
 def computed_line(cache: ResultCache | None, what: str) -> str:

@@ -95,15 +95,16 @@ def choose_interval(spec: JobSpec, choice: str | float, scan_seeds: int = SCAN_S
 
 def _affordable(spec: JobSpec, candidates: list[int], seeds: int,
                 max_events: int) -> list[int]:
-    """The scan's intervals whose runs fit their share of half of ``max_events``."""
-    share = max_events // (2 * len(candidates))
-    kept = [k for k in candidates
-            if seeds * expected_events(_with_every(spec, k)) <= share]
-    if not kept:  # refuse, with the figure of the cheapest interval
-        cheapest = min(candidates, key=lambda k: expected_events(_with_every(spec, k)))
-        check_events(_with_every(spec, cheapest), seeds, share, "job events for each "
-                     "interval the auto scan tries")
-    return kept
+    """The scan's intervals, the most expensive left out until the scan's estimate is at
+    most half of ``max_events``; none left is a UserError with the cheapest's figure."""
+    cost = {k: seeds * expected_events(_with_every(spec, k)) for k in candidates}
+    kept = sorted(candidates, key=lambda k: cost[k])
+    while kept and sum(cost[k] for k in kept) > max_events // 2:
+        kept.pop()
+    if not kept:
+        check_events(_with_every(spec, min(cost, key=lambda k: cost[k])), seeds,
+                     max_events // 2, "job events for the auto scan's cheapest interval")
+    return sorted(kept)
 
 
 def _with_every(spec: JobSpec, every: int) -> JobSpec:

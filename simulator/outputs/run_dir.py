@@ -60,14 +60,9 @@ def default_out_dir(name: str) -> Path:
 def check_out_dir(out: Path) -> None:
     """Refuse, before any simulation, an output path that cannot become a directory
     (:mod:`simulator.outputs.writing` names each reason)."""
-    from simulator.outputs.writing import existing_ancestor, local_path, lookup, probe_writable
+    from simulator.outputs.writing import check_dir_destination
 
-    target = local_path(out, "--out")
-    if lookup(target, "--out") is not None and not target.is_dir():
-        raise UserError([Problem("--out", str(out), "is an existing file; choose another "
-                                 "--out")])
-    probe_writable(target if target.is_dir() else existing_ancestor(target, "--out"),
-                   "--out", out)
+    check_dir_destination(out, "--out")
 
 
 def _sha256(path: Path) -> str:

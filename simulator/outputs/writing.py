@@ -91,15 +91,25 @@ def check_file_destination(path: str | os.PathLike[str], flag: str = "output") -
     return target
 
 
+def check_dir_destination(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """``path`` resolved, once it is sure a directory can be there and be written."""
+    target = local_path(path, flag)
+    if lookup(target, flag) is not None and not target.is_dir():
+        raise _refuse(flag, path, f"is an existing file; choose another {flag}")
+    probe_writable(target if target.is_dir() else existing_ancestor(target, flag), flag, target)
+    return target
+
+
 def free_space(path: Path) -> str:
     """The free space on ``path``'s file system, for a message ("12.0 MB free")."""
     here = path
     while not here.exists() and here.parent != here:
         here = here.parent
     try:
-        return f"{shutil.disk_usage(here).free / 1e6:,.1f} MB free there"
+        free = shutil.disk_usage(here).free
     except OSError:
         return "free space unknown"
+    return f"{free:,} bytes free there" if free < 10**7 else f"{free / 1e6:,.0f} MB free there"
 
 
 def write_failed(path: Path, exc: OSError, flag: str = "output") -> UserError:
@@ -137,15 +147,16 @@ LOCK_WAIT_S = 60.0  # how long a second writer of the same directory waits for t
 
 
 @contextmanager
-def output_lock(out: Path, flag: str = "--out", wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+def output_lock(out: Path, flag: str = "--out", wait_s: float | None = None) -> Iterator[None]:
     """Hold ``.NAME.lock`` beside the directory ``out`` (``fcntl.flock``) while its files
     are written: a second process writing the same directory waits up to ``wait_s``
-    seconds, then refuses in one line naming the holder's pid. The lock file stays (a
-    removed lock file races a waiting process); the OS releases the lock if the holder
-    dies."""
+    seconds (default :data:`LOCK_WAIT_S`), then refuses in one line naming the holder's
+    pid. The lock file stays (a removed lock file races a waiting process); the OS
+    releases the lock if the holder dies."""
     import fcntl
     import time
 
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
     lock = out.parent / f".{out.name[:200]}.lock"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
