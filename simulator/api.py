@@ -29,6 +29,7 @@ from simulator.builder.budget import check_engine_cost, check_stages
 from simulator.builder.workload import build_workload, simulated_ranks
 from simulator.engine.engine import simulate
 from simulator.errors import UserError
+from simulator.limits import check_ranks
 from simulator.outputs.rank_selection import RankSelection, select_ranks
 from simulator.outputs.span_table import span_table
 from simulator.outputs.timeline_files import write_timeline
@@ -85,11 +86,14 @@ class Run:
 
 def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = None,
                  progress: bool = False, trace_ranks: RankSelection | None = "stages",
-                 timings: Timings | None = None, max_tasks: int | None = None) -> Run:
+                 timings: Timings | None = None, max_tasks: int | None = None,
+                 max_ranks: int | None = None) -> Run:
     """Simulate ``s``; with ``trace_ranks``, also the trace's extras for those ranks.
     Refuses (UserError) what has no workload yet (:func:`not_yet_simulated`) and a run
     above ``max_tasks`` estimated tasks before building it (default
-    :data:`simulator.builder.budget.DEFAULT_MAX_TASKS`).
+    :data:`simulator.builder.budget.DEFAULT_MAX_TASKS`), and a cluster of more than
+    ``max_ranks`` GPUs (default :data:`simulator.limits.MAX_RANKS`; only ``run`` has the
+    option).
     ``timings`` (benchmarks) receives each phase's wall and CPU seconds: build,
     simulate, metrics, span_table, memory_timeline, trace_links."""
     unsupported = not_yet_simulated(s)
@@ -97,6 +101,7 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
         raise UserError(unsupported)
     method = method or s.simulation.method
     fidelity = fidelity or s.simulation.fidelity
+    check_ranks(s.parallel.world, max_ranks, option="--max-ranks" if max_ranks else "")
     spans, links = None, None
     tp_dp = s.parallel.tp * s.parallel.cp * s.parallel.dp  # ranks per stage
     traced: list[int] = []

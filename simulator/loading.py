@@ -35,14 +35,23 @@ finite in shape and decoded.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import re
+import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from simulator.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+M = TypeVar("M", bound="BaseModel")
 
 MAX_DEPTH = 32  # nesting levels; a scenario needs 4, a calibrated profile 6
 MAX_NODES = 5_000  # YAML values, every alias use counted; a calibrated profile has ~600
@@ -67,16 +76,51 @@ def _problem(what: str, where: str, fix: str) -> UserError:
     return UserError([Problem(what, where, fix)])
 
 
-def read_bytes(path: Path, what: str, limit: int) -> bytes:
-    """The file's bytes, refusing a missing or unreadable file, a directory, and more
-    than ``limit`` bytes (read no further: a pipe or /dev/zero ends there too)."""
+NAME_MAX = 255  # bytes in one path component (Linux, macOS)
+PATH_MAX = 4096  # bytes in a whole path (Linux)
+
+
+def local_path(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` with ``~`` expanded, resolved once for readers and writers alike, or a
+    one-line error where the file system could not name it (an unknown user, a name
+    longer than :data:`NAME_MAX` bytes or a path longer than :data:`PATH_MAX`)."""
+    raw = os.fsencode(path)
+    if len(raw) > PATH_MAX:
+        raise _problem(what, os.fsdecode(raw), f"is longer than the {PATH_MAX} bytes a path "
+                       "may have; give a shorter one")
+    long = next((c for c in raw.split(b"/") if len(c) > NAME_MAX), None)
+    if long is not None:
+        raise _problem(what, os.fsdecode(raw), f"has a name of {len(long)} bytes, longer than "
+                       f"the {NAME_MAX} the file system allows; give a shorter one")
     try:
-        if path.is_dir():
-            raise _problem(what, str(path), "is a directory; give the path of a file")
-        with path.open("rb") as f:
-            data = f.read(limit + 1)
+        return Path(os.fsdecode(raw)).expanduser()
+    except RuntimeError:  # ~nosuchuser
+        raise _problem(what, os.fsdecode(raw), "starts with ~ and a user this machine does "
+                       "not know; give the directory itself") from None
+
+
+def read_bytes(path: Path, what: str, limit: int) -> bytes:
+    """The file's bytes, refusing a missing or unreadable file, a directory, a special
+    file (a FIFO is opened without blocking and refused, a device never read) and more
+    than ``limit`` bytes (read no further)."""
+    target = local_path(path, what)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
+        if exc.errno == errno.EISDIR:
+            raise _problem(what, str(path), "is a directory; give the path of a file") from None
         raise _problem(what, str(path), f"cannot read it ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _problem(what, str(path), "is a directory; give the path of a file"
+                       if stat.S_ISDIR(mode) else "is a special file (a FIFO, socket or "
+                       "device), not a regular file; give the path of a file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise _problem(what, str(path), f"cannot read it ({exc.strerror or exc})") from None
     if len(data) > limit:
         raise _problem(what, str(path), f"is larger than the {limit:,} bytes this kind of "
                        "file may have; is it the right file?")
@@ -247,24 +291,75 @@ def parse_override(text: str, what: str) -> Any:
 # ------------------------------------------------------------------------ JSON
 
 
+JSON_MAX_DEPTH = 64  # nesting levels; results.json needs 5, a Chrome trace 4
+JSON_MAX_INT_DIGITS = 20  # an integer past 10^20 is no count or size a file of ours holds
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def read_json(path: Path, what: str, limit: int = JSON_LIMIT_BYTES) -> Any:
-    """Read a JSON file (UTF-8, finite numbers only, bounded) or raise a UserError."""
-    return parse_json(read_bytes(path, what, limit), what, str(path))
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is beyond the range of a float")
+    return value
 
 
-def parse_json(data: bytes, what: str, where: str) -> Any:
-    """JSON from bytes already read within their bound (UTF-8, finite numbers only), or a
-    one-line UserError naming ``where``."""
-    text = decode_text(data, what, where)
+def _small_int(text: str) -> int:
+    if len(text.lstrip("-")) > JSON_MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _json_depth_ok(value: Any) -> bool:
+    """Whether ``value`` nests at most :data:`JSON_MAX_DEPTH` levels (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > JSON_MAX_DEPTH:
+            return False
+        children = node.values() if isinstance(node, dict) else node \
+            if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return True
+
+
+def parse_json(text: str, what: str, where: str) -> Any:
+    """One JSON document: finite numbers, integers of at most
+    :data:`JSON_MAX_INT_DIGITS` digits, nesting of at most :data:`JSON_MAX_DEPTH`."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+                           parse_int=_small_int)
     except json.JSONDecodeError as exc:
         fix = "is empty" if not text.strip() else \
             f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
         raise _problem(what, where, f"{fix}; was it cut short? write it again") from None
     except (ValueError, RecursionError) as exc:
         raise _problem(what, where, f"is not valid JSON ({str(exc)[:80]})") from None
+    if not _json_depth_ok(value):
+        raise _problem(what, where, f"is nested deeper than {JSON_MAX_DEPTH} levels; is it "
+                       "the right file?")
+    return value
+
+
+def read_json(path: Path, what: str, limit: int = JSON_LIMIT_BYTES) -> Any:
+    """Read a JSON file (UTF-8, finite numbers only, bounded) or raise a UserError."""
+    text = decode_text(read_bytes(path, what, limit), what, str(path))
+    return parse_json(text, what, str(path))
+
+
+def read_model(path: Path, what: str, model: type[M], fix: str,
+               limit: int = JSON_LIMIT_BYTES) -> M:
+    """A JSON file checked against the pydantic ``model`` of what its reader uses; the
+    first mismatch is one line naming the file, the field, the value and ``fix``."""
+    from pydantic import ValidationError
+
+    data = read_json(path, what, limit)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "(the whole file)"
+        raise UserError([Problem(f"{path}: {loc}", err.get("input"),
+                                 f"{err['msg']}; {fix}")]) from None

@@ -120,7 +120,7 @@ def _corrupt(root: Path) -> dict[str, tuple[Path, str]]:
     (root / "empty").mkdir()
     for name, text, words in (("truncated", '{"step_time_s": 1.', "not valid JSON"),
                               ("list", "[1, 2]", "has no step_time_s"),
-                              ("nan", '{"step_time_s": NaN}', "has no step_time_s"),
+                              ("nan", '{"step_time_s": NaN}', "not a number JSON allows"),
                               ("old", '{"step_time_s": 1.0}', "has no step_breakdown_s")):
         (root / name).mkdir()
         (root / name / "results.json").write_text(text)

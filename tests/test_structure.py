@@ -115,7 +115,7 @@ def test_a_lazy_command_with_a_bad_flag_exits_2(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--no-such-flag"])
     assert exc.value.code == 2
-    assert "usage: clustersim compare" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("error: clustersim compare: ")  # its own parser
 
 
 # ------------------------------------------------------------ package dependencies

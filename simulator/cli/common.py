@@ -6,9 +6,11 @@ cache, and the parsers of option values.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from simulator.errors import Problem, UserError
 
@@ -38,7 +40,8 @@ def scenario_args(q: argparse.ArgumentParser) -> None:
 
 def search_args(q: argparse.ArgumentParser) -> None:
     """Where a search runs and what it remembers (sweep and plan)."""
-    q.add_argument("--workers", type=int, default=None, help="local processes (default: cores)")
+    q.add_argument("--workers", type=bounded_int(1, 1024), default=None,
+                   help="local processes, 1 to 1024 (default: cores)")
     q.add_argument("--dask", default=None, metavar="local:W|tcp://HOST:8786",
                    help="run on a Dask cluster: W local workers, or an existing scheduler")
     q.add_argument("--cache", type=Path, default=None, metavar="DIR", help="result cache "
@@ -47,25 +50,63 @@ def search_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--no-plots", action="store_true", help="skip the PNG")
 
 
+# ASCII digits only (str.isdigit() takes '²', which int() refuses), _ between digits
+_WHOLE = re.compile(r"[0-9](?:_?[0-9]){0,17}")
+_EXPONENT = re.compile(r"[0-9]+(?:\.[0-9]*)?[eE]\+?[0-9]{1,2}")
+MAX_LIST_VALUES = 64  # values in one comma-separated option
+
+
 def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (``2e7`` and ``20_000_000`` are accepted)."""
-    try:
-        value = float(text) if "e" in text.lower() else int(text)
-        whole = value == int(value) and value >= 1
-    except (ValueError, OverflowError):
-        whole = False
-    if not whole:
+    """An argparse type: a whole number >= 1 in ASCII digits (``2e7`` and ``20_000_000``
+    are accepted)."""
+    text = text.strip()
+    if _WHOLE.fullmatch(text):
+        value: float = int(text)
+    elif _EXPONENT.fullmatch(text):
+        value = float(text)
+    else:
+        value = 0
+    if not (value >= 1 and value == int(value)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return int(value)
 
 
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high``."""
+    def convert(text: str) -> int:
+        value = int(text.strip()) if _WHOLE.fullmatch(text.strip()) else None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {low} to "
+                                             f"{high:,}")
+        return value
+    convert.__name__ = "whole number"
+    return convert
+
+
 def int_list(flag: str, text: str) -> tuple[int, ...]:
-    """``1,2,4`` as (1, 2, 4)."""
-    values = tuple(int(v) for v in text.split(",") if v.strip().isdigit())
-    if not values or min(values) < 1 or len(values) != len(text.split(",")):
+    """``1,2,4`` as (1, 2, 4): whole numbers >= 1 in ASCII digits, repeats merged (``8,8``
+    is (8,)), at most :data:`MAX_LIST_VALUES` values; else a one-line error on ``flag``."""
+    items = [v.strip() for v in text.split(",")]
+    if not all(_WHOLE.fullmatch(v) and int(v) >= 1 for v in items):
         raise UserError([Problem(flag, text, "expected positive whole numbers separated by "
                                  "commas, e.g. 1,2,4")])
+    values = tuple(dict.fromkeys(int(v) for v in items))
+    if len(values) > MAX_LIST_VALUES:
+        raise UserError([Problem(flag, text, f"{len(values)} values; give at most "
+                                 f"{MAX_LIST_VALUES}")])
     return values
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad option is one ``error:`` line (and exit 2), not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {_oneline(message)} (see {self.prog} --help)\n")
+
+
+def _oneline(text: str) -> str:
+    return " ".join(text.split()) if text.isprintable() else \
+        text.encode("unicode_escape").decode("ascii")
 
 
 def load(args: argparse.Namespace) -> Scenario:
@@ -80,12 +121,13 @@ def load(args: argparse.Namespace) -> Scenario:
 
 
 def result_cache(args: argparse.Namespace, out: Path | None) -> ResultCache | None:
+    from simulator.outputs.writing import check_dir_destination
     from simulator.search.cache import ResultCache
 
     if args.no_cache:
         return None
     default = out / "cache" if out else Path("~/.cache/clustersim")
-    return ResultCache(args.cache or default)
+    return ResultCache(check_dir_destination(args.cache or default, "--cache"))
 
 
 def computed_line(cache: ResultCache | None, what: str) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import signal
 import sys
@@ -30,9 +31,10 @@ from collections.abc import Sequence
 
 from simulator import __version__
 from simulator.cli.commands.run import EXAMPLE
+from simulator.cli.common import OneLineParser
 from simulator.cli.exit_codes import BROKEN_PIPE, INTERRUPTED, TERMINATED, USAGE, epilog
 from simulator.cli.registry import COMMANDS, PluginCommands
-from simulator.errors import Interrupted, UserError
+from simulator.errors import Interrupted, Problem, UserError
 
 #: The commands installed packages add: name -> (module with ``add_parser(sub)``, the help
 #: line ``clustersim --help`` lists). A test checks each line against the one the module
@@ -44,7 +46,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; ``command`` (the subcommand being run) is the only one of
     :data:`LAZY_COMMANDS` whose module is imported to register its full options, and
     the plugins' table is read only when ``command`` is not one of the simulator's."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="clustersim", description="Discrete-event simulator of large-model training "
         "clusters.", epilog=f"{EXAMPLE}\n\n{epilog()}",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,8 +78,26 @@ def _terminated(signum: int, frame: object) -> None:
     raise Interrupted("SIGTERM")
 
 
+def _field_problems(exc: Exception) -> list[Problem] | None:
+    """A pydantic ``ValidationError`` that escaped a command's own checks as one
+    problem per field (None for any other exception: a bug keeps its traceback)."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is None or not isinstance(exc, pydantic.ValidationError):
+        return None
+    return [Problem(".".join(str(x) for x in err["loc"]), err.get("input"), err["msg"])
+            for err in exc.errors()[:12]]
+
+
+def _printable_output() -> None:
+    """A path of non-UTF-8 bytes (held as surrogates) prints escaped, not as a crash."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _printable_output()
     args = _parser(_command(argv)).parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
@@ -98,9 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return BROKEN_PIPE
+    except Exception as exc:  # last: the clauses above are Exceptions too
+        problems = _field_problems(exc)
+        if problems is None:
+            raise
+        return _print_problems(problems)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _print_problems(problems: list[Problem]) -> int:
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return USAGE
 
 
 if __name__ == "__main__":

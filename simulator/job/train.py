@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.job.events import check_events, expected_events
 from simulator.job.lifecycle import JobRun, JobSpec, run_many
 from simulator.job.reliability import (
     checkpoint_cost,
@@ -34,6 +35,7 @@ from simulator.job.reliability import (
     power_W,
     young_interval,
 )
+from simulator.limits import MAX_JOB_EVENTS
 from simulator.outputs.progress import progress_bar
 from simulator.spec.scenario import Scenario
 
@@ -61,9 +63,11 @@ def _every(spec: JobSpec, interval_s: float) -> int:
     return int(min(spec.steps, max(1, round(interval_s / spec.mean_step_s))))
 
 
-def choose_interval(spec: JobSpec, choice: str | float,
-                    scan_seeds: int = SCAN_SEEDS) -> tuple[JobSpec, dict[str, Any]]:
-    """The spec with its checkpoint interval set, and how it was chosen."""
+def choose_interval(spec: JobSpec, choice: str | float, scan_seeds: int = SCAN_SEEDS,
+                    max_events: int = MAX_JOB_EVENTS) -> tuple[JobSpec, dict[str, Any]]:
+    """The spec with its checkpoint interval set, and how it was chosen. The ``auto``
+    scan spends at most half of ``max_events`` (estimated, :mod:`simulator.job.events`):
+    intervals that would cost more are left out, and none left is a UserError."""
     delta = spec.checkpoint.blocking_s
     rate = sum(spec.failures_per_s.values())
     mtbf = 1 / rate if rate > 0 else math.inf
@@ -75,8 +79,8 @@ def choose_interval(spec: JobSpec, choice: str | float,
         every = _every(spec, young if choice == "young" else daly)
     else:
         floor = math.ceil(spec.steps / SCAN_MAX_CHECKPOINTS)
-        candidates = sorted({max(floor, _every(spec, young * 2 ** (i / 2)))
-                             for i in SCAN_POINTS})
+        candidates = _affordable(spec, sorted({max(floor, _every(spec, young * 2 ** (i / 2)))
+                                               for i in SCAN_POINTS}), scan_seeds, max_events)
         info["scan_floor_steps"] = floor
         best = (-1.0, spec.steps)
         with progress_bar(len(candidates), "checkpoint intervals") as bar:
@@ -91,6 +95,20 @@ def choose_interval(spec: JobSpec, choice: str | float,
         every = best[1]
     info.update(interval_s=every * spec.mean_step_s, every_steps=every)
     return _with_every(spec, every), info
+
+
+def _affordable(spec: JobSpec, candidates: list[int], seeds: int,
+                max_events: int) -> list[int]:
+    """The scan's intervals, the most expensive left out until the scan's estimate is at
+    most half of ``max_events``; none left is a UserError with the cheapest's figure."""
+    cost = {k: seeds * expected_events(_with_every(spec, k)) for k in candidates}
+    kept = sorted(candidates, key=lambda k: cost[k])
+    while kept and sum(cost[k] for k in kept) > max_events // 2:
+        kept.pop()
+    if not kept:
+        check_events(_with_every(spec, min(cost, key=lambda k: cost[k])), seeds,
+                     max_events // 2, "job events for the auto scan's cheapest interval")
+    return sorted(kept)
 
 
 def _with_every(spec: JobSpec, every: int) -> JobSpec:

@@ -28,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from simulator.analysis.accounting.vocabulary import CATEGORIES, label
 from simulator.errors import Problem, UserError
+from simulator.loading import local_path, read_json
 from simulator.outputs.trace_export import atomic_output
 
 #: Scalars compared besides the categories, with their display names.
@@ -60,21 +63,33 @@ def _number(value: Any) -> bool:
         and math.isfinite(value)
 
 
+class _Results(BaseModel):
+    """What a diff reads of ``results.json``; other fields pass through unchecked."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    step_time_s: float
+    step_breakdown_s: dict[str, float]
+    critical_path_s: dict[str, float] | None = None
+    scenario: dict[str, Any] | None = None
+    method: str | None = None
+    fidelity: str | None = None
+    memory_peak_bytes: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    bubble_fraction: float | None = None
+
+
 def load_run(run_dir: Path, which: str) -> dict[str, Any]:
-    """A run directory's ``results.json``, or a one-line :class:`UserError` naming it."""
+    """A run directory's ``results.json`` (read by the bounded reader, its fields typed),
+    or a one-line :class:`UserError` naming it."""
+    run_dir = local_path(run_dir, which)
     path = run_dir / "results.json"
     hint = "give a directory written by `clustersim run SCENARIO --out DIR`"
     if not run_dir.is_dir():
         raise UserError([Problem(which, str(run_dir), f"is not a directory; {hint}")])
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError([Problem(which, str(run_dir), f"has no results.json; {hint}")]) \
-            from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
-        raise UserError([Problem(which, str(path), f"cannot be read ({reason}); re-run "
-                                 "the scenario to write it again")]) from None
+    if not path.exists():
+        raise UserError([Problem(which, str(run_dir), f"has no results.json; {hint}")])
+    data = read_json(path, which)
     if not isinstance(data, dict) or not _number(data.get("step_time_s")):
         raise UserError([Problem(which, str(path), "has no step_time_s; re-run the scenario "
                                  "to write it again")])
@@ -82,6 +97,13 @@ def load_run(run_dir: Path, which: str) -> dict[str, Any]:
     if not isinstance(breakdown, dict) or not all(_number(v) for v in breakdown.values()):
         raise UserError([Problem(which, str(path), "has no step_breakdown_s (written before "
                                  "the time breakdown existed); re-run the scenario")])
+    try:
+        _Results.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise UserError([Problem(which, str(path), f"field {loc}: {err['msg']}; re-run the "
+                                 "scenario to write it again")]) from None
     return data
 
 

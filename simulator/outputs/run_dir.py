@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 
 from simulator import __version__
 from simulator.errors import Problem, UserError
+from simulator.outputs.writing import output_lock
 
 MANIFEST = "manifest.json"
 #: Names a run writes; removed from a reused directory even when no manifest lists them.
@@ -103,23 +103,11 @@ def replaced_run_note(out: Path, scenario: Mapping[str, Any], shown: int = 3) ->
 
 
 def check_out_dir(out: Path) -> None:
-    """Refuse, before any simulation, an output path that cannot become a directory."""
-    fix = "choose another --out"
-    if out.exists() and not out.is_dir():
-        raise UserError([Problem("--out", str(out), f"is an existing file; {fix}")])
-    parent = out
-    while not parent.exists():
-        if parent.parent == parent:
-            break
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError([Problem("--out", str(out), f"lies under {parent}, which is a file; "
-                                 f"{fix}")])
-    try:  # a real probe: permission bits do not bind root, a read-only mount does
-        shutil.rmtree(tempfile.mkdtemp(prefix=".clustersim-probe-", dir=parent))
-    except OSError as exc:
-        raise UserError([Problem("--out", str(out), f"cannot be written ({parent}: "
-                                 f"{exc.strerror or exc}); {fix}")]) from None
+    """Refuse, before any simulation, an output path that cannot become a directory
+    (:mod:`simulator.outputs.writing` names each reason)."""
+    from simulator.outputs.writing import check_dir_destination
+
+    check_dir_destination(out, "--out")
 
 
 def _sha256(path: Path) -> str:
@@ -189,17 +177,23 @@ def staged_run(out: Path) -> Iterator[Path]:
         yield staging
         names = sorted(p.name for p in staging.iterdir() if p.is_file() and p.name != MANIFEST)
         write_manifest(staging, names)
-        if not out.exists():
-            staging.rename(out)  # a new directory: one rename
-            return
-        (out / MANIFEST).unlink(missing_ok=True)
-        for name in _previous_files(out):
-            (out / name).unlink(missing_ok=True)
-        for name in names:
-            (staging / name).replace(out / name)
-        (staging / MANIFEST).replace(out / MANIFEST)
+        with output_lock(out):  # another run into the same place moves its set in first
+            _move_in(staging, out, names)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staging: Path, out: Path, names: list[str]) -> None:
+    """The staged files replace ``out``'s run, the manifest last (module notes)."""
+    if not out.exists():
+        staging.rename(out)  # a new directory: one rename
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+    for name in _previous_files(out):
+        (out / name).unlink(missing_ok=True)
+    for name in names:
+        (staging / name).replace(out / name)
+    (staging / MANIFEST).replace(out / MANIFEST)
 
 
 def check_run_dir(run_dir: Path) -> dict[str, Any]:

@@ -122,3 +122,83 @@ def read_spans(path: Path, ranks: Iterable[int] | None = None) -> pd.DataFrame:
         raise UserError([Problem("run_dir", str(path), f"has spans with missing, non-finite or "
                                  f"reversed times; {fix}")])
     return spans
+
+
+# ------------------------------------------------------------ search and train outputs
+
+TABLE_LIMIT_BYTES = 1 << 30  # a plan of 10^6 candidates writes ~300 MB of CSV
+#: The columns each table's figure reads, and which of them must be numbers.
+TABLE_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "plan.csv": (("fits", "pareto", "chosen", "schedule", "zero", "recompute",
+                  "sequence_parallel", "micro_batch", "tp", "pp", "dp"),
+                 ("peak_memory_GB", "analytic_step_time_s", "engine_step_time_s",
+                  "virtual_stages")),
+    "sweep.csv": (("error",), ("step_time_s",)),
+    "train_timeline.csv": (("event",), ("time_s", "steps", "tokens")),
+}
+
+
+def read_table(path: Path, fix: str) -> pd.DataFrame:
+    """A CSV table a command wrote (:data:`TABLE_COLUMNS` by its name), bounded like
+    every file (:func:`simulator.loading.read_bytes`), with the columns its figure
+    reads and finite numbers in them; else one line naming the file and the column."""
+    import io
+
+    import numpy as np
+    import pandas as pd
+
+    from simulator.loading import decode_text, read_bytes
+
+    text = decode_text(read_bytes(path, "run_dir", TABLE_LIMIT_BYTES), "run_dir", str(path))
+    try:
+        table = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise UserError([Problem("run_dir", str(path), f"is not a readable CSV table "
+                                 f"({str(exc).splitlines()[0][:80]}); {fix}")]) from None
+    plain, numeric = TABLE_COLUMNS.get(path.name, ((), ()))
+    missing = [c for c in (*plain, *numeric) if c not in table]
+    kind = path.name.split(".")[0].split("_")[0]
+    if missing:
+        raise UserError([Problem("run_dir", str(path), f"is not a clustersim {kind} output: "
+                                 f"it has no column {missing[0]!r} ({len(missing)} missing "
+                                 f"in all); {fix}")])
+    for name in numeric:
+        values = pd.to_numeric(table[name], errors="coerce")
+        bad = table[name].notna() & ~np.isfinite(values.fillna(np.inf))
+        if bad.any():
+            raise UserError([Problem(f"{path}: column {name}", table[name][bad].iloc[0],
+                                     f"is not a finite number; {fix}")])
+        table[name] = values
+    return table
+
+
+class SweepMeta(_Open):
+    """What ``plot`` uses of ``sweep.json``."""
+
+    scenario: str | None = None
+    method: str = ""
+    axes: list[str] = Field(default_factory=list)
+
+
+class PlanRequestMeta(_Open):
+    model: str
+    gpus: int
+    system: str
+    global_batch: int
+
+
+class PlanMeta(_Open):
+    """What ``plot`` uses of ``plan.json``."""
+
+    request: PlanRequestMeta | None = None
+    counts: dict[str, int] = Field(default_factory=dict)
+    gpu_memory_GB: float | None = Field(default=None, gt=0)
+
+
+def read_meta(path: Path, model: type[_Open], fix: str) -> dict[str, Any]:
+    """A search's JSON summary checked against ``model`` ({} when there is none)."""
+    from simulator.loading import read_model
+
+    if not path.exists():
+        return {}
+    return read_model(path, "run_dir", model, fix).model_dump(exclude_none=True)

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.outputs.plots.search import plot_heatmap, plot_pareto
-from simulator.outputs.trace_export import atomic_output
+from simulator.outputs.writing import atomic_output, output_lock
 from simulator.search.cache import code_version
 from simulator.search.plan import Plan
 
@@ -33,6 +33,12 @@ def write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
                 plots: bool = True) -> list[Path]:
     """sweep.csv, sweep.parquet, sweep.json (``meta``: axes, scenario, method) and, with
     two axes of more than one value, heatmap.png."""
+    with output_lock(out):
+        return _write_sweep(table, out, meta, plots)
+
+
+def _write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
+                 plots: bool) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(table, out / "sweep.csv"), write_table(table, out / "sweep.parquet")]
     with atomic_output(out / "sweep.json") as tmp:
@@ -46,6 +52,11 @@ def write_sweep(table: pd.DataFrame, out: Path, meta: dict[str, Any],
 
 def write_plan(plan: Plan, out: Path, plots: bool = True) -> list[Path]:
     """plan.csv, plan.parquet, plan.json (request, counts, choice) and pareto.png."""
+    with output_lock(out):
+        return _write_plan(plan, out, plots)
+
+
+def _write_plan(plan: Plan, out: Path, plots: bool) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(plan.table, out / "plan.csv"),
                write_table(plan.table, out / "plan.parquet")]

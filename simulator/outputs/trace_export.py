@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.outputs.span_table import normalize_spans, stage_representatives
+from simulator.outputs.writing import atomic_output
 
 if TYPE_CHECKING:
     from simulator.outputs.trace_links import TraceLinks
@@ -221,24 +220,6 @@ def to_chrome_trace(spans: pd.DataFrame, results: Mapping[str, Any] | None = Non
     trace: dict[str, Any] = json.loads(chrome_trace_json(spans, results, links, ranks))
     return trace
 
-
-
-@contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success rename it over ``path``.
-
-    On an exception the temporary file is removed and ``path`` is left as it was.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # a fresh unique name, not mkstemp: mkstemp's file is mode 0600, and the output
-    # should get the usual permissions (umask) like any other file the user writes
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        yield tmp
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_chrome_trace(path: str | os.PathLike[str], spans: pd.DataFrame,

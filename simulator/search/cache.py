@@ -6,8 +6,9 @@ figure), the hardware profile it resolved to (a preset file edited since is a
 different key), the method and fidelity, and the simulator's version: the
 package version plus a digest of its source files and presets, so a changed
 cost model never serves an old figure. One small JSON file per result,
-``ROOT/ab/abcdef....json``, written atomically: an interrupted sweep leaves
-whole entries or none, and the next run computes only what is missing.
+``ROOT/ab/abcdef....json``, written atomically and checked against its SHA-256
+when read: an interrupted sweep or a full disk leaves whole entries or none, a
+corrupted entry is computed again, and the next run computes only what is missing.
 
 :func:`map_cached` is the loop sweeps and plans share: look every job up, send
 the misses to a ``concurrent.futures.Executor`` (local processes or a Dask
@@ -31,7 +32,7 @@ from typing import Any
 from simulator import __version__
 from simulator.errors import Interrupted
 from simulator.outputs.progress import progress_bar
-from simulator.outputs.trace_export import atomic_output
+from simulator.outputs.writing import atomic_output
 from simulator.spec.scenario import Scenario
 
 _PACKAGE = Path(__file__).parent.parent  # the simulator package
@@ -63,32 +64,59 @@ def scenario_key(s: Scenario, method: str, fidelity: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+ENTRY_LIMIT_BYTES = 1 << 20  # an entry is a few hundred bytes of figures
+
+
+def _digest(key: str, figures_text: str) -> str:
+    return hashlib.sha256(f"{key}\n{figures_text}".encode()).hexdigest()
+
+
 class ResultCache:
-    """Figures by key in a directory; counts what it served and what it stored."""
+    """Figures by key in a directory; counts what it served, stored and found corrupt.
+
+    An entry is ``{"key", "sha256", "figures"}``, the digest over the key and the
+    figures' JSON text: an entry cut short, edited, copied under another key or not
+    ours at all is a miss (computed again and overwritten), never a figure served.
+    Entries are written atomically (:func:`~simulator.outputs.writing.atomic_output`),
+    so processes sharing a cache need no lock: each writes whole entries, and two
+    writing one key write the same figures."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser()
         self.hits = 0
         self.stored = 0
+        self.corrupt = 0
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> Figures | None:
-        try:
-            value = json.loads(self._path(key).read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # missing, or not ours: compute it again
+        from simulator.errors import UserError
+        from simulator.loading import decode_text, read_bytes
+
+        path = self._path(key)
+        if not path.is_file():
             return None
-        if not isinstance(value, dict):
+        try:  # bounded like every file read; NaN allowed (a figure may be missing)
+            entry = json.loads(decode_text(read_bytes(path, "--cache", ENTRY_LIMIT_BYTES),
+                                           "--cache", str(path)))
+            figures = entry["figures"]
+            ok = entry["key"] == key and isinstance(figures, dict) and \
+                entry["sha256"] == _digest(key, json.dumps(figures))
+        except (UserError, ValueError, RecursionError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            self.corrupt += 1  # computed again; put() replaces it
             return None
         self.hits += 1
-        return value
+        return dict(figures)
 
     def put(self, key: str, figures: Figures) -> None:
         # insertion order kept: a cached row has its columns in the computed row's order
         text = json.dumps(figures)  # NaN allowed: a figure may be missing
-        with atomic_output(self._path(key)) as tmp:
-            tmp.write_text(text, encoding="utf-8")
+        entry = f'{{"key": "{key}", "sha256": "{_digest(key, text)}", "figures": {text}}}'
+        with atomic_output(self._path(key), "--cache") as tmp:
+            tmp.write_text(entry, encoding="utf-8")
         self.stored += 1
 
 

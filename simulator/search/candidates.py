@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from pydantic import ValidationError
+
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_CANDIDATES
 from simulator.loading import parse_override, read_yaml
 from simulator.schedules import registry as schedules
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
@@ -70,6 +73,7 @@ class PlanRequest:
     sets: tuple[str, ...] = ()  # ``--set key.path=value`` overrides (module note)
     # kept free on every GPU: no layout needs more than capacity − headroom
     headroom: Headroom = DEFAULT_HEADROOM
+    max_candidates: int = MAX_CANDIDATES  # refuse a larger search (--max-candidates)
 
     @property
     def model_name(self) -> str:
@@ -153,8 +157,13 @@ def base_scenario(req: PlanRequest) -> Scenario:
     """The model and cluster, validated once (training and parallel replaced later)."""
     base = scenario_from_dict(base_data(req))
     base.hardware  # noqa: B018  resolve once; candidates share it through model_copy
-    return base.model_copy(update={"training": base.training.model_copy(
-        update={"global_batch": req.global_batch})})
+    try:
+        training = TrainingSpec.model_validate(
+            {**base.training.model_dump(), "global_batch": req.global_batch})
+    except ValidationError as exc:
+        raise UserError([Problem("--global-batch", req.global_batch,
+                                 exc.errors()[0]["msg"])]) from None
+    return base.model_copy(update={"training": training})
 
 
 def _micro_batches(req: PlanRequest, base: Scenario,
@@ -197,6 +206,13 @@ def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
     def walk(i: int) -> None:
         if i == len(dims):
             out.append(tuple(chosen[k] for k in names))
+            if len(out) > req.max_candidates:  # stop here: the rest is not enumerated
+                raise UserError([Problem("--gpus", req.gpus, f"{req.model} on {req.gpus:,} "
+                                         f"GPUs makes more than {req.max_candidates:,} "
+                                         "candidate layouts; narrow the search "
+                                         "(--micro-batches, --context-parallel, "
+                                         "--expert-parallel), or raise the limit with "
+                                         "--max-candidates N")])
             return
         for values in dims[i].values(req, base, chosen):
             chosen.update(zip(dims[i].knobs, values, strict=True))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
@@ -38,7 +39,7 @@ def parse_dask(spec: str) -> tuple[str, int | str]:
     """``local:W`` as ("local", W); a scheduler address as ("remote", address)."""
     if spec.startswith("local:"):
         text = spec.removeprefix("local:")
-        if text.isdigit() and 0 < int(text) <= 1024:
+        if re.fullmatch(r"[0-9]{1,4}", text) and 0 < int(text) <= 1024:
             return "local", int(text)
         raise UserError([Problem("--dask", spec, "local:W needs a worker count W from 1 to "
                                  "1024, e.g. local:4")])

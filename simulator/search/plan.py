@@ -49,6 +49,7 @@ from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.ceiling import mfu_ceiling
 from simulator.analysis.memory import stage_breakdown
 from simulator.errors import Problem, UserError
+from simulator.limits import check_ranks
 from simulator.model.moe import layer_kinds
 from simulator.search.cache import (
     Figures,
@@ -202,6 +203,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
                              ("--top", req.top_k, 0)):
         if value < low:
             raise UserError([Problem(flag, value, f"must be >= {low}")])
+    check_ranks(req.gpus, field="--gpus", option="")
     base = base_scenario(req)
     cands = candidates(req, base)
     table = _assess_all(base, cands, executor, req.headroom)

@@ -20,6 +20,7 @@ sweep computes only the points that are missing. The table goes to
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -29,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_POINTS, check_size
 from simulator.loading import read_yaml
 from simulator.search.cache import Figures, ResultCache, map_cached, scenario_key
 from simulator.search.executors import RespawningPool
@@ -40,9 +42,10 @@ COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "memory_peak
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[str]]:
-    """``key.path=v1,v2,...`` strings into an ordered mapping of axes; a key the schema
-    does not have is refused here, before any point is tried (one line, with the closest
-    valid key), not reported as the same error on every point."""
+    """``key.path=v1,v2,...`` strings into an ordered mapping of axes (a value repeated
+    on an axis is one value); a key the schema does not have is refused here, before any
+    point is tried (one line, with the closest valid key), not reported as the same
+    error on every point."""
     from simulator.spec.problems import key_problem
 
     axes: dict[str, list[str]] = {}
@@ -55,8 +58,22 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list[str]]:
         problem = key_problem(key.strip(), "--grid")
         if problem is not None:
             raise UserError([problem])
-        axes[key.strip()] = items
+        axes[key.strip()] = list(dict.fromkeys(items))
     return axes
+
+
+def grid_size(axes: dict[str, list[str]]) -> int:
+    """The number of points of the grid, computed before any is made."""
+    return math.prod(len(values) for values in axes.values())
+
+
+def check_grid(axes: dict[str, list[str]], max_points: int = MAX_POINTS) -> int:
+    """The grid's size, or a one-line refusal past ``max_points`` (``--max-points``)."""
+    n = grid_size(axes)
+    shape = " x ".join(str(len(v)) for v in axes.values())
+    check_size("--grid", f"{shape} values", "sweep points", n, max_points, "--max-points",
+               "sweep fewer values")
+    return n
 
 
 def points(axes: dict[str, list[str]]) -> list[dict[str, str]]:
@@ -117,10 +134,11 @@ def evaluate(s: Scenario, method: str) -> Figures:
 
 def run_sweep(path: str | Path, axes: dict[str, list[str]], base_sets: Iterable[str] = (),
               method: str = "analytic", executor: Executor | None = None,
-              cache: ResultCache | None = None, warn: Callable[[str], None] | None = None
-              ) -> pd.DataFrame:
+              cache: ResultCache | None = None, warn: Callable[[str], None] | None = None,
+              max_points: int = MAX_POINTS) -> pd.DataFrame:
     """Every point of the grid, in grid order; cached points are not computed again.
     ``warn`` receives the points' distinct warnings before anything is computed."""
+    check_grid(axes, max_points)
     grid = points(axes)
     resolved = resolve(path, list(base_sets), grid, warn)
     scenarios = [s for s in resolved if isinstance(s, Scenario)]

@@ -243,8 +243,10 @@ def clean_tp_index(layout: Layout, attrs: Attributes) -> int | None:
 def _axis_classes(n: int, odd: set[int]) -> list[tuple[int, int]]:
     """(lowest index, size) of each class of ``range(n)``: each odd index alone, the
     rest together."""
-    clean = [i for i in range(n) if i not in odd]
-    return [(i, 1) for i in sorted(odd)] + ([(clean[0], len(clean))] if clean else [])
+    odd = {i for i in odd if 0 <= i < n}
+    lowest = next((i for i in range(n) if i not in odd), None)  # <= len(odd) + 1 tries
+    clean = [] if lowest is None else [(lowest, n - len(odd))]  # never lists range(n)
+    return [(i, 1) for i in sorted(odd)] + clean
 
 
 def replica_classes(layout: Layout, attrs: Attributes, ep: int = 1) -> list[tuple[int, int]]:

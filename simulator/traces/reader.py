@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.errors import Problem, UserError
-from simulator.loading import parse_json, read_bytes
+from simulator.loading import decode_text, parse_json, read_bytes
 
 TRACE_LIMIT_BYTES = 1 << 30  # one rank's trace of a few profiled steps is 10-500 MB
 WHAT = "trace"
@@ -150,7 +150,7 @@ def read_trace(path: Path) -> TraceFile:
         data = read_bytes(path, WHAT, TRACE_LIMIT_BYTES)
         if path.name.endswith(".gz"):
             data = _gunzip(path, data)
-        doc = parse_json(data, WHAT, str(path))
+        doc = parse_json(decode_text(data, WHAT, str(path)), WHAT, str(path))
     except UserError as exc:
         if all(isinstance(p, Problem) and p.field == WHAT for p in exc.problems):
             raise _bad(path, "", "; ".join(p.fix for p in exc.problems

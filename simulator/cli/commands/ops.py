@@ -27,13 +27,15 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.ops_table import format_table, op_rows, to_csv
-    from simulator.outputs.trace_export import atomic_output
+    from simulator.outputs.writing import atomic_output, check_file_destination
 
+    if args.csv:  # before the table: a bad --csv is one line, not a table and a line
+        check_file_destination(args.csv, "--csv")
     s = load(args)
     rows = op_rows(s)
     print(format_table(s, rows))
     if args.csv:
-        with atomic_output(args.csv) as tmp:
+        with atomic_output(args.csv, "--csv") as tmp:
             tmp.write_text(to_csv(rows), encoding="utf-8")
         print(f"wrote {args.csv}")
     return 0

@@ -12,10 +12,12 @@ from simulator.cli.common import (
     add_command,
     computed_line,
     int_list,
+    positive_int,
     result_cache,
     search_args,
 )
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_CANDIDATES
 
 HELP = ("search every layout of a model on N GPUs: plan.csv, pareto.png and the fastest "
         "layout that fits")
@@ -59,6 +61,8 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--expert-parallel", default=None, metavar="E1,E2,...",
                    help="EP degrees to try, a mixture of experts only (default: every divisor "
                    "of the experts that divides a stage's cp * dp)")
+    q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
+                   help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
     q.add_argument("--tp-beyond-node", action="store_true",
                    help="also try TP groups larger than an NVLink domain "
                    "(a node, or a GB200 NVL72 rack)")
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                       context_parallel=cp, expert_parallel=ep,
                       tp_beyond_node=args.tp_beyond_node, stack=args.stack,
                       sets=tuple(args.overrides),
-                      headroom=parse_headroom(args.headroom))
+                      headroom=parse_headroom(args.headroom),
+                      max_candidates=args.max_candidates)
     if args.write_scenario is not None and args.write_scenario.suffix not in (".yaml", ".yml"):
         raise UserError([Problem("--write-scenario", str(args.write_scenario),
                                  "must end in .yaml or .yml (a scenario file)")])

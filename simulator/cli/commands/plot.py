@@ -10,6 +10,7 @@ from simulator.cli.common import (
     Subparsers,
     add_command,
 )
+from simulator.errors import Problem, UserError
 
 HELP = "re-draw the PNGs of a run, sweep (heatmap), plan (Pareto) or train directory"
 EXAMPLE = ("example:\n"
@@ -24,25 +25,36 @@ def add_parser(sub: Subparsers) -> None:
     q.set_defaults(func=run)
 
 
+#: A search's or a job's directory by the file that marks it: (module, plotter, what).
+DIRECTORIES = (("plan.csv", "simulator.outputs.plots.search", "plot_pareto", "plan"),
+               ("train.json", "simulator.outputs.plots.job", "plot_training", "train"),
+               ("sweep.csv", "simulator.outputs.plots.search", "plot_heatmap", "sweep"))
+
+
+def _plot_output(args: argparse.Namespace, module: str, plotter: str, what: str) -> int:
+    import importlib
+
+    draw = getattr(importlib.import_module(module), plotter)
+    extra = [args.axes.split(",") if args.axes else None] if what == "sweep" else []
+    try:
+        print(draw(args.run_dir, *extra))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        # a file the readers let through (its columns are there) whose content is not
+        # what a clustersim output holds: one line, not a traceback from the figure
+        raise UserError([Problem("run_dir", str(args.run_dir), f"is not a clustersim {what} "
+                                 f"output ({type(exc).__name__}: {str(exc)[:60]}); write it "
+                                 f"again with `clustersim {what} ... --out DIR`")]) from None
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    from simulator.loading import local_path
     from simulator.outputs.run_dir import MANIFEST, check_run_dir, write_manifest
 
-    if (args.run_dir / "plan.csv").is_file():
-        from simulator.outputs.plots.search import plot_pareto
-
-        print(plot_pareto(args.run_dir))
-        return 0
-    if (args.run_dir / "train.json").is_file():
-        from simulator.outputs.plots.job import plot_training
-
-        print(plot_training(args.run_dir))
-        return 0
-    if (args.run_dir / "sweep.csv").is_file():
-        from simulator.outputs.plots.search import plot_heatmap
-
-        axes = args.axes.split(",") if args.axes else None
-        print(plot_heatmap(args.run_dir, axes))
-        return 0
+    args.run_dir = local_path(args.run_dir, "run_dir")
+    for marker, module, plotter, what in DIRECTORIES:
+        if (args.run_dir / marker).is_file():
+            return _plot_output(args, module, plotter, what)
     manifest = check_run_dir(args.run_dir)  # every file of one complete run, or one line
     from simulator.outputs.plots.run import plot_all  # matplotlib: after the checks
 

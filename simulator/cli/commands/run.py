@@ -17,6 +17,7 @@ from simulator.cli.common import (
 )
 from simulator.cli.exit_codes import allow_oom_arg, fit_status, memory_verdict
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_RANKS
 
 if TYPE_CHECKING:
     from simulator.api import Timings
@@ -64,6 +65,9 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--max-tasks", type=positive_int, default=None, metavar="N",
                    help="refuse engine runs estimated above N tasks (default 2.5e7, about "
                    "40 GB); checked before building")
+    q.add_argument("--max-ranks", type=positive_int, default=MAX_RANKS, metavar="N",
+                   help=f"refuse clusters of more than N GPUs (default {MAX_RANKS:,}: the "
+                   "groups of every rank are walked, about 3.5 s a million)")
     q.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet",
                    help="span table format: timeline.parquet (default), timeline.csv, or both")
     q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     timings: Timings = {}
     simulating = time.perf_counter()
     run = run_scenario(s, args.method, args.fidelity, progress=True, trace_ranks=trace_ranks,
-                       max_tasks=args.max_tasks, timings=timings)
+                       max_tasks=args.max_tasks, max_ranks=args.max_ranks, timings=timings)
     results, spans = run.results, run.spans
     _extras(args, s, results, samples, seed)
     writing = time.perf_counter()

@@ -11,10 +11,12 @@ from simulator.cli.common import (
     add_command,
     computed_line,
     load,
+    positive_int,
     result_cache,
     scenario_args,
     search_args,
 )
+from simulator.limits import MAX_POINTS
 
 HELP = "evaluate a grid of overrides of one scenario; table and best points"
 EXAMPLE = ("example:\n"
@@ -34,6 +36,8 @@ def add_parser(sub: Subparsers) -> None:
                    help="analytic (default, milliseconds a point) or the engine")
     q.add_argument("--out", type=Path, default=None, help="write sweep.csv, sweep.parquet, "
                    "sweep.json and heatmap.png here")
+    q.add_argument("--max-points", type=positive_int, default=MAX_POINTS, metavar="N",
+                   help=f"refuse a grid of more points (default {MAX_POINTS:,})")
     search_args(q)
     q.set_defaults(func=run)
 
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.outputs.run_dir import check_out_dir
     from simulator.outputs.search_files import write_sweep
     from simulator.search.executors import open_executor
-    from simulator.search.sweep import best, invalid_lines, parse_grid, run_sweep
+    from simulator.search.sweep import best, check_grid, invalid_lines, parse_grid, run_sweep
 
     axes = parse_grid(args.grid)  # a bad axis is one line, before the scenario is read
     from simulator.spec.rules import scenario_warnings
@@ -56,13 +60,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out:
         check_out_dir(args.out)
-    n = 1
-    for values in axes.values():
-        n *= len(values)
+    n = check_grid(axes, args.max_points)  # before any point is made
     print(f"sweeping {n} point(s) ({args.method}) ...", file=sys.stderr)
     cache = result_cache(args, args.out)
     with open_executor(args.dask, args.workers) as pool:
-        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache, warn)
+        table = run_sweep(args.scenario, axes, args.overrides, args.method, pool, cache, warn,
+                          args.max_points)
     print(computed_line(cache, "point"), file=sys.stderr)
     if args.out:
         meta = {"scenario": str(args.scenario), "axes": list(axes), "sets": args.overrides,

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from simulator.cli.common import Subparsers, add_command
+from simulator.cli.common import Subparsers, add_command, positive_int
 from simulator.errors import Problem, UserError
+from simulator.limits import MAX_JOB_EVENTS
 
 if TYPE_CHECKING:
     from simulator.job.lifecycle import JobRun
@@ -45,6 +46,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     """Load, simulate the step, run the job; write the outputs when ``args.out`` is set."""
     from simulator.api import simulate_scenario
+    from simulator.job.events import check_events
     from simulator.job.lifecycle import run_job, run_many
     from simulator.job.reliability import power_W
     from simulator.job.train import SCAN_SEEDS, choose_interval, job_spec, median_run, train_results
@@ -66,7 +68,9 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     step, _ = simulate_scenario(s, args.method, args.fidelity)
     spec = job_spec(s, args.tokens, [step["step_time_s"]])
     print(f"choosing the checkpoint interval ({s.checkpoint.interval}) ...", file=sys.stderr)
-    spec, interval = choose_interval(spec, s.checkpoint.interval, min(SCAN_SEEDS, args.seeds))
+    spec, interval = choose_interval(spec, s.checkpoint.interval, min(SCAN_SEEDS, args.seeds),
+                                     args.max_events)
+    check_events(spec, args.seeds + 1, args.max_events)  # the runs and the traced median
     print(f"running the job {args.seeds} times ...", file=sys.stderr)
     base = s.simulation.seed * 1_000_003
     runs = run_many(spec, [base + i for i in range(args.seeds)], "job runs")
@@ -81,19 +85,20 @@ def _write(out: Path, res: dict[str, Any], run: JobRun, no_plot: bool) -> None:
     import pandas as pd
 
     from simulator.api import write_results
-    from simulator.outputs.trace_export import atomic_output
+    from simulator.outputs.writing import atomic_output, output_lock
 
-    out.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(run.events, columns=["time_s", "steps", "event"])
     table["tokens"] = table["steps"] * res["tokens_per_step"]
-    with atomic_output(out / "train_timeline.csv") as tmp:
-        table.to_csv(tmp, index=False)
     res["median_run_seed"] = run.seed
-    write_results(out / "train.json", res)
-    if not no_plot:
-        from simulator.outputs.plots.job import plot_training
+    with output_lock(out):
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_output(out / "train_timeline.csv") as tmp:
+            table.to_csv(tmp, index=False)
+        write_results(out / "train.json", res)
+        if not no_plot:
+            from simulator.outputs.plots.job import plot_training
 
-        plot_training(out)
+            plot_training(out)
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -112,6 +117,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--fidelity", choices=["folded", "full"], default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="KEY.PATH=VALUE", help="override a scenario key (repeatable)")
+    p.add_argument("--max-events", type=positive_int, default=MAX_JOB_EVENTS, metavar="N",
+                   help=f"refuse a job estimated above N simulated events, the interval scan "
+                   f"and every run together (default {MAX_JOB_EVENTS:,})")
     p.add_argument("--no-plot", action="store_true", help="skip train.png")
     p.set_defaults(func=run)
 

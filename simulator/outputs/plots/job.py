@@ -135,10 +135,12 @@ def training_figure(res: dict[str, Any], timeline: pd.DataFrame) -> Figure:
 def plot_training(run_dir: Path) -> Path:
     """Draw ``run_dir/train.png`` from its train.json and train_timeline.csv."""
     from simulator.loading import read_json
+    from simulator.outputs.run_files import read_table
 
     res = read_json(run_dir / "train.json", "run_dir")
+    timeline = read_table(run_dir / "train_timeline.csv", "run `clustersim train ... --out "
+                          "DIR` again")
     try:
-        timeline = pd.read_csv(run_dir / "train_timeline.csv")
         return _save(run_dir, training_figure(res, timeline))
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise UserError([Problem("run_dir", str(run_dir), f"train.json or train_timeline.csv "

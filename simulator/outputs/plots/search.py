@@ -18,7 +18,6 @@ out of memory).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -42,8 +41,8 @@ _CAPACITY = "#C00000"
 _PLAIN = FuncFormatter(lambda v, _: f"{v:.4g}")  # 20, not 2 x 10^1, on log axes
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+_PLAN_FIX = "plan again (`clustersim plan ... --out DIR`)"
+_SWEEP_FIX = "sweep again (`clustersim sweep ... --out DIR`)"
 
 
 # ---------------------------------------------------------------- Pareto
@@ -126,9 +125,12 @@ def pareto_figure(table: pd.DataFrame, meta: dict[str, Any] | None = None) -> Fi
 
 def plot_pareto(plan_dir: str | os.PathLike[str]) -> Path:
     """``pareto.png`` from ``plan_dir/plan.csv`` and ``plan.json``."""
+    from simulator.outputs.run_files import PlanMeta, read_meta, read_table
+
     out = Path(plan_dir)
-    table = pd.read_csv(out / "plan.csv", keep_default_na=False, na_values=[""])
-    return save(pareto_figure(table, _read_meta(out / "plan.json")), out / "pareto.png")
+    table = read_table(out / "plan.csv", _PLAN_FIX)
+    meta = read_meta(out / "plan.json", PlanMeta, _PLAN_FIX)
+    return save(pareto_figure(table, meta), out / "pareto.png")
 
 
 # ---------------------------------------------------------------- heatmap
@@ -211,9 +213,11 @@ def heatmap_figure(table: pd.DataFrame, x: str, y: str, title: str = "") -> Figu
 
 def plot_heatmap(sweep_dir: str | os.PathLike[str], axes: Sequence[str] | None = None) -> Path:
     """``heatmap.png`` from ``sweep_dir/sweep.csv`` (axes from ``sweep.json`` by default)."""
+    from simulator.outputs.run_files import SweepMeta, read_meta, read_table
+
     out = Path(sweep_dir)
-    table = pd.read_csv(out / "sweep.csv", keep_default_na=False, na_values=[""])
-    meta = _read_meta(out / "sweep.json")
+    table = read_table(out / "sweep.csv", _SWEEP_FIX)
+    meta = read_meta(out / "sweep.json", SweepMeta, _SWEEP_FIX)
     x, y = heatmap_axes(table, list(axes or meta.get("axes", [])))
     title = f"sweep of {meta['scenario']} ({meta.get('method', '')})" if "scenario" in meta else ""
     return save(heatmap_figure(table, x, y, title), out / "heatmap.png")
