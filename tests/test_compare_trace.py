@@ -331,7 +331,7 @@ def _bad_cases(tmp: Path) -> list[tuple[Path, str]]:
     case("nan", '{"traceEvents": [{"ph": "X", "ts": NaN, "dur": 1}]}', "NaN")
     case("deep", '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "recursion")
     case("huge-int", '{"traceEvents": [{"ph": "X", "ts": 1%s, "dur": 1}]}' % ("0" * 400),
-         "traceEvents[0].ts is 1000")
+         "an integer of 401 digits")  # the bounded JSON reader refuses it
     case("overflow", json.dumps({"traceEvents": [{**good[1], "ts": 1.7e308, "dur": 1.7e308}]}),
          "traceEvents[0] ends past the largest time")
     case("args-list", json.dumps({"traceEvents": [{**good[1], "args": [1]}]}),

@@ -169,7 +169,12 @@ def test_a_million_point_grid_is_refused_before_it_is_made(tmp_path: Path,
     refused(["sweep", str(scenario), "--grid", f"parallel.tp={values}", "--grid",
              f"parallel.pp={values}", "--no-cache"], "1000 x 1000", "1,000,000",
             "--max-points")
-    axes = [a for i in range(64) for a in ("--grid", f"x{i}=1,2")]  # 2^64 points
+    keys = ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.cp", "parallel.ep",
+            "parallel.zero", "parallel.virtual_stages", "training.micro_batch",
+            "training.global_batch", "model.layers", "model.hidden", "model.heads",
+            "model.seq_len", "model.vocab", "cluster.nodes", "cluster.gpus_per_node")
+    sixteen = ",".join(str(i) for i in range(1, 17))
+    axes = [a for key in keys for a in ("--grid", f"{key}={sixteen}")]  # 16^16 = 2^64 points
     refused(["sweep", str(scenario), *axes, "--no-cache"], "1.84e+19", "--max-points")
     refused(["sweep", str(scenario), "--grid", "parallel.tp=1,2,4", "--max-points", "2",
              "--no-cache"], "3 sweep points")
