@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from simulator.model import moe
+from simulator.model.inventory.fp8 import weight_cache_bytes
+from simulator.model.inventory.layer import fp8_weights
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import (
     MemoryBreakdown,
@@ -73,6 +76,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes, fp32)
         weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
             optimizer + psi_e * oe
+    weights += fp8_weight_cache(scenario, runs)
     gradients, optimizer = offloaded(scenario, gradients, optimizer)
     buffers, compression_state = memory_extra(scenario, stage)
     out = MemoryBreakdown(
@@ -86,6 +90,17 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
     )
     return _extended(scenario, stage, out)
+
+
+def fp8_weight_cache(s: Scenario, runs: list[range]) -> float:
+    """The FP8 copies (row-wise and column-wise) of the FP8 linears' weights of the layer
+    ``runs`` on one rank, which Transformer Engine keeps between micro-batches (none
+    without ``stack.fp8``)."""
+    if s.stack.fp8 == "none":
+        return 0.0
+    elements = sum(n * fp8_weights(s.model, s.stack, s.parallel.tp, i)[0]
+                   for r in runs for i, n in moe.layer_kinds(s.model, r.start, r.stop))
+    return weight_cache_bytes(s.stack.fp8, elements)
 
 
 def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:

@@ -46,7 +46,20 @@ def consistency_problems(s: Scenario) -> list[Problem]:
         return out + options
     for strategy in registry.strategies():
         out += strategy.problems(s)
-    return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp)
+    return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp) \
+        + fp8_problems(s)
+
+
+def fp8_problems(s: Scenario) -> list[Problem]:
+    """FP8 linears (``stack.fp8``) need FP8 tensor cores for the recipe on every system
+    the scenario runs on (``gpu.fp8_recipes``)."""
+    if s.stack.fp8 == "none":
+        return []
+    systems = {str(s.cluster.system): s.hardware}
+    systems.update({str(e.system): s.hardware_of_stage(e.stages[0])
+                    for e in s.variability.stage_systems if e.stages})
+    found = (hw.gpu.fp8_problem(s.stack.fp8, name) for name, hw in systems.items())
+    return [problem for problem in found if problem is not None][:1]
 
 
 def options_problems(s: Scenario) -> list[Problem]:

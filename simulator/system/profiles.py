@@ -31,7 +31,8 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
                    "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread",
-                   "attention_kernels", "compute_capability")
+                   "attention_kernels", "compute_capability", "fp8_recipes",
+                   "fp8_gemm_efficiency")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
