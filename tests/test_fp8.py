@@ -159,3 +159,74 @@ def test_an_fp8_step_on_h100_is_faster_but_not_twice_as_fast() -> None:
                  for r in ("delayed", "none"))
     t8, t16 = fp8["step_time_s"], bf16["step_time_s"]
     assert t16 / 2 < t8 < t16
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def _fp8_records(rate: float, device: str = "cuda") -> list[dict[str, Any]]:
+    """FP8 GEMM records at ``rate`` FLOP/s, and bf16 ones at half of it."""
+    out = []
+    for i, n in enumerate((1024, 2048, 4096, 8192)):
+        flops = 2.0 * n ** 3
+        for kind, dtype, r in (("gemm", "bf16", rate / 2), ("gemm_fp8", "fp8", rate)):
+            out.append({"key": f"{device}/{dtype}/t1/{kind}/{i}", "kind": kind, "ok": True,
+                        "device": device, "dtype": dtype, "threads": 1, "m": n, "n": n, "k": n,
+                        "flops": flops, "time_s": flops / r})
+    return out
+
+
+def _profile(records: list[dict[str, Any]], name: str) -> Any:
+    from calibration.microbench.fit_profile import fit_compute
+    from calibration.microbench.profile_build import build_profile
+
+    fits = fit_compute(records, "cuda", "bf16", 1, name)
+    base = load_system("dgx-h100")
+    return fits, build_profile(fits, base, name="x", device="cuda", device_name=name,
+                               gpus_per_node=8, memory_GB=None, provenance={},
+                               datasheet=True)
+
+
+def test_timed_fp8_gemms_give_the_fp8_curve_against_the_datasheet_peak() -> None:
+    fits, prof = _profile(_fp8_records(1.2e15), "NVIDIA H100 80GB HBM3")
+    assert fits.peak_tflops["fp8"] == 1979
+    assert fits.fp8_gemm is not None
+    top = max(e for _, e in fits.fp8_gemm.points)
+    assert top == pytest.approx(1.2e15 / 1979e12, rel=0.02)
+    assert prof["gpu"]["fp8_gemm_efficiency"]["points"]
+    assert set(prof["gpu"]["fp8_recipes"]) >= {"delayed", "current"}
+
+
+def test_without_fp8_records_the_fit_keeps_no_fp8_curve() -> None:
+    bf16 = [r for r in _fp8_records(1.2e15) if r["kind"] == "gemm"]
+    fits, prof = _profile(bf16, "Some GPU 9")  # no datasheet: the measured bf16 peak only
+    assert fits.fp8_gemm is None and "fp8" not in fits.peak_tflops
+    assert prof["gpu"]["fp8_gemm_efficiency"] is None
+    assert "gpu.fp8_gemm_efficiency" in prof["provenance"]["not_measured"]
+
+
+def test_torch_cpu_runs_scaled_mm_and_a_build_without_it_is_skipped_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from calibration.microbench.bench_fp8 import fp8_support, run_fp8_gemm
+    from calibration.microbench.bench_timing import Device
+
+    cpu = Device("cpu")
+    assert fp8_support(cpu) == (True, "")  # torch 2.13's CPU build runs _scaled_mm
+    monkeypatch.delattr(torch, "_scaled_mm")
+    ok, why = fp8_support(cpu)
+    assert not ok and "_scaled_mm" in why
+    assert run_fp8_gemm(cpu, None, None, []) == why  # type: ignore[arg-type]
+    assert f"fp8 GEMMs: skipped ({why})" in capsys.readouterr().out
+
+
+def test_a_gpu_before_ada_has_no_fp8_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from calibration.microbench.bench_fp8 import fp8_support
+    from calibration.microbench.bench_timing import Device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
+    ok, why = fp8_support(Device("cuda"))
+    assert not ok and "8.0" in why and "8.9" in why
