@@ -87,14 +87,14 @@ def test_the_casts_bytes_by_recipe(recipe: str, per_element: float, kernels: int
     T, h, tp = 2 * 4096, 4096, 2
     L = T / tp  # sequence parallelism: the local shard is cast, FP8 rows all-gathered
     ops = _ops(_stack(recipe), "fwd", tp, True)
-    assert ops["fp8_cast_qkv"].bytes == pytest.approx(L * h * per_element, rel=1e-12)
-    assert ops["fp8_cast_qkv"].kernels == kernels
-    assert ops["fp8_cast_mlp_down"].bytes == pytest.approx(T * 14336 / tp * per_element,
+    assert ops["fp8_x_qkv"].bytes == pytest.approx(L * h * per_element, rel=1e-12)
+    assert ops["fp8_x_qkv"].kernels == kernels
+    assert ops["fp8_x_mlp_down"].bytes == pytest.approx(T * 14336 / tp * per_element,
                                                            rel=1e-12)
     grads = _ops(_stack(recipe), "bwd_input", tp, True)  # dY of the column-parallel QKV
-    assert grads["fp8_cast_grad_qkv"].bytes == pytest.approx(
+    assert grads["fp8_dy_qkv"].bytes == pytest.approx(
         T * (4096 + 2 * 1024) / tp * per_element, rel=1e-12)
-    assert "fp8_cast_weight_qkv" not in ops  # once per step, with the optimizer
+    assert "fp8_w_qkv" not in ops  # once per step, with the optimizer
     assert ("fp8_scale_update" in ops) == (recipe == "delayed")
 
 
@@ -109,7 +109,7 @@ def test_delayed_scaling_updates_each_linears_scales_from_its_history() -> None:
 def test_weights_cast_every_microbatch_where_the_caller_says_so() -> None:
     h, q, kv = 4096, 4096, 1024
     ops = _ops(_stack(fp8_weight_cast="microbatch"))
-    assert ops["fp8_cast_weight_qkv"].bytes == cast_bytes("delayed", h * (q + 2 * kv))
+    assert ops["fp8_w_qkv"].bytes == cast_bytes("delayed", h * (q + 2 * kv))
 
 
 def test_the_fp8_weight_workspace_is_two_bytes_per_linear_weight() -> None:

@@ -8,16 +8,16 @@ linear.py ``_Linear``; the recipes in transformer_engine/common/recipe/__init__.
   result (the wgrad's into the fp32 main grad as before), priced at the GPU's fp8 peak
   (:mod:`simulator.system.costs`). E4M3 forward, E5M2 for the gradients (the hybrid
   format, TE's and Megatron's ``--fp8-format hybrid``): both are one byte.
-- **The input's cast** (``fp8_cast_<linear>``), once per micro-batch: the 16-bit input read,
+- **The input's cast** (``fp8_x_<linear>``), once per micro-batch: the 16-bit input read,
   FP8 written row-wise (the forward GEMM's operand) and column-wise (the wgrad's, which the
   Hopper FP8 GEMM needs transposed: the quantizer's ``columnwise`` usage), one fused
   cast-transpose kernel. Under sequence parallelism the local shard is cast and the FP8
   rows all-gathered. The column-wise copy is what the backward keeps: 1 byte per element
   of the input instead of 2 (``update_usage(rowwise_usage=False, columnwise_usage=True)``
   before ``save_for_backward``).
-- **The output gradient's cast** (``fp8_cast_grad_<linear>``) before the dgrad, the same
+- **The output gradient's cast** (``fp8_dy_<linear>``) before the dgrad, the same
   form (E5M2, row-wise for the dgrad, column-wise for the wgrad).
-- **The weight's cast** (``fp8_cast_weight_<linear>``): row-wise and column-wise FP8 copies
+- **The weight's cast** (``fp8_w_<linear>``): row-wise and column-wise FP8 copies
   of the 16-bit weight, kept between micro-batches in TE's weight workspace and renewed when
   ``is_first_microbatch`` is true (``update_ws``), so once per step under Megatron Core
   (``stack.fp8_weight_cast: step``, priced with the optimizer step,
@@ -115,10 +115,10 @@ def around(x: Shape, name: str, gemm: Op, inputs: float, grads: float, weights: 
         return [gemm]
     recipe = x.st.fp8
     if pass_ == "bwd_input":
-        return [gemm, cast(f"fp8_cast_grad_{name}", recipe, grads)]
-    out = [cast(f"fp8_cast_{name}", recipe, inputs, linears)]
+        return [gemm, cast(f"fp8_dy_{name}", recipe, grads)]
+    out = [cast(f"fp8_x_{name}", recipe, inputs, linears)]
     if x.st.fp8_weight_cast == "microbatch":
-        out.append(cast(f"fp8_cast_weight_{name}", recipe, weights / linears, linears))
+        out.append(cast(f"fp8_w_{name}", recipe, weights / linears, linears))
     return [*out, gemm]
 
 
@@ -135,7 +135,7 @@ def scale_update(x: Shape, linears: int, pass_: Pass) -> list[Op]:
 def step_weight_cast(recipe: str, weights: float, tensors: int) -> Op:
     """The once-per-step cast of ``weights`` linear weight elements in ``tensors`` tensors
     (``stack.fp8_weight_cast: step``)."""
-    return cast("fp8_cast_weights", recipe, weights / max(tensors, 1), max(tensors, 1))
+    return cast("fp8_weights", recipe, weights / max(tensors, 1), max(tensors, 1))
 
 
 def weight_cache_bytes(recipe: str, weights: float) -> float:
