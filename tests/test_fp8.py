@@ -107,9 +107,19 @@ def test_delayed_scaling_updates_each_linears_scales_from_its_history() -> None:
 
 
 def test_weights_cast_every_microbatch_where_the_caller_says_so() -> None:
-    h, q, kv = 4096, 4096, 1024
+    """No workspace kept between micro-batches; the column-wise copy each forward saves
+    for the dgrad is kept with the activations, 1 byte per weight."""
+    h, q, kv, f = 4096, 4096, 1024, 14336
     ops = _ops(_stack(fp8_weight_cast="microbatch"))
     assert ops["fp8_w_qkv"].bytes == cast_bytes("delayed", h * (q + 2 * kv))
+    assert ops["fp8_w_qkv"].saved == h * (q + 2 * kv)
+    fp8, cached = (scenario_from_dict(_scenario(fp8="delayed", fp8_weight_cast=w))
+                   for w in ("microbatch", "step"))
+    weights = (h * (q + 2 * kv) + q * h + h * 2 * f + f * h) / 2  # TP 2
+    m, c = stage_breakdown(fp8, 0), stage_breakdown(cached, 0)
+    assert c.weights - m.weights == pytest.approx(2 * 2 * weights, rel=1e-12)  # 2 layers
+    in_flight = 2  # 1F1B, first of two stages
+    assert m.activations - c.activations == pytest.approx(in_flight * 2 * weights, rel=1e-12)
 
 
 def test_the_fp8_weight_workspace_is_two_bytes_per_linear_weight() -> None:
@@ -230,3 +240,15 @@ def test_a_gpu_before_ada_has_no_fp8_gemms(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
     ok, why = fp8_support(Device("cuda"))
     assert not ok and "8.0" in why and "8.9" in why
+
+
+def test_a_model_whose_experts_stay_16_bit_is_warned() -> None:
+    from simulator.spec.rules import scenario_warnings
+
+    moe = _scenario(fp8="delayed")
+    moe["model"] = {**moe["model"], "experts": 8, "experts_per_token": 2}
+    moe["parallel"] = {**moe["parallel"], "ep": 2}
+    [warning] = [w for w in scenario_warnings(scenario_from_dict(moe)) if "stack.fp8" in w]
+    assert "experts" in warning and "bf16" in warning
+    assert not [w for w in scenario_warnings(scenario_from_dict(_scenario(fp8="delayed")))
+                if "stack.fp8" in w]

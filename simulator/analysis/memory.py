@@ -94,9 +94,10 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
 
 def fp8_weight_cache(s: Scenario, runs: list[range]) -> float:
     """The FP8 copies (row-wise and column-wise) of the FP8 linears' weights of the layer
-    ``runs`` on one rank, which Transformer Engine keeps between micro-batches (none
-    without ``stack.fp8``)."""
-    if s.stack.fp8 == "none":
+    ``runs`` on one rank, which Transformer Engine keeps between micro-batches when it casts
+    them once per step (none without ``stack.fp8``; cast every micro-batch, their saved
+    copies are activations)."""
+    if s.stack.fp8 == "none" or s.stack.fp8_weight_cast != "step":  # else kept per micro-batch
         return 0.0
     elements = sum(n * fp8_weights(s.model, s.stack, s.parallel.tp, i)[0]
                    for r in runs for i, n in moe.layer_kinds(s.model, r.start, r.stop))

@@ -23,7 +23,9 @@ linear.py ``_Linear``; the recipes in transformer_engine/common/recipe/__init__.
   (``stack.fp8_weight_cast: step``, priced with the optimizer step,
   :func:`step_weight_cast`) or on every forward where the caller passes none
   (``microbatch``). The workspace is memory the rank holds: 2 bytes per linear weight
-  (:func:`weight_cache_bytes`).
+  (:func:`weight_cache_bytes`). Cast every forward, the weight's FP8 copy is not kept
+  between micro-batches, but its column-wise copy is saved for the dgrad: 1 byte per
+  weight kept for backward with the micro-batch's activations.
 - **Scales**, by recipe (:data:`RECIPES`): ``delayed`` computes each tensor's amax inside
   the cast and updates every scale from its amax history in one fused kernel per pass
   (``reduce_and_update_fp8_tensors``, ``fused_amax_and_scale_update_after_reduction``:
@@ -43,7 +45,7 @@ priced (tensor-parallel traffic stays 16-bit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from simulator.model.inventory.ops import Op, Pass, Shape, mem
 
@@ -117,8 +119,9 @@ def around(x: Shape, name: str, gemm: Op, inputs: float, grads: float, weights: 
     if pass_ == "bwd_input":
         return [gemm, cast(f"fp8_dy_{name}", recipe, grads)]
     out = [cast(f"fp8_x_{name}", recipe, inputs, linears)]
-    if x.st.fp8_weight_cast == "microbatch":
-        out.append(cast(f"fp8_w_{name}", recipe, weights / linears, linears))
+    if x.st.fp8_weight_cast == "microbatch":  # the column-wise copy is kept for the dgrad
+        w = cast(f"fp8_w_{name}", recipe, weights / linears, linears)
+        out.append(replace(w, saved=weights * (1.0 + RECIPES[recipe].scale_bytes)))
     return [*out, gemm]
 
 
