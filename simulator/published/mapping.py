@@ -124,11 +124,11 @@ def dtype_of(text: str) -> str:
 def fp8_of(text: str) -> dict[str, Any]:
     """Stack overrides of an FP8 ``dtype`` cell: Transformer Engine's delayed scaling, the
     recipe Composer's ``amp_fp8`` enters (composer/core/precision.py: ``te.fp8_autocast``
-    with a ``DelayedScaling`` recipe), its linears called without ``is_first_microbatch``,
-    so they cast their weights on every forward (TE linear.py ``update_ws``)."""
+    with a ``DelayedScaling`` recipe); how often the weights are cast is the stack's
+    (``fp8_weight_cast``: every forward under Composer)."""
     if text.lower().removeprefix("amp_") != "fp8":
         return {}
-    return {"fp8": "delayed", "fp8_weight_cast": "microbatch"}
+    return {"fp8": "delayed"}
 
 
 def precision_mode(text: str) -> str:

@@ -199,9 +199,11 @@ class StackSpec(BaseModel):
     GPU must list the recipe in ``gpu.fp8_recipes``."""
     fp8_weight_cast: Literal["step", "microbatch"] = "step"
     """How often FP8 linears cast their weights: once per ``step`` (Transformer Engine's
-    cached weight workspace, updated when ``is_first_microbatch`` is true, which Megatron
-    Core passes), or every ``microbatch`` (a caller that passes no ``is_first_microbatch``,
-    transformer_engine/pytorch/module/linear.py ``update_ws``)."""
+    cached weight workspace, renewed when ``is_first_microbatch`` is true, which Megatron
+    Core passes: core/pipeline_parallel/schedules.py ``set_is_first_microbatch``), or every
+    ``microbatch`` (a caller that passes no ``is_first_microbatch``, as Composer's modules:
+    transformer_engine/pytorch/module/linear.py ``update_ws``), the column-wise copy then
+    kept for the backward with the activations."""
 
     @model_validator(mode="before")
     @classmethod
