@@ -249,6 +249,45 @@ def test_a_model_whose_experts_stay_16_bit_is_warned() -> None:
     moe["model"] = {**moe["model"], "experts": 8, "experts_per_token": 2}
     moe["parallel"] = {**moe["parallel"], "ep": 2}
     [warning] = [w for w in scenario_warnings(scenario_from_dict(moe)) if "stack.fp8" in w]
-    assert "experts" in warning and "bf16" in warning
+    assert "its router, run in bf16" in warning
     assert not [w for w in scenario_warnings(scenario_from_dict(_scenario(fp8="delayed")))
                 if "stack.fp8" in w]
+
+
+def _moe(recipe: str) -> Any:
+    data = _scenario(fp8=recipe)
+    data["model"] = {**data["model"], "experts": 8, "experts_per_token": 2}
+    data["parallel"] = {**data["parallel"], "ep": 2}
+    return scenario_from_dict(data)
+
+
+def test_routed_experts_run_fp8_grouped_gemms_in_the_expert_pass() -> None:
+    """TE's GroupedLinear: one FP8 GEMM per local expert, its input kept in FP8; the casts
+    go with the experts to the ranks that hold them (the expert pass), not the layer's."""
+    from simulator.model.moe import ROUTED_OPS
+    from simulator.strategies.expert.layer import expert_layer
+
+    s = _moe("delayed")
+    layer = expert_layer(s)
+    fwd = {op.name: op for op in layer.fwd}
+    tokens, h = layer.tokens, 4096
+    assert fwd["expert_up"].precision == "fp8" and fwd["expert_up"].kernels == 4
+    assert fwd["expert_up"].saved == tokens * h  # 1 byte an element
+    assert fwd["fp8_x_expert_up"].bytes == pytest.approx(cast_bytes("delayed", tokens * h))
+    assert {"fp8_dy_expert_up", "fp8_dy_expert_down"} <= {op.name for op in layer.bwd_input}
+    assert all(op.name in ROUTED_OPS for op in (*layer.fwd, *layer.bwd_input)
+               if op.name.startswith("fp8_"))
+
+
+def test_the_experts_fp8_weights_are_held_and_cast_once_per_step() -> None:
+    fp8, bf16 = _moe("delayed"), _moe("none")
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    attention = (h * (q + 2 * kv) + q * h) / 2  # TP 2
+    experts = 8 // 2 * (h * 2 * f + f * h) / 2  # 4 local experts, expert TP 2
+    extra = 2 * 2 * (attention + experts)  # 2 MoE layers on the first stage
+    assert stage_breakdown(fp8, 0).weights - stage_breakdown(bf16, 0).weights == \
+        pytest.approx(extra, rel=1e-12)
+    step, plain = (mdl.optimizer_op_of(s, 1e6, [range(0, 2)], "experts") for s in (fp8, bf16))
+    assert step.bytes - plain.bytes == pytest.approx(cast_bytes("delayed", 2 * experts),
+                                                     rel=1e-12)
+    assert step.kernels - plain.kernels == 2 * 2 * 4  # up and down of 4 experts, 2 layers

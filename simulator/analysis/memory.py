@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from simulator.model import moe
 from simulator.model.inventory.fp8 import weight_cache_bytes
-from simulator.model.inventory.layer import fp8_weights
+from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import (
     MemoryBreakdown,
@@ -99,7 +99,9 @@ def fp8_weight_cache(s: Scenario, runs: list[range]) -> float:
     copies are activations)."""
     if s.stack.fp8 == "none" or s.stack.fp8_weight_cast != "step":  # else kept per micro-batch
         return 0.0
-    elements = sum(n * fp8_weights(s.model, s.stack, s.parallel.tp, i)[0]
+    par = s.parallel
+    elements = sum(n * (fp8_weights(s.model, s.stack, par.tp, i)[0]
+                        + fp8_expert_weights(s.model, s.stack, par.ep, par.etp, i)[0])
                    for r in runs for i, n in moe.layer_kinds(s.model, r.start, r.stop))
     return weight_cache_bytes(s.stack.fp8, elements)
 

@@ -133,10 +133,10 @@ def scenario_warnings(s: Scenario) -> list[str]:
                    "full sharding of parameters, gradients and optimizer states); write zero: 3")
     if s.stack.fp8 != "none" and (s.model.is_moe or s.model.mla is not None):
         kept = "its latent-attention layers, every layer" if s.model.mla is not None \
-            else "its routed and shared experts"
-        out.append(f"warning: stack.fp8 = {s.stack.fp8}: FP8 covers standard attention and "
-                   f"dense MLP projections only; {kept}, run in {s.training.dtype} "
-                   "(docs/model.md, FP8 linears)")
+            else "its router" + (" and shared experts" if s.model.shared_experts else "")
+        out.append(f"warning: stack.fp8 = {s.stack.fp8}: FP8 covers standard attention, "
+                   f"dense MLP and routed experts' projections only; {kept}, run in "
+                   f"{s.training.dtype} (docs/model.md, FP8 linears)")
     for strategy in registry.strategies():
         out += strategy.warnings(s)
     return out

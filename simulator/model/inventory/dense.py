@@ -87,7 +87,7 @@ def with_casts(x: Shape, g: dict[str, Op], name: str, pass_: Pass) -> list[Op]:
                               "out_proj": (T * x.q, L * h, 1),
                               "mlp_up": (L * h, T * x.up, x.up_kernels),
                               "mlp_down": (T * f, L * h, 1)}[name]
-    return fp8.around(x, name, g[name], inputs, grads, weight_elements(x, name), linears,
+    return fp8.around(x.st, name, g[name], inputs, grads, weight_elements(x, name), linears,
                       pass_)
 
 

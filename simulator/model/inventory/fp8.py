@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from simulator.model.inventory.ops import Op, Pass, Shape, mem
+from simulator.spec.stack import StackSpec
 
 #: DelayedScaling.amax_history_len's default (transformer_engine/common/recipe/__init__.py)
 AMAX_HISTORY = 1024
@@ -81,6 +82,11 @@ def active(x: Shape) -> bool:
     return x.st.fp8 != "none"
 
 
+def on(stack: StackSpec | None) -> bool:
+    """``stack`` (if any) runs its linears in FP8."""
+    return stack is not None and stack.fp8 != "none"
+
+
 def cast_bytes(recipe: str, elements: float, src: int = 2) -> float:
     """HBM bytes of one cast of ``elements`` ``src``-byte elements to FP8, row-wise and
     column-wise: the input read (twice under current scaling, its amax pass first), two
@@ -97,29 +103,32 @@ def cast(name: str, recipe: str, elements: float, linears: int = 1) -> Op:
 
 
 def linear(name: str, m: float, k: float, n: float, dt: int, cls: str, pass_: Pass,
-           kernels: int = 1, saved: float = 0.0) -> Op:
-    """An FP8 GEMM of an (m×k)·(k×n) linear in ``pass_``: two FP8 operands read, the
-    ``dt``-byte result written (forward Y m×n, dgrad dX m×k, wgrad dW k×n)."""
+           kernels: int = 1, saved: float = 0.0, groups: int = 1) -> Op:
+    """An FP8 GEMM of an (m×k)·(k×n) linear in ``pass_`` (of ``groups`` experts, one k×n
+    weight each, their m rows split among them): two FP8 operands read, the ``dt``-byte
+    result written (forward Y m×n, dgrad dX m×k, wgrad dW k×n per group)."""
     flops = 2.0 * m * k * n
-    result = {"fwd": m * n, "bwd_input": m * k, "bwd_weight": k * n}[pass_]
-    operands = m * k + k * n + m * n - result
-    return Op(name, "gemm", flops, operands + dt * result, flops / kernels, cls, kernels, saved,
+    w = groups * k * n
+    result = {"fwd": m * n, "bwd_input": m * k, "bwd_weight": w}[pass_]
+    operands = m * k + w + m * n - result
+    per_call = flops / groups if groups > 1 else flops / kernels  # the curve's lookup
+    return Op(name, "gemm", flops, operands + dt * result, per_call, cls, kernels, saved,
               precision="fp8")
 
 
-def around(x: Shape, name: str, gemm: Op, inputs: float, grads: float, weights: float,
-           linears: int, pass_: Pass) -> list[Op]:
+def around(stack: StackSpec | None, name: str, gemm: Op, inputs: float, grads: float,
+           weights: float, linears: int, pass_: Pass) -> list[Op]:
     """``gemm`` with its casts, in forward order (the backward reverses the list): the
     input's ``inputs`` elements (per linear) before the forward GEMM, and the weight's
     ``weights`` there too when cast every micro-batch; the output gradient's ``grads``
     elements after it, so before the dgrad in the backward."""
-    if not active(x) or pass_ == "bwd_weight":
+    if stack is None or not on(stack) or pass_ == "bwd_weight":
         return [gemm]
-    recipe = x.st.fp8
+    recipe = stack.fp8
     if pass_ == "bwd_input":
         return [gemm, cast(f"fp8_dy_{name}", recipe, grads)]
     out = [cast(f"fp8_x_{name}", recipe, inputs, linears)]
-    if x.st.fp8_weight_cast == "microbatch":  # the column-wise copy is kept for the dgrad
+    if stack.fp8_weight_cast == "microbatch":  # the column-wise copy is kept for the dgrad
         w = cast(f"fp8_w_{name}", recipe, weights / linears, linears)
         out.append(replace(w, saved=weights * (1.0 + RECIPES[recipe].scale_bytes)))
     return [*out, gemm]
