@@ -158,6 +158,11 @@ def test_megatron_defaults(tmp_path: Path, extra: list[str], field: str,
     (["--attention-backend", "unfused"], ("stack", "attention"), "unfused_fused_softmax"),
     (["--clip-grad", "0"], ("stack", "grad_clip"), False),
     (["--fp16"], ("training", "dtype"), "fp16"),
+    (["--bf16", "--fp8-format", "hybrid"], ("stack", "fp8"), "delayed"),  # Megatron's default
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], ("stack", "fp8"),
+     "current"),
+    (["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], ("stack", "fp8"),
+     "blockwise"),
     ([], ("training", "dtype"), "fp32"),
     (["--global-batch-size", "64"], ("training", "global_batch"), 64),
 ])
@@ -174,13 +179,14 @@ def test_parallel_and_stack_flags(tmp_path: Path, extra: list[str], path: tuple[
 
 def test_unmapped_and_unknown_flags_are_listed(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    extra = ["--fp8-format", "hybrid", "--overlap-param-gather", "--moe-token-dispatcher-type",
+    extra = ["--fp8-format", "hybrid", "--fp8-recipe", "custom", "--overlap-param-gather",
+             "--moe-token-dispatcher-type",
              "alltoall", "--tensor-model-paralel-size", "2", "--lr", "1e-4"]
     rc, out = _import(tmp_path, BASE + extra, "--gpus", "8")
     assert rc == 0
     header = out.read_text().split("\nname:")[0]
     err = capsys.readouterr().err
-    for flag in ("--fp8-format hybrid", "--overlap-param-gather", "--moe-token-dispatcher-type",
+    for flag in ("--fp8-recipe custom", "--overlap-param-gather", "--moe-token-dispatcher-type",
                  "--tensor-model-paralel-size 2"):
         assert f"#   {flag}" in header and f"not mapped: {flag}" in err
     assert "did you mean --tensor-model-parallel-size" in header

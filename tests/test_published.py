@@ -64,6 +64,17 @@ def test_a_row_becomes_the_scenario_it_describes() -> None:
     assert s.parallel.world == 512 and s.microbatches == 1
 
 
+def test_an_fp8_row_trains_bf16_with_delayed_scaling_fp8_linears() -> None:
+    """Composer's amp_fp8: Transformer Engine's DelayedScaling over bf16, its linears
+    called without is_first_microbatch (a weight cast every forward)."""
+    [row] = [r for r in read_rows(DEV_SET) if r.dtype == "amp_fp8"][:1]
+    s = scenario_from_dict(scenario_data(row))
+    assert (s.training.dtype, s.stack.fp8, s.stack.fp8_weight_cast) == \
+        ("bf16", "delayed", "microbatch")
+    bf16 = scenario_from_dict(scenario_data(row.model_copy(update={"dtype": "amp_bf16"})))
+    assert bf16.stack.fp8 == "none"
+
+
 def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:
     [row] = [r for r in read_rows(DEV_SET) if "PURE" in r.zero_or_fsdp][:1]
     s = scenario_from_dict(scenario_data(row))
@@ -74,7 +85,7 @@ def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "reason"), [
-    ("dtype", "amp_fp8", "FP8 training is not modelled yet"),
+    ("dtype", "amp_fp4", "expected bf16, fp16, fp32 or fp8"),
     ("zero_or_fsdp", "FSDP HYBRID_SHARD", "hybrid sharding"),
     ("framework", "nanotron", "has no stack preset"),
     ("gpu", "MI300X", "has no system preset"),
@@ -133,13 +144,13 @@ def test_a_bad_cell_is_one_line_naming_the_row_and_column(tmp_path: Path) -> Non
 def test_the_command_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                        ) -> None:
     small = [r for r in _rows() if r["gpus"] == "8"][:3]
-    fp8 = next(r for r in _rows() if r["dtype"] == "amp_fp8")
-    table = _write(tmp_path / "runs.csv", [*small, fp8])
+    hybrid = {**small[0], "name": "hybrid", "zero_or_fsdp": "FSDP HYBRID_SHARD"}
+    table = _write(tmp_path / "runs.csv", [*small, hybrid])
     out = tmp_path / "out"
     assert main(["validate-runs", str(table), "--out", str(out), "--workers", "1"]) == 0
     printed = capsys.readouterr().out
     assert "4 row(s): 3 compared, 1 not expressed" in printed
-    assert "FP8 training is not modelled yet" in printed
+    assert "hybrid sharding" in printed
     for name in ("runs.csv", "regimes.csv", "runs.md", "summary.json", "scatter.png"):
         assert (out / name).stat().st_size > 0
     assert "## By regime" in (out / "runs.md").read_text()

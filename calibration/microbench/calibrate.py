@@ -8,6 +8,8 @@ The profile has the schema of the bundled presets, so a scenario uses it with
   and ``gemm_efficiency``; a few of them in the other dtypes → their peaks; a
   spread of them in the backward layouts (dY·Wᵀ, Xᵀ·dY) → ``class_efficiency``
   ``gemm_dgrad`` and ``gemm_wgrad`` (the forward ones give ``gemm_fwd``);
+- a spread of them in FP8 (``torch._scaled_mm``) where the device runs it →
+  ``peak_tflops.fp8`` and ``fp8_gemm_efficiency`` (:mod:`calibration.microbench.bench_fp8`);
 - ``scaled_dot_product_attention`` forward and backward → ``attention_efficiency``,
   ``attention_fwd`` and ``attention_bwd``;
 - layer/RMS norm, softmax, GELU, SwiGLU, add, mul, a sum, a copy and an AdamW
@@ -247,6 +249,7 @@ def _guarded(opts: Options, device: Any, budget: Any, store: Any,
 def _measure_compute(opts: Options, device: Any, budget: Any, store: Any) -> None:
     from calibration.microbench import bench_compute as bc
     from calibration.microbench import bench_terms as bt
+    from calibration.microbench.bench_fp8 import run_fp8_gemm
 
     if "gemm" not in opts.skip:
         bc.run_gemm(device, opts.dtype, budget, store)
@@ -256,6 +259,7 @@ def _measure_compute(opts: Options, device: Any, budget: Any, store: Any) -> Non
                     bc.run_gemm(device, other, budget, store, bc.probe_shapes(budget, device),
                                 stage=f"gemm-{other}")
         bt.run_gemm_layouts(device, opts.dtype, budget, store)
+        run_fp8_gemm(device, budget, store, bc.gemm_plan(budget, device))
     if "attention" not in opts.skip:
         bc.run_attention(device, opts.dtype, budget, store)
         bt.run_attention_bwd(device, opts.dtype, budget, store)
@@ -315,8 +319,8 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
         "measured_from": min((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "measured_to": max((r["timestamp"] for r in records if "timestamp" in r), default=None),
         "samples": {k: len({r["key"] for r in records if r.get("kind") == k and r.get("ok")})
-                    for k in ("gemm", "gemm_layout", "attention", "attention_bwd", "memory",
-                              "overhead", "collective", *in_profile_order())},
+                    for k in ("gemm", "gemm_layout", "gemm_fp8", "attention", "attention_bwd",
+                              "memory", "overhead", "collective", *in_profile_order())},
         "busy_guard": guard,
         "failed": [{"key": r["key"], "error": r.get("error", "")} for r in failed[:20]],
         "failed_count": len(failed),

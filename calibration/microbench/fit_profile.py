@@ -49,6 +49,7 @@ class Fits:
     hbm_GBps: float | None = None
     hbm_source: str = ""
     gemm: CurveFit | None = None
+    fp8_gemm: CurveFit | None = None  # against peak_tflops["fp8"], where FP8 GEMMs were timed
     attention: CurveFit | None = None
     memory: CurveFit | None = None
     memory_kernels: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -88,6 +89,7 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
     # reading); a CPU's do (a small GEMM runs from cache), so its curve follows the data
     gpu_like = device == "cuda"
     peak = _fit_flops(fits, records, by_kind, sheet, sel, ov, gpu_like)
+    _fit_fp8(fits, _ok(records, "gemm_fp8", dtype="fp8", **sel), sheet, ov, gpu_like)
     _fit_memory(fits, by_kind["memory"], sheet, ov)
     fits.terms = fit_classes(by_kind, peak, fits.hbm_GBps * 1e9 if fits.hbm_GBps else None, ov,
                              gpu_like)
@@ -120,6 +122,20 @@ def _fit_flops(fits: Fits, records: list[dict[str, Any]],
                                         executed_peak(att, peak), monotone=gpu_like,
                                         offset_s=ov)
     return peak
+
+
+def _fit_fp8(fits: Fits, fp8: list[dict[str, Any]], sheet: HardwareProfile | None, ov: float,
+             gpu_like: bool) -> None:
+    """The fp8 peak (the datasheet's where it is at least the best measured FP8 rate, else
+    that rate) and the FP8 GEMM curve against it; nothing without FP8 records."""
+    if not fp8:
+        return
+    best = best_rate(fp8, "flops", ov) / 1e12
+    listed = sheet.gpu.peak_tflops.get("fp8", 0) if sheet else 0
+    fits.peak_tflops["fp8"] = listed if listed >= best else sig(best)
+    fits.fp8_gemm = fit_efficiency([r["flops"] for r in fp8], [r["time_s"] for r in fp8],
+                                   fits.peak_tflops["fp8"] * 1e12, monotone=gpu_like,
+                                   offset_s=ov)
 
 
 def _fit_memory(fits: Fits, mem: list[dict[str, Any]], sheet: HardwareProfile | None,

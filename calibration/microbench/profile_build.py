@@ -80,6 +80,11 @@ def _curves_into(gpu: dict[str, Any], fits: Fits, not_measured: list[str]) -> No
         gpu["kernel_overhead_us"] = 0.0  # without an overhead fit it is inside the curves
     else:
         not_measured += ["gpu.peak_tflops", "gpu.gemm_efficiency"]
+    if fits.fp8_gemm and "fp8" in gpu.get("peak_tflops", {}):  # per-tensor FP8 GEMMs timed
+        gpu["fp8_gemm_efficiency"] = {"points": [list(p) for p in fits.fp8_gemm.points]}
+        gpu["fp8_recipes"] = sorted({*gpu.get("fp8_recipes", ()), "delayed", "current"})
+    else:
+        not_measured.append("gpu.fp8_gemm_efficiency")
     if fits.attention:
         gpu["attention_efficiency"] = {"points": [list(p) for p in fits.attention.points]}
     else:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from simulator.model import moe
 from simulator.model.device_memory import DEVICE_TERMS, device_terms
+from simulator.model.inventory.fp8 import weight_cache_bytes
+from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import (
     MemoryBreakdown,
@@ -75,6 +78,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes, fp32)
         weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
             optimizer + psi_e * oe
+    weights += fp8_weight_cache(scenario, runs)
     gradients, optimizer = offloaded(scenario, gradients, optimizer)
     buffers, compression_state = memory_extra(scenario, stage)
     out = MemoryBreakdown(
@@ -89,6 +93,20 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
         device=tuple(device_terms(scenario, stage).items()),
     )
     return _extended(scenario, stage, out)
+
+
+def fp8_weight_cache(s: Scenario, runs: list[range]) -> float:
+    """The FP8 copies (row-wise and column-wise) of the FP8 linears' weights of the layer
+    ``runs`` on one rank, which Transformer Engine keeps between micro-batches when it casts
+    them once per step (none without ``stack.fp8``; cast every micro-batch, their saved
+    copies are activations)."""
+    if s.stack.fp8 == "none" or s.stack.fp8_weight_cast != "step":  # else kept per micro-batch
+        return 0.0
+    par = s.parallel
+    elements = sum(n * (fp8_weights(s.model, s.stack, par.tp, i)[0]
+                        + fp8_expert_weights(s.model, s.stack, par.ep, par.etp, i)[0])
+                   for r in runs for i, n in moe.layer_kinds(s.model, r.start, r.stop))
+    return weight_cache_bytes(s.stack.fp8, elements)
 
 
 def memory_report(scenario: Scenario) -> list[MemoryBreakdown]:

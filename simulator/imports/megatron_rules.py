@@ -143,14 +143,24 @@ def batch(a: Parsed, d: Draft) -> None:
                    "step at the full --global-batch-size")
 
 
+#: Megatron's --fp8-recipe -> stack.fp8 (megatron/core/transformer/transformer_config.py
+#: ``fp8_recipe``, default delayed; "tensorwise" is per-tensor current scaling)
+FP8_RECIPES = {"delayed": "delayed", "tensorwise": "current", "blockwise": "blockwise",
+               "mxfp8": "mxfp8"}
+
+
 def precision(a: Parsed, d: Draft) -> None:
     if a.given("--bf16") and a.given("--fp16"):
         raise UserError([Problem("--bf16", "with --fp16", "give one of them")])
     d.set("training.dtype", "bf16" if a.given("--bf16") else "fp16" if a.given("--fp16")
           else "fp32")
-    if a.given("--fp8-format"):
-        d.note("--fp8-format", a.text("--fp8-format"), "training.dtype has no fp8; "
-               f"simulated in {d.get('training.dtype')}")
+    if a.given("--fp8-format"):  # e4m3 or hybrid: one byte either way
+        recipe = a.text("--fp8-recipe", "delayed") or "delayed"
+        if recipe in FP8_RECIPES:
+            d.set("stack.fp8", FP8_RECIPES[recipe])
+        else:
+            d.note("--fp8-recipe", recipe, "no stack.fp8 for a custom recipe; simulated in "
+                   f"{d.get('training.dtype')}")
     if a.given("--grad-reduce-in-bf16"):
         d.set("stack.grad_reduce_dtype", "param")
 
@@ -311,7 +321,8 @@ RULES: tuple[Rule, ...] = (
          recompute),
     Rule(("--micro-batch-size", "--global-batch-size", "--rampup-batch-size",
           "--step-batch-size-schedule"), batch),
-    Rule(("--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16"), precision),
+    Rule(("--bf16", "--fp16", "--fp8-format", "--fp8-recipe", "--grad-reduce-in-bf16"),
+         precision),
     Rule(("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
           "--no-overlap-p2p-communication"), overlap),
     Rule(("--attention-backend", "--transformer-impl", "--use-flash-attn", "--hidden-dropout",

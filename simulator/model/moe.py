@@ -181,6 +181,8 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
 #: what expert parallelism moves: the routed experts' ops (the layer lists them for its
 #: FLOPs and what it keeps; the expert pass prices them on the ranks that hold the experts)
 ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers", "expert_bias_grad",
+              "fp8_x_expert_up", "fp8_x_expert_down", "fp8_dy_expert_up",
+              "fp8_dy_expert_down", "fp8_w_expert_up", "fp8_w_expert_down",
               "expert_amp_weight_cast", "expert_grad_accum", "expert_main_grad")
 
 

@@ -33,12 +33,14 @@ out exactly for a GPT block):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Literal
 
 from simulator.model import moe
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import expert_tensors
-from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.fp8 import step_weight_cast
+from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights, layer_tensors
 from simulator.model.inventory.ops import (
     CORE_OPS,
     Op,
@@ -253,7 +255,20 @@ def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
         count * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
     if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
         dtensors = tensors
-    return optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)
+    op = optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)
+    if s.stack.fp8 == "none" or s.stack.fp8_weight_cast != "step":
+        return op
+    # FP8 linears renew their cached FP8 weights once per step (on the first micro-batch's
+    # forward): priced with the step, every TP-local weight, whatever the optimizer shards
+    weights = [(n, fp8_weights(spec, s.stack, p.tp, i)) for i, n in kinds] \
+        if part != "experts" else []
+    if part != "dense":
+        weights += [(n, fp8_expert_weights(spec, s.stack, p.ep, p.etp, i)) for i, n in kinds]
+    elements, casts = sum(n * w for n, (w, _) in weights), sum(n * c for n, (_, c) in weights)
+    if not casts:
+        return op
+    cast = step_weight_cast(s.stack.fp8, elements, casts)
+    return replace(op, bytes=op.bytes + cast.bytes, kernels=op.kernels + cast.kernels)
 
 
 def ops_flops(ops: tuple[Op, ...] | list[Op]) -> float:

@@ -111,12 +111,24 @@ def recompute_of(text: str) -> str:
 
 
 def dtype_of(text: str) -> str:
+    """The training dtype of a ``dtype`` cell: bf16, fp16 or fp32 (``amp_`` for autocast);
+    FP8 (``fp8``, ``amp_fp8``) trains in bf16 with FP8 linears (:func:`fp8_of`)."""
     t = text.lower().removeprefix("amp_")
-    if "fp8" in t:
-        raise Unexpressed(f"dtype {text!r}: FP8 training is not modelled yet")
+    if t == "fp8":
+        return "bf16"
     if t in ("bf16", "fp16", "fp32"):
         return t
-    raise Unexpressed(f"dtype {text!r}: expected bf16, fp16 or fp32 (amp_ for autocast)")
+    raise Unexpressed(f"dtype {text!r}: expected bf16, fp16, fp32 or fp8 (amp_ for autocast)")
+
+
+def fp8_of(text: str) -> dict[str, Any]:
+    """Stack overrides of an FP8 ``dtype`` cell: Transformer Engine's delayed scaling, the
+    recipe Composer's ``amp_fp8`` enters (composer/core/precision.py: ``te.fp8_autocast``
+    with a ``DelayedScaling`` recipe); how often the weights are cast is the stack's
+    (``fp8_weight_cast``: every forward under Composer)."""
+    if text.lower().removeprefix("amp_") != "fp8":
+        return {}
+    return {"fp8": "delayed"}
 
 
 def precision_mode(text: str) -> str:
@@ -175,7 +187,8 @@ def scenario_data(row: Row, method: str = "analytic") -> dict[str, Any]:
     :class:`Unexpressed` with the reason."""
     fw = framework_of(row)
     stack: dict[str, Any] = {"preset": fw.stack,
-                             **fw.precision_modes.get(precision_mode(row.zero_or_fsdp), {})}
+                             **fw.precision_modes.get(precision_mode(row.zero_or_fsdp), {}),
+                             **fp8_of(row.dtype)}
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", row.name)[:200]
     return {"name": name, "description": row.source[:10_000], "model": _model(row, fw),
             "cluster": _cluster(row), "parallel": _parallel(row),

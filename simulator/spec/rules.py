@@ -47,7 +47,20 @@ def consistency_problems(s: Scenario) -> list[Problem]:
         return out + options
     for strategy in registry.strategies():
         out += strategy.problems(s)
-    return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp)
+    return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp) \
+        + fp8_problems(s)
+
+
+def fp8_problems(s: Scenario) -> list[Problem]:
+    """FP8 linears (``stack.fp8``) need FP8 tensor cores for the recipe on every system
+    the scenario runs on (``gpu.fp8_recipes``)."""
+    if s.stack.fp8 == "none":
+        return []
+    systems = {str(s.cluster.system): s.hardware}
+    systems.update({str(e.system): s.hardware_of_stage(e.stages[0])
+                    for e in s.variability.stage_systems if e.stages})
+    found = (hw.gpu.fp8_problem(s.stack.fp8, name) for name, hw in systems.items())
+    return [problem for problem in found if problem is not None][:1]
 
 
 def domain_problems(s: Scenario) -> list[Problem]:
@@ -151,6 +164,12 @@ def scenario_warnings(s: Scenario) -> list[str]:
     if s.parallel.fsdp:
         out.append("warning: parallel.fsdp = true: read as parallel.zero: 3 (ZeRO-3, FSDP's "
                    "full sharding of parameters, gradients and optimizer states); write zero: 3")
+    if s.stack.fp8 != "none" and (s.model.is_moe or s.model.mla is not None):
+        kept = "its latent-attention layers, every layer" if s.model.mla is not None \
+            else "its router" + (" and shared experts" if s.model.shared_experts else "")
+        out.append(f"warning: stack.fp8 = {s.stack.fp8}: FP8 covers standard attention, "
+                   f"dense MLP and routed experts' projections only; {kept}, run in "
+                   f"{s.training.dtype} (docs/model.md, FP8 linears)")
     for strategy in registry.strategies():
         out += strategy.warnings(s)
     return out

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from simulator.loading import PRESETS_DIR, read_yaml
-from simulator.system.units import FusedAttention
+from simulator.system.units import FP8Recipe, FusedAttention
 
 if TYPE_CHECKING:
     from simulator.spec.scenario import OverlapSpec
@@ -188,6 +188,22 @@ class StackSpec(BaseModel):
     entropy (flash_attn/losses/cross_entropy.py, with or without the fusion): one kernel each
     way on the 16-bit logits, which it keeps with a per-row fp32 log-sum-exp, its backward
     writing a 16-bit gradient (``torch.empty_like(logits)``)"""
+
+    fp8: FP8Recipe | Literal["none"] = "none"
+    """The linear layers' GEMMs in FP8 under this recipe (Transformer Engine's
+    ``fp8_autocast``; Megatron's ``--fp8-format hybrid --fp8-recipe``): ``delayed``,
+    ``current``, ``blockwise`` (DeepSeek-V3's tile-wise scaling) or ``mxfp8`` (Blackwell);
+    ``none``: every GEMM in the training dtype. E4M3 forward, E5M2 for gradients (the hybrid
+    format); attention, norms, softmax, the loss, the output layer, gradients' reductions,
+    master weights and the optimizer stay as without it (docs/model.md, FP8). The system's
+    GPU must list the recipe in ``gpu.fp8_recipes``."""
+    fp8_weight_cast: Literal["step", "microbatch"] = "step"
+    """How often FP8 linears cast their weights: once per ``step`` (Transformer Engine's
+    cached weight workspace, renewed when ``is_first_microbatch`` is true, which Megatron
+    Core passes: core/pipeline_parallel/schedules.py ``set_is_first_microbatch``), or every
+    ``microbatch`` (a caller that passes no ``is_first_microbatch``, as Composer's modules:
+    transformer_engine/pytorch/module/linear.py ``update_ws``), the column-wise copy then
+    kept for the backward with the activations."""
 
     @model_validator(mode="before")
     @classmethod

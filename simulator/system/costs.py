@@ -2,7 +2,8 @@
 
 An op's device time is its roofline,
 ``max(flops·scale / (peak × eff(class, call FLOPs)), bytes / (hbm × eff_mem(class, bytes)))``,
-plus the profile's per-kernel overhead for each of its kernels; the efficiency curves
+plus the profile's per-kernel overhead for each of its kernels (an FP8 GEMM against the
+fp8 peak, on ``gpu.fp8_gemm_efficiency`` where the profile has it); the efficiency curves
 come from the profile (datasheet presets or calibration) per cost class, falling back
 to ``gemm_efficiency`` / ``attention_efficiency`` / ``memory_efficiency`` where the
 profile has no curve of its own for the class; a fused attention call is priced on its
@@ -74,6 +75,8 @@ class CostedOp(Protocol):
     def host_ops(self) -> int: ...
     @property
     def attn(self) -> AttentionCall | None: ...
+    @property
+    def precision(self) -> str: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -120,8 +123,9 @@ class CostModel:
         if op.kind == "memory" or op.flops <= 0:
             compute = 0.0
         else:
-            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn)
-            compute = op.flops * op.compute_scale / (self.peak * eff)
+            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn, op.precision)
+            peak = gpu.peak_flops("fp8") if op.precision == "fp8" else self.peak
+            compute = op.flops * op.compute_scale / (peak * eff)
         host_us = self.host_us
         step = cls == "optimizer"  # the optimizer's figures where measured apart
         measured = gpu.host_optimizer_us if step and gpu.host_optimizer_us is not None \

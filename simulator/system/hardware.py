@@ -57,13 +57,14 @@ from simulator.system.units import (
     UNCERTAINTY_TERMS,
     CollectiveName,
     CostClass,
-    Dtype,
+    FP8Recipe,
     Frozen,
     FuncolKind,
     FusedAttention,
     Interference,
     LinkClass,
     LinkName,
+    PeakDtype,
     Rate,
     RelativeStd,
 )
@@ -92,7 +93,14 @@ NO_RUNTIME = RuntimeMemory(context_GB=0.0, cublas_workspace_MiB=0.0, gemm_stream
 
 class GPUSpec(Frozen):
     name: str
-    peak_tflops: dict[Dtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
+    peak_tflops: dict[PeakDtype, Rate] = Field(min_length=1)  # dense peak per dtype, TFLOP/s
+    # the FP8 recipes this GPU's tensor cores run (``stack.fp8``): delayed, current and
+    # blockwise need an fp8 peak (Hopper and later); mxfp8 needs Blackwell's block-scaled
+    # MMA. Absent: none, and a stack with fp8 is refused on this system
+    fp8_recipes: tuple[FP8Recipe, ...] = ()
+    # achieved / fp8 peak vs FLOPs of one FP8 GEMM (torch._scaled_mm); absent: the GEMM
+    # classes' curves (the bf16 shape, an assumption until calibration measures it)
+    fp8_gemm_efficiency: EfficiencyCurve | None = None
     memory_GB: float = Field(ge=1e-3, le=1e7)  # HBM capacity, 1e9 bytes
     hbm_bandwidth_GBps: float = RATE  # HBM bandwidth, 1e9 bytes/s
     gemm_efficiency: EfficiencyCurve  # achieved/peak vs FLOPs of one GEMM
@@ -180,6 +188,11 @@ class GPUSpec(Frozen):
     def _cost_classes(cls, data: Any) -> Any:
         return known_keys(data, COST_CLASSES, "cost class")
 
+    @field_validator("fp8_recipes", mode="before")
+    @classmethod
+    def _recipes(cls, data: Any) -> Any:
+        return tuple(data) if isinstance(data, list) else data  # YAML lists; strict tuples
+
     @field_validator("attention_kernels", mode="before")
     @classmethod
     def _attention_kernels(cls, data: Any) -> Any:
@@ -198,15 +211,18 @@ class GPUSpec(Frozen):
         return known_keys(data, LINK_NAMES, "link class")
 
     def efficiency(self, cost_class: str, size: float,
-                   call: AttentionCall | None = None) -> float:
+                   call: AttentionCall | None = None, precision: str = "") -> float:
         """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
         and attention, bytes moved otherwise): the class's own curve when the profile
         has one (calibration measured it), else for a fused attention ``call`` its
         kernel's curves at the call's sequence length and head dimension where the
         profile has them, else ``gemm_efficiency``, ``attention_efficiency`` or
-        ``memory_efficiency`` by the class's kind."""
+        ``memory_efficiency`` by the class's kind. An FP8 GEMM (``precision`` fp8) is on
+        ``fp8_gemm_efficiency`` where the profile has it, else on its class's curve."""
         if cost_class not in COST_CLASSES:
             raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
+        if precision == "fp8" and self.fp8_gemm_efficiency is not None:
+            return self.fp8_gemm_efficiency(size)
         curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
         if curve is None and call is not None:
             kernel = self.attention_kernels.get(  # type: ignore[call-overload]
@@ -256,7 +272,17 @@ class GPUSpec(Frozen):
         beyond its back-to-back time (0 when the profile does not say)."""
         return self.send_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
 
-    def peak_flops(self, dtype: Dtype) -> float:
+    def fp8_problem(self, recipe: str, system: str) -> Problem | None:
+        """Why this GPU cannot run FP8 ``recipe`` (None when it can): no fp8 peak, or a
+        recipe outside ``fp8_recipes``."""
+        if "fp8" in self.peak_tflops and recipe in self.fp8_recipes:
+            return None
+        has = ", ".join(self.fp8_recipes) or "none"
+        return Problem("stack.fp8", recipe, f"system {system} ({self.name}) has no FP8 "
+                       f"tensor cores for it (its FP8 recipes: {has}); choose one of those, "
+                       "a system with FP8 (dgx-h100, dgx-h200, hgx-h800), or stack.fp8: none")
+
+    def peak_flops(self, dtype: PeakDtype) -> float:
         if dtype not in self.peak_tflops:
             raise UserError([Problem("training.dtype", dtype,
                                      f"GPU {self.name} has no peak for it; profile lists "

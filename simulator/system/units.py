@@ -13,6 +13,22 @@ from pydantic import BaseModel, ConfigDict, Field
 Dtype = Literal["bf16", "fp16", "fp32"]
 
 
+#: The element types a GPU may quote a dense tensor-core peak for (``gpu.peak_tflops``):
+#: the training dtypes and fp8 (E4M3 / E5M2, Hopper and later), which only the GEMMs of a
+#: stack with ``stack.fp8`` run in.
+PeakDtype = Literal["bf16", "fp16", "fp32", "fp8"]
+
+
+#: FP8 training recipes (``stack.fp8``, ``gpu.fp8_recipes``), as Transformer Engine names
+#: them (transformer_engine/common/recipe/__init__.py): ``delayed`` (DelayedScaling: a
+#: per-tensor scale from an amax history, updated once per pass), ``current``
+#: (Float8CurrentScaling: a per-tensor amax pass before every cast), ``blockwise``
+#: (Float8BlockScaling, DeepSeek-V3's tile-wise FP8: 1x128 activation tiles, 128x128
+#: weight blocks, an fp32 scale each), ``mxfp8`` (MXFP8BlockScaling: blocks of 32 with an
+#: E8M0 scale, Blackwell's tensor cores).
+FP8Recipe = Literal["delayed", "current", "blockwise", "mxfp8"]
+
+
 LinkName = Literal["intra_node", "inter_node"]
 
 

@@ -38,6 +38,7 @@ depend on the stack; what the GPU executes does (``compute_scale``).
 
 from __future__ import annotations
 
+from simulator.model.inventory import fp8
 from simulator.model.inventory.attention import attention_ops, rope_ops
 from simulator.model.inventory.ops import (
     Op,
@@ -58,17 +59,36 @@ from simulator.spec.stack import StackSpec
 
 
 def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
+    """The layer's four linears; under ``stack.fp8`` FP8 GEMMs that keep their FP8 input
+    (1 byte an element, :mod:`simulator.model.inventory.fp8`)."""
     h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
-    keep = pass_ == "fwd"
-    out = {
-        "qkv": gemm("qkv", T, h, x.q + 2 * x.kv, dt, cls, x.qkv_kernels, dt * L * h * keep),
-        "out_proj": gemm("out_proj", T, x.q, h, dt, cls, 1, dt * T * x.q * keep),
-        "mlp_up": gemm("mlp_up", T, h, x.up, dt, cls, x.up_kernels, dt * L * h * keep),
-        "mlp_down": gemm("mlp_down", T, x.spec.ffn / x.tp, h, dt, cls, 1,
-                         dt * T * x.spec.ffn / x.tp * keep),
+    kb = (1 if fp8.active(x) else dt) * (pass_ == "fwd")  # bytes kept per input element
+
+    def make(name: str, k: float, n: float, kernels: int, kept: float) -> Op:
+        if fp8.active(x):
+            return fp8.linear(name, T, k, n, dt, cls, pass_, kernels, kept)
+        return gemm(name, T, k, n, dt, cls, kernels, kept)
+
+    return {
+        "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * L * h),
+        "out_proj": make("out_proj", x.q, h, 1, kb * T * x.q),
+        "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * L * h),
+        "mlp_down": make("mlp_down", x.spec.ffn / x.tp, h, 1, kb * T * x.spec.ffn / x.tp),
     }
-    return out
+
+
+def with_casts(x: Shape, g: dict[str, Op], name: str, pass_: Pass) -> list[Op]:
+    """Linear ``name`` of ``g`` with its FP8 casts around it (none without ``stack.fp8``):
+    its input (the local shard under sequence parallelism), its output gradient and, cast
+    every micro-batch, its weight."""
+    h, T, L, f = x.spec.hidden, x.tokens, x.local, x.spec.ffn / x.tp
+    inputs, grads, linears = {"qkv": (L * h, T * (x.q + 2 * x.kv), x.qkv_kernels),
+                              "out_proj": (T * x.q, L * h, 1),
+                              "mlp_up": (L * h, T * x.up, x.up_kernels),
+                              "mlp_down": (T * f, L * h, 1)}[name]
+    return fp8.around(x.st, name, g[name], inputs, grads, weight_elements(x, name), linears,
+                      pass_)
 
 
 def weight_elements(x: Shape, name: str) -> float:
@@ -188,7 +208,8 @@ def _dense_layer_ops(x: Shape, pass_: Pass) -> tuple[Op, ...]:
     if pass_ == "bwd_weight":
         return (*g.values(), *weight_ops(x))
     return frame(x, pass_, g, [*amp_cast_ops(x, "amp_cast_up", x.up_kernels, pass_),
-                                g["mlp_up"], act_op(x, pass_), g["mlp_down"]], x.up_kernels)
+                                *with_casts(x, g, "mlp_up", pass_), act_op(x, pass_),
+                                *with_casts(x, g, "mlp_down", pass_)], x.up_kernels)
 
 
 def frame(x: Shape, pass_: Pass, g: dict[str, Op], mlp: list[Op],
@@ -200,10 +221,13 @@ def frame(x: Shape, pass_: Pass, g: dict[str, Op], mlp: list[Op],
         if pass_ == "bwd_input" else []
     ops = (*grad_sum, norm_op(x, "ln1", pass_),
            *fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_),
-           *amp_cast_ops(x, "amp_cast_qkv", x.qkv_kernels, pass_), g["qkv"], *rope_ops(x, pass_),
-           *attention_ops(x, pass_), g["out_proj"], *residual_ops(x, pass_), *grad_sum,
+           *amp_cast_ops(x, "amp_cast_qkv", x.qkv_kernels, pass_),
+           *with_casts(x, g, "qkv", pass_), *rope_ops(x, pass_), *attention_ops(x, pass_),
+           *with_casts(x, g, "out_proj", pass_), *residual_ops(x, pass_), *grad_sum,
            norm_op(x, "ln2", pass_), *fork_grad_sum(x, "up_grad_sum", readers, pass_), *mlp,
            *residual_ops(x, pass_))
+    linears = sum(op.kernels for op in ops if op.precision == "fp8")
+    ops = (*ops, *fp8.scale_update(x, linears, pass_))  # delayed scaling, after the pass
     return ops if pass_ == "fwd" else ops[::-1]
 
 

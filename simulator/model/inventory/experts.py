@@ -5,6 +5,7 @@ them (router, permutations, shared experts).
 
 from __future__ import annotations
 
+from simulator.model.inventory import fp8
 from simulator.model.inventory.dense import (
     amp_cast_ops,
     frame,
@@ -81,13 +82,19 @@ def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int,
     h = spec.hidden
     up = (2 if spec.activation == "swiglu" else 1) * width
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
-    keep = pass_ == "fwd"
     calls = expert_calls(stack, groups)
-    ops = [grouped_gemm("expert_up", tokens, h, up, groups, dt, cls, dt * tokens * h * keep,
-                    calls),
+    kb = (1 if fp8.on(stack) else dt) * (pass_ == "fwd")  # bytes kept per input element
+
+    def make(name: str, k: float, n: float, grads: float) -> list[Op]:
+        if fp8.on(stack):  # FP8 grouped linears (TE's GroupedLinear), with their casts
+            g = fp8.linear(name, tokens, k, n, dt, cls, pass_, calls, kb * tokens * k, groups)
+            return fp8.around(stack, name, g, tokens * k / calls, grads, groups * k * n,
+                              calls, pass_)
+        return [grouped_gemm(name, tokens, k, n, groups, dt, cls, kb * tokens * k, calls)]
+
+    ops = [*make("expert_up", h, up, tokens * up),
            expert_act(spec, tokens, width, dt, pass_, "expert_act", calls),
-           grouped_gemm("expert_down", tokens, width, h, groups, dt, cls,
-                    dt * tokens * width * keep, calls)]
+           *make("expert_down", width, h, tokens * h)]
     buffers = eager_buffer_op(tokens, h, groups, ep, dt, pass_) \
         if stack is not None and stack.moe_routing == "eager" else None
     return ops if buffers is None else [*ops, buffers]

@@ -4,8 +4,8 @@ tensors it has and what it keeps for backward, from the op inventory of its kind
 
 from __future__ import annotations
 
-from simulator.model.inventory.dense import dense_layer_ops
-from simulator.model.inventory.experts import moe_layer_ops, moe_layer_tensors
+from simulator.model.inventory.dense import dense_layer_ops, weight_elements
+from simulator.model.inventory.experts import expert_calls, moe_layer_ops, moe_layer_tensors
 from simulator.model.inventory.ops import CORE_OPS, Shape, dense_layer_tensors, dtype_bytes
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.stack import StackSpec
@@ -19,6 +19,32 @@ def layer_tensors(spec: ModelSpec, stack: StackSpec, layer: int | None = None) -
     if layer is not None and spec.is_moe_layer(layer):
         return moe_layer_tensors(spec, stack)
     return dense_layer_tensors(spec, stack)
+
+
+def fp8_weights(spec: ModelSpec, stack: StackSpec, tp: int, layer: int = 0) -> tuple[float, int]:
+    """(elements, tensors) of one layer's linear weights on one TP rank that run in FP8
+    under ``stack.fp8``: a dense layer's four linears, a MoE layer's attention projections
+    (its experts stay 16-bit), none in a latent-attention model's layers or without FP8."""
+    if stack.fp8 == "none" or spec.mla is not None:
+        return 0.0, 0
+    x = Shape(spec, 1, tp, False, 2, stack)
+    names = ("qkv", "out_proj") if spec.is_moe_layer(layer) else \
+        ("qkv", "out_proj", "mlp_up", "mlp_down")
+    tensors = {"qkv": x.qkv_kernels, "out_proj": 1, "mlp_up": x.up_kernels, "mlp_down": 1}
+    return (sum(weight_elements(x, n) for n in names), sum(tensors[n] for n in names))
+
+
+def fp8_expert_weights(spec: ModelSpec, stack: StackSpec, ep: int, etp: int,
+                       layer: int) -> tuple[float, int]:
+    """(elements, tensors) of one MoE layer's routed experts' weights on one rank (its
+    experts / ep, each split over etp) that run in FP8 under ``stack.fp8`` (none in a dense
+    or latent-attention layer, or without FP8); tensors as the stack holds them
+    (:func:`~simulator.model.inventory.experts.expert_calls`)."""
+    if stack.fp8 == "none" or spec.mla is not None or not spec.is_moe_layer(layer):
+        return 0.0, 0
+    local, f = spec.experts // ep, spec.expert_ffn / etp
+    up = (2 if spec.activation == "swiglu" else 1) * f
+    return local * (spec.hidden * up + f * spec.hidden), 2 * expert_calls(stack, local)
 
 
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,

@@ -76,6 +76,9 @@ class Op:
     #: a fused attention call: priced on its kernel's curves by sequence and head dimension
     #: where the profile has them (simulator/system/attention_kernels.py)
     attn: AttentionCall | None = None
+    #: the element type a GEMM runs in where it is not the training dtype's: ``fp8`` for the
+    #: linears of a stack with ``stack.fp8`` (priced at the GPU's fp8 peak)
+    precision: str = ""
 
     @property
     def host_ops(self) -> int:
