@@ -146,8 +146,12 @@ def test_activations_kept_in_fp8_shrink_the_stage() -> None:
 @pytest.mark.parametrize(("system", "recipe"), [("dgx-a100-80gb", "delayed"),
                                                 ("dgx-h100", "mxfp8")])
 def test_a_gpu_without_the_recipe_is_refused(system: str, recipe: str) -> None:
-    with pytest.raises(ScenarioError, match=f"stack.fp8 = '{recipe}': system {system}"):
+    with pytest.raises(ScenarioError, match=f"stack.fp8 = '{recipe}': system {system}") as e:
         scenario_from_dict(_scenario(system, fp8=recipe))
+    # the systems it names are the bundled ones whose GPUs run the recipe
+    runs = {"delayed": "(dgx-b200, dgx-h100, dgx-h200, gb200-nvl72, hgx-h800)",
+            "mxfp8": "(dgx-b200, gb200-nvl72)"}[recipe]
+    assert f"a system that runs {recipe} {runs}" in str(e.value)
 
 
 def test_the_cli_says_so_in_one_line_with_exit_2(tmp_path: Path,

@@ -277,10 +277,11 @@ class GPUSpec(Frozen):
         recipe outside ``fp8_recipes``."""
         if "fp8" in self.peak_tflops and recipe in self.fp8_recipes:
             return None
-        has = ", ".join(self.fp8_recipes) or "none"
+        has = (f"its FP8 recipes: {', '.join(self.fp8_recipes)}; choose one of those, "
+               if self.fp8_recipes else "it has no FP8 recipe; choose ")
         return Problem("stack.fp8", recipe, f"system {system} ({self.name}) has no FP8 "
-                       f"tensor cores for it (its FP8 recipes: {has}); choose one of those, "
-                       "a system with FP8 (dgx-h100, dgx-h200, hgx-h800), or stack.fp8: none")
+                       f"tensor cores for it ({has}a system that runs {recipe} "
+                       f"({', '.join(_systems_with(recipe))}), or stack.fp8: none")
 
     def peak_flops(self, dtype: PeakDtype) -> float:
         if dtype not in self.peak_tflops:
@@ -423,3 +424,9 @@ class HardwareProfile(Frozen):
         return self.model_copy(update={link: faster, "collectives": collectives})
 
 
+def _systems_with(recipe: str) -> list[str]:
+    """The bundled system presets whose GPU runs FP8 ``recipe``."""
+    from simulator.system.profiles import load_system, preset_system_names
+
+    return [name for name in preset_system_names()
+            if recipe in (gpu := load_system(name).gpu).fp8_recipes and "fp8" in gpu.peak_tflops]
