@@ -273,10 +273,10 @@ def test_action_parse_rejects_bad_text(text):
 
 
 def test_registry_and_dispatch():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}
     assert build_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
     assert build_schedule("interleaved", 4, 8, v=3) == interleaved_1f1b(4, 8, 3)
-    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, interleaved, zb-h1"):
+    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, interleaved, zb-h1, zbv"):
         build_schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match="v=2"):
         build_schedule("gpipe", 4, 8, v=2)

@@ -3,13 +3,21 @@ placement, its in-flight activations and its bubble in closed form."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator.analysis.memory import stage_breakdown
+from simulator.model.memory import stage_params
+from simulator.model.transformer import head_params
 from simulator.schedules.action import execute
 from simulator.schedules.validate import validate
 from simulator.schedules.zbv import zbv, zbv_idle, zbv_in_flight_chunks
+from simulator.spec.load import load_scenario
+from simulator.spec.placement import head_rank, stage_layers
+from simulator.spec.scenario import Scenario
 
 
 def idle_per_rank(p: int, m: int, f: float, b: float, w: float) -> list[float]:
@@ -69,3 +77,40 @@ def test_equal_times_leave_only_the_warmup_slots(p, extra):
     m, t = 2 * p - 1 + extra, 0.7
     timed = execute(zbv(p, m), t_f=t, t_b=t, t_w=t)
     assert max(x.end for x in timed) == pytest.approx(6 * m * t + (p - 1) * t)
+
+
+# --- through the model: the V placement in memory -----------------------------------------
+
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "zb-h1-vs-1f1b-zbh1.yaml"
+
+
+def _scenario(schedule: str, v: int, tied: bool = False) -> Scenario:
+    sets = ["parallel.pp=4", "parallel.dp=2", f"parallel.schedule={schedule}",
+            f"parallel.virtual_stages={v}", f"model.tied_embeddings={str(tied).lower()}"]
+    return load_scenario(SCENARIO, sets)
+
+
+def test_memory_puts_the_output_layer_on_rank_0():
+    loop, vee = _scenario("interleaved", 2), _scenario("zbv", 2)
+    spec = loop.model
+    head = head_params(spec)
+    # the same layers per rank (2 chunks of 40/8), the head moved from rank 3 to rank 0
+    assert stage_params(spec, 4, 0, stage_layers(40, vee.parallel, 0), head_rank(vee.parallel)) \
+        == stage_params(spec, 4, 0, stage_layers(40, loop.parallel, 0)) + head
+    for rank in (1, 2):
+        assert stage_breakdown(vee, rank).weights == stage_breakdown(loop, rank).weights
+    assert stage_breakdown(vee, 0).logits > 0 == stage_breakdown(vee, 3).logits
+    assert stage_breakdown(loop, 3).logits == stage_breakdown(vee, 0).logits
+    # V: rank r holds stages r and 7 - r
+    assert stage_layers(40, vee.parallel, 1) == [range(5, 10), range(30, 35)]
+
+
+def test_a_tied_embedding_needs_no_copy_when_both_ends_share_rank_0():
+    loop, vee = _scenario("interleaved", 2, tied=True), _scenario("zbv", 2, tied=True)
+    copy = loop.model.vocab * loop.model.hidden
+    held = [stage_params(s.model, 4, r, stage_layers(40, s.parallel, r), head_rank(s.parallel))
+            for s in (loop, vee) for r in (0, 3)]
+    loop0, loop3, vee0, vee3 = held
+    head = head_params(loop.model)  # tied: the final norm; the output layer is the embedding
+    assert vee0 == loop0 + head  # rank 0 gains the head and needs no copy of the embedding
+    assert vee3 == loop3 - head - copy  # the last rank loses the head and Megatron's copy

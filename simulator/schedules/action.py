@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, cast
 
 Kind = Literal["F", "B", "I", "W"]
@@ -86,9 +86,11 @@ class Schedule:
     virtual_stages: int  # v, model chunks per rank (1 unless interleaved)
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
     # "loop": stage s on rank s % p (Megatron); "v": stage s < p on rank s, else 2p-1-s
-    placement: Placement = "loop"
+    # (out of the repr, as is the next, so the workload hashes of the schedules before
+    # them stay as they were)
+    placement: Placement = field(default="loop", repr=False)
     # 2: micro-batches < m/2 run stages 0..p-1, the others p..2p-1 (DualPipe)
-    directions: int = 1
+    directions: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.stages, self.microbatches, self.virtual_stages) < 1:
@@ -114,9 +116,7 @@ class Schedule:
         """Rank holding virtual ``stage`` (Megatron: stage = chunk * p + rank; V: stage r
         and 2p − 1 − r on rank r)."""
         self._check_stage(stage)
-        if self.placement == "v" and stage >= self.stages:
-            return self.total_stages - 1 - stage
-        return stage % self.stages
+        return stage_rank(self.placement, self.stages, self.virtual_stages, stage)
 
     def chunk_of(self, stage: int) -> int:
         """Model chunk of virtual ``stage`` on its rank."""
@@ -170,6 +170,20 @@ class Schedule:
         for step, row in enumerate(cells):
             lines.append(str(step).rjust(step_width) + "".join(f"  {c:<{width}}" for c in row))
         return "\n".join(line.rstrip() for line in lines)
+
+
+def stage_rank(placement: Placement, p: int, v: int, stage: int) -> int:
+    """The rank holding virtual ``stage`` of p · v under ``placement``."""
+    if placement == "v" and stage >= p:
+        return p * v - 1 - stage
+    return stage % p
+
+
+def rank_stages(placement: Placement, p: int, v: int, rank: int) -> list[int]:
+    """The virtual stages ``rank`` holds under ``placement``, in chunk order."""
+    if placement == "v":
+        return [rank, p * v - 1 - rank]
+    return [chunk * p + rank for chunk in range(v)]
 
 
 def check_sizes(p: int, m: int) -> None:

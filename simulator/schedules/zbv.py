@@ -21,7 +21,8 @@ and drops the actions of micro-batches m..n − 1 (PyTorch leaves them as idle s
 
 from __future__ import annotations
 
-from simulator.schedules.action import Action, Kind, Schedule, check_sizes
+from simulator.schedules.action import Action, Kind, Schedule, check_sizes, execute
+from simulator.schedules.spec import ScheduleSpec
 
 _FIW: tuple[Kind, ...] = ("F", "I", "W")
 
@@ -94,3 +95,19 @@ def zbv_idle(p: int, f: float, b: float, w: float) -> float:
     With f = b = w = t that is the p − 1 slots before the last rank's first forward,
     the paper's zero bubble beyond them."""
     return (p - 1) * max(b, 2 * (b - w))
+
+
+def _zbv_time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Stage times f, b, w (a chunk takes half): m (f + b + w) plus :func:`zbv_idle` of
+    the chunk times where that closed form holds (m ≥ 2p − 1, w ≤ f ≤ b); elsewhere the
+    executor places the order (no closed form: PyTorch's note says the schedule is
+    bubble-free only for equal times)."""
+    if m >= 2 * p - 1 and w <= f <= b:
+        return m * (f + b + w) + zbv_idle(p, f / 2, b / 2, w / 2)
+    timed = execute(zbv(p, m), t_f=f / 2, t_b=b / 2, t_w=w / 2)
+    return max(t.end for t in timed) - min(t.start for t in timed)
+
+
+ZBV = ScheduleSpec(lambda p, m, v: zbv(p, m),
+                   lambda p, m, v, stage: zbv_in_flight_chunks(p, m, stage) / 2, _zbv_time,
+                   chunks=(2, 2), split_backward=True, placement="v")
