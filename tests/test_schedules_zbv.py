@@ -13,6 +13,7 @@ from simulator.analysis.memory import stage_breakdown
 from simulator.model.memory import stage_params
 from simulator.model.transformer import head_params
 from simulator.schedules.action import execute
+from simulator.schedules.registry import SCHEDULES
 from simulator.schedules.validate import validate
 from simulator.schedules.zbv import zbv, zbv_idle, zbv_in_flight_chunks
 from simulator.spec.load import load_scenario
@@ -114,3 +115,15 @@ def test_a_tied_embedding_needs_no_copy_when_both_ends_share_rank_0():
     head = head_params(loop.model)  # tied: the final norm; the output layer is the embedding
     assert vee0 == loop0 + head  # rank 0 gains the head and needs no copy of the embedding
     assert vee3 == loop3 - head - copy  # the last rank loses the head and Megatron's copy
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 30), st.floats(0.0, 3.0), st.floats(0.0, 3.0),
+       st.floats(0.0, 3.0))
+def test_registry_time_is_the_executed_makespan_for_any_times(p, m, f, b, w):
+    # outside the closed form's region the registry places 2p − 1 micro-batches and adds
+    # the rest at full rate: the idle time stops growing once m >= 2p − 1
+    timed = execute(zbv(p, m), t_f=f / 2, t_b=b / 2, t_w=w / 2)
+    makespan = max(t.end for t in timed) - min(t.start for t in timed)
+    assert SCHEDULES["zbv"].pipeline_time(p, m, 2, f, b, w) == pytest.approx(makespan,
+                                                                            abs=1e-9)
