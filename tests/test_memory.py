@@ -203,11 +203,11 @@ def test_in_flight(schedule: str, p: int, m: int, v: int, stage: int, expected: 
     assert in_flight_microbatches(schedule, p, m, v, stage) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "zbv"])
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 4), (3, 6), (4, 4), (4, 12), (5, 5), (8, 16)])
 def test_in_flight_matches_schedule_data(schedule: str, p: int, m: int) -> None:
     # the closed forms agree with simulator.schedules' own accounting, rank by rank
-    for v in ((2, 3) if schedule == "interleaved" else (1,)):
+    for v in {"interleaved": (2, 3), "zbv": (2,)}.get(schedule, (1,)):
         built = build_schedule(schedule, p, m, v)
         for rank in range(p):
             assert in_flight_microbatches(schedule, p, m, v, rank) == pytest.approx(

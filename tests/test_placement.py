@@ -104,10 +104,11 @@ def test_lighter_ends_shorten_the_phase_within_its_bounds() -> None:
     ("interleaved", 2, [0, 1, 2, 1, 1, 2, 1, 0]),
     ("interleaved", 2, [2, 1, 1, 1, 1, 1, 1, 0]),
     ("zb-h1", 1, [2, 1, 3, 0]),
+    ("zbv", 2, [2, 1, 1, 0, 1, 1, 1, 1]),  # V: rank 0 holds stages 0 and 7, rank 3 the lightest
 ])
 def test_analytic_equals_engine_and_both_partition_the_step(schedule: str, v: int,
                                                             counts: list[int]) -> None:
-    costs = balanced(T_F, T_B, T_F if schedule == "zb-h1" else 0.0)
+    costs = balanced(T_F, T_B, T_F if schedule in ("zb-h1", "zbv") else 0.0)
     s = uneven(counts, schedule, v=v, m=4 if v > 1 else 6)
     met, _ = run_engine(s, costs=costs)
     ana = analytic_estimate(s, costs=costs)

@@ -273,10 +273,10 @@ def test_action_parse_rejects_bad_text(text):
 
 
 def test_registry_and_dispatch():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}
     assert build_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
     assert build_schedule("interleaved", 4, 8, v=3) == interleaved_1f1b(4, 8, 3)
-    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, interleaved, zb-h1"):
+    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, interleaved, zb-h1, zbv"):
         build_schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match="v=2"):
         build_schedule("gpipe", 4, 8, v=2)
@@ -338,7 +338,7 @@ def test_a_new_schedule_is_one_registry_entry(monkeypatch):
 
 
 def test_interleaved_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="m=6 to be a multiple of ranks p=4"):
+    with pytest.raises(ValueError, match=r"m mod N = 2 < p=4 micro-batches \(m=6, N=4\)"):
         interleaved_1f1b(4, 6, 2)
     with pytest.raises(ValueError, match="v=1"):
         interleaved_1f1b(4, 8, 1)

@@ -31,7 +31,7 @@ from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, zero3_collectives
 from simulator.schedules.action import Action, Schedule
-from simulator.spec.placement import chunk_layers
+from simulator.spec.placement import chunk_layers, tied_copy
 from simulator.spec.scenario import OverlapSpec, Scenario
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.plan import GroupShape, Plan
@@ -166,9 +166,11 @@ class Context:
         return chunk_layers(self.s.model.layers, self.s.parallel, stage)
 
     def tied_copy_params(self) -> int:
-        """Megatron keeps a copy of a tied word embedding on the last stage when pp > 1."""
+        """Megatron keeps a copy of a tied word embedding on the last stage when that
+        stage's rank is not the first's (pp > 1 and no V placement)."""
         spec = self.s.model
-        return spec.vocab * spec.hidden if spec.tied_embeddings and self.s.parallel.pp > 1 else 0
+        return spec.vocab * spec.hidden if spec.tied_embeddings and tied_copy(self.s.parallel) \
+            else 0
 
     def grad_bytes(self, stage: int) -> list[float]:
         """Gradient bytes (in the stack's reduction dtype) each 'done' task of a backward

@@ -41,7 +41,7 @@ from typing import Any, Literal, get_args
 from simulator.errors import Problem, UserError
 from simulator.loading import PRESETS_DIR, read_yaml
 from simulator.model.memory import stage_params, state_bytes_per_param
-from simulator.spec.placement import stage_layers
+from simulator.spec.placement import head_rank, stage_layers
 from simulator.spec.scenario import Scenario
 
 Component = Literal["gpu", "host", "nic", "switch", "software"]
@@ -126,7 +126,8 @@ def checkpoint_bytes(s: Scenario) -> float:
     """Unique model states: Σ over stages of parameters × (weight + optimizer bytes)."""
     w, _, o = state_bytes_per_param(0, 1, s.training.dtype)
     par = s.parallel
-    params = sum(stage_params(s.model, par.pp, st, stage_layers(s.model.layers, par, st))
+    params = sum(stage_params(s.model, par.pp, st, stage_layers(s.model.layers, par, st),
+                              head_rank(par))
                  for st in range(par.pp))
     return params * (w + o)
 

@@ -66,7 +66,7 @@ from simulator.model.transformer import (
 )
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.placement import stage_layers
+from simulator.spec.placement import holds_head, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
 
@@ -221,9 +221,12 @@ def stage_expert_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None 
                                                                             runs)))
 
 
-def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:
+def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
+                 head_rank: int | None = None) -> int:
     """Parameters held by pipeline ``stage`` (before the TP and EP splits); ``runs`` are
-    its layers (default the even split)."""
+    its layers (default the even split); ``head_rank`` the stage with the output layer
+    (default pp − 1; 0 under a V placement, :func:`simulator.spec.placement.head_rank`)."""
+    head_at = pp - 1 if head_rank is None else head_rank
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
     runs = _runs(spec, pp, stage, runs)
@@ -233,9 +236,9 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None)
         total = sum(len(r) for r in runs) * layer_params(spec)
     if stage == 0:
         total += embedding_params(spec)
-    if stage == pp - 1:
+    if stage == head_at:
         total += head_params(spec)
-        if spec.tied_embeddings and pp > 1:
+        if spec.tied_embeddings and head_at != 0:
             total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
     return total
 
@@ -260,7 +263,7 @@ def activations(scenario: Scenario, stage: int) -> float:
         tokens_h /= par.cp
     if stage == 0 and scenario.stack.hidden_dropout > 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
-    if stage == par.pp - 1:
+    if holds_head(par, stage):
         total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
     return total * in_flight
 
@@ -272,7 +275,7 @@ def logits(scenario: Scenario, stage: int) -> float:
     (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
     and a 16-bit gradient."""
     par = scenario.parallel
-    if stage != par.pp - 1:
+    if not holds_head(par, stage):
         return 0.0
     tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
     elements = tokens * scenario.model.vocab / par.tp

@@ -6,13 +6,19 @@ the backward into ``I`` (input gradient, the paper's "B") and ``W`` (weight
 gradient). Actions name *virtual* stages as ``torch.distributed.pipelining``
 does and print like its ``_Action`` (``"2F0"``). With Megatron interleaving,
 virtual stage ``s`` is model chunk ``s // p`` on rank ``s % p``; with one chunk
-per rank the stage is the rank. Sends and receives are implicit: every
+per rank the stage is the rank. A ``"v"`` placement (ZB-V, DualPipe) folds two
+chunks into a V: virtual stage ``s < p`` is chunk 0 on rank ``s``, ``s >= p`` is
+chunk 1 on rank ``2p - 1 - s``, so rank r holds stages r and 2p − 1 − r. Every
+micro-batch runs through every virtual stage, except with two ``directions``
+(DualPipe): the first half of the micro-batches then runs through stages
+0..p-1 and the second half through p..2p-1, from the other end of the ranks.
+Sends and receives are implicit: every
 cross-rank dependency is a transfer that the workload builder (or
 :func:`execute`, as a fixed ``comm`` delay) adds.
 
-Dependencies: F(s, mb) after F(s-1, mb); the backward of (s, mb), B or I, after
-F(s, mb) and after the backward-input (B or I) of (s+1, mb); W(s, mb) after
-I(s, mb).
+Dependencies, along the micro-batch's route of stages: F(s, mb) after F(s-1, mb);
+the backward of (s, mb), B or I, after F(s, mb) and after the backward-input (B or
+I) of (s+1, mb); W(s, mb) after I(s, mb).
 
 :func:`execute` is a list-scheduling executor over fixed durations: a rank runs
 its actions strictly in order, and an action starts when its rank is free and
@@ -34,10 +40,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, cast
 
 Kind = Literal["F", "B", "I", "W"]
+Placement = Literal["loop", "v"]
 _ACTION_TEXT = re.compile(r"([0-9]+)([FBIW])([0-9]+)")
 
 
@@ -78,6 +85,12 @@ class Schedule:
     microbatches: int  # m, micro-batches per step
     virtual_stages: int  # v, model chunks per rank (1 unless interleaved)
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
+    # "loop": stage s on rank s % p (Megatron); "v": stage s < p on rank s, else 2p-1-s
+    # (out of the repr, as is the next, so the workload hashes of the schedules before
+    # them stay as they were)
+    placement: Placement = field(default="loop", repr=False)
+    # 2: micro-batches < m/2 run stages 0..p-1, the others p..2p-1 (DualPipe)
+    directions: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.stages, self.microbatches, self.virtual_stages) < 1:
@@ -87,6 +100,12 @@ class Schedule:
             )
         if len(self.actions) != self.stages:
             raise ValueError(f"{len(self.actions)} action lists for p={self.stages} ranks")
+        if (self.placement == "v" or self.directions != 1) and self.virtual_stages != 2:
+            raise ValueError(f"a V placement or two directions needs v = 2 chunks per rank; "
+                             f"got v={self.virtual_stages}")
+        if self.directions not in (1, 2) or (self.directions == 2 and self.microbatches % 2):
+            raise ValueError(f"directions must be 1, or 2 with an even m; got "
+                             f"directions={self.directions}, m={self.microbatches}")
 
     @property
     def total_stages(self) -> int:
@@ -94,14 +113,23 @@ class Schedule:
         return self.stages * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        """Rank holding virtual ``stage`` (Megatron: stage = chunk * p + rank)."""
+        """Rank holding virtual ``stage`` (Megatron: stage = chunk * p + rank; V: stage r
+        and 2p − 1 − r on rank r)."""
         self._check_stage(stage)
-        return stage % self.stages
+        return stage_rank(self.placement, self.stages, self.virtual_stages, stage)
 
     def chunk_of(self, stage: int) -> int:
         """Model chunk of virtual ``stage`` on its rank."""
         self._check_stage(stage)
         return stage // self.stages
+
+    def route(self, microbatch: int) -> range:
+        """The virtual stages ``microbatch`` runs through, in forward order."""
+        if self.directions == 1:
+            return range(self.total_stages)
+        if microbatch < self.microbatches // 2:
+            return range(self.stages)
+        return range(self.stages, self.total_stages)
 
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.total_stages:
@@ -144,6 +172,20 @@ class Schedule:
         return "\n".join(line.rstrip() for line in lines)
 
 
+def stage_rank(placement: Placement, p: int, v: int, stage: int) -> int:
+    """The rank holding virtual ``stage`` of p · v under ``placement``."""
+    if placement == "v" and stage >= p:
+        return p * v - 1 - stage
+    return stage % p
+
+
+def rank_stages(placement: Placement, p: int, v: int, rank: int) -> list[int]:
+    """The virtual stages ``rank`` holds under ``placement``, in chunk order."""
+    if placement == "v":
+        return [rank, p * v - 1 - rank]
+    return [chunk * p + rank for chunk in range(v)]
+
+
 def check_sizes(p: int, m: int) -> None:
     if p < 1 or m < 1:
         raise ValueError(f"need pipeline ranks p >= 1 and micro-batches m >= 1; got p={p}, m={m}")
@@ -165,14 +207,15 @@ class TimedAction:
     end: float
 
 
-def dependencies(action: Action, last_stage: int, present: set[Action]) -> tuple[Action, ...]:
+def dependencies(action: Action, route: range, present: set[Action]) -> tuple[Action, ...]:
+    """What ``action`` waits for, its micro-batch running through stages ``route``."""
     stage, microbatch = action.stage, action.microbatch
     if action.kind == "F":
-        return (Action(stage - 1, "F", microbatch),) if stage > 0 else ()
+        return (Action(stage - 1, "F", microbatch),) if stage > route.start else ()
     if action.kind == "W":
         return (Action(stage, "I", microbatch),)
     own_forward = Action(stage, "F", microbatch)
-    if stage == last_stage:
+    if stage == route.stop - 1:
         return (own_forward,)
     grad = Action(stage + 1, "I", microbatch)
     return own_forward, grad if grad in present else Action(stage + 1, "B", microbatch)
@@ -184,7 +227,7 @@ def _deadlock(schedule: Schedule, position: list[int], done: dict[Action, float]
     for rank, order in enumerate(schedule.actions):
         if position[rank] < len(order):
             action = order[position[rank]]
-            deps = dependencies(action, schedule.total_stages - 1, present)
+            deps = dependencies(action, schedule.route(action.microbatch), present)
             waits = ", ".join(str(d) for d in deps if d not in done)
             stuck.append(f"rank {rank} waits at {action} for {waits}")
     return ValueError("deadlock: " + "; ".join(stuck))
@@ -215,7 +258,6 @@ def execute(
     f, b, w = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
     duration = {"F": f, "B": [x + y for x, y in zip(b, w, strict=True)], "I": b, "W": w}
     present = {a for rank in schedule.actions for a in rank}
-    last_stage = schedule.total_stages - 1
     done: dict[Action, float] = {}
     position = [0] * schedule.stages
     free = [0.0] * schedule.stages
@@ -226,7 +268,7 @@ def execute(
         for rank, order in enumerate(schedule.actions):
             while position[rank] < len(order):
                 action = order[position[rank]]
-                deps = dependencies(action, last_stage, present)
+                deps = dependencies(action, schedule.route(action.microbatch), present)
                 if any(d not in done for d in deps):
                     break
                 start = free[rank]

@@ -1,5 +1,16 @@
 """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank,
 the bubble v times smaller for v times the pipeline traffic.
+
+The order is Megatron-Core's (``megatron/core/pipeline_parallel/schedules.py``,
+``forward_backward_pipelining_with_interleaving``): the micro-batches run in groups of
+N = ``microbatch_group_size_per_vp_stage`` (default p, flag
+``--microbatch-group-size-per-virtual-pipeline-stage``), each group through chunk 0, then
+chunk 1, ...; the last group takes what remains (``get_schedule_table``). Backwards follow
+the same table with the chunks reversed. Rank r runs 2 (p − r − 1) + (v − 1) N forwards
+as warm-up (``get_pp_rank_microbatches``), all m·v of them when that is as many or more
+(``are_all_microbatches_in_warmup``), then one forward and one backward in turn, then the
+remaining backwards. Megatron refuses N outside [p, m] and a last group of fewer than p
+micro-batches, so with the default N = p, m must be a multiple of p.
 """
 
 from __future__ import annotations
@@ -8,23 +19,32 @@ from simulator.schedules.action import Action, Kind, Schedule, check_sizes
 from simulator.schedules.spec import Requirement, ScheduleSpec
 
 
-def _chunk_and_microbatch(k: int, p: int, v: int, *, forward: bool) -> tuple[int, int]:
-    """The k-th forward (or backward) of a rank: groups of p micro-batches per chunk."""
-    group, offset = divmod(k, p * v)
-    chunk = offset // p
-    if not forward:
-        chunk = v - 1 - chunk
-    return chunk, group * p + offset % p
+def schedule_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) of each forward a rank runs, in order: groups of ``group``
+    micro-batches through every chunk, the last group whatever remains."""
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group
+        table += [(mb, chunk) for chunk in range(v) for mb in range(first, last)]
+    return table
 
 
-def _interleaved_rank(rank: int, p: int, m: int, v: int) -> tuple[Action, ...]:
-    total = m * v
+def warmup_forwards(p: int, m: int, v: int, rank: int, group: int | None = None) -> int:
+    """Megatron-Core's warm-up count: 2 (p − rank − 1) + (v − 1) N, at most m·v."""
+    n = p if group is None else group
+    return min(2 * (p - rank - 1) + (v - 1) * n, m * v)
+
+
+def _interleaved_rank(rank: int, p: int, m: int, v: int, group: int) -> tuple[Action, ...]:
+    table, total = schedule_table(m, v, group), m * v
 
     def action(k: int, kind: Kind) -> Action:
-        chunk, microbatch = _chunk_and_microbatch(k, p, v, forward=kind == "F")
+        microbatch, chunk = table[k]
+        if kind != "F":
+            chunk = v - 1 - chunk
         return Action(chunk * p + rank, kind, microbatch)
 
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = warmup_forwards(p, m, v, rank, group)
     order = [action(k, "F") for k in range(warmup)]
     for k in range(total - warmup):
         order += [action(warmup + k, "F"), action(k, "B")]
@@ -32,21 +52,27 @@ def _interleaved_rank(rank: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     return tuple(order)
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Megatron-LM's interleaved 1F1B with v model chunks per rank.
+def group_problem(p: int, m: int, group: int) -> str | None:
+    """Why Megatron-Core refuses micro-batch group size ``group``, or None."""
+    if not p <= group <= m:
+        return f"the micro-batch group size N={group} must lie in [p={p}, m={m}]"
+    if 0 < m % group < p:
+        return (f"the last micro-batch group holds m mod N = {m % group} < p={p} "
+                f"micro-batches (m={m}, N={group})")
+    return None
 
-    Rank r warms up with 2 (p - r - 1) + (v - 1) p forwards (at most m v), then
-    alternates one forward and one backward. Megatron runs everything as warm-up
-    when m == p; this keeps the formula, which yields the same bubble.
-    """
+
+def interleaved_1f1b(p: int, m: int, v: int, group: int | None = None) -> Schedule:
+    """Megatron-Core's interleaved 1F1B with v model chunks per rank and micro-batch
+    groups of ``group`` (default p)."""
     check_sizes(p, m)
     if v < 2:
         raise ValueError(f"interleaved 1F1B needs v >= 2 chunks per rank; got v={v}")
-    if m % p != 0:
-        raise ValueError(
-            f"interleaved 1F1B needs micro-batches m={m} to be a multiple of ranks p={p}"
-        )
-    ranks = tuple(_interleaved_rank(r, p, m, v) for r in range(p))
+    n = p if group is None else group
+    problem = group_problem(p, m, n)
+    if problem is not None:
+        raise ValueError(f"interleaved 1F1B: {problem}")
+    ranks = tuple(_interleaved_rank(r, p, m, v, n) for r in range(p))
     return Schedule("interleaved", p, m, v, ranks)
 
 
@@ -58,7 +84,7 @@ def _interleaved_time(p: int, m: int, v: int, f: float, b: float, w: float) -> f
 def _interleaved_in_flight(p: int, m: int, v: int, stage: int) -> float:
     """Rank r warms up with 2(p − r − 1) + (v − 1)p chunk forwards and holds one more
     at its first backward, each chunk 1/v of the stage (at rank 0: p(1 + (p − 1)/(pv)))."""
-    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+    return min(warmup_forwards(p, m, v, stage) + 1, m * v) / v
 
 
 def _interleaved_requirements(p: int, m: int, v: int) -> list[Requirement]:

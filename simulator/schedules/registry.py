@@ -14,6 +14,7 @@ from simulator.schedules.interleaved import INTERLEAVED
 from simulator.schedules.one_f_one_b import ONE_F_ONE_B
 from simulator.schedules.spec import Requirement, ScheduleSpec
 from simulator.schedules.zb_h1 import ZB_H1
+from simulator.schedules.zbv import ZBV
 
 #: name -> schedule, in the order the schema lists them
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
@@ -21,6 +22,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
     "1f1b": ONE_F_ONE_B,
     "interleaved": INTERLEAVED,
     "zb-h1": ZB_H1,
+    "zbv": ZBV,
 })
 #: the schedule a scenario runs when it names none (and the one a single stage runs)
 DEFAULT_SCHEDULE = "1f1b"
@@ -43,6 +45,8 @@ def requirements(name: str, p: int, m: int, v: int) -> list[Requirement]:
         out = [Requirement("virtual_stages", f"> 1 only with schedule: {chunked} (schedule is "
                                              f"{name}); set virtual_stages: 1 or schedule: "
                                              f"{chunked}")]
+    elif lo == hi and v != lo:
+        out = [Requirement("virtual_stages", f"{name} needs virtual_stages: {lo}")]
     elif v < lo or (hi is not None and v > hi):
         most = "" if hi is None else f" and <= {hi}"
         out = [Requirement("virtual_stages", f"{name} needs virtual_stages >= {lo}{most}")]
@@ -56,4 +60,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     spec = schedule_spec(name)
     if not spec.chunked and v != 1:
         raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
+    lo, hi = spec.chunks
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"schedule {name!r} runs {lo} to {hi or 'any'} chunks per rank; "
+                         f"got v={v}")
     return spec.build(p, m, v)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from simulator.schedules.action import Schedule
+from simulator.schedules.action import Placement, Schedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class ScheduleSpec:
     # the backward runs as I (input gradient) and W (weight gradient) actions, so the
     # weight-gradient GEMMs are work of their own that TP overlap cannot hide behind
     split_backward: bool = False
+    # where the virtual stages sit: "loop" (stage s on rank s mod p) or "v" (ZB-V: stage s
+    # < p on rank s, else on 2p − 1 − s; the output layer then sits on rank 0)
+    placement: Placement = "loop"
     # a synchronous flush that idles p − 1 slots per stage: its bubble is
     # (p − 1)/(m + p − 1) of the step, which the scenario warns about when m < 4p
     flush: bool = False

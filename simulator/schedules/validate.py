@@ -20,8 +20,13 @@ def _check_placement(schedule: Schedule) -> None:
 
 def _check_counts(schedule: Schedule) -> None:
     counts = Counter((a.stage, a.kind, a.microbatch) for rank in schedule.actions for a in rank)
-    for stage in range(schedule.total_stages):
-        for mb in range(schedule.microbatches):
+    for mb in range(schedule.microbatches):
+        for stage in range(schedule.total_stages):
+            if stage not in schedule.route(mb):
+                if any(counts[stage, kind, mb] for kind in ("F", "B", "I", "W")):
+                    raise ValueError(f"stage {stage} runs micro-batch {mb}, which does not "
+                                     "pass through it")
+                continue
             f, b, i, w = (counts[stage, kind, mb] for kind in ("F", "B", "I", "W"))
             if f != 1:
                 raise ValueError(f"stage {stage} micro-batch {mb} has {f} F actions, expected 1")
@@ -34,11 +39,10 @@ def _check_counts(schedule: Schedule) -> None:
 
 def _check_rank_order(schedule: Schedule) -> None:
     present = {a for rank in schedule.actions for a in rank}
-    last_stage = schedule.total_stages - 1
     for rank, order in enumerate(schedule.actions):
         index = {action: i for i, action in enumerate(order)}
         for i, action in enumerate(order):
-            for dep in dependencies(action, last_stage, present):
+            for dep in dependencies(action, schedule.route(action.microbatch), present):
                 if index.get(dep, -1) > i:
                     raise ValueError(f"rank {rank} runs {action} before its dependency {dep}")
 

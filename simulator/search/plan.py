@@ -67,6 +67,7 @@ from simulator.search.candidates import (
     knobs,
 )
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
+from simulator.spec.placement import head_rank
 from simulator.spec.rules import consistency_problems, not_yet_simulated
 from simulator.spec.scenario import Scenario
 
@@ -100,7 +101,8 @@ def peak_memory_bytes(s: Scenario) -> float:
     """The largest stage total: the first or the last stage when all layers are alike,
     else every stage (see the module note)."""
     pp = s.parallel.pp
-    stages = (0, pp - 1) if len(layer_kinds(s.model)) == 1 else range(pp)
+    stages = sorted({0, head_rank(s.parallel), pp - 1}) if len(layer_kinds(s.model)) == 1 \
+        else range(pp)
     return max(stage_breakdown(s, stage).total for stage in stages)
 
 

@@ -4,7 +4,10 @@ The model's layers are cut into pp · v consecutive runs, one per virtual stage
 (v = ``parallel.virtual_stages``; virtual stage k = chunk · pp + rank, as
 Megatron-LM interleaves them): virtual stage k holds the ``counts[k]`` layers
 that follow those of the stages before it, and pipeline rank r holds the
-virtual stages r, r + pp, r + 2·pp, ...
+virtual stages r, r + pp, r + 2·pp, ... A schedule with a V placement (ZB-V, its
+registry entry's ``placement``) gives rank r the virtual stages r and 2·pp − 1 − r
+instead: the first and the last stage, with the embedding and the output layer,
+then sit on rank 0 (:func:`head_rank`).
 
 Without ``parallel.layers_per_stage`` every virtual stage holds layers / (pp · v)
 layers, and a count that does not divide is refused (Megatron-LM's default
@@ -32,6 +35,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from simulator.errors import Problem
+from simulator.schedules.action import rank_stages, stage_rank
+from simulator.schedules.registry import schedule_spec
 
 if TYPE_CHECKING:
     from simulator.spec.scenario import ParallelSpec
@@ -48,10 +53,34 @@ def chunk_layers(layers: int, par: ParallelSpec, stage: int) -> range:
     return range(starts[stage], starts[stage + 1])
 
 
+def rank_virtual_stages(par: ParallelSpec, rank: int) -> list[int]:
+    """The virtual stages pipeline ``rank`` holds under the schedule's placement."""
+    return rank_stages(schedule_spec(par.schedule).placement, par.pp, par.virtual_stages,
+                       rank)
+
+
+def head_rank(par: ParallelSpec) -> int:
+    """The pipeline rank of the last virtual stage (the output layer): pp − 1, or 0 under
+    a V placement."""
+    last = par.pp * par.virtual_stages - 1
+    return stage_rank(schedule_spec(par.schedule).placement, par.pp, par.virtual_stages,
+                      last)
+
+
+def holds_head(par: ParallelSpec, rank: int) -> bool:
+    """Whether pipeline ``rank`` holds the output layer (the last virtual stage)."""
+    return rank == head_rank(par)
+
+
+def tied_copy(par: ParallelSpec) -> bool:
+    """Whether a tied word embedding needs Megatron's copy on the output layer's rank
+    (the embedding and the output layer on different ranks)."""
+    return head_rank(par) != 0
+
+
 def stage_layers(layers: int, par: ParallelSpec, rank: int) -> list[range]:
     """The layer runs of pipeline ``rank``: one per model chunk it holds, in chunk order."""
-    return [chunk_layers(layers, par, chunk * par.pp + rank)
-            for chunk in range(par.virtual_stages)]
+    return [chunk_layers(layers, par, st) for st in rank_virtual_stages(par, rank)]
 
 
 def stage_layer_count(layers: int, par: ParallelSpec, rank: int) -> int:

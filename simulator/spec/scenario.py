@@ -141,9 +141,9 @@ class ParallelSpec(Frozen):
     expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     """Tensor-parallel degree of the experts; default tp."""
     schedule: Schedule = DEFAULT_SCHEDULE
-    """Pipeline schedule."""
+    """Pipeline schedule (zbv: ZB-V, two chunks per rank in a V, set virtual_stages: 2)."""
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
-    """Model chunks per pipeline rank (> 1 only with the interleaved schedule)."""
+    """Model chunks per pipeline rank (> 1 only with interleaved, any; or zbv, 2)."""
     layers_per_stage: tuple[Annotated[int, Field(ge=0, le=MAX_SIZE)], ...] | None = Field(
         default=None, max_length=MAX_STAGES)
     """Layers of each stage for an uneven split, e.g. [7, 8, 8, 7]: pp entries, or pp ·

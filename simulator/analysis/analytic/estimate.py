@@ -49,7 +49,7 @@ from simulator.builder.workload import BlockCosts, block_costs, layout_of, local
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import stage_params
-from simulator.spec.placement import stage_layer_count, stage_layers
+from simulator.spec.placement import head_rank, holds_head, stage_layer_count, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies import registry
 from simulator.strategies.base import AnalyticView
@@ -120,7 +120,7 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     their gradients' reduction."""
     par, spec, trn = s.parallel, s.model, s.training
     layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]
-    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st))
+    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st), head_rank(par))
             for st in range(par.pp)]
     busiest = max(range(par.pp), key=held.__getitem__)
     params: float = held[busiest]
@@ -182,7 +182,8 @@ def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     runs = stage_layers(spec.layers, par, g.busiest)
     opt = mdl.optimizer_op_of(s, shard, runs, "all" if g.expert_params else "dense")
     t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
-        + tp_optimizer(s, layout, cost, hw, g.layers[g.busiest], g.busiest == par.pp - 1)
+        + tp_optimizer(s, layout, cost, hw, g.layers[g.busiest],
+                      holds_head(par, g.busiest))
     if s.variability.slow_gpus:  # the slowest GPU's optimizer step ends the step
         t_opt *= max(slowdown(s).values(), default=1.0)
     return t_opt, shard

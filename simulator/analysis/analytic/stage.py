@@ -16,7 +16,7 @@ from simulator.model import moe
 from simulator.model.inventory.tensor_parallel import tp_block_collectives
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule, schedule_spec
-from simulator.spec.placement import chunk_layers, is_even, stage_layers
+from simulator.spec.placement import chunk_layers, holds_head, is_even, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
@@ -100,7 +100,7 @@ def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   ends: Ends = NO_ENDS) -> dict[str, float]:
     """:func:`passes` of one pipeline stage (all its chunks)."""
     return slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage), stage == 0,
-                              stage == s.parallel.pp - 1, experts, t_cp,
+                              holds_head(s.parallel, stage), experts, t_cp,
                               s.parallel.virtual_stages, ends), stage)
 
 
@@ -157,11 +157,11 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
         return closed
     per_stage = per_stage or {}
     runs = [[chunk_layers(s.model.layers, par, k)] for k in range(n)]
-    chunks = [times(s, slowed(s, passes(s, per_stage.get(k % par.pp, c), t_tp,
-                                        layer_kinds_of(s, runs[k]), k == 0, k == n - 1,
-                                        experts, t_cp, 1, ends), k % par.pp))
-              for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
+    chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
+                                        layer_kinds_of(s, runs[k]), k == 0, k == n - 1,
+                                        experts, t_cp, 1, ends), sched.rank_of(k)))
+              for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])
     return max(x.end for x in timed) - min(x.start for x in timed)

@@ -14,6 +14,7 @@ from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, ddp_copy_ops
+from simulator.spec.placement import holds_head, tied_copy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.compression import arithmetic as cmp
@@ -41,8 +42,8 @@ def ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
         return 0.0
     dt = stack.reduce_bytes(dtype_bytes(s.training.dtype))
     units = [(mdl.layer_params(spec) / par.tp, layer_tensors(spec, stack))] * layers
-    if stage == par.pp - 1:
-        tied = spec.vocab * spec.hidden if spec.tied_embeddings and par.pp > 1 else 0
+    if holds_head(par, stage):
+        tied = spec.vocab * spec.hidden if spec.tied_embeddings and tied_copy(par) else 0
         head = (mdl.head_params(spec) + tied) / par.tp
         units = [(units[0][0] + head, units[0][1] + END_TENSORS), *units[1:]] if units \
             else [(head, END_TENSORS)]

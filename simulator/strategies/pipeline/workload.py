@@ -273,10 +273,11 @@ class PipelinePass:
     def embedding_tie(self, rank: int) -> None:
         """All-reduce the tied embedding's gradient between the first and last stage."""
         ctx, coord, par = self.ctx, self.ctx.layout.coord(rank), self.ctx.s.parallel
-        if not ctx.tied_copy_params() or coord.pp not in (0, par.pp - 1):
+        last = ctx.sched.rank_of(ctx.last_stage)
+        if not ctx.tied_copy_params() or coord.pp not in (0, last):
             return
         group = (ctx.layout.rank(0, coord.dp, coord.tp, coord.cp),
-                 ctx.layout.rank(par.pp - 1, coord.dp, coord.tp, coord.cp))
+                 ctx.layout.rank(last, coord.dp, coord.tp, coord.cp))
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")

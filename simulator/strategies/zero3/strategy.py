@@ -20,7 +20,7 @@ from simulator.model.inventory.sharding import (
 )
 from simulator.model.memory import rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
-from simulator.spec.placement import stage_layer_count
+from simulator.spec.placement import head_rank, holds_head, stage_layer_count, tied_copy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.timing import collective_time
@@ -45,8 +45,8 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
     gathered = embedding_params(spec) if stage == 0 else 0.0
     grad = 0.0
-    if stage == par.pp - 1:
-        gathered += head_params(spec) + (tied if par.pp > 1 else 0)
+    if holds_head(par, stage):
+        gathered += head_params(spec) + (tied if tied_copy(par) else 0)
         grad = head_params(spec) + tied
     return gathered * dt, grad * dt
 
@@ -94,7 +94,7 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
         return {"all_gather": 0, "reduce_scatter": 0}
     parts = zero3_collectives(s.model, s.stack)
     layers = stage_layer_count(s.model.layers, par, stage) * parts
-    root = 1 if stage in (0, par.pp - 1) else 0
+    root = 1 if stage == 0 or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * layers + root
     return {"all_gather": s.microbatches * gathers,
             "reduce_scatter": s.microbatches * (layers + root)}
@@ -137,7 +137,7 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
 def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The largest root unit's gather, once per micro-batch on its stage: it waits for
     the compute issued before it, so no prefetch hides it."""
-    sizes = [zero3_root_bytes(s, st)[0] for st in {0, s.parallel.pp - 1}]
+    sizes = [zero3_root_bytes(s, st)[0] for st in {0, head_rank(s.parallel)}]
     return max(collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
                for size in sizes)
 
