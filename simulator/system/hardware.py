@@ -277,10 +277,10 @@ class GPUSpec(Frozen):
         recipe outside ``fp8_recipes``."""
         if "fp8" in self.peak_tflops and recipe in self.fp8_recipes:
             return None
-        has = (f"its FP8 recipes: {', '.join(self.fp8_recipes)}; choose one of those, "
-               if self.fp8_recipes else "it has no FP8 recipe; choose ")
+        has = (f"its FP8 recipes are {', '.join(self.fp8_recipes)}; choose one of those, "
+               if self.fp8_recipes else "choose ")
         return Problem("stack.fp8", recipe, f"system {system} ({self.name}) has no FP8 "
-                       f"tensor cores for it ({has}a system that runs {recipe} "
+                       f"tensor cores for it: {has}a system that runs {recipe} "
                        f"({', '.join(_systems_with(recipe))}), or stack.fp8: none")
 
     def peak_flops(self, dtype: PeakDtype) -> float:
