@@ -24,6 +24,7 @@ import pandas as pd
 
 from simulator.analysis import report
 from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.extras import extras_lines
 from simulator.analysis.memory_timeline import memory_timeline
 from simulator.builder.budget import check_engine_cost, check_stages
 from simulator.builder.workload import build_workload, simulated_ranks
@@ -188,4 +189,4 @@ def write_run_report(out_dir: Path, results: dict[str, Any]) -> Path:
     from simulator.outputs.report_html import write_report
 
     return write_report(out_dir, results, report.summary_lines(results)
-                        + report.extras_lines(results))
+                        + extras_lines(results))

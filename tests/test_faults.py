@@ -102,6 +102,30 @@ def test_ctrl_c_keeps_what_finished_and_the_rerun_computes_the_rest(
     assert f"2 of 5 points from the cache ({rerun.root}); computing 3" in capsys.readouterr().err
 
 
+def test_a_signal_that_cuts_a_cache_write_loses_no_result(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C landing while a finished result is being written (seen under load in the
+    full suite): the interruption's harvest writes it again, and the message counts only
+    what the cache holds."""
+    cache = ResultCache(tmp_path / "cache")
+    real_put = cache.put
+    cut: list[str] = []
+
+    def put(key: str, figures: dict[str, Any]) -> None:
+        if not cut:
+            cut.append(key)
+            raise KeyboardInterrupt  # the signal arrives inside the first write
+        real_put(key, figures)
+
+    monkeypatch.setattr(cache, "put", put)
+    jobs = [(f"key{i}", (i,)) for i in range(3)]
+    with ThreadPoolExecutor(1) as pool, pytest.raises(Interrupted) as caught:
+        map_cached(pool, slow_square, jobs, cache, "points")
+    kept = [key for key, _ in jobs if ResultCache(tmp_path / "cache").get(key) is not None]
+    assert cut[0] in kept
+    assert caught.value.message.startswith(f"{len(kept)} of 3 points done and kept")
+
+
 def test_without_a_cache_the_message_says_nothing_is_kept() -> None:
     def job(x: int) -> dict[str, Any]:
         if x == 1:

@@ -15,7 +15,7 @@ from simulator.system.collectives.choice import candidates, make_plan
 from simulator.system.collectives.cost import estimate, expand
 from simulator.system.collectives.plan import GroupShape
 from simulator.system.collectives.tuner import nccl_plans, nccl_time
-from simulator.system.hardware import AlphaBeta
+from simulator.system.link_specs import AlphaBeta
 from simulator.system.profiles import load_system
 
 A100 = load_system("dgx-a100-80gb")  # no NVLS

@@ -99,7 +99,7 @@ def test_several_problems_listed_together() -> None:
 
 def test_tp_larger_than_node_warns() -> None:
     s = scenario_from_dict(with_(parallel__tp=16, parallel__dp=4))
-    assert any("larger than a node" in w for w in scenario_warnings(s))
+    assert any("larger than an NVLink domain" in w for w in scenario_warnings(s))
 
 
 def test_frozen() -> None:

@@ -19,8 +19,8 @@ from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.cost import estimate
 from simulator.system.collectives.plan import GroupShape
 from simulator.system.costs import COMPUTE_CLASSES, CostModel
-from simulator.system.hardware import AlphaBeta
 from simulator.system.layout import Layout
+from simulator.system.link_specs import AlphaBeta
 from simulator.system.topology import Topology
 
 SAVED = 1 - 1 / SPEEDUP  # what a 10% faster step saves when all of it scales

@@ -213,20 +213,6 @@ def summary_lines(results: dict[str, Any], wall: dict[str, float] | None = None)
     return [line for k, v in rows for line in _wrapped(f"{k:<{width}}  ", v)]
 
 
-def extras_lines(results: dict[str, Any]) -> list[str]:
-    """The summaries of a run's extras beside the step: many steps, uncertainty."""
-    lines: list[str] = []
-    if "steps" in results:
-        from simulator.analysis.steps import summary_lines as steps_lines
-
-        lines += steps_lines(results["steps"])
-    if "uncertainty" in results:
-        from simulator.analysis.uncertainty import summary_lines as uncertainty_lines
-
-        lines += uncertainty_lines(results["uncertainty"])
-    return lines
-
-
 def _wrapped(head: str, text: str, width: int = 100) -> list[str]:
     """``head`` then ``text``, broken between its two-space-separated parts at ``width``
     with the continuation lines indented under the first."""

@@ -184,10 +184,12 @@ def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Jo
 
 def _store(results: list[Figures | None], jobs: Sequence[Job], cache: ResultCache | None,
            i: int, value: Figures) -> None:
-    results[i] = value
+    """Cache, then record, job ``i``'s result: a signal that interrupts the write leaves
+    the job unrecorded, so the interruption's harvest stores it again."""
     key = jobs[i][0]
     if cache is not None and key is not None:
         cache.put(key, value)
+    results[i] = value
 
 
 def _compute(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Job],

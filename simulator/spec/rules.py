@@ -59,8 +59,21 @@ def fp8_problems(s: Scenario) -> list[Problem]:
     systems = {str(s.cluster.system): s.hardware}
     systems.update({str(e.system): s.hardware_of_stage(e.stages[0])
                     for e in s.variability.stage_systems if e.stages})
-    found = (hw.gpu.fp8_problem(s.stack.fp8, name) for name, hw in systems.items())
-    return [problem for problem in found if problem is not None][:1]
+    lacking = [(name, hw) for name, hw in systems.items()
+               if s.stack.fp8 not in hw.gpu.fp8_recipes or "fp8" not in hw.gpu.peak_tflops]
+    if not lacking:
+        return []
+    name, hw = lacking[0]
+    problem = hw.gpu.fp8_problem(s.stack.fp8, name, _systems_with(s.stack.fp8))
+    return [problem] if problem is not None else []
+
+
+def _systems_with(recipe: str) -> list[str]:
+    """The bundled system presets whose GPU runs FP8 ``recipe``."""
+    from simulator.system.profiles import load_system, preset_system_names
+
+    return [name for name in preset_system_names()
+            if recipe in (gpu := load_system(name).gpu).fp8_recipes and "fp8" in gpu.peak_tflops]
 
 
 def domain_problems(s: Scenario) -> list[Problem]:

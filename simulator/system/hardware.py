@@ -49,6 +49,14 @@ from pydantic import (
 from simulator.errors import Problem, UserError
 from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
 from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
+from simulator.system.link_specs import (
+    AlphaBeta,
+    HostSpec,
+    InterNodeSpec,
+    IntraNodeSpec,
+    LinkSpec,
+    PowerSpec,
+)
 from simulator.system.units import (
     COST_CLASSES,
     LINK_NAMES,
@@ -272,16 +280,16 @@ class GPUSpec(Frozen):
         beyond its back-to-back time (0 when the profile does not say)."""
         return self.send_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
 
-    def fp8_problem(self, recipe: str, system: str) -> Problem | None:
+    def fp8_problem(self, recipe: str, system: str, runs_it: list[str]) -> Problem | None:
         """Why this GPU cannot run FP8 ``recipe`` (None when it can): no fp8 peak, or a
-        recipe outside ``fp8_recipes``."""
+        recipe outside ``fp8_recipes``; ``runs_it`` names the systems that do."""
         if "fp8" in self.peak_tflops and recipe in self.fp8_recipes:
             return None
         has = (f"its FP8 recipes are {', '.join(self.fp8_recipes)}; choose one of those, "
                if self.fp8_recipes else "choose ")
         return Problem("stack.fp8", recipe, f"system {system} ({self.name}) has no FP8 "
                        f"tensor cores for it: {has}a system that runs {recipe} "
-                       f"({', '.join(_systems_with(recipe))}), or stack.fp8: none")
+                       f"({', '.join(runs_it)}), or stack.fp8: none")
 
     def peak_flops(self, dtype: PeakDtype) -> float:
         if dtype not in self.peak_tflops:
@@ -289,55 +297,6 @@ class GPUSpec(Frozen):
                                      f"GPU {self.name} has no peak for it; profile lists "
                                      f"{sorted(self.peak_tflops)}")])
         return self.peak_tflops[dtype] * 1e12
-
-
-class LinkSpec(Frozen):
-    bandwidth_GBps: float = RATE  # per GPU, per direction, line rate
-    latency_us: float = TIME_US  # α: per algorithm step
-    efficiency: float = Field(default=1.0, gt=1e-4, le=1)  # achieved busbw / line rate
-
-    @property
-    def bytes_per_s(self) -> float:
-        """Achievable bandwidth in bytes/s (line rate × efficiency)."""
-        return self.bandwidth_GBps * 1e9 * self.efficiency
-
-    @property
-    def alpha_s(self) -> float:
-        return self.latency_us * 1e-6
-
-
-class IntraNodeSpec(LinkSpec):
-    # NVLink SHARP: the NVSwitch (third generation, H100/H200/H800 HGX) reduces and
-    # multicasts, which NCCL's NVLS algorithm uses (simulator/system/nccl.py); optional in a
-    # profile file, absent = false
-    nvls: bool = False
-
-
-class InterNodeSpec(LinkSpec):
-    nics_per_node: int = Field(gt=0, le=10_000)
-    nic_Gbps: float = RATE  # line rate of one NIC, gigabits/s
-    oversubscription: float = Field(default=1.0, ge=1, le=1e4)  # fat-tree taper (1 = none)
-
-
-class HostSpec(Frozen):
-    pcie_bandwidth_GBps: float = RATE  # per GPU, per direction (host <-> device)
-    cpu_adam_params_per_s: float = Field(ge=1, le=1e16)  # CPU AdamW parameters/s of a host
-
-
-class PowerSpec(Frozen):
-    """Electrical power under training load (energy of ``clustersim train``)."""
-
-    gpu_W: float = Field(ge=0, le=1e6)  # board power of one GPU at its power limit, W
-    host_W: float = Field(ge=0, le=1e7)  # one node without its GPUs (CPUs, NICs, fans), W
-
-
-class AlphaBeta(Frozen):
-    """A calibrated collective cost: t(S) = alpha + S / busbw × (algorithm factor)."""
-
-    alpha_us: float = TIME_US
-    busbw_GBps: float = RATE
-    samples: int = Field(default=0, ge=0)
-    median_rel_error: float | None = Field(default=None, ge=0)
 
 
 class HardwareProfile(Frozen):
@@ -422,11 +381,3 @@ class HardwareProfile(Frozen):
                                    if name == link else ab) for name, ab in by_link.items()}
                        for op, by_link in self.collectives.items()}
         return self.model_copy(update={link: faster, "collectives": collectives})
-
-
-def _systems_with(recipe: str) -> list[str]:
-    """The bundled system presets whose GPU runs FP8 ``recipe``."""
-    from simulator.system.profiles import load_system, preset_system_names
-
-    return [name for name in preset_system_names()
-            if recipe in (gpu := load_system(name).gpu).fp8_recipes and "fp8" in gpu.peak_tflops]

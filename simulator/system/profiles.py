@@ -14,7 +14,8 @@ from pydantic import BaseModel
 from simulator.errors import Problem, UserError
 from simulator.loading import PRESETS_DIR, read_yaml
 from simulator.system.curves import EfficiencyCurve
-from simulator.system.hardware import AlphaBeta, HardwareProfile
+from simulator.system.hardware import HardwareProfile
+from simulator.system.link_specs import AlphaBeta
 
 SYSTEMS_DIR = PRESETS_DIR / "systems"
 

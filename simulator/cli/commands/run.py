@@ -117,7 +117,8 @@ def _extras(args: argparse.Namespace, s: Scenario, results: dict[str, Any],
 
 def _summary(results: dict[str, Any], wall: dict[str, float]) -> list[str]:
     """The run's summary, then each extra's."""
-    from simulator.analysis.report import extras_lines, summary_lines
+    from simulator.analysis.extras import extras_lines
+    from simulator.analysis.report import summary_lines
 
     lines = summary_lines(results, wall) + extras_lines(results)
     if "what_if" in results:
