@@ -161,6 +161,30 @@ def test_cli_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert err.startswith("error: model.layers=4") and "\n" not in err
 
 
+def test_a_model_whose_state_cannot_fit_is_refused_before_torchrun(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An absurd size once started torchrun and exited 1 when the workers failed to
+    allocate; the parameter state's lower bound (16 B a parameter of the matrices) is
+    refused first: exit 2, one line, nothing launched."""
+    from calibration.measured.measure_config import state_bytes
+
+    cfg = make_config(tp=1, pp=1, dp=2, out_dir=tmp_path)
+    params, need = state_bytes(cfg)
+    m = cfg.model
+    assert params == m["layers"] * (4 * m["hidden"] ** 2 + 2 * m["hidden"] * m["ffn_hidden"]) \
+        + m["vocab"] * m["hidden"]
+    assert need == 16 * params * 2  # two replicas on one host
+    parser, _ = _cli()
+    out = tmp_path / "absurd"
+    args = parser.parse_args(f"measure --tp 1 --pp 1 --dp 2 --hidden 65536 --layers 64 "
+                             f"--steps 1 --device cpu --out {out}".split())
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "GB of fp32 weights, gradients and AdamW states" in err
+    assert "lower --layers, --hidden or --vocab" in err
+    assert not out.exists(), "nothing may launch"
+
+
 def test_measure_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None; import calibration.measured.measure as m; "

@@ -108,6 +108,54 @@ def validate(cfg: MeasureConfig) -> None:
             f"tp*pp*dp*cp={cfg.world_size}: only {available} CUDA device(s) here; "
             "lower the degrees",
         )
+    _memory_problems(cfg)
+
+
+#: bytes a trained parameter holds at the least: fp32 weight, gradient, AdamW's two moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def state_bytes(cfg: MeasureConfig) -> tuple[int, int]:
+    """(parameters, bytes) a lower bound of what the run's parameter state takes on the
+    host (CPU) or on one device (CUDA): the matrices alone (no biases, norms, positions
+    or activations) at :data:`STATE_BYTES_PER_PARAM`, split over tp · pp, and over dp
+    under ZeRO-3; every rank of a CPU run shares the host."""
+    m = cfg.model
+    h, f, layers, vocab = m["hidden"], m["ffn_hidden"], m["layers"], m["vocab"]
+    params = layers * (4 * h * h + 2 * h * f) + vocab * h
+    per_rank = STATE_BYTES_PER_PARAM * params // (cfg.tp * cfg.pp * (cfg.dp if cfg.zero else 1))
+    return params, per_rank * (cfg.world_size if cfg.device == "cpu" else 1)
+
+
+def _memory_problems(cfg: MeasureConfig) -> None:
+    """Refuse, before torchrun starts, a model whose parameter state alone cannot fit:
+    without this the workers start, fail to allocate and the run exits 1."""
+    params, need = state_bytes(cfg)
+    have = _available_bytes(cfg.device)
+    where = "this host's available memory" if cfg.device == "cpu" else "one CUDA device"
+    _require(have is None or need <= have,
+             f"model={cfg.model}: at least {need / 1e9:,.1f} GB of fp32 weights, gradients "
+             f"and AdamW states ({params:,} parameters), more than {where} "
+             f"({(have or 0) / 1e9:,.1f} GB); lower --layers, --hidden or --vocab")
+
+
+def _available_bytes(device: str) -> int | None:
+    """MemAvailable of /proc/meminfo (CPU) or device 0's total memory (CUDA); None where
+    unknown."""
+    if device == "cuda":
+        try:
+            import torch
+        except ImportError:
+            return None
+        return int(torch.cuda.get_device_properties(0).total_memory) \
+            if torch.cuda.is_available() else None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _run_problems(cfg: MeasureConfig) -> None:
