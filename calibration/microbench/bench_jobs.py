@@ -33,6 +33,7 @@ from calibration.microbench.bench_results import (
     progress,
 )
 from calibration.microbench.bench_timing import Budget, Device
+from simulator.outputs.progress import progress_bar
 
 RECHECK_SLOWER_THAN = 1.15
 Runner = Callable[[], tuple[float, dict[str, Any]]]
@@ -61,11 +62,13 @@ def run_jobs(stage: str, jobs: list[Job], store: ResultsStore, budget: Budget,
     if budget.retry:
         _retry(stage, jobs, store, unit, budget.retry, done)
         return
-    for i, job in enumerate(jobs, 1):
-        if job.key in done:
-            progress(stage, i, len(jobs), f"{job.label}: already in results, skipped")
-            continue
-        _measure(stage, i, len(jobs), job, store, unit, 0)
+    with progress_bar(len(jobs), stage) as bar:  # a terminal's bar, after 2 s
+        for i, job in enumerate(jobs, 1):
+            if job.key in done:
+                progress(stage, i, len(jobs), f"{job.label}: already in results, skipped")
+            else:
+                _measure(stage, i, len(jobs), job, store, unit, 0)
+            bar.update()
     for p in range(1, budget.recheck_passes + 1):
         if not jobs:
             break

@@ -177,5 +177,8 @@ def _jsonable(obj: Any) -> Any:
 
 
 def progress(stage: str, index: int, total: int, text: str) -> None:
-    """One progress line on stderr, e.g. ``[gemm 12/40] 4096x4096x1024 ...``."""
-    print(f"[{stage} {index}/{total}] {text}", file=sys.stderr, flush=True)
+    """One progress line on stderr, e.g. ``[gemm 12/40] 4096x4096x1024 ...``, written
+    above the stage's progress bar where a terminal shows one (tqdm.write)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"[{stage} {index}/{total}] {text}", file=sys.stderr)

@@ -1,10 +1,11 @@
 """Progress bars: tqdm on stderr, only on a terminal, only for what takes a while.
 
 Every long task of the CLI (the engine on a large workload, sweep points, plan
-candidates and engine runs, uncertainty samples, validation rows, train's job runs and
-checkpoint scan) shows one of these. A bar appears only when stderr is a terminal
-(``disable=None``), so logs and pipes get no control characters, and only once its task
-has run :data:`BAR_DELAY_S` seconds, so a quick command prints nothing extra.
+candidates and engine runs, uncertainty samples, validation rows, calibrate's benchmark
+jobs, train's job runs and checkpoint scan) shows one of these. A bar appears only when
+stderr is a terminal (``disable=None``), so logs and pipes get no control characters,
+and only once its task has run :data:`BAR_DELAY_S` seconds, so a quick command prints
+nothing extra.
 """
 
 from __future__ import annotations
