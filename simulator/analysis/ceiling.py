@@ -17,9 +17,11 @@ planner warns where one does (:mod:`simulator.search.plan`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from simulator.model import transformer as mdl
+from simulator.spec.model_spec import ModelSpec
 from simulator.spec.scenario import Scenario
 from simulator.system.curves import EfficiencyCurve
 from simulator.system.hardware import GPUSpec
@@ -44,11 +46,19 @@ def best_kernel_efficiency(gpu: GPUSpec) -> float:
     return max(value for curve in _compute_curves(gpu) for _, value in curve.points)
 
 
+@functools.lru_cache(maxsize=256)
+def _step_flops(model: ModelSpec, global_batch: int,
+                recompute: mdl.RecomputeMode) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of a step: the same for every layout of a plan that
+    recomputes alike, so cached."""
+    return (mdl.model_flops_per_step(model, global_batch),
+            mdl.hardware_flops_per_step(model, global_batch, recompute))
+
+
 def mfu_ceiling(s: Scenario) -> float:
     """e_best × model FLOPs / hardware FLOPs of ``s`` (module note); the lowest e_best
     of its stages' GPUs on a mixed cluster."""
     best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
                for st in range(s.parallel.pp))
-    batch = s.training.global_batch
-    return best * mdl.model_flops_per_step(s.model, batch) \
-        / mdl.hardware_flops_per_step(s.model, batch, s.parallel.recompute)
+    model, hardware = _step_flops(s.model, s.training.global_batch, s.parallel.recompute)
+    return best * model / hardware

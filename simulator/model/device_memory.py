@@ -50,11 +50,12 @@ bytes on one GPU of a stage), so another term is one more entry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.model import moe
-from simulator.model.inventory.ops import CORE_OPS, Shape, dtype_bytes
+from simulator.model.inventory.layer import saved_tensors
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.placement import stage_layers
 from simulator.spec.scenario import Scenario
@@ -178,22 +179,26 @@ def stranded_bytes(n: float) -> int:
     return block - int(n) + tail
 
 
-def _kept_tensors(s: Scenario, layer: int) -> list[float]:
-    """The tensors one layer of ``s`` keeps for backward on one rank, one per forward
-    op that saves (under selective recomputation the core's Q, K and V instead of its
-    internals; under full recomputation the layer's input alone)."""
+def _kept_tensors(s: Scenario, layer: int) -> tuple[float, ...]:
+    """The tensors one layer of ``s`` keeps for backward on one rank
+    (:func:`~simulator.model.inventory.layer.saved_tensors`; a latent-attention layer's
+    coarser ops keep what each saves, whatever the recomputation short of full)."""
     spec, par, trn, st = s.model, s.parallel, s.training, s.stack
     if par.cp > 1:
         spec = spec.model_copy(update={"seq_len": spec.seq_len // par.cp})
-    x = Shape(spec, trn.micro_batch, par.tp, par.sequence_parallel, dtype_bytes(trn.dtype), st)
-    if par.recompute == "full":
-        return [x.rs * x.local * spec.hidden]
-    ops = moe.layer_ops(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype, "fwd",
-                        layer, stack=st)
-    if par.recompute == "selective" and spec.mla is None:
-        core = [x.dt * x.tokens * w for w in (x.q, x.kv, x.kv)]
-        return [op.saved for op in ops if op.saved > 0 and op.name not in CORE_OPS] + core
-    return [op.saved for op in ops if op.saved > 0]
+    if spec.mla is not None and par.recompute != "full":
+        ops = moe.layer_ops(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
+                            "fwd", layer, stack=st)
+        return tuple(op.saved for op in ops if op.saved > 0)
+    return saved_tensors(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
+                         par.recompute, st, spec.is_moe_layer(layer))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stranded(tensors: tuple[float, ...]) -> float:
+    """What the rounding strands over one layer's kept ``tensors`` (the same layers recur
+    stage after stage and candidate after candidate in a plan: cached)."""
+    return sum(stranded_bytes(t) for t in tensors)
 
 
 def allocator_rounding(s: Scenario, stage: int) -> float:
@@ -205,7 +210,7 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
                                                       par.virtual_stages, stage)
     runs = stage_layers(s.model.layers, par, stage)
     kinds = [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
-    per_pass = sum(n * sum(stranded_bytes(t) for t in _kept_tensors(s, i)) for i, n in kinds)
+    per_pass = sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight
 
 

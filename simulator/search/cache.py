@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from simulator import __version__
-from simulator.errors import Interrupted
+from simulator.errors import Interrupted, UserError
+from simulator.loading import decode_text, read_bytes
 from simulator.outputs.progress import progress_bar
 from simulator.outputs.writing import atomic_output
 from simulator.spec.scenario import Scenario
@@ -91,9 +92,6 @@ class ResultCache:
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> Figures | None:
-        from simulator.errors import UserError
-        from simulator.loading import decode_text, read_bytes
-
         path = self._path(key)
         if not path.is_file():
             return None
@@ -131,14 +129,11 @@ def _dead_worker_errors() -> tuple[type[BaseException], ...]:
     """What a future raises when the process running it died: a local pool breaks
     (every pending future of it fails); Dask gives up on a task whose workers kept
     dying (after its own retries)."""
-    errors: list[type[BaseException]] = [BrokenProcessPool]
     try:
         from distributed import KilledWorker
-    except ImportError:
-        pass
-    else:
-        errors.append(KilledWorker)
-    return tuple(errors)
+    except ImportError:  # Dask is an optional extra
+        return (BrokenProcessPool,)
+    return (BrokenProcessPool, KilledWorker)
 
 
 def map_cached(executor: Executor, fn: Callable[..., Figures], jobs: Sequence[Job],

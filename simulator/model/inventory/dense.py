@@ -82,6 +82,8 @@ def with_casts(x: Shape, g: dict[str, Op], name: str, pass_: Pass) -> list[Op]:
     """Linear ``name`` of ``g`` with its FP8 casts around it (none without ``stack.fp8``):
     its input (the local shard under sequence parallelism), its output gradient and, cast
     every micro-batch, its weight."""
+    if not fp8.active(x):  # every layer of every bf16 run comes here
+        return [g[name]]
     h, T, L, f = x.spec.hidden, x.tokens, x.local, x.spec.ffn / x.tp
     inputs, grads, linears = {"qkv": (L * h, T * (x.q + 2 * x.kv), x.qkv_kernels),
                               "out_proj": (T * x.q, L * h, 1),
@@ -226,8 +228,9 @@ def frame(x: Shape, pass_: Pass, g: dict[str, Op], mlp: list[Op],
            *with_casts(x, g, "out_proj", pass_), *residual_ops(x, pass_), *grad_sum,
            norm_op(x, "ln2", pass_), *fork_grad_sum(x, "up_grad_sum", readers, pass_), *mlp,
            *residual_ops(x, pass_))
-    linears = sum(op.kernels for op in ops if op.precision == "fp8")
-    ops = (*ops, *fp8.scale_update(x, linears, pass_))  # delayed scaling, after the pass
+    if fp8.active(x):  # delayed scaling's update, after the pass
+        linears = sum(op.kernels for op in ops if op.precision == "fp8")
+        ops = (*ops, *fp8.scale_update(x, linears, pass_))
     return ops if pass_ == "fwd" else ops[::-1]
 
 

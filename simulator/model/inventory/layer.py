@@ -4,6 +4,8 @@ tensors it has and what it keeps for backward, from the op inventory of its kind
 
 from __future__ import annotations
 
+import functools
+
 from simulator.model.inventory.dense import dense_layer_ops, weight_elements
 from simulator.model.inventory.experts import expert_calls, moe_layer_ops, moe_layer_tensors
 from simulator.model.inventory.ops import CORE_OPS, Shape, dense_layer_tensors, dtype_bytes
@@ -47,22 +49,34 @@ def fp8_expert_weights(spec: ModelSpec, stack: StackSpec, ep: int, etp: int,
     return local * (spec.hidden * up + f * spec.hidden), 2 * expert_calls(stack, local)
 
 
+@functools.lru_cache(maxsize=1024)
+def saved_tensors(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                  dtype: str, recompute: str, stack: StackSpec,
+                  moe_layer: bool) -> tuple[float, ...]:
+    """The tensors (bytes) one layer, dense or (``moe_layer``) a mixture of experts' MoE
+    layer, keeps between its forward and backward, one per forward op that saves; under
+    selective recomputation the core's internals (scores, softmax, dropout, statistics)
+    give way to its inputs Q, K and V; under full recomputation only the layer's input
+    (sharded under sequence parallelism; fp32 under autocast). Cached: the memory model
+    and the allocator's rounding (:mod:`simulator.model.device_memory`) ask for the same
+    layers, stage after stage and candidate after candidate in a plan."""
+    x = Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    if recompute == "full":
+        return (x.rs * x.local * spec.hidden,)
+    ops = moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack) \
+        if moe_layer else \
+        dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
+    if recompute == "selective":
+        return (*(op.saved for op in ops if op.saved > 0 and op.name not in CORE_OPS),
+                *(x.dt * x.tokens * width for width in (x.q, x.kv, x.kv)))
+    return tuple(op.saved for op in ops if op.saved > 0)
+
+
 def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                       dtype: str, recompute: str, stack: StackSpec, layer: int = 0) -> float:
     """Bytes one layer (dense, or a mixture of experts' ``layer``) keeps between its
-    forward and backward: what its forward ops save; under selective recomputation the
-    core's internals (scores, softmax, dropout, statistics) are dropped and only its
-    inputs Q, K, V kept; under full recomputation only the layer's input (sharded under
-    sequence parallelism; fp32 under autocast)."""
-    x = Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
-    if recompute == "full":
-        return x.rs * x.local * spec.hidden
-    ops = moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack) \
-        if spec.is_moe_layer(layer) else \
-        dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
-    if recompute == "selective":
-        core_inputs = x.dt * x.tokens * (x.q + 2 * x.kv)
-        return sum(op.saved for op in ops if op.name not in CORE_OPS) + core_inputs
-    return sum(op.saved for op in ops)
+    forward and backward: the sum of :func:`saved_tensors`."""
+    return sum(saved_tensors(spec, micro_batch, tp, sequence_parallel, dtype, recompute,
+                             stack, spec.is_moe_layer(layer)))
 
 
