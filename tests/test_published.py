@@ -54,7 +54,7 @@ def test_a_row_becomes_the_scenario_it_describes() -> None:
     assert data["parallel"]["dp"] == 512 and data["parallel"]["zero"] == 3
     assert data["parallel"]["recompute"] == "full"
     assert data["training"] == {"global_batch": 4096, "micro_batch": 8, "dtype": "bf16"}
-    assert data["stack"] == {"preset": "composer-fsdp1"}
+    assert data["stack"] == {"preset": "composer-fsdp1", "attention": "flash2"}
     model = data["model"]
     assert (model["layers"], model["hidden"], model["heads"], model["vocab"]) == \
         (80, 8192, 64, 50368)
@@ -73,6 +73,35 @@ def test_an_fp8_row_trains_bf16_with_delayed_scaling_fp8_linears() -> None:
         ("bf16", "delayed", "microbatch")
     bf16 = scenario_from_dict(scenario_data(row.model_copy(update={"dtype": "amp_bf16"})))
     assert bf16.stack.fp8 == "none"
+
+
+def test_the_attention_implementation_a_row_states_is_the_stacks_kernel() -> None:
+    """llm-foundry's ``attn_impl``: triton is flash-attn's Triton kernel, flash is
+    flash-attn (1.x: FlashAttention v1), torch the unfused matmul-softmax-matmul; a name
+    the framework does not have is a stated reason; none stated, the preset's own."""
+    [row] = [r for r in read_rows(DEV_SET) if r.name ==
+             "llmfoundry_h100_bf16_large_mpt70b_seq2048_512gpu_mbs8_ga1"]
+    for flags, kernel in (("attn_impl triton", "flash_triton"), ("attn_impl=flash", "flash2"),
+                          ("flash-attn==1.0.9, attn_impl: flash", "flash1"),
+                          ("attn_impl flash with flash-attn 2.4.2", "flash2"),
+                          ("attn_impl torch", "unfused")):
+        s = scenario_from_dict(scenario_data(row.model_copy(update={"other_flags": flags})))
+        assert s.stack.attention == kernel, flags
+    assert "attention" not in scenario_data(row.model_copy(update={"other_flags": ""}))["stack"]
+    with pytest.raises(Unexpressed, match="attn_impl 'xformers'"):
+        scenario_data(row.model_copy(update={"other_flags": "attn_impl xformers"}))
+
+
+def test_the_development_set_runs_the_kernel_its_commit_ran() -> None:
+    """Every table but Jan 2024's large-scale one ran submit_benchmarks.py's default
+    ``attn_impl`` of its day, triton; that table's sweep.py set flash (flash-attn 2.4.2)
+    for 1B, 3B, 7B and 70B and triton for 13B and 30B."""
+    kernels = {r.name: scenario_data(r)["stack"]["attention"] for r in read_rows(DEV_SET)}
+    large = {n: k for n, k in kernels.items() if "_large_" in n}
+    assert {k for n, k in kernels.items() if n not in large} == {"flash_triton"}
+    assert {n for n, k in large.items() if k == "flash_triton"} == \
+        {n for n in large if "_mpt13b_" in n or "_mpt30b_" in n}
+    assert sum(k == "flash2" for k in large.values()) == 12
 
 
 def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:

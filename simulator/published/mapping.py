@@ -15,6 +15,9 @@ ran, or why the simulator cannot say it.
   dtype) as stack overrides.
 - **Model**: the row's dimensions over the framework's architecture; a head width
   apart from hidden / heads (Qwen3, GPT-OSS) from ``other_flags`` (:data:`HEAD_DIM`).
+- **Attention kernel**: the framework's name for it stated in ``other_flags``
+  (``attn_impl triton``, llm-foundry's; :func:`attention_of`) as the stack's
+  ``attention``; none stated: the stack preset's own.
 - **Batch and dtype**: the global batch in sequences, the micro-batch, bf16/fp16/fp32
   (autocast ``amp_`` or not); fp8 is not modelled yet.
 
@@ -43,6 +46,8 @@ class Framework:
     stack: str
     model: dict[str, Any] = field(default_factory=dict)
     precision_modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the framework's attention implementations by the name its config gives them
+    attn_impls: dict[str, str] = field(default_factory=dict)
 
 
 #: (words the ``framework`` column holds, what its rows run), most specific first
@@ -58,7 +63,12 @@ FRAMEWORKS: tuple[tuple[tuple[str, ...], Framework], ...] = (
         "composer-fsdp1",
         {"activation": "gelu", "norm": "layernorm", "bias": True, "tied_embeddings": True,
          "position": "learned"},
-        {"PURE": {"grad_reduce_dtype": "param"}})),
+        {"PURE": {"grad_reduce_dtype": "param"}},
+        # llmfoundry/models/layers/attention.py attn_impl: flash (flash-attn's
+        # flash_attn_func: 1.x under the ``gpu`` extra, 2.x under ``gpu-flash2``), triton
+        # (llmfoundry/models/layers/flash_attn_triton.py, flash-attn's Triton kernel) or
+        # torch (scaled_multihead_dot_product_attention: matmul, softmax, matmul)
+        {"flash": "flash2", "triton": "flash_triton", "torch": "unfused"})),
     (("torchtitan",), Framework(
         "torchtitan",  # torchtitan/models/llama3/model.py: SwiGLU, RMSNorm, no biases, RoPE
         {"activation": "swiglu", "norm": "rmsnorm", "bias": False, "tied_embeddings": False,
@@ -182,13 +192,38 @@ def _model(row: Row, fw: Framework) -> dict[str, Any]:
     return out
 
 
+#: the attention implementation a row states, by its framework's name for it
+#: (``attn_impl triton``, ``attn_impl=flash``), and flash-attn's major version where
+#: stated (``flash-attn 1.0.9``, ``flash-attn==2.4.2``)
+ATTN_IMPL = re.compile(r"\battn_impl\s*[=:]?\s*(\w+)", re.IGNORECASE)
+FLASH_ATTN_MAJOR = re.compile(r"\bflash[-_]attn\s*(?:==|=|\s)\s*v?(\d+)\.", re.IGNORECASE)
+
+
+def attention_of(row: Row, fw: Framework) -> dict[str, Any]:
+    """Stack overrides of the attention implementation ``other_flags`` states: the
+    framework's kernel by that name (``flash`` under flash-attn 1.x: flash1); none
+    stated, nothing (the stack preset's own)."""
+    found = ATTN_IMPL.search(row.other_flags)
+    if not found:
+        return {}
+    name = found.group(1).lower()
+    if name not in fw.attn_impls:
+        known = ", ".join(fw.attn_impls) or "none"
+        raise Unexpressed(f"attn_impl {name!r}: not an attention implementation of "
+                          f"{row.framework} the simulator knows ({known})")
+    major = FLASH_ATTN_MAJOR.search(row.other_flags)
+    if fw.attn_impls[name] == "flash2" and major and major.group(1) == "1":
+        return {"attention": "flash1"}
+    return {"attention": fw.attn_impls[name]}
+
+
 def scenario_data(row: Row, method: str = "analytic") -> dict[str, Any]:
     """The scenario of ``row`` as a mapping (validated by the caller), or
     :class:`Unexpressed` with the reason."""
     fw = framework_of(row)
     stack: dict[str, Any] = {"preset": fw.stack,
                              **fw.precision_modes.get(precision_mode(row.zero_or_fsdp), {}),
-                             **fp8_of(row.dtype)}
+                             **fp8_of(row.dtype), **attention_of(row, fw)}
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", row.name)[:200]
     return {"name": name, "description": row.source[:10_000], "model": _model(row, fw),
             "cluster": _cluster(row), "parallel": _parallel(row),

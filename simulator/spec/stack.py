@@ -37,10 +37,11 @@ DEFAULT_STACK = "megatron-core"
 
 #: unfused: baddbmm, scale + mask + softmax as separate kernels, dropout, bmm;
 #: unfused_fused_softmax: the same with one fused scale-mask-softmax kernel (Megatron's
-#: FusedScaleMaskSoftmax); flash2 / flash3 / cudnn: one fused kernel forward (and its
-#: backward), no s×s matrix in memory, masked blocks of a causal mask skipped:
-#: FlashAttention-2, FlashAttention-3 or cuDNN's fused attention, each priced on its own
-#: curves where the hardware profile has them (``gpu.attention_kernels``).
+#: FusedScaleMaskSoftmax); flash2 / flash3 / cudnn / flash1 / flash_triton: one fused
+#: kernel forward (and its backward), no s×s matrix in memory, masked blocks of a causal
+#: mask skipped: FlashAttention-2, FlashAttention-3, cuDNN's fused attention,
+#: FlashAttention (v1) or FlashAttention in Triton, each priced on its own curves where
+#: the hardware profile has them (``gpu.attention_kernels``).
 #: te: Transformer Engine's choice by architecture, cuDNN's from Hopper on, FlashAttention-2
 #: before (simulator/system/attention_kernels.py ``selected_kernel``).
 Attention = Literal["unfused", "unfused_fused_softmax", FusedAttention, "te"]
@@ -70,8 +71,9 @@ class StackSpec(BaseModel):
     attention: Attention
     """The attention kernel: unfused (baddbmm, softmax, dropout, bmm as separate
     kernels), unfused_fused_softmax (Megatron's fused scale-mask-softmax), flash2,
-    flash3 or cudnn (one fused kernel, no s×s matrix in memory), or te (Transformer
-    Engine's choice by GPU architecture)."""
+    flash3, cudnn, flash1 (FlashAttention v1) or flash_triton (FlashAttention in Triton,
+    llm-foundry's attn_impl triton) (one fused kernel, no s×s matrix in memory), or te
+    (Transformer Engine's choice by GPU architecture)."""
     attention_dropout: float = Field(ge=0, lt=1)
     """Dropout probability on the softmax output (unfused kernels)."""
     hidden_dropout: float = Field(ge=0, lt=1)

@@ -46,9 +46,11 @@ FuncolKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 #: The fused attention kernels a stack may run (``stack.attention``) and a profile may
 #: price on their own measured curves (``gpu.attention_kernels``): FlashAttention-2,
-#: FlashAttention-3 (Hopper) and cuDNN's fused attention (Transformer Engine's
-#: FusedAttention, PyTorch's SDPA cuDNN backend).
-FusedAttention = Literal["flash2", "flash3", "cudnn"]
+#: FlashAttention-3 (Hopper), cuDNN's fused attention (Transformer Engine's
+#: FusedAttention, PyTorch's SDPA cuDNN backend), FlashAttention (v1, flash-attn 1.x) and
+#: FlashAttention in Triton (flash-attn's ``flash_attn_triton.py``, llm-foundry's
+#: ``attn_impl: triton`` before 2024).
+FusedAttention = Literal["flash2", "flash3", "cudnn", "flash1", "flash_triton"]
 
 
 # Physical ranges: wide enough for any real device (a CPU thread to a future

@@ -30,8 +30,12 @@ CORE_OPS = ("attn_core", "attn_scores", "attn_softmax", "attn_dropout", "attn_av
 #: flash_bwd_launch_template.h: flash_bwd_dot_do_o_kernel, the main kernel, kernel_dq;
 #: FlashAttention-3's hopper/flash_bwd_launch_template.h: FlashAttnBwdPreprocess, the
 #: main kernel, FlashAttnBwdPostprocessConvertdQ; cuDNN's SDPA backward chain: dot
-#: preprocess, the fused main kernel, the dQ convert)
-FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 3, "cudnn": 3, "te": 3}
+#: preprocess, the fused main kernel, the dQ convert; FlashAttention 1.0.x's
+#: csrc/flash_attn/fmha_api.cpp mha_bwd: the fp32 dq_tmp zeroed, the main kernel,
+#: dq.copy_(dq_tmp); flash_attn_triton.py _flash_attn_backward: _bwd_preprocess_do_o_dot,
+#: _bwd_kernel, dq.copy_(dq_accum))
+FLASH_BWD_KERNELS = {"flash2": 3, "flash3": 3, "cudnn": 3, "te": 3, "flash1": 3,
+                     "flash_triton": 3}
 
 
 #: Executed / counted FLOPs of a causal flash-attention kernel: it skips the blocks above
