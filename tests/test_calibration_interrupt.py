@@ -165,6 +165,20 @@ def test_ctrl_c_in_process_keeps_the_measurements_and_the_rerun_reuses_them(
     assert fitted == [{f"cpu/fp32/t1/gemm/job{i}" for i in range(6)}]
 
 
+def test_what_a_resumed_run_reuses_counts_whole_measurements_it_skips(tmp_path: Path) -> None:
+    """Rounds and recheck markers are parts, not measurements; a failure is reused unless
+    --retry-failed measures it again."""
+    path = tmp_path / "r.jsonl"
+    store = ResultsStore(path)
+    for rec in ({"key": "g1", "kind": "gemm", "ok": True}, {"key": "g2", "kind": "gemm",
+                "ok": False, "error": "OOM"}, {"key": "c/round0", "kind": "collective_round",
+                "ok": True}, {"key": "gemm#recheck1", "kind": "pass", "ok": True},
+                {"key": "t", "kind": "send_sync", "ok": True}):
+        store.append(rec)
+    assert store.measured() == {"g1", "g2", "t"}
+    assert ResultsStore(path, retry_failed=True).measured() == {"g1", "t"}
+
+
 # ---------------------------------------------------------------- interrupted, a real process
 
 

@@ -92,10 +92,11 @@ class ResultsStore:
         return set(latest)
 
     def measured(self) -> set[str]:
-        """Keys of whole measurements (a GEMM, a collective's size, a term...), failed ones
-        included: what a resumed run skips, less the recheck markers and a collective's
-        rounds (parts of one measurement)."""
-        return {k for k, r in self.latest().items() if r.get("kind") not in PARTIAL_KINDS}
+        """Keys of whole measurements (a GEMM, a collective's size, a term...) a resumed run
+        skips (:meth:`done`: failed ones too, unless ``retry_failed``), less the recheck
+        markers and a collective's rounds (parts of one measurement)."""
+        latest = self.latest()
+        return {k for k in self.done() if latest[k].get("kind") not in PARTIAL_KINDS}
 
     def append(self, record: dict[str, Any]) -> None:
         append_record(self.path, record)
