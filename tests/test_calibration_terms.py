@@ -175,22 +175,22 @@ def _measured(spread: float, n: int = 20) -> list[dict[str, Any]]:
 
 
 def test_guard_is_quiet_on_steady_timings() -> None:
-    verdict = judge(_ref(1.00e-3), _ref(1.05e-3), _measured(0.03))
+    verdict = judge([_ref(1.00e-3), _ref(1.05e-3)], _measured(0.03))
     assert not verdict.busy and verdict.warning() is None
     assert verdict.drift == pytest.approx(0.05)
 
 
 def test_guard_fires_on_a_drifting_reference() -> None:
-    verdict = judge(_ref(1.0e-3), _ref(1.3e-3), _measured(0.03))
+    verdict = judge([_ref(1.0e-3), _ref(1.3e-3)], _measured(0.03))
     assert verdict.busy and verdict.drift == pytest.approx(0.3) and DRIFT_LIMIT < 0.3
     text = verdict.warning()
     assert text is not None and text.startswith("WARNING") and "\n" not in text
     assert "1.000 ms" in text and "1.300 ms" in text and "30%" in text
-    assert judge(_ref(1.3e-3), _ref(1.0e-3), _measured(0.03)).busy  # a machine getting idle
+    assert judge([_ref(1.3e-3), _ref(1.0e-3)], _measured(0.03)).busy  # a machine getting idle
 
 
 def test_guard_fires_on_scattered_repeats() -> None:
-    verdict = judge(_ref(1e-3), _ref(1e-3), _measured(0.3))
+    verdict = judge([_ref(1e-3), _ref(1e-3)], _measured(0.3))
     assert verdict.busy and verdict.spread == pytest.approx(0.3) and SPREAD_LIMIT < 0.3
     assert "30.0%" in (verdict.warning() or "")
 
@@ -238,9 +238,12 @@ def test_busy_machine_is_remeasured_until_quiet(
     monkeypatch.setattr(bench_terms, "time_reference", lambda *a: {
         "kind": "reference", "time_s": next(times) * 1e-3, "spread": 0.01})
     retries: list[int] = []
-    monkeypatch.setattr(cal, "_measure_compute", lambda o, d, budget, s: retries.append(
-        budget.retry))
-    monkeypatch.setattr(cal, "_measure_collectives", lambda *a: None)
+
+    def compute(o: Any, d: Any, budget: Any, s: Any) -> list[tuple[str, Any]]:
+        return [("compute", lambda: retries.append(budget.retry))]  # measures nothing
+
+    monkeypatch.setattr(cal, "compute_phases", compute)
+    monkeypatch.setattr(cal, "phases", lambda o, d, budget, s, n: compute(o, d, budget, s))
     opts = cal.Options("cpu", "fp32", "tiny", 2, 1, tmp_path / "p.yaml", tmp_path / "r.jsonl",
                        (), frozenset(), "cpu-1thread", "t", 60.0, False, "cpu", retry_busy)
     guard = cal._guarded(opts, None, budget_for("cpu", "tiny"), ResultsStore(opts.results),

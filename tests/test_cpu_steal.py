@@ -60,14 +60,14 @@ def _ref(time_s: float) -> dict[str, Any]:
 
 def test_busy_guard_fires_on_steal_even_with_steady_timings() -> None:
     steady = [{"kind": "gemm", "ok": True, "spread": 0.03}] * 10
-    quiet = judge(_ref(1e-3), _ref(1e-3), steady, steal=0.02)
+    quiet = judge([_ref(1e-3), _ref(1e-3)], steady, steal=0.02)
     assert not quiet.busy and quiet.warning() is None
     assert quiet.as_dict()["steal"] == 0.02 and quiet.as_dict()["steal_limit"] == STEAL_LIMIT
-    stolen = judge(_ref(1e-3), _ref(1e-3), steady, steal=0.35)
+    stolen = judge([_ref(1e-3), _ref(1e-3)], steady, steal=0.35)
     assert stolen.busy and STEAL_LIMIT < 0.35
     text = stolen.warning() or ""
     assert "hypervisor took 35% of the CPU" in text and "\n" not in text
-    assert not judge(_ref(1e-3), _ref(1e-3), steady).busy  # no steal counter: no verdict
+    assert not judge([_ref(1e-3), _ref(1e-3)], steady).busy  # no steal counter: no verdict
 
 
 def test_measured_run_records_its_steal_and_warns(tmp_path: Path,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -238,3 +241,45 @@ def test_plot_of_a_broken_train_directory_is_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "not a clustersim train output" in proc.stderr
+
+
+#: ``clustersim`` in a process that takes Ctrl-C even where the test runs with SIGINT
+#: ignored (a background job inherits that, and Python then installs no handler)
+SIGNALLABLE_CLI = (sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                   "signal.default_int_handler); from simulator.cli.main import main; "
+                   "sys.exit(main())")
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signalled_train_says_what_it_did_and_leaves_no_output(
+        tmp_path: Path, sig: int, status: int) -> None:
+    """A real ``clustersim train`` signalled while its Monte Carlo runs go: exit 130 / 143,
+    one line with the stages done and the runs finished, nothing under --out."""
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*SIGNALLABLE_CLI, "train", str(path), "--tokens", "2e9",
+         "--seeds", "100000", "--method", "analytic", "--checkpoint-interval", "young",
+         "--max-events", "2000000000", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # the signal once the runs have started
+        seen.append(line)
+        if line.startswith("running the job"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    _, rest = proc.communicate(timeout=60)
+    name = "SIGINT" if sig == signal.SIGINT else "SIGTERM"
+    assert proc.returncode == status, "".join(seen) + rest
+    [line] = rest.strip().splitlines()
+    match = re.fullmatch(
+        rf"interrupted \({name}\): one step simulated \([\d.e+-]+ s\); checkpoint interval "
+        rf"chosen \([\d,]+ s\); (\d+) of 100000 job runs done; nothing written to "
+        rf"{re.escape(str(out))} by this run \(no file is left half-written\); train keeps "
+        r"no partial runs: run the same command again", line)
+    assert match, line
+    assert int(match[1]) < 100000
+    assert not out.exists() or not any(out.iterdir())

@@ -34,6 +34,8 @@ from simulator.errors import Problem, UserError
 
 FAIL_ENV = "CLUSTERSIM_CALIBRATE_FAIL"
 HANG_ENV = "CLUSTERSIM_CALIBRATE_HANG"
+#: record kinds that are parts of a measurement or pass markers, not measurements
+PARTIAL_KINDS = ("pass", "collective_round")
 
 
 class InjectedFailureError(RuntimeError):
@@ -88,6 +90,13 @@ class ResultsStore:
         if self.retry_failed:
             return {k for k, r in latest.items() if r.get("ok")}
         return set(latest)
+
+    def measured(self) -> set[str]:
+        """Keys of whole measurements (a GEMM, a collective's size, a term...) a resumed run
+        skips (:meth:`done`: failed ones too, unless ``retry_failed``), less the recheck
+        markers and a collective's rounds (parts of one measurement)."""
+        latest = self.latest()
+        return {k for k in self.done() if latest[k].get("kind") not in PARTIAL_KINDS}
 
     def append(self, record: dict[str, Any]) -> None:
         append_record(self.path, record)

@@ -12,8 +12,8 @@
   q, k and v (``torch.autograd.grad`` on a retained graph) for a third of the
   forward shapes (at least five), sized by twice the forward FLOPs (8·b·a·s²·d),
   as the cost model charges it.
-- The reference kernel: one fixed GEMM timed at the start and the end of a
-  calibration (and after a re-measure), whose drift and repeat spread tell a
+- The reference kernel: one fixed GEMM timed at the start of a calibration and
+  after each phase (and so in a re-measure), whose drift and repeat spread tell a
   busy machine (:mod:`calibration.microbench.busy_guard`).
 
 Records use the kinds ``overhead``, ``gemm_layout`` and ``attention_bwd``; they

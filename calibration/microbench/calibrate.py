@@ -33,10 +33,12 @@ The profile has the schema of the bundled presets, so a scenario uses it with
 Cost semantics and fitting rules: :mod:`calibration.microbench.fit`. Timing rules:
 :mod:`calibration.microbench.bench_timing`. Every measurement goes to a JSONL results file
 the moment it is taken, so an interrupted run resumes where it stopped
-(:mod:`calibration.microbench.bench_results`). On a CPU a "GPU" is one process with
-``--threads`` threads (one by default), the same device the measured CPU runs use.
-A reference GEMM timed at the start and the end, and on a VM the hypervisor's steal
-share, guard against a busy machine
+(:mod:`calibration.microbench.bench_results`): Ctrl-C or SIGTERM exits 130 / 143 saying
+how many measurements the file keeps, and the rerun says how many it reuses. On a CPU
+a "GPU" is one process with ``--threads`` threads (one by default), the same device the
+measured CPU runs use. The phases (:mod:`calibration.microbench.phases`) run between
+timings of a reference GEMM (at the start and after each phase), and on a VM the
+hypervisor's steal share is counted: they guard against a busy machine
 (:mod:`calibration.microbench.busy_guard`; ``--retry-busy N`` re-measures), and
 every fitted term's spread goes to the profile's ``uncertainty``
 (:mod:`calibration.microbench.spread`). The flags are resolved in
@@ -58,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from calibration.microbench.calibrate_options import Options, resolve_options
-from simulator.errors import Problem, UserError
-from simulator.system.devices import preset_for
+from calibration.microbench.phases import compute_phases, datasheet, phases
+from simulator.errors import Interrupted, Problem, UserError
 
 DESCRIPTION = """\
 Measure this machine and write a hardware profile (the presets' schema; a scenario
@@ -70,11 +72,12 @@ copy, AdamW) with a curve per cost class, the per-kernel overhead (tiny kernels'
 intercept), all-reduce/all-gather/reduce-scatter/broadcast/send-recv/all-to-all
 under torchrun (gloo on cpu, NCCL on cuda), a GEMM's slowdown under them and
 what an all-reduce after compute costs beyond back to back.
-A reference GEMM timed at the start and the end and the hypervisor's steal share
-warn of a busy machine; each fitted term's spread goes to the profile's
-uncertainty section (used by
+A reference GEMM timed at the start and after each phase (a WARNING names the
+phase it drifted >15% in) and the hypervisor's steal share warn of a busy machine;
+each fitted term's spread goes to the profile's uncertainty section (used by
 'clustersim run --uncertainty N'). Every measurement is appended to a
-results file at once: rerun the same command to resume an interrupted run.
+results file at once: after Ctrl-C or SIGTERM (exit 130 / 143), rerun the same
+command to resume; it reuses what the file holds and measures only the rest.
 'calibrate report PROFILE.yaml --out DIR' plots measured vs fitted."""
 
 EPILOG = """\
@@ -139,7 +142,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-failed", action="store_true",
                    help="re-measure what the results file records as failed")
     p.add_argument("--retry-busy", type=int, default=0, metavar="N",
-                   help="when the reference GEMM drifts >15%% between start and end, repeats "
+                   help="when the reference GEMM drifts >15%% from its first reading, repeats "
                    "scatter >12%% or a hypervisor takes >5%% of the CPU (steal), re-measure "
                    "the compute part up to N times (default 0: "
                    "only warn)")
@@ -188,7 +191,9 @@ def _load_nccl_tests(specs: tuple[str, ...]) -> list[Any]:
 
 
 def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
-    """Measure (or resume), fit, and write the profile; returns its path."""
+    """Measure (or resume), fit, and write the profile; returns its path. Ctrl-C or
+    SIGTERM stops it with :class:`~simulator.errors.Interrupted` saying how many
+    measurements the results file keeps and how to resume."""
     import torch
 
     from calibration.microbench.bench_results import ResultsStore
@@ -199,89 +204,67 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
     budget = budget_for(opts.device, opts.level)
     threads_before = torch.get_num_threads()
     started = time.perf_counter()
+    reused = len(store.measured())
     _say(f"calibrating {opts.device_name} ({opts.device}, {opts.threads} thread(s) per process, "
          f"{opts.dtype}, {opts.level}); measurements -> {opts.results}")
+    if reused:
+        _say(f"resuming: {reused} measurements already in {opts.results} are reused, not "
+             "measured again; measuring only the rest")
     try:
         device.setup()
         info = device_info(device, opts.nproc)
         guard = _guarded(opts, device, budget, store, bool(nccl_runs))
+    except KeyboardInterrupt as exc:  # SIGTERM arrives as Interrupted (simulator.cli.main)
+        kept = len(store.measured())
+        raise Interrupted(getattr(exc, "signal_name", "SIGINT"),
+                          f"{kept} measurements kept in {opts.results} ({kept - reused} taken "
+                          f"by this run), no profile written; run the same command again to "
+                          "measure only the rest") from None
     finally:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - started
+    _say(f"measured {len(store.measured()) - reused} this run, reused {reused} from "
+         f"{opts.results}")
     return _fit_and_write(opts, base, store, info, nccl_runs, elapsed, guard)
 
 
 def _guarded(opts: Options, device: Any, budget: Any, store: Any,
              have_nccl: bool) -> dict[str, Any]:
-    """Measure between two timings of the reference GEMM; while the machine looks busy
-    and ``--retry-busy`` allows, measure the compute part again. Returns the verdict
+    """Measure each phase between timings of the reference GEMM; while the machine looks
+    busy and ``--retry-busy`` allows, measure the compute part again. Returns the verdict
     (with the attempts taken and the warning, if any) for the provenance."""
     import dataclasses
 
     from calibration.host import StealMeter
     from calibration.microbench.bench_terms import time_reference
-    from calibration.microbench.busy_guard import judge
+    from calibration.microbench.busy_guard import judge, read_between
 
-    first = len(store.records())
+    def reference(phase: str) -> dict[str, Any]:
+        return time_reference(device, opts.dtype, budget, phase)
+
+    def count() -> int:
+        return len(store.records())
+
+    first = count()
     with StealMeter() as steal:
-        start = time_reference(device, opts.dtype, budget, "start")
-        _measure_compute(opts, device, budget, store)
-        _measure_collectives(opts, device, budget, store, have_nccl)
-        end = time_reference(device, opts.dtype, budget, "end")
-    verdict = judge(start, end, store.records()[first:], steal.share)
+        readings = read_between(phases(opts, device, budget, store, have_nccl), reference,
+                                count, _say)
+    verdict = judge(readings, store.records()[first:], steal.share)
     attempt = 0
     while verdict.busy and attempt < opts.retry_busy:
         attempt += 1
         _say(f"{verdict.warning(None)} Re-measuring the compute part "
              f"(--retry-busy: attempt {attempt} of {opts.retry_busy}).")
-        first = len(store.records())
+        first = count()
+        again = dataclasses.replace(budget, retry=attempt)
         with StealMeter() as steal:
-            start = time_reference(device, opts.dtype, budget, f"retry{attempt}-start")
-            _measure_compute(opts, device, dataclasses.replace(budget, retry=attempt), store)
-            end = time_reference(device, opts.dtype, budget, f"retry{attempt}-end")
-        verdict = judge(start, end, store.records()[first:], steal.share)
+            readings = read_between(compute_phases(opts, device, again, store), reference,
+                                    count, _say, f" (re-measure {attempt})")
+        verdict = judge(readings, store.records()[first:], steal.share)
     warning = verdict.warning(attempt)
     if warning:
         _say(warning)
     return {**verdict.as_dict(), "retries": attempt, "warning": warning}
-
-
-def _measure_compute(opts: Options, device: Any, budget: Any, store: Any) -> None:
-    from calibration.microbench import bench_compute as bc
-    from calibration.microbench import bench_terms as bt
-    from calibration.microbench.bench_fp8 import run_fp8_gemm
-
-    if "gemm" not in opts.skip:
-        bc.run_gemm(device, opts.dtype, budget, store)
-        if not (opts.device == "cuda" and _datasheet(opts)):
-            for other in ("bf16", "fp16", "fp32"):
-                if other != opts.dtype:
-                    bc.run_gemm(device, other, budget, store, bc.probe_shapes(budget, device),
-                                stage=f"gemm-{other}")
-        bt.run_gemm_layouts(device, opts.dtype, budget, store)
-        run_fp8_gemm(device, budget, store, bc.gemm_plan(budget, device))
-    if "attention" not in opts.skip:
-        bc.run_attention(device, opts.dtype, budget, store)
-        bt.run_attention_bwd(device, opts.dtype, budget, store)
-    if "memory" not in opts.skip:
-        bc.run_memory(device, opts.dtype, budget, store)
-        bt.run_overhead(device, opts.dtype, budget, store)
-
-
-def _measure_collectives(opts: Options, device: Any, budget: Any, store: Any,
-                         have_nccl: bool) -> None:
-    from calibration.microbench.bench_collectives import run_collectives
-
-    if have_nccl or "collectives" in opts.skip:
-        return
-    if opts.nproc < 2:
-        _say("collectives: skipped (one process; use --nproc 2 or more)")
-        return
-    run_collectives(device, opts.nproc, budget, store, opts.timeout_s)
-
-
-def _datasheet(opts: Options) -> bool:
-    return preset_for(opts.device_name) is not None
 
 
 def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
@@ -335,7 +318,7 @@ def _fit_and_write(opts: Options, base: Any, store: Any, info: dict[str, Any],
     profile = build_profile(fits, base, name=opts.name, device=opts.device,
                             device_name=opts.device_name, gpus_per_node=per_node,
                             memory_GB=mem_GB, provenance=prov,
-                            datasheet=opts.device == "cuda" and _datasheet(opts))
+                            datasheet=opts.device == "cuda" and datasheet(opts))
     write_profile(profile, opts.out)
     _say(summary_text(profile, failed, elapsed))
     return opts.out

@@ -92,9 +92,7 @@ def terms_markdown(profile: dict[str, Any]) -> str:
                    f"{'' if sigma is None else _pct(sigma)} |")
     guard = prov.get("busy_guard")
     if guard:
-        out += ["", f"Reference GEMM: {guard.get('reference_start_ms')} ms at the start, "
-                f"{guard.get('reference_end_ms')} ms at the end (drift {_pct(guard.get('drift'))},"
-                f" limit {_pct(guard.get('drift_limit'))}); median repeat spread "
+        out += ["", f"Reference GEMM: {_readings(guard)}; median repeat spread "
                 f"{_pct(guard.get('median_repeat_spread'))} (limit "
                 f"{_pct(guard.get('spread_limit'))}); steal {_pct(guard.get('steal'))} (limit "
                 f"{_pct(guard.get('steal_limit'))}); re-measures {guard.get('retries', 0)}."]
@@ -126,10 +124,20 @@ def summary_text(profile: dict[str, Any], failed: list[dict[str, Any]], elapsed:
     if failed:
         lines.append(f"  {len(failed)} measurement(s) failed and were skipped, e.g. "
                      f"{failed[0]['key']}: {failed[0].get('error')}")
-    warning = (profile["provenance"].get("busy_guard") or {}).get("warning")
-    if warning:
-        lines.append(warning)
+    guard = profile["provenance"].get("busy_guard") or {}
+    if guard:
+        lines.append(f"  reference GEMM: {_readings(guard)}")
+    if guard.get("warning"):
+        lines.append(guard["warning"])
     return "\n".join(lines)
+
+
+def _readings(guard: dict[str, Any]) -> str:
+    """The reference GEMM's readings (at the start and after each phase) and their drift."""
+    readings = guard.get("reference_ms") or {"start": guard.get("reference_start_ms"),
+                                              "end": guard.get("reference_end_ms")}
+    return (", ".join(f"{phase} {ms} ms" for phase, ms in readings.items())
+            + f" (drift {_pct(guard.get('drift'))}, limit {_pct(guard.get('drift_limit'))})")
 
 
 def _curve_lines(gpu: dict[str, Any], fit: dict[str, Any]) -> list[str]:

@@ -8,9 +8,10 @@ it. A curve's has three sources, added in quadrature: the standard error of the 
 value, over √n points); the machine's state, as the scatter of one timing between
 repeats (the median (p75 − p25) / median of the term's records, / 1.349 to read as a σ;
 about 1.5–4% on an idle machine), which does not average away over points; and the
-machine's drift during the run (the reference kernel's start-to-end drift d as a
-uniform spread, d / √12). The overhead's spread is its jackknife standard error, the
-standard error of the mean over kernels, and the drift; a link's the standard error of
+machine's drift during the run (the reference kernel's largest drift d from its first
+reading, at the end or after a phase, as a uniform spread, d / √12). The overhead's
+spread is its jackknife standard error, the standard error of the mean over kernels,
+and the drift; a link's the standard error of
 its α-β fit's level (residual σ / √n); a two-rank term measured in rounds the standard
 error of its rounds' figures relative to its figure
 (:mod:`calibration.microbench.terms`). Every spread is clamped to [0, 1] and rounded to

@@ -255,11 +255,15 @@ def run_job(spec: JobSpec, seed: int, trace: bool = False) -> JobRun:
     return job.run
 
 
-def run_many(spec: JobSpec, seeds: Sequence[int], desc: str | None = None) -> list[JobRun]:
-    """One run per seed; with ``desc``, a progress bar (a terminal only, after 2 s)."""
+def run_many(spec: JobSpec, seeds: Sequence[int], desc: str | None = None,
+             runs: list[JobRun] | None = None) -> list[JobRun]:
+    """One run per seed, appended to ``runs`` (a new list by default) as each ends, so a
+    caller interrupted part way knows how many it had; with ``desc``, a progress bar (a
+    terminal only, after 2 s)."""
+    runs = [] if runs is None else runs
     if desc is None:
-        return [run_job(spec, seed) for seed in seeds]
-    runs = []
+        runs.extend(run_job(spec, seed) for seed in seeds)
+        return runs
     with progress_bar(len(seeds), desc) as bar:
         for seed in seeds:
             runs.append(run_job(spec, seed))

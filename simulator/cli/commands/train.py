@@ -1,16 +1,24 @@
 """``clustersim train``: time, goodput, energy and cost to train N tokens, with failures
-and checkpoints (the job over days: :mod:`simulator.job`)."""
+and checkpoints (the job over days: :mod:`simulator.job`).
+
+Ctrl-C or SIGTERM stops it with one line saying what was done (the step simulated, the
+interval chosen, how many Monte Carlo runs) and what was written: nothing until the
+runs are done, then each file whole, so no output is ever half-written. It keeps no
+partial result to resume from: the runs are seeded and take seconds to minutes, so the
+same command run again gives the same figures from scratch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from simulator.cli.common import Subparsers, add_command, positive_int
-from simulator.errors import Problem, UserError
+from simulator.errors import Interrupted, Problem, UserError
 from simulator.limits import MAX_JOB_EVENTS
 
 if TYPE_CHECKING:
@@ -43,8 +51,29 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError([Problem("--seeds", args.seeds, "must be between 1 and 100000")])
 
 
-def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    """Load, simulate the step, run the job; write the outputs when ``args.out`` is set."""
+@dataclass
+class Progress:
+    """What a train command has done so far, for the line an interruption prints."""
+
+    done: list[str] = field(default_factory=list)  # finished stages, in order
+    runs: list[JobRun] = field(default_factory=list)  # Monte Carlo runs finished
+    seeds: int = 0  # runs asked for (0: not started)
+    written: list[str] = field(default_factory=list)  # output files written whole
+
+    def interrupted(self, out: Path | None) -> str:
+        did = [*self.done]
+        if self.seeds:
+            did.append(f"{len(self.runs)} of {self.seeds} job runs done")
+        where = ("no output asked" if out is None
+                 else f"nothing written to {out} by this run" if not self.written
+                 else f"{', '.join(self.written)} written whole to {out}, the rest not")
+        return (f"{'; '.join(did) or 'nothing done yet'}; {where} (no file is left "
+                "half-written); train keeps no partial runs: run the same command again")
+
+
+def run_train(args: argparse.Namespace, progress: Progress | None = None) -> dict[str, Any]:
+    """Load, simulate the step, run the job; write the outputs when ``args.out`` is set.
+    ``progress`` is kept up to date as each stage ends."""
     from simulator.api import simulate_scenario
     from simulator.job.events import check_events
     from simulator.job.lifecycle import run_job, run_many
@@ -53,6 +82,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from simulator.spec.load import load_scenario
 
     _check_args(args)
+    progress = Progress() if progress is None else progress
     overrides = list(args.overrides)
     if args.checkpoint_interval is not None:
         overrides.append(f"checkpoint.interval={_interval_arg(args.checkpoint_interval)}")
@@ -67,20 +97,25 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     print(f"simulating one step of {s.name} ({s.parallel.world} GPUs) ...", file=sys.stderr)
     step, _ = simulate_scenario(s, args.method, args.fidelity)
     spec = job_spec(s, args.tokens, [step["step_time_s"]])
+    progress.done.append(f"one step simulated ({step['step_time_s']:.3g} s)")
     print(f"choosing the checkpoint interval ({s.checkpoint.interval}) ...", file=sys.stderr)
     spec, interval = choose_interval(spec, s.checkpoint.interval, min(SCAN_SEEDS, args.seeds),
                                      args.max_events)
+    progress.done.append(f"checkpoint interval chosen ({interval['interval_s']:,.0f} s)")
     check_events(spec, args.seeds + 1, args.max_events)  # the runs and the traced median
     print(f"running the job {args.seeds} times ...", file=sys.stderr)
     base = s.simulation.seed * 1_000_003
-    runs = run_many(spec, [base + i for i in range(args.seeds)], "job runs")
+    progress.seeds = args.seeds
+    runs = run_many(spec, [base + i for i in range(args.seeds)], "job runs", progress.runs)
     res = train_results(s, spec, runs, step, interval, args.tokens)
     if args.out is not None:
-        _write(args.out, res, run_job(spec, median_run(runs).seed, trace=True), args.no_plot)
+        _write(args.out, res, run_job(spec, median_run(runs).seed, trace=True), args.no_plot,
+               progress.written)
     return res
 
 
-def _write(out: Path, res: dict[str, Any], run: JobRun, no_plot: bool) -> None:
+def _write(out: Path, res: dict[str, Any], run: JobRun, no_plot: bool,
+           written: list[str]) -> None:
     """train.json, train_timeline.csv (the median run's events) and train.png."""
     import pandas as pd
 
@@ -94,11 +129,14 @@ def _write(out: Path, res: dict[str, Any], run: JobRun, no_plot: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
         with atomic_output(out / "train_timeline.csv") as tmp:
             table.to_csv(tmp, index=False)
+        written.append("train_timeline.csv")
         write_results(out / "train.json", res)
+        written.append("train.json")
         if not no_plot:
             from simulator.outputs.plots.job import plot_training
 
             plot_training(out)
+            written.append("train.png")
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -125,7 +163,12 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    res = run_train(args)
+    progress = Progress()
+    try:
+        res = run_train(args, progress)
+    except KeyboardInterrupt as exc:  # SIGTERM arrives as Interrupted (simulator.cli.main)
+        raise Interrupted(getattr(exc, "signal_name", "SIGINT"),
+                          progress.interrupted(args.out)) from None
     from simulator.job.train import summary_lines
 
     print("\n".join(summary_lines(res)))
