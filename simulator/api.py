@@ -36,7 +36,7 @@ from simulator.outputs.rank_selection import RankSelection, select_ranks
 from simulator.outputs.result_tables import split_tables, write_tables
 from simulator.outputs.span_table import span_table
 from simulator.outputs.timeline_files import write_timeline
-from simulator.outputs.trace_export import atomic_output, write_chrome_trace
+from simulator.outputs.trace_export import TRACE_FILES, atomic_output, write_chrome_trace
 from simulator.outputs.trace_links import TraceLinks, trace_links
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
@@ -160,22 +160,26 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
 def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | None,
                   plots: bool = True, timeline: str = "parquet",
                   trace: TraceLinks | None = None, timings: Timings | None = None,
-                  ) -> list[Path]:
+                  trace_format: str = "json") -> list[Path]:
     """Write a run directory: the timeline in ``timeline`` format (parquet, csv or both),
-    trace.json (the ranks and extras of ``trace``, else one rank per stage), the
+    trace.json (or trace.json.gz with ``trace_format`` "json.gz"; the ranks and extras
+    of ``trace``, else one rank per stage), the
     results' tables (:mod:`simulator.outputs.result_tables`), then results.json (their
     summaries and file names), then the PNGs, then report.html. Returns the paths written.
-    ``timings`` (benchmarks) receives each file group's wall and CPU seconds."""
+    ``timings`` (benchmarks) receives each file group's wall and CPU seconds (each
+    table's under ``write_table:<file>``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if spans is not None:
         with _timed(timings, "write_timeline"):
             written.extend(write_timeline(out_dir, spans, timeline))
         with _timed(timings, "write_trace"):
-            written.append(write_chrome_trace(out_dir / "trace.json", spans, results, trace))
+            written.append(write_chrome_trace(out_dir / TRACE_FILES[trace_format], spans,
+                                              results, trace))
     summary, tables = split_tables(results)  # the long lists as Parquet beside it
-    with _timed(timings, "write_tables"):
-        written.extend(write_tables(out_dir, tables))
+    for name, frame in tables.items():
+        with _timed(timings, f"write_table:{name}"):
+            written.extend(write_tables(out_dir, {name: frame}))
     # results.json last: its presence means the run's outputs are complete
     with _timed(timings, "write_results"):
         write_results(out_dir / "results.json", summary)

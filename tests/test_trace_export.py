@@ -233,3 +233,30 @@ def test_counters_are_bounded_rounded_and_change_only() -> None:
     assert sum(link[:-1]) / (len(link) - 1) == pytest.approx(0.8719415654395233 / 2, rel=1e-3)
     assert [e["args"]["allocated_GB"] for e in counters if e["name"] == "memory"] == \
         [1.0, 2.623457]
+
+
+def test_a_gzipped_trace_holds_the_same_trace(tmp_path: Path) -> None:
+    """``--trace-format json.gz``: trace.json.gz alone, the same JSON once unzipped,
+    listed in the manifest and linked from report.html."""
+    import gzip
+
+    from small_scenario import SMALL
+
+    from simulator.cli.main import main
+    from simulator.outputs.run_dir import check_run_dir
+
+    scenario = tmp_path / "small.yaml"
+    scenario.write_text(SMALL)
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    assert main(["run", str(scenario), "--out", str(plain), "--no-plots"]) == 0
+    assert main(["run", str(scenario), "--out", str(packed), "--no-plots",
+                 "--trace-format", "json.gz"]) == 0
+    assert not (packed / "trace.json").exists()
+    raw = (packed / "trace.json.gz").read_bytes()
+    trace, reference = json.loads(gzip.decompress(raw)), json.loads(
+        (plain / "trace.json").read_text())
+    check_trace_structure(trace)
+    assert trace["traceEvents"] == reference["traceEvents"]
+    assert len(raw) < (plain / "trace.json").stat().st_size / 4
+    assert "trace.json.gz" in check_run_dir(packed)["files"]
+    assert 'href="trace.json.gz"' in (packed / "report.html").read_text()

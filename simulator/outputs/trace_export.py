@@ -68,6 +68,8 @@ STREAM_TIDS: Mapping[str, int] = {"compute": 0, "pp": 1, "dp": 2, "host": 3}
 
 _US_PER_S = 1e6
 _GB = 1e9
+#: ``--trace-format``: the file each format writes.
+TRACE_FILES: Mapping[str, str] = {"json": "trace.json", "json.gz": "trace.json.gz"}
 #: A link counter's points per rank and link class at most (:func:`mean_bins`).
 LINK_MAX_POINTS = 2000
 
@@ -298,8 +300,16 @@ def write_chrome_trace(path: str | os.PathLike[str], spans: pd.DataFrame,
                        results: Mapping[str, Any] | None = None,
                        links: TraceLinks | None = None,
                        ranks: Sequence[int] | None = None) -> Path:
-    """Write :func:`chrome_trace_json` to ``path`` (atomically); return the path."""
+    """Write :func:`chrome_trace_json` to ``path`` (atomically), gzipped when the name
+    ends in ``.gz`` (Perfetto opens it as it is); return the path."""
+    import gzip
+
     text = chrome_trace_json(spans, results, links, ranks)
     with atomic_output(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        if str(path).endswith(".gz"):
+            with tmp.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0,
+                                                      compresslevel=6) as gz:
+                gz.write(text.encode("utf-8"))
+        else:
+            tmp.write_text(text, encoding="utf-8")
     return Path(path)
