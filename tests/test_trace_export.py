@@ -216,6 +216,10 @@ def test_mean_bins_keeps_the_area_and_bounds_the_points(raw: list[tuple[float, f
         assert out == points
 
 
+def test_mean_bins_of_one_instant_keeps_its_last_value() -> None:
+    assert mean_bins([(2.0, 1.0)] * 9 + [(2.0, 0.5)], 4) == [(2.0, 0.5)]
+
+
 def test_counters_are_bounded_rounded_and_change_only() -> None:
     """A link busy 5,000 times a step is drawn in LINK_MAX_POINTS points at most; the
     memory counter is in GB to the kB and repeats no value."""

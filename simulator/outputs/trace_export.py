@@ -203,6 +203,8 @@ def mean_bins(points: Sequence[Sequence[float]], max_points: int) -> list[tuple[
     if len(points) <= max_points:
         return [(float(t), float(v)) for t, v in points]
     times, values = np.asarray(points, dtype=float).T
+    if times[-1] <= times[0]:  # every point at one instant: the last value stands
+        return [(float(times[0]), float(values[-1]))]
     area = np.concatenate([[0.0], np.cumsum(values[:-1] * np.diff(times))])
     edges = np.linspace(times[0], times[-1], max_points)  # max_points - 1 bins
     means = np.diff(np.interp(edges, times, area)) / np.diff(edges)
