@@ -85,6 +85,11 @@ def test_an_older_run_with_inline_lists_still_plots(tmp_path: Path,
     assert read_results(tmp_path / "results.json")["critical_path"] == results["critical_path"]
     assert [p.name for p in plot_all(tmp_path)] == ["timeline.png", "breakdown.png",
                                                     "memory.png"]
+    write_outputs(tmp_path / "new", results, spans, plots=False)
+    assert main(["diff", str(tmp_path), str(tmp_path / "new"), "--out",
+                 str(tmp_path / "diff")]) == 0  # an old run beside a new one
+    diff = json.loads((tmp_path / "diff" / "diff.json").read_text())
+    assert diff["step_time_s"]["delta"] == 0.0
 
 
 def test_a_missing_or_misnamed_table_is_one_line(tmp_path: Path,
