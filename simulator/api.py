@@ -4,8 +4,9 @@
 for the ranks the trace will show, its flows and counters
 (:mod:`simulator.outputs.trace_links`). ``simulate_scenario`` is the same without the
 trace's extras, for sweeps, ``compare``, notebooks and tests. ``write_outputs``
-is the one function that writes a run directory: results.json, the timeline
-(Parquet, CSV or both), trace.json and the PNGs, each atomically, so an
+is the one function that writes a run directory: results.json, the results'
+long tables and the timeline (Parquet; the timeline as CSV on request), trace.json
+and the PNGs, each atomically, so an
 interrupted run never leaves a half-written file.
 """
 
@@ -32,9 +33,10 @@ from simulator.engine.engine import simulate
 from simulator.errors import UserError
 from simulator.limits import check_ranks
 from simulator.outputs.rank_selection import RankSelection, select_ranks
+from simulator.outputs.result_tables import split_tables, write_tables
 from simulator.outputs.span_table import span_table
 from simulator.outputs.timeline_files import write_timeline
-from simulator.outputs.trace_export import atomic_output, write_chrome_trace
+from simulator.outputs.trace_export import TRACE_FILES, atomic_output, write_chrome_trace
 from simulator.outputs.trace_links import TraceLinks, trace_links
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
@@ -158,21 +160,29 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
 def write_outputs(out_dir: Path, results: dict[str, Any], spans: pd.DataFrame | None,
                   plots: bool = True, timeline: str = "parquet",
                   trace: TraceLinks | None = None, timings: Timings | None = None,
-                  ) -> list[Path]:
+                  trace_format: str = "json") -> list[Path]:
     """Write a run directory: the timeline in ``timeline`` format (parquet, csv or both),
-    trace.json (the ranks and extras of ``trace``, else one rank per stage), then
-    results.json, then the PNGs, then report.html. Returns the paths written.
-    ``timings`` (benchmarks) receives each file group's wall and CPU seconds."""
+    trace.json (or trace.json.gz with ``trace_format`` "json.gz"; the ranks and extras
+    of ``trace``, else one rank per stage), the
+    results' tables (:mod:`simulator.outputs.result_tables`), then results.json (their
+    summaries and file names), then the PNGs, then report.html. Returns the paths written.
+    ``timings`` (benchmarks) receives each file group's wall and CPU seconds (each
+    table's under ``write_table:<file>``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if spans is not None:
         with _timed(timings, "write_timeline"):
             written.extend(write_timeline(out_dir, spans, timeline))
         with _timed(timings, "write_trace"):
-            written.append(write_chrome_trace(out_dir / "trace.json", spans, results, trace))
+            written.append(write_chrome_trace(out_dir / TRACE_FILES[trace_format], spans,
+                                              results, trace))
+    summary, tables = split_tables(results)  # the long lists as Parquet beside it
+    for name, frame in tables.items():
+        with _timed(timings, f"write_table:{name}"):
+            written.extend(write_tables(out_dir, {name: frame}))
     # results.json last: its presence means the run's outputs are complete
     with _timed(timings, "write_results"):
-        write_results(out_dir / "results.json", results)
+        write_results(out_dir / "results.json", summary)
     written.append(out_dir / "results.json")
     if plots and spans is not None:
         from simulator.outputs.plots.run import plot_all

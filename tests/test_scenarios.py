@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import pytest
 from simulator.analysis.memory import memory_report
 from simulator.cli.exit_codes import DOES_NOT_FIT
 from simulator.cli.main import main
+from simulator.outputs.run_files import read_results
 from simulator.spec.load import load_scenario
 from simulator.spec.placement import stage_layer_count
 
@@ -80,7 +80,7 @@ def _run(path: Path, out_root: Path) -> tuple[int, str, dict[str, Any] | None]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc = main(["run", str(path), "--out", str(out), "--no-plots", "--allow-oom"])
-        results = json.loads((out / "results.json").read_text()) if rc == 0 else None
+        results = read_results(out / "results.json") if rc == 0 else None
         _RUNS[path.stem] = (rc, err.getvalue(), results)
     return _RUNS[path.stem]
 

@@ -77,6 +77,7 @@ class _Results(BaseModel):
     tokens_per_s: float | None = None
     mfu: float | None = None
     bubble_fraction: float | None = None
+    tables: dict[str, str] | None = None  # the per-rank tables' files (not diffed)
 
 
 def load_run(run_dir: Path, which: str) -> dict[str, Any]:

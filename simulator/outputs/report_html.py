@@ -81,10 +81,11 @@ def _what_if(results: Mapping[str, Any]) -> str:
 
 
 def _trace(out_dir: Path) -> str:
-    if not (out_dir / "trace.json").is_file():
+    name = next((n for n in ("trace.json", "trace.json.gz") if (out_dir / n).is_file()), None)
+    if name is None:
         return '<p class="note">No trace: an analytic run has no timeline.</p>'
     return ('<p>Open <a href="https://ui.perfetto.dev">ui.perfetto.dev</a>, choose '
-            '<em>Open trace file</em> and pick <a href="trace.json"><code>trace.json</code>'
+            f'<em>Open trace file</em> and pick <a href="{name}"><code>{name}</code>'
             '</a> from this directory (or drag it onto the page); one process per rank, one '
             'thread per stream. <code>chrome://tracing</code> loads it too.</p>')
 

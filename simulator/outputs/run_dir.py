@@ -50,8 +50,9 @@ from simulator.outputs.writing import output_lock
 
 MANIFEST = "manifest.json"
 #: Names a run writes; removed from a reused directory even when no manifest lists them.
-KNOWN_OUTPUTS = ("results.json", "timeline.csv", "timeline.parquet", "trace.json",
-                 "timeline.png", "breakdown.png", "memory.png", "report.html")
+KNOWN_OUTPUTS = ("results.json", "critical_path.parquet", "memory_timeline.parquet",
+                 "time_breakdown.parquet", "timeline.csv", "timeline.parquet", "trace.json",
+                 "trace.json.gz", "timeline.png", "breakdown.png", "memory.png", "report.html")
 _STAGING = re.compile(r"^\.(?P<name>.+)\.staging-(?P<pid>\d+)-[0-9a-f]+$")
 
 

@@ -1,4 +1,5 @@
-"""Output files read back: ``results.json``, the span table and ``measured.json``.
+"""Output files read back: ``results.json`` (and its tables), the span table and
+``measured.json``.
 
 ``clustersim plot`` and ``clustersim compare`` read files that a run wrote, a
 user copied, or an interrupted process cut short. Each reader here validates
@@ -69,6 +70,7 @@ class Results(_Open):
     memory: list[MemoryRow] = Field(default_factory=list)
     memory_peak_bytes: float | None = NonNegative
     scenario: dict[str, Any] | None = None
+    tables: dict[str, str] | None = None  # results key -> Parquet file beside it
 
 
 def _validated(model: type[_Open], data: Any, path: Path, what: str, fix: str) -> dict[str, Any]:
@@ -96,9 +98,13 @@ def read_measured(path: Path) -> dict[str, Any]:
 
 
 def read_results(path: Path) -> dict[str, Any]:
-    """``results.json`` as a dict the plots can draw."""
+    """``results.json`` as a dict the plots can draw, with the tables it names read
+    back in place (:func:`simulator.outputs.result_tables.attach_tables`)."""
+    from simulator.outputs.result_tables import attach_tables
+
     fix = "run the scenario again (`clustersim run SCENARIO --out DIR`)"
-    return _validated(Results, read_json(path, "run_dir"), path, "run_dir", fix)
+    results = _validated(Results, read_json(path, "run_dir"), path, "run_dir", fix)
+    return attach_tables(results, path.parent)
 
 
 def read_spans(path: Path, ranks: Iterable[int] | None = None) -> pd.DataFrame:

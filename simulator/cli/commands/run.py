@@ -73,6 +73,9 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--trace-ranks", default="stages", metavar="all|stages|R,R,...",
                    help="ranks in trace.json: stages (default: each pipeline stage's lowest "
                    "rank), all, or a list such as 0,5,17")
+    q.add_argument("--trace-format", choices=["json", "json.gz"], default="json",
+                   help="trace.json (default) or trace.json.gz, gzipped (about 10x "
+                   "smaller; Perfetto opens it as it is)")
     allow_oom_arg(q)
     q.set_defaults(func=run)
 
@@ -158,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     writing = time.perf_counter()
     with staged_run(out) as staging:
         written = write_outputs(staging, results, spans, plots=not args.no_plots,
-                                timeline=args.timeline, trace=run.trace)
+                                timeline=args.timeline, trace=run.trace,
+                                trace_format=args.trace_format)
     # build: reading the scenario and building the workload; simulate: the engine (or
     # the estimate), the accounting and the extras; write: every output file
     build = simulating - started + timings.get("build", (0.0, 0.0))[0]
