@@ -6,11 +6,11 @@ starts from one layer's costs per micro-batch on one rank
 its TP, expert and CP collectives). They read the layer's knobs only, not the pipeline
 depth (beyond whether there is a pipeline), the data-parallel degree, the schedule or
 the ZeRO stage (:data:`STAGE_KNOBS`), so the thousands of candidates that differ only
-in those share them: GPT-3 175B on 1,024 A100 has 16,668 candidates and a few hundred
-distinct layers. A knob a strategy registers later is part of the key unless named
-here, so a new dimension can only make the memo miss, never return another
-candidate's terms. ``tests/test_plan_shared.py`` holds the memo to the estimate
-computed afresh.
+in those share them: GPT-3 175B on 1,024 A100 has 4,085 fitting candidates and 87
+distinct layers, Llama-3 70B at 128K tokens on 2,048 GB200 41,871 and 969. A knob a
+strategy registers later is part of the key unless named here, so a new dimension can
+only make the memo miss, never return another candidate's terms.
+``tests/test_plan_shared.py`` holds the memo to the estimate computed afresh.
 
 The memo is per base scenario, keyed by its content, and kept per process (a worker
 sees chunk after chunk of the same plan), a few plans at most.
