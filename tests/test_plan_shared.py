@@ -4,8 +4,10 @@ the estimate it gets on its own, bit for bit, in any order of the candidates."""
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,9 @@ from simulator.search.candidates import (
     knobs,
 )
 from simulator.search.plan import assess, assess_chunk
+from simulator.search.shared import SharedTerms
 from simulator.spec.scenario import Scenario
+from simulator.system.profiles import load_system
 
 # a dense model with context parallelism: every layer knob and the stage knobs vary
 DENSE = PlanRequest("llama2-7b", 16, "dgx-a100-80gb", 64, seq_len=8192, micro_batches=(1, 2),
@@ -82,7 +86,7 @@ def test_the_memo_is_shared() -> None:
     cands = DENSE_CANDIDATES[:1200]
     rows = assess_chunk(DENSE_BASE, cands)["rows"]
     fits = sum(r["fits"] for r in rows)
-    memo = shared._memo(DENSE_BASE.model_dump_json())
+    memo = shared._memo(shared.base_key(DENSE_BASE))
     assert 0 < len(memo) * 10 < fits
     assert len(memo) == len({shared.layer_key(c) for c, r in zip(cands, rows, strict=True)
                              if r["fits"]})
@@ -103,3 +107,19 @@ def test_assess_without_a_memo_is_the_same_row() -> None:
     shared._memo.cache_clear()
     assert alone == assess_chunk(DENSE_BASE, [cand])["rows"][0]
     assert alone["fits"] and not math.isnan(alone["analytic_step_time_s"])
+
+
+def test_a_profile_edited_between_plans_is_another_memo(tmp_path: Path) -> None:
+    """The memo's key is the base scenario with what its system name resolves to: the
+    same file, edited, gives the plan new layer terms."""
+    profile = tmp_path / "gpu.yaml"
+    data = load_system("dgx-a100-80gb").model_dump(mode="json")
+    profile.write_text(yaml.safe_dump(data))
+    req = replace(DENSE, system=str(profile))
+    first = SharedTerms(base_scenario(req))
+    data["gpu"]["peak_tflops"] = {k: v / 2 for k, v in data["gpu"]["peak_tflops"].items()}
+    profile.write_text(yaml.safe_dump(data))
+    os.utime(profile, (1e9, 1e9))  # another modification time, however fast the write
+    second = SharedTerms(base_scenario(req))
+    assert first._terms is not second._terms
+    assert SharedTerms(base_scenario(req))._terms is second._terms

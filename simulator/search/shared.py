@@ -12,8 +12,10 @@ strategy registers later is part of the key unless named here, so a new dimensio
 only make the memo miss, never return another candidate's terms.
 ``tests/test_plan_shared.py`` holds the memo to the estimate computed afresh.
 
-The memo is per base scenario, keyed by its content, and kept per process (a worker
-sees chunk after chunk of the same plan), a few plans at most.
+The memo is per base scenario, keyed by its content with the hardware profile and the
+stack its names resolve to (a profile file edited between two plans is another plan),
+and kept per process (a worker sees chunk after chunk of the same plan), a few plans
+at most.
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def layer_key(cand: Candidate, names: tuple[str, ...] | None = None) -> tuple[An
 Memo = dict[tuple[Any, ...], tuple[CostModel, LayerTerms]]
 
 
+def base_key(base: Scenario) -> str:
+    """``base``'s content: its JSON, its hardware profile's and its stack's."""
+    return "\n".join(x.model_dump_json() for x in (base, base.hardware, base.stack))
+
+
 @functools.lru_cache(maxsize=4)
-def _memo(base_key: str) -> Memo:
-    """The layer terms of the plan whose base scenario has content ``base_key`` (its
-    JSON), kept in this process."""
-    del base_key  # the key only tells plans apart
+def _memo(key: str) -> Memo:
+    """The layer terms of the plan whose base scenario has :func:`base_key` ``key``,
+    kept in this process."""
+    del key  # the key only tells plans apart
     return {}
 
 
@@ -62,7 +69,7 @@ class SharedTerms:
     def __init__(self, base: Scenario) -> None:
         self.scenarios = CandidateScenarios(base)
         self.names = self.scenarios.names
-        self._terms = _memo(base.model_dump_json())
+        self._terms = _memo(base_key(base))
 
     def estimate(self, s: Scenario, cand: Candidate) -> dict[str, Any]:
         """:func:`analytic_estimate` of candidate ``cand`` (whose scenario is ``s``)."""
