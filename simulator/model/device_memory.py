@@ -56,9 +56,12 @@ from dataclasses import dataclass
 
 from simulator.model import moe
 from simulator.model.inventory.layer import saved_tensors
+from simulator.model.transformer import RecomputeMode
 from simulator.schedules.registry import schedule_spec
+from simulator.spec.model_spec import ModelSpec
 from simulator.spec.placement import stage_layers
 from simulator.spec.scenario import Scenario
+from simulator.spec.stack import StackSpec
 
 MiB = 1 << 20
 
@@ -183,15 +186,25 @@ def _kept_tensors(s: Scenario, layer: int) -> tuple[float, ...]:
     """The tensors one layer of ``s`` keeps for backward on one rank
     (:func:`~simulator.model.inventory.layer.saved_tensors`; a latent-attention layer's
     coarser ops keep what each saves, whatever the recomputation short of full)."""
-    spec, par, trn, st = s.model, s.parallel, s.training, s.stack
-    if par.cp > 1:
-        spec = spec.model_copy(update={"seq_len": spec.seq_len // par.cp})
-    if spec.mla is not None and par.recompute != "full":
-        ops = moe.layer_ops(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
-                            "fwd", layer, stack=st)
+    par, trn = s.parallel, s.training
+    return _layer_kept(s.model, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
+                       par.recompute, s.stack, par.cp, layer)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_kept(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                dtype: str, recompute: RecomputeMode, st: StackSpec, cp: int,
+                layer: int) -> tuple[float, ...]:
+    """:func:`_kept_tensors` of the layer knobs it reads (a plan's candidates share a few
+    hundred layers: cached)."""
+    if cp > 1:
+        spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
+    if spec.mla is not None and recompute != "full":
+        ops = moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer,
+                            stack=st)
         return tuple(op.saved for op in ops if op.saved > 0)
-    return saved_tensors(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
-                         par.recompute, st, spec.is_moe_layer(layer))
+    return saved_tensors(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
+                         spec.is_moe_layer(layer))
 
 
 @functools.lru_cache(maxsize=1024)

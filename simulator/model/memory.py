@@ -51,6 +51,7 @@ server error buffers (OnebitAdam's state) to the optimizer states.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,6 +136,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 # ---------------------------------------------------------------- activations
 
 
+@functools.lru_cache(maxsize=4096)  # a plan's candidates share a few hundred layers
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,

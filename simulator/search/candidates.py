@@ -235,24 +235,40 @@ def _pinned(cands: list[Candidate], pins: Mapping[str, Any]) -> list[Candidate]:
     return cands
 
 
+class CandidateScenarios:
+    """Candidates' scenarios from one ``base``: what they all share (the searched fields,
+    the base's own parallel settings, its training section) worked out once."""
+
+    def __init__(self, base: Scenario) -> None:
+        self.base = base
+        self.names = knobs()
+        self.fields = searched_fields()
+        # the base's own parallel settings (--set ones: dp_bucket_MB, overlap, ...) stay
+        self._kept = {k: getattr(base.parallel, k) for k in base.parallel.model_fields_set
+                      if f"parallel.{k}" not in self.fields}
+        self._training = base.training.model_dump(exclude_unset=True)
+
+    def __call__(self, cand: Candidate) -> Scenario:
+        """``base`` with a candidate's settings (field checks run; cross-field ones do
+        not)."""
+        fields = dict(zip(self.fields, cand, strict=True))
+        parallel = {k.removeprefix("parallel."): v for k, v in fields.items()
+                    if k.startswith("parallel.")}
+        par = ParallelSpec(**cast(Any, {**self._kept, **parallel}))
+        trn = TrainingSpec(**{**self._training, "micro_batch": fields["training.micro_batch"]})
+        update: dict[str, Any] = {"parallel": par, "training": trn}
+        options = {k.removeprefix("strategies."): v for k, v in fields.items()
+                   if k.startswith("strategies.")}
+        if options:
+            sections: dict[str, dict[str, Any]] = {n: dict(o)
+                                                   for n, o in self.base.strategies.items()}
+            for key, value in options.items():
+                name, _, option = key.partition(".")
+                sections.setdefault(name, {})[option] = value
+            update["strategies"] = sections
+        return self.base.model_copy(update=update)
+
+
 def candidate_scenario(base: Scenario, cand: Candidate) -> Scenario:
     """``base`` with a candidate's settings (field checks run; cross-field ones do not)."""
-    fields = dict(zip((f for d in dimensions() for f in d.fields), cand, strict=True))
-    parallel = {k.removeprefix("parallel."): v for k, v in fields.items()
-                if k.startswith("parallel.")}
-    # the base's own parallel settings (--set ones: dp_bucket_MB, overlap, ...) stay
-    kept = {k: getattr(base.parallel, k) for k in base.parallel.model_fields_set
-            if f"parallel.{k}" not in fields}
-    par = ParallelSpec(**cast(Any, {**kept, **parallel}))
-    trn = TrainingSpec(**{**base.training.model_dump(exclude_unset=True),
-                          "micro_batch": fields["training.micro_batch"]})
-    update: dict[str, Any] = {"parallel": par, "training": trn}
-    options = {k.removeprefix("strategies."): v for k, v in fields.items()
-               if k.startswith("strategies.")}
-    if options:
-        sections: dict[str, dict[str, Any]] = {n: dict(o) for n, o in base.strategies.items()}
-        for key, value in options.items():
-            name, _, option = key.partition(".")
-            sections.setdefault(name, {})[option] = value
-        update["strategies"] = sections
-    return base.model_copy(update=update)
+    return CandidateScenarios(base)(cand)

@@ -45,7 +45,6 @@ from typing import Any
 
 import pandas as pd
 
-from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.ceiling import mfu_ceiling
 from simulator.analysis.memory import stage_breakdown
 from simulator.errors import Problem, UserError
@@ -67,6 +66,7 @@ from simulator.search.candidates import (
     knobs,
 )
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
+from simulator.search.shared import SharedTerms
 from simulator.spec.placement import head_rank
 from simulator.spec.rules import consistency_problems, not_yet_simulated
 from simulator.spec.scenario import Scenario
@@ -112,14 +112,16 @@ def usable_bytes(s: Scenario, headroom: Headroom) -> float:
     return capacity - headroom.bytes(capacity)
 
 
-def assess(base: Scenario, cand: Candidate,
-           headroom: Headroom = DEFAULT_HEADROOM) -> dict[str, Any]:
+def assess(base: Scenario, cand: Candidate, headroom: Headroom = DEFAULT_HEADROOM,
+           shared: SharedTerms | None = None) -> dict[str, Any]:
     """One candidate's row: validity, memory verdict against capacity less ``headroom``
-    and, if it fits, the estimate and the kernel-level MFU ceiling."""
-    row: dict[str, Any] = dict(zip(knobs(), cand, strict=True))
+    and, if it fits, the estimate and the kernel-level MFU ceiling (``shared``: the
+    layer terms the plan's candidates share, :mod:`simulator.search.shared`)."""
+    shared = shared or SharedTerms(base)
+    row: dict[str, Any] = dict(zip(shared.names, cand, strict=True))
     row.update(microbatches=0, verdict="invalid", error="", peak_memory_GB=math.nan,
                fits=False, analytic_step_time_s=math.nan, mfu_ceiling=math.nan)
-    s = candidate_scenario(base, cand)
+    s = shared.scenarios(cand)
     problems = consistency_problems(s)
     if not problems:
         row["verdict"], problems = "not yet simulated", not_yet_simulated(s)
@@ -131,7 +133,7 @@ def assess(base: Scenario, cand: Candidate,
                fits=peak <= usable_bytes(s, headroom))
     row["verdict"] = "fits" if row["fits"] else "out of memory"
     if row["fits"]:
-        row["analytic_step_time_s"] = analytic_estimate(s)["step_time_s"]
+        row["analytic_step_time_s"] = shared.estimate(s, cand)["step_time_s"]
         row["mfu_ceiling"] = mfu_ceiling(s)
     return row
 
@@ -139,7 +141,8 @@ def assess(base: Scenario, cand: Candidate,
 def assess_chunk(base: Scenario, chunk: Sequence[Candidate],
                  headroom: Headroom = DEFAULT_HEADROOM) -> Figures:
     """A chunk's rows (module level: picklable for process and Dask workers)."""
-    return {"rows": [assess(base, c, headroom) for c in chunk]}
+    shared = SharedTerms(base)
+    return {"rows": [assess(base, c, headroom, shared) for c in chunk]}
 
 
 def simulate_candidate(s: Scenario) -> Figures:

@@ -99,13 +99,42 @@ class _Grads:
     t_dp: float
 
 
-def _pipeline(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
-              c: BlockCosts, per_stage: dict[int, BlockCosts]) -> _Pipe:
+@dataclass(frozen=True)
+class LayerTerms:
+    """One layer's costs per micro-batch on one rank: its blocks and the collectives on
+    its critical path (TP, the experts', CP's exposed exchange, TP at the model's ends).
+    They read the layer's knobs only (TP, CP, EP, sequence parallelism, recomputation,
+    micro-batch size, whether the pipeline has stages, and the fixed model, stack and
+    hardware), not the pipeline depth, data parallelism, schedule or ZeRO stage, so a
+    planner computes them once for every candidate that shares those knobs."""
+
+    c: BlockCosts
+    t_tp: float
+    experts: Experts
+    t_cp: float
+    ends: Ends
+
+
+def cost_model(s: Scenario, hw: HardwareProfile | None = None) -> CostModel:
+    """The cost model the estimate prices ``s`` with (``hw``: another hardware profile)."""
+    return CostModel(hw or s.hardware, s.training.dtype, host_us=s.stack.host_us,
+                     ranks=s.parallel.world)
+
+
+def layer_terms(s: Scenario, cost: CostModel, hw: HardwareProfile,
+                costs: BlockCosts | None = None) -> LayerTerms:
+    """:class:`LayerTerms` of ``s`` (``costs``: its block costs, when already priced)."""
+    c = costs or block_costs(s, cost)
+    local = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
+    layout = layout_of(local)
+    return LayerTerms(c, tp_time(local, layout, cost, hw), expert_times(local, layout, cost, hw),
+                      cp_exposed(local, layout, c, hw), tp_ends(local, layout, cost, hw))
+
+
+def _pipeline(s: Scenario, cost: CostModel, hw: HardwareProfile, terms: LayerTerms,
+              per_stage: dict[int, BlockCosts]) -> _Pipe:
     par = s.parallel
-    t_tp = tp_time(s, layout, cost, hw)
-    experts = expert_times(s, layout, cost, hw)
-    t_cp = cp_exposed(s, layout, c, hw)
-    ends = tp_ends(s, layout, cost, hw)
+    c, t_tp, experts, t_cp, ends = terms.c, terms.t_tp, terms.experts, terms.t_cp, terms.ends
     stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
               for st in range(par.pp)]
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
@@ -136,8 +165,9 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
     if par.zero == 3 and par.dp * par.cp > 1 and not spec.is_moe:  # per layer (module), root
         t_dp = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op)
-    group = edp_group(layout, 0, par.etp, par.ep)
-    t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
+    if expert_params:  # the expert data-parallel group: dp · cp ranks of a dense model
+        group = edp_group(layout, 0, par.etp, par.ep)
+        t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
     return _Grads(busiest, layers, params, expert_params, grad_bytes, param_bytes, dp_op, t_dp)
 
 
@@ -225,14 +255,15 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
 
 
 def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
-                      cost: CostModel | None = None,
-                      hw: HardwareProfile | None = None) -> dict[str, Any]:
+                      cost: CostModel | None = None, hw: HardwareProfile | None = None,
+                      terms: LayerTerms | None = None) -> dict[str, Any]:
     """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
-    hardware profile (``--what-if`` prices the same step with one class faster)."""
+    hardware profile (``--what-if`` prices the same step with one class faster);
+    ``terms``: the layer's terms when already computed (:func:`layer_terms` of ``s``
+    with the same ``cost`` and ``hw``; a planner shares them between candidates)."""
     hw = hw or s.hardware
-    cost = cost or CostModel(hw, s.training.dtype, host_us=s.stack.host_us,
-                             ranks=s.parallel.world)
-    c = costs or block_costs(s, cost)
+    cost = cost or cost_model(s, hw)
+    terms = terms or layer_terms(s, cost, hw, costs)
     # a mixed-generation cluster: each stage's blocks on its own system
     stage_cost = {st: replace(cost, hw=h) for st, h in s.stage_hardware.items()}
     per_stage = {st: block_costs(s, sc) for st, sc in stage_cost.items()}
@@ -240,7 +271,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     par = s.parallel
     layout = layout_of(s)
     overlaps = hw.gpu.comm_overlaps_compute
-    pipe = _pipeline(s, layout, cost, hw, c, per_stage)
+    c = terms.c
+    pipe = _pipeline(s, cost, hw, terms, per_stage)
     g = _gradients(s, layout, hw)
     exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g)
     t_p2p = pipeline_sends(s, layout, hw, not (s.stack.overlap(par.overlap).pp and overlaps))
