@@ -18,6 +18,7 @@ from simulator.search.headroom import DEFAULT_HEADROOM, Headroom, parse_headroom
 from simulator.search.plan import ceiling_warnings, plan_lines, run_plan
 from simulator.spec.load import scenario_from_dict
 from simulator.system.curves import EfficiencyCurve
+from simulator.system.profiles import load_system
 
 # Llama-2 7B on 16 A100-80GB, a reduced search that still spans 20-110 GB
 SMALL = PlanRequest("llama2-7b", 16, "dgx-a100-80gb", 64, seq_len=2048, top_k=1,
@@ -77,16 +78,42 @@ def test_best_kernel_efficiency_reads_every_compute_curve() -> None:
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_mfu_ceiling_is_best_efficiency_times_model_over_hardware_flops(recompute: str) -> None:
+def test_mfu_ceiling_is_best_efficiency_times_model_over_executed_flops(recompute: str) -> None:
+    """Executed FLOPs: the hardware FLOPs less the causal half a fused attention kernel
+    skips; its backward executes 2.5 forwards where the model counts 2, so of the
+    counted 4·B·s²·h forward it skips half, of the 8·B·s²·h backward 3/8, and of a
+    recomputed forward half again."""
     s = scenario_from_dict({"name": "t", "model": {"preset": "llama2-7b", "seq_len": 2048},
                             "cluster": {"system": "dgx-a100-80gb", "nodes": 2},
                             "parallel": {"tp": 2, "pp": 2, "dp": 4, "recompute": recompute},
                             "training": {"global_batch": 64}})
-    ratio = mdl.model_flops_per_step(s.model, 64) / mdl.hardware_flops_per_step(s.model, 64,
-                                                                                 recompute)
-    assert mfu_ceiling(s) == pytest.approx(best_kernel_efficiency(s.hardware.gpu) * ratio)
+    spec, B = s.model, 64
+    core = 4.0 * B * spec.seq_len ** 2 * spec.hidden  # one layer's counted forward core
+    passes = 0.5 + 8 / 4 * 3 / 8 + (0.5 if recompute != "none" else 0.0)
+    executed = mdl.hardware_flops_per_step(spec, B, recompute) - spec.layers * core * passes
+    ratio = mdl.model_flops_per_step(spec, B) / executed
+    assert mfu_ceiling(s) == pytest.approx(best_kernel_efficiency(s.hardware.gpu) * ratio,
+                                           rel=1e-12)
     results, _ = simulate_scenario(s, "analytic")
     assert results["mfu"] <= mfu_ceiling(s)  # the kernels' curves bound the prediction
+    unfused = s.model_copy(update={"stack": s.stack.model_copy(
+        update={"attention": "unfused"})})  # the full square runs: nothing skipped
+    assert mfu_ceiling(unfused) == pytest.approx(
+        best_kernel_efficiency(s.hardware.gpu) * mdl.model_flops_per_step(spec, B)
+        / mdl.hardware_flops_per_step(spec, B, recompute), rel=1e-12)
+
+
+def test_the_ceiling_rises_with_the_sequence_under_a_causal_kernel() -> None:
+    """At long context the attention's counted square dominates and a causal kernel runs
+    half of it: the ceiling on the full-square MFU passes the best kernel efficiency."""
+    def ceiling(seq: int) -> float:
+        return mfu_ceiling(scenario_from_dict({
+            "name": "t", "model": {"preset": "llama3-70b", "seq_len": seq},
+            "cluster": {"system": "dgx-h100", "nodes": 2}, "parallel": {"tp": 8, "cp": 2},
+            "training": {"global_batch": 8}}))
+    best = best_kernel_efficiency(load_system("dgx-h100").gpu)
+    assert ceiling(2048) < ceiling(32768) < ceiling(131072)
+    assert ceiling(131072) > best
 
 
 def test_plan_warns_where_a_prediction_exceeds_the_ceiling() -> None:

@@ -6,13 +6,18 @@ the best efficiency any of the profile's compute curves reaches: the generic GEM
 attention curves, a calibrated class curve of a GEMM or attention class, a fused
 attention kernel's curves (:class:`~simulator.system.hardware.GPUSpec`). With no
 communication, no bubble and memory-bound kernels free, the step would take at least
-hardware FLOPs / (GPUs × peak × e_best), so
+executed FLOPs / (GPUs × peak × e_best), so
 
-    MFU ≤ e_best × model FLOPs / hardware FLOPs,
+    MFU ≤ e_best × model FLOPs / executed FLOPs,
 
-the ceiling here. A prediction above it says the figure rests on something other than
-the kernels' measured speed (a curve, an overlap or a FLOP count to look at); the
-planner warns where one does (:mod:`simulator.search.plan`).
+the ceiling here. The executed FLOPs are the hardware FLOPs less what a causal fused
+attention kernel skips (the blocks above the diagonal: its calls execute
+``Op.compute_scale`` of their counted FLOPs, the curves of such kernels are quoted
+against what they execute), so at long sequences, where attention dominates and the
+model counts its full square, the ceiling rises above e_best. A prediction above it
+says the figure rests on something other than the kernels' measured speed (a curve, an
+overlap or a FLOP count to look at); the planner warns where one does
+(:mod:`simulator.search.plan`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.scenario import Scenario
+from simulator.spec.stack import StackSpec
 from simulator.system.curves import EfficiencyCurve
 from simulator.system.hardware import GPUSpec
 
@@ -46,19 +53,37 @@ def best_kernel_efficiency(gpu: GPUSpec) -> float:
     return max(value for curve in _compute_curves(gpu) for _, value in curve.points)
 
 
+def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,
+                  stack: StackSpec) -> float:
+    """Counted FLOPs of a step that its kernels do not execute: each layer op's counted
+    FLOPs × (1 − ``compute_scale``) over the forward, both backward passes and the
+    recomputed forward (the causal half a fused attention kernel skips, less the
+    backward's recomputation of QKᵀ, which it executes on top)."""
+    total = 0.0
+    for i, n in moe.layer_kinds(model):
+        ops = [op for p in mdl.PASSES
+               for op in mdl.layer_ops(model, global_batch, 1, False, "bf16", p, i, stack)]
+        ops += mdl.layer_recompute_ops(model, global_batch, 1, False, "bf16", recompute, i,
+                                       stack)
+        total += n * sum(op.flops * (1.0 - op.compute_scale) for op in ops)
+    return total
+
+
 @functools.lru_cache(maxsize=256)
-def _step_flops(model: ModelSpec, global_batch: int,
-                recompute: mdl.RecomputeMode) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of a step: the same for every layout of a plan that
+def _step_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,
+                stack: StackSpec) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) of a step: the same for every layout of a plan that
     recomputes alike, so cached."""
     return (mdl.model_flops_per_step(model, global_batch),
-            mdl.hardware_flops_per_step(model, global_batch, recompute))
+            mdl.hardware_flops_per_step(model, global_batch, recompute)
+            - skipped_flops(model, global_batch, recompute, stack))
 
 
 def mfu_ceiling(s: Scenario) -> float:
-    """e_best × model FLOPs / hardware FLOPs of ``s`` (module note); the lowest e_best
+    """e_best × model FLOPs / executed FLOPs of ``s`` (module note); the lowest e_best
     of its stages' GPUs on a mixed cluster."""
     best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
                for st in range(s.parallel.pp))
-    model, hardware = _step_flops(s.model, s.training.global_batch, s.parallel.recompute)
-    return best * model / hardware
+    model, executed = _step_flops(s.model, s.training.global_batch, s.parallel.recompute,
+                                  s.stack)
+    return best * model / executed
