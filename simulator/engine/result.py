@@ -27,6 +27,9 @@ class SimResult:
     end_time: float
     events: int
     wall_s: float
+    #: lock-step groups the run simulated (:mod:`simulator.engine.lockstep`), one
+    #: process per TP group standing for its ranks; 0 when every rank ran its own
+    lockstep_groups: int = 0
 
     @cached_property
     def spans(self) -> list[tuple[int, float, float]]:
