@@ -2,8 +2,10 @@
 
 At full fidelity the engine runs one process per TP group where its ranks provably
 run alike, and gives every rank its group's spans. Every span, collective start and
-last arrival must equal the per-rank run's bit for bit, over the layouts that shape
-a TP group's traffic; link busy time (sums over links in another order) to 1e-12.
+report figure must equal the per-rank run's bit for bit, over the layouts that shape
+a TP group's traffic; so must the last arrival, but among a TP group's simultaneous
+arrivals (SimPy's queue order names one); link busy time (sums over links in another
+order) to 1e-12.
 Each condition that tells a group's ranks apart makes the engine simulate every
 rank (a test each).
 """

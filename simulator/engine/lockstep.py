@@ -15,8 +15,12 @@ PP, CP and tied-embedding peers are the other groups' first ranks, simulated as
 before. After the run, each rank's spans are its group's first rank's, moved by
 the id offset of its TP index (:func:`expand`): the same numbers the per-rank run
 computes, bit for bit (``tests/test_lockstep.py`` compares every span, collective
-start and last arrival over TP, sequence parallelism, pipeline schedules, DP,
-ZeRO-3 and context parallelism, and each fallback).
+start and report figure over TP, sequence parallelism, pipeline schedules, DP,
+ZeRO-3 and context parallelism, and each fallback). One thing is a convention,
+not a time: at a TP group's own collectives every member arrives at the same
+instant, and the member named as the last arrival is, in the per-rank run,
+whichever registered last in SimPy's queue; here it is TP index ``tp - 1``. Link
+busy seconds are summed over the same links in another order (equal to 1e-12).
 
 Nothing here knows what a transformer is.
 """
