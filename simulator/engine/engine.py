@@ -17,14 +17,15 @@ tasks), then:
   (``gpu.send_sync_us`` of that class, the calibrated ping-pong between compute).
 
 Compute may run slower while the rank's transfers are in flight
-(:mod:`simulator.engine.interference`). Before running, each distinct program is
-compiled once into steps (:mod:`simulator.engine.compile`); at full fidelity the ranks
-of a stage share their stage's prototype (:mod:`simulator.builder.program`), so the
-engine holds no object per task: times go into flat arrays by task id, a run's tasks
-get their spans arithmetically after the run (start = run start + the durations before
-it, summed in order as the run's timeout was), and
-:class:`simulator.engine.result.SimResult` makes the span list and the dictionaries of
-collective starts on demand. Nothing here knows what a transformer is.
+(:mod:`simulator.engine.interference`). At full fidelity a TP group whose ranks provably
+run alike runs as one process (:mod:`simulator.engine.lockstep`). Before running, each
+distinct program is compiled once into steps (:mod:`simulator.engine.compile`); at full
+fidelity the ranks of a stage share their stage's prototype
+(:mod:`simulator.builder.program`), so the engine holds no object per task: times go
+into flat arrays by task id, a run's tasks get their spans arithmetically after the run
+(start = run start + the durations before it, summed in order as the run's timeout was),
+and :class:`simulator.engine.result.SimResult` makes the span list and the dictionaries
+of collective starts on demand. Nothing here knows what a transformer is.
 
 Determinism: no randomness, insertion-ordered containers only; the same
 workload gives bit-identical spans.
@@ -47,8 +48,8 @@ from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
-from simulator.engine.lockstep import expand, lockstep_size
-from simulator.engine.result import SimResult
+from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
+from simulator.engine.result import SimResult, busy_by_class
 from simulator.engine.streams import Rendezvous, stream
 from simulator.system.collectives.cost import leg_rate, phase_latencies, sync_burst_cost
 from simulator.system.collectives.plan import Plan
@@ -181,9 +182,7 @@ class Engine:
     @cached_property
     def ids_of_all(self) -> set[int]:
         """The simulated ranks."""
-        if self.lock > 1:
-            return set(range(0, self.w.layout.world, self.lock))
-        return set(self.w.programs)
+        return lockstep_ranks(self.w, self.lock)
 
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
@@ -238,11 +237,7 @@ class Engine:
             first = self.w.tasks[int(unfinished[0])]
             raise RuntimeError(f"deadlock: {len(unfinished)} tasks never ran, first "
                                f"{first.name} on rank {first.rank}")
-        busy: dict[str, float] = {}
-        for link, secs in self.topo.own(self.net.busy).items():
-            key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
-            # a lock-step group's own links are busy alike (shared ones carried its weight)
-            busy[key] = busy.get(key, 0.0) + (secs if key == "core" else secs * self.lock)
+        busy = busy_by_class(self.topo.own(self.net.busy), self.lock)
         end = float(end_a.max()) if len(end_a) else 0.0
         return SimResult(self.w, start_a, end_a, begin, last, busy, end,
                          self._event_count(), wall,

@@ -56,6 +56,11 @@ def lockstep_size(w: Workload, alone: bool) -> int:
     return tp
 
 
+def lockstep_ranks(w: Workload, lock: int) -> set[int]:
+    """The ranks simulated: each lock-step group's first, else every rank of ``w``."""
+    return set(range(0, w.layout.world, lock)) if lock > 1 else set(w.programs)
+
+
 def tp_collectives(shared: SharedPrograms, stage: int) -> np.ndarray:
     """Local indices of the stage prototype's collectives over its TP group."""
     lay = shared.layout

@@ -5,12 +5,25 @@ The span list and the dictionaries of collective starts are made on demand.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from simulator.builder.tasks import Workload
+from simulator.system.topology import LinkId
+
+
+def busy_by_class(busy: Mapping[LinkId, float], lock: int = 1) -> dict[str, float]:
+    """Seconds each link class was busy, summed over its links (NVLink ports, NICs, the
+    core); a lock-step group's own links count once for each of its ``lock`` ranks
+    (alike by symmetry; the shared core carried the group's weight)."""
+    out: dict[str, float] = {}
+    for link, secs in busy.items():
+        key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
+        out[key] = out.get(key, 0.0) + (secs if key == "core" else secs * lock)
+    return out
 
 
 @dataclass
