@@ -116,6 +116,8 @@ def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
         "ranks_simulated": len(w.programs),
         "fidelity": w.fidelity,
     })
+    if result.lockstep_groups:  # full fidelity, one process per TP group
+        out["lockstep_groups"] = result.lockstep_groups
     return out
 
 
@@ -203,8 +205,10 @@ def summary_lines(results: dict[str, Any], wall: dict[str, float] | None = None)
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "
                                 f"{cap / gb:.0f} GB  ({verdict})"))
     if "sim_wall_s" in results:
-        rows.append(("simulation", f"{results['ranks_simulated']} ranks simulated, "
-                                   f"{results['sim_events']:,} events "
+        groups = results.get("lockstep_groups") or 0
+        rows.append(("simulation", f"{results['ranks_simulated']} ranks simulated"
+                                   + (f" in {groups} lock-step groups" if groups else "")
+                                   + f", {results['sim_events']:,} events "
                                    f"(SimPy's run {results['sim_wall_s']:.2f} s)"))
     if wall:
         rows.append(("wall time", "  ".join(f"{k} {v:.2f} s" for k, v in wall.items())

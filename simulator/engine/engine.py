@@ -17,14 +17,15 @@ tasks), then:
   (``gpu.send_sync_us`` of that class, the calibrated ping-pong between compute).
 
 Compute may run slower while the rank's transfers are in flight
-(:mod:`simulator.engine.interference`). Before running, each distinct program is
-compiled once into steps (:mod:`simulator.engine.compile`); at full fidelity the ranks
-of a stage share their stage's prototype (:mod:`simulator.builder.program`), so the
-engine holds no object per task: times go into flat arrays by task id, a run's tasks
-get their spans arithmetically after the run (start = run start + the durations before
-it, summed in order as the run's timeout was), and
-:class:`simulator.engine.result.SimResult` makes the span list and the dictionaries of
-collective starts on demand. Nothing here knows what a transformer is.
+(:mod:`simulator.engine.interference`). At full fidelity a TP group whose ranks provably
+run alike runs as one process (:mod:`simulator.engine.lockstep`). Before running, each
+distinct program is compiled once into steps (:mod:`simulator.engine.compile`); at full
+fidelity the ranks of a stage share their stage's prototype
+(:mod:`simulator.builder.program`), so the engine holds no object per task: times go
+into flat arrays by task id, a run's tasks get their spans arithmetically after the run
+(start = run start + the durations before it, summed in order as the run's timeout was),
+and :class:`simulator.engine.result.SimResult` makes the span list and the dictionaries
+of collective starts on demand. Nothing here knows what a transformer is.
 
 Determinism: no randomness, insertion-ordered containers only; the same
 workload gives bit-identical spans.
@@ -47,7 +48,8 @@ from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
-from simulator.engine.result import SimResult
+from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
+from simulator.engine.result import SimResult, busy_by_class
 from simulator.engine.streams import Rendezvous, stream
 from simulator.system.collectives.cost import leg_rate, phase_latencies, sync_burst_cost
 from simulator.system.collectives.plan import Plan
@@ -65,7 +67,7 @@ class Engine:
 
     def __init__(self, workload: Workload, hw: HardwareProfile,
                  env: simpy.Environment | None = None, topo: Topology | None = None,
-                 net: FlowNetwork | None = None) -> None:
+                 net: FlowNetwork | None = None, lockstep: bool = True) -> None:
         self.w = workload
         self.hw = hw
         self.env = simpy.Environment() if env is None else env
@@ -95,6 +97,9 @@ class Engine:
         self._busy: dict[int, float] = {}
         self._mark: dict[int, float] = {}
         self._plan_of: dict[int, Plan] = {}  # id(phases) -> plan, a group of more than one
+        # lock-step groups: the ranks one simulated rank stands for (its TP group's)
+        self.lock = lockstep_size(workload, env is None and topo is None and net is None) \
+            if lockstep else 1
         self.instances = self._compile()
         self.interference = Interference(
             self.env, self._slowing, self.topo, [inst.rank for inst in self.instances]
@@ -142,7 +147,7 @@ class Engine:
             streams = list(shared.streams[q].items())
             tmpl = Template(shared.protos[q], streams, where, self._phases, True,
                              not self._slowing)
-            for delta in range(per):
+            for delta in range(0, per, self.lock):  # TP index 0 of each lock-step group
                 rank = q * per + delta
                 first = shared.first_id(rank)
                 if rank in made:
@@ -176,7 +181,8 @@ class Engine:
 
     @cached_property
     def ids_of_all(self) -> set[int]:
-        return set(self.w.programs)
+        """The simulated ranks."""
+        return lockstep_ranks(self.w, self.lock)
 
     def event_of(self, task_id: int) -> simpy.Event:
         ev = self.events.get(task_id)
@@ -221,19 +227,21 @@ class Engine:
         """What the run gave (after the event of :meth:`launch` fired, or the queue ran
         dry: a deadlock, raised here), ``wall`` seconds of it."""
         start_a, end_a = self._spans()
+        begin = np.frombuffer(self.begin, np.float64)
+        last = np.frombuffer(self.last, np.int64)
+        if self.lock > 1:  # every rank's spans from its lock-step group's
+            assert self.w.shared is not None
+            expand(self.w.shared, self.lock, start_a, end_a, begin, last)
         unfinished = np.flatnonzero(np.isnan(end_a))
         if len(unfinished):
             first = self.w.tasks[int(unfinished[0])]
             raise RuntimeError(f"deadlock: {len(unfinished)} tasks never ran, first "
                                f"{first.name} on rank {first.rank}")
-        busy: dict[str, float] = {}
-        for link, secs in self.topo.own(self.net.busy).items():
-            key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
-            busy[key] = busy.get(key, 0.0) + secs
+        busy = busy_by_class(self.topo.own(self.net.busy), self.lock)
         end = float(end_a.max()) if len(end_a) else 0.0
-        return SimResult(self.w, start_a, end_a, np.frombuffer(self.begin, np.float64),
-                         np.frombuffer(self.last, np.int64), busy, end,
-                         self._event_count(), wall)
+        return SimResult(self.w, start_a, end_a, begin, last, busy, end,
+                         self._event_count(), wall,
+                         len(self.instances) if self.lock > 1 else 0)
 
     def _spans(self) -> tuple[np.ndarray, np.ndarray]:
         """Start and end by task id: collectives and sends as they ran, a run's tasks
@@ -340,7 +348,7 @@ class Engine:
             alpha += self.hw.gpu.send_sync_s(link_class)
             route = self._sends[(rank, dst)] = (
                 rate, cal, alpha, self.topo.send_links(rank, dst, link_class),
-                self.w.weight_of(rank))
+                self.w.weight_of(rank) * self.lock)
         rate, cal, alpha, links, weight = route
         if cal is not None:
             nbytes = nbytes * rate / (cal.busbw_GBps * 1e9)
@@ -351,7 +359,7 @@ class Engine:
         weight = self._weights.get(grp)
         if weight is None:
             members = self.members[grp]
-            weight = self._weights[grp] = self.w.weight * len(members) \
+            weight = self._weights[grp] = self.w.weight * len(members) * self.lock \
                 if self.w.weights is None else sum(self.w.weights[r] for r in members)
         return weight
 
@@ -384,5 +392,7 @@ class Engine:
 
 def simulate(workload: Workload, hw: HardwareProfile,
              progress: Callable[[float], None] | None = None, horizon: float = 0.0,
-             ) -> SimResult:
-    return Engine(workload, hw).run(progress, horizon)
+             lockstep: bool = True) -> SimResult:
+    """Run ``workload`` alone; ``lockstep=False`` simulates every rank even where its
+    TP group runs in lock-step (what tests compare lock-step with)."""
+    return Engine(workload, hw, lockstep=lockstep).run(progress, horizon)

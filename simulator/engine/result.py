@@ -5,12 +5,25 @@ The span list and the dictionaries of collective starts are made on demand.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from simulator.builder.tasks import Workload
+from simulator.system.topology import LinkId
+
+
+def busy_by_class(busy: Mapping[LinkId, float], lock: int = 1) -> dict[str, float]:
+    """Seconds each link class was busy, summed over its links (NVLink ports, NICs, the
+    core); a lock-step group's own links count once for each of its ``lock`` ranks
+    (alike by symmetry; the shared core carried the group's weight)."""
+    out: dict[str, float] = {}
+    for link, secs in busy.items():
+        key = {"nvl": "intra_node", "nic": "inter_node"}.get(str(link[0]), "core")
+        out[key] = out.get(key, 0.0) + (secs if key == "core" else secs * lock)
+    return out
 
 
 @dataclass
@@ -27,6 +40,9 @@ class SimResult:
     end_time: float
     events: int
     wall_s: float
+    #: lock-step groups the run simulated (:mod:`simulator.engine.lockstep`), one
+    #: process per TP group standing for its ranks; 0 when every rank ran its own
+    lockstep_groups: int = 0
 
     @cached_property
     def spans(self) -> list[tuple[int, float, float]]:
