@@ -257,7 +257,9 @@ class SimulationSpec(Frozen):
     method: Method = "engine"
     """engine (discrete-event) or analytic (closed form, milliseconds)."""
     fidelity: Fidelity = "folded"
-    """folded: one rank per stage stands for its symmetric peers; full: every rank."""
+    """folded: one rank per stage stands for its symmetric peers; full: every rank (a TP
+    group whose ranks provably run alike as one lock-step process, its spans copied to
+    each member: the same figures as per rank)."""
     collective_algorithm: Algorithm = "auto"
     """auto: NCCL's choice of algorithm and protocol per collective; or one algorithm
     for every collective (the textbook α-β form)."""
