@@ -116,6 +116,12 @@ def test_unmapped_unknown_and_legacy_keys_are_listed(tmp_path: Path,
      ("bias_act", "bias_dropout_add", "rope")),
     ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"1\"\n",
      ("parallel", "recompute"), "full"),
+    ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"1\"\n",
+     ("parallel", "recompute_every"), None),
+    ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"3\"\n",
+     ("parallel", "recompute_every"), 3),
+    ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"3\"\n",
+     ("parallel", "recompute"), "full"),
     ("[optimizer]\nimplementation = \"for-loop\"\n", ("stack", "optimizer"), "per_tensor"),
 ])
 def test_keys(tmp_path: Path, extra: str, path: tuple[str, ...], value: object) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.spec.model_spec import ModelSpec
+from simulator.spec.recompute import ModeRuns, flops_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec
 from simulator.system.curves import EfficiencyCurve
@@ -54,29 +55,34 @@ def best_kernel_efficiency(gpu: GPUSpec) -> float:
 
 
 def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,
-                  stack: StackSpec) -> float:
+                  stack: StackSpec, modes: ModeRuns | None = None) -> float:
     """Counted FLOPs of a step that its kernels do not execute: each layer op's counted
     FLOPs × (1 − ``compute_scale``) over the forward, both backward passes and the
     recomputed forward (the causal half a fused attention kernel skips, less the
-    backward's recomputation of QKᵀ, which it executes on top)."""
+    backward's recomputation of QKᵀ, which it executes on top). ``modes``: the layers by
+    recompute mode when only some are recomputed
+    (:func:`simulator.spec.recompute.flops_modes`)."""
     total = 0.0
-    for i, n in moe.layer_kinds(model):
-        ops = [op for p in mdl.PASSES
-               for op in mdl.layer_ops(model, global_batch, 1, False, "bf16", p, i, stack)]
-        ops += mdl.layer_recompute_ops(model, global_batch, 1, False, "bf16", recompute, i,
-                                       stack)
-        total += n * sum(op.flops * (1.0 - op.compute_scale) for op in ops)
+    for mode, runs in modes or ((recompute, (range(model.layers),)),):
+        for r in runs:
+            for i, n in moe.layer_kinds(model, r.start, r.stop):
+                ops = [op for p in mdl.PASSES
+                       for op in mdl.layer_ops(model, global_batch, 1, False, "bf16", p, i,
+                                               stack)]
+                ops += mdl.layer_recompute_ops(model, global_batch, 1, False, "bf16", mode, i,
+                                               stack)
+                total += n * sum(op.flops * (1.0 - op.compute_scale) for op in ops)
     return total
 
 
 @functools.lru_cache(maxsize=256)
 def _step_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,
-                stack: StackSpec) -> tuple[float, float]:
+                stack: StackSpec, modes: ModeRuns | None) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of a step: the same for every layout of a plan that
     recomputes alike, so cached."""
     return (mdl.model_flops_per_step(model, global_batch),
-            mdl.hardware_flops_per_step(model, global_batch, recompute)
-            - skipped_flops(model, global_batch, recompute, stack))
+            mdl.hardware_flops_per_step(model, global_batch, recompute, modes)
+            - skipped_flops(model, global_batch, recompute, stack, modes))
 
 
 def mfu_ceiling(s: Scenario) -> float:
@@ -85,5 +91,5 @@ def mfu_ceiling(s: Scenario) -> float:
     best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
                for st in range(s.parallel.pp))
     model, executed = _step_flops(s.model, s.training.global_batch, s.parallel.recompute,
-                                  s.stack)
+                                  s.stack, flops_modes(s.parallel, s.model.layers))
     return best * model / executed

@@ -116,10 +116,9 @@ def recompute(a: Parsed, d: Draft) -> None:
                                  "selective")])
     d.set("parallel.recompute", granularity or "none")
     method, count = a.text("--recompute-method"), a.number("--recompute-num-layers")
-    if granularity == "full" and method == "block":
-        d.note("--recompute-method block", f"--recompute-num-layers {count}",
-               "parallel.recompute full recomputes every layer; the first N layers of "
-               "each stage only are not expressible (simulated: all)")
+    if granularity == "full" and method == "block" and count is not None:
+        # TransformerBlock._checkpointed_forward: the first N layers of each model chunk
+        d.set("parallel.recompute_num_layers", int(count))
     elif granularity == "full" and count not in (None, 1):
         d.note("--recompute-num-layers", count, "uniform groups of N layers keep one input "
                "per group; simulated as one per layer (more memory, same compute)")

@@ -275,10 +275,8 @@ def checkpointing(c: Config, d: Draft) -> None:
                "attention core recomputed)")
     elif mode == "selective" and option.isdigit() and int(option) >= 1:
         d.set("parallel.recompute", "full")
-        if option != "1":
-            d.note("activation_checkpoint.selective_ac_option", option, f"one layer in "
-                   f"{option} checkpointed: the schema recomputes all layers or none; "
-                   "simulated as full")
+        if option != "1":  # every k-th block of the rank (_apply_ac_to_transformer_block)
+            d.set("parallel.recompute_every", int(option))
     elif mode == "memory_budget":
         d.set("parallel.recompute", "none")
         d.note("activation_checkpoint.mode", mode, "no field for a memory budget; "

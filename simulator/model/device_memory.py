@@ -59,7 +59,7 @@ from simulator.model.inventory.layer import saved_tensors
 from simulator.model.transformer import RecomputeMode
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.placement import stage_layers
+from simulator.spec.recompute import layer_mode, stage_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec
 
@@ -188,7 +188,7 @@ def _kept_tensors(s: Scenario, layer: int) -> tuple[float, ...]:
     coarser ops keep what each saves, whatever the recomputation short of full)."""
     par, trn = s.parallel, s.training
     return _layer_kept(s.model, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
-                       par.recompute, s.stack, par.cp, layer)
+                       layer_mode(par, s.model.layers, layer), s.stack, par.cp, layer)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -221,9 +221,10 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
     par = s.parallel
     in_flight = schedule_spec(par.schedule).in_flight(par.pp, s.microbatches,
                                                       par.virtual_stages, stage)
-    runs = stage_layers(s.model.layers, par, stage)
-    kinds = [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
-    per_pass = sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
+    per_pass = 0.0
+    for _, runs in stage_modes(par, s.model.layers, stage):  # one group unless partial
+        kinds = [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
+        per_pass += sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight
 
 

@@ -67,7 +67,8 @@ from simulator.model.transformer import (
 )
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.placement import holds_head, stage_layers
+from simulator.spec.placement import holds_head
+from simulator.spec.recompute import stage_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
 
@@ -250,16 +251,17 @@ def activations(scenario: Scenario, stage: int) -> float:
     b, t, sp = trn.micro_batch, par.tp, par.sequence_parallel
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
-    runs = stage_layers(spec.layers, par, stage)
-    if spec.is_moe or spec.mla is not None or par.cp > 1:
-        total = sum(n * activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype, i,
-                                                   par.cp, scenario.stack,
-                                                   scenario.cp_keeps_gathered_kv)
-                    for i, n in _kinds(spec, runs))
-    else:
-        per_layer = activation_bytes_per_layer(spec, b, t, sp, par.recompute, trn.dtype,
-                                               stack=scenario.stack)
-        total = per_layer * sum(len(r) for r in runs)
+    total = 0.0
+    for mode, runs in stage_modes(par, spec.layers, stage):  # one group unless partial
+        if spec.is_moe or spec.mla is not None or par.cp > 1:
+            total += sum(n * activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype, i,
+                                                        par.cp, scenario.stack,
+                                                        scenario.cp_keeps_gathered_kv)
+                         for i, n in _kinds(spec, runs))
+        else:
+            per_layer = activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype,
+                                                   stack=scenario.stack)
+            total += per_layer * sum(len(r) for r in runs)
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
     if par.cp > 1:
         tokens_h /= par.cp

@@ -54,6 +54,7 @@ from simulator.model.inventory.optimizer import optimizer_op
 from simulator.model.inventory.sharding import ROOT_TENSORS
 from simulator.model.inventory.tensor_parallel import EndPayload, dtensor_tensors
 from simulator.spec.model_spec import ModelSpec
+from simulator.spec.recompute import ModeRuns
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
 
@@ -302,13 +303,32 @@ def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
-                            recompute: RecomputeMode) -> float:
+                            recompute: RecomputeMode, modes: ModeRuns | None = None) -> float:
     """Model FLOPs plus the recomputed forward work and, with an expert capacity
-    factor, the padded expert slots (what the GPUs actually execute)."""
+    factor, the padded expert slots (what the GPUs actually execute). ``modes``: the
+    layers grouped by recompute mode when only some are recomputed
+    (:func:`simulator.spec.recompute.model_modes`)."""
+    if modes is not None:
+        return _partial_hardware_flops(spec, global_batch, modes)
     extra = 0.0
     for i, n in moe.layer_kinds(spec):
         extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
                                                    layer=i))
+        if spec.is_moe_layer(i) and spec.capacity_factor is not None:
+            extra += n * (_layer_flops(spec, global_batch, i, padded=True)
+                          - _layer_flops(spec, global_batch, i, padded=False))
+    return model_flops_per_step(spec, global_batch) + extra
+
+
+def _partial_hardware_flops(spec: ModelSpec, global_batch: int, modes: ModeRuns) -> float:
+    """:func:`hardware_flops_per_step` with each layer's own recompute mode."""
+    extra = 0.0
+    for mode, runs in modes:
+        for r in runs:
+            extra += sum(n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=mode,
+                                                           layer=i))
+                         for i, n in moe.layer_kinds(spec, r.start, r.stop))
+    for i, n in moe.layer_kinds(spec):
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))

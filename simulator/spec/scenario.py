@@ -162,6 +162,16 @@ class ParallelSpec(Frozen):
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (the attention core) or full (each
     layer from its input)."""
+    recompute_num_layers: int | None = Field(default=None, ge=0, le=MAX_SIZE)
+    """With recompute: full, only the first N layers of each model chunk (each pipeline
+    stage, each virtual stage when interleaved) are recomputed, the others not at all
+    (Megatron-LM's ``--recompute-method block --recompute-num-layers N``); N at or above
+    a chunk's layers recomputes all of them; default every layer."""
+    recompute_every: int | None = Field(default=None, ge=1, le=MAX_SIZE)
+    """With recompute: full, only every k-th layer of each pipeline rank (its k-th, 2k-th,
+    ... counted over its chunks in order) is recomputed, the others not at all
+    (torchtitan's ``activation_checkpoint.mode = "selective"`` with an integer
+    ``selective_ac_option``); 1 is every layer; default every layer."""
     sequence_parallel: bool = False
     """Sequence parallelism (Megatron): norms and dropouts split over the TP ranks;
     all-gather and reduce-scatter instead of all-reduce."""

@@ -17,7 +17,8 @@ from simulator.model.inventory.tensor_parallel import tp_block_collectives
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule, schedule_spec
 from simulator.spec.placement import chunk_layers, holds_head, is_even, stage_layers
-from simulator.spec.scenario import Scenario
+from simulator.spec.recompute import chunks_alike, mode_runs, partial
+from simulator.spec.scenario import Recompute, Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
 from simulator.strategies.tensor.overlap import exposed
@@ -26,19 +27,28 @@ from simulator.strategies.tensor.strategy import NO_ENDS, Ends
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
 
 
-def layer_kinds_of(s: Scenario, runs: list[range]) -> list[tuple[int, int]]:
-    """(a representative layer, how many like it) over the layer ``runs``."""
-    if not s.model.is_moe:
-        return [(0, sum(len(r) for r in runs))]
-    return [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
+Kinds = list[tuple[int, int, Recompute]]  # (a layer, how many like it, their recompute)
 
 
-def chunk_kinds(s: Scenario, stage: int) -> list[tuple[int, int]]:
+def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:
+    """(a representative layer, how many like it, their recompute mode) over the layer
+    ``runs`` (:func:`simulator.spec.recompute.mode_runs`)."""
+    out: Kinds = []
+    for mode, rs in mode_runs(s.parallel, s.model.layers, runs):
+        if not s.model.is_moe:
+            out.append((0, sum(len(r) for r in rs), mode))
+        else:
+            out += [(i, n, mode) for r in rs for i, n in moe.layer_kinds(s.model, r.start,
+                                                                         r.stop)]
+    return out
+
+
+def chunk_kinds(s: Scenario, stage: int) -> Kinds:
     """(a representative layer, how many like it) on pipeline rank ``stage``, all chunks."""
     return layer_kinds_of(s, stage_layers(s.model.layers, s.parallel, stage))
 
 
-def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]],
+def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             first: bool, last: bool, experts: Experts = NO_EXPERTS,
             t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
@@ -49,13 +59,12 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]]
     context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
-    passes = 3 if par.recompute == "full" else 2
     # a layer's TP collectives: forward (again when fully recomputed) and backward
     gather = 1 if par.sequence_parallel else 0
     fwd_n, bwd_n = (sum(tp_block_collectives(spec, s.stack, par.tp, par.sequence_parallel,
                                              label, backward) + gather
                         for label in ("attn", "mlp")) for backward in (False, True))
-    tp_layer = t_tp * (fwd_n * (passes - 1) + bwd_n)
+    tp_layer = {p: t_tp * (fwd_n * (p - 1) + bwd_n) for p in (2, 3)}
     split_f = split_b = 0.0  # what TP overlap's chunked GEMMs add, forward and backward
     if c.tp_windows:  # TP overlap: each SP collective less what its GEMM hides
         comm_f, split_f = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, False,
@@ -63,25 +72,26 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: list[tuple[int, int]]
         comm_b, split_b = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, True,
                                   weights=not schedule_spec(par.schedule).split_backward,
                                   issue=c.tp_issue)
-        tp_layer = comm_f * (passes - 1) + comm_b
+        tp_layer = {p: comm_f * (p - 1) + comm_b for p in (2, 3)}
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
                          "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
-    for layer, count in kinds:
+    for layer, count, mode in kinds:
+        passes = 3 if mode == "full" else 2
         lc = c.layer(layer)
         out["forward"] += count * sum(lc.fwd)
         out["backward_input"] += count * sum(lc.bwd_input)
         out["backward_weight"] += count * sum(lc.bwd_weight)
-        out["recompute"] += count * sum(lc.recompute) if par.recompute != "none" else 0.0
-        out["tp_transfer"] += count * tp_layer
+        out["recompute"] += count * sum(lc.recompute) if mode != "none" else 0.0
+        out["tp_transfer"] += count * tp_layer[passes]
         out["forward"] += count * split_f
-        out["recompute"] += count * split_f if par.recompute == "full" else 0.0
+        out["recompute"] += count * split_f if mode == "full" else 0.0
         out["backward_input"] += count * split_b
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
             fwd, bwd, a2a, etp = experts
             out["forward"] += count * fwd
             out["backward_input"] += count * bwd
-            out["recompute"] += count * fwd if par.recompute == "full" else 0.0
+            out["recompute"] += count * fwd if mode == "full" else 0.0
             out["ep_transfer"] += count * 2 * a2a * passes
             out["tp_transfer"] += count * 2 * etp * passes
     for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
@@ -124,11 +134,17 @@ def slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
     return {k: v if k.endswith("_transfer") else v * slow for k, v in d.items()}
 
 
-def times(s: Scenario, d: dict[str, float]) -> tuple[float, float, float]:
+def times(s: Scenario, d: dict[str, float], kinds: Kinds | None = None
+          ) -> tuple[float, float, float]:
     """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
-    count in the pass they sit in."""
+    count in the pass they sit in (a forward's share: one pass in 3 fully recomputed,
+    in 2 otherwise; with only some layers recomputed, ``kinds`` say how many)."""
     comm = d["tp_transfer"] + d["ep_transfer"] + d["cp_transfer"]
-    comm_f = comm / (3 if s.parallel.recompute == "full" else 2)
+    passes: float = 3 if s.parallel.recompute == "full" else 2
+    if kinds and partial(s.parallel):
+        layers = sum(n for _, n, _ in kinds)
+        passes = 2 + sum(n for _, n, mode in kinds if mode == "full") / max(layers, 1)
+    comm_f = comm / passes
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
@@ -137,7 +153,8 @@ def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
                  ends: Ends = NO_ENDS) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends))
+    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends),
+                 chunk_kinds(s, stage))
 
 
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
@@ -145,22 +162,25 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
                     per_stage: dict[int, BlockCosts] | None = None,
                     ends: Ends = NO_ENDS) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
-    even placement; for an uneven one (:mod:`simulator.spec.placement`) the schedule's actions
-    placed in time with each virtual stage's own times
+    even placement; for an uneven one (:mod:`simulator.spec.placement`), or layers recomputed
+    in some chunks only, the schedule's actions placed in time with each virtual stage's own
+    times
     (:func:`simulator.schedules.action.execute`, exact with free communication), or the
     closed form, an upper bound, when the pipeline has more than :data:`EXECUTED_ACTIONS`
     actions."""
     par, m = s.parallel, s.microbatches
     closed = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *slowest)
     n = par.pp * par.virtual_stages
-    if (is_even(par) and not per_stage) or 3 * n * m > EXECUTED_ACTIONS:
+    alike = is_even(par) and chunks_alike(par, s.model.layers)
+    if (alike and not per_stage) or 3 * n * m > EXECUTED_ACTIONS:
         return closed
     per_stage = per_stage or {}
     runs = [[chunk_layers(s.model.layers, par, k)] for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
+    kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
     chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
-                                        layer_kinds_of(s, runs[k]), k == 0, k == n - 1,
-                                        experts, t_cp, 1, ends), sched.rank_of(k)))
+                                        kinds[k], k == 0, k == n - 1,
+                                        experts, t_cp, 1, ends), sched.rank_of(k)), kinds[k])
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])

@@ -27,6 +27,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from simulator.analysis.memory import memory_items, memory_report, stage_rows
     from simulator.builder.budget import check_stages
+    from simulator.spec.recompute import describe
 
     s = load(args)
     check_stages(s)
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ("stage", "weights", "grads", "optimizer", "activations", "logits", "buffers",
             "device", "total", "fits")
     print(f"{s.name}: per-GPU memory in GB (capacity {s.hardware.gpu.memory_GB:g} GB, "
-          f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {s.parallel.recompute})")
+          f"ZeRO-{s.parallel.zero}, {s.parallel.schedule}, recompute {describe(s.parallel)})")
     print("  ".join(f"{c:>11}" for c in cols))
     report = memory_report(s)
     for m in report:

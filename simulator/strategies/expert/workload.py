@@ -36,6 +36,7 @@ from simulator.builder.context import Context, Pass
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
+from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert import layer as epar
 from simulator.system.units import CollectiveName
 
@@ -48,7 +49,6 @@ class ExpertPass(Pass):
         self.seconds = {p: ctx.cost.ops_time(getattr(self.layer, p))
                         for p in ("fwd", "bwd_input")}
         self.etp, self.ep = par.etp, par.ep
-        self.full_recompute = par.recompute == "full"
         self.mlp_seen: dict[int, tuple[bool, int]] = {}  # rank -> (forward, mlp blocks so far)
         self.group_of: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
@@ -70,7 +70,8 @@ class ExpertPass(Pass):
             seen += 1
             self.mlp_seen[rank] = (forward, seen)
         # in a backward, full recomputation's forward blocks come first
-        recompute = not forward and self.full_recompute and seen == 1
+        recompute = not forward and seen == 1 \
+            and layer_mode(self.ctx.s.parallel, self.ctx.s.model.layers, layer) == "full"
         if forward or recompute:
             if not before:
                 self.experts(rank, "recompute" if recompute else "forward", mb, layer, chunk)

@@ -37,6 +37,7 @@ from simulator.builder.context import Context
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
+from simulator.spec.recompute import layer_mode
 
 
 class PipelinePass:
@@ -177,7 +178,7 @@ class PipelinePass:
                 edge(rank, "head", False, mb, chunk)
         for layer in reversed(ctx.layers_of(a.stage)):
             waits = self.layer_start(rank, False, mb, layer, chunk)
-            if ctx.s.parallel.recompute != "none":
+            if layer_mode(ctx.s.parallel, ctx.s.model.layers, layer) != "none":
                 t = self.recompute(rank, mb, layer, chunk)
                 first = first or t
                 t.deps.extend(waits)

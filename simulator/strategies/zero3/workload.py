@@ -15,6 +15,7 @@ from simulator.model.inventory.sharding import (
     fsdp_gather_ops,
     zero3_blocks,
 )
+from simulator.spec.recompute import layer_mode
 
 
 class Zero3Pass(Pass):
@@ -104,8 +105,8 @@ class Zero3Pass(Pass):
             return None
         if not self.by_block:
             return self.gather(rank, "attn", forward, mb, layer, chunk)
-        order = ["attn", "mlp"] if forward or self.ctx.s.parallel.recompute == "full" \
-            else ["mlp", "attn"]
+        full = layer_mode(self.ctx.s.parallel, self.ctx.s.model.layers, layer) == "full"
+        order = ["attn", "mlp"] if forward or full else ["mlp", "attn"]
         self.pending[rank] = order[1:]
         self.forward[rank] = forward
         return self.gather(rank, order[0], forward, mb, layer, chunk)

@@ -1,0 +1,147 @@
+"""Which layers are recomputed: the one answer every consumer asks (memory, the engine's
+tasks, the analytic estimate, hardware FLOPs, the task budget).
+
+``parallel.recompute`` names the mode (none, selective, full). Two fields recompute only
+some layers in full and leave the others as they are without recomputation, as the
+frameworks' configs say it:
+
+* ``parallel.recompute_num_layers`` N: Megatron-LM's ``--recompute-granularity full
+  --recompute-method block --recompute-num-layers N``. ``TransformerBlock``'s
+  ``_checkpointed_forward`` (``megatron/core/transformer/transformer_block.py``) walks
+  ``range(self.num_layers_per_pipeline_rank)``, the layers of the block, which is one
+  model chunk (one virtual stage when interleaved), and checkpoints layer ``l`` when
+  ``l < recompute_num_layers`` (past the layers an FP8 run skips, not modelled): the
+  first N layers of each chunk, all of them when N is at least the chunk's layers.
+* ``parallel.recompute_every`` k: torchtitan's ``activation_checkpoint.mode =
+  "selective"`` with an integer ``selective_ac_option``. ``_apply_ac_to_transformer_block``
+  (``torchtitan/models/llama3/infra/parallelize.py``; later
+  ``torchtitan/distributed/activation_checkpoint.py``) counts the blocks it wraps in
+  ``ptd_checkpoint_wrapper._count``, an attribute of the function, so one counter per
+  process that runs on across the model chunks a pipeline rank builds, and wraps a block
+  when ``_count % ac_freq == 0``: the k-th, 2k-th, ... layer of each rank, counted from
+  1 over its chunks in chunk order.
+
+Without either field every layer has ``parallel.recompute`` and the callers' paths are
+the ones they had before (:func:`partial` is false).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from simulator.errors import Problem
+from simulator.schedules.action import stage_rank
+from simulator.schedules.registry import schedule_spec
+from simulator.spec.placement import chunk_layers, rank_virtual_stages, stage_layers
+
+if TYPE_CHECKING:
+    from simulator.spec.scenario import ParallelSpec, Recompute
+
+#: (mode, the layer runs in that mode), in a fixed order: hashable, for cached callers
+ModeRuns = tuple[tuple["Recompute", tuple[range, ...]], ...]
+
+
+def partial(par: ParallelSpec) -> bool:
+    """Whether only some layers are recomputed (either field set)."""
+    return par.recompute_num_layers is not None or par.recompute_every is not None
+
+
+def _virtual_stage(layers: int, par: ParallelSpec, layer: int) -> int:
+    if par.layers_per_stage is None:
+        return layer // (layers // (par.pp * par.virtual_stages))
+    return bisect.bisect_right(par.layer_starts, layer) - 1
+
+
+def _position(layers: int, par: ParallelSpec, layer: int) -> int:
+    """0-based position of ``layer`` among those its framework counts: its chunk's
+    (block) or its pipeline rank's, chunks in order (every)."""
+    stage = _virtual_stage(layers, par, layer)
+    within = layer - chunk_layers(layers, par, stage).start
+    if par.recompute_every is None:
+        return within
+    rank = stage_rank(schedule_spec(par.schedule).placement, par.pp, par.virtual_stages,
+                      stage)
+    chunks = rank_virtual_stages(par, rank)
+    before = chunks[:chunks.index(stage)]
+    return sum(len(chunk_layers(layers, par, c)) for c in before) + within
+
+
+def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
+    """The recompute mode of global ``layer`` (0 .. layers − 1) of a model of ``layers``."""
+    if not partial(par):
+        return par.recompute
+    position = _position(layers, par, layer)
+    if par.recompute_every is not None:
+        chosen = (position + 1) % par.recompute_every == 0
+    else:
+        chosen = position < (par.recompute_num_layers or 0)
+    return par.recompute if chosen else "none"
+
+
+def mode_runs(par: ParallelSpec, layers: int, runs: list[range]) -> ModeRuns:
+    """``runs`` (layer ranges) cut into maximal runs of one mode, grouped by mode in the
+    order modes first appear; one group, the runs as given, without :func:`partial`."""
+    if not partial(par):
+        return ((par.recompute, tuple(runs)),)
+    groups: dict[Recompute, list[range]] = {}
+    for run in runs:
+        start = run.start
+        for i in run:
+            mode = layer_mode(par, layers, i)
+            if i + 1 == run.stop or layer_mode(par, layers, i + 1) != mode:
+                groups.setdefault(mode, []).append(range(start, i + 1))
+                start = i + 1
+    return tuple((mode, tuple(rs)) for mode, rs in groups.items())
+
+
+def stage_modes(par: ParallelSpec, layers: int, rank: int) -> ModeRuns:
+    """The layers of pipeline ``rank`` grouped by their recompute mode."""
+    return mode_runs(par, layers, stage_layers(layers, par, rank))
+
+
+def model_modes(par: ParallelSpec, layers: int) -> ModeRuns:
+    """Every layer of the model grouped by its recompute mode."""
+    return mode_runs(par, layers, [range(layers)])
+
+
+def chunks_alike(par: ParallelSpec, layers: int) -> bool:
+    """Whether every virtual stage recomputes as many layers (always without
+    :func:`partial`; every k-th layer of a rank can fall unevenly on its chunks)."""
+    if not partial(par):
+        return True
+    counts = {sum(len(r) for mode, rs in mode_runs(par, layers, [chunk_layers(layers, par, k)])
+                  if mode != "none" for r in rs)
+              for k in range(par.pp * par.virtual_stages)}
+    return len(counts) == 1
+
+
+def flops_modes(par: ParallelSpec, layers: int) -> ModeRuns | None:
+    """:func:`model_modes` when only some layers are recomputed, else None (the FLOP
+    counts' own whole-model path)."""
+    return model_modes(par, layers) if partial(par) else None
+
+
+def describe(par: ParallelSpec) -> str:
+    """The recompute mode in words: ``full``, or which layers."""
+    if par.recompute_num_layers is not None:
+        return f"{par.recompute} (first {par.recompute_num_layers} layers of each chunk)"
+    if par.recompute_every is not None:
+        return f"{par.recompute} (one layer in {par.recompute_every} of each rank)"
+    return par.recompute
+
+
+def recompute_problems(par: ParallelSpec) -> list[Problem]:
+    """The partial-recompute fields need recompute: full, and only one of them."""
+    out: list[Problem] = []
+    for name, value in (("recompute_num_layers", par.recompute_num_layers),
+                        ("recompute_every", par.recompute_every)):
+        if value is not None and par.recompute != "full":
+            out.append(Problem(f"parallel.{name}", value, "recomputes some layers in full; "
+                               f"needs parallel.recompute: full (it is {par.recompute}); set "
+                               f"it, or remove {name}"))
+    if par.recompute_num_layers is not None and par.recompute_every is not None:
+        out.append(Problem("parallel.recompute_every", par.recompute_every,
+                           "contradicts parallel.recompute_num_layers (Megatron's block "
+                           "method against torchtitan's every k-th layer); keep one"))
+    return out
