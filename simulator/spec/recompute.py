@@ -6,20 +6,24 @@ some layers in full and leave the others as they are without recomputation, as t
 frameworks' configs say it:
 
 * ``parallel.recompute_num_layers`` N: Megatron-LM's ``--recompute-granularity full
-  --recompute-method block --recompute-num-layers N``. ``TransformerBlock``'s
-  ``_checkpointed_forward`` (``megatron/core/transformer/transformer_block.py``) walks
-  ``range(self.num_layers_per_pipeline_rank)``, the layers of the block, which is one
-  model chunk (one virtual stage when interleaved), and checkpoints layer ``l`` when
-  ``l < recompute_num_layers`` (past the layers an FP8 run skips, not modelled): the
-  first N layers of each chunk, all of them when N is at least the chunk's layers.
+  --recompute-method block --recompute-num-layers N``. ``checkpointed_forward``
+  (``megatron/core/recompute.py``, lines 167-179 at commit d98e8a64 of 2026-08-22; before,
+  ``TransformerBlock._checkpointed_forward`` in
+  ``megatron/core/transformer/transformer_block.py``) walks
+  ``range(self.num_layers_per_pipeline_rank)``, which is ``len(self.layers)``, the layers
+  of the block (``transformer_block.py`` line 334), one model chunk (one virtual stage
+  when interleaved), and checkpoints layer ``l`` when ``l < recompute_num_layers`` (past
+  the layers an FP8 run skips, not modelled): the first N layers of each chunk, all of
+  them when N is at least the chunk's layers.
 * ``parallel.recompute_every`` k: torchtitan's ``activation_checkpoint.mode =
-  "selective"`` with an integer ``selective_ac_option``. ``_apply_ac_to_transformer_block``
-  (``torchtitan/models/llama3/infra/parallelize.py``; later
-  ``torchtitan/distributed/activation_checkpoint.py``) counts the blocks it wraps in
-  ``ptd_checkpoint_wrapper._count``, an attribute of the function, so one counter per
-  process that runs on across the model chunks a pipeline rank builds, and wraps a block
-  when ``_count % ac_freq == 0``: the k-th, 2k-th, ... layer of each rank, counted from
-  1 over its chunks in chunk order.
+  "selective"`` with an integer ``selective_ac_option``. ``_apply_layer_sac``
+  (``torchtitan/distributed/activation_checkpoint.py`` at commit 01db32e9) counts the
+  blocks ``apply_ac`` passes it in the module-level ``_layer_sac_count`` (before, in
+  ``_apply_ac_to_transformer_block``, the function attribute
+  ``ptd_checkpoint_wrapper._count``): one counter per process, which runs on across the
+  model chunks a pipeline rank builds, and wraps a block when ``count % ac_freq == 0``:
+  the k-th, 2k-th, ... layer of each rank, counted from 1 over its chunks in chunk
+  order.
 
 Without either field every layer has ``parallel.recompute`` and the callers' paths are
 the ones they had before (:func:`partial` is false).
