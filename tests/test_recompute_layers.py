@@ -228,3 +228,18 @@ def test_memory_command_names_the_layers_and_refuses_a_bad_field(
     assert main(["memory", path, "--set", "parallel.recompute_every=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "parallel.recompute_every = 2" in err
+
+
+@pytest.mark.parametrize("parallel", [
+    {"recompute_num_layers": 1, "schedule": "1f1b"},
+    {"recompute_every": 2, "schedule": "gpipe"}])
+def test_memory_timeline_peak_is_memory_py(parallel: dict[str, Any]) -> None:
+    """The engine-timed memory curve holds, at its peak, what memory.py sums: the
+    recomputed layers' inputs and the other layers' whole activations."""
+    from simulator.analysis.memory import stage_breakdown
+    from simulator.analysis.memory_timeline import memory_timeline, stage_peaks
+
+    s = scenario(layers=8, pp=2, m=4, recompute="full", **parallel)
+    got = stage_peaks(memory_timeline(s, simulate(build_workload(s), s.hardware)))
+    for st in range(2):
+        assert got[st] == pytest.approx(stage_breakdown(s, st).total, rel=1e-9), st

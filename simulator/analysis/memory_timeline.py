@@ -88,6 +88,7 @@ from simulator.model import memory as mem
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
+from simulator.spec.recompute import layer_mode, partial
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.strategy import zero3_root_bytes
 
@@ -95,7 +96,9 @@ MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
-_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD = range(8)
+_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _ACT_KEPT = range(9)
+# _ACT_KEPT: a layer left out of a partial recomputation (simulator.spec.recompute), which
+# keeps what it keeps without recomputation
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
@@ -120,6 +123,13 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
         / zero3_collectives(spec, s.stack),
     }
+
+
+def _kept_layer(s: Scenario) -> float:
+    """One layer's activations without recomputation (memory.py's)."""
+    spec, par, trn = s.model, s.parallel, s.training
+    return mem.activation_bytes_per_layer(spec, trn.micro_batch, par.tp, par.sequence_parallel,
+                                          "none", trn.dtype, stack=s.stack)
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
@@ -240,8 +250,10 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
         ev.append((t0, p0, comp, key, 1))
         ev.append((t1, _FREE, comp, key, -1))
 
+    par = s.parallel
     for key, t0 in m.fwd_end.items():
-        hold(_ACT, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
+        act = _ACT if layer_mode(par, s.model.layers, key[0]) == par.recompute else _ACT_KEPT
+        hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
     for mb, t0 in m.embed_f.items():
         hold(_EMBED, mb, t0, _END_ALLOC, m.embed_b.get(mb, t0))
     for mb, t0 in m.head_f.items():
@@ -353,6 +365,7 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
     size = component_bytes(s)
     sizes = (size["activation_layer"], size["embed"], size["head"], size["dlogits"],
              size["unit"], size["unit"])
+    kept = _kept_layer(s) if partial(s.parallel) else 0.0
     roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
     out: Curve = []
@@ -362,7 +375,7 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
             statics[stage] = static_bytes(s, stage)
             roots[stage] = zero3_root_bytes(s, stage)
         events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time)
-        points = _curve(statics[stage], (*sizes, *roots[stage]), events)
+        points = _curve(statics[stage], (*sizes, *roots[stage], kept), events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
     return out
 
