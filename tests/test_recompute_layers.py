@@ -241,5 +241,5 @@ def test_memory_timeline_peak_is_memory_py(parallel: dict[str, Any]) -> None:
 
     s = scenario(layers=8, pp=2, m=4, recompute="full", **parallel)
     got = stage_peaks(memory_timeline(s, simulate(build_workload(s), s.hardware)))
-    for st in range(2):
-        assert got[st] == pytest.approx(stage_breakdown(s, st).total, rel=1e-9), st
+    for stage in range(2):
+        assert got[stage] == pytest.approx(stage_breakdown(s, stage).total, rel=1e-9), stage
