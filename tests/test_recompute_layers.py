@@ -29,7 +29,13 @@ from simulator.model import device_memory as dm
 from simulator.model import memory as mem
 from simulator.model import transformer as mdl
 from simulator.spec.load import scenario_from_dict
-from simulator.spec.recompute import layer_mode, model_modes, recompute_problems
+from simulator.spec.placement import stage_layers
+from simulator.spec.recompute import (
+    layer_mode,
+    model_modes,
+    recompute_problems,
+    stage_modes,
+)
 from simulator.spec.scenario import Scenario
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
@@ -76,6 +82,35 @@ def test_the_frameworks_layers_are_chosen(kwargs: dict[str, Any], chosen: list[i
     pp, v = kwargs.pop("pp"), kwargs.pop("v", 1)
     s = scenario(pp=pp, v=v, recompute="full", **kwargs)
     assert full_layers(s) == chosen
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.sampled_from([1, 2, 3]), v=st.sampled_from([1, 2]), per=st.integers(1, 7),
+       k=st.integers(1, 9), block=st.booleans(), zbv=st.booleans())
+def test_the_closed_form_runs_are_the_layers_modes(pp: int, v: int, per: int, k: int,
+                                                   block: bool, zbv: bool) -> None:
+    """mode_runs' ranges (stepped for every k-th layer) hold each layer once, in the mode
+    layer_mode gives it, on every rank's chunks under both placements."""
+    schedule = ("zbv" if zbv else "interleaved") if v == 2 else "1f1b"
+    field = {"recompute_num_layers": k - 1} if block else {"recompute_every": k}
+    s = scenario(layers=pp * v * per, pp=pp, v=v, m=pp * 2, schedule=schedule, recompute="full",
+                 **field)
+    par, layers = s.parallel, s.model.layers
+    for rank in range(pp):
+        seen = {i: mode for mode, runs in stage_modes(par, layers, rank) for r in runs
+                for i in r}
+        mine = [i for r in stage_layers(layers, par, rank) for i in r]
+        assert sorted(seen) == sorted(mine)
+        assert seen == {i: layer_mode(par, layers, i) for i in mine}
+
+
+def test_the_runs_stay_few_on_a_billion_layers() -> None:
+    """Every 2nd or every 40,000th of 10⁹ layers: a few ranges, not a loop per layer."""
+    for k in (2, 40_000):
+        par = scenario(recompute="full", recompute_every=k).parallel.model_copy(
+            update={"pp": 1})
+        runs = [r for _, rs in model_modes(par, 10**9) for r in rs]
+        assert len(runs) <= 2 * (10**9) ** 0.5 and sum(len(r) for r in runs) == 10**9
 
 
 def test_without_the_fields_every_layer_has_the_mode() -> None:
@@ -243,3 +278,46 @@ def test_memory_timeline_peak_is_memory_py(parallel: dict[str, Any]) -> None:
     got = stage_peaks(memory_timeline(s, simulate(build_workload(s), s.hardware)))
     for stage in range(2):
         assert got[stage] == pytest.approx(stage_breakdown(s, stage).total, rel=1e-9), stage
+
+
+@settings(max_examples=60, deadline=None)
+@given(first_dense=st.integers(0, 5), freq=st.integers(1, 4), start=st.integers(0, 12),
+       length=st.integers(0, 30), step=st.integers(1, 7))
+def test_run_kinds_of_a_stepped_run_count_its_moe_layers(first_dense: int, freq: int,
+                                                         start: int, length: int,
+                                                         step: int) -> None:
+    """The closed form against the layers one by one: as many dense and MoE layers, and
+    each representative of its kind."""
+    from simulator.model.moe import run_kinds
+    from simulator.spec.model_spec import ModelSpec
+
+    spec = ModelSpec(layers=64, hidden=256, heads=8, vocab=1024, seq_len=128, experts=8,
+                     experts_per_token=2, first_dense_layers=first_dense, moe_layer_freq=freq)
+    run = range(start, start + length, step)
+    kinds = run_kinds(spec, run)
+    routed = [i for i in run if spec.is_moe_layer(i)]
+    want = {False: len(run) - len(routed), True: len(routed)}
+    assert {spec.is_moe_layer(i): n for i, n in kinds} == {k: n for k, n in want.items() if n}
+    assert all(i in run for i, _ in kinds)
+
+
+def test_a_mixture_of_experts_limits_are_none_and_full() -> None:
+    """MoE layers (every 2nd past the first) and every k-th layer recomputed: k = 1 is
+    full recomputation, N = 0 none, in memory, hardware FLOPs and the analytic step."""
+    def make(**par: Any) -> Scenario:
+        return scenario_from_dict({
+            "name": "moe-limits",
+            "model": {"layers": 8, "hidden": 256, "heads": 8, "vocab": 1024, "seq_len": 128,
+                      "experts": 4, "experts_per_token": 2, "first_dense_layers": 1,
+                      "moe_layer_freq": 2},
+            "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 2},
+            "parallel": {"pp": 2, **par},
+            "training": {"global_batch": 4, "micro_batch": 1}})
+    assert _figures(make(recompute="full", recompute_every=1)) \
+        == pytest.approx(_figures(make(recompute="full")))
+    assert _figures(make(recompute="full", recompute_num_layers=0)) \
+        == pytest.approx(_figures(make(recompute="none")))
+    half = _figures(make(recompute="full", recompute_every=2))
+    none, full = _figures(make(recompute="none")), _figures(make(recompute="full"))
+    assert all(min(a, b) <= h <= max(a, b) for h, a, b in zip(half, none, full, strict=True))
+    assert half[:3] != none[:3] and half[:3] != full[:3]  # step, FLOPs, stage 0's activations

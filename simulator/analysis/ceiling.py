@@ -65,7 +65,7 @@ def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeM
     total = 0.0
     for mode, runs in modes or ((recompute, (range(model.layers),)),):
         for r in runs:
-            for i, n in moe.layer_kinds(model, r.start, r.stop):
+            for i, n in moe.run_kinds(model, r):
                 ops = [op for p in mdl.PASSES
                        for op in mdl.layer_ops(model, global_batch, 1, False, "bf16", p, i,
                                                stack)]

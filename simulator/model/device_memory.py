@@ -223,7 +223,7 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
                                                       par.virtual_stages, stage)
     per_pass = 0.0
     for _, runs in stage_modes(par, s.model.layers, stage):  # one group unless partial
-        kinds = [kind for r in runs for kind in moe.layer_kinds(s.model, r.start, r.stop)]
+        kinds = [kind for r in runs for kind in moe.run_kinds(s.model, r)]
         per_pass += sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight
 

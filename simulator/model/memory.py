@@ -214,7 +214,7 @@ def _runs(spec: ModelSpec, pp: int, stage: int, runs: Runs | None) -> Runs:
 
 def _kinds(spec: ModelSpec, runs: Runs) -> list[tuple[int, int]]:
     """(representative layer, how many layers like it) over the runs, in closed form."""
-    return [kind for r in runs for kind in moe.layer_kinds(spec, r.start, r.stop)]
+    return [kind for r in runs for kind in moe.run_kinds(spec, r)]
 
 
 def stage_expert_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None) -> int:

@@ -43,6 +43,7 @@ the out-proj input at their widths.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from simulator.model.inventory.dense import dense_layer_ops
@@ -80,6 +81,34 @@ def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
         dense = start if not spec.is_moe_layer(start) else start + 1
         kinds.insert(0, (dense, stop - start - moe_count))
     return kinds
+
+
+def run_kinds(spec: ModelSpec, run: range) -> list[tuple[int, int]]:
+    """:func:`layer_kinds` of a range of layers, a stepped one too (the every k-th layers
+    of a partial recomputation, :mod:`simulator.spec.recompute`): closed form for a
+    contiguous run or a dense model; for a stepped run of a MoE, its MoE layers (at or
+    past first_dense_layers, every moe_layer_freq-th) are the j with
+    j · step ≡ first_dense_layers − tail[0] (mod moe_layer_freq), one residue class of j
+    (a modular inverse), so closed form too."""
+    if run.step == 1:
+        return layer_kinds(spec, run.start, run.stop)
+    if not spec.is_moe or not run:
+        return [(run.start, len(run))] if run else []
+    f, freq, k = spec.first_dense_layers, spec.moe_layer_freq, run.step
+    tail = run[len(range(run.start, min(run.stop, f), k)) if run.start < f else 0:]
+    g = math.gcd(k, freq)
+    routed = range(0)
+    if tail and (f - tail[0]) % g == 0:
+        period = freq // g
+        j0 = (f - tail[0]) // g * pow(k // g, -1, period) % period if period > 1 else 0
+        routed = tail[j0::period]
+    if not routed:
+        return [(run.start, len(run))]
+    dense = len(run) - len(routed)
+    if not dense:
+        return [(routed[0], len(routed))]
+    first_dense = run[0] if run[0] != routed[0] else run[1]
+    return [(first_dense, dense), (routed[0], len(routed))]
 
 
 # ---------------------------------------------------------------- parameters

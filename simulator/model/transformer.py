@@ -327,7 +327,7 @@ def _partial_hardware_flops(spec: ModelSpec, global_batch: int, modes: ModeRuns)
         for r in runs:
             extra += sum(n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=mode,
                                                            layer=i))
-                         for i, n in moe.layer_kinds(spec, r.start, r.stop))
+                         for i, n in moe.run_kinds(spec, r))
     for i, n in moe.layer_kinds(spec):
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)

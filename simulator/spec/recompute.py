@@ -57,6 +57,14 @@ def _virtual_stage(layers: int, par: ParallelSpec, layer: int) -> int:
     return bisect.bisect_right(par.layer_starts, layer) - 1
 
 
+def _before(layers: int, par: ParallelSpec, stage: int) -> int:
+    """Layers the rank of virtual ``stage`` holds in its chunks before it."""
+    rank = stage_rank(schedule_spec(par.schedule).placement, par.pp, par.virtual_stages,
+                      stage)
+    chunks = rank_virtual_stages(par, rank)
+    return sum(len(chunk_layers(layers, par, c)) for c in chunks[:chunks.index(stage)])
+
+
 def _position(layers: int, par: ParallelSpec, layer: int) -> int:
     """0-based position of ``layer`` among those its framework counts: its chunk's
     (block) or its pipeline rank's, chunks in order (every)."""
@@ -64,11 +72,7 @@ def _position(layers: int, par: ParallelSpec, layer: int) -> int:
     within = layer - chunk_layers(layers, par, stage).start
     if par.recompute_every is None:
         return within
-    rank = stage_rank(schedule_spec(par.schedule).placement, par.pp, par.virtual_stages,
-                      stage)
-    chunks = rank_virtual_stages(par, rank)
-    before = chunks[:chunks.index(stage)]
-    return sum(len(chunk_layers(layers, par, c)) for c in before) + within
+    return _before(layers, par, stage) + within
 
 
 def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
@@ -83,19 +87,38 @@ def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
     return par.recompute if chosen else "none"
 
 
+def _chunk_pieces(par: ParallelSpec, layers: int, run: range) -> list[tuple[Recompute, range]]:
+    """A whole model chunk's layers by mode, in closed form: two runs (block), or every
+    k-th layer as one stepped range and the rest as the gaps between them or as k − 1
+    stepped ranges, whichever are fewer (at most about √(layers) ranges)."""
+    a, b = run.start, run.stop
+    if par.recompute_every is None:
+        cut = min(a + (par.recompute_num_layers or 0), b)
+        return [(par.recompute, range(a, cut)), ("none", range(cut, b))]
+    k = par.recompute_every
+    first = a + (k - 1 - _before(layers, par, _virtual_stage(layers, par, a))) % k
+    chosen = range(first, b, k)
+    if not chosen:
+        return [("none", run)]
+    if len(chosen) + 1 <= k - 1:  # the gaps between the chosen layers
+        rest = [range(a, first)] + [range(c + 1, min(c + k, b)) for c in chosen]
+    else:  # one stepped range per other residue
+        rest = [range(r if r >= a else r + k, b, k) for r in range(first - k + 1, first)]
+    return [(par.recompute, chosen), *(("none", r) for r in rest)]
+
+
 def mode_runs(par: ParallelSpec, layers: int, runs: list[range]) -> ModeRuns:
-    """``runs`` (layer ranges) cut into maximal runs of one mode, grouped by mode in the
-    order modes first appear; one group, the runs as given, without :func:`partial`."""
+    """Whole model chunks ``runs`` (layer ranges) cut into runs of one mode (stepped ranges
+    for every k-th layer), grouped by mode; one group, the runs as given, without
+    :func:`partial`."""
     if not partial(par):
         return ((par.recompute, tuple(runs)),)
     groups: dict[Recompute, list[range]] = {}
     for run in runs:
-        start = run.start
-        for i in run:
-            mode = layer_mode(par, layers, i)
-            if i + 1 == run.stop or layer_mode(par, layers, i + 1) != mode:
-                groups.setdefault(mode, []).append(range(start, i + 1))
-                start = i + 1
+        if run:
+            for mode, piece in _chunk_pieces(par, layers, run):
+                if piece:
+                    groups.setdefault(mode, []).append(piece)
     return tuple((mode, tuple(rs)) for mode, rs in groups.items())
 
 
@@ -106,7 +129,10 @@ def stage_modes(par: ParallelSpec, layers: int, rank: int) -> ModeRuns:
 
 def model_modes(par: ParallelSpec, layers: int) -> ModeRuns:
     """Every layer of the model grouped by its recompute mode."""
-    return mode_runs(par, layers, [range(layers)])
+    if not partial(par):
+        return mode_runs(par, layers, [range(layers)])
+    return mode_runs(par, layers, [chunk_layers(layers, par, k)
+                                   for k in range(par.pp * par.virtual_stages)])
 
 
 def chunks_alike(par: ParallelSpec, layers: int) -> bool:

@@ -38,8 +38,7 @@ def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:
         if not s.model.is_moe:
             out.append((0, sum(len(r) for r in rs), mode))
         else:
-            out += [(i, n, mode) for r in rs for i, n in moe.layer_kinds(s.model, r.start,
-                                                                         r.stop)]
+            out += [(i, n, mode) for r in rs for i, n in moe.run_kinds(s.model, r)]
     return out
 
 
