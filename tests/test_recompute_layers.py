@@ -321,3 +321,39 @@ def test_a_mixture_of_experts_limits_are_none_and_full() -> None:
     none, full = _figures(make(recompute="none")), _figures(make(recompute="full"))
     assert all(min(a, b) <= h <= max(a, b) for h, a, b in zip(half, none, full, strict=True))
     assert half[:3] != none[:3] and half[:3] != full[:3]  # step, FLOPs, stage 0's activations
+
+
+
+@pytest.mark.parametrize(("stack", "parallel"), [
+    ("pytorch-eager", {"tp": 2, "sequence_parallel": True, "recompute_every": 2}),
+    ("pytorch-eager", {"dp": 2, "zero": 3, "recompute_num_layers": 1}),
+    ("deepspeed", {"dp": 2, "zero": 3, "recompute_every": 2}),  # module units
+    ("torchtitan", {"cp": 2, "recompute_every": 2}),
+    ("torchtitan", {"cp": 2, "cp_comm_type": "allgather", "recompute_num_layers": 1}),
+], ids=["tp2-sp", "fsdp2", "deepspeed-zero3", "cp2-ring", "cp2-allgather"])
+def test_analytic_prices_the_collectives_of_the_recomputed_layers(
+        stack: str, parallel: dict[str, Any], tmp_path: Path) -> None:
+    """test_analytic.py's in-line profile (communication in line with compute, no burst
+    curve): the estimate prices the collectives the engine issues, the recomputed
+    layers' (TP, ZeRO-3's gathers in their order, CP's exchange) and no others, to
+    rounding."""
+    import yaml
+
+    from simulator.api import simulate_scenario
+    from simulator.system.profiles import SYSTEMS_DIR
+
+    system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
+    system["gpu"].update({"collective_sync_us": {"intra_node": 800.0},
+                          "funcol_host": {"all_reduce": {"us": 500.0, "us_per_mib": 100.0},
+                                          "all_gather": {"us": 700.0, "us_per_mib": 300.0}},
+                          "host_overhead_us": 5.0})
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(system))
+    s = scenario_from_dict({
+        "name": "t", "model": {"preset": "tiny-gpt"}, "stack": stack,
+        "cluster": {"system": str(path), "nodes": 1, "gpus_per_node": 2},
+        "parallel": {"recompute": "full", **parallel},
+        "training": {"global_batch": 8, "micro_batch": 2, "dtype": "fp32"}})
+    engine, _ = simulate_scenario(s, "engine")
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-9)

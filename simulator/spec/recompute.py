@@ -146,6 +146,16 @@ def chunks_alike(par: ParallelSpec, layers: int) -> bool:
     return len(counts) == 1
 
 
+def recomputed_share(par: ParallelSpec, layers: int) -> float:
+    """The fraction of the model's layers recomputed in full (for the per-layer closed
+    forms that average over a stage: context parallelism's exposed exchange, ZeRO-3's
+    module gathers); 1 or 0 without :func:`partial`."""
+    if not partial(par):
+        return 1.0 if par.recompute == "full" else 0.0
+    return sum(len(r) for mode, runs in model_modes(par, layers) if mode == "full"
+               for r in runs) / layers
+
+
 def flops_modes(par: ParallelSpec, layers: int) -> ModeRuns | None:
     """:func:`model_modes` when only some layers are recomputed, else None (the FLOP
     counts' own whole-model path)."""

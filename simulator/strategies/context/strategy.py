@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from simulator.errors import Problem
 from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import ParallelSpec, Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.context.workload import ContextParallelPass
@@ -62,7 +63,10 @@ def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) 
         return 0.0
     size = par.cp * cp_kv_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
     group = layout.cp_group(0)
-    fwd_passes = 2 if par.recompute == "full" else 1
+    # forward passes of a layer: again when recomputed (on average over the layers when
+    # only some are, simulator.spec.recompute)
+    fwd_passes = 1 + recomputed_share(par, s.model.layers) if partial(par) \
+        else 2 if par.recompute == "full" else 1
     if par.cp_comm_type == "allgather":
         ag = collective_time(s, layout, "all_gather", size, group, hw)
         rs = collective_time(s, layout, "reduce_scatter", size, group, hw)

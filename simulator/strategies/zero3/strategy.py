@@ -21,6 +21,7 @@ from simulator.model.inventory.sharding import (
 from simulator.model.memory import rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.placement import head_rank, holds_head, stage_layer_count, tied_copy
+from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.timing import collective_time
@@ -176,12 +177,15 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
         rdt = s.stack.reduce_bytes(dt)
         shared = sum(collective_time(s, layout, "reduce_scatter", e * rdt, group, hw)
                      for es in blocks.values() for e in es)
-    if par.recompute == "full":  # attention first (recomputed after the attention's backward)
-        second = t_ag["mlp"] + min(t_ag["mlp"], shared)
-        bwd = max(0.0, t_ag["attn"] - bwd_blocks[0]) + max(0.0, second - lc.recompute[0])
-    else:  # MLP first (after the attention's backward), then attention (after the MLP's)
-        second = t_ag["attn"] + min(t_ag["attn"], shared)
-        bwd = max(0.0, t_ag["mlp"] - bwd_blocks[0]) + max(0.0, second - bwd_blocks[1])
+    second = t_ag["mlp"] + min(t_ag["mlp"], shared)  # attention first, recomputed
+    bwd_full = max(0.0, t_ag["attn"] - bwd_blocks[0]) + max(0.0, second - lc.recompute[0])
+    second = t_ag["attn"] + min(t_ag["attn"], shared)  # MLP first, then attention
+    bwd_none = max(0.0, t_ag["mlp"] - bwd_blocks[0]) + max(0.0, second - bwd_blocks[1])
+    if partial(par):  # the layers' average (simulator.spec.recompute)
+        share = recomputed_share(par, s.model.layers)
+        bwd = share * bwd_full + (1.0 - share) * bwd_none
+    else:
+        bwd = bwd_full if par.recompute == "full" else bwd_none
     return layers * (fwd + (bwd if par.reshard_after_forward else 0.0))
 
 
