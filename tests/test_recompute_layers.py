@@ -357,3 +357,16 @@ def test_analytic_prices_the_collectives_of_the_recomputed_layers(
     engine, _ = simulate_scenario(s, "engine")
     analytic, _ = simulate_scenario(s, "analytic")
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("field", "value", "recomputed"), [
+    ("recompute_num_layers", 2, True), ("recompute_every", 2, False)])
+def test_the_ops_table_shows_layer_0_as_it_runs(field: str, value: int,
+                                                recomputed: bool) -> None:
+    """Layer 0 is among Megatron's first N and not torchtitan's every 2nd."""
+    from simulator.outputs.ops_table import format_table, op_rows
+
+    s = scenario(recompute="full", **{field: value})
+    rows = op_rows(s)
+    assert any(r["pass"] == "recompute" for r in rows) == recomputed
+    assert f"under recompute {'full' if recomputed else 'none'})" in format_table(s, rows)

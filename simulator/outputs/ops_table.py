@@ -28,6 +28,7 @@ from simulator.model.inventory.ops import Op, dtype_bytes
 from simulator.model.inventory.sharding import ddp_copy_ops, fsdp_gather_ops, fsdp_reduce_ops
 from simulator.model.memory import activation_bytes_per_layer, stage_params
 from simulator.spec.placement import stage_layers
+from simulator.spec.recompute import layer_mode
 from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel
 
@@ -53,7 +54,8 @@ def _layer_rows(s: Scenario, cost: CostModel, layer: int, part: str) -> list[dic
                                        spec, b, tp, dt, p, cp, gathered,
                                        s.cp_keeps_gathered_kv)
         rows += [_row(cost, part, _PASS_NAMES[p], op) for op in ops]
-    rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack)
+    mode = layer_mode(s.parallel, spec.layers, layer)  # only some layers may be recomputed
+    rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack)
     rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
     rows += [_row(cost, part, "recompute", op) for op in rec]
     total = sum(r["time_us"] for r in rows) or 1.0
@@ -113,13 +115,14 @@ def format_table(s: Scenario, rows: list[dict[str, Any]]) -> str:
     first = rows[0]["part"]
     layer = [r for r in rows if r["part"] == first]
     par, b = s.parallel, s.training.micro_batch
-    kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, par.recompute,
+    mode = layer_mode(par, s.model.layers, 0)
+    kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, mode,
                                       s.training.dtype, 0, par.cp, s.stack,
                                       s.cp_keeps_gathered_kv)
     lines.append(f"{first} total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
                  f"{sum(r['kernels'] for r in layer)} kernels; kept for backward "
                  f"{kept / 1e6:.1f} MB (the memory model's, under recompute "
-                 f"{par.recompute})")
+                 f"{mode})")
     return "\n".join(lines)
 
 
