@@ -197,7 +197,8 @@ def _figures(s: Scenario) -> tuple[float, ...]:
 @given(pp=st.sampled_from([1, 2, 4]), per=st.integers(1, 3), tp=st.sampled_from([1, 2]),
        m=st.integers(1, 6), extra=st.integers(0, 3))
 def test_the_limits_are_none_and_full(pp: int, per: int, tp: int, m: int, extra: int) -> None:
-    """N = 0 is recompute: none, N ≥ layers per stage and k = 1 are recompute: full."""
+    """N = 0 is recompute: none, N ≥ layers per stage, k = 1 and groups of 1 are
+    recompute: full."""
     def make(**par: Any) -> Scenario:
         return scenario_from_dict({
             "name": "limits",
@@ -211,6 +212,7 @@ def test_the_limits_are_none_and_full(pp: int, per: int, tp: int, m: int, extra:
     assert _figures(make(recompute="full", recompute_num_layers=per + extra)) \
         == pytest.approx(full)
     assert _figures(make(recompute="full", recompute_every=1)) == pytest.approx(full)
+    assert _figures(make(recompute="full", recompute_group=1)) == pytest.approx(full)
 
 
 def test_the_engine_limits_are_none_and_full() -> None:
@@ -233,6 +235,10 @@ def test_the_engine_limits_are_none_and_full() -> None:
     ({"recompute": "full", "recompute_num_layers": 1, "recompute_every": 2},
      ["parallel.recompute_every = 2", "contradicts parallel.recompute_num_layers",
       "keep one"]),
+    ({"recompute": "none", "recompute_group": 2},
+     ["parallel.recompute_group = 2", "needs parallel.recompute: full"]),
+    ({"recompute": "full", "recompute_every": 2, "recompute_group": 3},
+     ["parallel.recompute_group = 3", "contradicts parallel.recompute_every", "keep one"]),
 ])
 def test_rules_name_field_value_and_fix(parallel: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(ScenarioError) as caught:
@@ -370,3 +376,43 @@ def test_the_ops_table_shows_layer_0_as_it_runs(field: str, value: int,
     rows = op_rows(s)
     assert any(r["pass"] == "recompute" for r in rows) == recomputed
     assert f"under recompute {'full' if recomputed else 'none'})" in format_table(s, rows)
+
+
+# ------------------------------------------------------------------ Megatron's uniform method
+
+
+@pytest.mark.parametrize(("group", "kept"), [(1, 4), (2, 2), (3, 2), (4, 1), (9, 1)])
+def test_groups_keep_one_input_each(group: int, kept: int) -> None:
+    """4 layers per stage in groups of N keep ⌈4/N⌉ inputs; time and FLOPs are full's."""
+    s = scenario(recompute="full", recompute_group=group)
+    full, none = scenario(recompute="full"), scenario(recompute="none")
+    per_full = mem.activation_bytes_per_layer(s.model, 1, recompute="full", stack=s.stack)
+    per_none = mem.activation_bytes_per_layer(s.model, 1, recompute="none", stack=s.stack)
+    for stage in range(2):
+        in_flight = mem.in_flight_microbatches("1f1b", 2, s.microbatches, 1, stage)
+        extras = mem.activations(none, stage) - 4 * per_none * in_flight
+        assert mem.activations(s, stage) == pytest.approx(kept * per_full * in_flight + extras,
+                                                          rel=1e-12)
+    assert analytic_estimate(s)["step_time_s"] == analytic_estimate(full)["step_time_s"]
+    got = simulate(build_workload(s), s.hardware)
+    want = simulate(build_workload(full), full.hardware)
+    assert engine_metrics(s, got)["step_time_s"] == engine_metrics(full, want)["step_time_s"]
+
+
+def test_groups_are_counted_per_chunk_in_the_timeline() -> None:
+    """Interleaved chunks of 2 layers in groups of 2: one input per chunk, and the
+    engine-timed memory curve's peak drops by what memory.py's total drops (interleaved
+    first and last stages differ from memory.py by the embedding and head terms alone,
+    test_memory_timeline.py)."""
+    from simulator.analysis.memory import stage_breakdown
+    from simulator.analysis.memory_timeline import memory_timeline, stage_peaks
+
+    grouped, full = (scenario(layers=8, pp=2, v=2, schedule="interleaved", recompute="full",
+                              **kw) for kw in ({"recompute_group": 2}, {}))
+    assert mem.activations(grouped, 0) < mem.activations(full, 0)
+    peaks = [stage_peaks(memory_timeline(x, simulate(build_workload(x), x.hardware)))
+             for x in (grouped, full)]
+    for stage in range(2):
+        drop = stage_breakdown(full, stage).total - stage_breakdown(grouped, stage).total
+        assert drop > 0
+        assert peaks[1][stage] - peaks[0][stage] == pytest.approx(drop, rel=1e-9), stage

@@ -88,7 +88,7 @@ from simulator.model import memory as mem
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
-from simulator.spec.recompute import layer_mode, partial
+from simulator.spec.recompute import keeps, layer_mode, partial
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.strategy import zero3_root_bytes
 
@@ -252,6 +252,8 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
 
     par = s.parallel
     for key, t0 in m.fwd_end.items():
+        if not keeps(par, s.model.layers, key[0]):  # inside a group recomputed as one
+            continue
         act = _ACT if layer_mode(par, s.model.layers, key[0]) == par.recompute else _ACT_KEPT
         hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
     for mb, t0 in m.embed_f.items():

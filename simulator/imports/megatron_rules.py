@@ -119,9 +119,8 @@ def recompute(a: Parsed, d: Draft) -> None:
     if granularity == "full" and method == "block" and count is not None:
         # TransformerBlock._checkpointed_forward: the first N layers of each model chunk
         d.set("parallel.recompute_num_layers", int(count))
-    elif granularity == "full" and count not in (None, 1):
-        d.note("--recompute-num-layers", count, "uniform groups of N layers keep one input "
-               "per group; simulated as one per layer (more memory, same compute)")
+    elif granularity == "full" and count not in (None, 1):  # uniform: groups of N
+        d.set("parallel.recompute_group", int(count))
     modules = a.texts("--recompute-modules")
     if granularity == "selective" and modules and modules != ["core_attn"]:
         d.note("--recompute-modules", modules, "selective recomputation is the core "

@@ -59,7 +59,7 @@ from simulator.model.inventory.layer import saved_tensors
 from simulator.model.transformer import RecomputeMode
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.recompute import layer_mode, stage_modes
+from simulator.spec.recompute import kept_runs, layer_mode, stage_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec
 
@@ -222,8 +222,8 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
     in_flight = schedule_spec(par.schedule).in_flight(par.pp, s.microbatches,
                                                       par.virtual_stages, stage)
     per_pass = 0.0
-    for _, runs in stage_modes(par, s.model.layers, stage):  # one group unless partial
-        kinds = [kind for r in runs for kind in moe.run_kinds(s.model, r)]
+    for _, chunks in stage_modes(par, s.model.layers, stage):  # one group unless partial
+        kinds = [kind for r in kept_runs(par, chunks) for kind in moe.run_kinds(s.model, r)]
         per_pass += sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight
 

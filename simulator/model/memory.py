@@ -68,7 +68,7 @@ from simulator.model.transformer import (
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.placement import holds_head
-from simulator.spec.recompute import stage_modes
+from simulator.spec.recompute import kept_runs, stage_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
 
@@ -252,7 +252,8 @@ def activations(scenario: Scenario, stage: int) -> float:
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
     total = 0.0
-    for mode, runs in stage_modes(par, spec.layers, stage):  # one group unless partial
+    for mode, chunks in stage_modes(par, spec.layers, stage):  # one group unless partial
+        runs = kept_runs(par, chunks)  # one input per group of layers recomputed as one
         if spec.is_moe or spec.mla is not None or par.cp > 1:
             total += sum(n * activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype, i,
                                                         par.cp, scenario.stack,

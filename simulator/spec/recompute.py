@@ -1,5 +1,5 @@
 """Which layers are recomputed: the one answer every consumer asks (memory, the engine's
-tasks, the analytic estimate, hardware FLOPs, the task budget).
+tasks, the analytic estimate, hardware FLOPs, the memory timeline, the ops table).
 
 ``parallel.recompute`` names the mode (none, selective, full). Two fields recompute only
 some layers in full and leave the others as they are without recomputation, as the
@@ -26,7 +26,12 @@ frameworks' configs say it:
   order.
 
 Without either field every layer has ``parallel.recompute`` and the callers' paths are
-the ones they had before (:func:`partial` is false).
+the ones they had before (:func:`partial` is false). A third field recomputes every
+layer but keeps fewer inputs: ``parallel.recompute_group`` N, Megatron-LM's
+``--recompute-method uniform --recompute-num-layers N`` (the same
+``checkpointed_forward``, lines 157-166: ``chunk_runner(l, min(l + N, L), True)``, a
+checkpointed call over each group), one
+input per group of N layers of a chunk (:func:`kept_runs`).
 """
 
 from __future__ import annotations
@@ -168,20 +173,44 @@ def describe(par: ParallelSpec) -> str:
         return f"{par.recompute} (first {par.recompute_num_layers} layers of each chunk)"
     if par.recompute_every is not None:
         return f"{par.recompute} (one layer in {par.recompute_every} of each rank)"
+    if par.recompute_group is not None:
+        return f"{par.recompute} (groups of {par.recompute_group} layers)"
     return par.recompute
+
+
+def kept_runs(par: ParallelSpec, runs: tuple[range, ...]) -> tuple[range, ...]:
+    """The layers of whole model chunks ``runs`` that keep activations: all of them, or
+    with ``parallel.recompute_group`` N the first of each group of N (Megatron-LM's
+    uniform method: ``checkpointed_forward`` checkpoints each group as one call, which
+    saves that call's input, the group's first layer's)."""
+    if par.recompute_group is None or par.recompute != "full":
+        return runs
+    return tuple(range(r.start, r.stop, par.recompute_group) for r in runs)
+
+
+def keeps(par: ParallelSpec, layers: int, layer: int) -> bool:
+    """Whether ``layer`` keeps activations (:func:`kept_runs`)."""
+    if par.recompute_group is None or par.recompute != "full":
+        return True
+    stage = _virtual_stage(layers, par, layer)
+    return (layer - chunk_layers(layers, par, stage).start) % par.recompute_group == 0
 
 
 def recompute_problems(par: ParallelSpec) -> list[Problem]:
     """The partial-recompute fields need recompute: full, and only one of them."""
     out: list[Problem] = []
-    for name, value in (("recompute_num_layers", par.recompute_num_layers),
-                        ("recompute_every", par.recompute_every)):
+    fields = (("recompute_num_layers", par.recompute_num_layers),
+              ("recompute_every", par.recompute_every),
+              ("recompute_group", par.recompute_group))
+    for name, value in fields:
         if value is not None and par.recompute != "full":
-            out.append(Problem(f"parallel.{name}", value, "recomputes some layers in full; "
+            out.append(Problem(f"parallel.{name}", value, "recomputes layers in full; "
                                f"needs parallel.recompute: full (it is {par.recompute}); set "
                                f"it, or remove {name}"))
-    if par.recompute_num_layers is not None and par.recompute_every is not None:
-        out.append(Problem("parallel.recompute_every", par.recompute_every,
-                           "contradicts parallel.recompute_num_layers (Megatron's block "
-                           "method against torchtitan's every k-th layer); keep one"))
+    given = [(name, value) for name, value in fields if value is not None]
+    if len(given) > 1:
+        (first, _), (name, value) = given[0], given[1]
+        out.append(Problem(f"parallel.{name}", value, f"contradicts parallel.{first} "
+                           "(Megatron's block and uniform methods and torchtitan's every "
+                           "k-th layer choose the recomputed layers each their way); keep one"))
     return out

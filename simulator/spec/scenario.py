@@ -172,6 +172,11 @@ class ParallelSpec(Frozen):
     ... counted over its chunks in order) is recomputed, the others not at all
     (torchtitan's ``activation_checkpoint.mode = "selective"`` with an integer
     ``selective_ac_option``); 1 is every layer; default every layer."""
+    recompute_group: int | None = Field(default=None, ge=1, le=MAX_SIZE)
+    """With recompute: full, each model chunk's layers in groups of N recomputed as one,
+    keeping one input per group instead of one per layer (Megatron-LM's
+    ``--recompute-method uniform --recompute-num-layers N``); default 1, every layer its
+    own."""
     sequence_parallel: bool = False
     """Sequence parallelism (Megatron): norms and dropouts split over the TP ranks;
     all-gather and reduce-scatter instead of all-reduce."""
