@@ -416,3 +416,13 @@ def test_groups_are_counted_per_chunk_in_the_timeline() -> None:
         drop = stage_breakdown(full, stage).total - stage_breakdown(grouped, stage).total
         assert drop > 0
         assert peaks[1][stage] - peaks[0][stage] == pytest.approx(drop, rel=1e-9), stage
+
+
+@pytest.mark.parametrize("key", ["ac_freq", "selective_ac_option"])
+def test_torchtitans_names_point_to_the_field(key: str) -> None:
+    with pytest.raises(ScenarioError, match="did you mean 'recompute_every'"):
+        scenario_from_dict({
+            "name": "t", "model": {"layers": 8, "hidden": 256, "heads": 8, "vocab": 1024,
+                                   "seq_len": 128},
+            "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 1},
+            "parallel": {key: 2}, "training": {"global_batch": 4}})

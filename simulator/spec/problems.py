@@ -86,7 +86,8 @@ OTHER_NAMES = {
     "expert": "ep", "expert_parallel": "ep", "expert_model_parallel_size": "ep",
     "zero_stage": "zero", "sp": "sequence_parallel",
     "activation_checkpointing": "recompute", "gradient_checkpointing": "recompute",
-    "recompute_granularity": "recompute", "virtual_pipeline_model_parallel_size":
+    "recompute_granularity": "recompute", "selective_ac_option": "recompute_every",
+    "ac_freq": "recompute_every", "virtual_pipeline_model_parallel_size":
     "virtual_stages", "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
     "precision": "dtype", "num_layers": "layers", "n_layers": "layers",
     "num_hidden_layers": "layers", "hidden_size": "hidden", "d_model": "hidden",
