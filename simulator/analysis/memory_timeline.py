@@ -97,8 +97,7 @@ TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
 _ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _ACT_KEPT = range(9)
-# _ACT_KEPT: a layer left out of a partial recomputation (simulator.spec.recompute), which
-# keeps what it keeps without recomputation
+# (_ACT_KEPT: a layer a partial recomputation leaves out keeps all, simulator.spec.recompute)
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
@@ -123,13 +122,6 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
         / zero3_collectives(spec, s.stack),
     }
-
-
-def _kept_layer(s: Scenario) -> float:
-    """One layer's activations without recomputation (memory.py's)."""
-    spec, par, trn = s.model, s.parallel, s.training
-    return mem.activation_bytes_per_layer(spec, trn.micro_batch, par.tp, par.sequence_parallel,
-                                          "none", trn.dtype, stack=s.stack)
 
 
 def static_bytes(s: Scenario, stage: int) -> float:
@@ -250,12 +242,11 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
         ev.append((t0, p0, comp, key, 1))
         ev.append((t1, _FREE, comp, key, -1))
 
-    par = s.parallel
+    par, layers = s.parallel, s.model.layers
     for key, t0 in m.fwd_end.items():
-        if not keeps(par, s.model.layers, key[0]):  # inside a group recomputed as one
-            continue
-        act = _ACT if layer_mode(par, s.model.layers, key[0]) == par.recompute else _ACT_KEPT
-        hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
+        if keeps(par, layers, key[0]):  # not inside a group recomputed as one
+            act = _ACT if layer_mode(par, layers, key[0]) == par.recompute else _ACT_KEPT
+            hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
     for mb, t0 in m.embed_f.items():
         hold(_EMBED, mb, t0, _END_ALLOC, m.embed_b.get(mb, t0))
     for mb, t0 in m.head_f.items():
@@ -367,7 +358,9 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
     size = component_bytes(s)
     sizes = (size["activation_layer"], size["embed"], size["head"], size["dlogits"],
              size["unit"], size["unit"])
-    kept = _kept_layer(s) if partial(s.parallel) else 0.0
+    par, trn = s.parallel, s.training  # a layer a partial recomputation leaves out:
+    kept = mem.activation_bytes_per_layer(s.model, trn.micro_batch, par.tp, par.sequence_parallel,
+                                          "none", trn.dtype, stack=s.stack) if partial(par) else 0.0
     roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
     out: Curve = []
