@@ -204,7 +204,7 @@ def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     """(the optimizer step, the rank's shard): the stack's AdamW on the busiest stage's
     shard with the TP norms' all-reduces, at the slowest GPU's pace; or ZeRO-Offload's."""
     par, spec = s.parallel, s.model
-    shard = g.params / par.tp / (par.dp * par.cp if par.zero >= 1 else 1)
+    shard = g.params / par.tp / (par.shard if par.zero >= 1 else 1)
     if g.expert_params:
         shard += sum(g.expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe

@@ -14,7 +14,12 @@ all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
 reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
 behaviour under gradient accumulation: m × the traffic of one reduction).
 ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
-:class:`Zero3Pass` gathers the units' parameters. The parameters outside the
+:class:`Zero3Pass` gathers the units' parameters. Under hybrid sharding (HSDP,
+``parallel.dp_shard``) the reduce-scatter runs over the unit's shard group and its
+1/shard output is then all-reduced across the replicate group, after it on the same
+stream (FSDP1 ``_runtime_utils._reduce_grad`` and FSDP2 ``foreach_reduce`` issue it
+on an all-reduce stream that waits for the reduce-scatter's; here it also holds the
+next unit's reduce-scatter back). The parameters outside the
 layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
 sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
 gradients are reduce-scattered as one more unit after the micro-batch's
@@ -116,7 +121,7 @@ class DataPass(Pass):
             zero3 = ctx.s.parallel.zero == 3
             root = zero3 and index >= len(ctx.layers_of(stage))  # its root
             parts = ctx.zero3_parts if zero3 and not root else 1
-            group = ctx.layout.dp_group(rank)
+            group = ctx.layout.shard_group(rank) if zero3 else ctx.layout.dp_group(rank)
             pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
                 if zero3 and len(group) > 1 else (None, ())
             after = pack or after
@@ -127,6 +132,8 @@ class DataPass(Pass):
                                    after.microbatch if root else -1, chunk=chunk)
                 if t is not None and part == 0:
                     t.deps.append(after.id)
+                if zero3:
+                    t = self.replicate(rank, size / parts, group, t, chunk)
             if accumulate and t is not None:
                 t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
                             name=f"fsdp.grad_accum mb{after.microbatch}",
@@ -134,6 +141,23 @@ class DataPass(Pass):
                             microbatch=after.microbatch, chunk=chunk)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
+
+    def replicate(self, rank: int, size: float, shard: tuple[int, ...], t: Task | None,
+                  chunk: int) -> Task | None:
+        """Hybrid sharding: the reduce-scatter ``t`` of ``size`` bytes over ``shard``
+        followed by the all-reduce of its output across the replicas (``t`` itself
+        without hybrid sharding, or where no reduce-scatter was issued)."""
+        ctx = self.ctx
+        group = ctx.layout.replicate_group(rank)
+        if t is None or len(group) == 1:
+            return t
+        out = size / len(shard)
+        r = ctx.collective(rank, self.stream, "all_reduce", "dp", group, out,
+                           f"dp.all_reduce replicas {out / 1e6:.2f} MB", t.microbatch,
+                           chunk=chunk)
+        if r is not None:
+            r.deps.append(t.id)
+        return r or t
 
     def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
                     chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
@@ -144,7 +168,7 @@ class DataPass(Pass):
         which run after the reduce-scatter on its stream."""
         ctx = self.ctx
         tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
-        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.dp_group(rank)),
+        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.shard_group(rank)),
                               ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
         if not ops:
             return None, ()
@@ -185,7 +209,7 @@ class DataPass(Pass):
         if self.compressor is not None:
             self.compressor.exchange(rank)
         params = ctx.params_of(rank)
-        shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
+        shard = params / par.shard if par.zero >= 1 else params  # over dp_shard · cp
         streams = ctx.programs[rank].streams
         if par.zero == 0 and len(ctx.layout.dp_group(rank)) > 1 \
                 and (self.compressor is None or self.compressor.in_backward):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from simulator.errors import Problem
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
@@ -23,6 +24,7 @@ from simulator.model.transformer import embedding_params, head_params, layer_par
 from simulator.spec.placement import head_rank, holds_head, stage_layer_count, tied_copy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
+from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.timing import collective_time
 from simulator.strategies.zero3.workload import Zero3Pass
 from simulator.system.costs import CostModel
@@ -88,16 +90,19 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     gather
     and reduce-scatter on a stage holding the embedding or the head (FSDP2 keeps the
     root gathered from its forward to its backward). A step of FSDP2 with L layers on
-    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters."""
+    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters. Under hybrid sharding
+    (:attr:`~simulator.spec.scenario.ParallelSpec.dp_shard`) each reduce-scatter is
+    followed by an all-reduce of its shard across the replicas."""
     par = s.parallel
     if par.zero != 3 or par.dp * par.cp == 1:
-        return {"all_gather": 0, "reduce_scatter": 0}
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     parts = zero3_collectives(s.model, s.stack)
     layers = stage_layer_count(s.model.layers, par, stage) * parts
     root = 1 if stage == 0 or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * layers + root
-    return {"all_gather": s.microbatches * gathers,
-            "reduce_scatter": s.microbatches * (layers + root)}
+    reduces = s.microbatches * (layers + root)
+    return {"all_gather": s.microbatches * gathers, "reduce_scatter": reduces,
+            "all_reduce": reduces if par.shard < par.dp * par.cp else 0}
 
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
@@ -114,7 +119,7 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     if par.zero != 3 or par.dp * par.cp == 1 or not stack.fsdp_copies:
         return 0.0, 0.0
     dt = dtype_bytes(s.training.dtype)
-    rdt, dp, m = stack.reduce_bytes(dt), par.dp * par.cp, s.microbatches
+    rdt, dp, m = stack.reduce_bytes(dt), par.shard, s.microbatches
     tensors = layer_tensors(spec, stack)
     unit = mdl.layer_params(spec) / par.tp
     root = zero3_root_bytes(s, stage)[0] / dt
@@ -138,7 +143,7 @@ def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The largest root unit's gather, once per micro-batch on its stage: it waits for
     the compute issued before it, so no prefetch hides it."""
     sizes = [zero3_root_bytes(s, st)[0] for st in {0, head_rank(s.parallel)}]
-    return max(collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+    return max(collective_time(s, layout, "all_gather", size, layout.shard_group(0), hw)
                for size in sizes)
 
 
@@ -152,7 +157,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     if not layers:
         return 0.0
     blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
-    group, dt = layout.dp_group(0), dtype_bytes(trn.dtype)
+    group, dt = layout.shard_group(0), dtype_bytes(trn.dtype)
     t_ag = {b: sum(collective_time(s, layout, "all_gather", e * dt, group, hw) for e in es)
             for b, es in blocks.items()}
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
@@ -188,7 +193,10 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
                     dp_op: CollectiveName) -> float:
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
-    ``layers`` layers (one collective per module with module units) and its root unit."""
+    ``layers`` layers (one collective per module with module units) and its root unit,
+    over the shard group; under hybrid sharding each then all-reduces its 1/shard of
+    the gradients across the replicas, after it on the same stream
+    (:func:`hybrid_all_reduce`)."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
@@ -196,9 +204,21 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
-    group = layout.dp_group(0)
-    return units * collective_time(s, layout, dp_op, unit, group, hw) \
-        + roots * collective_time(s, layout, dp_op, root, group, hw)
+    group = layout.shard_group(0)
+    return units * (collective_time(s, layout, dp_op, unit, group, hw)
+                    + hybrid_all_reduce(s, layout, hw, unit)) \
+        + roots * (collective_time(s, layout, dp_op, root, group, hw)
+                   + hybrid_all_reduce(s, layout, hw, root))
+
+
+def hybrid_all_reduce(s: Scenario, layout: Layout, hw: HardwareProfile, size: float) -> float:
+    """Hybrid sharding's all-reduce after a unit's reduce-scatter of ``size`` bytes: its
+    1/shard output across the replicate group (FSDP1 ``_runtime_utils._reduce_grad``,
+    FSDP2 ``foreach_reduce``); zero without hybrid sharding."""
+    group = layout.replicate_group(0)
+    if len(group) == 1:
+        return 0.0
+    return collective_time(s, layout, "all_reduce", size / s.parallel.shard, group, hw)
 
 
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
@@ -226,6 +246,41 @@ class Zero3(Strategy):
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return Zero3Pass(ctx)
+
+    def problems(self, s: Scenario) -> list[Problem]:
+        """Hybrid sharding's rules: ZeRO-3 only, a divisor of dp, a shard of more than
+        one rank."""
+        par = s.parallel
+        n = par.dp_shard
+        if n is None:
+            return []
+        if par.zero != 3:
+            return [Problem("parallel.dp_shard", n, f"hybrid sharding shards ZeRO-3's "
+                            f"parameters, not zero {par.zero}'s; set zero: 3 or remove "
+                            "dp_shard")]
+        if par.dp % n:
+            return [Problem("parallel.dp_shard", n, f"must divide parallel.dp ({par.dp}): "
+                            "dp / dp_shard replicas of one shard group; choose one of "
+                            f"{[d for d in range(1, par.dp + 1) if par.dp % d == 0]}")]
+        if par.shard == 1:
+            return [Problem("parallel.dp_shard", n, "shards nothing (one rank per shard "
+                            "group with cp 1): that is DDP; set zero: 0 and remove "
+                            "dp_shard")]
+        return []
+
+    def unsupported(self, s: Scenario) -> list[Problem]:
+        """Hybrid sharding is not yet built with experts, ZeRO-Offload or gradient
+        compression (each shards or reduces over the whole dp group)."""
+        par = s.parallel
+        if par.dp_shard is None or par.dp_shard == par.dp:
+            return []
+        other = [name for name, on in (("model.experts", s.model.is_moe),
+                                       ("parallel.zero_offload", par.zero_offload),
+                                       ("training.gradient_compression",
+                                        effective_method(s) != "none")) if on]
+        return [Problem("parallel.dp_shard", par.dp_shard, f"not yet simulated with {name}; "
+                        "remove dp_shard (full sharding) or the other option")
+                for name in other]
 
 
 ZERO3 = Zero3()

@@ -1,0 +1,179 @@
+"""Hybrid sharding (HSDP): ZeRO-3 within shard groups of ``dp_shard`` data-parallel ranks,
+replication across the dp / dp_shard groups.
+
+As FSDP runs it (FSDP1 ``HYBRID_SHARD``: torch/distributed/fsdp/_runtime_utils.py
+``_reduce_grad``; FSDP2 on a 2-D mesh: _fully_shard/_fsdp_collectives.py
+``foreach_reduce``): parameters are all-gathered and gradients reduce-scattered within
+the shard group, and each reduce-scatter's 1/shard output is then all-reduced across the
+replicate group. Model states are those of ZeRO-3 with dp = dp_shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from simulator.analysis.memory import stage_breakdown
+from simulator.api import simulate_scenario
+from simulator.builder.workload import build_workload, layout_of
+from simulator.errors import ScenarioError
+from simulator.spec.load import scenario_from_dict
+from simulator.spec.rules import not_yet_simulated
+from simulator.spec.scenario import Scenario
+from simulator.strategies.zero3.strategy import zero3_collective_counts
+from simulator.system.layout import Layout
+from simulator.system.profiles import SYSTEMS_DIR
+
+
+def hsdp(dp_shard: int | None, nodes: int = 2, dp: int = 16, m: int = 2,
+         **parallel: Any) -> Scenario:
+    """A small GPT on FSDP2 (pytorch-eager) over ``nodes`` nodes of 8 GPUs."""
+    par: dict[str, Any] = {"dp": dp, "zero": 3, **parallel}
+    if dp_shard is not None:
+        par["dp_shard"] = dp_shard
+    return scenario_from_dict({
+        "name": "hsdp",
+        "model": {"layers": 4, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 1024},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": nodes, "gpus_per_node": 8},
+        "parallel": par,
+        "training": {"global_batch": m * dp, "micro_batch": 1},
+        "stack": "pytorch-eager",
+    })
+
+
+def test_groups_are_consecutive_dp_ranks_and_their_replicas() -> None:
+    """dp 16 in blocks of 8 on two nodes of 8: a node shards, the nodes replicate; with
+    cp 2 a shard spans dp_shard · cp ranks and the replicas keep the cp index."""
+    lay = Layout(tp=1, pp=1, dp=16, gpus_per_node=8, dp_shard=8)
+    assert lay.shard_group(3) == tuple(range(8))
+    assert lay.shard_group(12) == tuple(range(8, 16))
+    assert lay.replicate_group(3) == (3, 11)
+    assert lay.replicate_group(11) == (3, 11)
+    cp = Layout(tp=2, pp=1, dp=4, gpus_per_node=8, cp=2, dp_shard=2)  # rank = (d·2 + c)·2 + t
+    assert cp.shard_group(cp.rank(0, 3, 1, 1)) == (9, 11, 13, 15)
+    assert cp.replicate_group(cp.rank(0, 3, 1, 1)) == (7, 15)
+    full = Layout(tp=2, pp=2, dp=4, gpus_per_node=8, cp=2)
+    assert all(full.shard_group(r) == full.dp_group(r) and full.replicate_group(r) == (r,)
+               for r in range(full.world))
+
+
+def test_engine_gathers_within_a_node_and_all_reduces_an_eighth_across() -> None:
+    """16 GPUs on 2 nodes, dp 16, dp_shard 8, every rank built: each all-gather and
+    reduce-scatter stays in its rank's node; after each reduce-scatter an all-reduce of
+    1/8 of its bytes crosses to the other node, so a step all-reduces 1/8 of the
+    gradient bytes it reduce-scatters (m times the stage's gradients)."""
+    s = hsdp(8)
+    w = build_workload(s, fidelity="full")
+    for rank, prog in w.programs.items():
+        tasks = [t for ts in prog.streams.values() for t in ts]
+        gathers = [t for t in tasks if t.op == "zero.all_gather"]
+        scatters = [t for t in tasks if t.op == "dp.reduce_scatter"]
+        reduces = [t for t in tasks if t.op == "dp.all_reduce"]
+        assert gathers and scatters
+        node = {r // 8 for r in range(rank - rank % 8, rank - rank % 8 + 8)}
+        assert all({r // 8 for r in t.group} == node for t in gathers + scatters)
+        assert all(t.group == (rank % 8, rank % 8 + 8) for t in reduces)
+        assert len(reduces) == len(scatters)
+        assert sum(t.nbytes for t in reduces) == pytest.approx(
+            sum(t.nbytes for t in scatters) / 8, rel=1e-12)
+        by_id = {t.id: t for t in tasks}
+        for r in reduces:  # right after its reduce-scatter, on its stream
+            assert [by_id[d].op for d in r.deps] == ["dp.reduce_scatter"]
+            assert r.stream == by_id[r.deps[0]].stream
+    counts = zero3_collective_counts(s, 0)
+    rank0 = [t.op for ts in w.programs[0].streams.values() for t in ts]
+    assert counts == {"all_gather": rank0.count("zero.all_gather"),
+                      "reduce_scatter": rank0.count("dp.reduce_scatter"),
+                      "all_reduce": rank0.count("dp.all_reduce")}
+
+
+def test_model_states_are_zero3_over_the_shard_group() -> None:
+    """Per GPU, weights, gradients and optimizer states with dp_shard = s are ZeRO-3's
+    with dp = s (ZeRO paper: (2 + 2 + K)Ψ / N_d at N_d = s)."""
+    got = stage_breakdown(hsdp(8), 0)
+    want = stage_breakdown(hsdp(None, nodes=1, dp=8), 0)
+    assert (got.weights, got.gradients, got.optimizer) \
+        == (want.weights, want.gradients, want.optimizer)
+    assert got.weights == 2 * stage_breakdown(hsdp(None), 0).weights
+
+
+def test_dp_shard_equal_to_dp_is_full_sharding_bit_for_bit() -> None:
+    a, _ = simulate_scenario(hsdp(16))
+    b, _ = simulate_scenario(hsdp(None))
+    keep = ("step_time_s", "memory", "breakdown_s")
+    assert {k: a.get(k) for k in keep} == {k: b.get(k) for k in keep}
+
+
+def test_replicas_all_reduce_on_top_of_one_node_of_sharding() -> None:
+    """Against one node of ZeRO-3 (dp 8: the same shards, gathers and reduce-scatters),
+    the cross-node all-reduce after each reduce-scatter lengthens the engine's step."""
+    hybrid, _ = simulate_scenario(hsdp(8, m=4))
+    node, _ = simulate_scenario(hsdp(None, nodes=1, dp=8, m=4))
+    assert hybrid["step_time_s"] > node["step_time_s"]
+
+
+@pytest.mark.parametrize("dp_shard", [2, None])
+def test_analytic_prices_the_collectives_the_engine_issues_in_line(
+        dp_shard: int | None, tmp_path: Path) -> None:
+    """With communication in line with compute (a CPU profile, as
+    tests/test_analytic.py's in-line case), the closed form prices the reduce-scatters
+    over the shard group and the all-reduces across the replicas the engine runs, to
+    rounding: 2 nodes of 2, dp 4, dp_shard 2 (and full sharding beside it)."""
+    system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
+    system["gpu"].update({"collective_sync_us": {"intra_node": 800.0, "inter_node": 900.0},
+                          "host_overhead_us": 5.0})
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(system))
+    par: dict[str, Any] = {"dp": 4, "zero": 3}
+    if dp_shard:
+        par["dp_shard"] = dp_shard
+    s = scenario_from_dict({
+        "name": "t", "model": {"preset": "tiny-gpt"}, "stack": "pytorch-eager",
+        "cluster": {"system": str(path), "nodes": 2, "gpus_per_node": 2},
+        "parallel": par,
+        "training": {"global_batch": 16, "micro_batch": 2, "dtype": "fp32"}})
+    engine, spans = simulate_scenario(s, "engine")
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert spans is not None
+    assert (spans["op"] == "dp.all_reduce").any() == bool(dp_shard)
+    assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-6)
+
+
+def test_folded_equals_full_fidelity() -> None:
+    """One rank simulated for the stage (its collectives charged for their groups)
+    gives the step of every rank simulated."""
+    folded, _ = simulate_scenario(hsdp(8), fidelity="folded")
+    full, _ = simulate_scenario(hsdp(8), fidelity="full")
+    assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=1e-9)
+
+
+def errors(**parallel: Any) -> list[str]:
+    with pytest.raises(ScenarioError) as e:
+        hsdp(**parallel)
+    return e.value.lines()
+
+
+@pytest.mark.parametrize(("parallel", "words"), [
+    ({"dp_shard": 8, "zero": 2}, "parallel.dp_shard = 8: hybrid sharding shards ZeRO-3's"),
+    ({"dp_shard": 6}, "parallel.dp_shard = 6: must divide parallel.dp (16)"),
+    ({"dp_shard": 1}, "parallel.dp_shard = 1: shards nothing"),
+])
+def test_rules_name_field_value_and_fix(parallel: dict[str, Any], words: str) -> None:
+    lines = errors(**parallel)
+    assert any(words in line for line in lines), lines
+
+
+def test_not_yet_simulated_with_offload() -> None:
+    """ZeRO-Offload steps the whole dp group's shard: refused with dp_shard < dp, not
+    with dp_shard = dp (full sharding)."""
+    problems = not_yet_simulated(hsdp(8, zero_offload=True))
+    assert [(p.field, p.value) for p in problems] == [("parallel.dp_shard", 8)]
+    assert "parallel.zero_offload" in problems[0].fix
+    assert not_yet_simulated(hsdp(16, zero_offload=True)) == []
+
+
+def test_layout_of_carries_the_shard_degree() -> None:
+    assert layout_of(hsdp(4)).shard_group(5) == (4, 5, 6, 7)
