@@ -158,7 +158,8 @@ def errors(**parallel: Any) -> list[str]:
 
 @pytest.mark.parametrize(("parallel", "words"), [
     ({"dp_shard": 8, "zero": 2}, "parallel.dp_shard = 8: hybrid sharding shards ZeRO-3's"),
-    ({"dp_shard": 6}, "parallel.dp_shard = 6: must divide parallel.dp (16)"),
+    ({"dp_shard": 6}, "parallel.dp_shard = 6: must divide parallel.dp (16): dp / dp_shard "
+                      "replicas of one shard group; choose one of [2, 4, 8, 16]"),
     ({"dp_shard": 1}, "parallel.dp_shard = 1: shards nothing"),
 ])
 def test_rules_name_field_value_and_fix(parallel: dict[str, Any], words: str) -> None:

@@ -259,9 +259,10 @@ class Zero3(Strategy):
                             f"parameters, not zero {par.zero}'s; set zero: 3 or remove "
                             "dp_shard")]
         if par.dp % n:
+            fits = [d for d in range(1, par.dp + 1) if par.dp % d == 0 and d * par.cp > 1]
             return [Problem("parallel.dp_shard", n, f"must divide parallel.dp ({par.dp}): "
                             "dp / dp_shard replicas of one shard group; choose one of "
-                            f"{[d for d in range(1, par.dp + 1) if par.dp % d == 0]}")]
+                            f"{fits}")]
         if par.shard == 1:
             return [Problem("parallel.dp_shard", n, "shards nothing (one rank per shard "
                             "group with cp 1): that is DDP; set zero: 0 and remove "
