@@ -18,12 +18,13 @@ import yaml
 
 from simulator.analysis.memory import stage_breakdown
 from simulator.api import simulate_scenario
+from simulator.builder.budget import tasks_per_layer
 from simulator.builder.workload import build_workload, layout_of
 from simulator.errors import ScenarioError
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.strategy import zero3_collective_counts
+from simulator.strategies.zero3.strategy import two_streams, zero3_collective_counts
 from simulator.system.layout import Layout
 from simulator.system.profiles import SYSTEMS_DIR
 
@@ -63,8 +64,9 @@ def test_groups_are_consecutive_dp_ranks_and_their_replicas() -> None:
 def test_engine_gathers_within_a_node_and_all_reduces_an_eighth_across() -> None:
     """16 GPUs on 2 nodes, dp 16, dp_shard 8, every rank built: each all-gather and
     reduce-scatter stays in its rank's node; after each reduce-scatter an all-reduce of
-    1/8 of its bytes crosses to the other node, so a step all-reduces 1/8 of the
-    gradient bytes it reduce-scatters (m times the stage's gradients)."""
+    1/8 of its bytes crosses to the other node, on a stream of its own, so a step
+    all-reduces 1/8 of the gradient bytes it reduce-scatters (m times the stage's
+    gradients)."""
     s = hsdp(8)
     w = build_workload(s, fidelity="full")
     for rank, prog in w.programs.items():
@@ -80,9 +82,9 @@ def test_engine_gathers_within_a_node_and_all_reduces_an_eighth_across() -> None
         assert sum(t.nbytes for t in reduces) == pytest.approx(
             sum(t.nbytes for t in scatters) / 8, rel=1e-12)
         by_id = {t.id: t for t in tasks}
-        for r in reduces:  # right after its reduce-scatter, on its stream
+        for r in reduces:  # after its reduce-scatter
             assert [by_id[d].op for d in r.deps] == ["dp.reduce_scatter"]
-            assert r.stream == by_id[r.deps[0]].stream
+            assert r.stream == "replicate"  # its own stream, as FSDP's all-reduce stream
     counts = zero3_collective_counts(s, 0)
     rank0 = [t.op for ts in w.programs[0].streams.values() for t in ts]
     assert counts == {"all_gather": rank0.count("zero.all_gather"),
@@ -142,6 +144,28 @@ def test_analytic_prices_the_collectives_the_engine_issues_in_line(
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-6)
 
 
+def test_engine_and_analytic_agree_on_the_documented_example() -> None:
+    """Llama-3 8B on 8 nodes, dp 64, dp_shard 8 (docs/parallelism.md): the closed form
+    within the 5 % tests/test_analytic.py allows of the engine."""
+    s = scenario_from_dict({
+        "name": "llama3-8b-hsdp", "stack": "torchtitan", "model": {"preset": "llama3-8b"},
+        "cluster": {"system": "dgx-h100", "nodes": 8},
+        "parallel": {"dp": 64, "dp_shard": 8, "zero": 3, "recompute": "selective"},
+        "training": {"global_batch": 128, "micro_batch": 1, "dtype": "bf16"}})
+    engine, _ = simulate_scenario(s, "engine")
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.05)
+
+
+def test_two_streams_pipelines_the_all_reduces_behind_the_reduce_scatters() -> None:
+    """Three units of (reduce-scatter, all-reduce): the slower stream sets the pace, the
+    other adds its first (or last) step."""
+    assert two_streams([(1.0, 2.0)] * 3) == 1.0 + 3 * 2.0
+    assert two_streams([(2.0, 1.0)] * 3) == 3 * 2.0 + 1.0
+    assert two_streams([(1.0, 1.0), (3.0, 0.5)]) == 4.5
+    assert two_streams([]) == 0.0
+
+
 def test_folded_equals_full_fidelity() -> None:
     """One rank simulated for the stage (its collectives charged for their groups)
     gives the step of every rank simulated."""
@@ -178,3 +202,8 @@ def test_not_yet_simulated_with_offload() -> None:
 
 def test_layout_of_carries_the_shard_degree() -> None:
     assert layout_of(hsdp(4)).shard_group(5) == (4, 5, 6, 7)
+
+
+def test_the_engine_budget_counts_the_all_reduces() -> None:
+    """One more task per layer and micro-batch: the replicas' all-reduce."""
+    assert tasks_per_layer(hsdp(8)) == tasks_per_layer(hsdp(16)) + 1

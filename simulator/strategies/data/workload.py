@@ -16,10 +16,11 @@ behaviour under gradient accumulation: m × the traffic of one reduction).
 ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
 :class:`Zero3Pass` gathers the units' parameters. Under hybrid sharding (HSDP,
 ``parallel.dp_shard``) the reduce-scatter runs over the unit's shard group and its
-1/shard output is then all-reduced across the replicate group, after it on the same
-stream (FSDP1 ``_runtime_utils._reduce_grad`` and FSDP2 ``foreach_reduce`` issue it
-on an all-reduce stream that waits for the reduce-scatter's; here it also holds the
-next unit's reduce-scatter back). The parameters outside the
+1/shard output is then all-reduced across the replicate group on a ``replicate`` stream
+of its own that waits for the reduce-scatter (FSDP1 ``_runtime_utils._reduce_grad``
+and FSDP2 ``foreach_reduce``: an all-reduce stream that waits for the reduce-scatter
+stream), so the next unit's reduce-scatter may run beside it; in line on the compute
+stream without ``overlap.dp``. The parameters outside the
 layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
 sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
 gradients are reduce-scattered as one more unit after the micro-batch's
@@ -145,14 +146,17 @@ class DataPass(Pass):
     def replicate(self, rank: int, size: float, shard: tuple[int, ...], t: Task | None,
                   chunk: int) -> Task | None:
         """Hybrid sharding: the reduce-scatter ``t`` of ``size`` bytes over ``shard``
-        followed by the all-reduce of its output across the replicas (``t`` itself
+        followed by the all-reduce of its output across the replicas, on the
+        ``replicate`` stream where the reduction has a stream of its own (``t`` itself
         without hybrid sharding, or where no reduce-scatter was issued)."""
         ctx = self.ctx
         group = ctx.layout.replicate_group(rank)
         if t is None or len(group) == 1:
             return t
         out = size / len(shard)
-        r = ctx.collective(rank, self.stream, "all_reduce", "dp", group, out,
+        stream: Stream = "replicate" if self.stream == "dp" else self.stream
+        ctx.programs[rank].streams.setdefault(stream, [])  # only hybrid programs have it
+        r = ctx.collective(rank, stream, "all_reduce", "dp", group, out,
                            f"dp.all_reduce replicas {out / 1e6:.2f} MB", t.microbatch,
                            chunk=chunk)
         if r is not None:
@@ -224,6 +228,7 @@ class DataPass(Pass):
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
                         ctx.optimizer_time(rank, shard), -1, -1, 0)
         t.deps.extend(d.id for d in streams["dp"])
+        t.deps.extend(d.id for d in streams.get("replicate", ()))  # hybrid sharding's
         t.deps.extend(d.id for d in streams["zero"][-1:])
 
     def after_step(self, rank: int) -> None:

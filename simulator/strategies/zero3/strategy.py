@@ -195,8 +195,8 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
     ``layers`` layers (one collective per module with module units) and its root unit,
     over the shard group; under hybrid sharding each then all-reduces its 1/shard of
-    the gradients across the replicas, after it on the same stream
-    (:func:`hybrid_all_reduce`)."""
+    the gradients across the replicas (:func:`hybrid_all_reduce`), on a stream of its
+    own where the reduction has one (:func:`two_streams`), else in line after it."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
@@ -205,10 +205,25 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
     group = layout.shard_group(0)
-    return units * (collective_time(s, layout, dp_op, unit, group, hw)
-                    + hybrid_all_reduce(s, layout, hw, unit)) \
-        + roots * (collective_time(s, layout, dp_op, root, group, hw)
-                   + hybrid_all_reduce(s, layout, hw, root))
+    rs = collective_time(s, layout, dp_op, unit, group, hw), \
+        collective_time(s, layout, dp_op, root, group, hw)
+    if len(layout.replicate_group(0)) == 1:
+        return units * rs[0] + roots * rs[1]
+    ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
+    if not (s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute):
+        return units * (rs[0] + ar[0]) + roots * (rs[1] + ar[1])
+    return two_streams([(rs[0], ar[0])] * units + [(rs[1], ar[1])] * roots)
+
+
+def two_streams(steps: list[tuple[float, float]]) -> float:
+    """When the last of ``steps`` (first, second) ends, each first on one stream back to
+    back and each second on another after its first and the second before it: a
+    reduce-scatter's all-reduce beside the next reduce-scatter."""
+    first = second = 0.0
+    for a, b in steps:
+        first += a
+        second = max(second, first) + b
+    return max(first, second)
 
 
 def hybrid_all_reduce(s: Scenario, layout: Layout, hw: HardwareProfile, size: float) -> float:
@@ -246,6 +261,13 @@ class Zero3(Strategy):
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return Zero3Pass(ctx)
+
+    def tasks_per_layer(self, s: Scenario) -> int:
+        """Hybrid sharding's all-reduce after each reduce-scatter of a layer (the
+        gathers and reduce-scatters are counted in :mod:`simulator.builder.budget`)."""
+        par = s.parallel
+        hybrid = par.zero == 3 and par.shard < par.dp * par.cp
+        return zero3_collectives(s.model, s.stack) if hybrid else 0
 
     def problems(self, s: Scenario) -> list[Problem]:
         """Hybrid sharding's rules: ZeRO-3 only, a divisor of dp, a shard of more than
