@@ -21,6 +21,7 @@ from simulator.api import simulate_scenario
 from simulator.builder.budget import tasks_per_layer
 from simulator.builder.workload import build_workload, layout_of
 from simulator.errors import ScenarioError
+from simulator.model.device_memory import communicators
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
@@ -207,3 +208,14 @@ def test_layout_of_carries_the_shard_degree() -> None:
 def test_the_engine_budget_counts_the_all_reduces() -> None:
     """One more task per layer and micro-batch: the replicas' all-reduce."""
     assert tasks_per_layer(hsdp(8)) == tasks_per_layer(hsdp(16)) + 1
+
+
+def test_nccl_buffers_of_the_shard_and_the_replicate_communicators() -> None:
+    """Hybrid sharding uses two communicators where full sharding uses one: a ring's
+    buffers more per GPU."""
+    hybrid, full = hsdp(8), hsdp(None)
+    assert [(c.name, c.ranks, c.stride) for c in communicators(hybrid, 0)] == \
+        [("dp", 8, 1), ("replicate", 2, 8)]
+    assert [(c.name, c.ranks) for c in communicators(full, 0)] == [("dp", 16)]
+    nccl = [dict(stage_breakdown(x, 0).device)["NCCL buffers"] for x in (hybrid, full)]
+    assert nccl[0] == 2 * nccl[1] > 0
