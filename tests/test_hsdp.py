@@ -31,7 +31,7 @@ from simulator.system.profiles import SYSTEMS_DIR
 
 
 def hsdp(dp_shard: int | None, nodes: int = 2, dp: int = 16, m: int = 2,
-         **parallel: Any) -> Scenario:
+         gpus_per_node: int = 8, stack: str = "pytorch-eager", **parallel: Any) -> Scenario:
     """A small GPT on FSDP2 (pytorch-eager) over ``nodes`` nodes of 8 GPUs."""
     par: dict[str, Any] = {"dp": dp, "zero": 3, **parallel}
     if dp_shard is not None:
@@ -39,10 +39,11 @@ def hsdp(dp_shard: int | None, nodes: int = 2, dp: int = 16, m: int = 2,
     return scenario_from_dict({
         "name": "hsdp",
         "model": {"layers": 4, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 1024},
-        "cluster": {"system": "dgx-a100-80gb", "nodes": nodes, "gpus_per_node": 8},
+        "cluster": {"system": "dgx-a100-80gb", "nodes": nodes,
+                    "gpus_per_node": gpus_per_node},
         "parallel": par,
         "training": {"global_batch": m * dp, "micro_batch": 1},
-        "stack": "pytorch-eager",
+        "stack": stack,
     })
 
 
@@ -93,14 +94,50 @@ def test_engine_gathers_within_a_node_and_all_reduces_an_eighth_across() -> None
                       "all_reduce": rank0.count("dp.all_reduce")}
 
 
-def test_model_states_are_zero3_over_the_shard_group() -> None:
+def test_with_context_parallelism_a_shard_spans_the_cp_peers() -> None:
+    """tp 2, cp 2, dp 4 in shards of 2 on two nodes: ZeRO-3 over dp_shard · cp = 4 ranks
+    of a node (torchtitan's dp_shard_cp mesh), the all-reduce of a quarter across the
+    two nodes."""
+    s = hsdp(2, dp=4, cp=2, tp=2)
+    w = build_workload(s, fidelity="full")
+    ops = [t for ts in w.programs[0].streams.values() for t in ts]
+    scatters = [t for t in ops if t.op == "dp.reduce_scatter"]
+    reduces = [t for t in ops if t.op == "dp.all_reduce"]
+    assert {t.group for t in scatters} == {(0, 2, 4, 6)}
+    assert {t.group for t in reduces} == {(0, 8)}
+    assert sum(t.nbytes for t in reduces) == pytest.approx(
+        sum(t.nbytes for t in scatters) / 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"stack": "deepspeed"}],
+                         ids=["pp2", "module-units"])
+def test_counts_per_stage_are_the_closed_forms(parallel: dict[str, Any]) -> None:
+    """With pipeline stages or DeepSpeed's per-module units, each simulated rank issues
+    the all-gathers, reduce-scatters and all-reduces the closed form counts for its
+    stage."""
+    s = hsdp(4, dp=16 // parallel.get("pp", 1), **parallel)
+    assert s.stack.zero3_unit == ("module" if "stack" in parallel else "layer")
+    _, spans = simulate_scenario(s)
+    assert spans is not None
+    layout = layout_of(s)
+    for rank, g in spans.groupby("rank"):
+        got = {"all_gather": int((g["op"] == "zero.all_gather").sum()),
+               "reduce_scatter": int((g["op"] == "dp.reduce_scatter").sum()),
+               "all_reduce": int((g["op"] == "dp.all_reduce").sum())}
+        assert got == zero3_collective_counts(s, layout.coord(int(rank)).pp), rank
+
+
+@pytest.mark.parametrize(("dp", "shard", "cp"), [(16, 8, 1), (16, 2, 1), (8, 4, 2),
+                                                 (4, 1, 2)])
+def test_model_states_are_zero3_over_the_shard_group(dp: int, shard: int, cp: int) -> None:
     """Per GPU, weights, gradients and optimizer states with dp_shard = s are ZeRO-3's
-    with dp = s (ZeRO paper: (2 + 2 + K)Ψ / N_d at N_d = s)."""
-    got = stage_breakdown(hsdp(8), 0)
-    want = stage_breakdown(hsdp(None, nodes=1, dp=8), 0)
+    with dp = s (ZeRO paper: (2 + 2 + K)Ψ / N_d at N_d = s · cp)."""
+    got = stage_breakdown(hsdp(shard, nodes=dp * cp // 8, dp=dp, cp=cp), 0)
+    want = stage_breakdown(hsdp(None, nodes=1, dp=shard, cp=cp, gpus_per_node=shard * cp), 0)
     assert (got.weights, got.gradients, got.optimizer) \
         == (want.weights, want.gradients, want.optimizer)
-    assert got.weights == 2 * stage_breakdown(hsdp(None), 0).weights
+    full = stage_breakdown(hsdp(None, nodes=dp * cp // 8, dp=dp, cp=cp), 0)
+    assert got.weights == pytest.approx(full.weights * dp / shard, rel=1e-12)
 
 
 def test_dp_shard_equal_to_dp_is_full_sharding_bit_for_bit() -> None:
