@@ -256,3 +256,12 @@ def test_nccl_buffers_of_the_shard_and_the_replicate_communicators() -> None:
     assert [(c.name, c.ranks) for c in communicators(full, 0)] == [("dp", 16)]
     nccl = [dict(stage_breakdown(x, 0).device)["NCCL buffers"] for x in (hybrid, full)]
     assert nccl[0] == 2 * nccl[1] > 0
+
+
+def test_the_timeline_title_names_the_shard_degree() -> None:
+    from simulator.outputs.plots.timeline import _timeline_title
+
+    for shard, words in ((8, "dp=16, dp_shard=8 ·"), (None, "dp=16 ·")):
+        results, spans = simulate_scenario(hsdp(shard))
+        assert spans is not None
+        assert words in _timeline_title(spans, results)
