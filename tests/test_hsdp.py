@@ -127,6 +127,27 @@ def test_counts_per_stage_are_the_closed_forms(parallel: dict[str, Any]) -> None
         assert got == zero3_collective_counts(s, layout.coord(int(rank)).pp), rank
 
 
+def test_torchtitan_all_reduces_on_the_last_micro_batch_only() -> None:
+    """torchtitan's gradient accumulation calls ``set_requires_all_reduce(is_last)``
+    (``stack.hsdp_all_reduce: last``): reduce-scatters after every micro-batch, the
+    all-reduces once a step, the earlier shards accumulated; the closed form counts the
+    same."""
+    every = hsdp(8, m=4)
+    once = every.model_copy(update={"stack": every.stack.model_copy(
+        update={"hsdp_all_reduce": "last"})})
+    counts = {}
+    for name, s in (("every", every), ("once", once)):
+        _, spans = simulate_scenario(s)
+        assert spans is not None
+        counts[name] = {op: int((spans["op"] == f"{kind}.{op}").sum()) for kind, op in (
+            ("zero", "all_gather"), ("dp", "reduce_scatter"), ("dp", "all_reduce"))}
+        assert counts[name] == zero3_collective_counts(s, 0)
+    assert counts["once"]["reduce_scatter"] == counts["every"]["reduce_scatter"]
+    assert counts["once"]["all_reduce"] * 4 == counts["every"]["all_reduce"]
+    titan = scenario_from_dict({**once.to_dict(), "stack": "torchtitan"})
+    assert titan.stack.hsdp_all_reduce == "last"
+
+
 @pytest.mark.parametrize(("dp", "shard", "cp"), [(16, 8, 1), (16, 2, 1), (8, 4, 2),
                                                  (4, 1, 2)])
 def test_model_states_are_zero3_over_the_shard_group(dp: int, shard: int, cp: int) -> None:
@@ -155,13 +176,15 @@ def test_replicas_all_reduce_on_top_of_one_node_of_sharding() -> None:
     assert hybrid["step_time_s"] > node["step_time_s"]
 
 
-@pytest.mark.parametrize("dp_shard", [2, None])
+@pytest.mark.parametrize(("dp_shard", "all_reduce"), [(2, "microbatch"), (2, "last"),
+                                                     (None, "microbatch")])
 def test_analytic_prices_the_collectives_the_engine_issues_in_line(
-        dp_shard: int | None, tmp_path: Path) -> None:
+        dp_shard: int | None, all_reduce: str, tmp_path: Path) -> None:
     """With communication in line with compute (a CPU profile, as
     tests/test_analytic.py's in-line case), the closed form prices the reduce-scatters
     over the shard group and the all-reduces across the replicas the engine runs, to
-    rounding: 2 nodes of 2, dp 4, dp_shard 2 (and full sharding beside it)."""
+    rounding: 2 nodes of 2, dp 4, dp_shard 2, all-reducing after every micro-batch or
+    the last one's reduce-scatters only (and full sharding beside it)."""
     system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
     system["gpu"].update({"collective_sync_us": {"intra_node": 800.0, "inter_node": 900.0},
                           "host_overhead_us": 5.0})
@@ -171,7 +194,8 @@ def test_analytic_prices_the_collectives_the_engine_issues_in_line(
     if dp_shard:
         par["dp_shard"] = dp_shard
     s = scenario_from_dict({
-        "name": "t", "model": {"preset": "tiny-gpt"}, "stack": "pytorch-eager",
+        "name": "t", "model": {"preset": "tiny-gpt"},
+        "stack": {"preset": "pytorch-eager", "hsdp_all_reduce": all_reduce},
         "cluster": {"system": str(path), "nodes": 2, "gpus_per_node": 2},
         "parallel": par,
         "training": {"global_batch": 16, "micro_batch": 2, "dtype": "fp32"}})

@@ -57,6 +57,7 @@ class DataPass(Pass):
         self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
         self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
         self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
+        self.last: dict[int, bool] = dict.fromkeys(ctx.ranks, True)  # the stage's last backward
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
@@ -71,6 +72,8 @@ class DataPass(Pass):
         if self.compressor is not None and not self.compressor.in_backward:
             return  # 1-bit Adam exchanges the momentum in the optimizer step instead
         self.flushed[rank] = False  # a backward's buckets start with the first one's cap
+        self.last[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp) \
+            .get(action.stage) == index
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
@@ -148,10 +151,12 @@ class DataPass(Pass):
         """Hybrid sharding: the reduce-scatter ``t`` of ``size`` bytes over ``shard``
         followed by the all-reduce of its output across the replicas, on the
         ``replicate`` stream where the reduction has a stream of its own (``t`` itself
-        without hybrid sharding, or where no reduce-scatter was issued)."""
+        without hybrid sharding, where no reduce-scatter was issued, or before the
+        stage's last backward under ``stack.hsdp_all_reduce: last``)."""
         ctx = self.ctx
         group = ctx.layout.replicate_group(rank)
-        if t is None or len(group) == 1:
+        if t is None or len(group) == 1 or (ctx.s.stack.hsdp_all_reduce == "last"
+                                            and not self.last[rank]):
             return t
         out = size / len(shard)
         stream: Stream = "replicate" if self.stream == "dp" else self.stream

@@ -101,8 +101,10 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     root = 1 if stage == 0 or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * layers + root
     reduces = s.microbatches * (layers + root)
+    once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
     return {"all_gather": s.microbatches * gathers, "reduce_scatter": reduces,
-            "all_reduce": reduces if par.shard < par.dp * par.cp else 0}
+            "all_reduce": (layers + root if once else reduces)
+            if par.shard < par.dp * par.cp else 0}
 
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
@@ -191,12 +193,13 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
-                    dp_op: CollectiveName) -> float:
+                    dp_op: CollectiveName, last: bool = True) -> float:
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
     ``layers`` layers (one collective per module with module units) and its root unit,
     over the shard group; under hybrid sharding each then all-reduces its 1/shard of
     the gradients across the replicas (:func:`hybrid_all_reduce`), on a stream of its
-    own where the reduction has one (:func:`two_streams`), else in line after it."""
+    own where the reduction has one (:func:`two_streams`), else in line after it; not
+    before the ``last`` micro-batch under ``stack.hsdp_all_reduce: last``."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
@@ -207,7 +210,7 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     group = layout.shard_group(0)
     rs = collective_time(s, layout, dp_op, unit, group, hw), \
         collective_time(s, layout, dp_op, root, group, hw)
-    if len(layout.replicate_group(0)) == 1:
+    if len(layout.replicate_group(0)) == 1 or (not last and s.stack.hsdp_all_reduce == "last"):
         return units * rs[0] + roots * rs[1]
     ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
     if not (s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute):
