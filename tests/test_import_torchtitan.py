@@ -107,6 +107,10 @@ def test_unmapped_unknown_and_legacy_keys_are_listed(tmp_path: Path,
      ("parallel", "zero"), 0),
     ("[parallelism]\ndata_parallel_shard_degree = 1\ndata_parallel_replicate_degree = 8\n",
      ("training", "dtype"), "fp32"),  # no FSDP: no MixedPrecisionPolicy
+    ("[parallelism]\ndata_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2\n",
+     ("parallel", "dp_shard"), 4),  # HSDP: shard within groups of 4, replicate over 2
+    ("[parallelism]\ndata_parallel_replicate_degree = 2\n", ("parallel", "dp_shard"), 4),
+    ("[parallelism]\ndata_parallel_shard_degree = 8\n", ("parallel", "dp_shard"), None),
     ("[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"GPipe\"\n",
      ("parallel", "schedule"), "gpipe"),
     ("[parallelism]\npipeline_parallel_degree = 2\n", ("training", "micro_batch"), 1),

@@ -104,6 +104,23 @@ def test_the_development_set_runs_the_kernel_its_commit_ran() -> None:
     assert sum(k == "flash2" for k in large.values()) == 12
 
 
+def test_fsdp_hybrid_shard_shards_within_a_node() -> None:
+    """FSDP1's HYBRID_SHARD without a device mesh: ZeRO-3 over the node's 8 GPUs,
+    replicated across the 64 nodes (``_init_intra_and_inter_node_groups``); on one node
+    it is full sharding."""
+    [row] = [r for r in read_rows(DEV_SET) if r.name ==
+             "llmfoundry_h100_bf16_large_mpt70b_seq2048_512gpu_mbs8_ga1"]
+    hybrid = row.model_copy(update={"zero_or_fsdp": "FSDP HYBRID_SHARD"})
+    s = scenario_from_dict(scenario_data(hybrid))
+    assert (s.parallel.zero, s.parallel.dp, s.parallel.dp_shard) == (3, 512, 8)
+    [small] = [r for r in read_rows(DEV_SET) if r.gpus == 8][:1]
+    one = small.model_copy(update={"zero_or_fsdp": "FSDP HYBRID_SHARD"})
+    assert scenario_data(one)["parallel"]["dp_shard"] == 8
+    assert "dp_shard" not in scenario_data(row)["parallel"]
+    with pytest.raises(Unexpressed, match="with tp, pp or cp"):
+        scenario_data(hybrid.model_copy(update={"tp": 2, "dp": 256}))
+
+
 def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:
     [row] = [r for r in read_rows(DEV_SET) if "PURE" in r.zero_or_fsdp][:1]
     s = scenario_from_dict(scenario_data(row))
@@ -115,7 +132,7 @@ def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:
 
 @pytest.mark.parametrize(("field", "value", "reason"), [
     ("dtype", "amp_fp4", "expected bf16, fp16, fp32 or fp8"),
-    ("zero_or_fsdp", "FSDP HYBRID_SHARD", "hybrid sharding"),
+    ("zero_or_fsdp", "FSDP _HYBRID_SHARD_ZERO2", "hybrid sharding of gradients only"),
     ("framework", "nanotron", "has no stack preset"),
     ("gpu", "MI300X", "has no system preset"),
     ("recompute", "every 4th layer", "only full, selective or none"),
@@ -173,7 +190,7 @@ def test_a_bad_cell_is_one_line_naming_the_row_and_column(tmp_path: Path) -> Non
 def test_the_command_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                        ) -> None:
     small = [r for r in _rows() if r["gpus"] == "8"][:3]
-    hybrid = {**small[0], "name": "hybrid", "zero_or_fsdp": "FSDP HYBRID_SHARD"}
+    hybrid = {**small[0], "name": "hybrid", "zero_or_fsdp": "FSDP _HYBRID_SHARD_ZERO2"}
     table = _write(tmp_path / "runs.csv", [*small, hybrid])
     out = tmp_path / "out"
     assert main(["validate-runs", str(table), "--out", str(out), "--workers", "1"]) == 0

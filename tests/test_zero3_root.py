@@ -43,11 +43,13 @@ def fsdp2(layers: int, m: int, pp: int = 1, dp: int = 2, stack: str = "pytorch-e
 
 
 def counts(s: Scenario) -> dict[int, dict[str, int]]:
-    """Per simulated rank: all-gathers and reduce-scatters of the step (any kind)."""
+    """Per simulated rank: all-gathers and reduce-scatters of the step (any kind), and
+    the gradients' all-reduces (hybrid sharding's)."""
     _, spans = simulate_scenario(s)
     assert spans is not None
     return {int(rank): {"all_gather": int(g["op"].str.endswith(".all_gather").sum()),
-                        "reduce_scatter": int(g["op"].str.endswith(".reduce_scatter").sum())}
+                        "reduce_scatter": int(g["op"].str.endswith(".reduce_scatter").sum()),
+                        "all_reduce": int((g["op"] == "dp.all_reduce").sum())}
             for rank, g in spans.groupby("rank")}
 
 
@@ -72,7 +74,8 @@ def test_fsdp2_small_gpt_issues_what_the_measured_run_does() -> None:
 def test_closed_form_counts(layers: int, m: int) -> None:
     """m(1 + 2L) all-gathers and m(1 + L) reduce-scatters, engine and analytic alike."""
     s = fsdp2(layers, m)
-    expected = {"all_gather": m * (1 + 2 * layers), "reduce_scatter": m * (1 + layers)}
+    expected = {"all_gather": m * (1 + 2 * layers), "reduce_scatter": m * (1 + layers),
+                "all_reduce": 0}
     assert zero3_collective_counts(s, 0) == expected
     assert set(map(tuple, (sorted(c.items()) for c in counts(s).values()))) \
         == {tuple(sorted(expected.items()))}

@@ -61,7 +61,8 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     """Memory of one GPU of pipeline ``stage``.
 
     ZeRO shards the dense parameters' states over the data-parallel ranks with
-    their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group) and the
+    their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group; dp_shard · cp
+    under hybrid sharding, :attr:`~simulator.spec.scenario.ParallelSpec.shard`) and the
     routed experts' states over the expert data-parallel ranks (edp)."""
     par, dtype = scenario.parallel, scenario.training.dtype
     runs = stage_layers(scenario.model.layers, par, stage)
@@ -70,7 +71,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     psi = rank_params(scenario, total - experts, 0)
     grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
     fp32 = scenario.stack.fp32_params(dtype_bytes(dtype))
-    w, g, o = state_bytes_per_param(par.zero, par.dp * par.cp, dtype, grad_bytes, fp32)
+    w, g, o = state_bytes_per_param(par.zero, par.shard, dtype, grad_bytes, fp32)
     gradients, optimizer = psi * g, psi * o
     weights = psi * w
     if experts:
@@ -127,11 +128,11 @@ def stage_rows(report: list[MemoryBreakdown]) -> list[dict[str, float]]:
 
 #: Where each tensor field of a breakdown comes from (docs/model.md, "Memory per GPU")
 TENSOR_SOURCES: dict[str, tuple[str, str]] = {
-    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp·cp under ZeRO-3)"),
+    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3)"),
     "gradients": ("grads", "stack.main_grad_bytes per parameter (Megatron-Core keeps fp32 main "
                            "grads, unsharded below ZeRO-2)"),
-    "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (distrib_optimizer.py: "
-                               "6 + 12/d with the grads)"),
+    "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (dp_shard·cp "
+                               "hybrid; distrib_optimizer.py: 6 + 12/d with the grads)"),
     "activations": ("activations", "op inventory's saved tensors × the schedule's in-flight "
                                    "micro-batches (Korthikanti et al. 2022, Table 2)"),
     "logits": ("logits", "fp32 softmax of micro-batches awaiting backward, + its gradient"),

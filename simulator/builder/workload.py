@@ -182,7 +182,7 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
 def layout_of(s: Scenario) -> Layout:
     par = s.parallel
     return Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1, par.cp,
-                  s.hardware.domain_gpus)
+                  s.hardware.domain_gpus, par.dp_shard or 0)
 
 
 def _regridded(s: Scenario) -> bool:

@@ -6,14 +6,15 @@ commit). Each key is mapped to a scenario field, ignored by design
 (:data:`IGNORED`: paths, logging, checkpoints, learning rates) or listed as unmapped
 with what is simulated instead; a key JobConfig does not have is listed as unknown.
 
-Semantics, from torchtitan at that commit: ``parallelism.data_parallel_shard_degree``
--1 takes the GPUs left after the other degrees; FSDP2 shards over dp_shard (ZeRO-3),
-replicate-only is DDP; tensor parallelism always runs sequence parallel on the norms
-(``parallelize_llama``); ``training.local_batch_size`` is per data-parallel rank, the
-pipeline splits it into ``pipeline_parallel_microbatch_size`` micro-batches;
-FSDP's ``MixedPrecisionPolicy`` computes in ``training.mixed_precision_param``; the
-model is ``model.name`` + ``model.flavor`` from torchtitan's model-args table
-(:data:`LLAMA3`, torchtitan/models/llama3/__init__.py ``llama3_args``).
+Semantics, from torchtitan at that commit: ``parallelism.data_parallel_shard_degree`` -1
+takes the GPUs left after the other degrees; FSDP2 shards over dp_shard (ZeRO-3),
+replicate-only is DDP, both is HSDP (``parallel.dp_shard``); tensor parallelism always
+runs sequence parallel on the norms (``parallelize_llama``);
+``training.local_batch_size`` is per data-parallel rank, the pipeline splits it into
+``pipeline_parallel_microbatch_size`` micro-batches; FSDP's ``MixedPrecisionPolicy``
+computes in ``training.mixed_precision_param``; the model is ``model.name`` +
+``model.flavor`` from torchtitan's model-args table (:data:`LLAMA3`,
+torchtitan/models/llama3/__init__.py ``llama3_args``).
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ def degrees(c: Config, d: Draft) -> None:
 
 def data_parallel(c: Config, d: Draft, gpus: int) -> None:
     """dp = replicate · shard (shard -1: what the other degrees leave); FSDP (ZeRO-3)
-    when sharded, DDP when only replicated."""
+    when sharded, DDP when only replicated; both: HSDP, ``parallel.dp_shard`` = shard
+    (torchtitan's mesh (dp_replicate, dp_shard, cp, tp): FSDP2 shards over dp_shard · cp
+    and all-reduces across dp_replicate)."""
     replicate = c.get("parallelism.data_parallel_replicate_degree", 1, int)
     shard = c.get("parallelism.data_parallel_shard_degree", -1, int)
     rest = gpus // (d.get("parallel.tp") * d.get("parallel.cp") * d.get("parallel.pp"))
@@ -228,9 +231,8 @@ def data_parallel(c: Config, d: Draft, gpus: int) -> None:
                                  "ranks left by tp · cp · pp; fix the degrees or "
                                  "--nodes/--gpus")])
     d.set("parallel.zero", 3 if shard > 1 or d.get("parallel.cp") > 1 else 0)
-    if replicate > 1 and shard > 1:
-        d.note("parallelism.data_parallel_replicate_degree", replicate, "HSDP: the schema "
-               "shards over all of dp; simulated as FSDP over replicate · shard")
+    if replicate > 1 and d.get("parallel.zero") == 3:  # HSDP: FSDP2 on (replicate, shard)
+        d.set("parallel.dp_shard", shard)
     policy = c.get("parallelism.fsdp_reshard_after_forward", "default", str)
     if d.get("parallel.zero") == 3:
         table = {"default": d.get("parallel.pp") == 1, "always": True, "never": False}

@@ -126,11 +126,15 @@ class Communicator:
 
 def communicators(s: Scenario, stage: int) -> list[Communicator]:
     """The communicators one rank of ``stage`` uses, in Megatron's group order: TP, CP,
-    the data-parallel group with CP, the pipeline's neighbours, the experts' all-to-all,
-    expert TP and expert data parallelism (groups of one rank have none)."""
+    the data-parallel group with CP (under hybrid sharding its shard group and its
+    replicate group instead), the pipeline's neighbours, the experts' all-to-all, expert
+    TP and expert data parallelism (groups of one rank have none)."""
     par = s.parallel
     out = [Communicator("tp", par.tp, 1, "ring"), Communicator("cp", par.cp, par.tp, "ring"),
-           Communicator("dp", par.dp * par.cp, par.tp, "ring")]
+           Communicator("dp", par.shard if par.zero == 3 else par.dp * par.cp, par.tp, "ring")]
+    if par.zero == 3 and par.shard < par.dp * par.cp:
+        out.append(Communicator("replicate", par.dp * par.cp // par.shard, par.tp * par.shard,
+                                "ring"))
     if par.pp > 1:  # the interleaved schedule wraps from the last stage to the first
         wraps = schedule_spec(par.schedule).chunked and par.virtual_stages > 1
         neighbours = 2 if wraps or 0 < stage < par.pp - 1 else 1

@@ -81,7 +81,7 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
     par = s.parallel
     if par.zero == 3 and par.dp * par.cp > 1:  # FSDP2's copies around one layer's collectives
         unit, n, dp = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack), \
-            par.dp * par.cp
+            par.shard
         dtb = dtype_bytes(dt)
         rows += [_row(cost, "fsdp unit", "per gather", op)
                  for op in fsdp_gather_ops(s.stack, unit, dp, dtb, n)]
@@ -92,7 +92,7 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rdt = s.stack.reduce_bytes(dtype_bytes(dt))
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
-    shard = stage_params(s.model, par.pp, 0) / par.tp / (par.dp * par.cp if par.zero else 1)
+    shard = stage_params(s.model, par.pp, 0) / par.tp / (par.shard if par.zero else 1)
     opt = mdl.optimizer_op_of(s, shard, stage_layers(s.model.layers, par, 0), "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows

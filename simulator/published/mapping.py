@@ -10,7 +10,8 @@ ran, or why the simulator cannot say it.
   them (fewer GPUs: one node of that many).
 - **Layout**: tp, pp (with ``vpp`` virtual stages: interleaved 1F1B), cp, ep, dp (the
   GPUs left when blank); ``zero_or_fsdp`` as a ZeRO stage (FSDP FULL_SHARD is ZeRO-3,
-  SHARD_GRAD_OP ZeRO-2, HYBRID_SHARD is not modelled); ``recompute`` (full, selective or
+  SHARD_GRAD_OP ZeRO-2, HYBRID_SHARD ZeRO-3 sharded within a node: :func:`dp_shard_of`;
+  _HYBRID_SHARD_ZERO2 is not modelled); ``recompute`` (full, selective or
   none); the mixed-precision mode of FSDP (PURE reduces the gradients in the training
   dtype) as stack overrides.
 - **Model**: the row's dimensions over the framework's architecture; a head width
@@ -96,8 +97,11 @@ def framework_of(row: Row) -> Framework:
 def zero_stage(text: str) -> int:
     """The ZeRO stage of a ``zero_or_fsdp`` cell."""
     t = text.upper()
+    if "HYBRID" in t and "ZERO2" in t:
+        raise Unexpressed(f"{text!r}: hybrid sharding of gradients only (ZeRO-2 within a "
+                          "node) is not modelled; HYBRID_SHARD is")
     if "HYBRID" in t:
-        raise Unexpressed(f"{text!r}: hybrid sharding (HSDP) is not modelled yet")
+        return 3
     for words, stage in ((("FULL_SHARD",), 3), (("SHARD_GRAD_OP",), 2), (("NO_SHARD",), 0),
                          (("ZERO-3",), 3), (("ZERO3",), 3), (("ZERO-2",), 2), (("ZERO2",), 2),
                          (("ZERO-1",), 1), (("ZERO1",), 1), (("DISTRIBUTED OPTIMIZER",), 1),
@@ -107,6 +111,22 @@ def zero_stage(text: str) -> int:
     if t.strip() in ("", "NONE", "DDP", "0"):
         return 0
     raise Unexpressed(f"zero_or_fsdp {text!r} is not a sharding the simulator knows")
+
+
+def dp_shard_of(text: str, dp: int, per_node: int, model_parallel: int) -> dict[str, int]:
+    """``parallel.dp_shard`` of a ``zero_or_fsdp`` cell: FSDP1's HYBRID_SHARD without a
+    device mesh shards over the node's GPUs and replicates across nodes
+    (torch/distributed/fsdp/_init_utils.py ``_init_intra_and_inter_node_groups``: the
+    intra-node group of ``num_devices_per_node`` consecutive ranks, the inter-node group
+    of the same local rank on every node), which is the whole world data-parallel;
+    nothing for any other sharding."""
+    if "HYBRID" not in text.upper():
+        return {}
+    if model_parallel > 1:
+        raise Unexpressed(f"{text!r} with tp, pp or cp: FSDP1's hybrid groups are a "
+                          "node's GPUs of a purely data-parallel world; the row does not "
+                          "say how it shards beside model parallelism")
+    return {"dp_shard": min(per_node, dp)}
 
 
 def recompute_of(text: str) -> str:
@@ -164,10 +184,12 @@ def _parallel(row: Row) -> dict[str, Any]:
     sp = row.sequence_parallel.strip().lower()
     if sp not in ("", "false", "no", "none", "0", "true", "yes", "1"):
         raise Unexpressed(f"sequence_parallel {row.sequence_parallel!r} is not true or false")
+    per_node = _cluster(row)["gpus_per_node"]
     return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp, "virtual_stages": vpp,
             "schedule": "interleaved" if vpp > 1 else "1f1b",
             "zero": zero_stage(row.zero_or_fsdp), "recompute": recompute_of(row.recompute),
-            "sequence_parallel": sp in ("true", "yes", "1")}
+            "sequence_parallel": sp in ("true", "yes", "1"),
+            **dp_shard_of(row.zero_or_fsdp, dp, per_node, tp * pp * cp)}
 
 
 #: a head width the table has no column for, stated in ``other_flags`` by either name

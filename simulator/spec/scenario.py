@@ -159,6 +159,12 @@ class ParallelSpec(Frozen):
     reshard_after_forward: bool = True
     """ZeRO-3 frees the gathered parameters after the forward (and gathers again for
     the backward)."""
+    dp_shard: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """Hybrid sharding (HSDP, FSDP's ``HYBRID_SHARD``, torchtitan's
+    ``data_parallel_shard_degree``): ZeRO-3 shards over groups of dp_shard consecutive
+    data-parallel ranks (with their cp peers) and replicates over the dp / dp_shard
+    groups, all-reducing each reduced gradient shard across them; must divide dp, zero
+    3 only. Default: dp, one shard group (full sharding)."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (the attention core) or full (each
     layer from its input)."""
@@ -214,6 +220,11 @@ class ParallelSpec(Frozen):
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard(self) -> int:
+        """Ranks one ZeRO shard spans: dp_shard (default dp) times cp."""
+        return (self.dp_shard or self.dp) * self.cp
 
     @property
     def etp(self) -> int:

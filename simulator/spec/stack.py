@@ -117,6 +117,12 @@ class StackSpec(BaseModel):
     block), or one per linear module (DeepSpeed fetches each submodule's parameters;
     parameters under its persistence threshold, norms and biases, stay whole and are not
     gathered)"""
+    hsdp_all_reduce: Literal["microbatch", "last"] = "microbatch"
+    """Hybrid sharding's all-reduce of each reduced gradient shard across the replicas
+    (``parallel.dp_shard``): after every micro-batch's reduce-scatter (FSDP's default),
+    or only on the last micro-batch of a step, the earlier ones accumulating the reduced
+    shard (FSDP2's ``set_requires_all_reduce(False)`` before them, as torchtitan's
+    gradient accumulation calls it)."""
     fsdp_copies: bool = False
     """FSDP2's flat-buffer copies around each unit's collectives (torch/distributed/fsdp/
     _fully_shard/_fsdp_collectives.py): the shard copied into the all-gather buffer

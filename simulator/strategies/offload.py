@@ -33,7 +33,7 @@ class OffloadPass(Pass):
 
     def bucket_reduced(self, rank: int, size: float, after: Task, chunk: int) -> None:
         par = self.ctx.s.parallel
-        shard = size / (par.dp * par.cp) if par.zero >= 1 else size
+        shard = size / par.shard if par.zero >= 1 else size
         d2h = self.ctx.add(rank, "host", op="offload.d2h", kind="offload",
                            name=f"offload.d2h grads {shard / 1e6:.1f} MB",
                            duration=shard / self.pcie, nbytes=shard, chunk=chunk)

@@ -10,7 +10,11 @@ NVLink Switch joins them (a GB200 NVL72 rack), which is what a collective's link
 class and its shape (domains spanned, members per domain) go by. The gradient
 reduction's group is the data-parallel group *with* context parallelism (every
 rank of the stage with the same TP index: CP ranks hold the same weights), as
-Megatron's ``get_data_parallel_group(with_context_parallel=True)``.
+Megatron's ``get_data_parallel_group(with_context_parallel=True)``. Under hybrid
+sharding (``dp_shard`` < dp) ZeRO-3 shards over blocks of ``dp_shard`` consecutive dp
+indices (with their cp peers) and replicates across the blocks, as torchtitan's mesh
+(pp, dp_replicate, dp_shard, cp, tp) orders them: the shard group and the replicate
+group (one rank of each block, the same position in it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Layout:
     gpus_per_node: int
     cp: int = 1
     domain_gpus: int = 0  # GPUs of one NVLink domain; 0: one node
+    dp_shard: int = 0  # dp ranks of a ZeRO-3 shard group; 0: all dp
 
     @property
     def domain_size(self) -> int:
@@ -73,6 +78,23 @@ class Layout:
         """The gradient reduction's group: the stage's ranks of this TP index (dp · cp)."""
         c = self.coord(rank)
         return tuple(self.rank(c.pp, d, c.tp, k) for d in range(self.dp) for k in range(self.cp))
+
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
+    def shard_group(self, rank: int) -> tuple[int, ...]:
+        """ZeRO-3's gathers and reduce-scatters: the dp group's ranks in ``rank``'s block
+        of ``dp_shard`` consecutive dp indices (the whole dp group without hybrid
+        sharding)."""
+        c, n = self.coord(rank), self.dp_shard or self.dp
+        first = c.dp - c.dp % n
+        return tuple(self.rank(c.pp, d, c.tp, k) for d in range(first, first + n)
+                     for k in range(self.cp))
+
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
+    def replicate_group(self, rank: int) -> tuple[int, ...]:
+        """Hybrid sharding's all-reduce of a reduced gradient shard: the ranks holding
+        ``rank``'s shard in the other blocks (``rank`` alone without hybrid sharding)."""
+        c, n = self.coord(rank), self.dp_shard or self.dp
+        return tuple(self.rank(c.pp, d, c.tp, c.cp) for d in range(c.dp % n, self.dp, n))
 
     @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def cp_group(self, rank: int) -> tuple[int, ...]:

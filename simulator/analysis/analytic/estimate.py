@@ -97,6 +97,7 @@ class _Grads:
     param_bytes: float
     dp_op: CollectiveName
     t_dp: float
+    t_dp_early: float  # a micro-batch's before the last (hybrid sharding may all-reduce once)
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,16 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     param_bytes = params / par.tp * dtype_bytes(trn.dtype)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
+    t_early = t_dp
     if par.zero == 3 and par.dp * par.cp > 1 and not spec.is_moe:  # per layer (module), root
         t_dp = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op)
+        t_early = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op, last=False)
     if expert_params:  # the expert data-parallel group: dp · cp ranks of a dense model
         group = edp_group(layout, 0, par.etp, par.ep)
         t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
-    return _Grads(busiest, layers, params, expert_params, grad_bytes, param_bytes, dp_op, t_dp)
+        t_early = t_dp
+    return _Grads(busiest, layers, params, expert_params, grad_bytes, param_bytes, dp_op, t_dp,
+                  t_early)
 
 
 def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
@@ -191,7 +196,7 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
         window = sum(pipe.stages[pipe.slowest]) if hidden else 0.0  # a micro-batch
-        exposed_dp += (m - 1) * max(0.0, g.t_dp - window)
+        exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window)
     if effective_method(s) != "none":
         slow = 0.0
         exposed_dp, t_comp = compressed_reduction(s, layout, hw, cost, hidden, g.busiest)
@@ -204,7 +209,7 @@ def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     """(the optimizer step, the rank's shard): the stack's AdamW on the busiest stage's
     shard with the TP norms' all-reduces, at the slowest GPU's pace; or ZeRO-Offload's."""
     par, spec = s.parallel, s.model
-    shard = g.params / par.tp / (par.dp * par.cp if par.zero >= 1 else 1)
+    shard = g.params / par.tp / (par.shard if par.zero >= 1 else 1)
     if g.expert_params:
         shard += sum(g.expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe

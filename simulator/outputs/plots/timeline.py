@@ -197,7 +197,8 @@ def _label_microbatches(ax: Axes, fig: Figure, bars: pd.DataFrame, scale: float)
 def _timeline_title(spans: pd.DataFrame, results: Mapping[str, Any] | None) -> str:
     name, parallel = scenario_header(results)
     results = results or {}
-    shape = ", ".join(f"{k}={parallel[k]}" for k in ("tp", "pp", "dp") if k in parallel)
+    shape = ", ".join(f"{k}={parallel[k]}" for k in ("tp", "pp", "dp", "dp_shard")
+                      if parallel.get(k) is not None)
     m = int(spans["microbatch"].max()) + 1 if len(spans) else 0
     head = " · ".join(p for p in (name, str(parallel.get("schedule", "")), shape,
                                   f"m={m}" if m > 0 else "") if p)

@@ -14,7 +14,13 @@ all-reduce. ZeRO-2 and ZeRO-3 keep only a gradient shard, so they
 reduce-scatter after *every* micro-batch's backward (DeepSpeed's and FSDP's
 behaviour under gradient accumulation: m × the traffic of one reduction).
 ZeRO-3 / FSDP reduce-scatters each unit (layer) as its gradients complete;
-:class:`Zero3Pass` gathers the units' parameters. The parameters outside the
+:class:`Zero3Pass` gathers the units' parameters. Under hybrid sharding (HSDP,
+``parallel.dp_shard``) the reduce-scatter runs over the unit's shard group and its
+1/shard output is then all-reduced across the replicate group on a ``replicate`` stream
+of its own that waits for the reduce-scatter (FSDP1 ``_runtime_utils._reduce_grad``
+and FSDP2 ``foreach_reduce``: an all-reduce stream that waits for the reduce-scatter
+stream), so the next unit's reduce-scatter may run beside it; in line on the compute
+stream without ``overlap.dp``. The parameters outside the
 layers (embedding, final norm, output layer: :meth:`Context.root_params`) are
 sharded too, as FSDP2's root unit (``fully_shard`` on the stage's module): their
 gradients are reduce-scattered as one more unit after the micro-batch's
@@ -51,6 +57,7 @@ class DataPass(Pass):
         self.pending: dict[int, list[tuple[float, Task, Unit]]] = {r: [] for r in ctx.ranks}
         self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
         self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
+        self.last: dict[int, bool] = dict.fromkeys(ctx.ranks, True)  # the stage's last backward
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
@@ -65,6 +72,8 @@ class DataPass(Pass):
         if self.compressor is not None and not self.compressor.in_backward:
             return  # 1-bit Adam exchanges the momentum in the optimizer step instead
         self.flushed[rank] = False  # a backward's buckets start with the first one's cap
+        self.last[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp) \
+            .get(action.stage) == index
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
@@ -116,7 +125,7 @@ class DataPass(Pass):
             zero3 = ctx.s.parallel.zero == 3
             root = zero3 and index >= len(ctx.layers_of(stage))  # its root
             parts = ctx.zero3_parts if zero3 and not root else 1
-            group = ctx.layout.dp_group(rank)
+            group = ctx.layout.shard_group(rank) if zero3 else ctx.layout.dp_group(rank)
             pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
                 if zero3 and len(group) > 1 else (None, ())
             after = pack or after
@@ -127,6 +136,8 @@ class DataPass(Pass):
                                    after.microbatch if root else -1, chunk=chunk)
                 if t is not None and part == 0:
                     t.deps.append(after.id)
+                if zero3:
+                    t = self.replicate(rank, size / parts, group, t, chunk)
             if accumulate and t is not None:
                 t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
                             name=f"fsdp.grad_accum mb{after.microbatch}",
@@ -134,6 +145,28 @@ class DataPass(Pass):
                             microbatch=after.microbatch, chunk=chunk)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
+
+    def replicate(self, rank: int, size: float, shard: tuple[int, ...], t: Task | None,
+                  chunk: int) -> Task | None:
+        """Hybrid sharding: the reduce-scatter ``t`` of ``size`` bytes over ``shard``
+        followed by the all-reduce of its output across the replicas, on the
+        ``replicate`` stream where the reduction has a stream of its own (``t`` itself
+        without hybrid sharding, where no reduce-scatter was issued, or before the
+        stage's last backward under ``stack.hsdp_all_reduce: last``)."""
+        ctx = self.ctx
+        group = ctx.layout.replicate_group(rank)
+        if t is None or len(group) == 1 or (ctx.s.stack.hsdp_all_reduce == "last"
+                                            and not self.last[rank]):
+            return t
+        out = size / len(shard)
+        stream: Stream = "replicate" if self.stream == "dp" else self.stream
+        ctx.programs[rank].streams.setdefault(stream, [])  # only hybrid programs have it
+        r = ctx.collective(rank, stream, "all_reduce", "dp", group, out,
+                           f"dp.all_reduce replicas {out / 1e6:.2f} MB", t.microbatch,
+                           chunk=chunk)
+        if r is not None:
+            r.deps.append(t.id)
+        return r or t
 
     def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
                     chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
@@ -144,7 +177,7 @@ class DataPass(Pass):
         which run after the reduce-scatter on its stream."""
         ctx = self.ctx
         tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
-        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.dp_group(rank)),
+        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.shard_group(rank)),
                               ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
         if not ops:
             return None, ()
@@ -185,7 +218,7 @@ class DataPass(Pass):
         if self.compressor is not None:
             self.compressor.exchange(rank)
         params = ctx.params_of(rank)
-        shard = params / (par.dp * par.cp) if par.zero >= 1 else params  # over dp · cp
+        shard = params / par.shard if par.zero >= 1 else params  # over dp_shard · cp
         streams = ctx.programs[rank].streams
         if par.zero == 0 and len(ctx.layout.dp_group(rank)) > 1 \
                 and (self.compressor is None or self.compressor.in_backward):
@@ -200,6 +233,7 @@ class DataPass(Pass):
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
                         ctx.optimizer_time(rank, shard), -1, -1, 0)
         t.deps.extend(d.id for d in streams["dp"])
+        t.deps.extend(d.id for d in streams.get("replicate", ()))  # hybrid sharding's
         t.deps.extend(d.id for d in streams["zero"][-1:])
 
     def after_step(self, rank: int) -> None:

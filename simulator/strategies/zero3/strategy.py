@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from simulator.errors import Problem
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
@@ -24,6 +25,7 @@ from simulator.spec.placement import head_rank, holds_head, stage_layer_count, t
 from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
+from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.timing import collective_time
 from simulator.strategies.zero3.workload import Zero3Pass
 from simulator.system.costs import CostModel
@@ -89,16 +91,21 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     gather
     and reduce-scatter on a stage holding the embedding or the head (FSDP2 keeps the
     root gathered from its forward to its backward). A step of FSDP2 with L layers on
-    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters."""
+    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters. Under hybrid sharding
+    (:attr:`~simulator.spec.scenario.ParallelSpec.dp_shard`) each reduce-scatter is
+    followed by an all-reduce of its shard across the replicas."""
     par = s.parallel
     if par.zero != 3 or par.dp * par.cp == 1:
-        return {"all_gather": 0, "reduce_scatter": 0}
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     parts = zero3_collectives(s.model, s.stack)
     layers = stage_layer_count(s.model.layers, par, stage) * parts
     root = 1 if stage == 0 or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * layers + root
-    return {"all_gather": s.microbatches * gathers,
-            "reduce_scatter": s.microbatches * (layers + root)}
+    reduces = s.microbatches * (layers + root)
+    once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
+    return {"all_gather": s.microbatches * gathers, "reduce_scatter": reduces,
+            "all_reduce": (layers + root if once else reduces)
+            if par.shard < par.dp * par.cp else 0}
 
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
@@ -115,7 +122,7 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     if par.zero != 3 or par.dp * par.cp == 1 or not stack.fsdp_copies:
         return 0.0, 0.0
     dt = dtype_bytes(s.training.dtype)
-    rdt, dp, m = stack.reduce_bytes(dt), par.dp * par.cp, s.microbatches
+    rdt, dp, m = stack.reduce_bytes(dt), par.shard, s.microbatches
     tensors = layer_tensors(spec, stack)
     unit = mdl.layer_params(spec) / par.tp
     root = zero3_root_bytes(s, stage)[0] / dt
@@ -139,7 +146,7 @@ def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The largest root unit's gather, once per micro-batch on its stage: it waits for
     the compute issued before it, so no prefetch hides it."""
     sizes = [zero3_root_bytes(s, st)[0] for st in {0, head_rank(s.parallel)}]
-    return max(collective_time(s, layout, "all_gather", size, layout.dp_group(0), hw)
+    return max(collective_time(s, layout, "all_gather", size, layout.shard_group(0), hw)
                for size in sizes)
 
 
@@ -153,7 +160,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     if not layers:
         return 0.0
     blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
-    group, dt = layout.dp_group(0), dtype_bytes(trn.dtype)
+    group, dt = layout.shard_group(0), dtype_bytes(trn.dtype)
     t_ag = {b: sum(collective_time(s, layout, "all_gather", e * dt, group, hw) for e in es)
             for b, es in blocks.items()}
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
@@ -190,9 +197,13 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
-                    dp_op: CollectiveName) -> float:
+                    dp_op: CollectiveName, last: bool = True) -> float:
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
-    ``layers`` layers (one collective per module with module units) and its root unit."""
+    ``layers`` layers (one collective per module with module units) and its root unit,
+    over the shard group; under hybrid sharding each then all-reduces its 1/shard of
+    the gradients across the replicas (:func:`hybrid_all_reduce`), on a stream of its
+    own where the reduction has one (:func:`two_streams`), else in line after it; not
+    before the ``last`` micro-batch under ``stack.hsdp_all_reduce: last``."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
@@ -200,9 +211,36 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
-    group = layout.dp_group(0)
-    return units * collective_time(s, layout, dp_op, unit, group, hw) \
-        + roots * collective_time(s, layout, dp_op, root, group, hw)
+    group = layout.shard_group(0)
+    rs = collective_time(s, layout, dp_op, unit, group, hw), \
+        collective_time(s, layout, dp_op, root, group, hw)
+    if len(layout.replicate_group(0)) == 1 or (not last and s.stack.hsdp_all_reduce == "last"):
+        return units * rs[0] + roots * rs[1]
+    ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
+    if not (s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute):
+        return units * (rs[0] + ar[0]) + roots * (rs[1] + ar[1])
+    return two_streams([(rs[0], ar[0])] * units + [(rs[1], ar[1])] * roots)
+
+
+def two_streams(steps: list[tuple[float, float]]) -> float:
+    """When the last of ``steps`` (first, second) ends, each first on one stream back to
+    back and each second on another after its first and the second before it: a
+    reduce-scatter's all-reduce beside the next reduce-scatter."""
+    first = second = 0.0
+    for a, b in steps:
+        first += a
+        second = max(second, first) + b
+    return max(first, second)
+
+
+def hybrid_all_reduce(s: Scenario, layout: Layout, hw: HardwareProfile, size: float) -> float:
+    """Hybrid sharding's all-reduce after a unit's reduce-scatter of ``size`` bytes: its
+    1/shard output across the replicate group (FSDP1 ``_runtime_utils._reduce_grad``,
+    FSDP2 ``foreach_reduce``); zero without hybrid sharding."""
+    group = layout.replicate_group(0)
+    if len(group) == 1:
+        return 0.0
+    return collective_time(s, layout, "all_reduce", size / s.parallel.shard, group, hw)
 
 
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
@@ -230,6 +268,49 @@ class Zero3(Strategy):
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return Zero3Pass(ctx)
+
+    def tasks_per_layer(self, s: Scenario) -> int:
+        """Hybrid sharding's all-reduce after each reduce-scatter of a layer (the
+        gathers and reduce-scatters are counted in :mod:`simulator.builder.budget`)."""
+        par = s.parallel
+        hybrid = par.zero == 3 and par.shard < par.dp * par.cp
+        return zero3_collectives(s.model, s.stack) if hybrid else 0
+
+    def problems(self, s: Scenario) -> list[Problem]:
+        """Hybrid sharding's rules: ZeRO-3 only, a divisor of dp, a shard of more than
+        one rank."""
+        par = s.parallel
+        n = par.dp_shard
+        if n is None:
+            return []
+        if par.zero != 3:
+            return [Problem("parallel.dp_shard", n, f"hybrid sharding shards ZeRO-3's "
+                            f"parameters, not zero {par.zero}'s; set zero: 3 or remove "
+                            "dp_shard")]
+        if par.dp % n:
+            fits = [d for d in range(1, par.dp + 1) if par.dp % d == 0 and d * par.cp > 1]
+            return [Problem("parallel.dp_shard", n, f"must divide parallel.dp ({par.dp}): "
+                            "dp / dp_shard replicas of one shard group; choose one of "
+                            f"{fits}")]
+        if par.shard == 1:
+            return [Problem("parallel.dp_shard", n, "shards nothing (one rank per shard "
+                            "group with cp 1): that is DDP; set zero: 0 and remove "
+                            "dp_shard")]
+        return []
+
+    def unsupported(self, s: Scenario) -> list[Problem]:
+        """Hybrid sharding is not yet built with experts, ZeRO-Offload or gradient
+        compression (each shards or reduces over the whole dp group)."""
+        par = s.parallel
+        if par.dp_shard is None or par.dp_shard == par.dp:
+            return []
+        other = [name for name, on in (("model.experts", s.model.is_moe),
+                                       ("parallel.zero_offload", par.zero_offload),
+                                       ("training.gradient_compression",
+                                        effective_method(s) != "none")) if on]
+        return [Problem("parallel.dp_shard", par.dp_shard, f"not yet simulated with {name}; "
+                        "remove dp_shard (full sharding) or the other option")
+                for name in other]
 
 
 ZERO3 = Zero3()

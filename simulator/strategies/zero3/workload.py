@@ -1,7 +1,7 @@
 """ZeRO-3 / FSDP units on the timeline: each unit's parameters all-gathered over the
-data-parallel group before its forward and (resharded) again before its backward,
-prefetched on the ``zero`` stream, the stage's root unit once per micro-batch, and
-FSDP2's copies around the gathers.
+data-parallel group (its shard group under hybrid sharding) before its forward and
+(resharded) again before its backward, prefetched on the ``zero`` stream, the stage's
+root unit once per micro-batch, and FSDP2's copies around the gathers.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Zero3Pass(Pass):
         stream, which is then what the unit's compute waits for. Its first task is the
         first one added (the caller hangs the prefetch dependency on it)."""
         ctx = self.ctx
-        group = ctx.layout.dp_group(rank)
+        group = ctx.layout.shard_group(rank)
         ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
                               tensors) if len(group) > 1 else ()
         kind = "forward" if forward else "backward"
