@@ -61,6 +61,17 @@ def _scenario(**stack: object) -> dict[str, object]:
             "parallel": {"dp": 2}, "training": {"global_batch": 4}, **stack}
 
 
+def test_a_set_on_a_stack_named_plainly_overrides_that_stack() -> None:
+    """``stack: torchtitan`` then ``--set stack.optimizer=fused``: a field of the named
+    preset changes; the stack stays torchtitan (it silently became megatron-core)."""
+    path = Path(__file__).resolve().parent.parent / "scenarios" / "llama2-70b-fsdp.yaml"
+    assert re.search(r"^stack: torchtitan\b", path.read_text(), re.MULTILINE)
+    plain = load_scenario(path)
+    s = load_scenario(path, ["stack.optimizer=fused"])
+    assert (s.stack.name, s.stack.optimizer) == ("torchtitan", "fused")
+    assert s.stack.model_copy(update={"optimizer": plain.stack.optimizer}) == plain.stack
+
+
 def test_stack_section_forms() -> None:
     assert scenario_from_dict(_scenario()).stack.name == "megatron-core"  # the default
     assert scenario_from_dict(_scenario(stack="torchtitan")).stack.attention == "flash2"

@@ -22,7 +22,10 @@ from simulator.spec.scenario import Scenario
 
 
 def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` strings (value parsed as YAML) to a nested dict copy."""
+    """Apply ``key.path=value`` strings (value parsed as YAML) to a nested dict copy. A
+    plain name where the path goes deeper is a preset's name, as ``stack: torchtitan``
+    means ``{preset: torchtitan}``: ``--set stack.optimizer=fused`` overrides a field of
+    that preset (not of the default stack)."""
     out: dict[str, Any] = _deep_copy(data)
     problems: list[Problem] = []
     for text in assignments:
@@ -38,7 +41,10 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
         value = parse_override(raw, f"--set {key.strip()}")
         node = out
         for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
+            current = node.get(part)
+            if isinstance(current, str):
+                node[part] = {"preset": current}
+            elif not isinstance(current, dict):
                 node[part] = {}
             node = node[part]
         node[parts[-1]] = value
