@@ -393,7 +393,8 @@ def test_analytic_counts_the_dtensor_backward_collectives() -> None:
                                 "parallel": {"tp": 2, "recompute": recompute},
                                 "training": {"global_batch": 4, "dtype": "fp32"}})
         cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
-        return _passes(s, block_costs(s, cost), 1.0, [(0, 1)], False, False)["tp_transfer"]
+        return _passes(s, block_costs(s, cost), 1.0, [(0, 1, recompute)], False,
+                       False)["tp_transfer"]
 
     assert analytic_tp("pytorch-eager") == 2 + 4
     assert analytic_tp("megatron-core") == 2 + 2
