@@ -61,15 +61,13 @@ def test_second_run_replaces_the_first_as_a_set(small: Path, tmp_path: Path) -> 
     assert main(["run", str(small), "--out", str(out), "--method", "analytic",
                  "--no-plots"]) == 0
     second = json.loads((out / MANIFEST).read_text())
-    assert set(second["files"]) == {"results.json", "time_breakdown.parquet", "report.html"}
+    assert set(second["files"]) == {"results.json", "report.html"}
     assert second["run_id"] != first["run_id"]
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt",
-                                                      "report.html", "results.json",
-                                                      "time_breakdown.parquet"]
+                                                      "report.html", "results.json"]
     assert main(["plot", str(out)]) == 0  # draws breakdown and memory, adds them
     assert set(json.loads((out / MANIFEST).read_text())["files"]) == {
-        "results.json", "time_breakdown.parquet", "breakdown.png", "memory.png",
-        "report.html"}
+        "results.json", "breakdown.png", "memory.png", "report.html"}
     check_run_dir(out)
     assert _strays(tmp_path) == []
 
