@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_profile import in_line_scenario
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -343,23 +344,9 @@ def test_analytic_prices_the_collectives_of_the_recomputed_layers(
     curve): the estimate prices the collectives the engine issues, the recomputed
     layers' (TP, ZeRO-3's gathers in their order, CP's exchange) and no others, to
     rounding."""
-    import yaml
-
     from simulator.api import simulate_scenario
-    from simulator.system.profiles import SYSTEMS_DIR
 
-    system = yaml.safe_load((SYSTEMS_DIR / "cpu-1thread.yaml").read_text())
-    system["gpu"].update({"collective_sync_us": {"intra_node": 800.0},
-                          "funcol_host": {"all_reduce": {"us": 500.0, "us_per_mib": 100.0},
-                                          "all_gather": {"us": 700.0, "us_per_mib": 300.0}},
-                          "host_overhead_us": 5.0})
-    path = tmp_path / "cpu.yaml"
-    path.write_text(yaml.safe_dump(system))
-    s = scenario_from_dict({
-        "name": "t", "model": {"preset": "tiny-gpt"}, "stack": stack,
-        "cluster": {"system": str(path), "nodes": 1, "gpus_per_node": 2},
-        "parallel": {"recompute": "full", **parallel},
-        "training": {"global_batch": 8, "micro_batch": 2, "dtype": "fp32"}})
+    s = in_line_scenario(tmp_path, stack, {"recompute": "full", **parallel})
     engine, _ = simulate_scenario(s, "engine")
     analytic, _ = simulate_scenario(s, "analytic")
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=1e-9)

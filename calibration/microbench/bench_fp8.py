@@ -44,7 +44,7 @@ def fp8_support(device: Device) -> tuple[bool, str]:
         if cap < MIN_CAPABILITY:
             return False, (f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores "
                            "(8.9 or later needed)")
-    try:
+    try:  # the dispatcher raises NotImplementedError where no backend kernel exists
         call = _call(device, GemmShape(16, 16, 16, "probe"), 1)
         call(0)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
