@@ -99,22 +99,27 @@ def test_hierarchical_a2a_inside_groups_and_ring_across() -> None:
 
 
 @given(cp_exp=st.integers(1, 4), a_exp=st.integers(0, 4), tp=st.sampled_from([1, 2, 4]),
-       rank=st.integers(0, 1023))
+       rank=st.integers(0, 1023), by=st.integers(0, 15))
 def test_hierarchical_groups_tile_the_cp_group(cp_exp: int, a_exp: int, tp: int,
-                                               rank: int) -> None:
-    """Every CP rank is in one all-to-all group and one ring, which meet in it alone;
-    a2a · ring = cp; cp_shift maps groups onto groups (what shared programs need)."""
+                                               rank: int, by: int) -> None:
+    """Every CP rank is in one all-to-all group and one ring, which meet in it alone,
+    a2a · ring = cp; and cp_shift (what shared programs move a prototype by) maps
+    every all-to-all group and every ring onto one."""
     cp, a = 2 ** cp_exp, 2 ** min(a_exp, cp_exp)
     lay = Layout(tp=tp, pp=1, dp=2, gpus_per_node=8, cp=cp, cp_a2a=a)
     r = rank % lay.world
     inner, ring = lay.cp_a2a_group(r), lay.cp_ring_group(r)
     assert set(inner) & set(ring) == {r} and len(inner) * len(ring) == cp
     assert set(inner) | set(ring) <= set(lay.cp_group(r))
-    by = lay.coord(r).cp
-    moved = {lay.cp_shift(lay.coord(x).cp, by) for x in inner}
-    base = lay.coord(inner[0])
-    assert {lay.rank(base.pp, base.dp, base.tp, k) for k in moved} \
-        == set(lay.cp_a2a_group(lay.rank(base.pp, base.dp, base.tp, min(moved))))
+    c = lay.coord(r)
+
+    def moved(group: tuple[int, ...]) -> set[int]:
+        return {lay.rank(c.pp, c.dp, c.tp, lay.cp_shift(lay.coord(x).cp, by % cp))
+                for x in group}
+
+    image = lay.rank(c.pp, c.dp, c.tp, lay.cp_shift(c.cp, by % cp))
+    assert moved(inner) == set(lay.cp_a2a_group(image))
+    assert moved(ring) == set(lay.cp_ring_group(image))
 
 
 def test_a2a_core_runs_the_whole_sequence_for_its_share_of_heads() -> None:
@@ -292,7 +297,7 @@ def test_megatron_cp_comm_types_import(tmp_path: Path, extra: list[str], kind: s
     assert (par.cp, par.cp_comm_type, par.cp_a2a) == (4, kind, a2a)
 
 
-@pytest.mark.parametrize("sizes", [[], ["4"], ["2", "x"]])
+@pytest.mark.parametrize("sizes", [[], ["4"], ["2", "x"], ["2", "4"], ["2", "2", "1"]])
 def test_megatron_a2a_p2p_without_two_sizes_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], sizes: list[str]) -> None:
     out = tmp_path / "imported.yaml"

@@ -89,11 +89,13 @@ def hierarchical(a: Parsed, d: Draft) -> None:
         if sizes:
             d.note(flag, sizes, "only --cp-comm-type a2a+p2p uses it; ignored")
         return
-    if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
+    cp = d.get("parallel.cp", 1)
+    if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes) \
+            or int(sizes[0]) * int(sizes[1]) != cp:
         raise UserError([Problem(flag, " ".join(sizes) or "(absent)", "--cp-comm-type a2a+p2p "
-                                 "needs two sizes, the all-to-all's then the ring's (their "
-                                 "product the context-parallel size), as Transformer Engine "
-                                 "takes them")])
+                                 "needs two sizes, the all-to-all's then the ring's, whose "
+                                 f"product is --context-parallel-size ({cp}), as Transformer "
+                                 "Engine and Megatron-LM take them")])
     d.set("parallel.cp_a2a", int(sizes[0]))
 
 
