@@ -167,15 +167,15 @@ def activation_bytes_per_layer(
     core leaves nothing to drop from).
     """
     st = stack or default_stack()
-    gathered = 0.0
+    extra = 0.0  # what the CP variant's core keeps besides the local chunk's
     if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
         st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
         if cp_kv_kept and recompute != "full":
-            gathered = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
+            extra = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
         if cp_a2a and recompute == "none":
-            gathered = cp_a2a_bytes(spec, micro_batch, tp, dtype)[0]
-    return gathered + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
+            extra = cp_a2a_bytes(spec, micro_batch, tp, dtype)[0]
+    return extra + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
                                       dtype, layer, st)
 
 

@@ -134,9 +134,7 @@ class ParallelSpec(Frozen):
     cp_comm_type: Literal["p2p", "allgather", "a2a", "a2a+p2p"] = "p2p"
     """How CP ranks exchange keys and values (Megatron-LM's ``--cp-comm-type``): p2p,
     ring attention overlapped with the attention compute; allgather, before it (Llama
-    3); a2a, all-to-alls that trade the sequence split for a head split around the
-    attention core (DeepSpeed-Ulysses); a2a+p2p, a2a within groups of cp_a2a ranks and
-    a ring across them."""
+    3); a2a, all-to-alls of Q, K, V and O (DeepSpeed-Ulysses); a2a+p2p, both (cp_a2a)."""
     cp_a2a: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     """With cp_comm_type a2a+p2p, the all-to-all's degree: consecutive CP ranks in
     groups of cp_a2a, the ring over cp / cp_a2a of them (the first of Megatron-LM's
@@ -229,8 +227,7 @@ class ParallelSpec(Frozen):
 
     @property
     def cp_a2a_degree(self) -> int:
-        """CP ranks an all-to-all spans, splitting the heads over them: cp under a2a,
-        cp_a2a under a2a+p2p, else 1 (no all-to-all)."""
+        """CP ranks an all-to-all spans: cp (a2a), cp_a2a (a2a+p2p), else 1."""
         if self.cp == 1 or self.cp_comm_type == "a2a":
             return self.cp
         return (self.cp_a2a or 1) if self.cp_comm_type == "a2a+p2p" else 1
