@@ -25,6 +25,7 @@ from simulator.api import simulate_scenario
 from simulator.builder.workload import block_costs, build_workload, local_scenario
 from simulator.cli.main import main
 from simulator.errors import ScenarioError
+from simulator.imports.megatron import classify
 from simulator.model import transformer as mdl
 from simulator.model.inventory.attention import context_parallel_ops
 from simulator.model.memory import activation_bytes_per_layer
@@ -295,6 +296,7 @@ def test_megatron_cp_comm_types_import(tmp_path: Path, extra: list[str], kind: s
                  *BASE, *extra]) == 0
     par = load_scenario(out).parallel
     assert (par.cp, par.cp_comm_type, par.cp_a2a) == (4, kind, a2a)
+    assert classify("--hierarchical-context-parallel-sizes") == ("mapped", "")
 
 
 @pytest.mark.parametrize("sizes", [[], ["4"], ["2", "x"], ["2", "4"], ["2", "2", "1"]])
