@@ -75,7 +75,7 @@ class SharedPrograms:
         lay = self.layout
         d, c = lay.coord(rank), lay.coord(other)
         return lay.rank(c.pp, (c.dp + d.dp) % lay.dp, (c.tp + d.tp) % lay.tp,
-                        (c.cp + d.cp) % lay.cp)
+                        lay.cp_shift(c.cp, d.cp))
 
     def group(self, rank: int, group: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted(self.peer(rank, r) for r in group))
@@ -147,7 +147,8 @@ def _stage_groups(layout: Layout, rank: int) -> set[tuple[int, ...]]:
     c = layout.coord(rank)
     tie = (layout.rank(0, c.dp, c.tp, c.cp), layout.rank(layout.pp - 1, c.dp, c.tp, c.cp))
     return {layout.tp_group(rank), layout.dp_group(rank), layout.cp_group(rank), tie,
-            layout.shard_group(rank), layout.replicate_group(rank)}
+            layout.shard_group(rank), layout.replicate_group(rank),
+            layout.cp_a2a_group(rank), layout.cp_ring_group(rank)}
 
 
 def share(layout: Layout, tasks: list[Task], programs: Mapping[int, Program],

@@ -113,11 +113,11 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     routed = spec.is_moe_layer(layer)
 
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
-    kept = s.cp_keeps_gathered_kv
+    kept, a2a = s.cp_keeps_gathered_kv, s.parallel.cp_a2a_degree
 
     def ops(p: Pass) -> tuple[Op, ...]:
         out = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
-                                       spec, b, tp, dt, p, cp, gathered, kept)
+                                       spec, b, tp, dt, p, cp, gathered, kept, a2a)
         return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
@@ -131,7 +131,7 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     else:
         rec = context_parallel_ops(
             mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
-            spec, b, tp, dt, "fwd", cp, gathered)
+            spec, b, tp, dt, "fwd", cp, gathered, a2a=a2a)
         rec_t = (cost.ops_time(rec), 0.0)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
@@ -182,7 +182,7 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
 def layout_of(s: Scenario) -> Layout:
     par = s.parallel
     return Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1, par.cp,
-                  s.hardware.domain_gpus, par.dp_shard or 0)
+                  s.hardware.domain_gpus, par.dp_shard or 0, par.cp_a2a_degree)
 
 
 def _regridded(s: Scenario) -> bool:

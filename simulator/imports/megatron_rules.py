@@ -69,12 +69,34 @@ def degrees(a: Parsed, d: Draft) -> None:
             d.set(f"parallel.{key}", a.number(flag))
     kinds = a.texts("--cp-comm-type")
     if kinds:
-        kind = {"p2p": "p2p", "all_gather": "allgather"}.get(kinds[0])
+        kind = {"p2p": "p2p", "all_gather": "allgather", "a2a": "a2a",
+                "a2a+p2p": "a2a+p2p"}.get(kinds[0])
         if len(set(kinds)) > 1 or kind is None:
-            d.note("--cp-comm-type", kinds, "parallel.cp_comm_type is one of p2p, allgather "
-                   "for every layer; simulated as p2p")
+            d.note("--cp-comm-type", kinds, "parallel.cp_comm_type is one of p2p, allgather, "
+                   "a2a, a2a+p2p for every layer; simulated as p2p")
         else:
             d.set("parallel.cp_comm_type", kind)
+    hierarchical(a, d)
+
+
+def hierarchical(a: Parsed, d: Draft) -> None:
+    """``--hierarchical-context-parallel-sizes A R`` (A adjacent ranks, then R of those
+    groups; Transformer Engine's a2a+p2p takes exactly two levels): ``cp_a2a`` A. Only
+    a2a+p2p reads it."""
+    flag = "--hierarchical-context-parallel-sizes"
+    sizes = a.texts(flag)
+    if d.get("parallel.cp_comm_type") != "a2a+p2p":
+        if sizes:
+            d.note(flag, sizes, "only --cp-comm-type a2a+p2p uses it; ignored")
+        return
+    cp = d.get("parallel.cp", 1)
+    if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes) \
+            or int(sizes[0]) * int(sizes[1]) != cp:
+        raise UserError([Problem(flag, " ".join(sizes) or "(absent)", "--cp-comm-type a2a+p2p "
+                                 "needs two sizes, the all-to-all's then the ring's, whose "
+                                 f"product is --context-parallel-size ({cp}), as Transformer "
+                                 "Engine and Megatron-LM take them")])
+    d.set("parallel.cp_a2a", int(sizes[0]))
 
 
 def virtual_stages(a: Parsed, d: Draft) -> None:
@@ -307,7 +329,8 @@ def latent(a: Parsed, d: Draft) -> None:
 RULES: tuple[Rule, ...] = (
     Rule(("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
           "--context-parallel-size", "--expert-model-parallel-size",
-          "--expert-tensor-parallel-size", "--cp-comm-type"), degrees),
+          "--expert-tensor-parallel-size", "--cp-comm-type",
+          "--hierarchical-context-parallel-sizes"), degrees),
     Rule(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
           "--num-layers-per-virtual-pipeline-stage"), virtual_stages),
     Rule(("--sequence-parallel",), lambda a, d: d.set("parallel.sequence_parallel",

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.model import moe
-from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
 from simulator.model.inventory.layer import kept_for_backward
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
@@ -141,7 +141,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
-    stack: StackSpec | None = None, cp_kv_kept: bool = False,
+    stack: StackSpec | None = None, cp_kv_kept: bool = False, cp_a2a: bool = False,
 ) -> float:
     """Stored activations of one layer on one TP rank.
 
@@ -156,21 +156,26 @@ def activation_bytes_per_layer(
     keeps the gathered keys and values,
     :attr:`simulator.spec.scenario.Scenario.cp_keeps_gathered_kv`)
     its core holds every rank's keys and values, cp − 1 chunks more, unless the layer
-    is recomputed in full. A mixture of experts' layers are the inventory's too
-    (:func:`simulator.model.inventory.experts.moe_layer_ops`); a latent-attention model's layers
-    keep
-    what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their own widths and
-    a flash core, the same under selective recomputation, which a flash core leaves
-    nothing to drop from).
+    is recomputed in full; with ``cp_a2a`` (the all-to-all variants) the core keeps its
+    output before the all-to-all that returns it (Transformer Engine's
+    ``AttnFuncWithCPAndQKVOA2A`` saves ``out_part``, the layer's next linear the
+    exchanged copy): one attention output more, unless the core is recomputed. A
+    mixture of experts' layers are the inventory's too
+    (:func:`simulator.model.inventory.experts.moe_layer_ops`); a latent-attention model's
+    layers keep what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their
+    own widths and a flash core, the same under selective recomputation, which a flash
+    core leaves nothing to drop from).
     """
     st = stack or default_stack()
-    gathered = 0.0
+    extra = 0.0  # what the CP variant's core keeps besides the local chunk's
     if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
         st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
         if cp_kv_kept and recompute != "full":
-            gathered = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
-    return gathered + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
+            extra = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
+        if cp_a2a and recompute == "none":
+            extra = cp_a2a_bytes(spec, micro_batch, tp, dtype)[0]
+    return extra + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
                                       dtype, layer, st)
 
 
@@ -257,7 +262,8 @@ def activations(scenario: Scenario, stage: int) -> float:
         if spec.is_moe or spec.mla is not None or par.cp > 1:
             total += sum(n * activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype, i,
                                                         par.cp, scenario.stack,
-                                                        scenario.cp_keeps_gathered_kv)
+                                                        scenario.cp_keeps_gathered_kv,
+                                                        par.cp_a2a_degree > 1)
                          for i, n in _kinds(spec, runs))
         else:
             per_layer = activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype,

@@ -52,11 +52,12 @@ def _layer_rows(s: Scenario, cost: CostModel, layer: int, part: str) -> list[dic
     for p in mdl.PASSES:
         ops = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
                                        spec, b, tp, dt, p, cp, gathered,
-                                       s.cp_keeps_gathered_kv)
+                                       s.cp_keeps_gathered_kv, s.parallel.cp_a2a_degree)
         rows += [_row(cost, part, _PASS_NAMES[p], op) for op in ops]
     mode = layer_mode(s.parallel, spec.layers, layer)  # only some layers may be recomputed
     rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack)
-    rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
+    rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered,
+                               a2a=s.parallel.cp_a2a_degree)
     rows += [_row(cost, part, "recompute", op) for op in rec]
     total = sum(r["time_us"] for r in rows) or 1.0
     for r in rows:
@@ -118,7 +119,7 @@ def format_table(s: Scenario, rows: list[dict[str, Any]]) -> str:
     mode = layer_mode(par, s.model.layers, 0)
     kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, mode,
                                       s.training.dtype, 0, par.cp, s.stack,
-                                      s.cp_keeps_gathered_kv)
+                                      s.cp_keeps_gathered_kv, par.cp_a2a_degree > 1)
     lines.append(f"{first} total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
                  f"{sum(r['kernels'] for r in layer)} kernels; kept for backward "
                  f"{kept / 1e6:.1f} MB (the memory model's, under recompute "

@@ -131,10 +131,14 @@ class ParallelSpec(Frozen):
     """Data-parallel degree: model replicas (sharded under ZeRO)."""
     cp: int = Field(default=1, gt=0, le=MAX_SIZE)
     """Context-parallel degree: each sequence split over cp GPUs."""
-    cp_comm_type: Literal["p2p", "allgather"] = "p2p"
+    cp_comm_type: Literal["p2p", "allgather", "a2a", "a2a+p2p"] = "p2p"
     """How CP ranks exchange keys and values (Megatron-LM's ``--cp-comm-type``): p2p,
     ring attention overlapped with the attention compute; allgather, before it (Llama
-    3)."""
+    3); a2a, all-to-alls of Q, K, V and O (DeepSpeed-Ulysses); a2a+p2p, both (cp_a2a)."""
+    cp_a2a: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """With cp_comm_type a2a+p2p, the all-to-all's degree: consecutive CP ranks in
+    groups of cp_a2a, the ring over cp / cp_a2a of them (the first of Megatron-LM's
+    ``--hierarchical-context-parallel-sizes``); must divide cp."""
     ep: int = Field(default=1, gt=0, le=MAX_SIZE)
     """Expert-parallel degree: a MoE layer's experts split over ep GPUs, carved out of
     a stage's tp · cp · dp ranks."""
@@ -220,6 +224,13 @@ class ParallelSpec(Frozen):
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def cp_a2a_degree(self) -> int:
+        """CP ranks an all-to-all spans: cp (a2a), cp_a2a (a2a+p2p), else 1."""
+        if self.cp == 1 or self.cp_comm_type == "a2a":
+            return self.cp
+        return (self.cp_a2a or 1) if self.cp_comm_type == "a2a+p2p" else 1
 
     @property
     def shard(self) -> int:
