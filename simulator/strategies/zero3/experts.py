@@ -24,6 +24,14 @@ Simplification: the layer's compute waits for both of its units' gathers (the
 experts' are issued with the block's and arrive just after it), where FSDP2 would
 let the attention start once the block's own gather is done.
 
+Closed form (:func:`moe_exposed`): each layer's two gathers beyond what the layer
+before hides, as for a dense layer, and at least what the micro-batch's gathers take
+beyond the part of its compute the gradient reduce-scatters leave free: the expert
+units are most of a MoE model's parameters, and their gathers and fp32 gradient
+reduce-scatters run over the same edp peers at once, so the links, not the compute,
+often set the pace (in the engine they share the links; the dense-only estimate
+ignores that contention).
+
 DeepSpeed's engine refuses MoE with ZeRO stage 3 (``deepspeed/runtime/engine.py``:
 ``assert not self.has_moe_layers, "MoE not supported with Stage 3"``), so a stack
 whose ZeRO-3 unit is the module (DeepSpeed's) stays refused with experts.
