@@ -226,3 +226,18 @@ def test_the_estimate_counts_the_links_the_gathers_share_with_the_reductions() -
     analytic, _ = simulate_scenario(s, "analytic")
     assert engine["step_breakdown_s"]["zero_transfer"] > 0.2 * engine["step_time_s"]
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.10)
+
+
+def test_without_data_parallelism_nothing_is_gathered() -> None:
+    """dp 1, tp 2 with expert_tp 1: edp is 2, but ZeRO-3 is not installed without data
+    parallelism, so neither method gathers the experts (the estimate priced two
+    gathers per MoE layer and micro-batch that the engine never issued)."""
+    s = tiny("parallel.dp=1", "parallel.tp=2", "parallel.expert_tp=1", "parallel.ep=1",
+             "parallel.sequence_parallel=true", "cluster.nodes=2",
+             "parallel.overlap.zero3_prefetch=false")  # a gather would be exposed in full
+    assert s.parallel.edp == 2
+    assert zero3_collective_counts(s, 0)["all_gather"] == 0
+    _, spans = simulate_scenario(s, "engine")
+    assert spans is not None and not (spans["op"] == "zero.all_gather").any()
+    analytic, _ = simulate_scenario(s, "analytic")
+    assert analytic["step_breakdown_s"]["zero_transfer"] == 0.0

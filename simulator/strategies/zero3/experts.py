@@ -93,9 +93,10 @@ def stage_units(s: Scenario, stage: int) -> list[LayerUnits]:
 
 
 def expert_units_sharded(s: Scenario) -> bool:
-    """Whether the expert units have anything to gather: ZeRO-3 on a mixture of
-    experts whose expert data-parallel group has more than one rank."""
-    return s.parallel.zero == 3 and s.model.is_moe and s.parallel.edp > 1
+    """Whether the expert units have anything to gather: ZeRO-3 installed (dp · cp > 1)
+    on a mixture of experts whose expert data-parallel group has more than one rank."""
+    par = s.parallel
+    return par.zero == 3 and par.dp * par.cp > 1 and s.model.is_moe and par.edp > 1
 
 
 def stage_expert_units(s: Scenario, stage: int) -> int:
