@@ -128,7 +128,8 @@ def stage_rows(report: list[MemoryBreakdown]) -> list[dict[str, float]]:
 
 #: Where each tensor field of a breakdown comes from (docs/model.md, "Memory per GPU")
 TENSOR_SOURCES: dict[str, tuple[str, str]] = {
-    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3)"),
+    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3; "
+                           "routed experts ÷ expert_tp·ep, ÷ edp under ZeRO-3)"),
     "gradients": ("grads", "stack.main_grad_bytes per parameter (Megatron-Core keeps fp32 main "
                            "grads, unsharded below ZeRO-2)"),
     "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (dp_shard·cp "

@@ -118,12 +118,15 @@ class ExpertParallel(Strategy):
                                f"tp({par.tp}) > 1 needs sequence parallelism (Megatron-LM's "
                                "arguments.py requires it: each TP rank dispatches its sequence "
                                "shard); set sequence_parallel: true"))
-        if mdl_.is_moe and (par.zero == 3 or par.zero_offload):
-            field, value = ("parallel.zero", 3) if par.zero == 3 \
-                else ("parallel.zero_offload", True)
-            out.append(Problem(field, value, "not yet simulated for a mixture of experts (expert "
-                               "states shard over the expert data-parallel group); use zero 0, "
-                               "1 or 2 without offload"))
+        if mdl_.is_moe and par.zero_offload:
+            out.append(Problem("parallel.zero_offload", True, "not yet simulated for a mixture "
+                               "of experts (expert states shard over the expert data-parallel "
+                               "group); remove zero_offload"))
+        if mdl_.is_moe and par.zero == 3 and s.stack.zero3_unit == "module":
+            out.append(Problem("parallel.zero", 3, "a mixture of experts under ZeRO-3 with "
+                               "module units (DeepSpeed's, whose engine asserts 'MoE not "
+                               "supported with Stage 3'); use a stack with layer units "
+                               "(stack: torchtitan) or zero 0, 1 or 2"))
         return out
 
     def make_pass(self, ctx: Context) -> Pass | None:
