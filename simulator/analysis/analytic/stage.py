@@ -87,12 +87,14 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_input"] += count * split_b
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
-            fwd, bwd, a2a, etp = experts
+            x = experts
+            fwd, bwd = x.fwd + x.shared_fwd, x.bwd + x.shared_bwd
             out["forward"] += count * fwd
             out["backward_input"] += count * bwd
             out["recompute"] += count * fwd if mode == "full" else 0.0
-            out["ep_transfer"] += count * 2 * a2a * passes
-            out["tp_transfer"] += count * 2 * etp * passes
+            out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
+                                           - x.hidden_bwd)
+            out["tp_transfer"] += count * 2 * x.etp * passes
     for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
         if present:
             out["forward"] += end[0]
