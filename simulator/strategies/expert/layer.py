@@ -20,8 +20,9 @@ expert-TP group gives every expert-TP rank the whole group's tokens; the experts
 run as grouped GEMMs; a reduce-scatter and the combine all-to-all (the mirror)
 bring the outputs home (the other dispatchers, allgather and DeepEP's flex, are
 :mod:`simulator.strategies.expert.dispatcher`'s). Backward runs the mirror: two
-all-to-alls of the same size and the expert GEMMs' input gradients (their weight gradients go with the
-layer's other weight gradients, where zero-bubble schedules defer them).
+all-to-alls of the same size and the expert GEMMs' input gradients (their weight
+gradients go with the layer's other weight gradients, where zero-bubble schedules defer
+them).
 
 **Load.** Balanced, every EP rank receives k·b·s/tp token-expert pairs per
 all-to-all. With a capacity factor c (padded buffers, as :mod:`simulator.model.moe`
