@@ -94,3 +94,46 @@ def deepep_plan(direction: Direction, token_bytes: float, experts: int, k: int, 
         legs.append(Leg("inter_node", token_bytes * hit * (nodes - 1) / nodes,
                         rate_factor("inter_node", shape.n, direction)))
     return Plan("all_to_all", "deepep", token_bytes * copies, shape.n, (Phase(tuple(legs), 1),))
+
+
+# ---------------------------------------------------------------- buffers
+
+#: DeepEP V1's recommended configs (deep_ep/buffers/legacy.py, Buffer.get_dispatch_config
+#: and get_combine_config) by group size: (NVLink chunked recv tokens, RDMA chunked recv
+#: tokens); the buffer is sized for the larger of dispatch's and combine's.
+CONFIG_RECV_TOKENS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {
+    2: ((256, 128), (256, 128)), 4: ((256, 128), (256, 128)), 8: ((256, 128), (256, 128)),
+    16: ((288, 128), (288, 128)), 24: ((288, 128), (288, 128)), 32: ((288, 128), (288, 128)),
+    48: ((288, 128), (288, 128)), 64: ((288, 128), (288, 128)), 96: ((480, 128), (480, 128)),
+    128: ((560, 128), (560, 128)), 144: ((720, 128), (720, 128)),
+    160: ((720, 128), (720, 128)),
+}
+NUM_SMS = 20  # Buffer.num_sms, and Megatron's default (token_dispatcher.py _DeepepManager)
+NVL_PEERS = 8  # LEGACY_NUM_MAX_NVL_PEERS (csrc/kernels/legacy/compiled.cuh)
+MAX_TOPK = MAX_SCALES = 128  # kNumMaxTopK, kNumMaxScales (csrc/legacy/config.hpp)
+SOURCE_META, TOPK_IDX, F32, INT, INT4 = 8, 8, 4, 4, 16  # bytes (internode.cu SourceMeta)
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def buffer_bytes(hidden_bytes: int, ranks: int) -> int:
+    """The NVLink and RDMA buffers DeepEP's ``Buffer`` holds on each rank of a group of
+    ``ranks`` (csrc/legacy/config.hpp ``get_nvl_buffer_size_hint`` and
+    ``get_rdma_buffer_size_hint`` with 20 SMs), Megatron passing hidden ×
+    max(element size, 2) bytes per token (fused_a2a.py ``get_hidden_bytes``); a group
+    size without a recommended config takes the next one up."""
+    size = min((n for n in CONFIG_RECV_TOKENS if n >= ranks), default=max(CONFIG_RECV_TOKENS))
+    nvl_recv = max(c[0] for c in CONFIG_RECV_TOKENS[size])
+    rdma_recv = max(c[1] for c in CONFIG_RECV_TOKENS[size])
+    channels, rdma_ranks = NUM_SMS // 2, max(ranks // NVL_PEERS, 1)
+    nvl_ranks = min(ranks, NVL_PEERS)
+    per_token = hidden_bytes + SOURCE_META + MAX_TOPK * (TOPK_IDX + F32) + MAX_SCALES * F32
+    nvl = _round128(channels * nvl_ranks * ((2 * rdma_ranks + 3) * INT
+                                            + nvl_recv * per_token))
+    if ranks <= NVL_PEERS:
+        return nvl
+    rdma = _round128(channels * rdma_ranks * 2 * ((NVL_PEERS * 2 + 2) * INT
+                                                  + rdma_recv * (per_token + INT4)))
+    return nvl + rdma

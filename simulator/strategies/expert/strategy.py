@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from simulator.errors import Problem
 from simulator.model import moe
+from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.base import divisor_list, divisors_text
 from simulator.spec.placement import stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.expert import dispatcher
+from simulator.strategies.expert.deepep import buffer_bytes
 from simulator.strategies.expert.dispatcher import Exchange
 from simulator.strategies.expert.layer import (
     etp_group,
@@ -95,6 +97,23 @@ def dispatcher_problems(s: Scenario) -> list[Problem]:
             out.append(Problem("parallel.moe_token_dispatcher", "flex", "DeepEP needs "
                                "expert_tp * ep > 1 (1 here); set ep > 1 or use alltoall"))
     return out
+
+
+def dispatcher_buffers(s: Scenario) -> float:
+    """Bytes a dispatcher holds beyond its layers' activations, on one GPU: the
+    allgather dispatcher's gathered tokens, n · b·s/tp · h elements (n = expert_tp · ep) in
+    Megatron's global memory buffer (``gather_from_sequence_parallel_region(...,
+    use_global_buffer=True)``), reused by every layer; DeepEP's NVLink and RDMA buffers
+    (:func:`simulator.strategies.expert.deepep.buffer_bytes`); none for alltoall."""
+    par, spec, trn = s.parallel, s.model, s.training
+    n, dt = par.etp * par.ep, dtype_bytes(trn.dtype)
+    if n == 1:
+        return 0.0
+    if par.moe_token_dispatcher == "allgather":
+        return n * trn.micro_batch * spec.seq_len / par.tp * spec.hidden * dt
+    if par.moe_token_dispatcher == "flex":
+        return float(buffer_bytes(spec.hidden * max(int(dt), 2), n))
+    return 0.0
 
 
 def expert_parallel_degrees(experts: int, stage: int, etp: int) -> list[int]:
@@ -209,6 +228,11 @@ class ExpertParallel(Strategy):
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return ExpertPass(ctx)
+
+    def memory_terms(self, s: Scenario, stage: int) -> dict[str, float]:
+        """The dispatcher's own buffers (:func:`dispatcher_buffers`), as comm_buffers."""
+        nbytes = dispatcher_buffers(s) if s.model.is_moe else 0.0
+        return {"comm_buffers": nbytes} if nbytes else {}
 
     def dimensions(self) -> tuple[Dimension, ...]:
         return (Dimension(("ep",), ("parallel.ep",), 50, _ep_degrees),)
