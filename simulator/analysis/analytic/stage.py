@@ -53,8 +53,10 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
-    layer's routed experts forward and input-gradient seconds, one all-to-all's and
-    one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
+    layer's routed experts forward and input-gradient seconds, one ep exchange's and
+    one expert-TP collective's, and under shared-expert overlap the shared experts'
+    compute and the exchange seconds it hides
+    (:func:`simulator.strategies.expert.strategy.expert_times`). ``t_cp``: a layer's exposed
     context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
