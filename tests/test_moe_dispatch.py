@@ -22,6 +22,7 @@ from simulator.builder.workload import build_workload, layout_of
 from simulator.cli.main import main
 from simulator.engine.lockstep import lockstep_size
 from simulator.errors import UserError
+from simulator.model.device_memory import communicators, nccl_buffers, nccl_connection_bytes
 from simulator.spec.load import apply_overrides, load_scenario, scenario_from_dict
 from simulator.strategies.expert import deepep
 from simulator.strategies.expert.strategy import dispatcher_buffers, expert_times
@@ -252,3 +253,17 @@ def test_import_notes_a_backend_it_does_not_model(tmp_path: Path) -> None:
                  "hybridep"]) == 0
     assert "simulated as deepep" in out.read_text()
     assert load_scenario(out).parallel.moe_token_dispatcher == "flex"
+
+
+def test_nccl_buffers_follow_the_dispatcher() -> None:
+    """NCCL holds buffers only for the groups a collective runs on: the EP all-to-all's
+    peers (alltoall), one expert-TP x EP ring (allgather), none for DeepEP's exchange."""
+    def names(*sets: str) -> list[str]:
+        return [c.name for c in communicators(moe(*sets), 0)]
+    assert names() == ["dp", "ep"]  # edp = 1 and expert TP = 1: no ring of one
+    assert names("parallel.moe_token_dispatcher=allgather") == ["dp", "tp_ep"]
+    assert names("parallel.moe_token_dispatcher=flex") == ["dp"]
+    channels = moe().hardware.gpu.runtime_memory().nccl_channels
+    assert nccl_buffers(moe("parallel.moe_token_dispatcher=flex"), 0) \
+        < nccl_buffers(moe("parallel.moe_token_dispatcher=allgather"), 0) \
+        == 2 * channels * nccl_connection_bytes()
