@@ -148,6 +148,11 @@ def test_deepep_buffers_are_the_config_hints() -> None:
     ["parallel.moe_shared_expert_overlap=true"],
     ["parallel.moe_token_dispatcher=flex", "parallel.moe_shared_expert_overlap=true"],
     ["parallel.moe_shared_expert_overlap=true", "parallel.recompute=full"],
+    *([f"parallel.moe_token_dispatcher={d}", "parallel.moe_shared_expert_overlap=true",
+       "parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]
+      for d in ("alltoall", "flex")),
+    ["parallel.moe_token_dispatcher=allgather", "parallel.tp=2", "parallel.dp=2",
+     "parallel.ep=2", "parallel.sequence_parallel=true", "parallel.schedule=zb-h1"],
 ])
 def test_engine_equals_analytic_and_folded_equals_full(sets: list[str]) -> None:
     s = moe(*sets)
