@@ -135,11 +135,12 @@ class Context:
 
     def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
                    group: tuple[int, ...], size: float, name: str, mb: int = -1,
-                   layer: int = -1, chunk: int = 0) -> Task | None:
-        """A collective over ``group``; None (and nothing recorded) for a group of one."""
+                   layer: int = -1, chunk: int = 0, plan: Plan | None = None) -> Task | None:
+        """A collective over ``group``; None (and nothing recorded) for a group of one.
+        ``plan``: the collective's own (a library other than NCCL), else NCCL's."""
         if len(group) <= 1 or size <= 0:
             return None
-        plan = self.plans.get((op, size, group))
+        plan = plan or self.plans.get((op, size, group))
         if plan is None:
             shape = GroupShape(len(group), len(group) // self.layout.domains_spanned(group))
             plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,

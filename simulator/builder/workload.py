@@ -51,7 +51,12 @@ from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
-from simulator.strategies.expert.layer import expert_layer
+from simulator.strategies.expert.layer import (
+    SHARED_FC1,
+    SHARED_FC2,
+    expert_layer,
+    shared_overlapped,
+)
 from simulator.strategies.tensor.overlap import Windows, overlap_windows
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
@@ -115,10 +120,16 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
     kept, a2a = s.cp_keeps_gathered_kv, s.parallel.cp_a2a_degree
 
+    # under shared-expert overlap the expert pass runs the shared experts' forward and
+    # input gradients beside the dispatch and combine
+    apart = moe.ROUTED_OPS + tuple(SHARED_FC1 | SHARED_FC2) \
+        if routed and shared_overlapped(s) else moe.ROUTED_OPS
+
     def ops(p: Pass) -> tuple[Op, ...]:
         out = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
                                        spec, b, tp, dt, p, cp, gathered, kept, a2a)
-        return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
+        gone = moe.ROUTED_OPS if p == "bwd_weight" else apart
+        return tuple(op for op in out if op.name not in gone) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
     attn = {op.name for op in fwd[:[op.name for op in fwd].index("ln2")]}

@@ -316,6 +316,21 @@ def experts(a: Parsed, d: Draft) -> None:
         d.set("model.router", "sigmoid")
 
 
+def dispatcher(a: Parsed, d: Draft) -> None:
+    """The token dispatcher (TransformerConfig's default allgather) and the shared experts'
+    overlap; flex is simulated with DeepEP's kernels whatever its backend."""
+    if a.number("--num-experts") is None:
+        return
+    kind = a.text("--moe-token-dispatcher-type", "allgather")
+    d.set("parallel.moe_token_dispatcher", kind)
+    backend = a.text("--moe-flex-dispatcher-backend", "deepep")
+    if kind == "flex" and backend != "deepep" and not a.given("--moe-enable-deepep"):
+        d.note("--moe-flex-dispatcher-backend", backend, "only DeepEP's kernels are "
+               "modelled for the flex dispatcher; simulated as deepep")
+    if a.given("--moe-shared-expert-overlap"):
+        d.set("parallel.moe_shared_expert_overlap", True)
+
+
 def latent(a: Parsed, d: Draft) -> None:
     if not a.given("--multi-latent-attention"):
         return
@@ -358,6 +373,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
           "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
           "--moe-expert-capacity-factor", "--moe-router-score-function"), experts),
+    Rule(("--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+          "--moe-shared-expert-overlap"), dispatcher),
     Rule(("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
           "--qk-pos-emb-head-dim", "--v-head-dim"), latent),
 )

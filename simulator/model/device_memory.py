@@ -140,10 +140,21 @@ def communicators(s: Scenario, stage: int) -> list[Communicator]:
         neighbours = 2 if wraps or 0 < stage < par.pp - 1 else 1
         out.append(Communicator("pp", par.pp, par.tp * par.cp * par.dp, "p2p", neighbours))
     if s.model.is_moe:
-        out += [Communicator("ep", par.ep, par.etp, "p2p", par.ep - 1),
-                Communicator("etp", par.etp, 1, "ring"),
-                Communicator("edp", max(par.edp, 1), par.etp * par.ep, "ring")]
+        out += _dispatcher_communicators(s)
+        out.append(Communicator("edp", max(par.edp, 1), par.etp * par.ep, "ring"))
     return [c for c in out if c.ranks > 1]
+
+
+def _dispatcher_communicators(s: Scenario) -> list[Communicator]:
+    """The communicators the token dispatcher runs NCCL on (NCCL connects a peer at its
+    first transfer, so a group no collective uses holds no buffers): alltoall, the EP
+    all-to-all's peers and the expert-TP ring; allgather, one ring over expert-TP × EP;
+    flex, none (DeepEP's own buffers are the expert strategy's memory term)."""
+    par = s.parallel
+    return {"alltoall": [Communicator("ep", par.ep, par.etp, "p2p", par.ep - 1),
+                         Communicator("etp", par.etp, 1, "ring")],
+            "allgather": [Communicator("tp_ep", par.etp * par.ep, 1, "ring")],
+            "flex": []}[par.moe_token_dispatcher]
 
 
 def communicator_bytes(c: Communicator, channels: int, gpus_per_node: int) -> float:

@@ -144,6 +144,27 @@ class ParallelSpec(Frozen):
     a stage's tp · cp · dp ranks."""
     expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     """Tensor-parallel degree of the experts; default tp."""
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """How a MoE layer's tokens reach the experts and come back (Megatron-LM's
+    ``--moe-token-dispatcher-type``, megatron/core/transformer/moe/token_dispatcher.py):
+    ``alltoall`` (MoEAlltoAllTokenDispatcher), an all-to-all over the EP group and, with
+    expert_tp > 1, an all-gather over the expert-TP group, each mirrored on the way back;
+    ``allgather`` (MoEAllGatherTokenDispatcher), every token with its probabilities and
+    routing map all-gathered over the expert-TP × EP group, the local experts' tokens
+    picked out, a reduce-scatter back; ``flex`` (MoEFlexTokenDispatcher with
+    ``--moe-flex-dispatcher-backend deepep``, or the older ``--moe-enable-deepep``),
+    DeepEP's normal dispatch and combine kernels over the expert-TP × EP group, internode
+    over RDMA to the same-index GPU of each target node, then NVLink within it, at the
+    bandwidths DeepEP measured (:mod:`simulator.strategies.expert.deepep`). A per-run
+    choice, like cp_comm_type, so it sits here rather than in the stack (which holds how a
+    framework implements what it runs). Default alltoall (Megatron's own default is
+    allgather; the importer sets it)."""
+    moe_shared_expert_overlap: bool = False
+    """The shared experts compute while the dispatch and combine exchanges are in flight
+    (Megatron-LM's ``--moe-shared-expert-overlap``, megatron/core/transformer/moe/
+    shared_experts.py: the first linear and activation beside the dispatch, the second
+    linear beside the combine), the exchange on a stream of its own and the routed experts
+    waiting for the dispatch; alltoall or flex only. No effect without shared experts."""
     schedule: Schedule = DEFAULT_SCHEDULE
     """Pipeline schedule (zbv: ZB-V, two chunks per rank in a V, set virtual_stages: 2)."""
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)

@@ -53,8 +53,10 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
-    layer's routed experts forward and input-gradient seconds, one all-to-all's and
-    one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
+    layer's routed experts forward and input-gradient seconds, one ep exchange's and
+    one expert-TP collective's, and under shared-expert overlap the shared experts'
+    compute and the exchange seconds it hides
+    (:func:`simulator.strategies.expert.strategy.expert_times`). ``t_cp``: a layer's exposed
     context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
@@ -87,12 +89,14 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_input"] += count * split_b
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
-            fwd, bwd, a2a, etp = experts
+            x = experts
+            fwd, bwd = x.fwd + x.shared_fwd, x.bwd + x.shared_bwd
             out["forward"] += count * fwd
             out["backward_input"] += count * bwd
             out["recompute"] += count * fwd if mode == "full" else 0.0
-            out["ep_transfer"] += count * 2 * a2a * passes
-            out["tp_transfer"] += count * 2 * etp * passes
+            out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
+                                           - x.hidden_bwd)
+            out["tp_transfer"] += count * 2 * x.etp * passes
     for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
         if present:
             out["forward"] += end[0]
