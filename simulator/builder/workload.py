@@ -79,6 +79,9 @@ class BlockCosts:
     moe: BlockCosts | None = None  # the MoE layers' blocks, when they differ
     moe_first: int = 0  # first MoE layer (model.first_dense_layers)
     moe_freq: int = 1  # then every moe_freq-th layer
+    #: one multi-token prediction module's ops outside its layer, on the last stage
+    #: (:func:`simulator.model.transformer.mtp_end_ops`): fwd, bwd_input, bwd_weight
+    mtp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     #: host seconds the pipeline runtime adds to each F and each B action of a stage
     #: (:meth:`simulator.system.costs.CostModel.pipeline_action_s`; 0 without pipelining)
     action: float = 0.0
@@ -161,6 +164,8 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
     base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    if spec.mtp_layers:
+        base = replace(base, mtp=three(mdl.mtp_end_ops))
     if s.parallel.pp > 1:
         base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
     windows = overlap_windows(s, cost)

@@ -93,7 +93,8 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.shard if par.zero else 1)
-    opt = mdl.optimizer_op_of(s, shard, stage_layers(s.model.layers, par, 0), "all")
+    runs = stage_layers(s.model.layers, par, 0, s.model.mtp_layers)
+    opt = mdl.optimizer_op_of(s, shard, runs, "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows
 
