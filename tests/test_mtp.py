@@ -189,6 +189,24 @@ def _check_last_stage_only(pp: int, tp: int, kind: str, recompute: str) -> None:
                 assert mem.logits > mem0.logits
 
 
+@pytest.mark.parametrize("case", [{"pp": 4, "schedule": "1f1b", "m": 8},
+                                  {"pp": 4, "schedule": "zb-h1", "m": 8},
+                                  {"pp": 1, "dp": 2, "m": 3},
+                                  {"tp": 2, "pp": 2, "dp": 2, "zero": 2,
+                                   "recompute": "selective", "sequence_parallel": True}],
+                         ids=["1f1b", "zb-h1", "single-stage", "tp-sp-zero2"])
+def test_memory_timeline_peak_equals_memory_py_with_modules(case: dict[str, Any]) -> None:
+    """The allocations over the step (the modules' layers as layers, their ends with the
+    output layer's) peak where memory.py's sum says, stage by stage."""
+    from test_memory_timeline import MODEL, make, run, stage_peaks, totals
+
+    s = make(model={**MODEL, "mtp_layers": 1}, **case)
+    _, timeline = run(s)
+    got = stage_peaks(timeline)
+    for stage, total in totals(s).items():
+        assert got[stage] == pytest.approx(total, rel=1e-12), stage
+
+
 @pytest.mark.parametrize(("tp", "pp", "dp", "model"), [
     (2, 2, 2, GPT), (1, 2, 4, MOE), (2, 1, 2, GPT)])
 def test_folded_equals_full_with_modules(tp: int, pp: int, dp: int, model: dict) -> None:

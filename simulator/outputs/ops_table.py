@@ -74,7 +74,10 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += _layer_rows(local, cost, i, f"layer {i} (MoE)")
     spec, b, tp, sp, dt = (local.model, s.training.micro_batch, s.parallel.tp,
                            s.parallel.sequence_parallel, s.training.dtype)
-    for part, fn in (("embedding", mdl.embedding_ops), ("head", mdl.head_ops)):
+    ends = [("embedding", mdl.embedding_ops), ("head", mdl.head_ops)]
+    if spec.mtp_layers:  # one multi-token prediction module's ops beside its layer
+        ends.append(("mtp module", mdl.mtp_end_ops))
+    for part, fn in ends:
         for p in mdl.PASSES:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]

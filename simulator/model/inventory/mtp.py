@@ -13,10 +13,12 @@ the concatenation and the projection, on one TP rank, in execution order.
 Assumptions: the projection's FLOPs are 2·tokens·2h·h/tp each way, as Megatron-LM's
 ``num_floating_point_operations`` counts them; its own TP gathers (the input under
 sequence parallelism, the column-parallel output) are not priced; the concatenation is
-one copy of both halves.
+one copy of both halves, its backward a sum of the hidden states' two gradients.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from simulator.model.inventory.ops import (
     Op,
@@ -58,12 +60,17 @@ def mtp_in_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bo
     proj = gemm("mtp_proj", tokens, 2 * spec.hidden, spec.hidden / tp, dt, cls,
                 saved=dt * local * 2 * spec.hidden if pass_ == "fwd" else 0.0)
     if pass_ == "bwd_weight":
+        if stack.main_grads == "fp32":  # read-modify-write the fp32 main grad
+            proj = replace(proj, bytes=proj.bytes + (8 - dt) * 2 * spec.hidden * spec.hidden / tp)
         return (proj,)
     wide = stack.fp32_under_amp(dt)
     norm = norm_elements(spec, local, pass_)
     saved = wide * local * spec.hidden if pass_ == "fwd" else 0.0
+    # forward: the concatenation copies both halves (read, write); backward: its gradient
+    # splits into views, and the previous depth's hidden states sum the gradient from
+    # hnorm with their own (read two, write one)
+    join = mem("mtp_concat", 2 * 2 * local * spec.hidden, dt, "copy") if pass_ == "fwd" else \
+        mem("mtp_grad_sum", 3 * local * spec.hidden, dt, "elementwise")
     ops = (mem("mtp_enorm", norm, wide, "norm", saved=saved),
-           mem("mtp_hnorm", norm, wide, "norm", saved=saved),
-           mem("mtp_concat", 2 * 2 * local * spec.hidden, dt, "copy"),  # read both, write
-           proj)
+           mem("mtp_hnorm", norm, wide, "norm", saved=saved), join, proj)
     return ops if pass_ == "fwd" else ops[::-1]
