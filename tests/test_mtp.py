@@ -17,6 +17,7 @@ from test_engine import make_scenario, run_engine
 from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.memory import stage_breakdown
 from simulator.api import simulate_scenario
+from simulator.builder.workload import build_workload
 from simulator.cli.main import main
 from simulator.model import moe
 from simulator.model import transformer as mdl
@@ -187,6 +188,24 @@ def _check_last_stage_only(pp: int, tp: int, kind: str, recompute: str) -> None:
             else:
                 assert mem.weights > mem0.weights and mem.activations > mem0.activations
                 assert mem.logits > mem0.logits
+
+
+@pytest.mark.parametrize(("sp", "expected"), [
+    (False, {("all_gather", 1.0), ("all_reduce", 2.0)}),
+    (True, {("all_gather", 2.0), ("all_gather", 1.0), ("reduce_scatter", 2.0)})])
+def test_projection_collectives(sp: bool, expected: set[tuple[str, float]]) -> None:
+    """Megatron-LM's eh_proj under TP: a column-parallel linear over the b·s·2h
+    concatenation whose output is gathered whole (then cut again under SP): forward the
+    output's all-gather (and the input's under SP), backward the input gradient's
+    all-reduce (reduce-scatter under SP, with the cut's gradient all-gathered); sizes in
+    b·s·h activations, per module and micro-batch."""
+    s = make_scenario(tp=2, m=2, model={**GPT, "mtp_layers": 1},
+                      parallel={"sequence_parallel": sp})
+    workload = build_workload(s)
+    unit = mdl.tp_comm_bytes_per_layer(s.model, 1, s.training.dtype)
+    found = [(t.op.split(".")[-1], t.nbytes / unit) for t in workload.tasks
+             if "mtp_proj mb0" in t.name]
+    assert set(found) == expected and len(found) == (4 if sp else 2)
 
 
 @pytest.mark.parametrize("case", [{"pp": 4, "schedule": "1f1b", "m": 8},

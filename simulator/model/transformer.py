@@ -401,10 +401,13 @@ def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPaylo
     """Bytes of one TP collective at the model's ends by what it carries
     (:func:`simulator.model.inventory.tensor_parallel.tp_end_collectives`): the b·s·h activation,
     the b·s·V
-    logits, the cross-entropy's fp32 value per token."""
+    logits, the cross-entropy's fp32 value per token, a multi-token prediction module's
+    b·s·2h concatenation."""
     tokens = micro_batch * spec.seq_len
-    return {"activation": tp_comm_bytes_per_layer(spec, micro_batch, dtype),
-            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens}
+    activation = tp_comm_bytes_per_layer(spec, micro_batch, dtype)
+    return {"activation": activation,
+            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens,
+            "mtp_input": 2 * activation}
 
 
 def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:

@@ -94,7 +94,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             out["recompute"] += count * fwd if mode == "full" else 0.0
             out["ep_transfer"] += count * 2 * a2a * passes
             out["tp_transfer"] += count * 2 * etp * passes
-    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
+    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:4])):
         if present:
             out["forward"] += end[0]
             out["backward_input"] += end[1]
@@ -105,7 +105,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["forward"] += n * c.mtp[0]
         out["backward_input"] += n * c.mtp[1]
         out["backward_weight"] += n * c.mtp[2]
-        out["tp_transfer"] += n * sum(ends)
+        out["tp_transfer"] += n * sum(ends)  # the ends' again and the projection's
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
     return out

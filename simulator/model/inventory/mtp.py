@@ -11,8 +11,8 @@ ops again, :func:`simulator.model.transformer.mtp_end_ops`). Here: the two input
 the concatenation and the projection, on one TP rank, in execution order.
 
 Assumptions: the projection's FLOPs are 2·tokens·2h·h/tp each way, as Megatron-LM's
-``num_floating_point_operations`` counts them; its own TP gathers (the input under
-sequence parallelism, the column-parallel output) are not priced; the concatenation is
+``num_floating_point_operations`` counts them; its TP collectives are the tensor pass's
+(:func:`~simulator.model.inventory.tensor_parallel.tp_end_collectives`); the concatenation is
 one copy of both halves, its backward a sum of the hidden states' two gradients.
 """
 

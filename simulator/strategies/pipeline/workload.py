@@ -223,11 +223,11 @@ class PipelinePass:
     def mtp_forward(self, rank: int, mb: int, chunk: int) -> None:
         """Each multi-token prediction module's ops outside its layer (its layer is among
         the stage's): the shifted tokens' embedding, norms and projection, its output
-        layer and loss, with their TP collectives (the embedding's, the output layer's,
-        the loss's)."""
+        layer and loss, with their TP collectives (the embedding's, the projection's, the
+        output layer's, the loss's)."""
         ctx, hooks, c = self.ctx, self.ctx.hooks, self.ctx.c_of(rank)
         for depth in range(1, ctx.s.model.mtp_layers + 1):
-            for where in ("embed", "head"):
+            for where in ("embed", "mtp_proj", "head"):
                 for edge in hooks.edge:
                     edge(rank, where, True, mb, chunk)
             ctx.compute(rank, "F", "forward", f"mtp{depth} mb{mb}", c.mtp[0], mb, -1, chunk)
@@ -241,7 +241,7 @@ class PipelinePass:
             t = ctx.compute(rank, op, "backward", f"mtp{depth}.bwd mb{mb}",
                             c.mtp[1] + w * c.mtp[2], mb, -1, chunk)
             t.weight_s = w * c.mtp[2]
-            for where in ("head", "embed"):
+            for where in ("head", "mtp_proj", "embed"):
                 for edge in hooks.edge:
                     edge(rank, where, False, mb, chunk)
 
