@@ -117,14 +117,17 @@ def test_model_flops_in_closed_form(n: int) -> None:
 
 def test_recomputation_repeats_the_modules_layer() -> None:
     """Hardware FLOPs: the module's layer recomputes as the others do (selective: its
-    attention core; full: the layer)."""
+    attention core; full: the layer), and under full recomputation its projection too,
+    2·B·s·2h·h (Megatron-LM checkpoints the projection with the layer)."""
     spec = ModelSpec.model_validate({**GPT, "mtp_layers": 1})
     base = _with(spec, 0)
-    for mode in ("selective", "full"):
-        extra = mdl.hardware_flops_per_step(spec, 4, mode) - mdl.model_flops_per_step(spec, 4)
-        base_extra = mdl.hardware_flops_per_step(base, 4, mode) \
-            - mdl.model_flops_per_step(base, 4)
-        assert extra == pytest.approx(base_extra * (spec.layers + 1) / spec.layers, rel=1e-12)
+    B, s, h = 4, spec.seq_len, spec.hidden
+    for mode, proj in (("selective", 0.0), ("full", 2 * B * s * 2 * h * h)):
+        extra = mdl.hardware_flops_per_step(spec, B, mode) - mdl.model_flops_per_step(spec, B)
+        base_extra = mdl.hardware_flops_per_step(base, B, mode) \
+            - mdl.model_flops_per_step(base, B)
+        assert extra == pytest.approx(base_extra * (spec.layers + 1) / spec.layers + proj,
+                                      rel=1e-12)
 
 
 def test_partial_recompute_recomputes_the_module_whole() -> None:
@@ -212,8 +215,10 @@ def test_projection_collectives(sp: bool, expected: set[tuple[str, float]]) -> N
                                   {"pp": 4, "schedule": "zb-h1", "m": 8},
                                   {"pp": 1, "dp": 2, "m": 3},
                                   {"tp": 2, "pp": 2, "dp": 2, "zero": 2,
-                                   "recompute": "selective", "sequence_parallel": True}],
-                         ids=["1f1b", "zb-h1", "single-stage", "tp-sp-zero2"])
+                                   "recompute": "selective", "sequence_parallel": True},
+                                  {"tp": 2, "pp": 4, "schedule": "zb-h1", "m": 6,
+                                   "recompute": "full", "sequence_parallel": True}],
+                         ids=["1f1b", "zb-h1", "single-stage", "tp-sp-zero2", "tp-sp-full"])
 def test_memory_timeline_peak_equals_memory_py_with_modules(case: dict[str, Any]) -> None:
     """The allocations over the step (the modules' layers as layers, their ends with the
     output layer's) peak where memory.py's sum says, stage by stage."""
@@ -238,7 +243,8 @@ def test_folded_equals_full_with_modules(tp: int, pp: int, dp: int, model: dict)
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "sequence_parallel": True},
-                                      {"dp": 2}], ids=["tp2", "tp2-sp", "dp2"])
+                                      {"dp": 2}, {"tp": 2, "recompute": "full"}],
+                         ids=["tp2", "tp2-sp", "dp2", "tp2-full"])
 def test_analytic_prices_the_modules_as_the_engine_runs_them(
         parallel: dict[str, Any], tmp_path: Path) -> None:
     """Communication in line with compute: the estimate prices each module's layer, its

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from simulator.model import moe
 from simulator.model.inventory.attention import cp_kv_bytes
 from simulator.model.inventory.layer import kept_for_backward
-from simulator.model.inventory.mtp import mtp_in_ops
+from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
     RecomputeMode,
@@ -272,9 +272,8 @@ def activations(scenario: Scenario, stage: int) -> float:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
     if holds_head(par, stage):  # final-norm input and logits-GEMM input, 16-bit, per head
         total += 4 * tokens_h * (1 + spec.mtp_layers)
-        total += spec.mtp_layers * sum(  # each MTP module's norms' and projection's inputs
-            op.saved for op in mtp_in_ops(spec, b, t, sp, trn.dtype, "fwd", scenario.stack)
-        ) / par.cp
+        total += spec.mtp_layers * mtp_kept(  # each MTP module's norms' and projection's inputs
+            spec, b, t, sp, trn.dtype, scenario.stack, par.recompute) / par.cp
     return total * in_flight
 
 

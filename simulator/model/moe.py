@@ -93,6 +93,12 @@ def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
     return kinds
 
 
+def all_layer_kinds(spec: ModelSpec) -> list[tuple[int, int]]:
+    """:func:`layer_kinds` of every layer, the multi-token prediction modules' (numbered
+    from ``spec.layers`` on) included."""
+    return layer_kinds(spec, 0, spec.layers + spec.mtp_layers)
+
+
 def run_kinds(spec: ModelSpec, run: range) -> list[tuple[int, int]]:
     """:func:`layer_kinds` of a range of layers, a stepped one too (the every k-th layers
     of a partial recomputation, :mod:`simulator.spec.recompute`): closed form for a

@@ -37,11 +37,11 @@ from dataclasses import replace
 from typing import Literal
 
 from simulator.model import moe
+from simulator.model.inventory import mtp
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import expert_tensors
 from simulator.model.inventory.fp8 import step_weight_cast
 from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights, layer_tensors
-from simulator.model.inventory.mtp import mtp_end_params, mtp_end_tensors, mtp_in_ops
 from simulator.model.inventory.ops import (
     CORE_OPS,
     Op,
@@ -98,20 +98,14 @@ def head_params(spec: ModelSpec) -> int:
     beside them the multi-token prediction modules' norms and projections
     (:func:`~simulator.model.inventory.mtp.mtp_end_params`; their layers are layers)."""
     projection = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
-    return _norm_params(spec) + projection + mtp_end_params(spec)
-
-
-def all_layers(spec: ModelSpec) -> list[tuple[int, int]]:
-    """:func:`simulator.model.moe.layer_kinds` of every layer, the multi-token prediction
-    modules' (numbered from ``spec.layers`` on) included."""
-    return moe.layer_kinds(spec, 0, spec.layers + spec.mtp_layers)
+    return _norm_params(spec) + projection + mtp.mtp_end_params(spec)
 
 
 def param_count(spec: ModelSpec) -> int:
     """Total Ψ (a tied output projection counted once; the multi-token prediction
     modules' layers, norms and projections included, the embedding and output layer
     they share not again)."""
-    layers = sum(n * layer_params(spec, i) for i, n in all_layers(spec))
+    layers = sum(n * layer_params(spec, i) for i, n in moe.all_layer_kinds(spec))
     return layers + embedding_params(spec) + head_params(spec)
 
 
@@ -213,8 +207,8 @@ def mtp_end_ops(
     output layer and the cross-entropy (:func:`head_ops`); the backward in reverse."""
     st = stack or default_stack()
     args = (spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
-    ops = (*embedding_ops(*args), *mtp_in_ops(*args)) if pass_ == "fwd" else \
-        (*mtp_in_ops(*args), *embedding_ops(*args))
+    ops = (*embedding_ops(*args), *mtp.mtp_in_ops(*args)) if pass_ == "fwd" else \
+        (*mtp.mtp_in_ops(*args), *embedding_ops(*args))
     return (*ops, *head_ops(*args)) if pass_ == "fwd" else (*head_ops(*args), *ops)
 
 
@@ -275,7 +269,7 @@ def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
     tensors = 0
     if part != "experts":
         tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS \
-            + mtp_end_tensors(spec)
+            + mtp.mtp_end_tensors(spec)
     if part != "dense" and spec.is_moe:
         local = expert_tensors(spec, s.stack, spec.experts // p.ep)
         tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
@@ -326,7 +320,7 @@ def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
     MoE layer counts the experts its tokens use (no capacity padding).
     """
     layers = sum(n * _layer_flops(spec, global_batch, i, padded=False)
-                 for i, n in all_layers(spec))
+                 for i, n in moe.all_layer_kinds(spec))
     return layers + _all_passes(head_ops, spec, global_batch) \
         + _all_passes(embedding_ops, spec, global_batch) \
         + spec.mtp_layers * _all_passes(mtp_end_ops, spec, global_batch)
@@ -341,24 +335,27 @@ def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
     if modes is not None:
         return _partial_hardware_flops(spec, global_batch, modes)
     extra = 0.0
-    for i, n in all_layers(spec):
+    for i, n in moe.all_layer_kinds(spec):
         extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
                                                    layer=i))
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))
-    return model_flops_per_step(spec, global_batch) + extra
+    return model_flops_per_step(spec, global_batch) + extra \
+        + mtp.mtp_recompute_flops(spec, global_batch, recompute)
 
 
 def _partial_hardware_flops(spec: ModelSpec, global_batch: int, modes: ModeRuns) -> float:
-    """:func:`hardware_flops_per_step` with each layer's own recompute mode."""
-    extra = 0.0
+    """:func:`hardware_flops_per_step` with each layer's own recompute mode (the
+    multi-token prediction modules' is the mode that is not none)."""
+    mode = next((m for m, _ in modes if m != "none"), "none")
+    extra = mtp.mtp_recompute_flops(spec, global_batch, mode)
     for mode, runs in modes:
         for r in runs:
             extra += sum(n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=mode,
                                                            layer=i))
                          for i, n in moe.run_kinds(spec, r))
-    for i, n in all_layers(spec):
+    for i, n in moe.all_layer_kinds(spec):
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))

@@ -106,6 +106,9 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_input"] += n * c.mtp[1]
         out["backward_weight"] += n * c.mtp[2]
         out["tp_transfer"] += n * sum(ends)  # the ends' again and the projection's
+        if par.recompute == "full":  # the input side again, its projection's gathers too
+            out["recompute"] += n * c.mtp_recompute
+            out["tp_transfer"] += n * ends[4]
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
     return out

@@ -10,6 +10,9 @@ and a final norm, then the shared output layer and a cross-entropy (the model's 
 ops again, :func:`simulator.model.transformer.mtp_end_ops`). Here: the two input norms,
 the concatenation and the projection, on one TP rank, in execution order.
 
+Under full recomputation the input side runs again before the backward (the final norm
+is left out: one norm); its inputs are then not kept (:func:`mtp_kept`).
+
 Assumptions: the projection's FLOPs are 2·tokens·2h·h/tp each way, as Megatron-LM's
 ``num_floating_point_operations`` counts them; its TP collectives are the tensor pass's
 (:func:`~simulator.model.inventory.tensor_parallel.tp_end_collectives`); the concatenation is
@@ -30,7 +33,7 @@ from simulator.model.inventory.ops import (
     norm_tensors,
 )
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.stack import StackSpec
+from simulator.spec.stack import StackSpec, default_stack
 
 #: parameter tensors of one module outside its layer: three norms and the projection
 MTP_NORMS = 3
@@ -74,3 +77,27 @@ def mtp_in_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bo
     ops = (mem("mtp_enorm", norm, wide, "norm", saved=saved),
            mem("mtp_hnorm", norm, wide, "norm", saved=saved), join, proj)
     return ops if pass_ == "fwd" else ops[::-1]
+
+
+def mtp_recompute_flops(spec: ModelSpec, global_batch: int, recompute: str) -> float:
+    """FLOPs of the modules' input sides again under full recomputation (their layers
+    recompute as layers), for ``global_batch`` sequences."""
+    if recompute != "full" or not spec.mtp_layers:
+        return 0.0
+    return spec.mtp_layers * sum(op.flops for op in mtp_in_ops(
+        spec, global_batch, 1, False, "bf16", "fwd", default_stack()))
+
+
+def mtp_kept(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+             dtype: str, stack: StackSpec, recompute: str) -> float:
+    """Bytes one module's input side keeps for its backward, its layer's apart: the norms'
+    and the projection's inputs; under full recomputation, where Megatron-LM checkpoints
+    the projection, the layer and the final norm as one call
+    (``MultiTokenPredictionLayer._checkpointed_forward``), the call's second input, the
+    shifted tokens' embedding (the first, the previous depth's hidden states, is the
+    layer's kept input)."""
+    if recompute == "full":
+        local = micro_batch * spec.seq_len / (tp if sequence_parallel else 1)
+        return dtype_bytes(dtype) * local * spec.hidden
+    return sum(op.saved for op in mtp_in_ops(spec, micro_batch, tp, sequence_parallel, dtype,
+                                             "fwd", stack))

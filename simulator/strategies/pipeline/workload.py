@@ -235,9 +235,15 @@ class PipelinePass:
                 loss(rank, mb, chunk)
 
     def mtp_backward(self, rank: int, op: str, mb: int, chunk: int, w: float) -> None:
-        """The backward of :meth:`mtp_forward`, weight gradients included under B (``w``)."""
+        """The backward of :meth:`mtp_forward`, weight gradients included under B (``w``);
+        under full recomputation the input side's forward first, with its TP collectives."""
         ctx, hooks, c = self.ctx, self.ctx.hooks, self.ctx.c_of(rank)
         for depth in range(1, ctx.s.model.mtp_layers + 1):
+            if ctx.s.parallel.recompute == "full":
+                for edge in hooks.edge:
+                    edge(rank, "mtp_proj", True, mb, chunk)
+                ctx.compute(rank, "R", "recompute", f"mtp{depth}.recompute mb{mb}",
+                            c.mtp_recompute, mb, -1, chunk)
             t = ctx.compute(rank, op, "backward", f"mtp{depth}.bwd mb{mb}",
                             c.mtp[1] + w * c.mtp[2], mb, -1, chunk)
             t.weight_s = w * c.mtp[2]

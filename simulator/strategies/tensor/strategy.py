@@ -53,11 +53,11 @@ def tp_time(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -
 #: Seconds per micro-batch of the TP collectives at the model's ends: the embedding's
 #: forward and backward, the output layer's (with the loss's) forward and backward
 #: (embedding forward, backward; output layer and loss forward, backward; one multi-token
-#: prediction module's projection, forward and backward)
-Ends = tuple[float, float, float, float, float]
+#: prediction module's projection forward, backward)
+Ends = tuple[float, float, float, float, float, float]
 
 
-NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0, 0.0)
+NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -> Ends:
@@ -83,7 +83,7 @@ def tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -
                                                          forward))
 
     return (t("embed", True), t("embed", False), t("head", True) + t("loss", True),
-            t("head", False), t("mtp_proj", True) + t("mtp_proj", False))
+            t("head", False), t("mtp_proj", True), t("mtp_proj", False))
 
 
 def tp_optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
