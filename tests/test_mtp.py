@@ -51,10 +51,12 @@ def test_module_parameters_in_closed_form() -> None:
 
 
 def test_deepseek_v3_module_against_the_release() -> None:
-    """README_WEIGHTS.md of deepseek-ai/DeepSeek-V3: the MTP module's transformer layer is
-    11.5B parameters; the checkpoint on Hugging Face holds 685B = 671B of the main model
-    plus 14B of the module, which repeats the embedding and the output head
-    (``embed_tokens``, ``shared_head``) besides its unique parameters."""
+    """README_WEIGHTS.md of deepseek-ai/DeepSeek-V3 gives the MTP module 11.5B unique
+    parameters: its transformer layer is 11.51B here (11.61B with the 0.10B projection
+    and the norms, which the release's rounding leaves out); the checkpoint on Hugging
+    Face holds 685B = 671B of the main model plus 14B of the module, which repeats the
+    embedding and the output head (``embed_tokens``, ``shared_head``) besides its unique
+    parameters (684.5B here)."""
     assert mdl.layer_params(DSV3, DSV3.layers) == pytest.approx(11.5e9, rel=0.005)
     one = _with(DSV3, 1)
     checkpoint = mdl.param_count(one) + 2 * DSV3.vocab * DSV3.hidden
