@@ -65,7 +65,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     under hybrid sharding, :attr:`~simulator.spec.scenario.ParallelSpec.shard`) and the
     routed experts' states over the expert data-parallel ranks (edp)."""
     par, dtype = scenario.parallel, scenario.training.dtype
-    runs = stage_layers(scenario.model.layers, par, stage)
+    runs = stage_layers(scenario.model.layers, par, stage, scenario.model.mtp_layers)
     total = stage_params(scenario.model, par.pp, stage, runs, head_rank(par))
     experts = stage_expert_params(scenario.model, par.pp, stage, runs)
     psi = rank_params(scenario, total - experts, 0)

@@ -134,8 +134,9 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
                for st in range(s.parallel.pp)) / s.parallel.pp if s.stage_hardware \
         else s.hardware.gpu.peak_flops(s.training.dtype)
     model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
+    modes = flops_modes(s.parallel, s.model.layers, s.model.mtp_layers)
     hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute,
-                                           flops_modes(s.parallel, s.model.layers))
+                                           modes)
     model_tflops = model_flops / step_time / world / 1e12
     hw_tflops = hw_flops / step_time / world / 1e12
     stages = memory_report(s)

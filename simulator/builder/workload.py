@@ -46,6 +46,7 @@ from simulator.builder.tasks import Program, Task, Workload
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.attention import context_parallel_ops
+from simulator.model.inventory.mtp import mtp_in_ops
 from simulator.model.inventory.ops import Op, Pass
 from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
@@ -84,6 +85,11 @@ class BlockCosts:
     moe: BlockCosts | None = None  # the MoE layers' blocks, when they differ
     moe_first: int = 0  # first MoE layer (model.first_dense_layers)
     moe_freq: int = 1  # then every moe_freq-th layer
+    #: one multi-token prediction module's ops outside its layer, on the last stage
+    #: (:func:`simulator.model.transformer.mtp_end_ops`): fwd, bwd_input, bwd_weight
+    mtp: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: its input side's forward again before the backward under full recomputation
+    mtp_recompute: float = 0.0
     #: host seconds the pipeline runtime adds to each F and each B action of a stage
     #: (:meth:`simulator.system.costs.CostModel.pipeline_action_s`; 0 without pipelining)
     action: float = 0.0
@@ -172,6 +178,10 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
     base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    if spec.mtp_layers:
+        again = mtp_in_ops(spec, b, tp, sp, dt, "fwd", s.stack) \
+            if s.parallel.recompute == "full" else ()
+        base = replace(base, mtp=three(mdl.mtp_end_ops), mtp_recompute=cost.ops_time(again))
     if s.parallel.pp > 1:
         base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
     windows = overlap_windows(s, cost)

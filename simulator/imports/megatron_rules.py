@@ -341,6 +341,14 @@ def latent(a: Parsed, d: Draft) -> None:
                         "v_head_dim": a.number("--v-head-dim", 128)})
 
 
+def multi_token(a: Parsed, d: Draft) -> None:
+    """``--mtp-num-layers`` (a ``TransformerConfig`` field, default None: no MTP) is
+    model.mtp_layers."""
+    layers = a.number("--mtp-num-layers")
+    if layers:
+        d.set("model.mtp_layers", layers)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
           "--context-parallel-size", "--expert-model-parallel-size",
@@ -377,4 +385,5 @@ RULES: tuple[Rule, ...] = (
           "--moe-shared-expert-overlap"), dispatcher),
     Rule(("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
           "--qk-pos-emb-head-dim", "--v-head-dim"), latent),
+    Rule(("--mtp-num-layers",), multi_token),
 )

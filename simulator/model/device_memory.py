@@ -237,7 +237,8 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
     in_flight = schedule_spec(par.schedule).in_flight(par.pp, s.microbatches,
                                                       par.virtual_stages, stage)
     per_pass = 0.0
-    for _, chunks in stage_modes(par, s.model.layers, stage):  # one group unless partial
+    # one group unless partial
+    for _, chunks in stage_modes(par, s.model.layers, stage, s.model.mtp_layers):
         kinds = [kind for r in kept_runs(par, chunks) for kind in moe.run_kinds(s.model, r)]
         per_pass += sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight

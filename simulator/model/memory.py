@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from simulator.model import moe
 from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
 from simulator.model.inventory.layer import kept_for_backward
+from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
     RecomputeMode,
@@ -246,7 +247,7 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
         total += embedding_params(spec)
     if stage == head_at:
         total += head_params(spec)
-        if spec.tied_embeddings and head_at != 0:
+        if spec.head_needs_embedding and head_at != 0:
             total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
     return total
 
@@ -257,7 +258,8 @@ def activations(scenario: Scenario, stage: int) -> float:
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
     total = 0.0
-    for mode, chunks in stage_modes(par, spec.layers, stage):  # one group unless partial
+    # one group unless partial
+    for mode, chunks in stage_modes(par, spec.layers, stage, spec.mtp_layers):
         runs = kept_runs(par, chunks)  # one input per group of layers recomputed as one
         if spec.is_moe or spec.mla is not None or par.cp > 1:
             total += sum(n * activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype, i,
@@ -274,8 +276,10 @@ def activations(scenario: Scenario, stage: int) -> float:
         tokens_h /= par.cp
     if stage == 0 and scenario.stack.hidden_dropout > 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
-    if holds_head(par, stage):
-        total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
+    if holds_head(par, stage):  # final-norm input and logits-GEMM input, 16-bit, per head
+        total += 4 * tokens_h * (1 + spec.mtp_layers)
+        total += spec.mtp_layers * mtp_kept(  # each MTP module's norms' and projection's inputs
+            spec, b, t, sp, trn.dtype, scenario.stack, par.recompute) / par.cp
     return total * in_flight
 
 
@@ -284,13 +288,15 @@ def logits(scenario: Scenario, stage: int) -> float:
     run, the fp32 softmax (Megatron's vocab-parallel loss, PyTorch's log_softmax), plus
     one more copy for the logits' gradient; under flash-attn's fused loss
     (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
-    and a 16-bit gradient."""
+    and a 16-bit gradient. Each multi-token prediction module's loss holds as much again
+    (one gradient serves them all: the losses' backward runs one after another)."""
     par = scenario.parallel
     if not holds_head(par, stage):
         return 0.0
     tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
     elements = tokens * scenario.model.vocab / par.tp
-    held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
+    held = schedule_spec(par.schedule).logits_held(scenario.microbatches) \
+        * (1 + scenario.model.mtp_layers)
     if scenario.stack.loss == "flash":
         dt = dtype_bytes(scenario.training.dtype)
         return (dt * elements + 4.0 * tokens) * held + dt * elements

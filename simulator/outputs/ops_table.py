@@ -75,7 +75,10 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += _layer_rows(local, cost, i, f"layer {i} (MoE)")
     spec, b, tp, sp, dt = (local.model, s.training.micro_batch, s.parallel.tp,
                            s.parallel.sequence_parallel, s.training.dtype)
-    for part, fn in (("embedding", mdl.embedding_ops), ("head", mdl.head_ops)):
+    ends = [("embedding", mdl.embedding_ops), ("head", mdl.head_ops)]
+    if spec.mtp_layers:  # one multi-token prediction module's ops beside its layer
+        ends.append(("mtp module", mdl.mtp_end_ops))
+    for part, fn in ends:
         for p in mdl.PASSES:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]
@@ -94,7 +97,8 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.shard if par.zero else 1)
-    opt = mdl.optimizer_op_of(s, shard, stage_layers(s.model.layers, par, 0), "all")
+    runs = stage_layers(s.model.layers, par, 0, s.model.mtp_layers)
+    opt = mdl.optimizer_op_of(s, shard, runs, "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows
 

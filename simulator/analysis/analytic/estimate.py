@@ -151,9 +151,9 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     them; with experts the stage with the most, which reduce over edp) and the time of
     their gradients' reduction."""
     par, spec, trn = s.parallel, s.model, s.training
-    layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]
-    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st), head_rank(par))
-            for st in range(par.pp)]
+    layers = [stage_layer_count(spec.layers, par, st, spec.mtp_layers) for st in range(par.pp)]
+    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
+                         head_rank(par)) for st in range(par.pp)]
     busiest = max(range(par.pp), key=held.__getitem__)
     params: float = held[busiest]
     expert_params: list[float] = []
@@ -216,7 +216,7 @@ def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
         shard += sum(g.expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
         return offload_step_s(s, layout, hw, shard), shard
-    runs = stage_layers(spec.layers, par, g.busiest)
+    runs = stage_layers(spec.layers, par, g.busiest, spec.mtp_layers)
     opt = mdl.optimizer_op_of(s, shard, runs, "all" if g.expert_params else "dense")
     t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
         + tp_optimizer(s, layout, cost, hw, g.layers[g.busiest],

@@ -191,7 +191,7 @@ def stage_expert_split(s: Scenario, stage: int) -> tuple[float, list[float]]:
     if par.pp == 1:
         dense += head_params(spec)
     experts: list[float] = []
-    kinds = [k for r in stage_layers(spec.layers, par, stage)
+    kinds = [k for r in stage_layers(spec.layers, par, stage, spec.mtp_layers)
              for k in moe.layer_kinds(spec, r.start, r.stop)]
     for layer, count in kinds:
         e = moe.expert_params(spec, layer)

@@ -88,7 +88,7 @@ def stage_units(s: Scenario, stage: int) -> list[LayerUnits]:
     """The ZeRO-3 units of pipeline ``stage``'s layers, by kind of layer (closed form:
     :func:`simulator.model.moe.layer_kinds`)."""
     return [LayerUnits(dense_unit(s, i), expert_unit(s, i), n)
-            for run in stage_layers(s.model.layers, s.parallel, stage)
+            for run in stage_layers(s.model.layers, s.parallel, stage, s.model.mtp_layers)
             for i, n in moe.run_kinds(s.model, run)]
 
 

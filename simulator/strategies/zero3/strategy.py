@@ -57,8 +57,9 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     gathered = embedding_params(spec) if stage == 0 else 0.0
     grad = 0.0
     if holds_head(par, stage):
-        gathered += head_params(spec) + (tied if tied_copy(par) else 0)
-        grad = head_params(spec) + tied
+        copy = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
+        gathered += head_params(spec) + copy
+        grad = head_params(spec) + max(tied, copy)
     return gathered * dt, grad * dt
 
 
@@ -75,7 +76,7 @@ def zero3_buffers(scenario: Scenario, stage: int) -> float:
         * dtype_bytes(scenario.training.dtype)
     ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
+        gathered: float = stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
     elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
         # DeepSpeed's modules, gathered by blocks as the engine runs them
         # (Zero3Pass): the running block and the fsdp_prefetch
@@ -108,7 +109,7 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     if par.zero != 3 or par.dp * par.cp == 1:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     parts = zero3_collectives(s.model, s.stack)
-    layers = stage_layer_count(s.model.layers, par, stage) * parts
+    layers = stage_layer_count(s.model.layers, par, stage, s.model.mtp_layers) * parts
     experts = stage_expert_units(s, stage)
     root = 1 if stage == 0 or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * (layers + experts) + root
