@@ -33,6 +33,7 @@ from simulator.model.inventory.attention import cp_kv_bytes
 
 
 class ContextParallelPass(Pass):
+    stamps = True  # per attention block; the ring follows the task before the block
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         s = ctx.s  # the rank's local view: seq_len / cp tokens
