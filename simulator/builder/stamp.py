@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from simulator.builder.context import Context
@@ -64,6 +64,13 @@ class Record:
     streams: list[str]  # the rank's streams, as the out-of-action deps index them
     waits: list[tuple[int, tuple[str, int, int, int]]]  # (task offset, receive key)
     built: Built  # offsets of what the builder returned (an int or a list of ints)
+    #: per task, its name before and after the micro-batch's number ("...mb", "..."), or
+    #: (the name, None) where it has none
+    parts: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.parts = [(n, None) if isinstance(n, str) else (n[0] + "mb", n[1])
+                      for n in self.names]
 
 
 def _split_name(name: str, mb: int) -> tuple[str, str] | str | None:
@@ -173,23 +180,23 @@ class Stamps:
         first = len(tasks)
         lengths = [len(streams[name]) for name in rec.streams]
         out = [streams[name] for name in rec.streams]
-        smb = str(mb)
+        smb, append, i = str(mb), tasks.append, first
         for (stream, op, kind, duration, plan, group, coll, dst, nbytes, mine, layer, chunk,
-             weight_s), name, deps in zip(rec.tasks, rec.names, rec.deps, strict=True):
+             weight_s), (pre, post), deps in zip(rec.tasks, rec.parts, rec.deps, strict=True):
             key: tuple[Any, ...] = ()
             if coll:  # the n-th collective of its group on this rank (Context.collective)
                 n = seq.get(group, 0)
                 seq[group] = n + 1
                 key = (group, n)
-            t = Task(len(tasks), rank, stream, op, kind,
-                     name if isinstance(name, str) else f"{name[0]}mb{smb}{name[1]}",
+            t = Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
                      duration, plan, group, key, dst, nbytes, mb if mine else -1, layer,
                      chunk,
                      [first + off if where == 0 else
                       out[where - 1][lengths[where - 1] - off].id for where, off in deps]
                      if deps else [], 0, weight_s)
-            tasks.append(t)
+            append(t)
             streams[stream].append(t)
+            i += 1
         for off, wkey in rec.waits:
             self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))
         if isinstance(rec.built, list):
