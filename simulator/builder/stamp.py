@@ -14,7 +14,8 @@ per-layer pricing and no f-strings.
 
 Only actions whose hooks are pure functions of their arguments are stamped: every
 installed pass that adds tasks inside an action (``forward_start``, ``layer_start``,
-``block``, ``layer_end``, ``edge``, ``loss``) must declare ``stamps = True``
+``block``, ``layer_end``, ``edge``, ``loss``: every hook but those of
+:data:`BETWEEN_ACTIONS`) must declare ``stamps = True``
 (:class:`~simulator.builder.context.Pass`); a pass that carries state from one action
 to the next (ZeRO-3's prefetched gathers) leaves the builder as it was. A dependency on
 a task outside the action is recorded as a position on the rank's stream counted back
@@ -27,14 +28,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from simulator.builder.context import Context
 from simulator.builder.tasks import Task
 
-#: the hooks a pass calls inside an action (those a stamped action replays)
-ACTION_HOOKS = ("forward_start", "layer_start", "block", "layer_end", "edge", "loss")
+#: the hooks the pipeline walk calls between actions; every other hook of
+#: :class:`~simulator.builder.context.Hooks` (a new one too) is taken to run inside an
+#: action, where a copied action does not call it
+BETWEEN_ACTIONS = frozenset({"weight_grads", "bucket_reduced", "sync_end", "step",
+                             "after_step"})
 
 #: actions of a (rank, kind, stage) recorded before giving up on copying them when each
 #: differs from the one before
@@ -48,7 +52,8 @@ def stampable(ctx: Context) -> bool:
     """Whether every pass hooked inside actions declares its hooks stampable."""
     hooks = ctx.hooks
     return all(getattr(getattr(fn, "__self__", None), "stamps", False)
-               for name in ACTION_HOOKS for fn in getattr(hooks, name))
+               for f in fields(hooks) if f.name not in BETWEEN_ACTIONS
+               for fn in getattr(hooks, f.name))
 
 
 @dataclass(slots=True)
@@ -60,7 +65,9 @@ class Record:
     #: whether its micro-batch is the action's, layer, chunk, weight_s), as built
     tasks: list[tuple[Any, ...]]
     names: list[tuple[str, str] | str]  # a name split around its micro-batch, or whole
-    deps: list[list[tuple[int, int]]]  # (0, offset) inside; (1 + stream index, -back) out
+    #: per task, its dependencies: (0, offset) inside the action, (1 + stream index,
+    #: how far back from the action's start on that stream) before it
+    deps: list[list[tuple[int, int]]]
     streams: list[str]  # the rank's streams, as the out-of-action deps index them
     waits: list[tuple[int, tuple[str, int, int, int]]]  # (task offset, receive key)
     built: Built  # offsets of what the builder returned (an int or a list of ints)
