@@ -241,12 +241,14 @@ def simulated_count(s: Scenario, fidelity: str) -> int:
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
                    costs: BlockCosts | None = None, fidelity: str | None = None,
-                   step: int = 0, share_stages: bool = True) -> Workload:
+                   step: int = 0, share_stages: bool = True, stamp: bool = True) -> Workload:
     """Per-rank programs for one training step (``step`` indexes the jitter draws).
     ``costs`` may be given to price blocks differently (tests make stages exactly
     balanced this way). At full fidelity the ranks of a stage share one prototype
     program (:mod:`simulator.builder.program`) where that is exact; ``share_stages=False``
-    builds every rank's (what tests compare it with)."""
+    builds every rank's (what tests compare it with); ``stamp=False`` builds every
+    action with the passes instead of copying each (rank, kind, stage)'s first
+    (:mod:`simulator.builder.stamp`; what tests compare it with)."""
     layout = layout or layout_of(s)
     cost = cost or CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us,
                              ranks=s.parallel.world)
@@ -259,10 +261,11 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     folded = _folds(s, fidelity)
     shared = None
     if share_stages and not folded and not s.model.is_moe and layout.per_stage > 1:
-        ctx = _build(s, layout, cost, costs, schedule, layout.representatives(), attrs, False)
+        ctx = _build(s, layout, cost, costs, schedule, layout.representatives(), attrs, False,
+                     stamp)
         shared = share(layout, ctx.tasks, ctx.programs)
     if shared is None:
-        ctx = _build(s, layout, cost, costs, schedule, tuple(weights), attrs, folded)
+        ctx = _build(s, layout, cost, costs, schedule, tuple(weights), attrs, folded, stamp)
         _vary_compute(ctx.programs, attrs, s, step)
         programs: Mapping[int, Program] = ctx.programs
         tasks: Sequence[Task] = ctx.tasks
@@ -279,9 +282,10 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
 
 def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
            schedule: Schedule, ranks: tuple[int, ...], attrs: Attributes,
-           folded: bool) -> Context:
+           folded: bool, stamp: bool = True) -> Context:
     """Run the builder passes for ``ranks``."""
     ctx = Context(local_scenario(s), layout, cost, costs, schedule, ranks)
+    ctx.stamp = stamp
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster

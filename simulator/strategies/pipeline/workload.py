@@ -39,7 +39,10 @@ optimizer step.
 
 from __future__ import annotations
 
+from functools import partial
+
 from simulator.builder.context import Context
+from simulator.builder.stamp import Stamps
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
@@ -56,23 +59,28 @@ class PipelinePass:
             self.act_bytes /= s.parallel.tp
         self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
         self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
+        # each (rank, kind, stage)'s actions built once and copied (simulator.builder.stamp)
+        self.stamps = Stamps(ctx, self.waits, ctx.stamp)
 
     # ------------------------------------------------------------ driver
     def build_rank(self, rank: int) -> None:
         ctx, sched, hooks = self.ctx, self.ctx.sched, self.ctx.hooks
         compute = ctx.programs[rank].streams["compute"]
+        stamped = self.stamps.action
         for i, a in enumerate(sched.actions[ctx.layout.coord(rank).pp]):
             chunk = sched.chunk_of(a.stage)
             if a.kind == "F":
-                self.forward(rank, a, chunk)
+                stamped(rank, "F", a.stage, a.microbatch, partial(self.forward, rank, a, chunk))
                 self.runtime(rank, a, chunk)
                 if a.stage < ctx.last_stage:
                     self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
                 continue
             if a.kind == "W":
-                done = self.weight_grad(rank, a, chunk)
+                done = stamped(rank, "W", a.stage, a.microbatch,
+                               partial(self.weight_grad, rank, a, chunk))
             else:
-                done = self.backward(rank, a, chunk, weights=a.kind == "B")
+                done = stamped(rank, a.kind, a.stage, a.microbatch,
+                               partial(self.backward, rank, a, chunk, a.kind == "B"))
                 self.runtime(rank, a, chunk)
                 if a.stage > 0:
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
