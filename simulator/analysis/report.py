@@ -32,7 +32,7 @@ from simulator.builder.tasks import Workload
 from simulator.engine.result import SimResult
 from simulator.model import transformer as mdl
 from simulator.outputs.span_table import span_table
-from simulator.spec.recompute import flops_modes
+from simulator.spec.recompute import flops_modes, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.compression import arithmetic as cmp
 from simulator.system.collectives.plan import busbw_factor
@@ -130,8 +130,8 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
                for st in range(s.parallel.pp)) / s.parallel.pp if s.stage_hardware \
         else s.hardware.gpu.peak_flops(s.training.dtype)
     model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
-    hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute,
-                                           flops_modes(s.parallel, s.model.layers))
+    hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, policy(s.parallel),
+                                           flops_modes(s.parallel, s.model.layers), s.stack)
     model_tflops = model_flops / step_time / world / 1e12
     hw_tflops = hw_flops / step_time / world / 1e12
     stages = memory_report(s)
