@@ -130,6 +130,8 @@ def test_unmapped_unknown_and_legacy_keys_are_listed(tmp_path: Path,
      ("parallel", "recompute_every"), 3),
     ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"3\"\n",
      ("parallel", "recompute"), "full"),
+    ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"op\"\n",
+     ("parallel", "recompute"), "op"),
     ("[optimizer]\nimplementation = \"for-loop\"\n", ("stack", "optimizer"), "per_tensor"),
 ])
 def test_keys(tmp_path: Path, extra: str, path: tuple[str, ...], value: object) -> None:

@@ -57,7 +57,8 @@ Policy = str
 ModeRuns = tuple[tuple[Policy, tuple[range, ...]], ...]
 
 
-def _modules() -> tuple[str, ...]:
+def module_names() -> tuple[str, ...]:
+    """``parallel.recompute_modules``' choices, in the order a policy names them."""
     from simulator.spec.scenario import RecomputeModule  # the field's choices, in order
 
     return get_args(RecomputeModule)
@@ -70,7 +71,7 @@ def policy(par: ParallelSpec) -> Policy:
     modules = par.recompute_modules
     if par.recompute != "selective" or modules is None or tuple(modules) == ("core_attn",):
         return par.recompute
-    return "selective:" + ",".join(m for m in _modules() if m in modules)
+    return "selective:" + ",".join(m for m in module_names() if m in modules)
 
 
 def modules_of(policy: Policy) -> tuple[str, ...]:

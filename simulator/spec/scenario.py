@@ -213,7 +213,7 @@ class ParallelSpec(Frozen):
             return {**data, "zero": 3}
         return data
 
-    @field_validator("layers_per_stage", mode="before")
+    @field_validator("layers_per_stage", "recompute_modules", mode="before")
     @classmethod
     def _counts(cls, value: Any) -> Any:
         """YAML gives a list; strict validation wants the tuple the type names."""

@@ -8,7 +8,7 @@ the callers: everything recomputed, the input kept), ``selective`` (the attentio
 Megatron-Core's default ``--recompute-modules core_attn``), ``selective:<modules>``
 (Megatron-Core's ``--recompute-granularity selective --recompute-modules ...``, the
 modules in the order of
-:data:`simulator.spec.recompute.MODULES`) and ``op`` (torchtitan's per-op selective
+:func:`simulator.spec.recompute.module_names`) and ``op`` (torchtitan's per-op selective
 checkpointing, :func:`op_sac`).
 
 Megatron-Core's modules (``TransformerConfig.recompute_modules``,
