@@ -273,6 +273,22 @@ def test_memory_timeline_peak_is_memory_py() -> None:
 # ------------------------------------------------------------------ the rules
 
 
+def test_delayed_fp8_scaling_refuses_the_discarding_modules() -> None:
+    """transformer_config.py: "Delayed scaling does not support moe_act and layernorm
+    recompute for fp8"."""
+    def make(fp8: str, **parallel: Any) -> Scenario:
+        return scenario_from_dict({
+            "name": "fp8", "stack": {"preset": "megatron-core", "fp8": fp8}, "model": DENSE,
+            "cluster": {"system": "dgx-h100", "nodes": 1, "gpus_per_node": 1},
+            "parallel": parallel, "training": {"global_batch": 4, "micro_batch": B,
+                                               "dtype": "bf16"}})
+    with pytest.raises(ScenarioError, match="delayed scaling does not support"):
+        make("delayed", recompute="selective", recompute_modules=["layernorm"])
+    # current scaling: the linears keep 1-byte FP8 inputs, which layernorm drops
+    s = make("current", recompute="selective", recompute_modules=["layernorm"])
+    assert kept(make("current")) - kept(s) == pytest.approx(2 * 1 * T * H, rel=1e-12)
+
+
 @pytest.mark.parametrize(("model", "parallel", "words"), [
     (DENSE, {"recompute": "full", "recompute_modules": ["layernorm"]},
      ["parallel.recompute_modules", "needs parallel.recompute: selective"]),

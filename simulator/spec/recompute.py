@@ -258,11 +258,18 @@ def recompute_problems(par: ParallelSpec) -> list[Problem]:
     return out
 
 
-def model_problems(model: ModelSpec, par: ParallelSpec) -> list[Problem]:
+def model_problems(model: ModelSpec, par: ParallelSpec, fp8: str = "none") -> list[Problem]:
     """Policies the model's layers cannot run: Megatron's ``mla_up_proj`` needs latent
-    attention (``TransformerConfig.__post_init__`` raises likewise); torchtitan's per-op
-    policy is modelled on dense layers with standard attention."""
+    attention and its ``layernorm`` and ``moe_act`` FP8 scaling other than delayed
+    (``TransformerConfig.__post_init__`` raises likewise); torchtitan's per-op policy is
+    modelled on dense layers with standard attention."""
     out: list[Problem] = []
+    discarding = [m for m in modules_of(policy(par)) if m in ("layernorm", "moe_act")]
+    if discarding and fp8 == "delayed":
+        out.append(Problem("parallel.recompute_modules", list(par.recompute_modules or ()),
+                           f"{' and '.join(discarding)} discard FP8 outputs, which delayed "
+                           "scaling does not support (Megatron refuses it); use another "
+                           "stack.fp8 recipe or remove them"))
     if "mla_up_proj" in modules_of(policy(par)) and model.mla is None:
         out.append(Problem("parallel.recompute_modules", list(par.recompute_modules or ()),
                            "mla_up_proj recomputes latent attention's up-projections; the "
