@@ -50,6 +50,7 @@ from simulator.model.inventory.mtp import mtp_in_ops
 from simulator.model.inventory.ops import Op, Pass
 from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
+from simulator.spec.recompute import policy
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
 from simulator.strategies.expert.layer import (
@@ -143,15 +144,29 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     w_mlp = cost.ops_time([op for op in bwd_w if op.name not in attn])
     if routed:
         w_mlp += cost.ops_time(expert_layer(s).bwd_weight)
-    if s.parallel.recompute == "full":
+    mode = policy(s.parallel)
+    if mode == "full":
         rec_t = _split(fwd, cost, True)
     else:
         rec = context_parallel_ops(
-            mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
+            mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack),
             spec, b, tp, dt, "fwd", cp, gathered, a2a=a2a)
-        rec_t = (cost.ops_time(rec), 0.0)
+        rec_t = (cost.ops_time(rec), 0.0) if mode == "selective" else \
+            _recompute_blocks(s, cost, rec, attn, routed)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
+
+
+def _recompute_blocks(s: Scenario, cost: CostModel, rec: tuple[Op, ...], attn: set[str],
+                      routed: bool) -> tuple[float, float]:
+    """(attention block, MLP block) seconds a finer policy re-runs
+    (:mod:`simulator.model.inventory.recompute_policy`); a MoE layer's routed experts
+    among them priced as the expert pass prices them (its ranks' tokens and experts)."""
+    names = {op.name for op in rec}
+    mlp = [op for op in rec if op.name not in attn and op.name not in moe.ROUTED_OPS]
+    if routed:
+        mlp += [op for op in expert_layer(s).fwd if op.name in names]
+    return cost.ops_time([op for op in rec if op.name in attn]), cost.ops_time(mlp)
 
 
 def local_scenario(s: Scenario) -> Scenario:

@@ -17,8 +17,8 @@ from simulator.model.inventory.tensor_parallel import tp_block_collectives
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule, schedule_spec
 from simulator.spec.placement import chunk_layers, holds_head, is_even, stage_layers
-from simulator.spec.recompute import chunks_alike, mode_runs, partial
-from simulator.spec.scenario import Recompute, Scenario
+from simulator.spec.recompute import Policy, chunks_alike, mode_runs, partial
+from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
 from simulator.strategies.tensor.overlap import exposed
@@ -27,7 +27,7 @@ from simulator.strategies.tensor.strategy import NO_ENDS, Ends
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
 
 
-Kinds = list[tuple[int, int, Recompute]]  # (a layer, how many like it, their recompute)
+Kinds = list[tuple[int, int, Policy]]  # (a layer, how many like it, their recompute)
 
 
 def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:

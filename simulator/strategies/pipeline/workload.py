@@ -276,9 +276,8 @@ class PipelinePass:
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
-        if ctx.s.parallel.recompute == "selective":
-            return ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
-                               c.recompute[0], mb, layer, chunk)
+        if ctx.s.parallel.recompute != "full":  # selective or per-op: compute only
+            return self.recompute_ops(rank, mb, layer, chunk)
         first = None
         for blk, label in ((0, "attn"), (1, "mlp")):
             for block in ctx.hooks.block:
@@ -288,6 +287,18 @@ class PipelinePass:
             first = first or t
             self.after_block(rank, label, mb, layer, chunk, False, t)
         assert first is not None
+        return first
+
+    def recompute_ops(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
+        """Selective or per-op recomputation: the attention block's recomputed ops, then a
+        finer policy's MLP-block ones (:mod:`simulator.model.inventory.recompute_policy`),
+        compute only."""
+        ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
+        first = ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
+                            c.recompute[0], mb, layer, chunk)
+        if c.recompute[1]:
+            ctx.compute(rank, "R", "recompute", f"recompute.mlp L{layer} mb{mb}",
+                        c.recompute[1], mb, layer, chunk)
         return first
 
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
