@@ -24,7 +24,7 @@ from simulator.system.layout import Layout
 if TYPE_CHECKING:
     from simulator.builder.program import SharedPrograms
 
-Stream = Literal["compute", "pp", "dp", "zero", "host", "cp", "tp", "replicate"]
+Stream = Literal["compute", "pp", "dp", "zero", "host", "cp", "tp", "replicate", "ep"]
 
 
 @dataclass(slots=True)

@@ -41,7 +41,8 @@ from typing import Any, Literal, get_args
 from simulator.errors import Problem, UserError
 from simulator.loading import PRESETS_DIR, read_yaml
 from simulator.model.memory import stage_params, state_bytes_per_param
-from simulator.spec.placement import head_rank, stage_layers
+from simulator.schedules.registry import schedule_spec
+from simulator.spec.placement import head_rank, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
 
 Component = Literal["gpu", "host", "nic", "switch", "software"]
@@ -127,9 +128,9 @@ def checkpoint_bytes(s: Scenario) -> float:
     w, _, o = state_bytes_per_param(0, 1, s.training.dtype)
     par = s.parallel
     params = sum(stage_params(s.model, par.pp, st, stage_layers(s.model.layers, par, st),
-                              head_rank(par))
+                              head_rank(par), stage_ends(par, st))
                  for st in range(par.pp))
-    return params * (w + o)
+    return params / schedule_spec(par.schedule).directions * (w + o)  # DualPipe: 2 copies
 
 
 def checkpoint_cost(s: Scenario) -> CheckpointCost:

@@ -249,7 +249,8 @@ def cast_ops(elements: float, dt: int, wire: int) -> tuple[list[Op], list[Op]]:
 def stage_units(s: Scenario, stage: int) -> list[list[tuple[int, int]]]:
     """The gradient units of pipeline ``stage`` (all its chunks; a dense model)."""
     par, spec = s.parallel, s.model
-    return unit_shapes(spec, placement.stage_layer_count(spec.layers, par, stage), stage == 0,
+    return unit_shapes(spec, placement.stage_layer_count(spec.layers, par, stage),
+                       placement.holds_embedding(par, stage),
                        placement.holds_head(par, stage),
                        spec.tied_embeddings and placement.tied_copy(par))
 
@@ -265,7 +266,8 @@ def stage_elements(s: Scenario, stage: int) -> float:
     billion layers)."""
     par, spec = s.parallel, s.model
     layers = placement.stage_layer_count(spec.layers, par, stage)
-    ends = unit_shapes(spec, 0, stage == 0, placement.holds_head(par, stage),
+    ends = unit_shapes(spec, 0, placement.holds_embedding(par, stage),
+                       placement.holds_head(par, stage),
                        spec.tied_embeddings and placement.tied_copy(par))
     total = layers * sum(n * m for n, m in layer_shapes(spec)) \
         + sum(n * m for unit in ends for n, m in unit)

@@ -30,12 +30,13 @@ def schedule_problems(s: Scenario, per_step: int) -> list[Problem]:
     m = trn.global_batch // per_step
     out = []
     for req in requirements(par.schedule, par.pp, m, par.virtual_stages):
-        if req.field == "virtual_stages":
-            out.append(Problem("parallel.virtual_stages", par.virtual_stages, req.text))
+        if req.field in ("virtual_stages", "pp"):
+            out.append(Problem(f"parallel.{req.field}", getattr(par, req.field), req.text))
         elif not trn.global_batch % per_step:  # m is only meaningful when it is whole
+            least = f", at least {per_step * req.least}" if req.least else ""
             out.append(Problem("training.global_batch", trn.global_batch,
                                f"{req.text}; use global_batch a multiple of "
-                               f"{per_step * req.multiple}"))
+                               f"{per_step * req.multiple}{least}"))
     return out
 
 
@@ -111,8 +112,9 @@ def _schedules(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[
             yield schedule, 1
             continue
         lo, hi = spec.chunks
-        for v in divisor_list(layers // pp):  # chunks of whole layers
-            if v >= lo and (hi is None or v <= hi):
+        k = spec.directions  # DualPipe: its two chunks are whole model stages
+        for v in divisor_list(layers // pp * k):  # chunks of whole layers
+            if v % k == 0 and v >= lo and (hi is None or v <= hi):
                 yield schedule, v
 
 

@@ -38,6 +38,7 @@ from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
+from simulator.strategies.pipeline import pairs
 
 
 class PipelinePass:
@@ -55,12 +56,16 @@ class PipelinePass:
     def build_rank(self, rank: int) -> None:
         ctx, sched, hooks = self.ctx, self.ctx.sched, self.ctx.hooks
         compute = ctx.programs[rank].streams["compute"]
+        opens = pairs.pair_starts(ctx, ctx.layout.coord(rank).pp)  # DualPipe's F&B pairs
+        begins: dict[int, int] = {}
         for i, a in enumerate(sched.actions[ctx.layout.coord(rank).pp]):
             chunk = sched.chunk_of(a.stage)
+            if opens:
+                begins[i] = len(compute)
             if a.kind == "F":
                 self.forward(rank, a, chunk)
                 self.runtime(rank, a, chunk)
-                if a.stage < ctx.last_stage:
+                if not sched.is_last(a.stage):
                     self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
                 continue
             if a.kind == "W":
@@ -68,12 +73,14 @@ class PipelinePass:
             else:
                 done = self.backward(rank, a, chunk, weights=a.kind == "B")
                 self.runtime(rank, a, chunk)
-                if a.stage > 0:
+                if not sched.is_first(a.stage):
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
                 if a.kind == "I":
                     continue
             for weight_grads in hooks.weight_grads:
                 weight_grads(rank, i, a, done, chunk)
+            if i - 1 in opens:
+                pairs.interleave(ctx, rank, begins[i - 1], begins[i])
         for sync_end in hooks.sync_end:
             sync_end(rank)
         self.embedding_tie(rank)
@@ -114,7 +121,7 @@ class PipelinePass:
             g = forward_start(rank, a.stage, mb, chunk)
             if g is not None and g.stream != "compute":
                 starts.append(g.id)
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             head = ctx.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
             for edge in hooks.edge:
                 edge(rank, "embed", True, mb, chunk)
@@ -131,7 +138,7 @@ class PipelinePass:
                 t = self.after_block(rank, label, mb, layer, chunk, False, t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             for edge in hooks.edge:
                 edge(rank, "head", True, mb, chunk)
             t = ctx.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
@@ -144,7 +151,7 @@ class PipelinePass:
         # be a collective before the first block (sequence parallelism's all-gather)
         first = _first_from(compute, begin, head)
         first.deps.extend(starts)
-        if a.stage > 0:
+        if not ctx.sched.is_first(a.stage):
             self.waits.append((first, ("act", a.stage - 1, mb, rank)))
         return head
 
@@ -168,7 +175,7 @@ class PipelinePass:
         begin = len(compute)
         first: Task | None = None
         done: list[Task] = []
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             first = ctx.compute(rank, op, "backward", f"head.bwd mb{mb}",
                                 c.head[1] + w * c.head[2], mb, -1, chunk)
             first.weight_s = w * c.head[2]
@@ -197,7 +204,7 @@ class PipelinePass:
             done.append(t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             for edge in hooks.edge:
                 edge(rank, "embed", False, mb, chunk)
             t = ctx.compute(rank, op, "backward", f"embed.bwd mb{mb}", w * c.embed[2], mb, -1,
@@ -207,7 +214,7 @@ class PipelinePass:
             done.append(t)
         if first is None:  # a stage without layers passes the gradients on
             first = self.relay(rank, op, mb, chunk)
-        if a.stage < ctx.last_stage:  # as in forward: the action's first compute-stream task
+        if not ctx.sched.is_last(a.stage):  # as in forward: the action's first compute-stream task
             self.waits.append((_first_from(compute, begin, first),
                                ("grad", a.stage + 1, mb, rank)))
         return done
@@ -246,7 +253,7 @@ class PipelinePass:
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
         ctx, c, mb = self.ctx, self.ctx.c_of(rank), a.microbatch
         done = []
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             t = ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1,
                             chunk)
             if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
@@ -254,7 +261,7 @@ class PipelinePass:
         for layer in reversed(ctx.layers_of(a.stage)):
             done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
                                     sum(c.layer(layer).bwd_weight), mb, layer, chunk))
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             done.append(ctx.compute(rank, "W", "weight_grad", f"embed.wgrad mb{mb}",
                                     c.embed[2], mb, -1, chunk))
         return done
