@@ -142,7 +142,7 @@ def _requirements(p: int, m: int, v: int) -> list[Requirement]:
     out = []
     if p % 2:
         out.append(Requirement("pp", f"DualPipe needs an even number of pipeline ranks; "
-                                     f"got pp={p}; use pp={p + 1} or {max(p - 1, 2)}"))
+                                     f"got pp={p}; use an even pp such as {p + 1}"))
     if m % 2 or m < 2 * p:
         out.append(Requirement("microbatches", f"DualPipe needs an even number of "
                                                f"micro-batches m >= 2 * pp = {2 * p} "
@@ -158,10 +158,15 @@ def _in_flight(p: int, m: int, v: int, stage: int) -> float:
 
 def _time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
     """Stage times f, b, w: a micro-batch passes one chunk (one model stage) per rank, so
-    they are the chunk's. The executed makespan of the order (no closed form beyond
-    equal times, :func:`dualpipe_idle`; the report's (PP/2 − 1)(F&B + B − 3W) counts the
-    pair's overlap, which the executor does not)."""
-    return _makespan(p, m, f, b, w)
+    they are the chunk's. No closed form beyond equal times ((p/2 − 1) t idle; the
+    report's (PP/2 − 1)(F&B + B − 3W) counts the pair as overlapped, the executor does
+    not): the executed makespan of the order for m = 2p, plus the other micro-batches at
+    full rate, as every rank's idle time does not grow with m
+    (``tests/test_schedules_dualpipe.py``)."""
+    problem = dualpipe_problem(p, m)
+    if problem is not None:
+        raise ValueError(problem)
+    return (m - 2 * p) * (f + b + w) + _makespan(p, 2 * p, f, b, w)
 
 
 @lru_cache(maxsize=4096)
