@@ -17,11 +17,12 @@ from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.errors import UserError
 from simulator.model import memory
+from simulator.model.inventory.ops import dtype_bytes
 from simulator.schedules.action import execute
 from simulator.schedules.dualpipe import dualpipe, overlapped_pairs
 from simulator.schedules.registry import build_schedule
 from simulator.spec.load import scenario_from_dict
-from simulator.spec.placement import holds_embedding, holds_head, stage_layers
+from simulator.spec.placement import holds_embedding, holds_head, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.pipeline import pairs
 
@@ -86,22 +87,25 @@ def test_refuses_what_dualpipe_cannot_run_in_one_line(sets, field, text):
 # ---------------------------------------------------------------- placement, memory
 
 
-def test_each_rank_holds_two_model_stages_and_ranks_0_and_last_both_ends():
-    s = make_scenario(pp=4, m=8, schedule="dualpipe", v=2,
-                      model={"layers": 8, "hidden": 128, "heads": 8, "vocab": 512,
-                             "seq_len": 64})
+@pytest.mark.parametrize("tied", [True, False])
+def test_each_rank_holds_two_model_stages_and_ranks_0_and_last_both_ends(tied):
+    model = {"layers": 8, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64,
+             "tied_embeddings": tied}
+    s = make_scenario(pp=4, m=8, schedule="dualpipe", v=2, model=model)
     par = s.parallel
     # model stage r (layers 2r, 2r + 1) and pp − 1 − r
     assert stage_layers(8, par, 0) == [range(0, 2), range(6, 8)]
     assert stage_layers(8, par, 1) == [range(2, 4), range(4, 6)]
     assert [holds_embedding(par, r) for r in range(4)] == [True, False, False, True]
     assert [holds_head(par, r) for r in range(4)] == [True, False, False, True]
-    one = make_scenario(pp=4, m=8, model={"layers": 8, "hidden": 128, "heads": 8,
-                                          "vocab": 512, "seq_len": 64})
+    one = make_scenario(pp=4, m=8, model=model)
     twice = [memory.stage_params(s.model, 4, r, stage_layers(8, par, r), ends=(True, True))
              for r in (0, 3)]
     once = [memory.stage_params(one.model, 4, r) for r in (0, 3)]
-    assert twice[0] == twice[1] == once[0] + once[1]  # both ends' stages, parameters twice
+    # both ends' stages, the parameters twice, less Megatron's copy of a tied embedding
+    # on 1F1B's last rank: here the output layer shares its rank with the embedding
+    copy = s.model.vocab * s.model.hidden if tied else 0
+    assert twice[0] == twice[1] == once[0] + once[1] - copy
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12), (6, 12), (8, 20)])
@@ -163,6 +167,42 @@ def test_folded_equals_full(fidelity_case):
     folded, _ = run_engine(s, fidelity="folded")
     full, _ = run_engine(s, fidelity="full")
     assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_each_copy_sums_its_gradients_with_the_others(zero):
+    # ranks r and pp − 1 − r hold the same model stages: one all-reduce of the rank's
+    # (reduced, under ZeRO its 1/dp shard of) gradients between the two, before the step
+    s = make_scenario(pp=4, dp=2, m=8, schedule="dualpipe", v=2, parallel={"zero": zero},
+                      model={"layers": 8, "hidden": 256, "heads": 8, "vocab": 512,
+                             "seq_len": 64})
+    w = build_workload(s, fidelity="full")
+    grad_dt = s.stack.reduce_bytes(dtype_bytes(s.training.dtype))
+    for rank in range(w.layout.world):
+        c = w.layout.coord(rank)
+        mine = [t for t in w.programs[rank].streams["compute"] if "other copy" in t.name]
+        mirror = w.layout.rank(3 - c.pp, c.dp, c.tp, c.cp)
+        held = memory.stage_params(s.model, 4, c.pp, stage_layers(8, s.parallel, c.pp),
+                                   ends=stage_ends(s.parallel, c.pp))
+        assert [t.group for t in mine] == [tuple(sorted((rank, mirror)))]
+        assert mine[0].nbytes == pytest.approx(held * grad_dt / (2 if zero else 1))
+        step = [t for t in w.programs[rank].streams["compute"] if t.kind == "optimizer"]
+        assert min(t.id for t in step) > mine[0].id
+
+
+def test_analytic_adds_the_busiest_copies_all_reduce():
+    # dp 1: the copies' all-reduce is the only dp transfer; the analytic's is the
+    # engine's on the end ranks (embedding and output layer: the most gradients)
+    s = make_scenario(pp=4, m=8, schedule="dualpipe", v=2,
+                      model={"layers": 8, "hidden": 1024, "heads": 8, "vocab": 32000,
+                             "seq_len": 128})
+    _, result = run_engine(s)
+    spans = {tid: b for tid, _, b in result.spans}
+    sent = {t.rank: spans[t.id] - result.comm_start[t.id] for t in result.workload.tasks
+            if "other copy" in t.name}
+    assert sent[0] == sent[3] > sent[1] == sent[2] > 0
+    ana = analytic_estimate(s)
+    assert ana["step_breakdown_s"]["dp_transfer"] == pytest.approx(sent[0], rel=1e-12)
 
 
 # ---------------------------------------------------------------- the F&B pairs

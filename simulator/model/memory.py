@@ -244,7 +244,7 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
         total += embedding_params(spec)
     if head:
         total += head_params(spec)
-        if spec.tied_embeddings and head_at != 0:
+        if spec.tied_embeddings and not embedding:  # the output layer's rank lacks it:
             total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
     return total
 

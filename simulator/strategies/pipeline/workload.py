@@ -28,7 +28,9 @@ around the action (its receive and send ops, the chunk's autograd call) runs the
 At the end of the step, a tied word embedding's gradient is all-reduced
 between the first and the last stage (Megatron's embedding group; kind
 ``embedding_tie``), after the data pass's last buckets and before the
-optimizer step.
+optimizer step; under DualPipe, whose ranks r and pp − 1 − r hold the same two model
+stages, each rank's reduced gradients are all-reduced with the other copy's there too
+(kind ``dp``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.pipeline import pairs
+from simulator.strategies.pipeline.strategy import copies_bytes
 
 
 class PipelinePass:
@@ -84,6 +87,7 @@ class PipelinePass:
         for sync_end in hooks.sync_end:
             sync_end(rank)
         self.embedding_tie(rank)
+        self.copies_sum(rank)
         for step in hooks.step:
             step(rank)
         for after_step in hooks.after_step:
@@ -289,6 +293,24 @@ class PipelinePass:
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")
+
+    def copies_sum(self, rank: int) -> None:
+        """DualPipe: rank r and pp − 1 − r hold the same two model stages; each copy's
+        gradients are summed with the other's (the DualPipe example's exchange) once the
+        data-parallel reductions have run: an all-reduce of :func:`copies_bytes` (the
+        reduced shard under ZeRO) between the two."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if ctx.sched.directions != 2:
+            return
+        c = ctx.layout.coord(rank)
+        group = tuple(sorted((rank, ctx.layout.rank(par.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
+        t = ctx.collective(rank, "compute", "all_reduce", "dp", group,
+                           copies_bytes(ctx.s, c.pp),
+                           "dp.all_reduce gradients with the other copy (DualPipe)")
+        if t is not None:
+            streams = ctx.programs[rank].streams
+            t.deps.extend(d[-1].id for name in ("dp", "zero", "replicate")
+                          for d in [streams.get(name, ())] if d)
 
 
 def _first_from(compute: list[Task], begin: int, fallback: Task) -> Task:
