@@ -28,6 +28,8 @@ back to back, as on a device that cannot overlap communication with compute.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from simulator.builder.context import Context
 from simulator.builder.tasks import Task
 from simulator.schedules.dualpipe import overlapped_pairs
@@ -75,9 +77,31 @@ def _pieces(tasks: list[Task], before: Task | None,
     return pieces, a2a
 
 
-def interleave(ctx: Context, rank: int, begin: int, middle: int) -> None:
+def _follow(order: list[Task], side: list[Task]) -> list[Task]:
+    """``side`` (a stream's tasks of the pair, in build order) in the compute ``order``:
+    each before the first compute task of its micro-batch built after it (a send after
+    its chunk's last), so that every stream runs the pair in one order and a chunk's
+    transfers wait for nothing of the other chunk."""
+    ids: dict[int, list[int]] = {}  # micro-batch -> its compute tasks' ids, built order
+    for t in sorted(order, key=lambda t: t.id):
+        ids.setdefault(t.microbatch, []).append(t.id)
+    at = {t.id: i for i, t in enumerate(order)}
+    every = sorted(at)
+
+    def key(t: Task) -> float:
+        mine = ids.get(t.microbatch, every)
+        j = bisect_right(mine, t.id)
+        return at[mine[j]] - 0.5 if j < len(mine) else at[mine[-1]] + 0.5
+
+    return sorted(side, key=key)
+
+
+def interleave(ctx: Context, rank: int, begin: int, middle: int,
+               sides: dict[str, int]) -> None:
     """Overlap the pair whose forward's tasks start at ``begin`` on ``rank``'s compute
-    stream and whose backward's start at ``middle`` (and run to the stream's end)."""
+    stream and whose backward's start at ``middle`` (and run to the stream's end); each
+    other stream's tasks from ``sides[name]`` on (the pair's: TP, CP, ZeRO-3, sends)
+    follow the new order."""
     streams = ctx.programs[rank].streams
     compute = streams["compute"]
     ahead = compute[begin - 1] if begin else None
@@ -88,6 +112,9 @@ def interleave(ctx: Context, rank: int, begin: int, middle: int) -> None:
         order += fwd[i] if i < len(fwd) else []
         order += bwd[i] if i < len(bwd) else []
     compute[begin:] = order
+    for name, start in sides.items():
+        if name not in ("compute", "ep") and len(streams[name]) > start + 1:
+            streams[name][start:] = _follow(order, streams[name][start:])
     ep = streams.setdefault("ep", [])
     for i in range(max(len(fwd_a2a), len(bwd_a2a))):
         for chunk in (fwd_a2a, bwd_a2a):

@@ -61,10 +61,13 @@ class PipelinePass:
         compute = ctx.programs[rank].streams["compute"]
         opens = pairs.pair_starts(ctx, ctx.layout.coord(rank).pp)  # DualPipe's F&B pairs
         begins: dict[int, int] = {}
+        sides: dict[str, int] = {}  # the other streams' lengths where a pair begins
         for i, a in enumerate(sched.actions[ctx.layout.coord(rank).pp]):
             chunk = sched.chunk_of(a.stage)
             if opens:
                 begins[i] = len(compute)
+                if i in opens:
+                    sides = {n: len(ts) for n, ts in ctx.programs[rank].streams.items()}
             if a.kind == "F":
                 self.forward(rank, a, chunk)
                 self.runtime(rank, a, chunk)
@@ -83,7 +86,7 @@ class PipelinePass:
             for weight_grads in hooks.weight_grads:
                 weight_grads(rank, i, a, done, chunk)
             if i - 1 in opens:
-                pairs.interleave(ctx, rank, begins[i - 1], begins[i])
+                pairs.interleave(ctx, rank, begins[i - 1], begins[i], sides)
         for sync_end in hooks.sync_end:
             sync_end(rank)
         self.embedding_tie(rank)
