@@ -16,8 +16,12 @@ task that precedes it in its chunk, and each chunk's next task waits for it; on 
 compute stream the two chunks' pieces between all-to-alls alternate, the forward's
 first. Each chunk keeps its own data dependencies (its receive, its layers in order,
 its tokens back before the next layer); only the other chunk's work fills the wait.
-So a pair is never slower than its two chunks back to back (the same compute on the
-stream, the waits shorter) and at most its hidden all-to-all time faster.
+The pair's tasks on the other streams (its sends, the CP ring, ZeRO-3's gathers, TP's
+overlapped collectives) follow that order, each before the next compute task of its
+micro-batch. A step gains at most the all-to-all time the pairs hide; with expert
+parallelism alone it never loses (the tests check both), while per-layer collectives
+of the chunks' own (TP in line, ZeRO-3's gathers) can cost a little: each chunk's last
+piece, and what the next stage waits for, ends later than back to back.
 
 Not modelled: the SMs DeepSeek reserves for communication (20 of 132 on an H800),
 which slow the overlapped compute; the split of the backward's MLP and attention into
