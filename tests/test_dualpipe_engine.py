@@ -16,6 +16,7 @@ from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.errors import UserError
+from simulator.job.reliability import checkpoint_bytes
 from simulator.model import memory
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.schedules.action import execute
@@ -107,6 +108,13 @@ def test_each_rank_holds_two_model_stages_and_ranks_0_and_last_both_ends(tied):
     # on 1F1B's last rank: here the output layer shares its rank with the embedding
     copy = s.model.vocab * s.model.hidden if tied else 0
     assert twice[0] == twice[1] == once[0] + once[1] - copy
+
+
+def test_a_checkpoint_holds_the_model_once():
+    model = {"layers": 8, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64,
+             "tied_embeddings": False}
+    dual = make_scenario(pp=4, m=8, schedule="dualpipe", v=2, model=model)
+    assert checkpoint_bytes(dual) == checkpoint_bytes(make_scenario(pp=4, m=8, model=model))
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12), (6, 12), (8, 20)])
