@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import balanced, make_scenario, run_engine
+from test_engine import _actions_from_spans, _peak_in_flight, balanced, make_scenario, run_engine
 
 from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.report import spans_frame
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
 from simulator.errors import UserError
@@ -135,6 +136,25 @@ def test_activations_are_the_schedules_peak_of_p_plus_1_chunks(p, m):
 
 
 # ---------------------------------------------------------------- the engine
+
+
+def test_engine_runs_the_order_and_holds_p_plus_1_chunks():
+    # real costs and communication: each rank's actions start in the schedule's order
+    # and hold at most pp + 1 chunks from F to the B or I that frees them
+    p, m = 4, 10
+    s = make_scenario(pp=p, m=m, schedule="dualpipe", v=2,
+                      model={"layers": 2 * p, "hidden": 256, "heads": 8, "vocab": 512,
+                             "seq_len": 64})
+    _, result = run_engine(s)
+    df = spans_frame(result)
+    layout, sched = result.workload.layout, result.workload.schedule
+    for stage in range(p):
+        actions = _actions_from_spans(df, layout.rank(stage, 0, 0))
+        assert [(op, mb) for op, mb, _, _ in actions] == \
+            [(a.kind, a.microbatch) for a in sched.actions[stage]]
+        assert _peak_in_flight(actions) == p + 1
+
+
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 10), (6, 12)])
