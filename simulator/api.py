@@ -28,6 +28,7 @@ from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.extras import extras_lines
 from simulator.analysis.memory_timeline import memory_timeline
 from simulator.builder.budget import check_engine_cost, check_stages
+from simulator.builder.columns import task_columns
 from simulator.builder.workload import build_workload, simulated_ranks
 from simulator.engine.engine import simulate
 from simulator.errors import UserError
@@ -127,9 +128,11 @@ def run_scenario(s: Scenario, method: str | None = None, fidelity: str | None = 
         with _timed(timings, "simulate"), _engine_bar(horizon > 0) as advance:
             result = simulate(workload, s.hardware, advance, horizon)
         with _timed(timings, "metrics"):
-            out = report.engine_metrics(s, result)
+            columns = task_columns(workload)
+            out = report.engine_metrics(s, result, columns)
         with _timed(timings, "span_table"):
-            spans = span_table(result)
+            spans = span_table(result, columns)
+        del columns
         with _timed(timings, "memory_timeline"):
             # one rank per stage keeps results.json small in full fidelity
             stages = select_ranks("stages", workload.programs, tp_dp)

@@ -143,7 +143,7 @@ def test_ring_hides_behind_long_attention_and_analytic_agrees() -> None:
 
 
 @pytest.mark.parametrize(("extra", "needle"), [
-    ({"cp_comm_type": "a2a"}, "parallel.cp_comm_type"),
+    ({"cp_comm_type": "a2a"}, "parallel.cp_comm_type"),  # 1 kv head a TP rank over cp 2
 ])
 def test_bad_cp_input_is_one_line(extra: dict[str, Any], needle: str, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,12 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pytest
 
+from simulator.analysis.report import engine_metrics
+from simulator.builder.columns import task_columns
 from simulator.builder.program import ProgramView, TaskView, share
 from simulator.builder.tasks import Program, Task, Workload
 from simulator.builder.workload import build_workload
 from simulator.engine.engine import simulate
+from simulator.outputs.span_table import span_table
 from simulator.spec.load import load_scenario, scenario_from_dict
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.plan import GroupShape
@@ -143,3 +148,49 @@ def test_a_changed_task_object_is_what_runs() -> None:
     assert a.spans == b.spans and a.comm_start == b.comm_start
     assert a.end_time == b.end_time > simulate(build_workload(s, fidelity="full"),
                                                s.hardware).end_time
+
+
+def _same_columns(a: Workload, b: Workload) -> None:
+    ca, cb = task_columns(a), task_columns(b)
+    for attr in ca.codes:
+        assert ca.values[attr] == cb.values[attr], attr
+        assert np.array_equal(ca.codes[attr], cb.codes[attr]), attr
+    for attr in ca.numbers:
+        assert np.array_equal(ca.numbers[attr], cb.numbers[attr]), attr
+    assert np.array_equal(ca.prev, cb.prev)
+    assert np.array_equal(ca.plan_ids, cb.plan_ids)
+    assert [id(p) for p in ca.plans] == [id(a.tasks[int(i)].plan) for i in ca.plan_ids]
+    for rank in a.programs:
+        assert np.array_equal(ca.compute(rank), cb.compute(rank))
+
+
+@pytest.mark.parametrize("case", ["zb-h1-zero3", "jitter-slow-gpu", "cp"])
+def test_columns_and_accounting_equal_every_rank_built(case: str) -> None:
+    """The accounting reads a shared workload's attributes per stage prototype
+    (simulator.builder.columns) and its tasks one at a time: every column, the breakdown,
+    the critical path, the collectives and the span table equal the per-rank build's."""
+    s = {"zb-h1-zero3": lambda: load_scenario(SCENARIOS / "llama2-7b-8gpu-pp4-1f1b.yaml",
+                                              list(CASES[0][1])),
+         "jitter-slow-gpu": lambda: _scenario(
+             {"jitter": {"sigma": 0.2}, "seed": 3,
+              "slow_gpus": [{"ranks": [3], "compute_slowdown": 1.25}]}, tp=2, pp=2, dp=2),
+         "cp": lambda: _scenario({}, tp=2, pp=2, dp=1, cp=2, cp_comm_type="p2p")}[case]()
+    shared, per_rank = _both(s)
+    assert shared.shared is not None
+    _same_columns(shared, per_rank)
+    ra, rb = simulate(shared, s.hardware, lockstep=False), simulate(per_rank, s.hardware)
+    ma, mb = engine_metrics(s, ra), engine_metrics(s, rb)
+    assert ma.pop("sim_wall_s") > 0 and mb.pop("sim_wall_s") > 0  # the only clock read
+    assert ma == mb
+    assert isinstance(shared.tasks, TaskView) and not shared.tasks.made()  # none made
+    pd.testing.assert_frame_equal(span_table(ra), span_table(rb))
+
+
+def test_a_shared_task_alone_equals_its_ranks_objects() -> None:
+    """Indexing a rank not made yet makes that one task; it equals the rank's own."""
+    s = _scenario({"jitter": {"sigma": 0.2}, "seed": 3}, tp=2, pp=2, dp=2)
+    w = build_workload(s, fidelity="full")
+    assert isinstance(w.tasks, TaskView)
+    singles = [w.tasks[i] for i in range(len(w.tasks))]
+    assert not w.tasks.made()
+    assert singles == [t for r in range(s.parallel.world) for t in w.tasks.of_rank(r)]

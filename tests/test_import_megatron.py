@@ -122,7 +122,8 @@ def test_every_parser_argument_is_classed() -> None:
     read = {flag for rule in RULES for flag in rule.flags}
     assert read <= set(table) | set(LEGACY), read - set(table)  # no rule reads a typo
     assert classes["--data-path"] == "ignored" and classes["--lr"] == "ignored"
-    assert classes["--moe-token-dispatcher-type"] == "unmapped"
+    assert classes["--moe-token-drop-policy"] == "unmapped"
+    assert classes["--moe-token-dispatcher-type"] == "mapped"
 
 
 @pytest.mark.parametrize(("extra", "field", "value"), [
@@ -188,13 +189,13 @@ def test_parallel_and_stack_flags(tmp_path: Path, extra: list[str], path: tuple[
 def test_unmapped_and_unknown_flags_are_listed(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     extra = ["--fp8-format", "hybrid", "--fp8-recipe", "custom", "--overlap-param-gather",
-             "--moe-token-dispatcher-type",
-             "alltoall", "--tensor-model-paralel-size", "2", "--lr", "1e-4"]
+             "--moe-token-drop-policy",
+             "position", "--tensor-model-paralel-size", "2", "--lr", "1e-4"]
     rc, out = _import(tmp_path, BASE + extra, "--gpus", "8")
     assert rc == 0
     header = out.read_text().split("\nname:")[0]
     err = capsys.readouterr().err
-    for flag in ("--fp8-recipe custom", "--overlap-param-gather", "--moe-token-dispatcher-type",
+    for flag in ("--fp8-recipe custom", "--overlap-param-gather", "--moe-token-drop-policy",
                  "--tensor-model-paralel-size 2"):
         assert f"#   {flag}" in header and f"not mapped: {flag}" in err
     assert "did you mean --tensor-model-parallel-size" in header

@@ -114,8 +114,10 @@ def test_memory_under_context_parallelism() -> None:
     (["parallel.ep=1", "parallel.cp=2", "parallel.dp=4"], "parallel.cp = 2: not yet simulated"),
     ([], "parallel.sequence_parallel = False: a mixture of experts with tp(2) > 1 needs "
      "sequence parallelism"),
-    (["parallel.sequence_parallel=true", "parallel.zero=3"], "parallel.zero = 3: not yet "
-     "simulated for a mixture of experts"),
+    (["parallel.sequence_parallel=true", "parallel.zero=2", "parallel.zero_offload=true"],
+     "parallel.zero_offload = True: not yet simulated for a mixture of experts"),
+    (["parallel.sequence_parallel=true", "parallel.zero=3", "stack=deepspeed"],
+     "parallel.zero = 3: a mixture of experts under ZeRO-3 with module units"),
 ])
 def test_run_refuses_what_has_no_workload_yet(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              sets: list[str], field: str) -> None:

@@ -63,7 +63,7 @@ def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeM
     recompute mode when only some are recomputed
     (:func:`simulator.spec.recompute.flops_modes`)."""
     total = 0.0
-    for mode, runs in modes or ((recompute, (range(model.layers),)),):
+    for mode, runs in modes or ((recompute, (range(model.layers + model.mtp_layers),)),):
         for r in runs:
             for i, n in moe.run_kinds(model, r):
                 ops = [op for p in mdl.PASSES
@@ -90,6 +90,7 @@ def mfu_ceiling(s: Scenario) -> float:
     of its stages' GPUs on a mixed cluster."""
     best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
                for st in range(s.parallel.pp))
+    modes = flops_modes(s.parallel, s.model.layers, s.model.mtp_layers)
     model, executed = _step_flops(s.model, s.training.global_batch, s.parallel.recompute,
-                                  s.stack, flops_modes(s.parallel, s.model.layers))
+                                  s.stack, modes)
     return best * model / executed

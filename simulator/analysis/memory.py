@@ -65,7 +65,7 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     under hybrid sharding, :attr:`~simulator.spec.scenario.ParallelSpec.shard`) and the
     routed experts' states over the expert data-parallel ranks (edp)."""
     par, dtype = scenario.parallel, scenario.training.dtype
-    runs = stage_layers(scenario.model.layers, par, stage)
+    runs = stage_layers(scenario.model.layers, par, stage, scenario.model.mtp_layers)
     total = stage_params(scenario.model, par.pp, stage, runs, head_rank(par),
                          stage_ends(par, stage))
     experts = stage_expert_params(scenario.model, par.pp, stage, runs)
@@ -129,7 +129,8 @@ def stage_rows(report: list[MemoryBreakdown]) -> list[dict[str, float]]:
 
 #: Where each tensor field of a breakdown comes from (docs/model.md, "Memory per GPU")
 TENSOR_SOURCES: dict[str, tuple[str, str]] = {
-    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3)"),
+    "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3; "
+                           "routed experts ÷ expert_tp·ep, ÷ edp under ZeRO-3)"),
     "gradients": ("grads", "stack.main_grad_bytes per parameter (Megatron-Core keeps fp32 main "
                            "grads, unsharded below ZeRO-2)"),
     "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (dp_shard·cp "

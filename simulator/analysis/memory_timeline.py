@@ -86,6 +86,7 @@ from simulator.builder.tasks import Task
 from simulator.engine.result import SimResult
 from simulator.model import memory as mem
 from simulator.model import transformer as mdl
+from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
 from simulator.spec.recompute import keeps, layer_mode, partial
@@ -116,7 +117,10 @@ def component_bytes(s: Scenario) -> dict[str, float]:
                                                           stack=s.stack),
         # embedding dropout mask (first virtual stage), when the stack drops out
         "embed": tokens_h if s.stack.hidden_dropout > 0 else 0.0,
-        "head": 4 * tokens_h + logits,  # final-norm + logits-GEMM inputs, fp32 logits (last)
+        # final-norm + logits-GEMM inputs, fp32 logits (last), again per MTP module with
+        # its norms' and projection's inputs
+        "head": (4 * tokens_h + logits) * (1 + spec.mtp_layers)
+        + spec.mtp_layers * mtp_kept(spec, b, t, sp, dt, s.stack, par.recompute),
         "dlogits": logits,  # the loss gradient's copy while the head's backward runs
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)

@@ -28,6 +28,7 @@ from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.timing import Timing
 from simulator.analysis.accounting.vocabulary import categories, label
 from simulator.analysis.memory import memory_report
+from simulator.builder.columns import TaskColumns, task_columns
 from simulator.builder.tasks import Workload
 from simulator.engine.result import SimResult
 from simulator.model import transformer as mdl
@@ -44,28 +45,27 @@ def spans_frame(result: SimResult) -> pd.DataFrame:
     return span_table(result)
 
 
-def collective_summary(result: SimResult, timing: Timing) -> dict[str, dict[str, Any]]:
+def collective_summary(columns: TaskColumns, timing: Timing) -> dict[str, dict[str, Any]]:
     """Per collective (e.g. ``tp.all_reduce``): count, bytes, seconds, and the mean
     algbw / busbw in GB/s with nccl-tests' definitions (algbw = S / t, busbw = algbw
     × 2(n − 1)/n for all-reduce, × (n − 1)/n for all-gather and reduce-scatter), t
     from the moment the whole group had arrived (time waiting for peers excluded);
     ``algorithms``: how many ran as each ``algorithm/protocol`` (e.g. ``ring/LL``)."""
-    coll = [t for t in result.workload.tasks if t.plan is not None]
-    if not coll:
+    ids, plans = columns.plan_ids, columns.plans
+    if not len(ids):
         return {}
     factors: dict[int, float] = {}
-    for t in coll:
-        plan = t.plan
-        if plan is not None and id(plan) not in factors:
+    names: dict[int, str] = {}
+    for plan in plans:
+        if id(plan) not in factors:
             factors[id(plan)] = busbw_factor(plan.op, plan.n)
-    ids = np.fromiter((t.id for t in coll), np.int64, len(coll))
-    frame = pd.DataFrame({"op": [t.op for t in coll],
-                          "bytes": np.fromiter((t.nbytes for t in coll), float, len(coll)),
+            names[id(plan)] = f"{plan.algorithm}/{plan.protocol}"
+    frame = pd.DataFrame({"op": columns.text("op", ids),
+                          "bytes": columns.numbers["nbytes"][ids],
                           "seconds": timing.end_a[ids] - timing.begin_a[ids],
-                          "factor": np.fromiter((factors[id(t.plan)] for t in coll), float,
-                                                len(coll)),
-                          "algorithm": [f"{t.plan.algorithm}/{t.plan.protocol}" for t in coll
-                                        if t.plan is not None]})
+                          "factor": np.fromiter((factors[id(p)] for p in plans), float,
+                                                len(plans)),
+                          "algorithm": [names[id(p)] for p in plans]})
     frame = frame[frame["seconds"] > 0]
     frame["algbw"] = frame["bytes"] / frame["seconds"]
     frame["busbw"] = frame["algbw"] * frame["factor"]
@@ -87,31 +87,35 @@ def _last(w: Workload, timing: Timing) -> int:
     return next((i for i in candidates if w.tasks[i].stream == "compute"), candidates[0])
 
 
-def engine_metrics(s: Scenario, result: SimResult) -> dict[str, Any]:
-    """Step time, throughput, the accounting's breakdown and critical path, from the spans."""
+def engine_metrics(s: Scenario, result: SimResult,
+                   columns: TaskColumns | None = None) -> dict[str, Any]:
+    """Step time, throughput, the accounting's breakdown and critical path, from the spans
+    (``columns``: the workload's :func:`~simulator.builder.columns.task_columns`, read
+    here when not given)."""
     w = result.workload
-    timing = Timing.of(w.tasks, result.spans, result.comm_start, result.last_arrival,
-                           [t for prog in w.programs.values() for t in prog.streams.values()])
-    compute = {r: prog.streams["compute"] for r, prog in w.programs.items()}
+    columns = columns if columns is not None else task_columns(w)
+    timing = Timing.of(w.tasks, result.start, result.end, result.begin, result.last_arrival,
+                       columns.prev)
     step = result.end_time
-    stage_of = {r: w.layout.coord(r).pp for r in w.programs}
+    ranks = list(w.programs)
+    stage_of = {r: w.layout.coord(r).pp for r in ranks}
     # a data-parallel replica's pipeline: its TP ranks leave each stage together, and
     # its drain ends with the last of them (a straggler's TP peers wait for it)
-    pipeline_of = {r: w.layout.coord(r).dp for r in w.programs}
-    entries, bubbles, phase = breakdown(timing, compute, stage_of, pipeline_of, step,
-                                            s.parallel.schedule, s.parallel.pp,
-                                            s.microbatches, s.parallel.virtual_stages)
+    pipeline_of = {r: w.layout.coord(r).dp for r in ranks}
+    entries, bubbles, phase = breakdown(timing, columns, ranks, stage_of, pipeline_of, step,
+                                        s.parallel.schedule, s.parallel.pp,
+                                        s.microbatches, s.parallel.virtual_stages)
     if w.weights is not None:  # asymmetric folding: an entry stands for its class
         for e in entries:
             e["ranks"] = int(w.weights[e["rank"]])
     out = metrics(entries, step, phase, bubbles)
-    if result.spans:
+    if len(result.start):
         out["critical_path"] = merge_segments(critical_path(timing, _last(w, timing),
                                                                     step))
         out["critical_path_s"] = composition(out["critical_path"])
     out.update({
         "link_busy_s": result.link_busy,
-        "collectives": collective_summary(result, timing),
+        "collectives": collective_summary(columns, timing),
         "sim_wall_s": result.wall_s,
         "sim_events": result.events,
         "ranks_simulated": len(w.programs),
@@ -130,8 +134,9 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
                for st in range(s.parallel.pp)) / s.parallel.pp if s.stage_hardware \
         else s.hardware.gpu.peak_flops(s.training.dtype)
     model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
+    modes = flops_modes(s.parallel, s.model.layers, s.model.mtp_layers)
     hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute,
-                                           flops_modes(s.parallel, s.model.layers))
+                                           modes)
     model_tflops = model_flops / step_time / world / 1e12
     hw_tflops = hw_flops / step_time / world / 1e12
     stages = memory_report(s)

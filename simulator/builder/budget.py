@@ -91,7 +91,7 @@ def _most_layers(s: Scenario) -> int:
     par = s.parallel
     if par.layers_per_stage is None:
         return s.model.layers // par.pp
-    return max(stage_layer_count(s.model.layers, par, r) for r in range(par.pp))
+    return max(stage_layer_count(s.model.layers, par, r, s.model.mtp_layers) for r in range(par.pp))
 
 
 def check_stages(s: Scenario) -> None:

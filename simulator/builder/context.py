@@ -28,6 +28,7 @@ from simulator.builder.tasks import Program, Stream, Task
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.mtp import mtp_end_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, zero3_collectives
 from simulator.schedules.action import Action, Schedule
@@ -135,11 +136,12 @@ class Context:
 
     def collective(self, rank: int, stream: Stream, op: CollectiveName, kind: str,
                    group: tuple[int, ...], size: float, name: str, mb: int = -1,
-                   layer: int = -1, chunk: int = 0) -> Task | None:
-        """A collective over ``group``; None (and nothing recorded) for a group of one."""
+                   layer: int = -1, chunk: int = 0, plan: Plan | None = None) -> Task | None:
+        """A collective over ``group``; None (and nothing recorded) for a group of one.
+        ``plan``: the collective's own (a library other than NCCL), else NCCL's."""
         if len(group) <= 1 or size <= 0:
             return None
-        plan = self.plans.get((op, size, group))
+        plan = plan or self.plans.get((op, size, group))
         if plan is None:
             shape = GroupShape(len(group), len(group) // self.layout.domains_spanned(group))
             plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
@@ -162,15 +164,17 @@ class Context:
 
     # ------------------------------------------------------------ model states
     def layers_of(self, stage: int) -> range:
-        """The layers of virtual ``stage`` (:mod:`simulator.spec.placement`)."""
-        return chunk_layers(self.s.model.layers, self.s.parallel, stage)
+        """The layers of virtual ``stage`` (:mod:`simulator.spec.placement`; the last one's
+        with the multi-token prediction layers)."""
+        return chunk_layers(self.s.model.layers, self.s.parallel, stage, self.s.model.mtp_layers)
 
     def tied_copy_params(self) -> int:
-        """Megatron keeps a copy of a tied word embedding on the last stage when that
-        stage's rank is not the first's (pp > 1 and no V placement)."""
+        """Megatron keeps a copy of the word embedding on the last stage, when that stage
+        needs it (a tied output layer, multi-token prediction) and its rank is not the
+        first's (pp > 1 and no V placement)."""
         spec = self.s.model
-        return spec.vocab * spec.hidden if spec.tied_embeddings and tied_copy(self.s.parallel) \
-            else 0
+        return spec.vocab * spec.hidden \
+            if spec.head_needs_embedding and tied_copy(self.s.parallel) else 0
 
     def grad_bytes(self, stage: int) -> list[float]:
         """Gradient bytes (in the stack's reduction dtype) each 'done' task of a backward
@@ -202,11 +206,12 @@ class Context:
         spec, ids = self.s.model, self.layers_of(stage)
         tensors = [layer_tensors(spec, self.s.stack, i)  # in grad_bytes' order
                    for i in (reversed(ids) if spec.is_moe else ids)]
-        if self.sched.is_last(stage):
+        if self.sched.is_last(stage):  # with the multi-token prediction modules' own
+            end = END_TENSORS + mtp_end_tensors(spec)
             if tensors:
-                tensors[0] += END_TENSORS
+                tensors[0] += end
             else:
-                tensors.append(END_TENSORS)
+                tensors.append(end)
         if self.sched.is_first(stage):
             tensors.append(END_TENSORS)
         return [(size / self.grad_dt, n)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from simulator.builder.tasks import Program, Task
@@ -54,6 +54,8 @@ class SharedPrograms:
     owner: dict[int, tuple[int, int]]  # a prototype task's id -> (stage, local index)
     base: list[int]  # stage -> id of its first rank's first task (then the end)
     factors: dict[int, np.ndarray]  # rank -> factors of its work tasks (slow, jitter)
+    # stage -> each prototype task's index among its work tasks (for :meth:`task`)
+    _work: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def world(self) -> int:
@@ -73,7 +75,7 @@ class SharedPrograms:
         lay = self.layout
         d, c = lay.coord(rank), lay.coord(other)
         return lay.rank(c.pp, (c.dp + d.dp) % lay.dp, (c.tp + d.tp) % lay.tp,
-                        (c.cp + d.cp) % lay.cp)
+                        lay.cp_shift(c.cp, d.cp))
 
     def group(self, rank: int, group: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted(self.peer(rank, r) for r in group))
@@ -103,17 +105,41 @@ class SharedPrograms:
             g = groups.get(p.group)
             if g is None:
                 g = groups[p.group] = self.group(rank, p.group) if p.group else ()
-            t = Task(first + local, rank, p.stream, p.op, p.kind, p.name, p.duration, p.plan,
-                     g, (g, p.group_key[1]) if p.group_key else (),
-                     self.peer(rank, p.dst) if p.dst >= 0 else -1, p.nbytes, p.microbatch,
-                     p.layer, p.chunk, [self.task_id(rank, d) for d in p.deps],
-                     p.dependents, p.weight_s)
+            t = self._make(rank, first + local, p, g)
             if work is not None and is_work(p):
                 x = float(next(work))
                 t.duration *= x
                 t.weight_s *= x
             out.append(t)
         return out
+
+    def task(self, rank: int, local: int) -> Task:
+        """``rank``'s task at ``local`` in its prototype, alone (what :meth:`tasks_of`
+        makes for it): the accounting's walks visit a few tasks of many ranks."""
+        q = rank // self.layout.per_stage
+        p = self.protos[q][local]
+        t = self._make(rank, self.first_id(rank) + local, p,
+                       self.group(rank, p.group) if p.group else ())
+        f = self.factors.get(rank)
+        if f is not None and is_work(p):
+            work = self._work.get(q)
+            if work is None:
+                count, work = 0, []
+                for proto in self.protos[q]:
+                    work.append(count)
+                    count += is_work(proto)
+                self._work[q] = work
+            x = float(f[work[local]])
+            t.duration *= x
+            t.weight_s *= x
+        return t
+
+    def _make(self, rank: int, tid: int, p: Task, g: tuple[int, ...]) -> Task:
+        return Task(tid, rank, p.stream, p.op, p.kind, p.name, p.duration, p.plan,
+                    g, (g, p.group_key[1]) if p.group_key else (),
+                    self.peer(rank, p.dst) if p.dst >= 0 else -1, p.nbytes, p.microbatch,
+                    p.layer, p.chunk, [self.task_id(rank, d) for d in p.deps],
+                    p.dependents, p.weight_s)
 
 
 def _stage_groups(layout: Layout, rank: int) -> set[tuple[int, ...]]:
@@ -123,7 +149,8 @@ def _stage_groups(layout: Layout, rank: int) -> set[tuple[int, ...]]:
     tie = (layout.rank(0, c.dp, c.tp, c.cp), layout.rank(layout.pp - 1, c.dp, c.tp, c.cp))
     mirror = tuple(sorted((rank, layout.rank(layout.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
     return {layout.tp_group(rank), layout.dp_group(rank), layout.cp_group(rank), tie,
-            layout.shard_group(rank), layout.replicate_group(rank), mirror}
+            layout.shard_group(rank), layout.replicate_group(rank),
+            layout.cp_a2a_group(rank), layout.cp_ring_group(rank), mirror}
 
 
 def share(layout: Layout, tasks: list[Task], programs: Mapping[int, Program],
@@ -166,7 +193,10 @@ def share(layout: Layout, tasks: list[Task], programs: Mapping[int, Program],
 
 class TaskView(Sequence[Task]):
     """``Workload.tasks`` of shared programs: task objects made per rank on first use
-    (and kept, so code may annotate them as it would a list's)."""
+    of :meth:`of_rank` (or of the rank's program, or iteration) and kept, so code may
+    annotate them as it would a list's. Indexing a rank not made yet makes that one
+    task, anew on every access (the accounting's walks visit a few tasks of many ranks);
+    make the rank with :meth:`of_rank` to change its tasks."""
 
     def __init__(self, shared: SharedPrograms) -> None:
         self.shared = shared
@@ -200,7 +230,8 @@ class TaskView(Sequence[Task]):
         if not 0 <= i < n:
             raise IndexError(i)
         rank, local = self.shared.rank_of(i)
-        return self.of_rank(rank)[local]
+        made = self._ranks.get(rank)
+        return made[local] if made is not None else self.shared.task(rank, local)
 
     def __iter__(self) -> Iterator[Task]:
         for rank in range(self.shared.world):

@@ -46,12 +46,18 @@ from simulator.builder.tasks import Program, Task, Workload
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.attention import context_parallel_ops
+from simulator.model.inventory.mtp import mtp_in_ops
 from simulator.model.inventory.ops import Op, Pass
 from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
-from simulator.strategies.expert.layer import expert_layer
+from simulator.strategies.expert.layer import (
+    SHARED_FC1,
+    SHARED_FC2,
+    expert_layer,
+    shared_overlapped,
+)
 from simulator.strategies.tensor.overlap import Windows, overlap_windows
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
@@ -79,6 +85,11 @@ class BlockCosts:
     moe: BlockCosts | None = None  # the MoE layers' blocks, when they differ
     moe_first: int = 0  # first MoE layer (model.first_dense_layers)
     moe_freq: int = 1  # then every moe_freq-th layer
+    #: one multi-token prediction module's ops outside its layer, on the last stage
+    #: (:func:`simulator.model.transformer.mtp_end_ops`): fwd, bwd_input, bwd_weight
+    mtp: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: its input side's forward again before the backward under full recomputation
+    mtp_recompute: float = 0.0
     #: host seconds the pipeline runtime adds to each F and each B action of a stage
     #: (:meth:`simulator.system.costs.CostModel.pipeline_action_s`; 0 without pipelining)
     action: float = 0.0
@@ -113,12 +124,18 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     routed = spec.is_moe_layer(layer)
 
     cp, gathered = s.parallel.cp, s.parallel.cp_comm_type == "allgather"
-    kept = s.cp_keeps_gathered_kv
+    kept, a2a = s.cp_keeps_gathered_kv, s.parallel.cp_a2a_degree
+
+    # under shared-expert overlap the expert pass runs the shared experts' forward and
+    # input gradients beside the dispatch and combine
+    apart = moe.ROUTED_OPS + tuple(SHARED_FC1 | SHARED_FC2) \
+        if routed and shared_overlapped(s) else moe.ROUTED_OPS
 
     def ops(p: Pass) -> tuple[Op, ...]:
         out = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
-                                       spec, b, tp, dt, p, cp, gathered, kept)
-        return tuple(op for op in out if op.name not in moe.ROUTED_OPS) if routed else out
+                                       spec, b, tp, dt, p, cp, gathered, kept, a2a)
+        gone = moe.ROUTED_OPS if p == "bwd_weight" else apart
+        return tuple(op for op in out if op.name not in gone) if routed else out
 
     fwd, bwd_i, bwd_w = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
     attn = {op.name for op in fwd[:[op.name for op in fwd].index("ln2")]}
@@ -131,7 +148,7 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     else:
         rec = context_parallel_ops(
             mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
-            spec, b, tp, dt, "fwd", cp, gathered)
+            spec, b, tp, dt, "fwd", cp, gathered, a2a=a2a)
         rec_t = (cost.ops_time(rec), 0.0)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
@@ -161,6 +178,10 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
     base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    if spec.mtp_layers:
+        again = mtp_in_ops(spec, b, tp, sp, dt, "fwd", s.stack) \
+            if s.parallel.recompute == "full" else ()
+        base = replace(base, mtp=three(mdl.mtp_end_ops), mtp_recompute=cost.ops_time(again))
     if s.parallel.pp > 1:
         base = replace(base, action=cost.pipeline_action_s(s.stack.pipeline_runtime))
     windows = overlap_windows(s, cost)
@@ -182,7 +203,7 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
 def layout_of(s: Scenario) -> Layout:
     par = s.parallel
     return Layout(par.tp, par.pp, par.dp, s.cluster.gpus_per_node or 1, par.cp,
-                  s.hardware.domain_gpus, par.dp_shard or 0)
+                  s.hardware.domain_gpus, par.dp_shard or 0, par.cp_a2a_degree)
 
 
 def _regridded(s: Scenario) -> bool:

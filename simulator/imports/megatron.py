@@ -74,6 +74,7 @@ IGNORED_PREFIXES = {
     "--max-position-embeddings": "read with --position-embedding-type",
     "--rotary-": "numerics only", "--rope-scaling-factor": "numerics only",
     "--use-rope-scaling": "numerics only", "--norm-epsilon": "numerics only",
+    "--mtp-loss-scaling-factor": "the MTP loss's weight: no effect on time or memory",
 }
 UNMAPPED = "no field in the scenario schema; simulated without it"
 

@@ -69,12 +69,34 @@ def degrees(a: Parsed, d: Draft) -> None:
             d.set(f"parallel.{key}", a.number(flag))
     kinds = a.texts("--cp-comm-type")
     if kinds:
-        kind = {"p2p": "p2p", "all_gather": "allgather"}.get(kinds[0])
+        kind = {"p2p": "p2p", "all_gather": "allgather", "a2a": "a2a",
+                "a2a+p2p": "a2a+p2p"}.get(kinds[0])
         if len(set(kinds)) > 1 or kind is None:
-            d.note("--cp-comm-type", kinds, "parallel.cp_comm_type is one of p2p, allgather "
-                   "for every layer; simulated as p2p")
+            d.note("--cp-comm-type", kinds, "parallel.cp_comm_type is one of p2p, allgather, "
+                   "a2a, a2a+p2p for every layer; simulated as p2p")
         else:
             d.set("parallel.cp_comm_type", kind)
+    hierarchical(a, d)
+
+
+def hierarchical(a: Parsed, d: Draft) -> None:
+    """``--hierarchical-context-parallel-sizes A R`` (A adjacent ranks, then R of those
+    groups; Transformer Engine's a2a+p2p takes exactly two levels): ``cp_a2a`` A. Only
+    a2a+p2p reads it."""
+    flag = "--hierarchical-context-parallel-sizes"
+    sizes = a.texts(flag)
+    if d.get("parallel.cp_comm_type") != "a2a+p2p":
+        if sizes:
+            d.note(flag, sizes, "only --cp-comm-type a2a+p2p uses it; ignored")
+        return
+    cp = d.get("parallel.cp", 1)
+    if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes) \
+            or int(sizes[0]) * int(sizes[1]) != cp:
+        raise UserError([Problem(flag, " ".join(sizes) or "(absent)", "--cp-comm-type a2a+p2p "
+                                 "needs two sizes, the all-to-all's then the ring's, whose "
+                                 f"product is --context-parallel-size ({cp}), as Transformer "
+                                 "Engine and Megatron-LM take them")])
+    d.set("parallel.cp_a2a", int(sizes[0]))
 
 
 def virtual_stages(a: Parsed, d: Draft) -> None:
@@ -294,6 +316,21 @@ def experts(a: Parsed, d: Draft) -> None:
         d.set("model.router", "sigmoid")
 
 
+def dispatcher(a: Parsed, d: Draft) -> None:
+    """The token dispatcher (TransformerConfig's default allgather) and the shared experts'
+    overlap; flex is simulated with DeepEP's kernels whatever its backend."""
+    if a.number("--num-experts") is None:
+        return
+    kind = a.text("--moe-token-dispatcher-type", "allgather")
+    d.set("parallel.moe_token_dispatcher", kind)
+    backend = a.text("--moe-flex-dispatcher-backend", "deepep")
+    if kind == "flex" and backend != "deepep" and not a.given("--moe-enable-deepep"):
+        d.note("--moe-flex-dispatcher-backend", backend, "only DeepEP's kernels are "
+               "modelled for the flex dispatcher; simulated as deepep")
+    if a.given("--moe-shared-expert-overlap"):
+        d.set("parallel.moe_shared_expert_overlap", True)
+
+
 def latent(a: Parsed, d: Draft) -> None:
     if not a.given("--multi-latent-attention"):
         return
@@ -304,10 +341,19 @@ def latent(a: Parsed, d: Draft) -> None:
                         "v_head_dim": a.number("--v-head-dim", 128)})
 
 
+def multi_token(a: Parsed, d: Draft) -> None:
+    """``--mtp-num-layers`` (a ``TransformerConfig`` field, default None: no MTP) is
+    model.mtp_layers."""
+    layers = a.number("--mtp-num-layers")
+    if layers:
+        d.set("model.mtp_layers", layers)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
           "--context-parallel-size", "--expert-model-parallel-size",
-          "--expert-tensor-parallel-size", "--cp-comm-type"), degrees),
+          "--expert-tensor-parallel-size", "--cp-comm-type",
+          "--hierarchical-context-parallel-sizes"), degrees),
     Rule(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
           "--num-layers-per-virtual-pipeline-stage"), virtual_stages),
     Rule(("--sequence-parallel",), lambda a, d: d.set("parallel.sequence_parallel",
@@ -335,6 +381,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
           "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
           "--moe-expert-capacity-factor", "--moe-router-score-function"), experts),
+    Rule(("--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+          "--moe-shared-expert-overlap"), dispatcher),
     Rule(("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
           "--qk-pos-emb-head-dim", "--v-head-dim"), latent),
+    Rule(("--mtp-num-layers",), multi_token),
 )

@@ -14,7 +14,8 @@ runs sequence parallel on the norms (``parallelize_llama``);
 ``pipeline_parallel_microbatch_size`` micro-batches; FSDP's ``MixedPrecisionPolicy``
 computes in ``training.mixed_precision_param``; the model is ``model.name`` +
 ``model.flavor`` from torchtitan's model-args table (:data:`LLAMA3`,
-torchtitan/models/llama3/__init__.py ``llama3_args``).
+torchtitan/models/llama3/__init__.py ``llama3_args``; ``deepseek_v3``'s in
+:mod:`simulator.imports.torchtitan_moe`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from simulator.errors import Problem, UserError
 from simulator.imports.common import Draft, layout, model_section
+from simulator.imports.torchtitan_moe import DEEPSEEK_V3, deepseek_v3_fields, flex_attention
 from simulator.loading import decode_text, read_bytes
 
 if sys.version_info >= (3, 11):
@@ -171,9 +173,12 @@ def llama3_fields(flavor: str, seq_len: int) -> dict[str, Any]:
 
 def model(c: Config, d: Draft) -> None:
     name = c.get("model.name", "llama3", str)
+    if name == "deepseek_v3":
+        deepseek_v3(c, d)
+        return
     if name != "llama3":
         raise UserError([Problem("model.name", name, "no model-args table for it here; "
-                                 "supported: llama3")])
+                                 "supported: llama3, deepseek_v3")])
     flavor = c.get("model.flavor", "debugmodel", str)
     if flavor not in LLAMA3:
         raise UserError([Problem("model.flavor", flavor, "expected one of "
@@ -184,6 +189,15 @@ def model(c: Config, d: Draft) -> None:
     if converters:
         d.note("model.converters", converters, "no fp8/mx GEMMs in the schema; "
                "simulated in the training dtype")
+
+
+def deepseek_v3(c: Config, d: Draft) -> None:
+    """A deepseek_v3 flavor (:mod:`simulator.imports.torchtitan_moe`)."""
+    flavor = c.choice("model.flavor", "debugmodel", {f: f for f in DEEPSEEK_V3})
+    d.set("model", deepseek_v3_fields(flavor, c.get("training.seq_len", 2048, int)))
+    if flex_attention(flavor):
+        d.note("model.flavor", flavor, "flex attention with a block-causal mask: simulated "
+               "as causal attention over the whole sequence")
 
 
 def degrees(c: Config, d: Draft) -> None:

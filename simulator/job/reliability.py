@@ -127,7 +127,8 @@ def checkpoint_bytes(s: Scenario) -> float:
     """Unique model states: Σ over stages of parameters × (weight + optimizer bytes)."""
     w, _, o = state_bytes_per_param(0, 1, s.training.dtype)
     par = s.parallel
-    params = sum(stage_params(s.model, par.pp, st, stage_layers(s.model.layers, par, st),
+    spec = s.model
+    params = sum(stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
                               head_rank(par), stage_ends(par, st))
                  for st in range(par.pp))
     return params / schedule_spec(par.schedule).directions * (w + o)  # DualPipe: 2 copies

@@ -140,10 +140,21 @@ def communicators(s: Scenario, stage: int) -> list[Communicator]:
         neighbours = 2 if wraps or 0 < stage < par.pp - 1 else 1
         out.append(Communicator("pp", par.pp, par.tp * par.cp * par.dp, "p2p", neighbours))
     if s.model.is_moe:
-        out += [Communicator("ep", par.ep, par.etp, "p2p", par.ep - 1),
-                Communicator("etp", par.etp, 1, "ring"),
-                Communicator("edp", max(par.edp, 1), par.etp * par.ep, "ring")]
+        out += _dispatcher_communicators(s)
+        out.append(Communicator("edp", max(par.edp, 1), par.etp * par.ep, "ring"))
     return [c for c in out if c.ranks > 1]
+
+
+def _dispatcher_communicators(s: Scenario) -> list[Communicator]:
+    """The communicators the token dispatcher runs NCCL on (NCCL connects a peer at its
+    first transfer, so a group no collective uses holds no buffers): alltoall, the EP
+    all-to-all's peers and the expert-TP ring; allgather, one ring over expert-TP × EP;
+    flex, none (DeepEP's own buffers are the expert strategy's memory term)."""
+    par = s.parallel
+    return {"alltoall": [Communicator("ep", par.ep, par.etp, "p2p", par.ep - 1),
+                         Communicator("etp", par.etp, 1, "ring")],
+            "allgather": [Communicator("tp_ep", par.etp * par.ep, 1, "ring")],
+            "flex": []}[par.moe_token_dispatcher]
 
 
 def communicator_bytes(c: Communicator, channels: int, gpus_per_node: int) -> float:
@@ -226,7 +237,8 @@ def allocator_rounding(s: Scenario, stage: int) -> float:
     in_flight = schedule_spec(par.schedule).in_flight(par.pp, s.microbatches,
                                                       par.virtual_stages, stage)
     per_pass = 0.0
-    for _, chunks in stage_modes(par, s.model.layers, stage):  # one group unless partial
+    # one group unless partial
+    for _, chunks in stage_modes(par, s.model.layers, stage, s.model.mtp_layers):
         kinds = [kind for r in kept_runs(par, chunks) for kind in moe.run_kinds(s.model, r)]
         per_pass += sum(n * _stranded(_kept_tensors(s, i)) for i, n in kinds)
     return per_pass * in_flight

@@ -56,8 +56,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.model import moe
-from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
 from simulator.model.inventory.layer import kept_for_backward
+from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
     RecomputeMode,
@@ -141,7 +142,7 @@ def zero_memory_bytes(psi: float, zero: int, n_d: int, dtype: str = "bf16") -> f
 def activation_bytes_per_layer(
     spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: RecomputeMode = "none", dtype: str = "bf16", layer: int = 0, cp: int = 1,
-    stack: StackSpec | None = None, cp_kv_kept: bool = False,
+    stack: StackSpec | None = None, cp_kv_kept: bool = False, cp_a2a: bool = False,
 ) -> float:
     """Stored activations of one layer on one TP rank.
 
@@ -156,21 +157,26 @@ def activation_bytes_per_layer(
     keeps the gathered keys and values,
     :attr:`simulator.spec.scenario.Scenario.cp_keeps_gathered_kv`)
     its core holds every rank's keys and values, cp − 1 chunks more, unless the layer
-    is recomputed in full. A mixture of experts' layers are the inventory's too
-    (:func:`simulator.model.inventory.experts.moe_layer_ops`); a latent-attention model's layers
-    keep
-    what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their own widths and
-    a flash core, the same under selective recomputation, which a flash core leaves
-    nothing to drop from).
+    is recomputed in full; with ``cp_a2a`` (the all-to-all variants) the core keeps its
+    output before the all-to-all that returns it (Transformer Engine's
+    ``AttnFuncWithCPAndQKVOA2A`` saves ``out_part``, the layer's next linear the
+    exchanged copy): one attention output more, unless the core is recomputed. A
+    mixture of experts' layers are the inventory's too
+    (:func:`simulator.model.inventory.experts.moe_layer_ops`); a latent-attention model's
+    layers keep what their coarser ops save (:func:`simulator.model.moe.kept_bytes`: their
+    own widths and a flash core, the same under selective recomputation, which a flash
+    core leaves nothing to drop from).
     """
     st = stack or default_stack()
-    gathered = 0.0
+    extra = 0.0  # what the CP variant's core keeps besides the local chunk's
     if cp > 1:  # the local chunk (cp divides the sequence), with the fused core CP runs
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
         st = st.model_copy(update={"attention": "flash2"}) if not st.flash else st
         if cp_kv_kept and recompute != "full":
-            gathered = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
-    return gathered + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
+            extra = (cp - 1) * cp_kv_bytes(spec, micro_batch, tp, dtype)
+        if cp_a2a and recompute == "none":
+            extra = cp_a2a_bytes(spec, micro_batch, tp, dtype)[0]
+    return extra + _kept_per_layer(spec, micro_batch, tp, sequence_parallel, recompute,
                                       dtype, layer, st)
 
 
@@ -244,7 +250,7 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
         total += embedding_params(spec)
     if head:
         total += head_params(spec)
-        if spec.tied_embeddings and not embedding:  # the output layer's rank lacks it:
+        if spec.head_needs_embedding and not embedding:  # the output layer's rank lacks it:
             total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
     return total
 
@@ -255,12 +261,14 @@ def activations(scenario: Scenario, stage: int) -> float:
     in_flight = in_flight_microbatches(par.schedule, par.pp, scenario.microbatches,
                                        par.virtual_stages, stage)
     total = 0.0
-    for mode, chunks in stage_modes(par, spec.layers, stage):  # one group unless partial
+    # one group unless partial
+    for mode, chunks in stage_modes(par, spec.layers, stage, spec.mtp_layers):
         runs = kept_runs(par, chunks)  # one input per group of layers recomputed as one
         if spec.is_moe or spec.mla is not None or par.cp > 1:
             total += sum(n * activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype, i,
                                                         par.cp, scenario.stack,
-                                                        scenario.cp_keeps_gathered_kv)
+                                                        scenario.cp_keeps_gathered_kv,
+                                                        par.cp_a2a_degree > 1)
                          for i, n in _kinds(spec, runs))
         else:
             per_layer = activation_bytes_per_layer(spec, b, t, sp, mode, trn.dtype,
@@ -271,8 +279,10 @@ def activations(scenario: Scenario, stage: int) -> float:
         tokens_h /= par.cp
     if holds_embedding(par, stage) and scenario.stack.hidden_dropout > 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
-    if holds_head(par, stage):
-        total += 4 * tokens_h  # final-norm input and logits-GEMM input, 16-bit
+    if holds_head(par, stage):  # final-norm input and logits-GEMM input, 16-bit, per head
+        total += 4 * tokens_h * (1 + spec.mtp_layers)
+        total += spec.mtp_layers * mtp_kept(  # each MTP module's norms' and projection's inputs
+            spec, b, t, sp, trn.dtype, scenario.stack, par.recompute) / par.cp
     return total * in_flight
 
 
@@ -281,13 +291,15 @@ def logits(scenario: Scenario, stage: int) -> float:
     run, the fp32 softmax (Megatron's vocab-parallel loss, PyTorch's log_softmax), plus
     one more copy for the logits' gradient; under flash-attn's fused loss
     (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
-    and a 16-bit gradient."""
+    and a 16-bit gradient. Each multi-token prediction module's loss holds as much again
+    (one gradient serves them all: the losses' backward runs one after another)."""
     par = scenario.parallel
     if not holds_head(par, stage):
         return 0.0
     tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
     elements = tokens * scenario.model.vocab / par.tp
-    held = schedule_spec(par.schedule).logits_held(scenario.microbatches)
+    held = schedule_spec(par.schedule).logits_held(scenario.microbatches) \
+        * (1 + scenario.model.mtp_layers)
     if scenario.stack.loss == "flash":
         dt = dtype_bytes(scenario.training.dtype)
         return (dt * elements + 4.0 * tokens) * held + dt * elements

@@ -68,8 +68,18 @@ def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
                 ) -> list[tuple[int, int]]:
     """(a representative layer index, how many layers are like it) among layers
     start..stop-1 (default all): one entry for a dense model, a dense and a MoE entry
-    for a mixture of experts. Closed form: no loop over the layers."""
+    for a mixture of experts. Closed form: no loop over the layers. Layers from
+    ``spec.layers`` on are multi-token prediction layers, of the last layer's kind."""
     stop = spec.layers if stop is None else stop
+    if stop > spec.layers:  # the MTP layers join the entry of their kind
+        mtp = stop - max(start, spec.layers)
+        kinds = layer_kinds(spec, start, spec.layers) if start < spec.layers else []
+        kind = spec.is_moe_layer(spec.layers)
+        for j, (i, n) in enumerate(kinds):
+            if spec.is_moe_layer(i) == kind:
+                kinds[j] = (i, n + mtp)
+                return kinds
+        return [*kinds, (max(start, spec.layers), mtp)]
     f, freq = spec.first_dense_layers, spec.moe_layer_freq
     lo = max(start, f)
     first_moe = f + -(-(lo - f) // freq) * freq
@@ -81,6 +91,12 @@ def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None
         dense = start if not spec.is_moe_layer(start) else start + 1
         kinds.insert(0, (dense, stop - start - moe_count))
     return kinds
+
+
+def all_layer_kinds(spec: ModelSpec) -> list[tuple[int, int]]:
+    """:func:`layer_kinds` of every layer, the multi-token prediction modules' (numbered
+    from ``spec.layers`` on) included."""
+    return layer_kinds(spec, 0, spec.layers + spec.mtp_layers)
 
 
 def run_kinds(spec: ModelSpec, run: range) -> list[tuple[int, int]]:

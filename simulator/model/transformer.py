@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Literal
 
 from simulator.model import moe
+from simulator.model.inventory import mtp
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import expert_tensors
 from simulator.model.inventory.fp8 import step_weight_cast
@@ -93,14 +94,18 @@ def embedding_params(spec: ModelSpec) -> int:
 
 
 def head_params(spec: ModelSpec) -> int:
-    """Final norm plus the output projection (none extra when tied to the embedding)."""
+    """Final norm plus the output projection (none extra when tied to the embedding), and
+    beside them the multi-token prediction modules' norms and projections
+    (:func:`~simulator.model.inventory.mtp.mtp_end_params`; their layers are layers)."""
     projection = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
-    return _norm_params(spec) + projection
+    return _norm_params(spec) + projection + mtp.mtp_end_params(spec)
 
 
 def param_count(spec: ModelSpec) -> int:
-    """Total Ψ (a tied output projection counted once)."""
-    layers = sum(n * layer_params(spec, i) for i, n in moe.layer_kinds(spec))
+    """Total Ψ (a tied output projection counted once; the multi-token prediction
+    modules' layers, norms and projections included, the embedding and output layer
+    they share not again)."""
+    layers = sum(n * layer_params(spec, i) for i, n in moe.all_layer_kinds(spec))
     return layers + embedding_params(spec) + head_params(spec)
 
 
@@ -192,6 +197,21 @@ def head_ops(
     return ops if pass_ == "fwd" else ops[::-1]
 
 
+def mtp_end_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", pass_: Pass = "fwd", stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """One multi-token prediction module's ops outside its transformer layer, in execution
+    order: the shifted tokens' embedding lookup, the input norms and projection
+    (:func:`~simulator.model.inventory.mtp.mtp_in_ops`), then its final norm, the shared
+    output layer and the cross-entropy (:func:`head_ops`); the backward in reverse."""
+    st = stack or default_stack()
+    args = (spec, micro_batch, tp, sequence_parallel, dtype, pass_, st)
+    ops = (*embedding_ops(*args), *mtp.mtp_in_ops(*args)) if pass_ == "fwd" else \
+        (*mtp.mtp_in_ops(*args), *embedding_ops(*args))
+    return (*ops, *head_ops(*args)) if pass_ == "fwd" else (*head_ops(*args), *ops)
+
+
 def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
     """The cross-entropy over ``elements`` logits of ``wide`` bytes. Fused: one kernel
     each way, the logits read and an fp32 softmax written (or read back). Megatron's
@@ -248,7 +268,8 @@ def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
     count = sum(n for _, n in kinds)
     tensors = 0
     if part != "experts":
-        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS
+        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS \
+            + mtp.mtp_end_tensors(spec)
     if part != "dense" and spec.is_moe:
         local = expert_tensors(spec, s.stack, spec.experts // p.ep)
         tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
@@ -291,15 +312,18 @@ def _layer_flops(spec: ModelSpec, batch: int, layer: int, padded: bool) -> float
 
 
 def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
-    """Forward + backward of every layer, the logits and the loss; no recomputation.
+    """Forward + backward of every layer, the logits and the loss, and of the multi-token
+    prediction modules (their layers, projections and logits, as Megatron-LM's
+    ``num_floating_point_operations`` counts them); no recomputation.
 
     FLOPs are linear in the batch, so the whole batch is one "micro-batch" here. A
     MoE layer counts the experts its tokens use (no capacity padding).
     """
     layers = sum(n * _layer_flops(spec, global_batch, i, padded=False)
-                 for i, n in moe.layer_kinds(spec))
+                 for i, n in moe.all_layer_kinds(spec))
     return layers + _all_passes(head_ops, spec, global_batch) \
-        + _all_passes(embedding_ops, spec, global_batch)
+        + _all_passes(embedding_ops, spec, global_batch) \
+        + spec.mtp_layers * _all_passes(mtp_end_ops, spec, global_batch)
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
@@ -311,24 +335,27 @@ def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
     if modes is not None:
         return _partial_hardware_flops(spec, global_batch, modes)
     extra = 0.0
-    for i, n in moe.layer_kinds(spec):
+    for i, n in moe.all_layer_kinds(spec):
         extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
                                                    layer=i))
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))
-    return model_flops_per_step(spec, global_batch) + extra
+    return model_flops_per_step(spec, global_batch) + extra \
+        + mtp.mtp_recompute_flops(spec, global_batch, recompute)
 
 
 def _partial_hardware_flops(spec: ModelSpec, global_batch: int, modes: ModeRuns) -> float:
-    """:func:`hardware_flops_per_step` with each layer's own recompute mode."""
-    extra = 0.0
+    """:func:`hardware_flops_per_step` with each layer's own recompute mode (the
+    multi-token prediction modules' is the mode that is not none)."""
+    mode = next((m for m, _ in modes if m != "none"), "none")
+    extra = mtp.mtp_recompute_flops(spec, global_batch, mode)
     for mode, runs in modes:
         for r in runs:
             extra += sum(n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=mode,
                                                            layer=i))
                          for i, n in moe.run_kinds(spec, r))
-    for i, n in moe.layer_kinds(spec):
+    for i, n in moe.all_layer_kinds(spec):
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))
@@ -371,10 +398,13 @@ def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPaylo
     """Bytes of one TP collective at the model's ends by what it carries
     (:func:`simulator.model.inventory.tensor_parallel.tp_end_collectives`): the b·s·h activation,
     the b·s·V
-    logits, the cross-entropy's fp32 value per token."""
+    logits, the cross-entropy's fp32 value per token, a multi-token prediction module's
+    b·s·2h concatenation."""
     tokens = micro_batch * spec.seq_len
-    return {"activation": tp_comm_bytes_per_layer(spec, micro_batch, dtype),
-            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens}
+    activation = tp_comm_bytes_per_layer(spec, micro_batch, dtype)
+    return {"activation": activation,
+            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens,
+            "mtp_input": 2 * activation}
 
 
 def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:

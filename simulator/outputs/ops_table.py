@@ -52,11 +52,12 @@ def _layer_rows(s: Scenario, cost: CostModel, layer: int, part: str) -> list[dic
     for p in mdl.PASSES:
         ops = context_parallel_ops(mdl.layer_ops(spec, b, tp, sp, dt, p, layer, s.stack),
                                        spec, b, tp, dt, p, cp, gathered,
-                                       s.cp_keeps_gathered_kv)
+                                       s.cp_keeps_gathered_kv, s.parallel.cp_a2a_degree)
         rows += [_row(cost, part, _PASS_NAMES[p], op) for op in ops]
     mode = layer_mode(s.parallel, spec.layers, layer)  # only some layers may be recomputed
     rec = mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack)
-    rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered)
+    rec = context_parallel_ops(rec, spec, b, tp, dt, "fwd", cp, gathered,
+                               a2a=s.parallel.cp_a2a_degree)
     rows += [_row(cost, part, "recompute", op) for op in rec]
     total = sum(r["time_us"] for r in rows) or 1.0
     for r in rows:
@@ -74,7 +75,10 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += _layer_rows(local, cost, i, f"layer {i} (MoE)")
     spec, b, tp, sp, dt = (local.model, s.training.micro_batch, s.parallel.tp,
                            s.parallel.sequence_parallel, s.training.dtype)
-    for part, fn in (("embedding", mdl.embedding_ops), ("head", mdl.head_ops)):
+    ends = [("embedding", mdl.embedding_ops), ("head", mdl.head_ops)]
+    if spec.mtp_layers:  # one multi-token prediction module's ops beside its layer
+        ends.append(("mtp module", mdl.mtp_end_ops))
+    for part, fn in ends:
         for p in mdl.PASSES:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]
@@ -93,7 +97,8 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         rows += [_row(cost, "ddp layer", "into bucket" if not back else "bucket back", op)
                  for back in (False, True) for op in ddp_copy_ops(s.stack, unit, rdt, n, back)]
     shard = stage_params(s.model, par.pp, 0) / par.tp / (par.shard if par.zero else 1)
-    opt = mdl.optimizer_op_of(s, shard, stage_layers(s.model.layers, par, 0), "all")
+    runs = stage_layers(s.model.layers, par, 0, s.model.mtp_layers)
+    opt = mdl.optimizer_op_of(s, shard, runs, "all")
     rows.append(_row(cost, "optimizer", "step", opt))
     return rows
 
@@ -118,7 +123,7 @@ def format_table(s: Scenario, rows: list[dict[str, Any]]) -> str:
     mode = layer_mode(par, s.model.layers, 0)
     kept = activation_bytes_per_layer(s.model, b, par.tp, par.sequence_parallel, mode,
                                       s.training.dtype, 0, par.cp, s.stack,
-                                      s.cp_keeps_gathered_kv)
+                                      s.cp_keeps_gathered_kv, par.cp_a2a_degree > 1)
     lines.append(f"{first} total {sum(r['time_us'] for r in layer) / 1e3:.3f} ms, "
                  f"{sum(r['kernels'] for r in layer)} kernels; kept for backward "
                  f"{kept / 1e6:.1f} MB (the memory model's, under recompute "

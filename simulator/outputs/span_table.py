@@ -18,20 +18,21 @@ few thousand distinct names).
 
 Why columns: a full-fidelity GPT-3 run has ten million spans, and a Python
 tuple per span (then a DataFrame from the tuples) cost more than half of the
-simulation's own time. Here each task attribute is read in one pass
-(``map(attrgetter(...))`` into ``np.fromiter``), the three text attributes are
-factorised once, and coordinates follow from the rank arithmetically.
+simulation's own time. Here the task attributes come as arrays by task id
+(:mod:`simulator.builder.columns`: a full-fidelity workload's read once per stage
+prototype), the text ones as codes, and coordinates follow from the rank
+arithmetically.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from operator import attrgetter, itemgetter
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from simulator.builder.columns import TaskColumns, task_columns
 from simulator.engine.result import SimResult
 
 #: Column name → dtype of a span table, in file order.
@@ -110,76 +111,39 @@ def normalize_spans(spans: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(columns)
 
 
-def _column(tasks: Sequence[Any], attr: str, dtype: Any) -> np.ndarray:
-    return np.fromiter(map(attrgetter(attr), tasks), dtype, len(tasks))
-
-
-class _Codes(dict[str, int]):
-    """Value → code, numbering new values as they come (``map(codes.__getitem__, ...)``
-    stays in C but for the first sight of each value)."""
-
-    def __missing__(self, key: str) -> int:
-        code = self[key] = len(self)
-        return code
-
-
-def _categorical(tasks: Sequence[Any], attr: str, order: np.ndarray) -> pd.Categorical:
-    """One text attribute of every task as a categorical, in span order. A handful of
-    values (stream, op, kind) are coded through a dict in the same pass that reads
-    them; many (names) are factorised by pandas' hash table, faster there."""
-    if attr == "name":
-        codes, uniques = pd.factorize(_column(tasks, attr, object))
-        categories = [str(u) for u in uniques]
-    else:
-        table = _Codes()
-        codes = np.fromiter(map(table.__getitem__, map(attrgetter(attr), tasks)), np.int32,
-                            len(tasks))
-        categories = list(table)
-    return pd.Categorical.from_codes(codes[order].astype(np.int32, copy=False), categories)
-
-
-def _comm_start(comm_start: Mapping[int, float], n_tasks: int, tid: np.ndarray,
-                start: np.ndarray) -> np.ndarray:
-    """The engine's transfer start of each collective, else the span's start."""
-    by_task = np.full(n_tasks, np.nan)
-    if comm_start:
-        keys = np.fromiter(comm_start.keys(), np.int64, len(comm_start))
-        by_task[keys] = np.fromiter(comm_start.values(), np.float64, len(comm_start))
-    begin = by_task[tid]
-    return np.where(np.isnan(begin), start, begin)
-
-
-def span_table(result: SimResult) -> pd.DataFrame:
+def span_table(result: SimResult, columns: TaskColumns | None = None) -> pd.DataFrame:
     """The spans of ``result`` as a table with :data:`SPAN_COLUMNS`, sorted by
-    (rank, start, end). Every task left exactly one span (the engine checks it) and
-    task ``i`` is ``tasks[i]``, so attributes are read in task order and gathered."""
-    spans, tasks, layout = result.spans, result.workload.tasks, result.workload.layout
-    n = len(spans)
+    (rank, start, end). Every task left exactly one span (the engine checks it), task
+    ``i``'s at index ``i`` of the result's arrays, so attributes are read by task id
+    from ``columns`` (:func:`~simulator.builder.columns.task_columns`, read here when not
+    given) and gathered."""
+    layout = result.workload.layout
+    n = len(result.start)
     if n == 0:
         return normalize_spans(pd.DataFrame({c: [] for c in REQUIRED_COLUMNS}))
-    tid = np.fromiter(map(itemgetter(0), spans), np.int64, n)
-    start = np.fromiter(map(itemgetter(1), spans), np.float64, n)
-    end = np.fromiter(map(itemgetter(2), spans), np.float64, n)
-    rank_of_task = _column(tasks, "rank", np.int32)
-    rank = rank_of_task[tid]
-    order = np.lexsort((end, start, rank))
-    rank, tid = rank[order], tid[order]
-    columns: dict[str, Any] = {
+    columns = columns if columns is not None else task_columns(result.workload)
+    start_all = np.asarray(result.start, dtype=np.float64)
+    end_all = np.asarray(result.end, dtype=np.float64)
+    rank = columns.numbers["rank"]
+    order = np.lexsort((end_all, start_all, rank))
+    rank, tid = rank[order], order.astype(np.int64)
+    out: dict[str, Any] = {
         "rank": rank,
         "stage": (rank // layout.per_stage).astype(np.int32),
         "tp": (rank % layout.tp).astype(np.int32),
         "dp": ((rank // (layout.tp * layout.cp)) % layout.dp).astype(np.int32),
     }
     for attr in ("stream", "op", "kind", "name"):
-        columns[attr] = _categorical(tasks, attr, tid)
-    for column, attr in (("microbatch", "microbatch"), ("layer", "layer"), ("chunk", "chunk")):
-        columns[column] = _column(tasks, attr, np.int32)[tid]
-    columns["start"], columns["end"] = start[order], end[order]
-    columns["comm_start"] = _comm_start(result.comm_start, len(tasks), tid, columns["start"])
-    columns["bytes"] = _column(tasks, "nbytes", np.float64)[tid]
-    columns["task"] = tid
-    columns["weight_s"] = _column(tasks, "weight_s", np.float64)[tid]
-    return pd.DataFrame({c: columns[c] for c in SPAN_COLUMNS})
+        out[attr] = columns.categorical(attr, tid)
+    for column in ("microbatch", "layer", "chunk"):
+        out[column] = columns.numbers[column][tid]
+    out["start"], out["end"] = start_all[order], end_all[order]
+    begin = np.asarray(result.begin, dtype=np.float64)[tid]
+    out["comm_start"] = np.where(np.isnan(begin), out["start"], begin)
+    out["bytes"] = columns.numbers["nbytes"][tid]
+    out["task"] = tid
+    out["weight_s"] = columns.numbers["weight_s"][tid]
+    return pd.DataFrame({c: out[c] for c in SPAN_COLUMNS})
 
 
 def stage_representatives(spans: pd.DataFrame) -> list[int]:

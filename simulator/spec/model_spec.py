@@ -118,6 +118,12 @@ class ModelSpec(Frozen):
     router_skew: RouterSkewSpec | None = None
     """Uneven expert loads drawn from a Dirichlet; null: every expert receives the same
     number of tokens."""
+    mtp_layers: int = Field(default=0, ge=0, le=MAX_SIZE)
+    """Multi-token prediction modules (DeepSeek-V3 §2.2, D; Megatron-LM --mtp-num-layers):
+    each predicts one more future token from the previous depth's hidden states and the
+    shifted tokens' embedding through two norms, a 2h → h projection, one transformer
+    layer of the last layer's kind and a final norm, then the shared output layer and a
+    cross-entropy. All sit on the pipeline stage of the output layer; 0: none."""
 
     @model_validator(mode="before")
     @classmethod
@@ -171,10 +177,23 @@ class ModelSpec(Frozen):
         return self.experts > 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` (0-based) has routed experts instead of the dense MLP."""
+        """Whether layer ``layer`` (0-based) has routed experts instead of the dense MLP.
+        Layers ``layers`` .. ``layers + mtp_layers - 1`` are the multi-token prediction
+        modules' and take the last layer's kind (Megatron-LM builds them from the last
+        layer's spec, and counts them so in ``num_floating_point_operations``)."""
+        layer = min(layer, self.layers - 1)
         if not self.is_moe or layer < self.first_dense_layers:
             return False
         return (layer - self.first_dense_layers) % self.moe_layer_freq == 0
+
+    @property
+    def head_needs_embedding(self) -> bool:
+        """Whether the output layer's stage uses the word embedding: as the tied output
+        projection, or as the multi-token prediction modules' input embedding (Megatron-LM
+        keeps a copy there when that stage is not the first, ``LanguageModule.
+        setup_embeddings_and_output_layer``, and all-reduces its gradient with the first
+        stage's, ``_allreduce_word_embedding_grads``)."""
+        return self.tied_embeddings or self.mtp_layers > 0
 
     @property
     def moe_layers(self) -> int:

@@ -31,6 +31,10 @@ identity there). A stage without layers, embedding or head relays activations
 and gradients unchanged (:mod:`simulator.strategies.pipeline.workload` gives it zero-second
 tasks).
 
+The multi-token prediction modules' layers (``model.mtp_layers``, numbered from
+``model.layers`` on) follow the last virtual stage's, with the output layer, as
+Megatron-LM places them.
+
 Every lookup is O(1) per virtual stage (the running sums are computed once per
 ``ParallelSpec``), so placement costs nothing against a 100,000-stage pipeline.
 """
@@ -54,15 +58,23 @@ def model_stages(par: ParallelSpec) -> int:
     return par.pp * par.virtual_stages // schedule_spec(par.schedule).directions
 
 
-def chunk_layers(layers: int, par: ParallelSpec, stage: int) -> range:
-    """The layers of virtual ``stage`` (0 .. pp · v − 1)."""
+def chunk_layers(layers: int, par: ParallelSpec, stage: int, mtp: int = 0) -> range:
+    """The layers of virtual ``stage`` (0 .. pp · v − 1; with two directions those of
+    model stage ``stage`` mod :func:`model_stages`); the last model stage also holds the
+    ``mtp`` multi-token prediction modules' layers, numbered ``layers`` onwards (Megatron-LM
+    builds them on the last pipeline stage, ``mtp_on_this_rank`` and
+    ``get_mtp_num_layers_to_build`` in megatron/core/transformer/multi_token_prediction.py)."""
     runs = model_stages(par)
     stage %= runs
     if par.layers_per_stage is None:
         per = layers // runs
-        return range(stage * per, (stage + 1) * per)
-    starts = par.layer_starts
-    return range(starts[stage], starts[stage + 1])
+        run = range(stage * per, (stage + 1) * per)
+    else:
+        starts = par.layer_starts
+        run = range(starts[stage], starts[stage + 1])
+    if mtp and stage == runs - 1:
+        return range(run.start, layers + mtp)
+    return run
 
 
 def rank_virtual_stages(par: ParallelSpec, rank: int) -> list[int]:
@@ -106,14 +118,15 @@ def tied_copy(par: ParallelSpec) -> bool:
     return head_rank(par) != 0
 
 
-def stage_layers(layers: int, par: ParallelSpec, rank: int) -> list[range]:
-    """The layer runs of pipeline ``rank``: one per model chunk it holds, in chunk order."""
-    return [chunk_layers(layers, par, st) for st in rank_virtual_stages(par, rank)]
+def stage_layers(layers: int, par: ParallelSpec, rank: int, mtp: int = 0) -> list[range]:
+    """The layer runs of pipeline ``rank``: one per model chunk it holds, in chunk order
+    (the last with the ``mtp`` multi-token prediction layers, :func:`chunk_layers`)."""
+    return [chunk_layers(layers, par, st, mtp) for st in rank_virtual_stages(par, rank)]
 
 
-def stage_layer_count(layers: int, par: ParallelSpec, rank: int) -> int:
+def stage_layer_count(layers: int, par: ParallelSpec, rank: int, mtp: int = 0) -> int:
     """How many layers pipeline ``rank`` holds, all its chunks together."""
-    return sum(len(r) for r in stage_layers(layers, par, rank))
+    return sum(len(r) for r in stage_layers(layers, par, rank, mtp))
 
 
 def is_even(par: ParallelSpec) -> bool:

@@ -81,8 +81,11 @@ def _position(layers: int, par: ParallelSpec, layer: int) -> int:
 
 
 def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
-    """The recompute mode of global ``layer`` (0 .. layers − 1) of a model of ``layers``."""
-    if not partial(par):
+    """The recompute mode of global ``layer`` (0 .. layers − 1) of a model of ``layers``;
+    a multi-token prediction layer (``layer`` >= ``layers``) takes ``parallel.recompute``
+    whole: Megatron-LM checkpoints each MTP module under full granularity whatever the
+    method and count (``MultiTokenPredictionLayer.forward``)."""
+    if not partial(par) or layer >= layers:
         return par.recompute
     position = _position(layers, par, layer)
     if par.recompute_every is not None:
@@ -96,6 +99,10 @@ def _chunk_pieces(par: ParallelSpec, layers: int, run: range) -> list[tuple[Reco
     """A whole model chunk's layers by mode, in closed form: two runs (block), or every
     k-th layer as one stepped range and the rest as the gaps between them or as k − 1
     stepped ranges, whichever are fewer (at most about √(layers) ranges)."""
+    if run.stop > layers:  # the multi-token prediction layers: as layer_mode says
+        main = range(run.start, min(run.stop, layers))
+        tail = range(max(run.start, layers), run.stop)
+        return [*(_chunk_pieces(par, layers, main) if main else []), (par.recompute, tail)]
     a, b = run.start, run.stop
     if par.recompute_every is None:
         cut = min(a + (par.recompute_num_layers or 0), b)
@@ -127,16 +134,18 @@ def mode_runs(par: ParallelSpec, layers: int, runs: list[range]) -> ModeRuns:
     return tuple((mode, tuple(rs)) for mode, rs in groups.items())
 
 
-def stage_modes(par: ParallelSpec, layers: int, rank: int) -> ModeRuns:
-    """The layers of pipeline ``rank`` grouped by their recompute mode."""
-    return mode_runs(par, layers, stage_layers(layers, par, rank))
+def stage_modes(par: ParallelSpec, layers: int, rank: int, mtp: int = 0) -> ModeRuns:
+    """The layers of pipeline ``rank`` (with ``mtp`` multi-token prediction layers on the
+    output layer's) grouped by their recompute mode."""
+    return mode_runs(par, layers, stage_layers(layers, par, rank, mtp))
 
 
-def model_modes(par: ParallelSpec, layers: int) -> ModeRuns:
-    """Every layer of the model grouped by its recompute mode."""
+def model_modes(par: ParallelSpec, layers: int, mtp: int = 0) -> ModeRuns:
+    """Every layer of the model (and its ``mtp`` multi-token prediction layers) grouped by
+    its recompute mode."""
     if not partial(par):
-        return mode_runs(par, layers, [range(layers)])
-    return mode_runs(par, layers, [chunk_layers(layers, par, k)
+        return mode_runs(par, layers, [range(layers + mtp)])
+    return mode_runs(par, layers, [chunk_layers(layers, par, k, mtp)
                                    for k in range(par.pp * par.virtual_stages)])
 
 
@@ -161,10 +170,10 @@ def recomputed_share(par: ParallelSpec, layers: int) -> float:
                for r in runs) / layers
 
 
-def flops_modes(par: ParallelSpec, layers: int) -> ModeRuns | None:
+def flops_modes(par: ParallelSpec, layers: int, mtp: int = 0) -> ModeRuns | None:
     """:func:`model_modes` when only some layers are recomputed, else None (the FLOP
     counts' own whole-model path)."""
-    return model_modes(par, layers) if partial(par) else None
+    return model_modes(par, layers, mtp) if partial(par) else None
 
 
 def describe(par: ParallelSpec) -> str:
@@ -190,8 +199,8 @@ def kept_runs(par: ParallelSpec, runs: tuple[range, ...]) -> tuple[range, ...]:
 
 def keeps(par: ParallelSpec, layers: int, layer: int) -> bool:
     """Whether ``layer`` keeps activations (:func:`kept_runs`)."""
-    if par.recompute_group is None or par.recompute != "full":
-        return True
+    if par.recompute_group is None or par.recompute != "full" or layer >= layers:
+        return True  # a multi-token prediction module checkpoints its own input
     stage = _virtual_stage(layers, par, layer)
     return (layer - chunk_layers(layers, par, stage).start) % par.recompute_group == 0
 

@@ -131,15 +131,40 @@ class ParallelSpec(Frozen):
     """Data-parallel degree: model replicas (sharded under ZeRO)."""
     cp: int = Field(default=1, gt=0, le=MAX_SIZE)
     """Context-parallel degree: each sequence split over cp GPUs."""
-    cp_comm_type: Literal["p2p", "allgather"] = "p2p"
+    cp_comm_type: Literal["p2p", "allgather", "a2a", "a2a+p2p"] = "p2p"
     """How CP ranks exchange keys and values (Megatron-LM's ``--cp-comm-type``): p2p,
     ring attention overlapped with the attention compute; allgather, before it (Llama
-    3)."""
+    3); a2a, all-to-alls of Q, K, V and O (DeepSpeed-Ulysses); a2a+p2p, both (cp_a2a)."""
+    cp_a2a: int | None = Field(default=None, gt=0, le=MAX_SIZE)
+    """With cp_comm_type a2a+p2p, the all-to-all's degree: consecutive CP ranks in
+    groups of cp_a2a, the ring over cp / cp_a2a of them (the first of Megatron-LM's
+    ``--hierarchical-context-parallel-sizes``); must divide cp."""
     ep: int = Field(default=1, gt=0, le=MAX_SIZE)
     """Expert-parallel degree: a MoE layer's experts split over ep GPUs, carved out of
     a stage's tp · cp · dp ranks."""
     expert_tp: int | None = Field(default=None, gt=0, le=MAX_SIZE)
     """Tensor-parallel degree of the experts; default tp."""
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """How a MoE layer's tokens reach the experts and come back (Megatron-LM's
+    ``--moe-token-dispatcher-type``, megatron/core/transformer/moe/token_dispatcher.py):
+    ``alltoall`` (MoEAlltoAllTokenDispatcher), an all-to-all over the EP group and, with
+    expert_tp > 1, an all-gather over the expert-TP group, each mirrored on the way back;
+    ``allgather`` (MoEAllGatherTokenDispatcher), every token with its probabilities and
+    routing map all-gathered over the expert-TP × EP group, the local experts' tokens
+    picked out, a reduce-scatter back; ``flex`` (MoEFlexTokenDispatcher with
+    ``--moe-flex-dispatcher-backend deepep``, or the older ``--moe-enable-deepep``),
+    DeepEP's normal dispatch and combine kernels over the expert-TP × EP group, internode
+    over RDMA to the same-index GPU of each target node, then NVLink within it, at the
+    bandwidths DeepEP measured (:mod:`simulator.strategies.expert.deepep`). A per-run
+    choice, like cp_comm_type, so it sits here rather than in the stack (which holds how a
+    framework implements what it runs). Default alltoall (Megatron's own default is
+    allgather; the importer sets it)."""
+    moe_shared_expert_overlap: bool = False
+    """The shared experts compute while the dispatch and combine exchanges are in flight
+    (Megatron-LM's ``--moe-shared-expert-overlap``, megatron/core/transformer/moe/
+    shared_experts.py: the first linear and activation beside the dispatch, the second
+    linear beside the combine), the exchange on a stream of its own and the routed experts
+    waiting for the dispatch; alltoall or flex only. No effect without shared experts."""
     schedule: Schedule = DEFAULT_SCHEDULE
     """Pipeline schedule (zbv: ZB-V, two chunks per rank in a V, set virtual_stages: 2;
     dualpipe: DeepSeek-V3's DualPipe, set virtual_stages: 2, even pp, even m >= 2 pp)."""
@@ -222,6 +247,13 @@ class ParallelSpec(Frozen):
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def cp_a2a_degree(self) -> int:
+        """CP ranks an all-to-all spans: cp (a2a), cp_a2a (a2a+p2p), else 1."""
+        if self.cp == 1 or self.cp_comm_type == "a2a":
+            return self.cp
+        return (self.cp_a2a or 1) if self.cp_comm_type == "a2a+p2p" else 1
 
     @property
     def shard(self) -> int:

@@ -14,7 +14,10 @@ Megatron's ``get_data_parallel_group(with_context_parallel=True)``. Under hybrid
 sharding (``dp_shard`` < dp) ZeRO-3 shards over blocks of ``dp_shard`` consecutive dp
 indices (with their cp peers) and replicates across the blocks, as torchtitan's mesh
 (pp, dp_replicate, dp_shard, cp, tp) orders them: the shard group and the replicate
-group (one rank of each block, the same position in it).
+group (one rank of each block, the same position in it). Hierarchical context
+parallelism (``cp_a2a`` > 1, Megatron-LM's ``--hierarchical-context-parallel-sizes``)
+splits a CP group into all-to-all groups of ``cp_a2a`` consecutive CP ranks and rings
+of the ranks ``cp_a2a`` apart.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Layout:
     cp: int = 1
     domain_gpus: int = 0  # GPUs of one NVLink domain; 0: one node
     dp_shard: int = 0  # dp ranks of a ZeRO-3 shard group; 0: all dp
+    cp_a2a: int = 1  # CP ranks of a context-parallel all-to-all group (divides cp)
 
     @property
     def domain_size(self) -> int:
@@ -101,6 +105,25 @@ class Layout:
         """The ranks that hold the other chunks of ``rank``'s sequences."""
         c = self.coord(rank)
         return tuple(self.rank(c.pp, c.dp, c.tp, k) for k in range(self.cp))
+
+    def cp_a2a_group(self, rank: int) -> tuple[int, ...]:
+        """The ``cp_a2a`` consecutive CP ranks ``rank`` is among (its all-to-all's)."""
+        group, a = self.cp_group(rank), self.cp_a2a
+        first = group.index(rank) // a * a
+        return group[first:first + a]
+
+    def cp_ring_group(self, rank: int) -> tuple[int, ...]:
+        """The CP ranks ``cp_a2a`` apart from ``rank`` (its ring's under a2a+p2p, as
+        Transformer Engine's ``AttnFuncWithCPAndKVP2P`` orders them: ring neighbours
+        ``cp_global_ranks[(r ± 1) % cp_size * cp_size_a2a + rank_a2a]``)."""
+        group, a = self.cp_group(rank), self.cp_a2a
+        return group[group.index(rank) % a::a]
+
+    def cp_shift(self, k: int, by: int) -> int:
+        """CP index ``k`` moved by ``by`` within its all-to-all group and across them
+        (a translation that maps every all-to-all group and ring onto one)."""
+        a = self.cp_a2a
+        return (k // a + by // a) % (self.cp // a) * a + (k % a + by % a) % a
 
     def domain(self, rank: int) -> int:
         """The NVLink domain of ``rank``: what its NVLink port reaches."""

@@ -50,7 +50,8 @@ def class_shares(s: Scenario, stage: int) -> dict[str, float]:
 
     rows = op_rows(s)
     parts = {r["part"] for r in rows if str(r["part"]).startswith("layer")}
-    layers = stage_layer_count(s.model.layers, s.parallel, stage) / max(len(parts), 1)
+    layers = stage_layer_count(s.model.layers, s.parallel, stage,
+                              s.model.mtp_layers) / max(len(parts), 1)
     weight = {"embedding": float(holds_embedding(s.parallel, stage)),
               "head": float(holds_head(s.parallel, stage))}
     time: dict[str, float] = dict.fromkeys(COMPUTE_CLASSES, 0.0)

@@ -21,6 +21,7 @@ from simulator.analysis.accounting.vocabulary import (
     is_comm,
     vocabulary,
 )
+from simulator.builder.columns import TaskColumns
 from simulator.builder.tasks import Task
 from simulator.schedules.registry import schedule_spec
 
@@ -85,14 +86,16 @@ class _Stream:
     kinds: int  # communication kinds, whose codes follow the five compute codes
 
     @classmethod
-    def of(cls, timing: Timing, compute: Sequence[Task], vocab: Vocabulary) -> _Stream:
-        n = len(compute)
-        ids = np.fromiter((t.id for t in compute), np.int64, n)
-        code = np.fromiter((vocab.kind_code.get(t.kind, 4) for t in compute), np.int64, n)
-        weight = np.fromiter((t.weight_s for t in compute), float, n)
-        mb = np.fromiter((t.microbatch for t in compute), np.int64, n)
-        return cls(ids, code, weight, mb, timing.start_a[ids], timing.end_a[ids],
-                   timing.begin_a[ids], len(vocab.kinds))
+    def of(cls, timing: Timing, ids: np.ndarray, columns: TaskColumns,
+           vocab: Vocabulary) -> _Stream:
+        """The compute stream whose task ids, in program order, are ``ids``."""
+        kind_codes = np.asarray([vocab.kind_code.get(k, 4) for k in columns.values["kind"]],
+                                dtype=np.int64)
+        code = kind_codes[columns.codes["kind"][ids]] if len(kind_codes) \
+            else np.zeros(len(ids), np.int64)
+        mb = columns.numbers["microbatch"][ids].astype(np.int64)
+        return cls(ids, code, columns.numbers["weight_s"][ids], mb, timing.start_a[ids],
+                   timing.end_a[ids], timing.begin_a[ids], len(vocab.kinds))
 
     @property
     def last_pipeline_end(self) -> float:
@@ -176,23 +179,24 @@ def _phase(streams: Iterable[_Stream]) -> tuple[float, float]:
     return (min(starts), max(ends)) if starts else (0.0, 0.0)
 
 
-def breakdown(timing: Timing, programs: Mapping[int, Sequence[Task]], stage_of: Mapping[int, int],
-              pipeline_of: Mapping[int, Any], step_time: float, schedule: str, p: int, m: int,
-              v: int) -> tuple[list[dict[str, Any]], list[float], tuple[float, float]]:
-    """``time_breakdown_s`` (one entry per simulated rank; ``programs`` maps a rank to its
-    compute stream), each rank's schedule bubble (:func:`schedule_bubble`) and the
-    pipeline phase. Ranks with equal ``pipeline_of`` form one pipeline, whose drain ends
-    with its last backward."""
+def breakdown(timing: Timing, columns: TaskColumns, ranks: Sequence[int],
+              stage_of: Mapping[int, int], pipeline_of: Mapping[int, Any], step_time: float,
+              schedule: str, p: int, m: int, v: int,
+              ) -> tuple[list[dict[str, Any]], list[float], tuple[float, float]]:
+    """``time_breakdown_s`` (one entry per simulated rank of ``ranks``, whose compute
+    streams ``columns`` gives), each rank's schedule bubble (:func:`schedule_bubble`) and
+    the pipeline phase. Ranks with equal ``pipeline_of`` form one pipeline, whose drain
+    ends with its last backward."""
     closed_form = schedule_spec(schedule).pipeline_time
     vocab = vocabulary()
-    streams = {r: _Stream.of(timing, compute, vocab) for r, compute in programs.items()}
+    streams = {r: _Stream.of(timing, columns.compute(r), columns, vocab) for r in ranks}
     phase = _phase(streams.values())
     ends: dict[Any, float] = {}
     for r, stream in streams.items():
         key = pipeline_of[r]
         ends[key] = max(ends.get(key, 0.0), stream.last_pipeline_end)
     entries, bubbles = [], []
-    for rank in sorted(programs):
+    for rank in sorted(ranks):
         stream = streams[rank]
         f, bi, bw = (x / m for x in stream.pass_times())
         ideal = closed_form(p, m, v, f, bi, bw) - m * (f + bi + bw)

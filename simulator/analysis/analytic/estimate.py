@@ -24,7 +24,9 @@ exposed; DP gradient all-reduce is exposed beyond what the last backward hides (
 of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
 all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
 compute hides and, per micro-batch, the root unit's gather (embedding, head), which
-waits for the compute before it (FSDP2's root pre-forward); ZeRO-Offload replaces
+waits for the compute before it (FSDP2's root pre-forward); with experts each MoE
+layer's expert unit too, over edp, and the links those gathers share with the
+gradient reduce-scatters (:mod:`simulator.strategies.zero3.experts`); ZeRO-Offload replaces
 the optimizer step with CPU Adam and the copy back. Contention between concurrent
 flows is ignored here — that is the engine's job, as are degraded links and jitter
 (a slow GPU slows its stage's compute).
@@ -155,10 +157,9 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     them; with experts the stage with the most, which reduce over edp) and the time of
     their gradients' reduction."""
     par, spec, trn = s.parallel, s.model, s.training
-    layers = [stage_layer_count(spec.layers, par, st) for st in range(par.pp)]
-    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st), head_rank(par),
-                         stage_ends(par, st))
-            for st in range(par.pp)]
+    layers = [stage_layer_count(spec.layers, par, st, spec.mtp_layers) for st in range(par.pp)]
+    held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
+                         head_rank(par), stage_ends(par, st)) for st in range(par.pp)]
     busiest = max(range(par.pp), key=held.__getitem__)
     params: float = held[busiest]
     expert_params: list[float] = []
@@ -172,7 +173,7 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
     t_early = t_dp
-    if par.zero == 3 and par.dp * par.cp > 1 and not spec.is_moe:  # per layer (module), root
+    if par.zero == 3 and par.dp * par.cp > 1:  # per layer (module), root
         t_dp = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op)
         t_early = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op, last=False)
     if expert_params:  # the expert data-parallel group: dp · cp ranks of a dense model
@@ -221,7 +222,7 @@ def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
         shard += sum(g.expert_params) / (par.edp if par.zero >= 1 else 1)
     if par.zero_offload:  # CPU Adam on the shard, then the shard back over PCIe
         return offload_step_s(s, layout, hw, shard), shard
-    runs = stage_layers(spec.layers, par, g.busiest)
+    runs = stage_layers(spec.layers, par, g.busiest, spec.mtp_layers)
     opt = mdl.optimizer_op_of(s, shard, runs, "all" if g.expert_params else "dense")
     t_opt = max(sc.op_time(opt) for sc in (cost, *stage_cost.values())) \
         + tp_optimizer(s, layout, cost, hw, g.layers[g.busiest],
@@ -292,7 +293,7 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     f, b, _ = pipe.stages[pipe.slowest]
     t_zero, fsdp_fwd, fsdp_bwd = zero3_step(s, layout, cost, hw, c, f, b,
                                             g.layers[pipe.slowest], g.busiest,
-                                            g.layers[g.busiest])
+                                            g.layers[g.busiest], pipe.slowest)
     t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
     t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
     t_pipe = pipe.t_pipe

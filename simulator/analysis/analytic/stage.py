@@ -50,7 +50,8 @@ def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:
 
 def chunk_kinds(s: Scenario, stage: int) -> Kinds:
     """(a representative layer, how many like it) on pipeline rank ``stage``, all chunks."""
-    return layer_kinds_of(s, stage_layers(s.model.layers, s.parallel, stage))
+    return layer_kinds_of(s, stage_layers(s.model.layers, s.parallel, stage,
+                                             s.model.mtp_layers))
 
 
 def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
@@ -59,8 +60,10 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
-    layer's routed experts forward and input-gradient seconds, one all-to-all's and
-    one expert-TP collective's (:func:`_expert_times`). ``t_cp``: a layer's exposed
+    layer's routed experts forward and input-gradient seconds, one ep exchange's and
+    one expert-TP collective's, and under shared-expert overlap the shared experts'
+    compute and the exchange seconds it hides
+    (:func:`simulator.strategies.expert.strategy.expert_times`). ``t_cp``: a layer's exposed
     context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
@@ -93,18 +96,29 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_input"] += count * split_b
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
-            fwd, bwd, a2a, etp = experts
+            x = experts
+            fwd, bwd = x.fwd + x.shared_fwd, x.bwd + x.shared_bwd
             out["forward"] += count * fwd
             out["backward_input"] += count * bwd
             out["recompute"] += count * fwd if mode == "full" else 0.0
-            out["ep_transfer"] += count * 2 * a2a * passes
-            out["tp_transfer"] += count * 2 * etp * passes
-    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:])):
+            out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
+                                           - x.hidden_bwd)
+            out["tp_transfer"] += count * 2 * x.etp * passes
+    for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:4])):
         if present:
             out["forward"] += end[0]
             out["backward_input"] += end[1]
             out["backward_weight"] += end[2]
             out["tp_transfer"] += sum(tp)
+    if last and spec.mtp_layers:  # each MTP module's ends: an embedding and a head again
+        n = spec.mtp_layers
+        out["forward"] += n * c.mtp[0]
+        out["backward_input"] += n * c.mtp[1]
+        out["backward_weight"] += n * c.mtp[2]
+        out["tp_transfer"] += n * sum(ends)  # the ends' again and the projection's
+        if par.recompute == "full":  # the input side again, its projection's gathers too
+            out["recompute"] += n * c.mtp_recompute
+            out["tp_transfer"] += n * ends[4]
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
     return out
@@ -181,11 +195,12 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     par, m = s.parallel, s.microbatches
     closed = pipeline_time(par.schedule, par.pp, m, par.virtual_stages, *slowest)
     n = par.pp * par.virtual_stages
-    alike = is_even(par) and chunks_alike(par, s.model.layers)
+    # multi-token prediction layers make the last stage's chunk longer than the others
+    alike = is_even(par) and chunks_alike(par, s.model.layers) and not s.model.mtp_layers
     if (alike and not per_stage) or 3 * n * m > EXECUTED_ACTIONS:
         return closed
     per_stage = per_stage or {}
-    runs = [[chunk_layers(s.model.layers, par, k)] for k in range(n)]
+    runs = [[chunk_layers(s.model.layers, par, k, s.model.mtp_layers)] for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
     chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,

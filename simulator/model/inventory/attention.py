@@ -72,15 +72,16 @@ def rope_ops(x: Shape, pass_: Pass) -> list[Op]:
 
 
 def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: int = 1,
-                   kernel: str = "flash2") -> Op:
+                   kernel: str = "flash2", heads: int = 1) -> Op:
     """The flash attention core of ``spec.seq_len`` queries per sequence against ``cp``
     times as many keys (context parallelism: a rank's chunk of queries meets every
     chunk's keys and values, as ring attention and the KV all-gather do, one ``kernel``
-    call per chunk, each priced at the chunk's length). Causal: half the counted FLOPs
+    call per chunk, each priced at the chunk's length), for 1 / ``heads`` of the TP
+    rank's heads (the all-to-all variants' head split). Causal: half the counted FLOPs
     execute (load-balanced chunks); the backward recomputes the scores
     (:func:`~simulator.model.inventory.ops.flash_scale`)."""
-    tokens, q_width = b * spec.seq_len, spec.q_width / tp
-    kv_width = kv_per_rank(spec, tp) * spec.head_size
+    tokens, q_width = b * spec.seq_len, spec.q_width / tp / heads
+    kv_width = kv_per_rank(spec, tp) * spec.head_size / heads
     fwd_flops = 4.0 * b * spec.seq_len**2 * cp * q_width  # QKᵀ and AV, a/tp heads
     call = AttentionCall(kernel, spec.seq_len, spec.head_size)
     if pass_ == "fwd":  # read q, k, v; write o
@@ -96,7 +97,7 @@ def attention_core(spec: ModelSpec, b: int, tp: int, dt: int, pass_: Pass, cp: i
 
 def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int, dtype: str,
                          pass_: Pass, cp: int, kv_gathered: bool = False,
-                         kv_kept: bool = False) -> tuple[Op, ...]:
+                         kv_kept: bool = False, a2a: int = 1) -> tuple[Op, ...]:
     """Ops priced on a rank's ``local`` chunk (seq_len / cp tokens) with the attention core
     against the whole sequence's keys (:func:`attention_core`; context parallelism runs
     a fused attention kernel whatever the stack's attention, as Transformer Engine's CP
@@ -106,12 +107,16 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
     (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``,
     ``get_seq_chunk_ids_for_reordering_before_attn`` and ``..._after_attn``); with
     ``kv_kept`` (the stack keeps the gathered, ordered keys and values for the backward)
-    the backward reorders only the gradients."""
+    the backward reorders only the gradients. With ``a2a`` > 1 (the all-to-all
+    variants) the core runs a2a chunks' queries, 1 / a2a of the heads, against the
+    cp / a2a ring chunks' keys, and the exchanged tensors are copied around each
+    all-to-all (:func:`cp_a2a_copy_bytes`)."""
     if cp == 1 or pass_ == "bwd_weight":
         return ops
     # the stack's fused kernel; an unfused stack's core runs FlashAttention-2
     kernel = next((op.attn.kernel for op in ops if op.attn is not None), "flash2")
-    core = attention_core(local, b, tp, dtype_bytes(dtype), pass_, cp, kernel)
+    seen = local.model_copy(update={"seq_len": local.seq_len * a2a}) if a2a > 1 else local
+    core = attention_core(seen, b, tp, dtype_bytes(dtype), pass_, cp // a2a, kernel, a2a)
     out: list[Op] = []
     for op in ops:
         if op.name in CORE_OPS:
@@ -121,10 +126,33 @@ def context_parallel_ops(ops: tuple[Op, ...], local: ModelSpec, b: int, tp: int,
                 copies = 1 if pass_ == "fwd" or kv_kept else 2
                 out.append(Op("cp_reorder", "memory", 0.0,
                               copies * 2 * cp * cp_kv_bytes(local, b, tp, dtype), 0.0, "copy"))
+            elif a2a > 1:  # four tensors (Q, K, V, O or their gradients), two copies each
+                out.append(Op("cp_reorder", "memory", 0.0, cp_a2a_copy_bytes(local, b, tp, dtype),
+                              0.0, "copy", 8))
             out.append(core)
         else:
             out.append(op)
     return tuple(out)
+
+
+def cp_a2a_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> tuple[float, float]:
+    """Bytes of one rank's query (and output) and of its key (and value) in one layer,
+    each a tensor one all-to-all of the all-to-all variants exchanges: s/cp tokens of
+    the TP rank's heads, which become all s tokens of 1/cp of the heads (Transformer
+    Engine's ``flash_attn_a2a_communicate``, ``[b, s//cp, h, d] -> [b, s, h//cp, d]``),
+    the same size either way."""
+    q = b * local.seq_len * local.q_width / tp * dtype_bytes(dtype)
+    return q, cp_kv_bytes(local, b, tp, dtype) / 2
+
+
+def cp_a2a_copy_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:
+    """HBM bytes of the copies around the all-to-alls of one pass: each of the four
+    tensors (Q, K, V and O forward; dO, dQ, dK and dV backward) is made contiguous
+    before it is sent (``movedim(...).contiguous()``, or the chunk reorder after the
+    core) and reordered after it arrives (``index_select`` of the sequence chunks, or
+    ``contiguous()``): two copies, each one read and one write."""
+    q, kv = cp_a2a_bytes(local, b, tp, dtype)
+    return 2 * 2 * (2 * q + 2 * kv)
 
 
 def cp_kv_bytes(local: ModelSpec, b: int, tp: int, dtype: str) -> float:

@@ -69,12 +69,13 @@ def tp_block_collectives(spec: ModelSpec, stack: StackSpec, tp: int, sp: bool, l
 
 
 #: What a TP collective at the model's ends carries: the b·s·h activation (or its
-#: gradient), the b·s·V logits, or the cross-entropy's fp32 value per token.
-EndPayload = Literal["activation", "logits", "loss"]
+#: gradient), the b·s·V logits, the cross-entropy's fp32 value per token, or a
+#: multi-token prediction module's b·s·2h concatenation (its projection's input).
+EndPayload = Literal["activation", "logits", "loss", "mtp_input"]
 
 
 def tp_end_collectives(stack: StackSpec, tp: int, sp: bool,
-                       where: Literal["embed", "head", "loss"], forward: bool,
+                       where: Literal["embed", "head", "loss", "mtp_proj"], forward: bool,
                        ) -> tuple[tuple[CollectiveName, EndPayload], ...]:
     """The TP collectives of one micro-batch at the model's ends, in order.
 
@@ -85,9 +86,22 @@ def tp_end_collectives(stack: StackSpec, tp: int, sp: bool,
     three fp32 all-reduces per token (max, target logit, sum of exponentials). As DTensor
     (``stack.dtensor``): the embedding's output all-reduced to a replicated tensor even
     under SP (then cut locally), and the logits all-gathered whole (``ColwiseParallel``
-    with a replicated output) for a cross-entropy with no collective of its own."""
+    with a replicated output) for a cross-entropy with no collective of its own.
+
+    A multi-token prediction module's projection (``mtp_proj``, Megatron-LM's
+    ``MultiTokenPredictionLayer._concat_embeddings``): a column-parallel linear over the
+    2h concatenation (its input all-gathered under SP, its input gradient reduce-scattered,
+    or all-reduced without SP), whose output is all-gathered whole
+    (``gather_from_tensor_model_parallel_region``) and, under SP, cut to the rank's
+    tokens again (its gradient all-gathered)."""
     if tp == 1:
         return ()
+    if where == "mtp_proj":
+        if forward:
+            return (("all_gather", "mtp_input"), ("all_gather", "activation")) if sp else \
+                (("all_gather", "activation"),)
+        return (("all_gather", "activation"), ("reduce_scatter", "mtp_input")) if sp else \
+            (("all_reduce", "mtp_input"),)
     if where == "loss":
         if not forward:
             return ()

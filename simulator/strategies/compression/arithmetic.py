@@ -249,10 +249,10 @@ def cast_ops(elements: float, dt: int, wire: int) -> tuple[list[Op], list[Op]]:
 def stage_units(s: Scenario, stage: int) -> list[list[tuple[int, int]]]:
     """The gradient units of pipeline ``stage`` (all its chunks; a dense model)."""
     par, spec = s.parallel, s.model
-    return unit_shapes(spec, placement.stage_layer_count(spec.layers, par, stage),
-                       placement.holds_embedding(par, stage),
+    layers = placement.stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
+    return unit_shapes(spec, layers, placement.holds_embedding(par, stage),
                        placement.holds_head(par, stage),
-                       spec.tied_embeddings and placement.tied_copy(par))
+                       spec.head_needs_embedding and placement.tied_copy(par))
 
 
 def stage_shapes(s: Scenario, stage: int) -> list[tuple[int, int]]:
@@ -265,10 +265,10 @@ def stage_elements(s: Scenario, stage: int) -> float:
     layers' (equal) tensors times the layer count, plus the ends' (no list of a
     billion layers)."""
     par, spec = s.parallel, s.model
-    layers = placement.stage_layer_count(spec.layers, par, stage)
+    layers = placement.stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
     ends = unit_shapes(spec, 0, placement.holds_embedding(par, stage),
                        placement.holds_head(par, stage),
-                       spec.tied_embeddings and placement.tied_copy(par))
+                       spec.head_needs_embedding and placement.tied_copy(par))
     total = layers * sum(n * m for n, m in layer_shapes(spec)) \
         + sum(n * m for unit in ends for n, m in unit)
     return total / par.tp

@@ -99,7 +99,7 @@ def compressed_reduction(s: Scenario, layout: Layout, hw: HardwareProfile,
     groups = [[i] for i in range(len(sizes))] if per_unit \
         else cmp.buckets(sizes, cmp.bucket_caps(s))
     times = s.microbatches if par.zero >= 2 else 1
-    layers = max(stage_layer_count(spec.layers, par, stage), 1)
+    layers = max(stage_layer_count(spec.layers, par, stage, spec.mtp_layers), 1)
     clock = exposed = compute = 0.0
     for bucket in groups:
         if method == "powersgd":

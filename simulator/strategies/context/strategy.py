@@ -14,10 +14,11 @@ default is CP 1.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from simulator.errors import Problem
-from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
 from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import ParallelSpec, Scenario
 from simulator.strategies.base import Dimension, Strategy
@@ -36,11 +37,11 @@ CP_MIN_TOKENS = 4096  # default CP: each rank keeps at least this many tokens (m
 def context_parallel_problems(s: Scenario) -> list[Problem]:
     """Megatron-LM splits the sequence into 2 · cp chunks (rank r takes chunks r and
     2cp − 1 − r, balancing causal attention), each divisible by tp with sequence
-    parallelism."""
+    parallelism; the all-to-all variants' rules are :func:`a2a_problems`."""
     par, mdl = s.parallel, s.model
+    out = a2a_problems(s)
     if par.cp == 1:
-        return []
-    out: list[Problem] = []
+        return out
     if mdl.seq_len % (2 * par.cp):
         out.append(Problem("parallel.cp", par.cp, f"model.seq_len ({mdl.seq_len}) is not "
                            f"divisible by 2 * cp = {2 * par.cp} (two balanced chunks per rank); "
@@ -52,17 +53,50 @@ def context_parallel_problems(s: Scenario) -> list[Problem]:
     return out
 
 
+def a2a_problems(s: Scenario) -> list[Problem]:
+    """``cp_a2a`` only with a2a+p2p, which needs it, dividing cp (Megatron-LM:
+    the product of ``--hierarchical-context-parallel-sizes`` is cp); the all-to-all
+    splits each TP rank's query heads and key/value heads over its ranks, so both must
+    divide (Transformer Engine's ``AttnFuncWithCPAndQKVOA2A``: "requires num_heads %
+    cp_size == 0 for Q, K, V")."""
+    par, mdl = s.parallel, s.model
+    hierarchical = par.cp_comm_type == "a2a+p2p"
+    if not hierarchical and par.cp_a2a is not None:
+        return [Problem("parallel.cp_a2a", par.cp_a2a, "is the all-to-all's degree of "
+                        "cp_comm_type a2a+p2p only; drop it or set parallel.cp_comm_type: "
+                        "a2a+p2p")]
+    if hierarchical and par.cp > 1 and (par.cp_a2a is None or par.cp % par.cp_a2a):
+        return [Problem("parallel.cp_a2a", par.cp_a2a, "a2a+p2p needs the all-to-all's "
+                        f"degree, a divisor of cp({par.cp}) (Megatron-LM's "
+                        "--hierarchical-context-parallel-sizes A R, A · R = cp); set "
+                        "parallel.cp_a2a")]
+    a = par.cp_a2a_degree
+    heads, kv = mdl.heads // par.tp, max(mdl.kv // par.tp, 1)
+    if a == 1 or not (heads % a or kv % a):
+        return []
+    field = "parallel.cp_comm_type" if par.cp_comm_type == "a2a" else "parallel.cp_a2a"
+    value = par.cp_comm_type if par.cp_comm_type == "a2a" else par.cp_a2a
+    most = math.gcd(heads, kv, par.cp)  # the largest all-to-all these heads allow
+    fix = f"cp_comm_type a2a+p2p with cp_a2a dividing {most}, " if most > 1 else ""
+    return [Problem(field, value, f"the all-to-all splits each TP rank's {heads} query and "
+                    f"{kv} key/value heads over {a} CP ranks; both must be divisible by {a}: "
+                    f"use {fix}p2p or allgather, or a smaller tp")]
+
+
 def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) -> float:
     """One layer's exposed context-parallel exchange per micro-batch, all passes
     (:mod:`simulator.strategies.context.workload`): a ring beyond what its attention block
     hides (twice the bytes in backward), or the blocking all-gathers and the
     gradients' reduce-scatter (and the backward's all-gather unless the stack keeps the
-    gathered keys and values). ``s`` is the rank's local view (seq_len / cp)."""
+    gathered keys and values); with the all-to-all variants, their blocking
+    all-to-alls besides (:func:`a2a_exposed`). ``s`` is the rank's local view
+    (seq_len / cp)."""
     par, trn = s.parallel, s.training
     if par.cp == 1:
         return 0.0
-    size = par.cp * cp_kv_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
-    group = layout.cp_group(0)
+    a2a = par.cp_a2a_degree
+    size = par.cp // a2a * cp_kv_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
+    inner, group = layout.cp_a2a_group(0), layout.cp_ring_group(0)
     # forward passes of a layer: again when recomputed (on average over the layers when
     # only some are, simulator.spec.recompute)
     fwd_passes = 1 + recomputed_share(par, s.model.layers) if partial(par) \
@@ -72,11 +106,25 @@ def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) 
         rs = collective_time(s, layout, "reduce_scatter", size, group, hw)
         regather = 0 if s.cp_keeps_gathered_kv else 1  # the backward's all-gather
         return (fwd_passes + regather) * ag + rs
+    exposed = a2a_exposed(s, layout, inner, hw, fwd_passes)
+    if par.cp_comm_type == "a2a":
+        return exposed
     ring_f = collective_time(s, layout, "all_gather", size, group, hw)
     ring_b = collective_time(s, layout, "all_gather", 2 * size, group, hw)
     lc = c.layer(0)
-    return fwd_passes * max(0.0, ring_f - lc.fwd[0]) \
+    return exposed + fwd_passes * max(0.0, ring_f - lc.fwd[0]) \
         + max(0.0, ring_b - lc.bwd_input[0] - lc.bwd_weight[0])
+
+
+def a2a_exposed(s: Scenario, layout: Layout, group: tuple[int, ...], hw: HardwareProfile,
+                fwd_passes: float) -> float:
+    """The all-to-alls of one layer and micro-batch, blocking: Q, K, V and O in each
+    forward pass, dO, dQ, dK and dV in the backward, one collective each (0 over a
+    group of one)."""
+    par, trn = s.parallel, s.training
+    q, kv = cp_a2a_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
+    one = sum(collective_time(s, layout, "all_to_all", n, group, hw) for n in (q, kv, kv, q))
+    return (fwd_passes + 1) * one
 
 
 class ContextParallel(Strategy):

@@ -21,6 +21,18 @@ guide, ``docs/source/api-guide/context_parallel.rst``):
   (``stack.cp_kv_backward: saved``, an autograd all-gather whose output attention
   saves) skips the backward's all-gather.
 
+- ``a2a`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Transformer Engine's
+  ``AttnFuncWithCPAndQKVOA2A``): an all-to-all over the CP group per tensor turns
+  Q, K and V from s/cp tokens of the TP rank's heads into all s tokens of 1/cp of
+  them before the core, and one turns the output back after it; the backward
+  sends dO in and dQ, dK, dV out. Blocking, on the compute stream (TE waits for
+  them before the kernel). Each all-to-all moves (cp − 1)/cp of its tensor.
+- ``a2a+p2p`` (TE's ``AttnFuncWithCPAndKVP2P`` given two groups): those
+  all-to-alls within groups of ``cp_a2a`` consecutive CP ranks, and a ring over
+  the cp / cp_a2a ranks of the same index in the other groups
+  (:meth:`simulator.system.layout.Layout.cp_ring_group`), overlapped with the core
+  as ``p2p``'s.
+
 Recomputed attention blocks (full recomputation) exchange as a forward does.
 The gradients of every weight reduce over the data-parallel group with CP
 (:meth:`simulator.system.layout.Layout.dp_group`). Installed only when cp > 1.
@@ -29,7 +41,10 @@ The gradients of every weight reduce over the data-parallel group with CP
 from __future__ import annotations
 
 from simulator.builder.context import Context, Pass
-from simulator.model.inventory.attention import cp_kv_bytes
+from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
+
+A2A_IN = ("q", "k", "v")  # before the core, forward (the backward sends dO)
+A2A_OUT = ("dq", "dk", "dv")  # after the core, backward (the forward sends O)
 
 
 class ContextParallelPass(Pass):
@@ -38,8 +53,12 @@ class ContextParallelPass(Pass):
         s = ctx.s  # the rank's local view: seq_len / cp tokens
         self.kv = cp_kv_bytes(s.model, s.training.micro_batch, s.parallel.tp,
                                   s.training.dtype)
-        self.cp = s.parallel.cp
-        self.ring = s.parallel.cp_comm_type == "p2p"
+        self.a2a = s.parallel.cp_a2a_degree
+        self.qkv = cp_a2a_bytes(s.model, s.training.micro_batch, s.parallel.tp,
+                                s.training.dtype)
+        self.cp = s.parallel.cp // self.a2a  # the ring's (or the all-gather's) ranks
+        self.ring = s.parallel.cp_comm_type in ("p2p", "a2a+p2p")
+        self.gather = s.parallel.cp_comm_type == "allgather"
         self.kept = s.cp_keeps_gathered_kv  # no all-gather again in backward
         for prog in ctx.programs.values():
             prog.streams.setdefault("cp", [])
@@ -49,11 +68,12 @@ class ContextParallelPass(Pass):
         if label != "attn":
             return
         ctx = self.ctx
-        group = ctx.layout.cp_group(rank)
+        inner, group = ctx.layout.cp_a2a_group(rank), ctx.layout.cp_ring_group(rank)
         compute = ctx.programs[rank].streams["compute"]
-        gathered = self.cp * self.kv  # the whole sequence's keys and values
+        gathered = self.cp * self.kv  # the whole sequence's keys and values (the ring's)
         if before:
-            if not self.ring and not (backward and self.kept):  # every chunk's K and V
+            self.all_to_all(rank, inner, ("do",) if backward else A2A_IN, mb, layer, chunk)
+            if self.gather and not (backward and self.kept):  # every chunk's K and V
                 ctx.collective(rank, "compute", "all_gather", "cp", group, gathered,
                                f"cp.all_gather kv L{layer} mb{mb}", mb, layer, chunk)
             return
@@ -61,13 +81,31 @@ class ContextParallelPass(Pass):
         at = next(i for i in range(len(compute) - 1, -1, -1) if compute[i].plan is None)
         block = compute[at]
         backward = block.op in ("B", "I")
-        if not self.ring:
-            if backward:  # the keys' and values' gradients back to their owners
-                ctx.collective(rank, "compute", "reduce_scatter", "cp", group, gathered,
-                               f"cp.reduce_scatter dkv L{layer} mb{mb}", mb, layer, chunk)
-            return
+        if self.ring:
+            self.ring_exchange(rank, group, at, backward, mb, layer, chunk)
+        elif self.gather and backward:  # the keys' and values' gradients back to their owners
+            ctx.collective(rank, "compute", "reduce_scatter", "cp", group, gathered,
+                           f"cp.reduce_scatter dkv L{layer} mb{mb}", mb, layer, chunk)
+        self.all_to_all(rank, inner, A2A_OUT if backward else ("o",), mb, layer, chunk)
+
+    def all_to_all(self, rank: int, group: tuple[int, ...], names: tuple[str, ...], mb: int,
+                   layer: int, chunk: int) -> None:
+        """One blocking all-to-all per tensor, each of its rank's chunk (none without
+        the all-to-all variants: a group of one)."""
+        for name in names:
+            size = self.qkv[0] if name in ("q", "o", "do", "dq") else self.qkv[1]
+            self.ctx.collective(rank, "compute", "all_to_all", "cp", group, size,
+                                f"cp.all_to_all {name} L{layer} mb{mb}", mb, layer, chunk)
+
+    def ring_exchange(self, rank: int, group: tuple[int, ...], at: int, backward: bool,
+                      mb: int, layer: int, chunk: int) -> None:
+        """The KV chunks around the ring on the cp stream, from the start of the attention
+        block at ``at`` of the compute stream; a zero-second task there waits for it."""
+        ctx = self.ctx
+        compute = ctx.programs[rank].streams["compute"]
+        block = compute[at]
         ring = ctx.collective(rank, "cp", "all_gather", "cp", group,
-                              (2 if backward else 1) * gathered,
+                              (2 if backward else 1) * (self.cp * self.kv),
                               f"cp.ring {'kv+dkv' if backward else 'kv'} L{layer} mb{mb}",
                               mb, layer, chunk)
         if ring is None:

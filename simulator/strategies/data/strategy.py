@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from simulator.errors import Problem
 from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
+from simulator.model.inventory.mtp import mtp_end_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, ddp_copy_ops
 from simulator.spec.placement import holds_embedding, holds_head, tied_copy
@@ -43,10 +44,11 @@ def ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
     dt = stack.reduce_bytes(dtype_bytes(s.training.dtype))
     units = [(mdl.layer_params(spec) / par.tp, layer_tensors(spec, stack))] * layers
     if holds_head(par, stage):
-        tied = spec.vocab * spec.hidden if spec.tied_embeddings and tied_copy(par) else 0
+        tied = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
         head = (mdl.head_params(spec) + tied) / par.tp
-        units = [(units[0][0] + head, units[0][1] + END_TENSORS), *units[1:]] if units \
-            else [(head, END_TENSORS)]
+        end = END_TENSORS + mtp_end_tensors(spec)
+        units = [(units[0][0] + head, units[0][1] + end), *units[1:]] if units \
+            else [(head, end)]
     if holds_embedding(par, stage):
         units.append((mdl.embedding_params(spec) / par.tp, END_TENSORS))
     return sum(cost.ops_time(ddp_copy_ops(stack, e, dt, n, back))

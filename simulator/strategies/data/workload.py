@@ -47,6 +47,7 @@ from simulator.model.inventory.sharding import (
 from simulator.schedules.action import Action
 from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
 from simulator.strategies.compression.workload import Compressor, Unit
+from simulator.strategies.zero3.experts import dense_unit
 from simulator.system.units import CollectiveName
 
 
@@ -101,8 +102,14 @@ class DataPass(Pass):
         backward's last gradient, as FSDP2's root post-backward reduce-scatters it."""
         ctx = self.ctx
         layers = len(ctx.layers_of(stage))
-        layer = mdl.layer_params(ctx.s.model) / ctx.s.parallel.tp * ctx.grad_dt
-        units = [(layer, task) for task in done[:layers]]
+        if ctx.s.model.is_moe:  # each layer's dense unit, in the backward's order (its
+            # routed experts reduce over edp: simulator.strategies.expert.workload)
+            ids = reversed(ctx.layers_of(stage))
+            units = [(dense_unit(ctx.s, i) * ctx.grad_dt, task)
+                     for i, task in zip(ids, done[:layers], strict=False)]
+        else:
+            layer = mdl.layer_params(ctx.s.model) / ctx.s.parallel.tp * ctx.grad_dt
+            units = [(layer, task) for task in done[:layers]]
         root = ctx.root_params(stage) * ctx.grad_dt
         if root and done:
             units.append((root, done[-1]))

@@ -18,9 +18,11 @@ every token picks k experts; the dispatch all-to-all sends each token-expert pai
 to the EP rank holding the expert; with expert_tp > 1 an all-gather over the
 expert-TP group gives every expert-TP rank the whole group's tokens; the experts
 run as grouped GEMMs; a reduce-scatter and the combine all-to-all (the mirror)
-bring the outputs home. Backward runs the mirror: two all-to-alls of the same
-size and the expert GEMMs' input gradients (their weight gradients go with the
-layer's other weight gradients, where zero-bubble schedules defer them).
+bring the outputs home (the other dispatchers, allgather and DeepEP's flex, are
+:mod:`simulator.strategies.expert.dispatcher`'s). Backward runs the mirror: two
+all-to-alls of the same size and the expert GEMMs' input gradients (their weight
+gradients go with the layer's other weight gradients, where zero-bubble schedules defer
+them).
 
 **Load.** Balanced, every EP rank receives k·b·s/tp token-expert pairs per
 all-to-all. With a capacity factor c (padded buffers, as :mod:`simulator.model.moe`
@@ -46,42 +48,24 @@ from functools import cache
 import numpy as np
 
 from simulator.model import moe
+from simulator.model import transformer as mdl
 from simulator.model.inventory.experts import expert_weight_ops, routed_expert_ops
 from simulator.model.inventory.ops import Op, Pass, dtype_bytes
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.scenario import Scenario
-from simulator.system.layout import Layout
+from simulator.strategies.expert.dispatcher import (
+    Exchanges,
+    Sizes,
+    edp_group,
+    ep_group,
+    etp_group,
+    exchanges,
+    tp_ep_group,
+)
 
-# ---------------------------------------------------------------- groups
-
-
-def _stage_base(layout: Layout, rank: int) -> tuple[int, int]:
-    """(first rank of ``rank``'s stage, ``rank``'s index among the stage's tp · dp)."""
-    per_stage = layout.per_stage
-    return rank - rank % per_stage, rank % per_stage
-
-
-def ep_group(layout: Layout, rank: int, etp: int, ep: int) -> tuple[int, ...]:
-    """The ranks that hold the other experts of ``rank``'s layers (and trade tokens)."""
-    base, i = _stage_base(layout, rank)
-    t, e_dp = i % etp, i // (etp * ep)
-    return tuple(base + e_dp * etp * ep + j * etp + t for j in range(ep))
-
-
-def edp_group(layout: Layout, rank: int, etp: int, ep: int) -> tuple[int, ...]:
-    """The ranks that hold the same experts (and reduce their gradients)."""
-    base, i = _stage_base(layout, rank)
-    t, e = i % etp, (i // etp) % ep
-    edp = layout.per_stage // (etp * ep)
-    return tuple(base + d * etp * ep + e * etp + t for d in range(edp))
-
-
-def etp_group(layout: Layout, rank: int, etp: int) -> tuple[int, ...]:
-    """The ranks that split each of ``rank``'s experts' matrices."""
-    base, i = _stage_base(layout, rank)
-    first = base + i - i % etp
-    return tuple(range(first, first + etp))
-
+__all__ = ["ExpertLayer", "edp_group", "ep_group", "etp_group", "expert_grad_bytes",
+           "expert_layer", "load_factor", "rank_loads", "shared_ops", "shared_overlapped",
+           "tp_ep_group"]
 
 # ---------------------------------------------------------------- load
 
@@ -120,6 +104,7 @@ class ExpertLayer:
     tokens: float  # token-expert pairs the rank's experts compute (after the expert-TP gather)
     a2a_bytes: float  # S of each all-to-all (0 without EP)
     etp_bytes: float  # the expert-TP all-gather / reduce-scatter's whole array (0 if etp = 1)
+    exchanges: Exchanges  # the dispatcher's collectives (simulator.strategies.expert.dispatcher)
     fwd: tuple[Op, ...]
     bwd_input: tuple[Op, ...]
     bwd_weight: tuple[Op, ...]
@@ -142,9 +127,38 @@ def expert_layer(s: Scenario) -> ExpertLayer:
                     *expert_weight_ops(spec, s.stack, tokens, width, groups, dt))
         return tuple(out) if pass_ == "fwd" else tuple(out[::-1])
 
+    sizes = Sizes(local, routed, tokens, spec.hidden * dt, spec.experts, dt)
     return ExpertLayer(load, tokens, routed * spec.hidden * dt if par.ep > 1 else 0.0,
-                       tokens * spec.hidden * dt if par.etp > 1 else 0.0,
+                       tokens * spec.hidden * dt if par.etp > 1 else 0.0, exchanges(s, sizes),
                        ops("fwd"), ops("bwd_input"), ops("bwd_weight"))
+
+
+# ---------------------------------------------------------------- shared experts
+
+#: The shared experts' first linear and activation (beside the dispatch under
+#: ``moe_shared_expert_overlap``) and second linear (beside the combine), with their FP8
+#: casts: Megatron-core's SharedExpertMLP.linear_fc1_forward_and_act / linear_fc2_forward.
+SHARED_FC1 = frozenset({"shared_up", "shared_act", "fp8_x_shared_up", "fp8_w_shared_up",
+                        "fp8_dy_shared_up"})
+SHARED_FC2 = frozenset({"shared_down", "fp8_x_shared_down", "fp8_w_shared_down",
+                        "fp8_dy_shared_down"})
+
+
+def shared_overlapped(s: Scenario) -> bool:
+    """Whether the shared experts run beside the dispatch and combine."""
+    return s.parallel.moe_shared_expert_overlap and s.model.is_moe \
+        and s.model.shared_experts > 0
+
+
+def shared_ops(s: Scenario, pass_: Pass) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """A MoE layer's shared-expert ops of ``pass_`` (fwd or bwd_input) on one TP rank:
+    (first linear and activation, second linear)."""
+    spec, par, trn = s.model, s.parallel, s.training
+    layer = next(i for i in range(spec.layers) if spec.is_moe_layer(i))
+    ops = mdl.layer_ops(spec, trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype,
+                        pass_, layer, s.stack)
+    return (tuple(op for op in ops if op.name in SHARED_FC1),
+            tuple(op for op in ops if op.name in SHARED_FC2))
 
 
 def expert_grad_bytes(s: Scenario, layer: int) -> float:

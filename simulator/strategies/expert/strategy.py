@@ -7,18 +7,29 @@ data-parallel group) and the search over EP degrees.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from simulator.errors import Problem
 from simulator.model import moe
+from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.base import divisor_list, divisors_text
 from simulator.spec.placement import holds_embedding, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
-from simulator.strategies.expert.layer import ep_group, etp_group, expert_layer
+from simulator.strategies.expert import dispatcher
+from simulator.strategies.expert.deepep import buffer_bytes
+from simulator.strategies.expert.dispatcher import Exchange
+from simulator.strategies.expert.layer import (
+    etp_group,
+    expert_layer,
+    shared_ops,
+    shared_overlapped,
+)
 from simulator.strategies.expert.workload import ExpertPass
 from simulator.strategies.timing import collective_time
+from simulator.system.collectives.cost import estimate
+from simulator.system.collectives.plan import GroupShape
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
@@ -55,6 +66,56 @@ def expert_parallel_problems(s: Scenario) -> list[Problem]:
     return out
 
 
+def dispatcher_problems(s: Scenario) -> list[Problem]:
+    """What Megatron-LM refuses of a token dispatcher: TransformerConfig.__post_init__
+    (megatron/core/transformer/transformer_config.py) raises for shared-expert overlap
+    with the allgather dispatcher ("moe_shared_expert_overlap only works with alltoall or
+    flex token dispatcher") and for DeepEP with padding to capacity
+    (moe_pad_expert_input_to_capacity, our model.capacity_factor);
+    MoEFlexTokenDispatcher asserts "DeepEP dispatcher requires TPxEP > 1"."""
+    par, mdl = s.parallel, s.model
+    out: list[Problem] = []
+    if not mdl.is_moe:
+        for field, value, default in (("moe_token_dispatcher", par.moe_token_dispatcher,
+                                       "alltoall"),
+                                      ("moe_shared_expert_overlap",
+                                       par.moe_shared_expert_overlap, False)):
+            if value != default:
+                out.append(Problem(f"parallel.{field}", value, "only for a mixture of experts "
+                                   "(model.experts = 0); remove it"))
+        return out
+    if par.moe_shared_expert_overlap and par.moe_token_dispatcher == "allgather":
+        out.append(Problem("parallel.moe_shared_expert_overlap", True, "Megatron-LM runs it "
+                           "only with the alltoall or flex dispatcher; set "
+                           "moe_token_dispatcher: alltoall or flex, or remove the overlap"))
+    if par.moe_token_dispatcher == "flex":
+        if mdl.capacity_factor is not None:
+            out.append(Problem("parallel.moe_token_dispatcher", "flex", "DeepEP does not pad "
+                               f"to capacity (model.capacity_factor {mdl.capacity_factor}); "
+                               "remove the capacity factor or use alltoall"))
+        if par.etp * par.ep == 1:
+            out.append(Problem("parallel.moe_token_dispatcher", "flex", "DeepEP needs "
+                               "expert_tp * ep > 1 (1 here); set ep > 1 or use alltoall"))
+    return out
+
+
+def dispatcher_buffers(s: Scenario) -> float:
+    """Bytes a dispatcher holds beyond its layers' activations, on one GPU: the
+    allgather dispatcher's gathered tokens, n · b·s/tp · h elements (n = expert_tp · ep) in
+    Megatron's global memory buffer (``gather_from_sequence_parallel_region(...,
+    use_global_buffer=True)``), reused by every layer; DeepEP's NVLink and RDMA buffers
+    (:func:`simulator.strategies.expert.deepep.buffer_bytes`); none for alltoall."""
+    par, spec, trn = s.parallel, s.model, s.training
+    n, dt = par.etp * par.ep, dtype_bytes(trn.dtype)
+    if n == 1:
+        return 0.0
+    if par.moe_token_dispatcher == "allgather":
+        return n * trn.micro_batch * spec.seq_len / par.tp * spec.hidden * dt
+    if par.moe_token_dispatcher == "flex":
+        return float(buffer_bytes(spec.hidden * max(int(dt), 2), n))
+    return 0.0
+
+
 def expert_parallel_degrees(experts: int, stage: int, etp: int) -> list[int]:
     """The ep degrees :func:`expert_parallel_problems` accepts for ``experts`` routed
     experts on a stage of ``stage`` = tp · cp · dp ranks with expert tensor parallelism
@@ -62,24 +123,63 @@ def expert_parallel_degrees(experts: int, stage: int, etp: int) -> list[int]:
     return [d for d in divisor_list(experts) if stage % (etp * d) == 0]
 
 
-Experts = tuple[float, float, float, float]
+class Experts(NamedTuple):
+    """A MoE layer's expert terms per micro-batch (:func:`expert_times`)."""
+
+    fwd: float  # the routed experts' forward compute
+    bwd: float  # their input gradients
+    a2a: float  # one ep exchange: the mean of the dispatch's and the combine's
+    etp: float  # one expert-TP all-gather (alltoall dispatcher with expert_tp > 1)
+    # under shared-expert overlap: the shared experts' compute per pass (forward,
+    # backward) and the ep exchange seconds it hides per pass
+    shared_fwd: float = 0.0
+    shared_bwd: float = 0.0
+    hidden_fwd: float = 0.0
+    hidden_bwd: float = 0.0
 
 
-NO_EXPERTS: Experts = (0.0, 0.0, 0.0, 0.0)
+NO_EXPERTS = Experts(0.0, 0.0, 0.0, 0.0)
+
+
+def _exchange_time(s: Scenario, layout: Layout, xs: tuple[Exchange, ...], kind: str,
+                   hw: HardwareProfile) -> float:
+    """Seconds of the ``kind`` collectives of one side of the dispatcher."""
+    out = 0.0
+    for x in xs:
+        if x.kind != kind:
+            continue
+        group = dispatcher.group(layout, 0, x.group, s.parallel.etp, s.parallel.ep)
+        shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
+        plan = x.plan(s, shape) if len(group) > 1 and x.size > 0 else None
+        out += estimate(plan, hw) if plan is not None \
+            else collective_time(s, layout, x.op, x.size, group, hw)
+    return out
 
 
 def expert_times(s: Scenario, layout: Layout, cost: CostModel,
                   hw: HardwareProfile) -> Experts:
     """A MoE layer's routed experts per micro-batch: forward and input-gradient compute,
-    one all-to-all, one expert-TP all-gather (or reduce-scatter)."""
+    one ep exchange (the mean of the dispatch and the combine), one expert-TP all-gather,
+    and under shared-expert overlap the shared experts' compute and what it hides:
+    min(exchange, shared part) beside each exchange, as the engine's ``ep`` stream has it
+    (:mod:`simulator.strategies.expert.workload`)."""
     if not s.model.is_moe:
         return NO_EXPERTS
     par, lay = s.parallel, expert_layer(s)
-    a2a = collective_time(s, layout, "all_to_all", lay.a2a_bytes,
-                           ep_group(layout, 0, par.etp, par.ep), hw)
+    x = lay.exchanges
+    dispatch, combine = (_exchange_time(s, layout, side, "ep", hw)
+                         for side in (x.dispatch, x.combine))
     etp = collective_time(s, layout, "all_gather", lay.etp_bytes,
                            etp_group(layout, 0, par.etp), hw)
-    return (cost.ops_time(lay.fwd), cost.ops_time(lay.bwd_input), a2a, etp)
+    out = Experts(cost.ops_time(lay.fwd), cost.ops_time(lay.bwd_input),
+                  (dispatch + combine) / 2, etp)
+    if not shared_overlapped(s):
+        return out
+    (f1, f2), (b1, b2) = ((cost.ops_time(a), cost.ops_time(b))
+                          for a, b in (shared_ops(s, p) for p in ("fwd", "bwd_input")))
+    return out._replace(shared_fwd=f1 + f2, shared_bwd=b1 + b2,
+                        hidden_fwd=min(dispatch, f1) + min(combine, f2),
+                        hidden_bwd=min(dispatch, b2) + min(combine, b1))
 
 
 def stage_expert_split(s: Scenario, stage: int) -> tuple[float, list[float]]:
@@ -91,7 +191,7 @@ def stage_expert_split(s: Scenario, stage: int) -> tuple[float, list[float]]:
     if par.pp == 1:
         dense += head_params(spec)
     experts: list[float] = []
-    kinds = [k for r in stage_layers(spec.layers, par, stage)
+    kinds = [k for r in stage_layers(spec.layers, par, stage, spec.mtp_layers)
              for k in moe.layer_kinds(spec, r.start, r.stop)]
     for layer, count in kinds:
         e = moe.expert_params(spec, layer)
@@ -108,7 +208,7 @@ class ExpertParallel(Strategy):
         return s.model.is_moe
 
     def problems(self, s: Scenario) -> list[Problem]:
-        return expert_parallel_problems(s)
+        return expert_parallel_problems(s) + dispatcher_problems(s)
 
     def unsupported(self, s: Scenario) -> list[Problem]:
         par, mdl_ = s.parallel, s.model
@@ -118,16 +218,24 @@ class ExpertParallel(Strategy):
                                f"tp({par.tp}) > 1 needs sequence parallelism (Megatron-LM's "
                                "arguments.py requires it: each TP rank dispatches its sequence "
                                "shard); set sequence_parallel: true"))
-        if mdl_.is_moe and (par.zero == 3 or par.zero_offload):
-            field, value = ("parallel.zero", 3) if par.zero == 3 \
-                else ("parallel.zero_offload", True)
-            out.append(Problem(field, value, "not yet simulated for a mixture of experts (expert "
-                               "states shard over the expert data-parallel group); use zero 0, "
-                               "1 or 2 without offload"))
+        if mdl_.is_moe and par.zero_offload:
+            out.append(Problem("parallel.zero_offload", True, "not yet simulated for a mixture "
+                               "of experts (expert states shard over the expert data-parallel "
+                               "group); remove zero_offload"))
+        if mdl_.is_moe and par.zero == 3 and s.stack.zero3_unit == "module":
+            out.append(Problem("parallel.zero", 3, "a mixture of experts under ZeRO-3 with "
+                               "module units (DeepSpeed's, whose engine asserts 'MoE not "
+                               "supported with Stage 3'); use a stack with layer units "
+                               "(stack: torchtitan) or zero 0, 1 or 2"))
         return out
 
     def make_pass(self, ctx: Context) -> Pass | None:
         return ExpertPass(ctx)
+
+    def memory_terms(self, s: Scenario, stage: int) -> dict[str, float]:
+        """The dispatcher's own buffers (:func:`dispatcher_buffers`), as comm_buffers."""
+        nbytes = dispatcher_buffers(s) if s.model.is_moe else 0.0
+        return {"comm_buffers": nbytes} if nbytes else {}
 
     def dimensions(self) -> tuple[Dimension, ...]:
         return (Dimension(("ep",), ("parallel.ep",), 50, _ep_degrees),)

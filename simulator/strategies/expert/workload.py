@@ -15,8 +15,18 @@ sizes and the load), after the MLP block's router, permutation and shared expert
 - full recomputation repeats the forward's all-to-alls and GEMMs (kind
   ``recompute``).
 
-The all-to-alls (kind ``ep``) and the expert-TP collectives (kind ``tp``) run on
-the compute stream: the next kernel needs their tokens. Every rank of a group runs
+The dispatch and combine collectives are the dispatcher's
+(:mod:`simulator.strategies.expert.dispatcher`: all-to-alls, all-gather and
+reduce-scatter, or DeepEP's kernels). They (kind ``ep``) and the expert-TP collectives
+(kind ``tp``) run on the compute stream: the next kernel needs their tokens. Under
+shared-expert overlap (``parallel.moe_shared_expert_overlap``, Megatron-LM's
+``--moe-shared-expert-overlap``) the MoE layers' MLP blocks leave out the shared experts'
+forward and input gradients, and each ``ep`` exchange runs on an ``ep`` stream from where
+compute stands while the shared experts' part beside it computes (forward: first linear
+and activation beside the dispatch, second linear beside the combine; backward: the
+mirror); a zero-length wait on the compute stream then holds the routed experts (or the
+next block) until the exchange is done, so what the exchange adds is max(exchange, shared
+part) − shared part. Every rank of a group runs
 at the pace of the most loaded one (see the load in
 :mod:`simulator.strategies.expert.layer`), so folded and full simulation agree.
 
@@ -37,7 +47,10 @@ from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
+from simulator.strategies.expert import dispatcher
 from simulator.strategies.expert import layer as epar
+from simulator.strategies.expert.dispatcher import Exchange, GroupName
+from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.units import CollectiveName
 
 
@@ -50,7 +63,17 @@ class ExpertPass(Pass):
                         for p in ("fwd", "bwd_input")}
         self.etp, self.ep = par.etp, par.ep
         self.mlp_seen: dict[int, tuple[bool, int]] = {}  # rank -> (forward, mlp blocks so far)
-        self.group_of: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.group_of: dict[tuple[int, GroupName], tuple[int, ...]] = {}
+        self.plans: dict[tuple[Exchange, GroupShape], Plan | None] = {}
+        # under shared-expert overlap: seconds of the shared experts beside each exchange
+        self.shared: dict[str, tuple[float | None, float | None]] = {}
+        if epar.shared_overlapped(s):
+            (f1, f2), (b1, b2) = (epar.shared_ops(s, p) for p in ("fwd", "bwd_input"))
+            fwd = (ctx.cost.ops_time(f1), ctx.cost.ops_time(f2))
+            self.shared = {"forward": fwd, "recompute": fwd,
+                           "backward": (ctx.cost.ops_time(b2), ctx.cost.ops_time(b1))}
+            for prog in ctx.programs.values():
+                prog.streams.setdefault("ep", [])
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
@@ -79,32 +102,66 @@ class ExpertPass(Pass):
             self.experts(rank, "backward", mb, layer, chunk)
 
     def experts(self, rank: int, kind: str, mb: int, layer: int, chunk: int) -> None:
-        """All-to-all, (all-gather), the experts, (reduce-scatter), all-to-all."""
-        ctx = self.ctx
-        group, tp_group = self.groups(rank)
-        first, last = ("dispatch", "combine") if kind != "backward" else ("combine", "dispatch")
-        where = f"L{layer} mb{mb}"
-        ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
-                       f"ep.all_to_all {first} {where}", mb, layer, chunk)
-        ctx.collective(rank, "compute", "all_gather", "tp", tp_group, self.layer.etp_bytes,
-                       f"tp.all_gather experts {where}", mb, layer, chunk)
+        """The dispatch, the routed experts, the combine (in a backward their gradients:
+        the combine's first); under shared-expert overlap each beside its shared-expert
+        part."""
+        x, where = self.layer.exchanges, f"L{layer} mb{mb}"
+        roles = ("dispatch", "combine") if kind != "backward" else ("combine", "dispatch")
         op, seconds = {"forward": ("F", self.seconds["fwd"]),
                        "recompute": ("R", self.seconds["fwd"]),
                        "backward": ("B", self.seconds["bwd_input"])}[kind]
-        ctx.compute(rank, op, kind, f"{kind}.experts {where}", seconds, mb, layer, chunk)
-        ctx.collective(rank, "compute", "reduce_scatter", "tp", tp_group, self.layer.etp_bytes,
-                       f"tp.reduce_scatter experts {where}", mb, layer, chunk)
-        ctx.collective(rank, "compute", "all_to_all", "ep", group, self.layer.a2a_bytes,
-                       f"ep.all_to_all {last} {where}", mb, layer, chunk)
+        shared = self.shared.get(kind, (None, None))
+        self.exchange(rank, x.dispatch, roles[0], shared[0], op, kind, mb, layer, chunk)
+        self.ctx.compute(rank, op, kind, f"{kind}.experts {where}", seconds, mb, layer, chunk)
+        self.exchange(rank, x.combine, roles[1], shared[1], op, kind, mb, layer, chunk)
 
-    def groups(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``rank``'s EP and expert-TP groups (built once per rank)."""
-        found = self.group_of.get(rank)
+    def exchange(self, rank: int, xs: tuple[Exchange, ...], role: str, shared: float | None,
+                 op: str, kind: str, mb: int, layer: int, chunk: int) -> None:
+        """One side's collectives on the compute stream; with ``shared`` seconds of shared
+        experts, its ``ep`` exchange on the ``ep`` stream from where compute stands,
+        the shared experts computing meanwhile, and compute waiting for it after them."""
+        ctx, where = self.ctx, f"L{layer} mb{mb}"
+        for x in xs:
+            name = f"{x.label.format(role=role)} {where}"
+            group = self.group(rank, x.group)
+            if shared is None or x.kind != "ep":
+                ctx.collective(rank, "compute", x.op, x.kind, group, x.size, name, mb, layer,
+                               chunk, self.plan(x, group))
+                continue
+            compute = ctx.programs[rank].streams["compute"]
+            before = compute[-1] if compute else None
+            t = ctx.collective(rank, "ep", x.op, x.kind, group, x.size, name, mb, layer,
+                               chunk, self.plan(x, group))
+            ctx.compute(rank, op, kind, f"{kind}.shared_experts {role} {where}", shared, mb,
+                        layer, chunk)
+            shared = None
+            if t is not None:
+                if before is not None:
+                    t.deps.append(before.id)
+                wait = ctx.compute(rank, op, kind, f"ep.wait {role} {where}", 0.0, mb, layer,
+                                   chunk)
+                wait.deps.append(t.id)
+        if shared is not None:  # no exchange to hide behind
+            ctx.compute(rank, op, kind, f"{kind}.shared_experts {role} {where}", shared, mb,
+                        layer, chunk)
+
+    def group(self, rank: int, name: GroupName) -> tuple[int, ...]:
+        """``rank``'s group ``name`` (built once per rank and name)."""
+        found = self.group_of.get((rank, name))
         if found is None:
-            lay = self.ctx.layout
-            found = (epar.ep_group(lay, rank, self.etp, self.ep),
-                     epar.etp_group(lay, rank, self.etp))
-            self.group_of[rank] = found
+            found = dispatcher.group(self.ctx.layout, rank, name, self.etp, self.ep)
+            self.group_of[(rank, name)] = found
+        return found
+
+    def plan(self, x: Exchange, group: tuple[int, ...]) -> Plan | None:
+        """The exchange's own plan (DeepEP's), cached per exchange and group shape."""
+        if x.deepep is None or len(group) <= 1:
+            return None
+        shape = GroupShape(len(group), len(group) // self.ctx.layout.domains_spanned(group))
+        found = self.plans.get((x, shape))
+        if found is None:
+            found = x.plan(self.ctx.s, shape)
+            self.plans[(x, shape)] = found
         return found
 
     # ------------------------------------------------------------ gradients

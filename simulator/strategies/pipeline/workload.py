@@ -25,7 +25,13 @@ and B (or I) action ends with the runtime's own host time where the profile meas
 cost, as DTensor's), on the compute stream before the action's send: the stage's Python
 around the action (its receive and send ops, the chunk's autograd call) runs there.
 
-At the end of the step, a tied word embedding's gradient is all-reduced
+Multi-token prediction modules (``model.mtp_layers``) are layers of the last stage;
+each one's ends (the shifted tokens' embedding, norms and projection, its output
+layer and loss) follow the output layer's loss forward and precede the layers
+backward, with their TP collectives.
+
+At the end of the step, the word embedding's gradient is all-reduced, where the last
+stage keeps a copy (a tied output layer, multi-token prediction),
 between the first and the last stage (Megatron's embedding group; kind
 ``embedding_tie``), after the data pass's last buckets and before the
 optimizer step; under DualPipe, whose ranks r and pp − 1 − r hold the same two model
@@ -152,6 +158,7 @@ class PipelinePass:
             head = head or t
             for loss in hooks.loss:
                 loss(rank, mb, chunk)
+            self.mtp_forward(rank, mb, chunk)
         if head is None:  # a stage without layers passes the activations on
             head = self.relay(rank, "F", mb, chunk)
         # what the action receives gates its first task on the compute stream, which may
@@ -190,6 +197,7 @@ class PipelinePass:
                 done.append(first)
             for edge in hooks.edge:
                 edge(rank, "head", False, mb, chunk)
+            self.mtp_backward(rank, op, mb, chunk, w)
         for layer in reversed(ctx.layers_of(a.stage)):
             waits = self.layer_start(rank, False, mb, layer, chunk)
             if layer_mode(ctx.s.parallel, ctx.s.model.layers, layer) != "none":
@@ -225,6 +233,37 @@ class PipelinePass:
             self.waits.append((_first_from(compute, begin, first),
                                ("grad", a.stage + 1, mb, rank)))
         return done
+
+    def mtp_forward(self, rank: int, mb: int, chunk: int) -> None:
+        """Each multi-token prediction module's ops outside its layer (its layer is among
+        the stage's): the shifted tokens' embedding, norms and projection, its output
+        layer and loss, with their TP collectives (the embedding's, the projection's, the
+        output layer's, the loss's)."""
+        ctx, hooks, c = self.ctx, self.ctx.hooks, self.ctx.c_of(rank)
+        for depth in range(1, ctx.s.model.mtp_layers + 1):
+            for where in ("embed", "mtp_proj", "head"):
+                for edge in hooks.edge:
+                    edge(rank, where, True, mb, chunk)
+            ctx.compute(rank, "F", "forward", f"mtp{depth} mb{mb}", c.mtp[0], mb, -1, chunk)
+            for loss in hooks.loss:
+                loss(rank, mb, chunk)
+
+    def mtp_backward(self, rank: int, op: str, mb: int, chunk: int, w: float) -> None:
+        """The backward of :meth:`mtp_forward`, weight gradients included under B (``w``);
+        under full recomputation the input side's forward first, with its TP collectives."""
+        ctx, hooks, c = self.ctx, self.ctx.hooks, self.ctx.c_of(rank)
+        for depth in range(1, ctx.s.model.mtp_layers + 1):
+            if ctx.s.parallel.recompute == "full":
+                for edge in hooks.edge:
+                    edge(rank, "mtp_proj", True, mb, chunk)
+                ctx.compute(rank, "R", "recompute", f"mtp{depth}.recompute mb{mb}",
+                            c.mtp_recompute, mb, -1, chunk)
+            t = ctx.compute(rank, op, "backward", f"mtp{depth}.bwd mb{mb}",
+                            c.mtp[1] + w * c.mtp[2], mb, -1, chunk)
+            t.weight_s = w * c.mtp[2]
+            for where in ("head", "mtp_proj", "embed"):
+                for edge in hooks.edge:
+                    edge(rank, where, False, mb, chunk)
 
     def runtime(self, rank: int, a: Action, chunk: int) -> None:
         """The pipeline runtime's host time for one F or B/I action (``BlockCosts.action``),
@@ -265,6 +304,9 @@ class PipelinePass:
                             chunk)
             if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
                 done.append(t)
+            for depth in range(1, ctx.s.model.mtp_layers + 1):
+                ctx.compute(rank, "W", "weight_grad", f"mtp{depth}.wgrad mb{mb}", c.mtp[2], mb,
+                            -1, chunk)
         for layer in reversed(ctx.layers_of(a.stage)):
             done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
                                     sum(c.layer(layer).bwd_weight), mb, layer, chunk))

@@ -52,10 +52,12 @@ def tp_time(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -
 
 #: Seconds per micro-batch of the TP collectives at the model's ends: the embedding's
 #: forward and backward, the output layer's (with the loss's) forward and backward
-Ends = tuple[float, float, float, float]
+#: (embedding forward, backward; output layer and loss forward, backward; one multi-token
+#: prediction module's projection forward, backward)
+Ends = tuple[float, float, float, float, float, float]
 
 
-NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)
+NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -> Ends:
@@ -72,7 +74,7 @@ def tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -
     link = layout.group_link(group)
     size = mdl.tp_end_bytes(spec, trn.micro_batch, trn.dtype)
 
-    def t(where: Literal["embed", "head", "loss"], forward: bool) -> float:
+    def t(where: Literal["embed", "head", "loss", "mtp_proj"], forward: bool) -> float:
         return sum(collective_time(s, layout, op, size[payload], group, hw)
                    + (cost.funcol_s(s.stack.dtensor, link, op, size[payload])
                       if payload != "loss" else 0.0)
@@ -81,7 +83,7 @@ def tp_ends(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile) -
                                                          forward))
 
     return (t("embed", True), t("embed", False), t("head", True) + t("loss", True),
-            t("head", False))
+            t("head", False), t("mtp_proj", True), t("mtp_proj", False))
 
 
 def tp_optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,

@@ -199,12 +199,14 @@ class TensorPass(Pass):
         w.deps.append(transfer.id)
 
     def edge(self, rank: int, where: str, forward: bool, mb: int, chunk: int) -> None:
-        end: Literal["embed", "head"] = "embed" if where == "embed" else "head"
-        for op, _ in tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, end, forward):
-            self.issue(rank, "forward" if forward else "backward", op, self.tp_bytes, mb, -1,
-                       chunk)
+        end: Literal["embed", "head", "mtp_proj"] = \
+            "embed" if where == "embed" else "mtp_proj" if where == "mtp_proj" else "head"
+        for op, payload in tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, end,
+                                              forward):
+            nbytes = self.end_bytes[payload]
+            self.issue(rank, "forward" if forward else "backward", op, nbytes, mb, -1, chunk)
             self.ctx.collective(rank, "compute", op, "tp", self.ctx.layout.tp_group(rank),
-                                self.tp_bytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
+                                nbytes, f"tp.{op} {where} mb{mb}", mb, -1, chunk)
 
     def loss(self, rank: int, mb: int, chunk: int) -> None:
         ends = tp_end_collectives(self.ctx.s.stack, self.tp, self.sp, "loss", True)

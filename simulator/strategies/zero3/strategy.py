@@ -33,6 +33,14 @@ from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.timing import collective_time
+from simulator.strategies.zero3.experts import (
+    expert_unit_tensors,
+    expert_units_sharded,
+    moe_dense_reduction,
+    moe_exposed,
+    stage_expert_units,
+    stage_units,
+)
 from simulator.strategies.zero3.workload import Zero3Pass
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
@@ -55,8 +63,9 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     gathered = embedding_params(spec) if holds_embedding(par, stage) else 0.0
     grad = 0.0
     if holds_head(par, stage):
-        gathered += head_params(spec) + (tied if tied_copy(par) else 0)
-        grad = head_params(spec) + tied
+        copy = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
+        gathered += head_params(spec) + copy
+        grad = head_params(spec) + max(tied, copy)
     return gathered * dt, grad * dt
 
 
@@ -73,7 +82,7 @@ def zero3_buffers(scenario: Scenario, stage: int) -> float:
         * dtype_bytes(scenario.training.dtype)
     ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered: float = stage_layer_count(scenario.model.layers, par, stage)
+        gathered: float = stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
     elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
         # DeepSpeed's modules, gathered by blocks as the engine runs them
         # (Zero3Pass): the running block and the fsdp_prefetch
@@ -99,17 +108,21 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     root gathered from its forward to its backward). A step of FSDP2 with L layers on
     one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters. Under hybrid sharding
     (:attr:`~simulator.spec.scenario.ParallelSpec.dp_shard`) each reduce-scatter is
-    followed by an all-reduce of its shard across the replicas."""
+    followed by an all-reduce of its shard across the replicas. A mixture of experts
+    adds each MoE layer's experts unit (:mod:`simulator.strategies.zero3.experts`),
+    gathered like its layer and reduce-scattered over edp every micro-batch."""
     par = s.parallel
     if par.zero != 3 or par.dp * par.cp == 1:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     parts = zero3_collectives(s.model, s.stack)
-    layers = stage_layer_count(s.model.layers, par, stage) * parts
+    layers = stage_layer_count(s.model.layers, par, stage, s.model.mtp_layers) * parts
+    experts = stage_expert_units(s, stage)
     root = 1 if holds_embedding(par, stage) or holds_head(par, stage) else 0
-    gathers = (2 if par.reshard_after_forward else 1) * layers + root
+    gathers = (2 if par.reshard_after_forward else 1) * (layers + experts) + root
     reduces = s.microbatches * (layers + root)
     once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
-    return {"all_gather": s.microbatches * gathers, "reduce_scatter": reduces,
+    return {"all_gather": s.microbatches * gathers,
+            "reduce_scatter": reduces + s.microbatches * experts,
             "all_reduce": (layers + root if once else reduces)
             if par.shard < par.dp * par.cp else 0}
 
@@ -133,8 +146,8 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     unit = mdl.layer_params(spec) / par.tp
     root = zero3_root_bytes(s, stage)[0] / dt
 
-    def gather(elements: float, n: int) -> float:
-        ops = fsdp_gather_ops(stack, elements, dp, dt, n)
+    def gather(elements: float, n: int, over: int = dp) -> float:
+        ops = fsdp_gather_ops(stack, elements, over, dt, n)
         return cost.ops_time(ops[-1:] if on_compute_only else ops)
 
     def reduce(elements: float, n: int) -> float:  # a step's: m packs, m − 1 accumulates
@@ -142,6 +155,16 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
             (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, False), 1),
             (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, True), m - 1)))
 
+    if spec.is_moe:  # each layer's dense unit by its kind, and its experts' gather
+        sharded = expert_units_sharded(s)
+        units = [(u.count, gather(u.dense, tensors) + (gather(
+            u.experts, expert_unit_tensors(s), par.edp) if u.experts and sharded else 0.0),
+            reduce(u.dense, tensors)) for u in stage_units(s, stage)]
+        gathers = sum(n * g for n, g, _ in units)
+        fwd = m * (gathers + gather(root, ROOT_TENSORS))
+        bwd = m * (gathers if par.reshard_after_forward else 0.0) \
+            + sum(n * r for n, _, r in units) + reduce(root, ROOT_TENSORS)
+        return fwd, bwd
     fwd = m * (layers * gather(unit, tensors) + gather(root, ROOT_TENSORS))
     bwd = m * layers * (gather(unit, tensors) if par.reshard_after_forward else 0.0) \
         + layers * reduce(unit, tensors) + reduce(root, ROOT_TENSORS)
@@ -157,14 +180,18 @@ def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
 
 
 def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
-                   hw: HardwareProfile, layers: int, c: BlockCosts) -> float:
+                   hw: HardwareProfile, layers: int, c: BlockCosts, stage: int = 0) -> float:
     """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
     forward and, resharded, before backward) beyond what the previous unit's compute
     hides when prefetched: the previous layer's, or with module units
-    (:func:`simulator.model.inventory.sharding.zero3_blocks`) the previous block's."""
+    (:func:`simulator.model.inventory.sharding.zero3_blocks`) the previous block's; a
+    mixture of experts' by pipeline ``stage``'s kinds of layer
+    (:func:`simulator.strategies.zero3.experts.moe_exposed`)."""
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
         return 0.0
+    if spec.is_moe:  # layer units by kind, each with its experts' (zero3.experts)
+        return moe_exposed(s, layout, hw, stage, t_f, t_b)
     blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
     group, dt = layout.shard_group(0), dtype_bytes(trn.dtype)
     t_ag = {b: sum(collective_time(s, layout, "all_gather", e * dt, group, hw) for e in es)
@@ -214,12 +241,15 @@ def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
     units = layers * parts
-    roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units
+    roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units \
+        - stage_expert_units(s, stage)
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
     group = layout.shard_group(0)
     rs = collective_time(s, layout, dp_op, unit, group, hw), \
         collective_time(s, layout, dp_op, root, group, hw)
+    if spec.is_moe:  # each layer's dense unit by its kind (no hybrid sharding with experts)
+        return moe_dense_reduction(s, layout, hw, stage) + roots * rs[1]
     if len(layout.replicate_group(0)) == 1 or (not last and s.stack.hsdp_all_reduce == "last"):
         return units * rs[0] + roots * rs[1]
     ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
@@ -251,13 +281,13 @@ def hybrid_all_reduce(s: Scenario, layout: Layout, hw: HardwareProfile, size: fl
 
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
                c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
-               layers_busiest: int) -> tuple[float, float, float]:
+               layers_busiest: int, slowest: int = 0) -> tuple[float, float, float]:
     """(ZeRO-3's exposed time per step, FSDP2's copies in forward, in backward): each
     layer's gathers beyond what prefetching hides and the root's, per micro-batch, on the
-    slowest stage; the copies on the busiest."""
+    ``slowest`` stage; the copies on the busiest."""
     par, m = s.parallel, s.microbatches
     overlaps = hw.gpu.comm_overlaps_compute
-    t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c)
+    t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest)
               + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
@@ -276,11 +306,16 @@ class Zero3(Strategy):
         return Zero3Pass(ctx)
 
     def tasks_per_layer(self, s: Scenario) -> int:
-        """Hybrid sharding's all-reduce after each reduce-scatter of a layer (the
+        """Hybrid sharding's all-reduce after each reduce-scatter of a layer, and a
+        mixture of experts' expert-unit gathers, averaged over the layers (the dense
         gathers and reduce-scatters are counted in :mod:`simulator.builder.budget`)."""
         par = s.parallel
         hybrid = par.zero == 3 and par.shard < par.dp * par.cp
-        return zero3_collectives(s.model, s.stack) if hybrid else 0
+        n = zero3_collectives(s.model, s.stack) if hybrid else 0
+        if expert_units_sharded(s):  # a MoE layer's experts: two gathers, their copies
+            per = 2 * (3 if s.stack.fsdp_copies else 1)
+            n += -(-per * s.model.moe_layers // s.model.layers)
+        return n
 
     def problems(self, s: Scenario) -> list[Problem]:
         """Hybrid sharding's rules: ZeRO-3 only, a divisor of dp, a shard of more than

@@ -16,6 +16,13 @@ from simulator.model.inventory.sharding import (
     zero3_blocks,
 )
 from simulator.spec.recompute import layer_mode
+from simulator.strategies.expert.layer import edp_group
+from simulator.strategies.zero3.experts import (
+    dense_unit,
+    expert_unit,
+    expert_unit_tensors,
+    expert_units_sharded,
+)
 
 
 class Zero3Pass(Pass):
@@ -60,6 +67,11 @@ class Zero3Pass(Pass):
         self.pending: dict[int, list[str]] = {}  # rank -> blocks of the layer still to gather
         self.forward: dict[int, bool] = {}  # rank -> whether the layer gathering is a forward
         self.stream: Stream = "zero" if ctx.overlap.zero3_prefetch else "compute"
+        # a mixture of experts: each layer's dense unit by its own size, then its routed
+        # experts' unit over edp (simulator.strategies.zero3.experts)
+        self.moe = spec.is_moe
+        self.experts = expert_units_sharded(ctx.s)
+        self.expert_tensors = expert_unit_tensors(ctx.s)
 
     def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
         ctx = self.ctx
@@ -73,16 +85,18 @@ class Zero3Pass(Pass):
         return t
 
     def all_gather(self, rank: int, size: float, tensors: int, label: str, forward: bool,
-                   mb: int, layer: int, chunk: int) -> Task | None:
+                   mb: int, layer: int, chunk: int,
+                   group: tuple[int, ...] | None = None) -> Task | None:
         """One all-gather of ``size`` bytes (``tensors`` parameter tensors) on the unit's
         stream, with FSDP2's copies
         around it where the stack has them
         (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`):
         the copy-in before it on the same stream, the copy-out after it on the compute
         stream, which is then what the unit's compute waits for. Its first task is the
-        first one added (the caller hangs the prefetch dependency on it)."""
+        first one added (the caller hangs the prefetch dependency on it). Over ``group``,
+        by default the rank's shard group."""
         ctx = self.ctx
-        group = ctx.layout.shard_group(rank)
+        group = group or ctx.layout.shard_group(rank)
         ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
                               tensors) if len(group) > 1 else ()
         kind = "forward" if forward else "backward"
@@ -119,13 +133,27 @@ class Zero3Pass(Pass):
         t: Task | None = None
         for i, (elements, label) in enumerate(zip(self.blocks[block], self.labels[block],
                                                   strict=True)):  # one per module, in order
+            size = dense_unit(ctx.s, layer) if self.moe else elements  # by the layer's kind
             first = len(ctx.tasks)
-            t = self.all_gather(rank, elements * ctx.dt_bytes, self.tensors,
+            t = self.all_gather(rank, size * ctx.dt_bytes, self.tensors,
                                 f"L{layer}{label} mb{mb}", forward, mb, layer, chunk)
             if t is not None and i == 0 and self.stream == "zero" \
                     and len(done) > par.fsdp_prefetch:
                 ctx.tasks[first].deps.append(done[-(par.fsdp_prefetch + 1)].id)
+        if self.experts and expert_unit(ctx.s, layer):
+            t = self.expert_gather(rank, forward, mb, layer, chunk) or t
         return t
+
+    def expert_gather(self, rank: int, forward: bool, mb: int, layer: int,
+                      chunk: int) -> Task | None:
+        """The MoE ``layer``'s routed-experts unit gathered over the expert data-parallel
+        group, right after the layer's own unit on the same stream (torchtitan prefetches
+        ``[next_transformer_block, next_transformer_block.moe.experts]`` together)."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        group = edp_group(ctx.layout, rank, par.etp, par.ep)
+        return self.all_gather(rank, expert_unit(ctx.s, layer) * ctx.dt_bytes,
+                               self.expert_tensors, f"L{layer} experts mb{mb}", forward, mb,
+                               layer, chunk, group)
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
               chunk: int, backward: bool) -> Task | None:

@@ -19,7 +19,7 @@ from simulator.system.nccl import Protocol
 from simulator.system.units import CollectiveName, LinkName
 
 AlgorithmName = Literal["ring", "tree", "hierarchical", "direct", "pairwise", "nvls", "nvls_tree",
-                        "pat"]
+                        "pat", "deepep"]  # deepep: simulator.strategies.expert.deepep
 
 
 @dataclass(frozen=True)
