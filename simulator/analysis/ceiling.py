@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.recompute import ModeRuns, flops_modes
+from simulator.spec.recompute import ModeRuns, flops_modes, policy
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec
 from simulator.system.curves import EfficiencyCurve
@@ -81,7 +81,7 @@ def _step_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMod
     """(model FLOPs, executed FLOPs) of a step: the same for every layout of a plan that
     recomputes alike, so cached."""
     return (mdl.model_flops_per_step(model, global_batch),
-            mdl.hardware_flops_per_step(model, global_batch, recompute, modes)
+            mdl.hardware_flops_per_step(model, global_batch, recompute, modes, stack)
             - skipped_flops(model, global_batch, recompute, stack, modes))
 
 
@@ -91,6 +91,6 @@ def mfu_ceiling(s: Scenario) -> float:
     best = min(best_kernel_efficiency(s.hardware_of_stage(st).gpu)
                for st in range(s.parallel.pp))
     modes = flops_modes(s.parallel, s.model.layers, s.model.mtp_layers)
-    model, executed = _step_flops(s.model, s.training.global_batch, s.parallel.recompute,
+    model, executed = _step_flops(s.model, s.training.global_batch, policy(s.parallel),
                                   s.stack, modes)
     return best * model / executed

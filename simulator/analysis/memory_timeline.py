@@ -89,7 +89,7 @@ from simulator.model import transformer as mdl
 from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
-from simulator.spec.recompute import keeps, layer_mode, partial
+from simulator.spec.recompute import keeps, layer_mode, partial, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.strategy import zero3_root_bytes
 
@@ -113,7 +113,7 @@ def component_bytes(s: Scenario) -> dict[str, float]:
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(dt) / 2 / (t if sp else 1)
     logits = 4.0 * b * spec.seq_len * spec.vocab / t
     return {
-        "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, par.recompute, dt,
+        "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, policy(par), dt,
                                                           stack=s.stack),
         # embedding dropout mask (first virtual stage), when the stack drops out
         "embed": tokens_h if s.stack.hidden_dropout > 0 else 0.0,
@@ -249,7 +249,7 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
     par, layers = s.parallel, s.model.layers
     for key, t0 in m.fwd_end.items():
         if keeps(par, layers, key[0]):  # not inside a group recomputed as one
-            act = _ACT if layer_mode(par, layers, key[0]) == par.recompute else _ACT_KEPT
+            act = _ACT if layer_mode(par, layers, key[0]) == policy(par) else _ACT_KEPT
             hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
     for mb, t0 in m.embed_f.items():
         hold(_EMBED, mb, t0, _END_ALLOC, m.embed_b.get(mb, t0))

@@ -33,7 +33,7 @@ from simulator.builder.tasks import Workload
 from simulator.engine.result import SimResult
 from simulator.model import transformer as mdl
 from simulator.outputs.span_table import span_table
-from simulator.spec.recompute import flops_modes
+from simulator.spec.recompute import flops_modes, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.compression import arithmetic as cmp
 from simulator.system.collectives.plan import busbw_factor
@@ -135,8 +135,8 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
         else s.hardware.gpu.peak_flops(s.training.dtype)
     model_flops = mdl.model_flops_per_step(s.model, s.training.global_batch)
     modes = flops_modes(s.parallel, s.model.layers, s.model.mtp_layers)
-    hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, s.parallel.recompute,
-                                           modes)
+    hw_flops = mdl.hardware_flops_per_step(s.model, s.training.global_batch, policy(s.parallel),
+                                           modes, s.stack)
     model_tflops = model_flops / step_time / world / 1e12
     hw_tflops = hw_flops / step_time / world / 1e12
     stages = memory_report(s)

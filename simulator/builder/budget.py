@@ -33,6 +33,7 @@ from simulator.model.inventory.sharding import zero3_collectives
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.base import MAX_STAGES
 from simulator.spec.placement import stage_layer_count
+from simulator.spec.recompute import policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies import registry
 from simulator.strategies.tensor import overlap as tp_overlap
@@ -60,7 +61,9 @@ def tasks_per_layer(s: Scenario) -> int:
     if par.tp > 1:  # attention and MLP blocks, each with its TP collective(s)
         forward = 6 if par.sequence_parallel else 4
     n = 2 * forward + (1 if par.tp > 1 else 2)
-    n += {"none": 0, "selective": 1, "full": forward}[par.recompute]
+    # selective and per-op: one task, two with an MLP block's modules
+    n += {"none": 0, "selective": 1 if policy(par) == "selective" else 2,
+          "op": 2, "full": forward}[par.recompute]
     if schedule_spec(par.schedule).split_backward:  # a W action per layer
         n += 1
     if par.dp > 1 and par.zero >= 2:  # ZeRO-3: two gathers and a reduce-scatter per part

@@ -74,6 +74,8 @@ class Context:
         self.stage_cost: dict[int, CostModel] = {}
         self.stage_c: dict[int, BlockCosts] = {}
         self._last_backward: dict[int, dict[int, int]] = {}  # pp rank -> stage -> index
+        # build each (rank, kind, stage)'s actions once and copy them (builder.stamp)
+        self.stamp = True
 
     def last_backward(self, pp_rank: int) -> dict[int, int]:
         """Per stage, the index of pipeline rank ``pp_rank``'s last action that computes
@@ -265,6 +267,13 @@ class Pass:
     gives their sizes). After the last action ``sync_end``, the pipeline's own
     end-of-step tasks, ``step`` and ``after_step``.
     """
+
+    #: whether this pass's hooks inside an action (``forward_start`` to ``loss``) are
+    #: pure functions of their arguments and of the tasks the action added so far, so
+    #: that an action built once may be copied for every micro-batch
+    #: (:mod:`simulator.builder.stamp`); a pass that carries state between actions
+    #: keeps the default
+    stamps = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx

@@ -50,6 +50,7 @@ from simulator.model.inventory.mtp import mtp_in_ops
 from simulator.model.inventory.ops import Op, Pass
 from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
+from simulator.spec.recompute import policy
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import Attributes, classes, clean_tp_index, jitter_factors, resolve
 from simulator.strategies.expert.layer import (
@@ -143,15 +144,29 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
     w_mlp = cost.ops_time([op for op in bwd_w if op.name not in attn])
     if routed:
         w_mlp += cost.ops_time(expert_layer(s).bwd_weight)
-    if s.parallel.recompute == "full":
+    mode = policy(s.parallel)
+    if mode == "full":
         rec_t = _split(fwd, cost, True)
     else:
         rec = context_parallel_ops(
-            mdl.layer_recompute_ops(spec, b, tp, sp, dt, s.parallel.recompute, layer, s.stack),
+            mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack),
             spec, b, tp, dt, "fwd", cp, gathered, a2a=a2a)
-        rec_t = (cost.ops_time(rec), 0.0)
+        rec_t = (cost.ops_time(rec), 0.0) if mode == "selective" else \
+            _recompute_blocks(s, cost, rec, attn, routed)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
+
+
+def _recompute_blocks(s: Scenario, cost: CostModel, rec: tuple[Op, ...], attn: set[str],
+                      routed: bool) -> tuple[float, float]:
+    """(attention block, MLP block) seconds a finer policy re-runs
+    (:mod:`simulator.model.inventory.recompute_policy`); a MoE layer's routed experts
+    among them priced as the expert pass prices them (its ranks' tokens and experts)."""
+    names = {op.name for op in rec}
+    mlp = [op for op in rec if op.name not in attn and op.name not in moe.ROUTED_OPS]
+    if routed:
+        mlp += [op for op in expert_layer(s).fwd if op.name in names]
+    return cost.ops_time([op for op in rec if op.name in attn]), cost.ops_time(mlp)
 
 
 def local_scenario(s: Scenario) -> Scenario:
@@ -241,12 +256,14 @@ def simulated_count(s: Scenario, fidelity: str) -> int:
 
 def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | None = None,
                    costs: BlockCosts | None = None, fidelity: str | None = None,
-                   step: int = 0, share_stages: bool = True) -> Workload:
+                   step: int = 0, share_stages: bool = True, stamp: bool = True) -> Workload:
     """Per-rank programs for one training step (``step`` indexes the jitter draws).
     ``costs`` may be given to price blocks differently (tests make stages exactly
     balanced this way). At full fidelity the ranks of a stage share one prototype
     program (:mod:`simulator.builder.program`) where that is exact; ``share_stages=False``
-    builds every rank's (what tests compare it with)."""
+    builds every rank's (what tests compare it with); ``stamp=False`` builds every
+    action with the passes instead of copying each (rank, kind, stage)'s first
+    (:mod:`simulator.builder.stamp`; what tests compare it with)."""
     layout = layout or layout_of(s)
     cost = cost or CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us,
                              ranks=s.parallel.world)
@@ -259,10 +276,11 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     folded = _folds(s, fidelity)
     shared = None
     if share_stages and not folded and not s.model.is_moe and layout.per_stage > 1:
-        ctx = _build(s, layout, cost, costs, schedule, layout.representatives(), attrs, False)
+        ctx = _build(s, layout, cost, costs, schedule, layout.representatives(), attrs, False,
+                     stamp)
         shared = share(layout, ctx.tasks, ctx.programs)
     if shared is None:
-        ctx = _build(s, layout, cost, costs, schedule, tuple(weights), attrs, folded)
+        ctx = _build(s, layout, cost, costs, schedule, tuple(weights), attrs, folded, stamp)
         _vary_compute(ctx.programs, attrs, s, step)
         programs: Mapping[int, Program] = ctx.programs
         tasks: Sequence[Task] = ctx.tasks
@@ -279,9 +297,10 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
 
 def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
            schedule: Schedule, ranks: tuple[int, ...], attrs: Attributes,
-           folded: bool) -> Context:
+           folded: bool, stamp: bool = True) -> Context:
     """Run the builder passes for ``ranks``."""
     ctx = Context(local_scenario(s), layout, cost, costs, schedule, ranks)
+    ctx.stamp = stamp
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster

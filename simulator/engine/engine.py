@@ -100,7 +100,8 @@ class Engine:
         # lock-step groups: the ranks one simulated rank stands for (its TP group's)
         self.lock = lockstep_size(workload, env is None and topo is None and net is None) \
             if lockstep else 1
-        self.instances = self._compile()
+        with gc_paused():  # a tuple per step: the collector would rescan the workload
+            self.instances = self._compile()
         self.interference = Interference(
             self.env, self._slowing, self.topo, [inst.rank for inst in self.instances]
         ) if self._slowing else None

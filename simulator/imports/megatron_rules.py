@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from simulator.errors import Problem, UserError
 from simulator.imports.common import Draft
+from simulator.spec.scenario import RecomputeModule
 
 
 class Parsed:
@@ -144,9 +145,14 @@ def recompute(a: Parsed, d: Draft) -> None:
     elif granularity == "full" and count not in (None, 1):  # uniform: groups of N
         d.set("parallel.recompute_group", int(count))
     modules = a.texts("--recompute-modules")
-    if granularity == "selective" and modules and modules != ["core_attn"]:
-        d.note("--recompute-modules", modules, "selective recomputation is the core "
-               "attention's (Korthikanti et al.); other modules are not simulated")
+    if granularity == "selective" and modules:  # TransformerConfig.recompute_modules
+        known = get_args(RecomputeModule)
+        if modules != ["core_attn"]:
+            d.set("parallel.recompute_modules", [m for m in modules if m in known])
+        other = [m for m in modules if m not in known]
+        if other:
+            d.note("--recompute-modules", other, "modules of layer kinds not simulated "
+                   "(gated delta nets, hyper-connections); left out")
 
 
 def batch(a: Parsed, d: Draft) -> None:

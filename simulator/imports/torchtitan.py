@@ -284,11 +284,8 @@ def checkpointing(c: Config, d: Draft) -> None:
     option = str(c.get("activation_checkpoint.selective_ac_option", "2", (str, int)))
     if mode in ("none", "full"):
         d.set("parallel.recompute", mode)
-    elif mode == "selective" and option == "op":
-        d.set("parallel.recompute", "selective")
-        d.note("activation_checkpoint.selective_ac_option", "op", "op-level SAC keeps "
-               "matmul and attention outputs by policy; simulated as selective (the "
-               "attention core recomputed)")
+    elif mode == "selective" and option == "op":  # _get_custom_policy's save list
+        d.set("parallel.recompute", "op")
     elif mode == "selective" and option.isdigit() and int(option) >= 1:
         d.set("parallel.recompute", "full")
         if option != "1":  # every k-th block of the rank (_apply_ac_to_transformer_block)

@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.model import moe
-from simulator.model.inventory.layer import saved_tensors
+from simulator.model.inventory.layer import latent_kept, saved_tensors
 from simulator.model.transformer import RecomputeMode
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
@@ -215,9 +215,8 @@ def _layer_kept(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: b
     if cp > 1:
         spec = spec.model_copy(update={"seq_len": spec.seq_len // cp})
     if spec.mla is not None and recompute != "full":
-        ops = moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer,
-                            stack=st)
-        return tuple(op.saved for op in ops if op.saved > 0)
+        return latent_kept(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
+                           layer)
     return saved_tensors(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st,
                          spec.is_moe_layer(layer))
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from simulator.model import moe
 from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
-from simulator.model.inventory.layer import kept_for_backward
+from simulator.model.inventory.layer import kept_for_backward, latent_kept
 from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
@@ -189,8 +189,10 @@ def _kept_per_layer(spec: ModelSpec, micro_batch: int, tp: int, sequence_paralle
         replicated = 1 / tp if sequence_parallel else 1.0
         return 2.0 * spec.seq_len * micro_batch * spec.hidden * replicated \
             * dtype_bytes(dtype) / 2
-    return sum(op.saved for op in moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype,
-                                                "fwd", layer, stack=st))
+    if recompute in ("none", "selective"):
+        return sum(op.saved for op in moe.layer_ops(spec, micro_batch, tp, sequence_parallel,
+                                                    dtype, "fwd", layer, stack=st))
+    return sum(latent_kept(spec, micro_batch, tp, sequence_parallel, dtype, recompute, st, layer))
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:

@@ -43,15 +43,16 @@ from simulator.model.inventory.experts import expert_tensors
 from simulator.model.inventory.fp8 import step_weight_cast
 from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights, layer_tensors
 from simulator.model.inventory.ops import (
-    CORE_OPS,
     Op,
     Pass,
+    Shape,
     dtype_bytes,
     gemm,
     mem,
     norm_elements,
 )
 from simulator.model.inventory.optimizer import optimizer_op
+from simulator.model.inventory.recompute_policy import recomputed_ops
 from simulator.model.inventory.sharding import ROOT_TENSORS
 from simulator.model.inventory.tensor_parallel import EndPayload, dtensor_tensors
 from simulator.spec.model_spec import ModelSpec
@@ -59,7 +60,9 @@ from simulator.spec.recompute import ModeRuns
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
 
-RecomputeMode = Literal["none", "selective", "full"]
+#: a recomputation policy: none, selective, full, or the finer ones of
+#: :mod:`simulator.model.inventory.recompute_policy` (``selective:<modules>``, ``op``)
+RecomputeMode = str
 PASSES: tuple[Pass, ...] = ("fwd", "bwd_input", "bwd_weight")
 
 
@@ -243,15 +246,19 @@ def layer_recompute_ops(
     """Forward ops one layer re-runs before its backward.
 
     ``selective`` recomputes the attention core once (Korthikanti et al. 2022:
-    QKᵀ, softmax, dropout, AV, or the one flash kernel); ``full`` re-runs the whole
-    layer forward from its input.
+    QKᵀ, softmax, dropout, AV, or the one flash kernel), or with Megatron's
+    ``--recompute-modules`` the modules' ops, and ``op`` what torchtitan's per-op policy
+    does not save (:mod:`simulator.model.inventory.recompute_policy`); ``full`` re-runs
+    the whole layer forward from its input.
     """
+    if recompute == "none":
+        return ()
     fwd = layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer, stack)
     if recompute == "full":
         return fwd
-    if recompute == "selective":
-        return tuple(op for op in fwd if op.name in CORE_OPS)
-    return ()
+    x = Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype),
+              stack or default_stack())
+    return recomputed_ops(x, fwd, recompute)
 
 
 def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
@@ -327,17 +334,19 @@ def model_flops_per_step(spec: ModelSpec, global_batch: int) -> float:
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch: int,
-                            recompute: RecomputeMode, modes: ModeRuns | None = None) -> float:
+                            recompute: RecomputeMode, modes: ModeRuns | None = None,
+                            stack: StackSpec | None = None) -> float:
     """Model FLOPs plus the recomputed forward work and, with an expert capacity
     factor, the padded expert slots (what the GPUs actually execute). ``modes``: the
     layers grouped by recompute mode when only some are recomputed
-    (:func:`simulator.spec.recompute.model_modes`)."""
+    (:func:`simulator.spec.recompute.model_modes`). ``stack``: how the layer calls its
+    linears, which torchtitan's per-op policy counts (default: the default stack)."""
     if modes is not None:
         return _partial_hardware_flops(spec, global_batch, modes)
     extra = 0.0
     for i, n in moe.all_layer_kinds(spec):
         extra += n * ops_flops(layer_recompute_ops(spec, global_batch, recompute=recompute,
-                                                   layer=i))
+                                                   layer=i, stack=stack))
         if spec.is_moe_layer(i) and spec.capacity_factor is not None:
             extra += n * (_layer_flops(spec, global_batch, i, padded=True)
                           - _layer_flops(spec, global_batch, i, padded=False))

@@ -37,7 +37,7 @@ input per group of N layers of a chunk (:func:`kept_runs`).
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from simulator.errors import Problem
 from simulator.schedules.action import stage_rank
@@ -45,10 +45,42 @@ from simulator.schedules.registry import schedule_spec
 from simulator.spec.placement import chunk_layers, model_stages, rank_virtual_stages, stage_layers
 
 if TYPE_CHECKING:
-    from simulator.spec.scenario import ParallelSpec, Recompute
+    from simulator.spec.model_spec import ModelSpec
+    from simulator.spec.scenario import ParallelSpec
 
-#: (mode, the layer runs in that mode), in a fixed order: hashable, for cached callers
-ModeRuns = tuple[tuple["Recompute", tuple[range, ...]], ...]
+#: a layer's recomputation policy: ``parallel.recompute``'s mode, or ``selective:<modules>``
+#: for Megatron's modules (:func:`policy`); what each re-runs and keeps is
+#: :mod:`simulator.model.inventory.recompute_policy`'s
+Policy = str
+
+#: (policy, the layer runs with it), in a fixed order: hashable, for cached callers
+ModeRuns = tuple[tuple[Policy, tuple[range, ...]], ...]
+
+
+def module_names() -> tuple[str, ...]:
+    """``parallel.recompute_modules``' choices, in the order a policy names them."""
+    from simulator.spec.scenario import RecomputeModule  # the field's choices, in order
+
+    return get_args(RecomputeModule)
+
+
+def policy(par: ParallelSpec) -> Policy:
+    """The policy of ``parallel.recompute`` with ``parallel.recompute_modules``: plain
+    ``selective`` for Megatron's default (``[core_attn]``, or none given), else
+    ``selective:`` and the modules in the field's order."""
+    modules = par.recompute_modules
+    if par.recompute != "selective" or modules is None or tuple(modules) == ("core_attn",):
+        return par.recompute
+    return "selective:" + ",".join(m for m in module_names() if m in modules)
+
+
+def modules_of(policy: Policy) -> tuple[str, ...]:
+    """The Megatron modules a selective ``policy`` recomputes (none for another)."""
+    if policy == "selective":
+        return ("core_attn",)
+    if policy.startswith("selective:"):
+        return tuple(m for m in policy.split(":", 1)[1].split(",") if m)
+    return ()
 
 
 def partial(par: ParallelSpec) -> bool:
@@ -80,13 +112,13 @@ def _position(layers: int, par: ParallelSpec, layer: int) -> int:
     return _before(layers, par, stage) + within
 
 
-def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
-    """The recompute mode of global ``layer`` (0 .. layers − 1) of a model of ``layers``;
-    a multi-token prediction layer (``layer`` >= ``layers``) takes ``parallel.recompute``
-    whole: Megatron-LM checkpoints each MTP module under full granularity whatever the
-    method and count (``MultiTokenPredictionLayer.forward``)."""
+def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Policy:
+    """The recompute policy of global ``layer`` (0 .. layers − 1) of a model of ``layers``;
+    a multi-token prediction layer (``layer`` >= ``layers``) takes the policy of
+    ``parallel.recompute`` whole: Megatron-LM checkpoints each MTP module under full
+    granularity whatever the method and count (``MultiTokenPredictionLayer.forward``)."""
     if not partial(par) or layer >= layers:
-        return par.recompute
+        return policy(par)
     position = _position(layers, par, layer)
     if par.recompute_every is not None:
         chosen = (position + 1) % par.recompute_every == 0
@@ -95,7 +127,7 @@ def layer_mode(par: ParallelSpec, layers: int, layer: int) -> Recompute:
     return par.recompute if chosen else "none"
 
 
-def _chunk_pieces(par: ParallelSpec, layers: int, run: range) -> list[tuple[Recompute, range]]:
+def _chunk_pieces(par: ParallelSpec, layers: int, run: range) -> list[tuple[Policy, range]]:
     """A whole model chunk's layers by mode, in closed form: two runs (block), or every
     k-th layer as one stepped range and the rest as the gaps between them or as k − 1
     stepped ranges, whichever are fewer (at most about √(layers) ranges)."""
@@ -124,8 +156,8 @@ def mode_runs(par: ParallelSpec, layers: int, runs: list[range]) -> ModeRuns:
     for every k-th layer), grouped by mode; one group, the runs as given, without
     :func:`partial`."""
     if not partial(par):
-        return ((par.recompute, tuple(runs)),)
-    groups: dict[Recompute, list[range]] = {}
+        return ((policy(par), tuple(runs)),)
+    groups: dict[Policy, list[range]] = {}
     for run in runs:
         if run:
             for mode, piece in _chunk_pieces(par, layers, run):
@@ -184,6 +216,11 @@ def describe(par: ParallelSpec) -> str:
         return f"{par.recompute} (one layer in {par.recompute_every} of each rank)"
     if par.recompute_group is not None:
         return f"{par.recompute} (groups of {par.recompute_group} layers)"
+    if par.recompute == "op":
+        return "op (torchtitan's per-op policy)"
+    modules = modules_of(policy(par))
+    if par.recompute == "selective" and modules != ("core_attn",):
+        return f"selective ({', '.join(modules) or 'no modules'})"
     return par.recompute
 
 
@@ -216,10 +253,38 @@ def recompute_problems(par: ParallelSpec) -> list[Problem]:
             out.append(Problem(f"parallel.{name}", value, "recomputes layers in full; "
                                f"needs parallel.recompute: full (it is {par.recompute}); set "
                                f"it, or remove {name}"))
+    if par.recompute_modules is not None and par.recompute != "selective":
+        out.append(Problem("parallel.recompute_modules", list(par.recompute_modules),
+                           "are Megatron's selective recomputation (--recompute-granularity "
+                           f"selective); needs parallel.recompute: selective (it is "
+                           f"{par.recompute}); set it, or remove recompute_modules"))
     given = [(name, value) for name, value in fields if value is not None]
     if len(given) > 1:
         (first, _), (name, value) = given[0], given[1]
         out.append(Problem(f"parallel.{name}", value, f"contradicts parallel.{first} "
                            "(Megatron's block and uniform methods and torchtitan's every "
                            "k-th layer choose the recomputed layers each their way); keep one"))
+    return out
+
+
+def model_problems(model: ModelSpec, par: ParallelSpec, fp8: str = "none") -> list[Problem]:
+    """Policies the model's layers cannot run: Megatron's ``mla_up_proj`` needs latent
+    attention and its ``layernorm`` and ``moe_act`` FP8 scaling other than delayed
+    (``TransformerConfig.__post_init__`` raises likewise); torchtitan's per-op policy is
+    modelled on dense layers with standard attention."""
+    out: list[Problem] = []
+    discarding = [m for m in modules_of(policy(par)) if m in ("layernorm", "moe_act")]
+    if discarding and fp8 == "delayed":
+        out.append(Problem("parallel.recompute_modules", list(par.recompute_modules or ()),
+                           f"{' and '.join(discarding)} discard FP8 outputs, which delayed "
+                           "scaling does not support (Megatron refuses it); use another "
+                           "stack.fp8 recipe or remove them"))
+    if "mla_up_proj" in modules_of(policy(par)) and model.mla is None:
+        out.append(Problem("parallel.recompute_modules", list(par.recompute_modules or ()),
+                           "mla_up_proj recomputes latent attention's up-projections; the "
+                           "model has none (model.mla unset): remove mla_up_proj"))
+    if par.recompute == "op" and (model.is_moe or model.mla is not None):
+        out.append(Problem("parallel.recompute", "op", "torchtitan's per-op policy is "
+                           "modelled on dense layers with standard attention (this model has "
+                           "routed experts or latent attention); use selective or full"))
     return out

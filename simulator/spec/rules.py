@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from simulator.errors import Problem
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.problems import problem_of
-from simulator.spec.recompute import recompute_problems
+from simulator.spec.recompute import model_problems, recompute_problems
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import variability_problems
 from simulator.strategies import registry
@@ -43,7 +43,7 @@ def consistency_problems(s: Scenario) -> list[Problem]:
         out.append(Problem("parallel.fsdp", par.fsdp, f"contradicts parallel.zero = {par.zero} "
                            "(fsdp: true means zero: 3, false a zero below 3); remove fsdp "
                            "and keep zero"))
-    out += recompute_problems(par)
+    out += recompute_problems(par) + model_problems(mdl, par, s.stack.fp8)
     options = options_problems(s)
     if options:  # a strategy's rules read its options: they must be valid first
         return out + options

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 else:  # a name of the registry, read when a scenario is validated
     Schedule = registered(lambda: registry.SCHEDULES)
     Algorithm = registered(collective_registry.choosable)
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "op"]
+RecomputeModule = Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                          "shared_experts"]
 Fidelity = Literal["folded", "full"]
 Method = Literal["engine", "analytic"]
 
@@ -193,8 +195,16 @@ class ParallelSpec(Frozen):
     groups, all-reducing each reduced gradient shard across them; must divide dp, zero
     3 only. Default: dp, one shard group (full sharding)."""
     recompute: Recompute = "none"
-    """Activation recomputation: none, selective (the attention core) or full (each
-    layer from its input)."""
+    """Activation recomputation: none, selective (the attention core, or the modules of
+    recompute_modules), full (each layer from its input) or op (torchtitan's per-op
+    selective checkpointing: every second linear, and all but the linears, the
+    attention core and the reduce-scatters re-run; dense standard-attention layers)."""
+    recompute_modules: tuple[RecomputeModule, ...] | None = None
+    """With recompute: selective, the modules recomputed, Megatron-Core's
+    ``--recompute-modules``: core_attn (the attention core), layernorm (both norms'
+    outputs), mlp (a dense layer's MLP), moe (a MoE layer's MoE block), shared_experts,
+    moe_act (the routed experts' activation), mla_up_proj (latent attention's
+    up-projections); default [core_attn]."""
     recompute_num_layers: int | None = Field(default=None, ge=0, le=MAX_SIZE)
     """With recompute: full, only the first N layers of each model chunk (each pipeline
     stage, each virtual stage when interleaved) are recomputed, the others not at all
@@ -230,7 +240,7 @@ class ParallelSpec(Frozen):
             return {**data, "zero": 3}
         return data
 
-    @field_validator("layers_per_stage", mode="before")
+    @field_validator("layers_per_stage", "recompute_modules", mode="before")
     @classmethod
     def _counts(cls, value: Any) -> Any:
         """YAML gives a list; strict validation wants the tuple the type names."""

@@ -23,8 +23,8 @@ from simulator.spec.placement import (
     is_even,
     stage_layers,
 )
-from simulator.spec.recompute import chunks_alike, mode_runs, partial
-from simulator.spec.scenario import Recompute, Scenario
+from simulator.spec.recompute import Policy, chunks_alike, mode_runs, partial
+from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
 from simulator.strategies.tensor.overlap import exposed
@@ -33,7 +33,7 @@ from simulator.strategies.tensor.strategy import NO_ENDS, Ends
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
 
 
-Kinds = list[tuple[int, int, Recompute]]  # (a layer, how many like it, their recompute)
+Kinds = list[tuple[int, int, Policy]]  # (a layer, how many like it, their recompute)
 
 
 def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:

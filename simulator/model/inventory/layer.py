@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 
+from simulator.model import moe
 from simulator.model.inventory.dense import dense_layer_ops, weight_elements
 from simulator.model.inventory.experts import expert_calls, moe_layer_ops, moe_layer_tensors
-from simulator.model.inventory.ops import CORE_OPS, Shape, dense_layer_tensors, dtype_bytes
+from simulator.model.inventory.ops import Shape, dense_layer_tensors, dtype_bytes
+from simulator.model.inventory.recompute_policy import kept_tensors
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.stack import StackSpec
 
@@ -66,9 +68,8 @@ def saved_tensors(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel:
     ops = moe_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack) \
         if moe_layer else \
         dense_layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", stack)
-    if recompute == "selective":
-        return (*(op.saved for op in ops if op.saved > 0 and op.name not in CORE_OPS),
-                *(x.dt * x.tokens * width for width in (x.q, x.kv, x.kv)))
+    if recompute != "none":  # selective (its modules) or torchtitan's per-op policy
+        return kept_tensors(x, ops, recompute)
     return tuple(op.saved for op in ops if op.saved > 0)
 
 
@@ -80,3 +81,18 @@ def kept_for_backward(spec: ModelSpec, micro_batch: int, tp: int, sequence_paral
                              stack, spec.is_moe_layer(layer)))
 
 
+
+
+def latent_kept(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                dtype: str, recompute: str, stack: StackSpec, layer: int) -> tuple[float, ...]:
+    """The tensors a latent-attention model's ``layer`` keeps short of full recomputation:
+    what its coarser forward ops save (:func:`simulator.model.moe.layer_ops`), less what a
+    selective policy's modules drop
+    (:func:`~simulator.model.inventory.recompute_policy.kept_tensors`; the default
+    ``core_attn`` drops nothing from a flash core that keeps only its inputs)."""
+    ops = moe.layer_ops(spec, micro_batch, tp, sequence_parallel, dtype, "fwd", layer,
+                        stack=stack)
+    if recompute in ("none", "selective"):
+        return tuple(op.saved for op in ops if op.saved > 0)
+    x = Shape(spec, micro_batch, tp, sequence_parallel, dtype_bytes(dtype), stack)
+    return kept_tensors(x, ops, recompute)

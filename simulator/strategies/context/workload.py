@@ -48,6 +48,7 @@ A2A_OUT = ("dq", "dk", "dv")  # after the core, backward (the forward sends O)
 
 
 class ContextParallelPass(Pass):
+    stamps = True  # per attention block; the ring follows the task before the block
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         s = ctx.s  # the rank's local view: seq_len / cp tokens

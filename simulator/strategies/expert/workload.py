@@ -55,6 +55,7 @@ from simulator.system.units import CollectiveName
 
 
 class ExpertPass(Pass):
+    stamps = True  # per MoE layer (``mlp_seen`` restarts at every layer)
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         s, par = ctx.s, ctx.s.parallel

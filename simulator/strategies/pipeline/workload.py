@@ -41,7 +41,10 @@ stages, each rank's reduced gradients are all-reduced with the other copy's ther
 
 from __future__ import annotations
 
+from functools import partial
+
 from simulator.builder.context import Context
+from simulator.builder.stamp import Stamps
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
@@ -60,11 +63,14 @@ class PipelinePass:
             self.act_bytes /= s.parallel.tp
         self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
         self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
+        # each (rank, kind, stage)'s actions built once and copied (simulator.builder.stamp)
+        self.stamps = Stamps(ctx, self.waits, ctx.stamp)
 
     # ------------------------------------------------------------ driver
     def build_rank(self, rank: int) -> None:
         ctx, sched, hooks = self.ctx, self.ctx.sched, self.ctx.hooks
         compute = ctx.programs[rank].streams["compute"]
+        stamped = self.stamps.action
         opens = pairs.pair_starts(ctx, ctx.layout.coord(rank).pp)  # DualPipe's F&B pairs
         begins: dict[int, int] = {}
         sides: dict[str, int] = {}  # the other streams' lengths where a pair begins
@@ -75,15 +81,17 @@ class PipelinePass:
                 if i in opens:
                     sides = {n: len(ts) for n, ts in ctx.programs[rank].streams.items()}
             if a.kind == "F":
-                self.forward(rank, a, chunk)
+                stamped(rank, "F", a.stage, a.microbatch, partial(self.forward, rank, a, chunk))
                 self.runtime(rank, a, chunk)
                 if not sched.is_last(a.stage):
                     self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
                 continue
             if a.kind == "W":
-                done = self.weight_grad(rank, a, chunk)
+                done = stamped(rank, "W", a.stage, a.microbatch,
+                               partial(self.weight_grad, rank, a, chunk))
             else:
-                done = self.backward(rank, a, chunk, weights=a.kind == "B")
+                done = stamped(rank, a.kind, a.stage, a.microbatch,
+                               partial(self.backward, rank, a, chunk, a.kind == "B"))
                 self.runtime(rank, a, chunk)
                 if not sched.is_first(a.stage):
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
@@ -282,9 +290,8 @@ class PipelinePass:
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
-        if ctx.s.parallel.recompute == "selective":
-            return ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
-                               c.recompute[0], mb, layer, chunk)
+        if ctx.s.parallel.recompute != "full":  # selective or per-op: compute only
+            return self.recompute_ops(rank, mb, layer, chunk)
         first = None
         for blk, label in ((0, "attn"), (1, "mlp")):
             for block in ctx.hooks.block:
@@ -294,6 +301,18 @@ class PipelinePass:
             first = first or t
             self.after_block(rank, label, mb, layer, chunk, False, t)
         assert first is not None
+        return first
+
+    def recompute_ops(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
+        """Selective or per-op recomputation: the attention block's recomputed ops, then a
+        finer policy's MLP-block ones (:mod:`simulator.model.inventory.recompute_policy`),
+        compute only."""
+        ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
+        first = ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
+                            c.recompute[0], mb, layer, chunk)
+        if c.recompute[1]:
+            ctx.compute(rank, "R", "recompute", f"recompute.mlp L{layer} mb{mb}",
+                        c.recompute[1], mb, layer, chunk)
         return first
 
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:

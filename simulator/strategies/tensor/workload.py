@@ -69,6 +69,7 @@ from simulator.system.units import CollectiveName
 
 
 class TensorPass(Pass):
+    stamps = True  # per block, stateless between actions (``start`` is popped in the block)
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         s = ctx.s
