@@ -58,7 +58,7 @@ def test_a_row_has_description_unit_default_allowed_and_example(reference: str) 
     assert allowed.startswith("number ≥ 0.001") and allowed.endswith("or `null`")
     assert _row(reference, "parallel", "tp")[3:] == ["`1`", "whole number > 0, ≤ 1e9", "`8`"]
     assert _row(reference, "parallel", "schedule")[4] == \
-        "`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zbv`"
+        "`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zbv`, `dualpipe`"
     assert _row(reference, "model", "layers")[3] == "required"
     # an example the first scenario leaves unset comes from the next one
     assert _row(reference, "model", "experts")[5] == "`256`"

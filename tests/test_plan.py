@@ -62,9 +62,9 @@ def test_enumeration_covers_the_space_once() -> None:
     for tp, cp, pp, dp, ep, schedule, v, zero, recompute, sp, b in cands:
         # 2,048 tokens: below two CP chunks of CP_MIN_TOKENS; a dense model: no EP
         assert cp == 1 and ep == 1 and tp * pp * dp == 16
-        assert (schedule in ("interleaved", "zbv")) == (v > 1)
-        assert v == 1 or (32 // pp) % v == 0
-        assert schedule != "zbv" or v == 2  # ZB-V: two chunks per rank in a V
+        assert (schedule in ("interleaved", "zbv", "dualpipe")) == (v > 1)
+        assert v == 1 or (32 // pp) % v == 0 or schedule == "dualpipe"
+        assert schedule not in ("zbv", "dualpipe") or v == 2  # two chunks per rank
         assert pp > 1 or schedule == "1f1b"  # one stage: every schedule is the same step
         assert tp > 1 or not sp
         assert b * dp <= 64 and zero in (0, 1, 2, 3) and recompute in ("none", "selective",
@@ -72,7 +72,7 @@ def test_enumeration_covers_the_space_once() -> None:
     # the count, factor by factor: (tp, pp) -> schedules x 4 ZeRO x 3 recompute x SP x b
     def schedules(pp: int) -> int:
         return 1 if pp == 1 else 3 + sum(1 for v in range(2, 33) if (32 // pp) % v == 0) \
-            + ((32 // pp) % 2 == 0)  # zbv
+            + ((32 // pp) % 2 == 0) + 1  # zbv, dualpipe (two whole model stages)
 
     def batches(dp: int) -> int:
         return sum(1 for b in (1, 2, 4) if b * dp <= 64)

@@ -273,10 +273,10 @@ def test_action_parse_rejects_bad_text(text):
 
 
 def test_registry_and_dispatch():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe"}
     assert build_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
     assert build_schedule("interleaved", 4, 8, v=3) == interleaved_1f1b(4, 8, 3)
-    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, interleaved, zb-h1, zbv"):
+    with pytest.raises(ValueError, match="valid: 1f1b, dualpipe, gpipe, interleaved, zb-h1, zbv"):
         build_schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match="v=2"):
         build_schedule("gpipe", 4, 8, v=2)
@@ -292,10 +292,12 @@ def _runnable(name: str) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_registry_pipeline_time_is_the_executed_makespan(name):
     """Each entry's closed form is the list-scheduled makespan of the schedule it builds
-    (stage times f, b, w; a chunk takes 1/v of them)."""
+    (stage times f, b, w; a chunk takes 1/v of them, or with two directions, where a
+    micro-batch passes one of a rank's two chunks, all of them)."""
     f, b, w = (1.0, 2.0, 0.7) if name == "zb-h1" else (1.3, 2.9, 0.0)
     for p, m, v in _runnable(name):
-        timed = execute(build_schedule(name, p, m, v), t_f=f / v, t_b=b / v, t_w=w / v)
+        k = SCHEDULES[name].directions / v
+        timed = execute(build_schedule(name, p, m, v), t_f=f * k, t_b=b * k, t_w=w * k)
         makespan = max(t.end for t in timed) - min(t.start for t in timed)
         assert pipeline_time(name, p, m, v, f, b, w) == pytest.approx(makespan, rel=1e-12)
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from simulator.schedules.action import execute
 from simulator.schedules.dualpipe import dualpipe, dualpipe_in_flight, dualpipe_problem
+from simulator.schedules.registry import SCHEDULES
 from simulator.schedules.validate import validate
 
 SIZES = st.integers(1, 5).flatmap(
@@ -95,3 +96,15 @@ def test_bubble_does_not_grow_with_m(p, f, b, w):
     if p == 2:
         assert first == pytest.approx([0.0, 0.0], abs=1e-9)
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(SIZES, st.floats(0.0, 3.0), st.floats(0.0, 3.0), st.floats(0.0, 3.0))
+def test_registry_time_is_the_executed_makespan_for_any_times(sizes, f, b, w):
+    # the registry places 2p micro-batches and adds the rest at full rate (a chunk's
+    # times: each micro-batch passes one of a rank's two chunks)
+    p, m = sizes
+    timed = execute(dualpipe(p, m), t_f=f, t_b=b, t_w=w)
+    makespan = max(t.end for t in timed) - min(t.start for t in timed)
+    assert SCHEDULES["dualpipe"].pipeline_time(p, m, 2, f, b, w) == pytest.approx(
+        makespan, rel=1e-9, abs=1e-9)

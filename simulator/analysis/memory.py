@@ -27,7 +27,7 @@ from simulator.model.memory import (
     stage_params,
     state_bytes_per_param,
 )
-from simulator.spec.placement import head_rank, stage_layers
+from simulator.spec.placement import head_rank, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
@@ -66,7 +66,8 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     routed experts' states over the expert data-parallel ranks (edp)."""
     par, dtype = scenario.parallel, scenario.training.dtype
     runs = stage_layers(scenario.model.layers, par, stage, scenario.model.mtp_layers)
-    total = stage_params(scenario.model, par.pp, stage, runs, head_rank(par))
+    total = stage_params(scenario.model, par.pp, stage, runs, head_rank(par),
+                         stage_ends(par, stage))
     experts = stage_expert_params(scenario.model, par.pp, stage, runs)
     psi = rank_params(scenario, total - experts, 0)
     grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))

@@ -190,13 +190,13 @@ class Context:
                      for i in reversed(self.layers_of(stage))]
         else:
             sizes = [mdl.layer_params(spec) / tp * dt for _ in self.layers_of(stage)]
-        if stage == self.last_stage:
+        if self.sched.is_last(stage):
             head = (mdl.head_params(spec) + self.tied_copy_params()) / tp * dt
             if sizes:
                 sizes[0] += head
             else:
                 sizes.append(head)
-        if stage == 0:
+        if self.sched.is_first(stage):
             sizes.append(mdl.embedding_params(spec) / tp * dt)
         return sizes
 
@@ -208,13 +208,13 @@ class Context:
         spec, ids = self.s.model, self.layers_of(stage)
         tensors = [layer_tensors(spec, self.s.stack, i)  # in grad_bytes' order
                    for i in (reversed(ids) if spec.is_moe else ids)]
-        if stage == self.last_stage:  # with the multi-token prediction modules' own
+        if self.sched.is_last(stage):  # with the multi-token prediction modules' own
             end = END_TENSORS + mtp_end_tensors(spec)
             if tensors:
                 tensors[0] += end
             else:
                 tensors.append(end)
-        if stage == 0:
+        if self.sched.is_first(stage):
             tensors.append(END_TENSORS)
         return [(size / self.grad_dt, n)
                 for size, n in zip(self.grad_bytes(stage), tensors, strict=True)]
@@ -225,9 +225,9 @@ class Context:
         embedding's copy) on the last; FSDP2's root unit of the stage's module."""
         spec, par = self.s.model, self.s.parallel
         params = 0.0
-        if stage == 0:
+        if self.sched.is_first(stage):
             params += mdl.embedding_params(spec)
-        if stage == self.last_stage:
+        if self.sched.is_last(stage):
             params += mdl.head_params(spec) + self.tied_copy_params()
         return params / par.tp
 

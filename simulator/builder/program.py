@@ -143,12 +143,14 @@ class SharedPrograms:
 
 
 def _stage_groups(layout: Layout, rank: int) -> set[tuple[int, ...]]:
-    """The groups the builder can give ``rank`` (besides a mixture of experts')."""
+    """The groups the builder can give ``rank`` (besides a mixture of experts'; the
+    mirror is DualPipe's pair of copies)."""
     c = layout.coord(rank)
     tie = (layout.rank(0, c.dp, c.tp, c.cp), layout.rank(layout.pp - 1, c.dp, c.tp, c.cp))
+    mirror = tuple(sorted((rank, layout.rank(layout.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
     return {layout.tp_group(rank), layout.dp_group(rank), layout.cp_group(rank), tie,
             layout.shard_group(rank), layout.replicate_group(rank),
-            layout.cp_a2a_group(rank), layout.cp_ring_group(rank)}
+            layout.cp_a2a_group(rank), layout.cp_ring_group(rank), mirror}
 
 
 def share(layout: Layout, tasks: list[Task], programs: Mapping[int, Program],

@@ -41,7 +41,8 @@ from typing import Any, Literal, get_args
 from simulator.errors import Problem, UserError
 from simulator.loading import PRESETS_DIR, read_yaml
 from simulator.model.memory import stage_params, state_bytes_per_param
-from simulator.spec.placement import head_rank, stage_layers
+from simulator.schedules.registry import schedule_spec
+from simulator.spec.placement import head_rank, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
 
 Component = Literal["gpu", "host", "nic", "switch", "software"]
@@ -128,9 +129,9 @@ def checkpoint_bytes(s: Scenario) -> float:
     par = s.parallel
     spec = s.model
     params = sum(stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
-                              head_rank(par))
+                              head_rank(par), stage_ends(par, st))
                  for st in range(par.pp))
-    return params * (w + o)
+    return params / schedule_spec(par.schedule).directions * (w + o)  # DualPipe: 2 copies
 
 
 def checkpoint_cost(s: Scenario) -> CheckpointCost:

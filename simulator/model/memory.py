@@ -68,7 +68,7 @@ from simulator.model.transformer import (
 )
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.model_spec import ModelSpec
-from simulator.spec.placement import holds_head
+from simulator.spec.placement import holds_embedding, holds_head
 from simulator.spec.recompute import kept_runs, stage_modes
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import StackSpec, default_stack
@@ -233,10 +233,12 @@ def stage_expert_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None 
 
 
 def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
-                 head_rank: int | None = None) -> int:
+                 head_rank: int | None = None, ends: tuple[bool, bool] | None = None) -> int:
     """Parameters held by pipeline ``stage`` (before the TP and EP splits); ``runs`` are
     its layers (default the even split); ``head_rank`` the stage with the output layer
-    (default pp − 1; 0 under a V placement, :func:`simulator.spec.placement.head_rank`)."""
+    (default pp − 1; 0 under a V placement, :func:`simulator.spec.placement.head_rank`);
+    ``ends`` whether the stage holds the embedding and the output layer where that is not
+    stage 0 and ``head_rank`` alone (DualPipe: :func:`simulator.spec.placement.holds_head`)."""
     head_at = pp - 1 if head_rank is None else head_rank
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
@@ -245,11 +247,12 @@ def stage_params(spec: ModelSpec, pp: int, stage: int, runs: Runs | None = None,
         total = sum(n * layer_params(spec, i) for i, n in _kinds(spec, runs))
     else:
         total = sum(len(r) for r in runs) * layer_params(spec)
-    if stage == 0:
+    embedding, head = (stage == 0, stage == head_at) if ends is None else ends
+    if embedding:
         total += embedding_params(spec)
-    if stage == head_at:
+    if head:
         total += head_params(spec)
-        if spec.head_needs_embedding and head_at != 0:
+        if spec.head_needs_embedding and not embedding:  # the output layer's rank lacks it:
             total += spec.vocab * spec.hidden  # Megatron's copy of the shared embedding
     return total
 
@@ -276,7 +279,7 @@ def activations(scenario: Scenario, stage: int) -> float:
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(trn.dtype) / 2 / (t if sp else 1)
     if par.cp > 1:
         tokens_h /= par.cp
-    if stage == 0 and scenario.stack.hidden_dropout > 0:
+    if holds_embedding(par, stage) and scenario.stack.hidden_dropout > 0:
         total += tokens_h  # the embedding dropout mask (Korthikanti §4.3)
     if holds_head(par, stage):  # final-norm input and logits-GEMM input, 16-bit, per head
         total += 4 * tokens_h * (1 + spec.mtp_layers)

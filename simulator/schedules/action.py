@@ -131,6 +131,18 @@ class Schedule:
             return range(self.stages)
         return range(self.stages, self.total_stages)
 
+    def is_first(self, stage: int) -> bool:
+        """Whether virtual ``stage`` starts a route (it runs the embedding): stage 0, and
+        with two directions stage p as well."""
+        return stage % self.stages == 0 if self.directions == 2 else stage == 0
+
+    def is_last(self, stage: int) -> bool:
+        """Whether virtual ``stage`` ends a route (it runs the output layer and the loss):
+        the last stage, and with two directions stage p − 1 as well."""
+        if self.directions == 2:
+            return stage % self.stages == self.stages - 1
+        return stage == self.total_stages - 1
+
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.total_stages:
             raise ValueError(f"stage {stage} outside 0..{self.total_stages - 1}")

@@ -22,13 +22,18 @@ half of the ranks, 1 on the second), rank r runs
 8. the remaining h + 1 W, first queued first run (``WeightGradStore``, FIFO).
 
 Each direction runs its micro-batches in order. ``DualPipe.step`` asserts an even p and
-an even m ≥ 2p. The overlap of each F&B pair's compute with the other's MoE all-to-all
-is not modelled: the executor and the engine run the pair's two actions back to back.
+an even m ≥ 2p. In a scenario (``parallel.schedule: dualpipe``) the rank's two chunks are
+``virtual_stages: 2`` and ``layers_per_stage`` lists pp model stages (each held twice).
+The executor runs each F&B pair's two actions back to back; the engine overlaps one
+chunk's compute with the other's all-to-alls (:mod:`simulator.strategies.pipeline.pairs`).
 """
 
 from __future__ import annotations
 
-from simulator.schedules.action import Action, Schedule, check_sizes
+from functools import lru_cache
+
+from simulator.schedules.action import Action, Schedule, check_sizes, execute
+from simulator.schedules.spec import Requirement, ScheduleSpec
 
 
 def dualpipe_problem(p: int, m: int) -> str | None:
@@ -121,3 +126,55 @@ def dualpipe_in_flight(p: int) -> int:
     """Peak chunks (each a whole model stage) whose activations a rank holds: p + 1 on
     every rank (the report's Table 2: 'PP + 1')."""
     return p + 1
+
+
+def overlapped_pairs(schedule: Schedule, rank: int) -> list[int]:
+    """Positions i in ``rank``'s order where actions i and i + 1 are an overlapped F&B
+    pair: a forward followed at once by a full backward of the other direction (steps 4
+    and 5 of ``DualPipe.step``, its ``_forward_backward_chunk``)."""
+    order, p = schedule.actions[rank], schedule.stages
+    return [i for i in range(len(order) - 1)
+            if order[i].kind == "F" and order[i + 1].kind == "B"
+            and (order[i].stage < p) != (order[i + 1].stage < p)]
+
+
+def _requirements(p: int, m: int, v: int) -> list[Requirement]:
+    out = []
+    if p % 2:
+        out.append(Requirement("pp", f"DualPipe needs an even number of pipeline ranks; "
+                                     f"got pp={p}; use an even pp such as {p + 1}"))
+    if m % 2 or m < 2 * p:
+        out.append(Requirement("microbatches", f"DualPipe needs an even number of "
+                                               f"micro-batches m >= 2 * pp = {2 * p} "
+                                               f"(m = {m})", 2, 2 * p))
+    return out
+
+
+def _in_flight(p: int, m: int, v: int, stage: int) -> float:
+    """p + 1 chunks (:func:`dualpipe_in_flight`), each one model stage, half of what a
+    rank holds (its two chunks)."""
+    return dualpipe_in_flight(p) / 2
+
+
+def _time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Stage times f, b, w: a micro-batch passes one chunk (one model stage) per rank, so
+    they are the chunk's. No closed form beyond equal times ((p/2 − 1) t idle; the
+    report's (PP/2 − 1)(F&B + B − 3W) counts the pair as overlapped, the executor does
+    not): the executed makespan of the order for m = 2p, plus the other micro-batches at
+    full rate, as every rank's idle time does not grow with m
+    (``tests/test_schedules_dualpipe.py``)."""
+    problem = dualpipe_problem(p, m)
+    if problem is not None:
+        raise ValueError(problem)
+    return (m - 2 * p) * (f + b + w) + _makespan(p, 2 * p, f, b, w)
+
+
+@lru_cache(maxsize=4096)
+def _makespan(p: int, m: int, f: float, b: float, w: float) -> float:
+    timed = execute(dualpipe(p, m), t_f=f, t_b=b, t_w=w)
+    return max(t.end for t in timed) - min(t.start for t in timed)
+
+
+DUALPIPE = ScheduleSpec(lambda p, m, v: dualpipe(p, m), _in_flight, _time, chunks=(2, 2),
+                        requirements=_requirements, split_backward=True, placement="v",
+                        directions=2)

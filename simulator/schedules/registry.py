@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from simulator.schedules.action import Schedule
+from simulator.schedules.dualpipe import DUALPIPE
 from simulator.schedules.gpipe import GPIPE
 from simulator.schedules.interleaved import INTERLEAVED
 from simulator.schedules.one_f_one_b import ONE_F_ONE_B
@@ -23,6 +24,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({
     "interleaved": INTERLEAVED,
     "zb-h1": ZB_H1,
     "zbv": ZBV,
+    "dualpipe": DUALPIPE,
 })
 #: the schedule a scenario runs when it names none (and the one a single stage runs)
 DEFAULT_SCHEDULE = "1f1b"

@@ -20,9 +20,10 @@ class Requirement:
     which input must change. For ``microbatches``, m must be a multiple of
     ``multiple``."""
 
-    field: Literal["virtual_stages", "microbatches"]
+    field: Literal["virtual_stages", "microbatches", "pp"]
     text: str
     multiple: int = 1
+    least: int = 0  # for ``microbatches``: m must also be at least this
 
 
 def no_requirements(p: int, m: int, v: int) -> list[Requirement]:
@@ -34,7 +35,8 @@ class ScheduleSpec:
     """Everything the simulator knows of one schedule; adding a schedule is one entry.
 
     Stage times ``f``, ``b``, ``w`` are one micro-batch's forward, backward-input
-    and backward-weight through a whole stage (all its chunks).
+    and backward-weight through a whole stage (all its chunks; with two ``directions``
+    a micro-batch passes one of the rank's two chunks, so they are a chunk's).
     """
 
     build: Callable[[int, int, int], Schedule]  # (p, m, v) -> per-rank actions
@@ -59,6 +61,9 @@ class ScheduleSpec:
     # a synchronous flush that idles p − 1 slots per stage: its bubble is
     # (p − 1)/(m + p − 1) of the step, which the scenario warns about when m < 4p
     flush: bool = False
+    # 2: the micro-batches run in two directions (DualPipe), each through the whole model
+    # cut into pp · v / 2 stages: virtual stage k holds model stage k mod (pp · v / 2)
+    directions: int = 1
 
     @property
     def chunked(self) -> bool:

@@ -7,7 +7,12 @@ that follow those of the stages before it, and pipeline rank r holds the
 virtual stages r, r + pp, r + 2·pp, ... A schedule with a V placement (ZB-V, its
 registry entry's ``placement``) gives rank r the virtual stages r and 2·pp − 1 − r
 instead: the first and the last stage, with the embedding and the output layer,
-then sit on rank 0 (:func:`head_rank`).
+then sit on rank 0 (:func:`head_rank`). A schedule with two directions (DualPipe, its
+entry's ``directions``) runs every micro-batch through the whole model from either end:
+the model is cut into pp · v / 2 model stages and virtual stage k holds the layers of
+model stage k mod (pp · v / 2), so each rank holds two model stages (r and pp − 1 − r,
+the parameters twice over) and ranks 0 and pp − 1 each hold the embedding and the
+output layer (:func:`holds_embedding`, :func:`holds_head`).
 
 Without ``parallel.layers_per_stage`` every virtual stage holds layers / (pp · v)
 layers, and a count that does not divide is refused (Megatron-LM's default
@@ -48,18 +53,26 @@ if TYPE_CHECKING:
 FIELD = "parallel.layers_per_stage"
 
 
+def model_stages(par: ParallelSpec) -> int:
+    """How many runs the layers are cut into: pp · v, or pp · v / 2 with two directions."""
+    return par.pp * par.virtual_stages // schedule_spec(par.schedule).directions
+
+
 def chunk_layers(layers: int, par: ParallelSpec, stage: int, mtp: int = 0) -> range:
-    """The layers of virtual ``stage`` (0 .. pp · v − 1); the last one also holds the
+    """The layers of virtual ``stage`` (0 .. pp · v − 1; with two directions those of
+    model stage ``stage`` mod :func:`model_stages`); the last model stage also holds the
     ``mtp`` multi-token prediction modules' layers, numbered ``layers`` onwards (Megatron-LM
     builds them on the last pipeline stage, ``mtp_on_this_rank`` and
     ``get_mtp_num_layers_to_build`` in megatron/core/transformer/multi_token_prediction.py)."""
+    runs = model_stages(par)
+    stage %= runs
     if par.layers_per_stage is None:
-        per = layers // (par.pp * par.virtual_stages)
+        per = layers // runs
         run = range(stage * per, (stage + 1) * per)
     else:
         starts = par.layer_starts
         run = range(starts[stage], starts[stage + 1])
-    if mtp and stage == par.pp * par.virtual_stages - 1:
+    if mtp and stage == runs - 1:
         return range(run.start, layers + mtp)
     return run
 
@@ -79,8 +92,24 @@ def head_rank(par: ParallelSpec) -> int:
 
 
 def holds_head(par: ParallelSpec, rank: int) -> bool:
-    """Whether pipeline ``rank`` holds the output layer (the last virtual stage)."""
+    """Whether pipeline ``rank`` holds the output layer (the last virtual stage; with two
+    directions, the last of either: ranks 0 and pp − 1)."""
+    if schedule_spec(par.schedule).directions == 2:
+        return rank in (0, par.pp - 1)
     return rank == head_rank(par)
+
+
+def holds_embedding(par: ParallelSpec, rank: int) -> bool:
+    """Whether pipeline ``rank`` holds the embedding (the first virtual stage; with two
+    directions, the first of either: ranks 0 and pp − 1)."""
+    if schedule_spec(par.schedule).directions == 2:
+        return rank in (0, par.pp - 1)
+    return rank == 0
+
+
+def stage_ends(par: ParallelSpec, rank: int) -> tuple[bool, bool]:
+    """Whether pipeline ``rank`` holds the embedding and the output layer."""
+    return holds_embedding(par, rank), holds_head(par, rank)
 
 
 def tied_copy(par: ParallelSpec) -> bool:
@@ -114,17 +143,18 @@ def _shown(counts: tuple[int, ...]) -> str:
 
 def placement_problems(layers: int, par: ParallelSpec) -> list[Problem]:
     """The placement against the model and the degrees; each problem names the fix."""
-    chunks = par.pp * par.virtual_stages
+    chunks = model_stages(par)
     counts = par.layers_per_stage
     if counts is None:
         if layers % chunks == 0:
             return []
-        return [Problem("model.layers", layers, f"not divisible by pp({par.pp}) * "
-                        f"virtual_stages({par.virtual_stages}) = {chunks}; set {FIELD} to "
+        cut = f"pp({par.pp}) * virtual_stages({par.virtual_stages}) = {chunks}" \
+            if chunks == par.pp * par.virtual_stages else f"pp({par.pp}), the model stages"
+        return [Problem("model.layers", layers, f"not divisible by {cut}; set {FIELD} to "
                         f"{chunks} layer counts summing to {layers} (an uneven split), or "
                         "choose layers a multiple of it or other degrees")]
     if len(counts) != chunks:
-        what = f"pp({par.pp}) entries, one per stage" if par.virtual_stages == 1 else \
+        what = f"pp({par.pp}) entries, one per stage" if chunks == par.pp else \
             f"pp({par.pp}) * virtual_stages({par.virtual_stages}) = {chunks} entries, one " \
             "per virtual stage in virtual-stage order (chunk * pp + rank)"
         return [Problem(FIELD, _shown(counts), f"has {len(counts)} entries; it needs {what}")]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, get_args
 from simulator.errors import Problem
 from simulator.schedules.action import stage_rank
 from simulator.schedules.registry import schedule_spec
-from simulator.spec.placement import chunk_layers, rank_virtual_stages, stage_layers
+from simulator.spec.placement import chunk_layers, model_stages, rank_virtual_stages, stage_layers
 
 if TYPE_CHECKING:
     from simulator.spec.model_spec import ModelSpec
@@ -90,7 +90,7 @@ def partial(par: ParallelSpec) -> bool:
 
 def _virtual_stage(layers: int, par: ParallelSpec, layer: int) -> int:
     if par.layers_per_stage is None:
-        return layer // (layers // (par.pp * par.virtual_stages))
+        return layer // (layers // model_stages(par))
     return bisect.bisect_right(par.layer_starts, layer) - 1
 
 
@@ -178,7 +178,7 @@ def model_modes(par: ParallelSpec, layers: int, mtp: int = 0) -> ModeRuns:
     if not partial(par):
         return mode_runs(par, layers, [range(layers + mtp)])
     return mode_runs(par, layers, [chunk_layers(layers, par, k, mtp)
-                                   for k in range(par.pp * par.virtual_stages)])
+                                   for k in range(model_stages(par))])  # DualPipe: once
 
 
 def chunks_alike(par: ParallelSpec, layers: int) -> bool:
@@ -188,7 +188,7 @@ def chunks_alike(par: ParallelSpec, layers: int) -> bool:
         return True
     counts = {sum(len(r) for mode, rs in mode_runs(par, layers, [chunk_layers(layers, par, k)])
                   if mode != "none" for r in rs)
-              for k in range(par.pp * par.virtual_stages)}
+              for k in range(model_stages(par))}
     return len(counts) == 1
 
 

@@ -168,14 +168,16 @@ class ParallelSpec(Frozen):
     linear beside the combine), the exchange on a stream of its own and the routed experts
     waiting for the dispatch; alltoall or flex only. No effect without shared experts."""
     schedule: Schedule = DEFAULT_SCHEDULE
-    """Pipeline schedule (zbv: ZB-V, two chunks per rank in a V, set virtual_stages: 2)."""
+    """Pipeline schedule (zbv: ZB-V, two chunks per rank in a V, set virtual_stages: 2;
+    dualpipe: DeepSeek-V3's DualPipe, set virtual_stages: 2, even pp, even m >= 2 pp)."""
     virtual_stages: int = Field(default=1, gt=0, le=MAX_SIZE)
-    """Model chunks per pipeline rank (> 1 only with interleaved, any; or zbv, 2)."""
+    """Model chunks per pipeline rank (> 1 only with interleaved, any; or zbv and
+    dualpipe, 2)."""
     layers_per_stage: tuple[Annotated[int, Field(ge=0, le=MAX_SIZE)], ...] | None = Field(
         default=None, max_length=MAX_STAGES)
     """Layers of each stage for an uneven split, e.g. [7, 8, 8, 7]: pp entries, or pp ·
-    virtual_stages in virtual-stage order when interleaved (0 allowed), summing to
-    model.layers; default layers / pp each."""
+    virtual_stages in virtual-stage order when interleaved (0 allowed; dualpipe: pp, each
+    model stage held twice), summing to model.layers; default layers / pp each."""
     zero: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_bool)] = 0
     """ZeRO stage: 0 DDP, 1 shards optimizer states, 2 also gradients, 3 also
     parameters (FSDP)."""

@@ -29,7 +29,7 @@ import pandas as pd
 
 from simulator.analysis.accounting.vocabulary import comm_kinds
 from simulator.builder.workload import layout_of
-from simulator.spec.placement import holds_head, stage_layer_count
+from simulator.spec.placement import holds_embedding, holds_head, stage_layer_count
 from simulator.spec.scenario import Scenario
 from simulator.traces.classes import (
     COMM_CLASSES,
@@ -52,7 +52,8 @@ def class_shares(s: Scenario, stage: int) -> dict[str, float]:
     parts = {r["part"] for r in rows if str(r["part"]).startswith("layer")}
     layers = stage_layer_count(s.model.layers, s.parallel, stage,
                               s.model.mtp_layers) / max(len(parts), 1)
-    weight = {"embedding": float(stage == 0), "head": float(holds_head(s.parallel, stage))}
+    weight = {"embedding": float(holds_embedding(s.parallel, stage)),
+              "head": float(holds_head(s.parallel, stage))}
     time: dict[str, float] = dict.fromkeys(COMPUTE_CLASSES, 0.0)
     for r in rows:
         w = layers if r["part"] in parts else weight.get(r["part"], 0.0)

@@ -51,7 +51,13 @@ from simulator.builder.workload import BlockCosts, block_costs, layout_of, local
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import stage_params
-from simulator.spec.placement import head_rank, holds_head, stage_layer_count, stage_layers
+from simulator.spec.placement import (
+    head_rank,
+    holds_head,
+    stage_ends,
+    stage_layer_count,
+    stage_layers,
+)
 from simulator.spec.scenario import Scenario
 from simulator.strategies import registry
 from simulator.strategies.base import AnalyticView
@@ -153,7 +159,7 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     par, spec, trn = s.parallel, s.model, s.training
     layers = [stage_layer_count(spec.layers, par, st, spec.mtp_layers) for st in range(par.pp)]
     held = [stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
-                         head_rank(par)) for st in range(par.pp)]
+                         head_rank(par), stage_ends(par, st)) for st in range(par.pp)]
     busiest = max(range(par.pp), key=held.__getitem__)
     params: float = held[busiest]
     expert_params: list[float] = []

@@ -16,7 +16,13 @@ from simulator.model import moe
 from simulator.model.inventory.tensor_parallel import tp_block_collectives
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule, schedule_spec
-from simulator.spec.placement import chunk_layers, holds_head, is_even, stage_layers
+from simulator.spec.placement import (
+    chunk_layers,
+    holds_embedding,
+    holds_head,
+    is_even,
+    stage_layers,
+)
 from simulator.spec.recompute import Policy, chunks_alike, mode_runs, partial
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
@@ -121,10 +127,15 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
                   ends: Ends = NO_ENDS) -> dict[str, float]:
-    """:func:`passes` of one pipeline stage (all its chunks)."""
-    return slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage), stage == 0,
-                              holds_head(s.parallel, stage), experts, t_cp,
-                              s.parallel.virtual_stages, ends), stage)
+    """:func:`passes` of one micro-batch through pipeline ``stage``: all its chunks, or
+    with two directions (DualPipe, each micro-batch through one of the rank's two model
+    stages) their mean."""
+    d = slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage),
+                         holds_embedding(s.parallel, stage),
+                         holds_head(s.parallel, stage), experts, t_cp,
+                         s.parallel.virtual_stages, ends), stage)
+    directions = schedule_spec(s.parallel.schedule).directions
+    return d if directions == 1 else {k: v / directions for k, v in d.items()}
 
 
 def slowdown(s: Scenario) -> dict[int, float]:
@@ -193,7 +204,7 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
     chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
-                                        kinds[k], k == 0, k == n - 1,
+                                        kinds[k], sched.is_first(k), sched.is_last(k),
                                         experts, t_cp, 1, ends), sched.rank_of(k)), kinds[k])
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],

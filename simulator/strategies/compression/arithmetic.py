@@ -250,7 +250,7 @@ def stage_units(s: Scenario, stage: int) -> list[list[tuple[int, int]]]:
     """The gradient units of pipeline ``stage`` (all its chunks; a dense model)."""
     par, spec = s.parallel, s.model
     layers = placement.stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
-    return unit_shapes(spec, layers, stage == 0,
+    return unit_shapes(spec, layers, placement.holds_embedding(par, stage),
                        placement.holds_head(par, stage),
                        spec.head_needs_embedding and placement.tied_copy(par))
 
@@ -266,7 +266,8 @@ def stage_elements(s: Scenario, stage: int) -> float:
     billion layers)."""
     par, spec = s.parallel, s.model
     layers = placement.stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
-    ends = unit_shapes(spec, 0, stage == 0, placement.holds_head(par, stage),
+    ends = unit_shapes(spec, 0, placement.holds_embedding(par, stage),
+                       placement.holds_head(par, stage),
                        spec.head_needs_embedding and placement.tied_copy(par))
     total = layers * sum(n * m for n, m in layer_shapes(spec)) \
         + sum(n * m for unit in ends for n, m in unit)

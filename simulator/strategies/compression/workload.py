@@ -51,8 +51,9 @@ class Compressor:
         units = self.shapes.get(stage)
         if units is None:
             ctx = self.ctx
-            units = cmp.unit_shapes(ctx.s.model, len(ctx.layers_of(stage)), stage == 0,
-                                    stage == ctx.last_stage, ctx.tied_copy_params() > 0)
+            units = cmp.unit_shapes(ctx.s.model, len(ctx.layers_of(stage)),
+                                    ctx.sched.is_first(stage), ctx.sched.is_last(stage),
+                                    ctx.tied_copy_params() > 0)
             self.shapes[stage] = units
         return units[index]
 

@@ -15,7 +15,7 @@ from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.mtp import mtp_end_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, ddp_copy_ops
-from simulator.spec.placement import holds_head, tied_copy
+from simulator.spec.placement import holds_embedding, holds_head, tied_copy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.compression import arithmetic as cmp
@@ -49,7 +49,7 @@ def ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
         end = END_TENSORS + mtp_end_tensors(spec)
         units = [(units[0][0] + head, units[0][1] + end), *units[1:]] if units \
             else [(head, end)]
-    if stage == 0:
+    if holds_embedding(par, stage):
         units.append((mdl.embedding_params(spec) / par.tp, END_TENSORS))
     return sum(cost.ops_time(ddp_copy_ops(stack, e, dt, n, back))
                for e, n in units for back in (False, True))

@@ -14,7 +14,7 @@ from simulator.model import moe
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.base import divisor_list, divisors_text
-from simulator.spec.placement import stage_layers
+from simulator.spec.placement import holds_embedding, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.expert import dispatcher
@@ -187,7 +187,7 @@ def stage_expert_split(s: Scenario, stage: int) -> tuple[float, list[float]]:
     embedding on the first stage and, on a single stage, the head) and each MoE
     layer's routed experts (an edp gradient reduction each)."""
     spec, par = s.model, s.parallel
-    dense = float(embedding_params(spec)) if stage == 0 else 0.0
+    dense = float(embedding_params(spec)) if holds_embedding(par, stage) else 0.0
     if par.pp == 1:
         dense += head_params(spec)
     experts: list[float] = []

@@ -14,12 +14,15 @@ from typing import Any
 
 from simulator.errors import Problem
 from simulator.model import transformer as mdl
+from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.memory import stage_expert_params, stage_params
 from simulator.schedules import registry
 from simulator.schedules.registry import requirements, schedule_spec
 from simulator.spec.base import divisor_list
-from simulator.spec.placement import placement_problems
+from simulator.spec.placement import head_rank, placement_problems, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
-from simulator.strategies.base import Dimension, Strategy
+from simulator.strategies.base import AnalyticView, Dimension, Strategy
+from simulator.strategies.timing import collective_time
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
 
@@ -30,12 +33,13 @@ def schedule_problems(s: Scenario, per_step: int) -> list[Problem]:
     m = trn.global_batch // per_step
     out = []
     for req in requirements(par.schedule, par.pp, m, par.virtual_stages):
-        if req.field == "virtual_stages":
-            out.append(Problem("parallel.virtual_stages", par.virtual_stages, req.text))
+        if req.field in ("virtual_stages", "pp"):
+            out.append(Problem(f"parallel.{req.field}", getattr(par, req.field), req.text))
         elif not trn.global_batch % per_step:  # m is only meaningful when it is whole
+            least = f", at least {per_step * req.least}" if req.least else ""
             out.append(Problem("training.global_batch", trn.global_batch,
                                f"{req.text}; use global_batch a multiple of "
-                               f"{per_step * req.multiple}"))
+                               f"{per_step * req.multiple}{least}"))
     return out
 
 
@@ -64,6 +68,21 @@ def pipeline_sends(s: Scenario, layout: Layout, hw: HardwareProfile, in_line: bo
     return t_p2p
 
 
+def copies_bytes(s: Scenario, rank: int) -> float:
+    """DualPipe: the gradient bytes pipeline ``rank`` all-reduces with the other copy of
+    its two model stages (on rank pp − 1 − r) before the step: its dense gradients per TP
+    rank and its routed experts' per expert-parallel rank, 1/shard and 1/edp of them
+    under ZeRO (the reduced shard)."""
+    par = s.parallel
+    runs = stage_layers(s.model.layers, par, rank)
+    total = stage_params(s.model, par.pp, rank, runs, head_rank(par), stage_ends(par, rank))
+    experts = stage_expert_params(s.model, par.pp, rank, runs)
+    dense, routed = (total - experts) / par.tp, experts / (par.etp * par.ep)
+    if par.zero >= 1:
+        dense, routed = dense / par.shard, routed / par.edp
+    return (dense + routed) * s.stack.reduce_bytes(dtype_bytes(s.training.dtype))
+
+
 class PipelineParallel(Strategy):
     name = "pipeline"
     kinds = ("pp", "embedding_tie")
@@ -82,6 +101,20 @@ class PipelineParallel(Strategy):
         bubble = (par.pp - 1) / (m + par.pp - 1)
         return [f"warning: m = {m} micro-batches for pp = {par.pp}: the bubble is "
                 f"{bubble:.0%} of the step (m >= {4 * par.pp} keeps it under ~20%)"]
+
+    def analytic_terms(self, view: AnalyticView) -> dict[str, float]:
+        """DualPipe's sum of the two copies' gradients (:func:`copies_bytes`), an
+        all-reduce between rank r and pp − 1 − r after the data-parallel reductions, at
+        the busiest rank's size."""
+        s, lay = view.s, view.layout
+        pp = s.parallel.pp
+        if schedule_spec(s.parallel.schedule).directions != 2:
+            return {}
+        rank = max(range(pp), key=lambda r: copies_bytes(s, r))
+        group = (lay.rank(min(rank, pp - 1 - rank), 0, 0, 0),
+                 lay.rank(max(rank, pp - 1 - rank), 0, 0, 0))
+        return {"dp_transfer": collective_time(s, lay, "all_reduce", copies_bytes(s, rank),
+                                               group, view.hw)}
 
     def dimensions(self) -> tuple[Dimension, ...]:
         return (Dimension(("pp",), ("parallel.pp",), 30, _stage_counts),
@@ -111,8 +144,9 @@ def _schedules(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[
             yield schedule, 1
             continue
         lo, hi = spec.chunks
-        for v in divisor_list(layers // pp):  # chunks of whole layers
-            if v >= lo and (hi is None or v <= hi):
+        k = spec.directions  # DualPipe: its two chunks are whole model stages
+        for v in divisor_list(layers // pp * k):  # chunks of whole layers
+            if v % k == 0 and v >= lo and (hi is None or v <= hi):
                 yield schedule, v
 
 

@@ -34,7 +34,9 @@ At the end of the step, the word embedding's gradient is all-reduced, where the 
 stage keeps a copy (a tied output layer, multi-token prediction),
 between the first and the last stage (Megatron's embedding group; kind
 ``embedding_tie``), after the data pass's last buckets and before the
-optimizer step.
+optimizer step; under DualPipe, whose ranks r and pp − 1 − r hold the same two model
+stages, each rank's reduced gradients are all-reduced with the other copy's there too
+(kind ``dp``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
+from simulator.strategies.pipeline import pairs
+from simulator.strategies.pipeline.strategy import copies_bytes
 
 
 class PipelinePass:
@@ -67,12 +71,19 @@ class PipelinePass:
         ctx, sched, hooks = self.ctx, self.ctx.sched, self.ctx.hooks
         compute = ctx.programs[rank].streams["compute"]
         stamped = self.stamps.action
+        opens = pairs.pair_starts(ctx, ctx.layout.coord(rank).pp)  # DualPipe's F&B pairs
+        begins: dict[int, int] = {}
+        sides: dict[str, int] = {}  # the other streams' lengths where a pair begins
         for i, a in enumerate(sched.actions[ctx.layout.coord(rank).pp]):
             chunk = sched.chunk_of(a.stage)
+            if opens:
+                begins[i] = len(compute)
+                if i in opens:
+                    sides = {n: len(ts) for n, ts in ctx.programs[rank].streams.items()}
             if a.kind == "F":
                 stamped(rank, "F", a.stage, a.microbatch, partial(self.forward, rank, a, chunk))
                 self.runtime(rank, a, chunk)
-                if a.stage < ctx.last_stage:
+                if not sched.is_last(a.stage):
                     self.send(rank, "act", a, compute[-1], a.stage + 1, chunk)
                 continue
             if a.kind == "W":
@@ -82,15 +93,18 @@ class PipelinePass:
                 done = stamped(rank, a.kind, a.stage, a.microbatch,
                                partial(self.backward, rank, a, chunk, a.kind == "B"))
                 self.runtime(rank, a, chunk)
-                if a.stage > 0:
+                if not sched.is_first(a.stage):
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
                 if a.kind == "I":
                     continue
             for weight_grads in hooks.weight_grads:
                 weight_grads(rank, i, a, done, chunk)
+            if i - 1 in opens:
+                pairs.interleave(ctx, rank, begins[i - 1], begins[i], sides)
         for sync_end in hooks.sync_end:
             sync_end(rank)
         self.embedding_tie(rank)
+        self.copies_sum(rank)
         for step in hooks.step:
             step(rank)
         for after_step in hooks.after_step:
@@ -128,7 +142,7 @@ class PipelinePass:
             g = forward_start(rank, a.stage, mb, chunk)
             if g is not None and g.stream != "compute":
                 starts.append(g.id)
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             head = ctx.compute(rank, "F", "forward", f"embed mb{mb}", c.embed[0], mb, -1, chunk)
             for edge in hooks.edge:
                 edge(rank, "embed", True, mb, chunk)
@@ -145,7 +159,7 @@ class PipelinePass:
                 t = self.after_block(rank, label, mb, layer, chunk, False, t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             for edge in hooks.edge:
                 edge(rank, "head", True, mb, chunk)
             t = ctx.compute(rank, "F", "forward", f"head mb{mb}", c.head[0], mb, -1, chunk)
@@ -159,7 +173,7 @@ class PipelinePass:
         # be a collective before the first block (sequence parallelism's all-gather)
         first = _first_from(compute, begin, head)
         first.deps.extend(starts)
-        if a.stage > 0:
+        if not ctx.sched.is_first(a.stage):
             self.waits.append((first, ("act", a.stage - 1, mb, rank)))
         return head
 
@@ -183,7 +197,7 @@ class PipelinePass:
         begin = len(compute)
         first: Task | None = None
         done: list[Task] = []
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             first = ctx.compute(rank, op, "backward", f"head.bwd mb{mb}",
                                 c.head[1] + w * c.head[2], mb, -1, chunk)
             first.weight_s = w * c.head[2]
@@ -213,7 +227,7 @@ class PipelinePass:
             done.append(t)
             for layer_end in hooks.layer_end:
                 layer_end(rank, t)
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             for edge in hooks.edge:
                 edge(rank, "embed", False, mb, chunk)
             t = ctx.compute(rank, op, "backward", f"embed.bwd mb{mb}", w * c.embed[2], mb, -1,
@@ -223,7 +237,7 @@ class PipelinePass:
             done.append(t)
         if first is None:  # a stage without layers passes the gradients on
             first = self.relay(rank, op, mb, chunk)
-        if a.stage < ctx.last_stage:  # as in forward: the action's first compute-stream task
+        if not ctx.sched.is_last(a.stage):  # as in forward: the action's first compute-stream task
             self.waits.append((_first_from(compute, begin, first),
                                ("grad", a.stage + 1, mb, rank)))
         return done
@@ -304,7 +318,7 @@ class PipelinePass:
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:
         ctx, c, mb = self.ctx, self.ctx.c_of(rank), a.microbatch
         done = []
-        if a.stage == ctx.last_stage:
+        if ctx.sched.is_last(a.stage):
             t = ctx.compute(rank, "W", "weight_grad", f"head.wgrad mb{mb}", c.head[2], mb, -1,
                             chunk)
             if not ctx.layers_of(a.stage):  # the head's gradients finish here (grad_bytes)
@@ -315,7 +329,7 @@ class PipelinePass:
         for layer in reversed(ctx.layers_of(a.stage)):
             done.append(ctx.compute(rank, "W", "weight_grad", f"wgrad L{layer} mb{mb}",
                                     sum(c.layer(layer).bwd_weight), mb, layer, chunk))
-        if a.stage == 0:
+        if ctx.sched.is_first(a.stage):
             done.append(ctx.compute(rank, "W", "weight_grad", f"embed.wgrad mb{mb}",
                                     c.embed[2], mb, -1, chunk))
         return done
@@ -343,6 +357,24 @@ class PipelinePass:
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")
+
+    def copies_sum(self, rank: int) -> None:
+        """DualPipe: rank r and pp − 1 − r hold the same two model stages; each copy's
+        gradients are summed with the other's (the DualPipe example's exchange) once the
+        data-parallel reductions have run: an all-reduce of :func:`copies_bytes` (the
+        reduced shard under ZeRO) between the two."""
+        ctx, par = self.ctx, self.ctx.s.parallel
+        if ctx.sched.directions != 2:
+            return
+        c = ctx.layout.coord(rank)
+        group = tuple(sorted((rank, ctx.layout.rank(par.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
+        t = ctx.collective(rank, "compute", "all_reduce", "dp", group,
+                           copies_bytes(ctx.s, c.pp),
+                           "dp.all_reduce gradients with the other copy (DualPipe)")
+        if t is not None:
+            streams = ctx.programs[rank].streams
+            t.deps.extend(d[-1].id for name in ("dp", "zero", "replicate")
+                          for d in [streams.get(name, ())] if d)
 
 
 def _first_from(compute: list[Task], begin: int, fallback: Task) -> Task:

@@ -225,7 +225,7 @@ class TensorPass(Pass):
         stages = ctx.stages_of(rank)
         n = tp_optimizer_collectives(s.model, s.stack, self.tp, self.sp,
                                      sum(len(ctx.layers_of(st)) for st in stages),
-                                     ctx.last_stage in stages)
+                                     any(ctx.sched.is_last(st) for st in stages))
         group, nbytes = ctx.layout.tp_group(rank), s.model.hidden * ctx.grad_dt
         for i in range(n):
             self.issue(rank, "optimizer", "all_reduce", nbytes)

@@ -21,7 +21,13 @@ from simulator.model.inventory.sharding import (
 )
 from simulator.model.memory import rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
-from simulator.spec.placement import head_rank, holds_head, stage_layer_count, tied_copy
+from simulator.spec.placement import (
+    head_rank,
+    holds_embedding,
+    holds_head,
+    stage_layer_count,
+    tied_copy,
+)
 from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
@@ -54,7 +60,7 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     spec, par = scenario.model, scenario.parallel
     dt = dtype_bytes(scenario.training.dtype) / par.tp
     tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
-    gathered = embedding_params(spec) if stage == 0 else 0.0
+    gathered = embedding_params(spec) if holds_embedding(par, stage) else 0.0
     grad = 0.0
     if holds_head(par, stage):
         copy = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
@@ -111,7 +117,7 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     parts = zero3_collectives(s.model, s.stack)
     layers = stage_layer_count(s.model.layers, par, stage, s.model.mtp_layers) * parts
     experts = stage_expert_units(s, stage)
-    root = 1 if stage == 0 or holds_head(par, stage) else 0
+    root = 1 if holds_embedding(par, stage) or holds_head(par, stage) else 0
     gathers = (2 if par.reshard_after_forward else 1) * (layers + experts) + root
     reduces = s.microbatches * (layers + root)
     once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
