@@ -102,6 +102,15 @@ def test_the_fp8_inputs_each_layer_keeps(recompute: str) -> None:
         assert got == pytest.approx(saving, rel=1e-12), layer
 
 
+def test_recomputing_the_experts_activation_drops_its_fp8_output() -> None:
+    """``moe_act``: the activation re-runs, so the down-projection's kept input goes, 1
+    byte an element under FP8 (k·T·f_e/t), 2 in 16 bits; its own input stays."""
+    routed = 2 * 2 * 128
+    for recipe, bytes_ in (("none", 2), ("delayed", 1)):
+        dropped = _kept(recipe, 1) - _kept(recipe, 1, "selective:moe_act")
+        assert dropped == pytest.approx(bytes_ * routed * FE / 2, rel=1e-12), recipe
+
+
 def test_the_fp8_weight_workspace_holds_mla_dense_and_expert_weights() -> None:
     """Row-wise and column-wise FP8 copies (2 bytes) of every FP8 linear weight of the
     first stage (layer 0 dense, layer 1 MoE; TP 2, EP 2, expert TP 2), cast once a step
