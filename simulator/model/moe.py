@@ -282,7 +282,9 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
       (or c·k) permuted copies of each token (the experts' input, with the
       permutation), the experts' activation inputs and outputs (with their
       activation), the shared experts' likewise; a dense layer of such a model its
-      MLP activation's.
+      MLP activation's;
+    - under ``stack.fp8`` (``fp8_inputs``) the FP8 linears' inputs at 1 byte
+      (:func:`_fp8_kept`).
     """
     h, t, tokens = spec.hidden, tp, float(b * spec.seq_len)
     scale = dt / 2
