@@ -37,6 +37,7 @@ MODEL = {"layers": 4, "hidden": H, "heads": HEADS, "kv_heads": HEADS, "ffn_hidde
                  "qk_rope_head_dim": ROPE, "v_head_dim": DV}}
 SPEC = ModelSpec.model_validate(MODEL)
 DSV3 = load_preset_model("deepseek-v3")
+MIXTRAL = load_preset_model("mixtral-8x7b")
 LINEARS = ("q_down", "q_up", "kv_down", "kv_up", "out_proj")
 
 
@@ -145,20 +146,22 @@ def _time(ops: tuple[Op, ...]) -> float:
     return sum(cost.op_time(op) for op in ops if op.name not in moe.ROUTED_OPS)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(recipe=st.sampled_from(["delayed", "current", "blockwise"]),
        b=st.integers(1, 4), tp=st.sampled_from([1, 2, 4, 8]), sp=st.booleans(),
-       layer=st.sampled_from([0, 3]),
+       model=st.sampled_from([(DSV3, 0), (DSV3, 3), (MIXTRAL, 0)]),
        recompute=st.sampled_from(["none", "selective", "selective:layernorm,mla_up_proj",
                                   "selective:moe_act", "selective:layernorm"]))
 def test_fp8_never_keeps_more_nor_slows_a_gemm_bound_layer(
-        recipe: str, b: int, tp: int, sp: bool, layer: int, recompute: str) -> None:
-    """DeepSeek-V3's layers (a dense one, a MoE one; GEMM-bound at its widths): FP8 keeps
-    at most what 16 bits keep, and each pass of the layer's own ops (with the casts)
-    takes no longer."""
-    assert _kept(recipe, layer, recompute, DSV3, b, tp, sp) <= \
-        _kept("none", layer, recompute, DSV3, b, tp, sp)
+        recipe: str, b: int, tp: int, sp: bool, model: tuple[ModelSpec, int],
+        recompute: str) -> None:
+    """DeepSeek-V3's layers (a dense one, a MoE one) and Mixtral's (standard attention;
+    GEMM-bound at their widths): FP8 keeps at most what 16 bits keep, and each pass of
+    the layer's own ops (with the casts) takes no longer."""
+    spec, layer = model
+    assert _kept(recipe, layer, recompute, spec, b, tp, sp) <= \
+        _kept("none", layer, recompute, spec, b, tp, sp)
     for pass_ in ("fwd", "bwd_input", "bwd_weight"):
-        fp8, bf16 = (moe.layer_ops(DSV3, b, tp, sp, "bf16", pass_, layer,  # type: ignore[arg-type]
+        fp8, bf16 = (moe.layer_ops(spec, b, tp, sp, "bf16", pass_, layer,  # type: ignore[arg-type]
                                    stack=_stack(r)) for r in (recipe, "none"))
         assert _time(fp8) <= _time(bf16)
