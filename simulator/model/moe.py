@@ -46,12 +46,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from simulator.model.inventory import fp8
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import moe_layer_ops, moe_mlp_ops, routed_tokens
 from simulator.model.inventory.ops import (
     FLASH_BWD_KERNELS,
     Op,
     Pass,
+    Shape,
     act_elements,
     dtype_bytes,
     flash_scale,
@@ -188,39 +190,69 @@ def active_layer_params(spec: ModelSpec, layer: int) -> int:
 # ---------------------------------------------------------------- operations
 
 
+def mla_linears(spec: ModelSpec, mla: MLASpec, tp: int) -> dict[str, tuple[float, float]]:
+    """The latent attention's linears on one TP rank, by name: (k, n) of each k×n weight.
+    The down-projections are replicated, the up-projections and the out-proj split by
+    heads."""
+    h, heads = spec.hidden, spec.heads / tp
+    q = {"q_down": (h, mla.q_lora_rank),
+         "q_up": (mla.q_lora_rank, heads * mla.qk_head_dim)} if mla.q_lora_rank \
+        else {"q_up": (h, heads * mla.qk_head_dim)}
+    return {**q, "kv_down": (h, mla.kv_lora_rank + mla.qk_rope_head_dim),
+            "kv_up": (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            "out_proj": (heads * mla.v_head_dim, h)}
+
+
+def _linear(st: StackSpec, name: str, tokens: float, k: float, n: float, dt: int,
+            pass_: Pass, inputs: float) -> list[Op]:
+    """One of a latent-attention layer's linears: a 16-bit GEMM, or under ``stack.fp8`` an
+    FP8 GEMM with its casts (:func:`simulator.model.inventory.fp8.around`; ``inputs``
+    elements cast, the local shard under sequence parallelism). Megatron-core builds
+    every one as a Transformer Engine linear (``gpt_layer_specs.py``, the MLA spec), two
+    separate down-projections each casting the normed input (the fused
+    ``linear_qkv_down_proj`` variant would cast it once)."""
+    if not fp8.on(st):
+        return [gemm(name, tokens, k, n, dt)]
+    g = fp8.linear(name, tokens, k, n, dt, "", pass_)
+    return fp8.around(st, name, g, inputs, tokens * n, k * n, 1, pass_)
+
+
 def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
-            pass_: Pass, kernel: str = "flash2") -> dict[str, Op]:
-    """The latent attention's ops on one TP rank (GEMMs and the core, one ``kernel`` call
-    priced at the mean of its QK and V head dimensions, as its FLOPs count them), by
-    name."""
-    tokens, h, heads = micro_batch * spec.seq_len, spec.hidden, spec.heads / tp
-    ops: dict[str, Op] = {}
+            pass_: Pass, kernel: str = "flash2", stack: StackSpec | None = None,
+            local: float | None = None) -> list[Op]:
+    """The latent attention's ops on one TP rank in forward order (GEMMs, FP8 ones with
+    their casts under ``stack.fp8``, and the core, one ``kernel`` call priced at the mean
+    of its QK and V head dimensions, as its FLOPs count them); ``local`` tokens of the
+    layer's input (the sequence-parallel shard) the down-projections' FP8 casts read."""
+    st = stack or default_stack()
+    tokens, heads = micro_batch * spec.seq_len, spec.heads / tp
+    shard = tokens if local is None else local
+    w = mla_linears(spec, mla, tp)
+
+    def linear(name: str, inputs: float) -> list[Op]:
+        return _linear(st, name, tokens, *w[name], dt, pass_, inputs)
+
+    norm = 2.0 if pass_ == "fwd" else 3.0
     if mla.q_lora_rank:
-        ops["q_down"] = gemm("q_down", tokens, h, mla.q_lora_rank, dt)
-        ops["q_norm"] = mem("q_norm", (2.0 if pass_ == "fwd" else 3.0)
-                                 * tokens * mla.q_lora_rank, dt)
-        ops["q_up"] = gemm("q_up", tokens, mla.q_lora_rank, heads * mla.qk_head_dim, dt)
+        q = [*linear("q_down", shard * spec.hidden),
+             mem("q_norm", norm * tokens * mla.q_lora_rank, dt),
+             *linear("q_up", tokens * mla.q_lora_rank)]
     else:
-        ops["q_up"] = gemm("q_up", tokens, h, heads * mla.qk_head_dim, dt)
-    ops["kv_down"] = gemm("kv_down", tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, dt)
-    ops["kv_norm"] = mem("kv_norm", (2.0 if pass_ == "fwd" else 3.0)
-                              * tokens * mla.kv_lora_rank, dt)
-    ops["kv_up"] = gemm("kv_up", tokens, mla.kv_lora_rank,
-                             heads * (mla.qk_nope_head_dim + mla.v_head_dim), dt)
+        q = linear("q_up", shard * spec.hidden)
+    kv = [*linear("kv_down", shard * spec.hidden),
+          mem("kv_norm", norm * tokens * mla.kv_lora_rank, dt),
+          *linear("kv_up", tokens * mla.kv_lora_rank)]
     core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
     qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim
     call = AttentionCall(kernel, spec.seq_len, (mla.qk_head_dim + mla.v_head_dim) / 2)
     if pass_ == "fwd":  # read q, k, v; write o
-        ops["attn_core"] = Op("attn_core", "attention", core,
-                              dt * tokens * (2 * qk + 2 * v), core, "attention_fwd", 1,
-                              0.0, flash_scale(pass_), attn=call)
+        attn = Op("attn_core", "attention", core, dt * tokens * (2 * qk + 2 * v), core,
+                  "attention_fwd", 1, 0.0, flash_scale(pass_), attn=call)
     else:  # read q, k, v, o, do; write dq, dk, dv
-        ops["attn_core"] = Op("attn_core", "attention", 2 * core,
-                              dt * tokens * (4 * qk + 4 * v), 2 * core, "attention_bwd",
-                              FLASH_BWD_KERNELS.get(kernel, 3), 0.0, flash_scale(pass_),
-                              attn=call)
-    ops["out_proj"] = gemm("out_proj", tokens, v, h, dt)
-    return ops
+        attn = Op("attn_core", "attention", 2 * core, dt * tokens * (4 * qk + 4 * v),
+                  2 * core, "attention_bwd", FLASH_BWD_KERNELS.get(kernel, 3), 0.0,
+                  flash_scale(pass_), attn=call)
+    return [*q, *kv, attn, *linear("out_proj", tokens * v)]
 
 
 #: what expert parallelism moves: the routed experts' ops (the layer lists them for its
@@ -235,7 +267,7 @@ ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers", "exper
 
 
 def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: bool,
-               dt: int, masks: bool) -> dict[str, float]:
+               dt: int, masks: bool, fp8_inputs: bool = False) -> dict[str, float]:
     """Bytes a latent-attention model's layer (MoE or dense) keeps for the backward, by op
     name (:func:`layer_ops` hands them to its ops; :mod:`simulator.model.memory` sums them); its
     flash attention core keeps no s×s scores. Per token, in 16-bit units scaled by the
@@ -250,7 +282,9 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
       (or c·k) permuted copies of each token (the experts' input, with the
       permutation), the experts' activation inputs and outputs (with their
       activation), the shared experts' likewise; a dense layer of such a model its
-      MLP activation's.
+      MLP activation's;
+    - under ``stack.fp8`` (``fp8_inputs``) the FP8 linears' inputs at 1 byte
+      (:func:`_fp8_kept`).
     """
     h, t, tokens = spec.hidden, tp, float(b * spec.seq_len)
     scale = dt / 2
@@ -276,19 +310,45 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
         out["expert_act"] = routed * mlp_unit * spec.expert_ffn / t
         if spec.shared_experts:
             out["shared_act"] = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
-    return {name: v * scale for name, v in out.items()}
+    kept = {name: v * scale for name, v in out.items()}
+    return _fp8_kept(spec, mla, layer, kept, (tokens, local), tp, dt) if fp8_inputs else kept
+
+
+def _fp8_kept(spec: ModelSpec, mla: MLASpec, layer: int, kept: dict[str, float],
+              rows: tuple[float, float], tp: int, dt: int) -> dict[str, float]:
+    """:func:`kept_bytes` under ``stack.fp8``: each FP8 linear keeps its input's
+    column-wise FP8 copy, 1 byte an element (Transformer Engine's ``_Linear`` and
+    ``_GroupedLinear`` save the quantized input, :mod:`simulator.model.inventory.fp8`):
+    the two down-projections a copy each of the normed tokens (one 16-bit tensor
+    before; both counted with the first, which recomputing the norm drops as it drops
+    the 16-bit one), the out-proj its input, the dense MLP's and the routed experts' linears
+    theirs. The latents stay as counted (once, 16-bit: the latent norms' inputs), so do
+    Q, K, V, the router's input and probabilities, the activations' inputs and the
+    shared experts' (16-bit linears here). ``rows``: the layer's tokens and its local
+    (sequence-parallel) share."""
+    (tokens, local), h = rows, spec.hidden
+    out = {**kept, "q_down" if mla.q_lora_rank else "q_up": 2 * local * h}  # both copies
+    out["attn_core"] -= (dt - 1) * tokens * spec.heads * mla.v_head_dim / tp
+    if not spec.is_moe_layer(layer):
+        out["mlp_up"] = local * h
+        out["act"] -= (dt - 1) * tokens * spec.ffn / tp
+        return out
+    routed = routed_tokens(spec, tokens, padded=True)
+    out["permute"] = routed * h
+    out["expert_act"] -= (dt - 1) * routed * spec.expert_ffn / tp
+    return out
 
 
 # ---------------------------------------------------------------- a whole layer
 
 
-def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int,
-                   pass_: Pass) -> list[Op]:
-    tokens, h = micro_batch * spec.seq_len, spec.hidden
-    up = (2 if spec.activation == "swiglu" else 1) * spec.ffn / tp
-    return [gemm("mlp_up", tokens, h, up, dt),
+def _dense_mlp_ops(spec: ModelSpec, micro_batch: int, tp: int, dt: int, pass_: Pass,
+                   st: StackSpec, local: float) -> list[Op]:
+    tokens, h, f = micro_batch * spec.seq_len, spec.hidden, spec.ffn / tp
+    up = (2 if spec.activation == "swiglu" else 1) * f
+    return [*_linear(st, "mlp_up", tokens, h, up, dt, pass_, local * h),
             mem("act", act_elements(spec, tokens, tp, pass_), dt),
-            gemm("mlp_down", tokens, spec.ffn / tp, h, dt)]
+            *_linear(st, "mlp_down", tokens, f, h, dt, pass_, tokens * f)]
 
 
 def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bool, dtype: str,
@@ -312,20 +372,26 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     tokens = micro_batch * spec.seq_len
     local = tokens / tp if sequence_parallel else tokens
     # the core keeps the flash form whatever the stack (an unfused one's: FlashAttention-2)
-    attention = list(mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_,
-                             st.attention if st.flash else "flash2").values())
+    attention = mla_ops(spec, spec.mla, micro_batch, tp, dt, pass_,
+                        st.attention if st.flash else "flash2", st, local)
     if spec.is_moe_layer(layer):
         mlp = moe_mlp_ops(spec, micro_batch, tp, sequence_parallel, dtype, pass_, st,
                               padded)
     else:
-        mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_)
+        mlp = _dense_mlp_ops(spec, micro_batch, tp, dt, pass_, st, local)
     if pass_ == "bwd_weight":
         return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
     residual = mem("residual", 3.0 * local * spec.hidden, dt)
     ops = (mem("ln1", norm_elements(spec, local, pass_), dt, "norm"), *attention,
            residual, mem("ln2", norm_elements(spec, local, pass_), dt, "norm"), *mlp,
            residual)
+    if fp8.on(st):  # delayed scaling's update, after the pass
+        x = Shape(spec, micro_batch, tp, sequence_parallel, dt, st)
+        linears = sum(op.kernels for op in ops if op.precision == "fp8")
+        ops = (*ops, *fp8.scale_update(x, linears, pass_))
     if pass_ != "fwd":
         return ops[::-1]
-    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks)
-    return tuple(replace(op, saved=kept.get(op.name, 0.0)) for op in ops)
+    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks, fp8.on(st))
+    # an FP8 weight cast every micro-batch keeps its column-wise copy (fp8.around)
+    return tuple(replace(op, saved=kept.get(op.name, op.saved if op.name.startswith("fp8_w_")
+                                            else 0.0)) for op in ops)

@@ -179,11 +179,11 @@ def scenario_warnings(s: Scenario) -> list[str]:
     if s.parallel.fsdp:
         out.append("warning: parallel.fsdp = true: read as parallel.zero: 3 (ZeRO-3, FSDP's "
                    "full sharding of parameters, gradients and optimizer states); write zero: 3")
-    if s.stack.fp8 != "none" and (s.model.is_moe or s.model.mla is not None):
-        kept = "its latent-attention layers, every layer" if s.model.mla is not None \
-            else "its router" + (" and shared experts" if s.model.shared_experts else "")
-        out.append(f"warning: stack.fp8 = {s.stack.fp8}: FP8 covers standard attention, "
-                   f"dense MLP and routed experts' projections only; {kept}, run in "
+    if s.stack.fp8 != "none" and s.model.is_moe:
+        kept = "its router" + (" and shared experts" if s.model.shared_experts else "")
+        out.append(f"warning: stack.fp8 = {s.stack.fp8}: FP8 covers the attention's (standard "
+                   f"or latent), the dense MLP's and the routed experts' projections only; "
+                   f"{kept}, run in "
                    f"{s.training.dtype} (docs/model.md, FP8 linears)")
     for strategy in registry.strategies():
         out += strategy.warnings(s)

@@ -27,11 +27,18 @@ def layer_tensors(spec: ModelSpec, stack: StackSpec, layer: int | None = None) -
 
 def fp8_weights(spec: ModelSpec, stack: StackSpec, tp: int, layer: int = 0) -> tuple[float, int]:
     """(elements, tensors) of one layer's linear weights on one TP rank that run in FP8
-    under ``stack.fp8``: a dense layer's four linears, a MoE layer's attention projections
-    (its experts stay 16-bit), none in a latent-attention model's layers or without FP8."""
-    if stack.fp8 == "none" or spec.mla is not None:
+    under ``stack.fp8``, its routed experts apart (:func:`fp8_expert_weights`): a dense
+    layer's four linears, a MoE layer's attention projections; with latent attention its
+    five (four without a q latent) projections and a dense layer's two MLP linears; none
+    without FP8. The router and the shared experts stay 16-bit."""
+    if stack.fp8 == "none":
         return 0.0, 0
     x = Shape(spec, 1, tp, False, 2, stack)
+    if spec.mla is not None:
+        w = moe.mla_linears(spec, spec.mla, tp)
+        if not spec.is_moe_layer(layer):
+            w |= {"mlp_up": (spec.hidden, x.up), "mlp_down": (spec.ffn / tp, spec.hidden)}
+        return sum(k * n for k, n in w.values()), len(w)
     names = ("qkv", "out_proj") if spec.is_moe_layer(layer) else \
         ("qkv", "out_proj", "mlp_up", "mlp_down")
     tensors = {"qkv": x.qkv_kernels, "out_proj": 1, "mlp_up": x.up_kernels, "mlp_down": 1}
@@ -42,9 +49,9 @@ def fp8_expert_weights(spec: ModelSpec, stack: StackSpec, ep: int, etp: int,
                        layer: int) -> tuple[float, int]:
     """(elements, tensors) of one MoE layer's routed experts' weights on one rank (its
     experts / ep, each split over etp) that run in FP8 under ``stack.fp8`` (none in a dense
-    or latent-attention layer, or without FP8); tensors as the stack holds them
+    layer or without FP8); tensors as the stack holds them
     (:func:`~simulator.model.inventory.experts.expert_calls`)."""
-    if stack.fp8 == "none" or spec.mla is not None or not spec.is_moe_layer(layer):
+    if stack.fp8 == "none" or not spec.is_moe_layer(layer):
         return 0.0, 0
     local, f = spec.experts // ep, spec.expert_ffn / etp
     up = (2 if spec.activation == "swiglu" else 1) * f

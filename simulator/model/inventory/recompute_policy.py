@@ -47,6 +47,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from simulator.model.inventory import fp8
 from simulator.model.inventory.experts import routed_tokens
 from simulator.model.inventory.ops import CORE_OPS, Op, Shape
 from simulator.spec.recompute import modules_of
@@ -145,7 +146,8 @@ def _moe_act(x: Shape, ops: tuple[Op, ...], e: Effect) -> None:
     if "expert_act" not in names:
         return
     e.recompute.add("expert_act")
-    out = x.dt * routed_tokens(x.spec, x.tokens, True) * x.spec.expert_ffn / x.tp
+    kb = 1 if fp8.active(x) else x.dt  # an FP8 down-projection keeps its input's FP8 copy
+    out = kb * routed_tokens(x.spec, x.tokens, True) * x.spec.expert_ffn / x.tp
     # its output is the down-projection's kept input (a latent-attention layer's
     # coarser ops keep it with the activation)
     holder = "expert_down" if any(op.name == "expert_down" and op.saved for op in ops) \
