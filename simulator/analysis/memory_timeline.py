@@ -1,9 +1,8 @@
 """Allocated memory over the step, per simulated rank, replayed from the trace.
 
-:mod:`simulator.model.memory` gives each stage's memory as a sum of per-component
-peaks; this module puts the same quantities on the simulated timeline, so a
-rank's curve shows *when* its memory is held. The bytes are memory.py's, the
-times are the spans':
+:mod:`simulator.model.memory` gives each stage's memory as a sum of per-component peaks;
+this module puts the same quantities on the simulated timeline, so a rank's curve shows
+*when* its memory is held. The bytes are memory.py's, the times are the spans':
 
 - **static** (held all step): the stage's weights, gradients, optimizer
   states and device terms (:mod:`simulator.model.device_memory`) exactly as
@@ -12,39 +11,35 @@ times are the spans':
   its buckets when it wraps the model, not per step).
 - **activations**: one layer of one micro-batch,
   :func:`~simulator.model.memory.activation_bytes_per_layer` (recompute and sequence
-  parallelism included), allocated when that layer's forward ends and freed
-  when its backward for the micro-batch ends: B, or I for ZB-H1 — the same
-  choice as memory.py and :meth:`Schedule.peak_in_flight` (what W still needs,
-  the weight-gradient inputs, is not counted by either). The first virtual
-  stage adds the embedding dropout mask (b·s·h bytes in 16-bit, divided by t
-  with sequence parallelism) from the embedding's forward to its backward; the
-  last adds 4 b·s·h (final-norm and logits-GEMM inputs) and the fp32 logits
-  (4 b·s·V / t) from the head's forward to its backward, plus the second fp32
-  copy for the loss gradient while the head's backward runs.
-- **ZeRO-3 / FSDP** (dp > 1): a layer's gathered 16-bit parameters
-  (layer_params / t × dtype bytes) are allocated when an all-gather of that
-  layer starts and freed after the forward that used it when
-  ``reshard_after_forward`` (else after the micro-batch's backward of the
-  layer), or after the backward that used a backward gather. Buffers are per
-  layer: a layer gathered again while still resident (forward and prefetched
-  backward gather of the same layer) is held once. One layer's unsharded
-  gradient is held while its weight gradient is computed (the B blocks, or W),
-  and for the micro-batch whose backward triggers the layer's reduce-scatter,
-  until that reduce-scatter ends. The stage's root unit
-  (:func:`~simulator.strategies.zero3.strategy.zero3_root_bytes`: embedding, head) is held from its
-  gather's start to the end of the micro-batch's backward (FSDP2 keeps its root
-  gathered for the backward, reshards it after), once however many micro-batches
+  parallelism included), allocated when that layer's forward ends and freed when its
+  backward for the micro-batch ends: B, or I for ZB-H1 — the same choice as memory.py
+  and :meth:`Schedule.peak_in_flight` (what W still needs, the weight-gradient inputs,
+  is not counted by either). The first virtual stage adds the embedding dropout mask
+  (b·s·h bytes in 16-bit, divided by t with sequence parallelism) from the embedding's
+  forward to its backward; the last adds 4 b·s·h (final-norm and logits-GEMM inputs) and
+  the fp32 logits (4 b·s·V / t) from the head's forward to its backward, plus the second
+  fp32 copy for the loss gradient while the head's backward runs.
+- **ZeRO-3 / FSDP** (dp > 1): a layer's gathered 16-bit parameters (layer_params / t ×
+  dtype bytes) are allocated when an all-gather of that layer starts and freed after the
+  forward that used it when ``reshard_after_forward`` (else after the micro-batch's
+  backward of the layer), or after the backward that used a backward gather. Buffers are
+  per layer: a layer gathered again while still resident (forward and prefetched
+  backward gather of the same layer) is held once. One layer's unsharded gradient is
+  held while its weight gradient is computed (the B blocks, or W), and for the
+  micro-batch whose backward triggers the layer's reduce-scatter, until that
+  reduce-scatter ends. The stage's root unit
+  (:func:`~simulator.strategies.zero3.strategy.zero3_root_bytes`: embedding, head) is
+  held from its gather's start to the end of the micro-batch's backward (FSDP2 keeps its
+  root gathered for the backward, reshards it after), once however many micro-batches
   overlap; on the last stage the output layer's unsharded gradient from the head's
   weight-gradient compute (B, or W) until the root's reduce-scatter ends. The
-  embedding's gradient, made at the backward's end, is not counted (nor by
-  memory.py).
+  embedding's gradient, made at the backward's end, is not counted (nor by memory.py).
 
-At one timestamp the allocations made by work that ended there are applied
-first and the curve records that value, then the frees and the allocations
-made by work starting there (a forward's activations exist before FSDP
-reshards the unit it used; a prefetch is issued after the previous unit was
-freed). What is not modelled, as in memory.py: the working set of a
-recomputed layer, autograd temporaries, optimizer-step temporaries, the
+At one timestamp the allocations made by work that ended there are applied first and the
+curve records that value, then the frees and the allocations made by work starting there
+(a forward's activations exist before FSDP reshards the unit it used; a prefetch is
+issued after the previous unit was freed). What is not modelled, as in memory.py: the
+working set of a recomputed layer, autograd temporaries, optimizer-step temporaries, the
 allocator's fragmentation.
 
 Agreement with memory.py (tests/test_memory_timeline.py). With every

@@ -37,6 +37,11 @@ from dataclasses import replace
 from typing import Literal
 
 from simulator.model import moe
+from simulator.model.comm_sizes import (  # noqa: F401  (re-exported: callers use mdl.*)
+    pp_activation_bytes,
+    tp_comm_bytes_per_layer,
+    tp_end_bytes,
+)
 from simulator.model.inventory import mtp
 from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import expert_tensors
@@ -54,7 +59,7 @@ from simulator.model.inventory.ops import (
 from simulator.model.inventory.optimizer import optimizer_op
 from simulator.model.inventory.recompute_policy import recomputed_ops
 from simulator.model.inventory.sharding import ROOT_TENSORS
-from simulator.model.inventory.tensor_parallel import EndPayload, dtensor_tensors
+from simulator.model.inventory.tensor_parallel import dtensor_tensors
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.recompute import ModeRuns
 from simulator.spec.scenario import Scenario
@@ -393,29 +398,3 @@ def megatron_param_count(spec: ModelSpec) -> float:
     """Narayanan et al. SC'21: Ψ = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
     L, h, V, s = spec.layers, spec.hidden, spec.vocab, spec.seq_len
     return 12.0 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
-
-
-# ---------------------------------------------------------------- communication sizes
-
-
-def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
-    """Size of one TP all-reduce (b·s·h): two per layer forward, two backward."""
-    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))
-
-
-def tp_end_bytes(spec: ModelSpec, micro_batch: int, dtype: str) -> dict[EndPayload, float]:
-    """Bytes of one TP collective at the model's ends by what it carries
-    (:func:`simulator.model.inventory.tensor_parallel.tp_end_collectives`): the b·s·h activation,
-    the b·s·V
-    logits, the cross-entropy's fp32 value per token, a multi-token prediction module's
-    b·s·2h concatenation."""
-    tokens = micro_batch * spec.seq_len
-    activation = tp_comm_bytes_per_layer(spec, micro_batch, dtype)
-    return {"activation": activation,
-            "logits": float(tokens * spec.vocab * dtype_bytes(dtype)), "loss": 4.0 * tokens,
-            "mtp_input": 2 * activation}
-
-
-def pp_activation_bytes(spec: ModelSpec, micro_batch: int, dtype: str = "bf16") -> float:
-    """One stage-boundary send of activations (or of their gradient): b·s·h."""
-    return float(micro_batch * spec.seq_len * spec.hidden * dtype_bytes(dtype))

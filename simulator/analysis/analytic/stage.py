@@ -104,12 +104,23 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
                                            - x.hidden_bwd)
             out["tp_transfer"] += count * 2 * x.etp * passes
+    _ends(s, c, first, last, ends, out)
+    out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
+    out["backward_input"] += chunks * c.action
+    return out
+
+
+def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
+          out: dict[str, float]) -> None:
+    """Add the embedding's (when ``first``) and the output layer's (when ``last``) passes
+    and TP collectives to ``out``, and each multi-token prediction module's ends."""
     for end, present, tp in ((c.embed, first, ends[:2]), (c.head, last, ends[2:4])):
         if present:
             out["forward"] += end[0]
             out["backward_input"] += end[1]
             out["backward_weight"] += end[2]
             out["tp_transfer"] += sum(tp)
+    spec, par = s.model, s.parallel
     if last and spec.mtp_layers:  # each MTP module's ends: an embedding and a head again
         n = spec.mtp_layers
         out["forward"] += n * c.mtp[0]
@@ -119,9 +130,6 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         if par.recompute == "full":  # the input side again, its projection's gathers too
             out["recompute"] += n * c.mtp_recompute
             out["tp_transfer"] += n * ends[4]
-    out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
-    out["backward_input"] += chunks * c.action
-    return out
 
 
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
