@@ -42,33 +42,13 @@ issued after the previous unit was freed). What is not modelled, as in memory.py
 working set of a recomputed layer, autograd temporaries, optimizer-step temporaries, the
 allocator's fragmentation.
 
-Agreement with memory.py (tests/test_memory_timeline.py). With every
-component held at once the curve's peak *is* memory.py's total, and that
-happens for GPipe, 1F1B and ZB-H1 with ZeRO 0-2 (all in-flight micro-batches'
-activations are held when the first backward starts; on the last stage the
-logits' second copy too). Differences, by construction:
-
-- interleaved: memory.py multiplies the embedding mask and the head inputs by
-  the fractional chunk count in flight, (warm-up + 1) / v; the curve holds one
-  per micro-batch of the first (last) chunk in flight, which can be more or
-  fewer (a few b·s·h, under 1 % of a layer's activations per chunk);
-- ZeRO-3: memory.py adds (1 + prefetch) gathered layers (under module units
-  1 + prefetch blocks) and an unsharded gradient to the activation peak; on the
-  curve they coincide with it where the first backward starts on a non-last
-  stage (exact; under module units the curve holds a layer's parts until its
-  forward ends, so it can exceed memory.py's blocks), but on the last stage
-  the logits' second copy is freed before the first layer's gradient exists,
-  ZB-H1 computes no weight gradient in I, and without
-  ``overlap.zero3_prefetch`` nothing is gathered ahead — the curve is then
-  lower; with ``reshard_after_forward: false`` each layer stays gathered from
-  its forward to its backward and the curve is higher than memory.py's
-  (1 + prefetch) layers; and where a layer's reduce-scatter outlasts the next
-  layer's backward (communication-bound, few micro-batches) two unsharded
-  gradients coexist, one more than memory.py counts.
+Agreement with memory.py (tests/test_memory_timeline.py): docs/memory.md, "The memory
+timeline against the table".
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +64,7 @@ from simulator.model import transformer as mdl
 from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
-from simulator.spec.recompute import keeps, layer_mode, partial, policy
+from simulator.spec.recompute import keeps, layer_mode, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.strategy import zero3_root_bytes
 
@@ -92,8 +72,8 @@ MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
-_ACT, _EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _ACT_KEPT = range(9)
-# (_ACT_KEPT: a layer a partial recomputation leaves out keeps all, simulator.spec.recompute)
+# (then one component per distinct size of a layer's activations, :func:`layer_components`)
+_EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD = range(7)
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
@@ -231,9 +211,32 @@ def _zero3_holds(s: Scenario, m: _Marks, hold: Hold) -> None:
         hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, m.root_reduce.get((chunk, mb), t1)))
 
 
+def layer_components(s: Scenario, sizes: list[float], base: int) -> Callable[[int], int]:
+    """The component of each layer's activations, one per distinct size (appended to
+    ``sizes``, numbered from ``base``): memory.py's bytes of that layer (a dense or MoE
+    layer, latent attention, context parallelism, its recompute policy)."""
+    spec, par, trn = s.model, s.parallel, s.training
+    ids: dict[float, int] = {}
+
+    @functools.cache
+    def component(layer: int) -> int:
+        nbytes = mem.activation_bytes_per_layer(
+            spec, trn.micro_batch, par.tp, par.sequence_parallel,
+            layer_mode(par, spec.layers, layer), trn.dtype, layer, par.cp, s.stack,
+            s.cp_keeps_gathered_kv, par.cp_a2a_degree > 1)
+        if nbytes not in ids:
+            ids[nbytes] = base + len(sizes)
+            sizes.append(nbytes)
+        return ids[nbytes]
+
+    return component
+
+
 def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: float = 0.0,
+                 act: Callable[[int], int] = lambda layer: _ROOT_GRAD + 1,
                  ) -> list[tuple[float, int, int, Any, int]]:
-    """(time, phase, component, key, +1/-1) for one rank's spans."""
+    """(time, phase, component, key, +1/-1) for one rank's spans; ``act``: each layer's
+    activation component (:func:`layer_components`)."""
     m = _scan(spans)
     ev: list[tuple[float, int, int, Any, int]] = []
 
@@ -244,8 +247,7 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
     par, layers = s.parallel, s.model.layers
     for key, t0 in m.fwd_end.items():
         if keeps(par, layers, key[0]):  # not inside a group recomputed as one
-            act = _ACT if layer_mode(par, layers, key[0]) == policy(par) else _ACT_KEPT
-            hold(act, key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
+            hold(act(key[0]), key, t0, _END_ALLOC, m.bwd_end.get(key, t0))
     for mb, t0 in m.embed_f.items():
         hold(_EMBED, mb, t0, _END_ALLOC, m.embed_b.get(mb, t0))
     for mb, t0 in m.head_f.items():
@@ -355,21 +357,19 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
             task = tasks[tid]
             per_rank[task.rank].append((task, start, end))
     size = component_bytes(s)
-    sizes = (size["activation_layer"], size["embed"], size["head"], size["dlogits"],
-             size["unit"], size["unit"])
-    par, trn = s.parallel, s.training  # a layer a partial recomputation leaves out:
-    kept = mem.activation_bytes_per_layer(s.model, trn.micro_batch, par.tp, par.sequence_parallel,
-                                          "none", trn.dtype, stack=s.stack) if partial(par) else 0.0
+    sizes = (size["embed"], size["head"], size["dlogits"], size["unit"], size["unit"])
     roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
+    extra: list[float] = []  # each layer's activations, by distinct size
+    act = layer_components(s, extra, _ROOT_GRAD + 1)
     out: Curve = []
     for rank in sorted(wanted):
         stage = layout.coord(rank).pp
         if stage not in statics:
             statics[stage] = static_bytes(s, stage)
             roots[stage] = zero3_root_bytes(s, stage)
-        events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time)
-        points = _curve(statics[stage], (*sizes, *roots[stage], kept), events)
+        events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time, act)
+        points = _curve(statics[stage], (*sizes, *roots[stage], *extra), events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
     return out
 
