@@ -33,6 +33,13 @@ def test_analytic_within_five_percent_of_engine(path: Path) -> None:
     engine, _ = simulate_scenario(s, "engine")
     analytic, spans = simulate_scenario(s, "analytic")
     assert spans is None and analytic["method"] == "analytic"
+    if s.parallel.schedule == "dualpipe" and s.model.is_moe:
+        # the closed form runs DualPipe's pairs back to back (docs/parallelism.md): an
+        # upper bound, above the engine by less than the all-to-all time the engine counts
+        hidden = engine["step_breakdown_s"]["ep_transfer"]
+        assert engine["step_time_s"] < analytic["step_time_s"] \
+            <= engine["step_time_s"] + 1.05 * hidden
+        return
     assert analytic["step_time_s"] == pytest.approx(engine["step_time_s"], rel=0.05)
 
 

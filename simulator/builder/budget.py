@@ -84,7 +84,9 @@ def engine_cost(s: Scenario, fidelity: str) -> Cost:
     """Estimated size of the engine's workload for ``s`` at ``fidelity``."""
     ranks = simulated_count(s, fidelity)
     per_stage = _most_layers(s)
-    per_rank = s.microbatches * per_stage * tasks_per_layer(s) + 2 * per_stage + 10
+    # two directions (DualPipe): a micro-batch passes one of the rank's two model stages
+    passed = per_stage / schedule_spec(s.parallel.schedule).directions
+    per_rank = int(s.microbatches * passed * tasks_per_layer(s)) + 2 * per_stage + 10
     return Cost(ranks, ranks * per_rank)
 
 
