@@ -25,7 +25,11 @@ from simulator.errors import UserError
 from simulator.model.device_memory import communicators, nccl_buffers, nccl_connection_bytes
 from simulator.spec.load import apply_overrides, load_scenario, scenario_from_dict
 from simulator.strategies.expert import deepep
-from simulator.strategies.expert.strategy import dispatcher_buffers, expert_times
+from simulator.strategies.expert.strategy import (
+    dispatcher_buffers,
+    expert_times,
+    held_sms_factor,
+)
 from simulator.system.collectives.plan import GroupShape
 
 # 2 nodes of 2 GPUs, ep 4 over dp 4, one shared expert
@@ -185,8 +189,9 @@ def test_the_shared_experts_run_beside_the_exchange() -> None:
        st.sampled_from((1.0, 25.0, 400.0)))
 def test_overlap_never_slows_and_hides_at_most_the_shorter(dispatcher: str, shared: int,
                                                            gbps: float) -> None:
-    """Per exchange the overlap saves min(exchange, its shared part): never a loss, at
-    most the shorter of the two, over every MoE layer and pass of the step."""
+    """Per exchange the overlap saves min(its shared part, exchange / f), f the compute's
+    slowdown beside DeepEP's SMs (1 for NCCL's all-to-all): never a loss, at most the
+    shorter of the two, over every MoE layer and pass of the step."""
     sets = [f"parallel.moe_token_dispatcher={dispatcher}", f"model.shared_experts={shared}",
             f"cluster.inter_node_bandwidth_GBps={gbps}"]
     plain = moe(*sets)
@@ -194,7 +199,8 @@ def test_overlap_never_slows_and_hides_at_most_the_shorter(dispatcher: str, shar
     t0 = simulate_scenario(plain, "engine")[0]["step_time_s"]
     t1 = simulate_scenario(over, "engine")[0]["step_time_s"]
     x = expert_times(over, layout_of(over), cost_model(over), over.hardware)
-    per_layer = x.hidden_fwd + x.hidden_bwd
+    per_layer = x.hidden_fwd + x.hidden_bwd - x.stretch_fwd - x.stretch_bwd
+    assert (x.stretch_fwd > 0) == (dispatcher == "flex")  # the preset states its SMs
     bound = min(x.shared_fwd + x.shared_bwd, 4 * x.a2a)
     assert per_layer <= bound + 1e-15
     assert t1 <= t0 * (1 + 1e-12)
@@ -272,3 +278,18 @@ def test_nccl_buffers_follow_the_dispatcher() -> None:
     assert nccl_buffers(moe("parallel.moe_token_dispatcher=flex"), 0) \
         < nccl_buffers(moe("parallel.moe_token_dispatcher=allgather"), 0) \
         == 2 * channels * nccl_connection_bytes()
+
+
+def test_deepep_holds_its_sms_from_the_compute_beside_it() -> None:
+    """DeepEP's kernels hold Buffer.num_sms = 20 SMs for their whole run (DeepSeek-V3
+    §3.2.2): the compute beside a flex exchange runs at (sms − 20) / sms of its speed; NCCL's
+    all-to-all and a profile that states no SM count leave it alone."""
+    flex = moe("parallel.moe_token_dispatcher=flex")
+    hw = flex.hardware
+    assert hw.gpu.sms is not None
+    assert held_sms_factor(flex, hw) == hw.gpu.sms / (hw.gpu.sms - deepep.NUM_SMS)
+    assert held_sms_factor(moe("parallel.moe_token_dispatcher=alltoall"), hw) == 1.0
+    unstated = hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"sms": None})})
+    assert held_sms_factor(flex, unstated) == 1.0
+    plan = deepep.deepep_plan("dispatch", 100.0, 8, 2, 8, GroupShape(8, 8))
+    assert plan.sms == deepep.NUM_SMS == 20

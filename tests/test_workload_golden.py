@@ -36,39 +36,39 @@ CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
 # (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
 GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
-        ("6fcb9ee5ac959770", 1825),
+        ("bfd0695920a31a4e", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("75a0ad162322565a", 4480),
+        ("544e48b5c2e4dfe6", 4480),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("2e46a93a946b80e7", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("bdaeb113c91b196d", 4364),
+        ("87eea47d92dfebc3", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("7c4577c57eaea089", 2952),
+        ("c45caee237afa439", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("cbaf13f68e855d70", 7752),
+        ("c09c45d6edd6d8c7", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
         ("ba36f279a7c8990d", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("45ae42588da00e0c", 2282),
+        ("c5cb60328a54983c", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("7b19e51c6c4f953d", 8516),
+        ("9e1598e24b4db90a", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("9104f3d531ed5ed2", 2706),
+        ("802862ddc8e9dd56", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
-        ("951992a2cb9bae58", 1648),
+        ("72a7422de5a49bb8", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("b0a35c00fe8f3ef6", 2260),
+        ("bb895cde0849755a", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
-        ("d32bcb439af1f91c", 2125),
+        ("b29f624967bdd6d4", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):
-        ("6fca25747bce8c46", 2642),
+        ("1800428972151d68", 2642),
 }
 
 

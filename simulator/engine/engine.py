@@ -5,30 +5,25 @@ One SimPy process per (simulated rank, stream) walks its program in order
 tasks), then:
 
 - compute: holds the stream for its duration;
-- collective: rendezvous with the other *simulated* members of its group (each
-  registers when it will arrive; the transfer starts at the latest arrival), then
-  runs its plan phase by phase — each leg one flow over every simulated member's
-  link of the leg's class (a ring advances in lock-step, at its slowest member's
-  share), counted once per member on shared links; the phase ends when its flows
-  end plus ``steps × α`` (the first phase's plus the profile's sync cost,
+- collective: rendezvous with the other *simulated* members of its group (each registers
+  when it will arrive; the transfer starts at the latest arrival), then runs its plan
+  phase by phase — each leg one flow over every simulated member's link of the leg's
+  class (a ring advances in lock-step, at its slowest member's share), counted once per
+  member on shared links; the phase ends when its flows end plus ``steps × α`` (the
+  first phase's plus the profile's sync cost,
   :func:`simulator.system.collectives.cost.phase_latencies`);
-- point-to-point send: one flow from sender to receiver over the link class
-  between them, plus one α and the profile's send sync cost
-  (``gpu.send_sync_us`` of that class, the calibrated ping-pong between compute).
+- point-to-point send: one flow from sender to receiver over the link class between
+  them, plus one α and the profile's send sync cost (``gpu.send_sync_us`` of that class,
+  the calibrated ping-pong between compute).
 
 Compute may run slower while the rank's transfers are in flight
 (:mod:`simulator.engine.interference`). At full fidelity a TP group whose ranks provably
-run alike runs as one process (:mod:`simulator.engine.lockstep`). Before running, each
-distinct program is compiled once into steps (:mod:`simulator.engine.compile`); at full
-fidelity the ranks of a stage share their stage's prototype
-(:mod:`simulator.builder.program`), so the engine holds no object per task: times go
-into flat arrays by task id, a run's tasks get their spans arithmetically after the run
-(start = run start + the durations before it, summed in order as the run's timeout was),
-and :class:`simulator.engine.result.SimResult` makes the span list and the dictionaries
-of collective starts on demand. Nothing here knows what a transformer is.
-
-Determinism: no randomness, insertion-ordered containers only; the same
-workload gives bit-identical spans.
+run alike runs as one process (:mod:`simulator.engine.lockstep`). Each distinct program
+is compiled once into steps (:mod:`simulator.engine.compile`); at full fidelity a
+stage's ranks share its prototype (:mod:`simulator.builder.program`): times go into flat
+arrays by task id, a run's tasks get their spans from the run's start and their
+durations summed in order. Nothing here knows what a transformer is. Determinism: no
+randomness, insertion-ordered containers only; a workload gives bit-identical spans.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ from simpy.events import AllOf, Event, Timeout
 from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
 from simulator.engine.compile import Instance, Template
-from simulator.engine.interference import Interference, Phases
+from simulator.engine.interference import Interference, Phases, holds_sms
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class
 from simulator.engine.streams import Rendezvous, stream
@@ -85,12 +80,16 @@ class Engine:
         self._plans_alive: list[Plan] = []
         self._weights: dict[int, float] = {}
         self._sends: dict[tuple[int, int], tuple[Any, ...]] = {}
-        # interference: link class -> how much slower compute runs while a transfer of
-        # the rank over it is in flight (none when transfers run in line with compute)
+        # interference: link class -> how much slower compute runs while a transfer of the
+        # rank over it is in flight (none when transfers run in line with compute); and
+        # id(phases) -> gpu.sms / (gpu.sms - SMs its kernels hold) (Plan.sms)
         gpu = hw.gpu
-        self._slowing: dict[str, float] = {
-            c: f for c, f in gpu.interference.items() if f > 1
-        } if gpu.comm_overlaps_compute else {}
+        over = gpu.comm_overlaps_compute
+        self._slowing: dict[str, float] = {c: f for c, f in gpu.interference.items()
+                                           if f > 1} if over else {}
+        self._sm_slow: dict[int, float] = {}
+        self._sms = gpu.sms if over and holds_sms(workload) else None
+        self._slowed = slowed = bool(self._slowing) or self._sms is not None
         # a sync cost that grows with the compute before a collective: each rank's compute
         # seconds so far and as of its last collective, and the plan behind each phases
         self.bursts = bool(gpu.collective_sync_burst)
@@ -103,8 +102,8 @@ class Engine:
         with gc_paused():  # a tuple per step: the collector would rescan the workload
             self.instances = self._compile()
         self.interference = Interference(
-            self.env, self._slowing, self.topo, [inst.rank for inst in self.instances]
-        ) if self._slowing else None
+            self.env, self._slowing, self.topo, [inst.rank for inst in self.instances],
+            self._sm_slow) if slowed else None
         self.ids_of = {inst.rank: inst.ids for inst in self.instances}
         n = len(workload.tasks)
         nan = array("d", [math.nan])
@@ -125,7 +124,7 @@ class Engine:
             for name, ts in prog.streams.items():
                 streams.append((name, list(range(k, k + len(ts)))))
                 k += len(ts)
-            tmpl = Template(mine, streams, None, self._phases, False, not self._slowing)
+            tmpl = Template(mine, streams, None, self._phases, False, not self._slowed)
             inst = Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
             run_base += len(tmpl.runs)
             for g in tmpl.groups:
@@ -147,13 +146,13 @@ class Engine:
         for q in range(layout.pp):
             streams = list(shared.streams[q].items())
             tmpl = Template(shared.protos[q], streams, where, self._phases, True,
-                             not self._slowing)
+                             not self._slowed)
             for delta in range(0, per, self.lock):  # TP index 0 of each lock-step group
                 rank = q * per + delta
                 first = shared.first_id(rank)
                 if rank in made:
                     own = Template(made[rank], streams, shared.rank_of, self._phases, True,
-                                    not self._slowing)
+                                    not self._slowed)
                     inst = Instance(rank, own, range(first, first + own.n), 0, run_base)
                     run_base += len(own.runs)
                     inst.groups = [self._intern(g) for g in own.groups]
@@ -385,6 +384,8 @@ class Engine:
                          / leg_rate(leg, plan.op, self.hw)) for leg in phase.legs]
                 out.append((legs, alpha))
             self._plan_cache[id(plan)] = out
+            if plan.sms and self._sms is not None:
+                self._sm_slow[id(out)] = self._sms / max(self._sms - plan.sms, 1)
             self._plans_alive.append(plan)  # keeps id(plan) unique while cached
             if self.bursts and plan.n > 1:
                 self._plan_of[id(out)] = plan

@@ -6,17 +6,21 @@ transfer of that rank over that class is in flight (a collective's from its star
 its end, a send's at both ends; the largest factor when several are): a run holds its
 remaining work, and each time its rank's factor changes the run's end is rescheduled
 (a stale end is ignored by its generation, as :class:`simulator.system.network.FlowNetwork`
-does for flows). Its tasks' spans follow the run's piecewise rate
+does for flows). A collective whose kernels hold SMs for their whole run (DeepEP's,
+``Plan.sms``) slows its members' compute by gpu.sms / (gpu.sms − those SMs) the same way.
+Its tasks' spans follow the run's piecewise rate
 (:attr:`Interference.slow_points`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import simpy
 from simpy.events import Event, Timeout
 
+from simulator.builder.tasks import Task, Workload
 from simulator.system.topology import Topology
 from simulator.system.units import LinkName
 
@@ -60,8 +64,9 @@ class Interference:
     collective's phases and each send."""
 
     def __init__(self, env: simpy.Environment, slowing: dict[str, float], topo: Topology,
-                 ranks: list[int]) -> None:
+                 ranks: list[int], held: dict[int, float] | None = None) -> None:
         self.env, self.slowing, self.topo = env, slowing, topo
+        self.held = held if held is not None else {}  # id(phases) -> SMs held, as a factor
         self.pace = {rank: Pace() for rank in ranks}
         self.factors: dict[Any, float] = {}  # id(phases) or (src, dst) -> factor
         self.slow_points: dict[int, list[tuple[float, float]]] = {}  # run -> breakpoints
@@ -125,12 +130,14 @@ class Interference:
         ev.callbacks.append(release)
 
     def coll_factor(self, phases: Phases) -> float:
-        """A collective's interference: the largest of its link classes'."""
+        """A collective's interference: the largest of its link classes' and of the SMs
+        its kernels hold (``held``)."""
         f = self.factors.get(id(phases))
         if f is None:
             f = self.factors[id(phases)] = max(
                 (self.slowing.get(c, 1.0) for legs, _ in phases for c, _ in legs),
-                default=1.0)
+                default=1.0) if self.slowing else 1.0
+            f = self.factors[id(phases)] = max(f, self.held.get(id(phases), 1.0))
         return f
 
     def send_factor(self, src: int, dst: int) -> float:
@@ -139,3 +146,10 @@ class Interference:
             f = self.factors[(src, dst)] = self.slowing.get(
                 self.topo.link_class(src, dst), 1.0)
         return f
+
+
+def holds_sms(w: Workload) -> bool:
+    """Whether some collective of ``w`` holds SMs (``Plan.sms``): its prototypes' or tasks'."""
+    tasks: Iterable[Task] = (t for proto in w.shared.protos.values() for t in proto) \
+        if w.shared is not None else w.tasks
+    return any(t.plan is not None and t.plan.sms for t in tasks)

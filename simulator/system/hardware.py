@@ -153,6 +153,10 @@ class GPUSpec(Frozen):
     # which selects the kernel of a stack whose framework picks by architecture
     # (attention_kernels.selected_kernel); absent: pre-Hopper
     compute_capability: str | None = Field(default=None, pattern=r"^[1-9][0-9]?\.[0-9]$")
+    # streaming multiprocessors (the GPU's architecture whitepaper: A100 108, H100/H800/
+    # H200 SXM 132, B200 148): a communication kernel that holds some for its whole run
+    # (DeepEP's, ``Plan.sms``) leaves the compute beside it the rest (absent: not priced)
+    sms: int | None = Field(default=None, gt=0, le=100_000)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once

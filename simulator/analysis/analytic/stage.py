@@ -97,7 +97,8 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["cp_transfer"] += count * t_cp
         if spec.is_moe_layer(layer):
             x = experts
-            fwd, bwd = x.fwd + x.shared_fwd, x.bwd + x.shared_bwd
+            fwd = x.fwd + x.shared_fwd + x.stretch_fwd
+            bwd = x.bwd + x.shared_bwd + x.stretch_bwd
             out["forward"] += count * fwd
             out["backward_input"] += count * bwd
             out["recompute"] += count * fwd if mode == "full" else 0.0

@@ -28,11 +28,13 @@ rate (:data:`NORMAL_GBPS`), capped at 1 (the RDMA figures above 50 GB/s are Deep
 158 GB/s combine; internode by the group's ranks, the nearest measured size at or
 below it. Both legs of a plan run together (one phase, one latency step).
 
-Not modelled: the SMs the kernels occupy (20–24 on Hopper with V1, ``Buffer.set_num_sms``;
-4–6 with V2) slowing the GEMMs they overlap: the simulator has no per-collective SM
-share (``gpu.interference`` is a measured factor per link class, the same for every
-collective); and a profile's calibrated all-to-all (``hw.collectives``), measured for
-NCCL, replaces these rates as it does any all-to-all's.
+The kernels hold :data:`NUM_SMS` SMs for their whole run (``Buffer.set_num_sms``, 20 by
+default and in Megatron; DeepSeek-V3 §3.2.2: "only 20 SMs are sufficient to fully utilize
+the bandwidths of IB and NVLink"): the plan says so (``Plan.sms``) and the engine runs
+the rank's compute beside it on the other ``gpu.sms`` − 20 (the compute slowed by
+gpu.sms / (gpu.sms − 20), :mod:`simulator.engine.interference`). Not modelled: a
+profile's calibrated all-to-all (``hw.collectives``), measured for NCCL, replaces these
+rates as it does any all-to-all's.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def deepep_plan(direction: Direction, token_bytes: float, experts: int, k: int, 
         hit = distinct(nodes, experts, k)
         legs.append(Leg("inter_node", token_bytes * hit * (nodes - 1) / nodes,
                         rate_factor("inter_node", shape.n, direction)))
-    return Plan("all_to_all", "deepep", token_bytes * copies, shape.n, (Phase(tuple(legs), 1),))
+    return Plan("all_to_all", "deepep", token_bytes * copies, shape.n, (Phase(tuple(legs), 1),),
+                sms=NUM_SMS)
 
 
 # ---------------------------------------------------------------- buffers

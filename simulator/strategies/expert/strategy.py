@@ -17,7 +17,7 @@ from simulator.spec.base import divisor_list, divisors_text
 from simulator.spec.placement import holds_embedding, stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
-from simulator.strategies.expert import dispatcher
+from simulator.strategies.expert import deepep, dispatcher
 from simulator.strategies.expert.deepep import buffer_bytes
 from simulator.strategies.expert.dispatcher import Exchange
 from simulator.strategies.expert.layer import (
@@ -136,6 +136,9 @@ class Experts(NamedTuple):
     shared_bwd: float = 0.0
     hidden_fwd: float = 0.0
     hidden_bwd: float = 0.0
+    # what the SMs DeepEP's kernels hold add to that compute (held_sms_factor)
+    stretch_fwd: float = 0.0
+    stretch_bwd: float = 0.0
 
 
 NO_EXPERTS = Experts(0.0, 0.0, 0.0, 0.0)
@@ -161,7 +164,8 @@ def expert_times(s: Scenario, layout: Layout, cost: CostModel,
     """A MoE layer's routed experts per micro-batch: forward and input-gradient compute,
     one ep exchange (the mean of the dispatch and the combine), one expert-TP all-gather,
     and under shared-expert overlap the shared experts' compute and what it hides:
-    min(exchange, shared part) beside each exchange, as the engine's ``ep`` stream has it
+    min(exchange, shared part) beside each exchange (slowed beside DeepEP's kernels:
+    :func:`held_sms_factor`), as the engine's ``ep`` stream has it
     (:mod:`simulator.strategies.expert.workload`)."""
     if not s.model.is_moe:
         return NO_EXPERTS
@@ -177,9 +181,33 @@ def expert_times(s: Scenario, layout: Layout, cost: CostModel,
         return out
     (f1, f2), (b1, b2) = ((cost.ops_time(a), cost.ops_time(b))
                           for a, b in (shared_ops(s, p) for p in ("fwd", "bwd_input")))
+    f = held_sms_factor(s, hw)  # the compute beside DeepEP's kernels runs slower
+
+    def hidden(x: float, part: float) -> float:
+        return min(x, part * f)
+
+    def stretch(x: float, part: float) -> float:
+        return min(part * (f - 1), x * (1 - 1 / f))
+
     return out._replace(shared_fwd=f1 + f2, shared_bwd=b1 + b2,
-                        hidden_fwd=min(dispatch, f1) + min(combine, f2),
-                        hidden_bwd=min(dispatch, b2) + min(combine, b1))
+                        hidden_fwd=hidden(dispatch, f1) + hidden(combine, f2),
+                        hidden_bwd=hidden(dispatch, b2) + hidden(combine, b1),
+                        stretch_fwd=stretch(dispatch, f1) + stretch(combine, f2),
+                        stretch_bwd=stretch(dispatch, b2) + stretch(combine, b1))
+
+
+def held_sms_factor(s: Scenario, hw: HardwareProfile) -> float:
+    """How much slower compute runs beside the dispatcher's exchanges: gpu.sms / (gpu.sms
+    − the SMs DeepEP's kernels hold) for the flex dispatcher on a GPU whose SMs the
+    profile states, else 1 (:mod:`simulator.strategies.expert.deepep`). A shared part S
+    beside an exchange X then runs min(S·f, X + S − X/f) (f the factor), as the engine's
+    interference runs it: it hides min(X, S·f) of the exchange and is stretched by
+    min(S(f − 1), X(1 − 1/f))."""
+    gpu = hw.gpu
+    if s.parallel.moe_token_dispatcher != "flex" or not gpu.sms or \
+            not gpu.comm_overlaps_compute:
+        return 1.0
+    return gpu.sms / max(gpu.sms - deepep.NUM_SMS, 1)
 
 
 def stage_expert_split(s: Scenario, stage: int) -> tuple[float, list[float]]:

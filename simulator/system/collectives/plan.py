@@ -56,6 +56,9 @@ class Plan:
     n: int
     phases: tuple[Phase, ...]
     protocol: Protocol = "Simple"  # NCCL's LL, LL128 or Simple
+    # SMs its kernels hold for their whole run, taken from the compute beside them
+    # (DeepEP's; 0 for NCCL's, whose effect on compute is ``gpu.interference``)
+    sms: int = 0
 
 
 def busbw_factor(op: CollectiveName, n: int) -> float:
