@@ -3,12 +3,14 @@ refuses runaway scenarios with one line while every bundled scenario still runs.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from simulator.api import simulate_scenario
 from simulator.builder.budget import (
+    BYTES_PER_SHARED_TASK,
     DEFAULT_MAX_TASKS,
     MAX_STAGES,
     check_engine_cost,
@@ -106,3 +108,20 @@ def test_pipelines_too_long_to_tabulate() -> None:
     with pytest.raises(UserError) as exc:
         simulate_scenario(s, "analytic")
     assert "pipeline stages" in str(exc.value)
+
+
+def test_shared_programs_cost_what_the_full_command_measured() -> None:
+    """Full fidelity shares each stage's program (no object per task): the memory an
+    estimate names is the whole command's measured bytes per task (Llama 3 405B on 16,384
+    GPUs: 11.1 GB for 31.3M tasks), not the per-object figure (it said ~50 GB)."""
+    s = load_scenario(SCENARIOS / "llama3-405b-16k-h100.yaml")
+    full = engine_cost(s, "full")
+    assert full.shared and full.memory_bytes == full.tasks * BYTES_PER_SHARED_TASK
+    assert 9e9 < full.memory_bytes < 13e9
+    with pytest.raises(UserError) as exc:
+        check_engine_cost(s, "full")
+    said = re.search(r"needing about ([0-9.]+) GB", exc.value.lines()[0])
+    assert said is not None and 9 < float(said.group(1)) < 13
+    assert not engine_cost(s, "folded").shared
+    moe = load_scenario(SCENARIOS / "mixtral-8x7b-64xh100-ep8.yaml")
+    assert not engine_cost(moe, "full").shared  # every rank built: its token loads differ

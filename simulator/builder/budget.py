@@ -4,7 +4,8 @@ A schema-valid scenario can still ask for a run that never finishes:
 ``global_batch: 800000000`` is 800 million micro-batches to schedule, ``layers:
 1000000000`` a billion layer blocks per micro-batch. The engine builds every task
 of every simulated rank up front (about 1.5 KB each with the engine's state and
-the span table), so the cost is known before building: tasks ≈ simulated ranks ×
+the span table; about 360 bytes at full fidelity, where each stage's ranks share one
+prototype program), so the cost is known before building: tasks ≈ simulated ranks ×
 (micro-batches × layers per stage × tasks per layer + a per-rank constant).
 
 Tasks per layer and micro-batch, from the builder's expansion (workload.py):
@@ -40,18 +41,25 @@ from simulator.strategies.tensor import overlap as tp_overlap
 
 DEFAULT_MAX_TASKS = 25_000_000
 BYTES_PER_TASK = 1_600  # task, engine state and span row; measured on llama2-70b-128xh100
+# a full-fidelity run whose stages share one prototype program (no object per task: the
+# engine's arrays, the accounting's columns, the span table and its Parquet writer), peak
+# resident bytes per task of `clustersim run --fidelity full`, measured 2026-12-06: GPT-3
+# on 1,024 GPUs 5.0 GB for 14.6M tasks (342), Llama 3 405B on 16,384 11.1 GB for 31.3M (355)
+BYTES_PER_SHARED_TASK = 360
 
 
 @dataclass(frozen=True)
 class Cost:
-    """The size of an engine run: simulated ranks, tasks, and memory in bytes."""
+    """The size of an engine run: simulated ranks, tasks, and memory in bytes (``shared``:
+    the stages share prototype programs, :mod:`simulator.builder.program`)."""
 
     ranks: int
     tasks: int
+    shared: bool = False
 
     @property
     def memory_bytes(self) -> int:
-        return self.tasks * BYTES_PER_TASK
+        return self.tasks * (BYTES_PER_SHARED_TASK if self.shared else BYTES_PER_TASK)
 
 
 def tasks_per_layer(s: Scenario) -> int:
@@ -87,7 +95,10 @@ def engine_cost(s: Scenario, fidelity: str) -> Cost:
     # two directions (DualPipe): a micro-batch passes one of the rank's two model stages
     passed = per_stage / schedule_spec(s.parallel.schedule).directions
     per_rank = int(s.microbatches * passed * tasks_per_layer(s)) + 2 * per_stage + 10
-    return Cost(ranks, ranks * per_rank)
+    # the builder shares each stage's program at full fidelity but for a mixture of experts
+    # (per-rank token loads), simulator.builder.program.share
+    shared = fidelity == "full" and ranks > s.parallel.pp and not s.model.is_moe
+    return Cost(ranks, ranks * per_rank, shared)
 
 
 def _most_layers(s: Scenario) -> int:
