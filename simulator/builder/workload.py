@@ -292,7 +292,7 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     symmetric = not attrs.asymmetric or not folded
     return Workload(programs, tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},
-                    _link_factors(s, layout, attrs, weights), shared)
+                    _link_factors(s, layout, attrs, weights), shared, ctx.holds_sms)
 
 
 def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,

@@ -42,7 +42,7 @@ from simpy.events import AllOf, Event, Timeout
 from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
 from simulator.engine.compile import Instance, Template
-from simulator.engine.interference import Interference, Phases, holds_sms
+from simulator.engine.interference import Interference, Phases
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class
 from simulator.engine.streams import Rendezvous, stream
@@ -88,7 +88,7 @@ class Engine:
         self._slowing: dict[str, float] = {c: f for c, f in gpu.interference.items()
                                            if f > 1} if over else {}
         self._sm_slow: dict[int, float] = {}
-        self._sms = gpu.sms if over and holds_sms(workload) else None
+        self._sms = gpu.sms if over and workload.holds_sms else None
         self._slowed = slowed = bool(self._slowing) or self._sms is not None
         # a sync cost that grows with the compute before a collective: each rank's compute
         # seconds so far and as of its last collective, and the plan behind each phases

@@ -14,13 +14,11 @@ Its tasks' spans follow the run's piecewise rate
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import simpy
 from simpy.events import Event, Timeout
 
-from simulator.builder.tasks import Task, Workload
 from simulator.system.topology import Topology
 from simulator.system.units import LinkName
 
@@ -146,10 +144,3 @@ class Interference:
             f = self.factors[(src, dst)] = self.slowing.get(
                 self.topo.link_class(src, dst), 1.0)
         return f
-
-
-def holds_sms(w: Workload) -> bool:
-    """Whether some collective of ``w`` holds SMs (``Plan.sms``): its prototypes' or tasks'."""
-    tasks: Iterable[Task] = (t for proto in w.shared.protos.values() for t in proto) \
-        if w.shared is not None else w.tasks
-    return any(t.plan is not None and t.plan.sms for t in tasks)
