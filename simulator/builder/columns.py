@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.builder.program import SharedPrograms, TaskView, is_work
+from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Task, Workload
 from simulator.system.collectives.plan import Plan
 
@@ -122,23 +122,21 @@ def _shared_columns(shared: SharedPrograms, view: TaskView) -> TaskColumns:
         local_prev = _stream_prev(size, list(shared.streams[q].values()))
         firsts = np.asarray([shared.first_id(q * per + d) for d in range(per)], dtype=np.int64)
         for attr in (*TEXT, *NUMERIC):
-            parts[attr].append(np.tile(cols[attr], per))
-        parts["rank"][-1] = np.repeat(np.arange(q * per, (q + 1) * per, dtype=np.int32), size)
-        prev = np.tile(local_prev, per) + np.repeat(firsts, size)
-        parts["prev"].append(np.where(np.tile(local_prev, per) >= 0, prev, -1))
+            if attr != "rank":  # the prototype's is its first rank's
+                parts[attr].append(np.tile(cols[attr], per))
+        parts["rank"].append(np.repeat(np.arange(q * per, (q + 1) * per, dtype=np.int32), size))
+        tiled = np.tile(local_prev, per)
+        parts["prev"].append(np.where(tiled >= 0, tiled + np.repeat(firsts, size), -1))
         coll = [i for i, t in enumerate(proto) if t.plan is not None]
         if coll:
             plan_ids.append((firsts[:, None] + np.asarray(coll, dtype=np.int64)).ravel())
             plans.extend([p for p in (proto[i].plan for i in coll) if p is not None] * per)
     arrays = {attr: np.concatenate(chunks) if chunks else np.zeros(0)
               for attr, chunks in parts.items()}
-    work = {q: np.fromiter((is_work(t) for t in shared.protos[q]), bool)
-            for q in range(layout.pp)}
     for rank, factors in shared.factors.items():  # per-rank compute factors
-        first = shared.first_id(rank)
-        q = rank // per
-        block = arrays["weight_s"][first:first + len(work[q])]
-        block[work[q]] *= factors
+        mask, first = shared.work_mask(rank // per), shared.first_id(rank)
+        block = arrays["weight_s"][first:first + len(mask)]
+        block[mask] *= factors
     for rank, tasks in view.made().items():  # objects that may have been changed
         first = shared.first_id(rank)
         for attr, values in _read(tasks, tables).items():

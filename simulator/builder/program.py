@@ -30,13 +30,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
+
+import numpy as np
 
 from simulator.builder.tasks import Program, Task
 from simulator.system.layout import Layout
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 def is_work(t: Task) -> bool:
@@ -54,8 +53,8 @@ class SharedPrograms:
     owner: dict[int, tuple[int, int]]  # a prototype task's id -> (stage, local index)
     base: list[int]  # stage -> id of its first rank's first task (then the end)
     factors: dict[int, np.ndarray]  # rank -> factors of its work tasks (slow, jitter)
-    # stage -> each prototype task's index among its work tasks (for :meth:`task`)
-    _work: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    # stage -> which prototype tasks are work (:meth:`work_mask`)
+    _work: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def world(self) -> int:
@@ -122,17 +121,25 @@ class SharedPrograms:
                        self.group(rank, p.group) if p.group else ())
         f = self.factors.get(rank)
         if f is not None and is_work(p):
-            work = self._work.get(q)
-            if work is None:
-                count, work = 0, []
-                for proto in self.protos[q]:
-                    work.append(count)
-                    count += is_work(proto)
-                self._work[q] = work
-            x = float(f[work[local]])
+            x = float(f[self.work_index(q)[local]])
             t.duration *= x
             t.weight_s *= x
         return t
+
+    def work_mask(self, stage: int) -> np.ndarray:
+        """Which of ``stage``'s prototype tasks are work (what a rank's factors scale)."""
+        return self._work_of(stage)[0]
+
+    def work_index(self, stage: int) -> np.ndarray:
+        """Each prototype task's index among ``stage``'s work tasks (its factor's)."""
+        return self._work_of(stage)[1]
+
+    def _work_of(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        got = self._work.get(stage)
+        if got is None:
+            mask = np.fromiter(map(is_work, self.protos[stage]), bool)
+            got = self._work[stage] = (mask, np.cumsum(mask) - 1)
+        return got
 
     def _make(self, rank: int, tid: int, p: Task, g: tuple[int, ...]) -> Task:
         return Task(tid, rank, p.stream, p.op, p.kind, p.name, p.duration, p.plan,
