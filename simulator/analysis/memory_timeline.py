@@ -232,9 +232,8 @@ def layer_components(s: Scenario, sizes: list[float], base: int) -> Callable[[in
     return component
 
 
-def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: float = 0.0,
-                 act: Callable[[int], int] = lambda layer: _ROOT_GRAD + 1,
-                 ) -> list[tuple[float, int, int, Any, int]]:
+def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: float,
+                 act: Callable[[int], int]) -> list[tuple[float, int, int, Any, int]]:
     """(time, phase, component, key, +1/-1) for one rank's spans; ``act``: each layer's
     activation component (:func:`layer_components`)."""
     m = _scan(spans)
