@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One GPU, about ten minutes: measure one training configuration of small-gpt and of a
-# GPT of about 0.9B parameters on it (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median
-# of 10 steps after 3 of warm-up), calibrate the device (`clustersim calibrate --quick`,
-# then `clustersim host-cost`: eager PyTorch's host time per kernel) and simulate the
-# runs from the new profile and from the GPU's datasheet preset.
+# One GPU, about ten minutes: measure one training configuration of small-gpt, of a
+# GPT of about 0.9B parameters and of a Llama-style model of 1.24B (Llama 3.2 1B's
+# sizes) under FSDP2 on it (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median of 10 steps
+# after 3 of warm-up; each run's peak reserved memory), calibrate the device
+# (`clustersim calibrate --quick`, FP8 GEMMs where it has them, then `clustersim
+# host-cost`: eager PyTorch's host time per kernel) and simulate the runs from the new
+# profile and from the GPU's datasheet preset: step, compute and peak reserved memory.
 # Everything lands in OUT_DIR: gpu.txt (the device), stages.txt (each stage's status and
 # seconds), one log per stage, profile.yaml, per model measured.json, scenario.yaml and
 # compare-*.txt (`clustersim compare`), and summary.md, the table to commit under
@@ -68,14 +70,16 @@ fi
 
 if [ "$size" = tiny ]; then
     calib=--tiny steps=(--steps 3 --warmup 1) limits=(120 240)
-    models=("tiny-gpt::--model tiny-gpt" "tiny-gpt-wide::--model tiny-gpt --hidden 256 --heads 4")
+    models=("tiny-gpt::--model tiny-gpt" "tiny-gpt-wide::--model tiny-gpt --hidden 256 --heads 4"
+            "tiny-llama-fsdp2::--model tiny-llama --zero 3")
 else
     calib=--quick steps=(--steps 10 --warmup 3) limits=(120 280)
     # ~0.9B: 12 L h^2 = 805M in the layers, 103M in the (tied) embedding; at micro-batches
     # of 2 the step is mostly the host's, at 8 mostly the GPU's
     gpt09b="--model small-gpt --layers 16 --hidden 2048 --heads 16 --seq-len 1024 --vocab 50304"
     models=("small-gpt::--model small-gpt" "gpt-0.9b::$gpt09b"
-            "gpt-0.9b-b8::$gpt09b --micro-batch-size 8")
+            "gpt-0.9b-b8::$gpt09b --micro-batch-size 8"
+            "llama-1b-fsdp2::--model llama-1b --zero 3")
 fi
 
 for entry in "${models[@]}"; do
@@ -101,13 +105,13 @@ print(datasheet_preset(sys.argv[1]) or 'cpu-1thread')" "$(head -1 "$out/gpu.txt"
     echo "on the same device and from the datasheet preset \`$sheet\`. Compute is the"
     echo "forward and backward kernels' busy time (measured: one profiled step)."
     echo
-    echo "| model | micro-batch | profile | measured step ms | simulated step ms | step error | measured compute ms | simulated compute ms | compute error |"
-    echo "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    echo "| model | micro-batch | profile | measured step ms | simulated step ms | step error | measured compute ms | simulated compute ms | compute error | measured peak reserved GB | simulated GB | memory error |"
+    echo "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 } > "$out/summary.md"
 
 for entry in "${models[@]}"; do
     name=${entry%%::*}
-    [ -f "$out/$name/measured.json" ] || { echo "| $name | | (not measured) | | | | | | |" \
+    [ -f "$out/$name/measured.json" ] || { echo "| $name | | (not measured) | | | | | | | | | |" \
         >> "$out/summary.md"; continue; }
     for prof in "$out/profile.yaml" "$sheet"; do
         label=$([ "$prof" = "$sheet" ] && echo "$sheet" || echo calibrated)
@@ -122,7 +126,9 @@ m, s, e = d["measured"], d["simulated"], d["relative_error"]
 b = d["scenario"]["training"]["micro_batch"]
 print(f"| {sys.argv[2]} | {b} | {sys.argv[3]} | {m['step_time_s'] * 1e3:.1f} "
       f"| {s['step_time_s'] * 1e3:.1f} | {e['step_time_s']:+.1%} | {m['compute_s'] * 1e3:.1f} "
-      f"| {s['compute_s'] * 1e3:.1f} | {e['compute_s']:+.1%} |")
+      f"| {s['compute_s'] * 1e3:.1f} | {e['compute_s']:+.1%} "
+      f"| {m['peak_reserved_bytes'] / 1e9 or 'n/a':.4} | {s['peak_reserved_bytes'] / 1e9:.2f} "
+      f"| {'n/a' if e['peak_reserved_bytes'] is None else format(e['peak_reserved_bytes'], '+.1%')} |")
 EOF
     done
 done

@@ -22,6 +22,10 @@ side, each with its relative error (simulated − measured) / measured:
   rank), measured from the live tensors, simulated by ``memory.py``. Process RSS
   is recorded in ``measured.json`` but not compared: on CPU it is mostly the
   interpreter and PyTorch.
+- ``peak_reserved_bytes`` (CUDA runs): the caching allocator's peak
+  (``torch.cuda.max_memory_reserved``, the largest rank) against the simulated peak
+  less the memory outside that allocator (``device``: the CUDA context and NCCL's
+  buffers, :mod:`simulator.model.device_memory`); n/a on CPU.
 
 A run with a straggler on purpose (``measure --slow-rank R --slowdown K``) is
 simulated with the slowdown its rank actually ran with, where ``measured.json`` says
@@ -46,7 +50,10 @@ from simulator.analysis.accounting.metrics import mean_breakdown
 from simulator.analysis.accounting.vocabulary import COMPUTE_CATEGORIES
 from simulator.errors import Problem, UserError
 
-FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_bytes")
+FIGURES = ("step_time_s", "compute_s", "non_compute_s", "idle_fraction", "state_bytes",
+           "peak_reserved_bytes")
+#: figures in bytes (printed in MB)
+BYTE_FIGURES = ("state_bytes", "peak_reserved_bytes")
 
 
 def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
@@ -63,7 +70,9 @@ def measured_figures(measured: dict[str, Any]) -> dict[str, float]:
     nc = sum(other) / len(other)
     return {"step_time_s": step, "compute_s": sum(compute) / len(compute),
             "non_compute_s": nc, "idle_fraction": nc / step,
-            "state_bytes": float(max(measured.get("state_bytes") or [0]))}
+            "state_bytes": float(max(measured.get("state_bytes") or [0])),
+            "peak_reserved_bytes": float(max(
+                [b for b in measured.get("peak_reserved_bytes") or [] if b] or [0]))}
 
 
 def simulated_figures(results: dict[str, Any]) -> dict[str, float]:
@@ -76,8 +85,10 @@ def simulated_figures(results: dict[str, Any]) -> dict[str, float]:
     compute = sum(mean[c] for c in COMPUTE_CATEGORIES if c != "optimizer")
     nc = step - compute - mean["optimizer"]
     state = max(m["weights"] + m["gradients"] + m["optimizer"] for m in results["memory"])
+    reserved = max(m["total"] - m.get("device", 0.0) for m in results["memory"])
     return {"step_time_s": step, "compute_s": compute, "non_compute_s": nc,
-            "idle_fraction": nc / step, "state_bytes": float(state)}
+            "idle_fraction": nc / step, "state_bytes": float(state),
+            "peak_reserved_bytes": float(reserved)}
 
 
 def relative_errors(meas: dict[str, float], sim: dict[str, float]) -> dict[str, float | None]:
@@ -163,7 +174,7 @@ def table_lines(comparison: dict[str, Any]) -> list[str]:
     for k in FIGURES:
         m, s = comparison["measured"][k], comparison["simulated"][k]
         e = comparison["relative_error"][k]
-        fmt = (lambda v: f"{v / 1e6:.2f} MB") if k == "state_bytes" else (
+        fmt = (lambda v: f"{v / 1e6:.2f} MB" if v else "n/a") if k in BYTE_FIGURES else (
             (lambda v: f"{v:.1%}") if k == "idle_fraction" else (lambda v: f"{v * 1e3:.2f} ms"))
         rows.append((k, fmt(m), fmt(s), "n/a" if e is None else f"{e:+.1%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

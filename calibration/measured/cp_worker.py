@@ -121,6 +121,7 @@ class CPEmbedding(Embedding):
         self.register_buffer("positions", positions, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.pos is not None  # GPT-2's block only (measure_config._arch_problems)
         return self.tok(tokens) + self.pos(self.positions)
 
 

@@ -1,4 +1,5 @@
-"""A small GPT-2 style model for measured runs, laid out for Megatron-style TP.
+"""A small GPT-2 style model for measured runs, laid out for Megatron-style TP (or,
+with ``arch: llama`` in its sizes, Llama's block: :mod:`calibration.measured.llama`).
 
 The model is what ``clustersim measure`` trains on synthetic tokens so that a
 real step time can be put beside the simulation of the same scenario
@@ -34,7 +35,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - PyTorch's own convention
 from torch import nn
 
-from calibration.measured.gpt_presets import PRESETS, TINY_GPT
+from calibration.measured import llama
+from calibration.measured.gpt_presets import ARCHES, PRESETS, TINY_GPT
 
 __all__ = [
     "GPT",
@@ -53,20 +55,39 @@ class GPTConfig:
 
     layers: int = 4  # transformer blocks
     hidden: int = 128  # model width (d_model)
-    heads: int = 4  # attention heads (no GQA: kv_heads == heads)
+    heads: int = 4  # attention heads
     ffn_hidden: int = 512  # MLP inner width
     vocab: int = 512  # vocabulary size
     seq_len: int = 64  # tokens per sample (also the position-table length)
+    kv_heads: int = 0  # key-value heads (grouped-query attention); 0: as many as heads
+    arch: str = "gpt"  # gpt: GPT-2's block; llama: Llama's (calibration/measured/llama.py)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < 1:
+            if name != "arch" and (not isinstance(value, int) or value < (name != "kv_heads")):
                 raise ValueError(f"model.{name}={value!r}: must be a positive integer")
+        if self.arch not in ARCHES:
+            raise ValueError(f"model.arch={self.arch!r}: choose one of {', '.join(ARCHES)}")
         if self.hidden % self.heads:
             raise ValueError(
                 f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}; "
                 "pick hidden as a multiple of heads"
             )
+        if self.heads % self.kv:
+            raise ValueError(f"model.kv_heads={self.kv_heads} does not divide model.heads="
+                             f"{self.heads}; use a divisor of heads")
+        if self.kv != self.heads and self.arch != "llama":
+            raise ValueError(f"model.kv_heads={self.kv_heads}: grouped-query attention is "
+                             "Llama's block; set arch: llama or kv_heads equal to heads")
+
+    @property
+    def kv(self) -> int:
+        """Key-value heads: ``kv_heads``, or ``heads`` where it is 0."""
+        return self.kv_heads or self.heads
+
+    @property
+    def is_llama(self) -> bool:
+        return self.arch == "llama"
 
     @classmethod
     def from_dict(cls, sizes: dict[str, Any]) -> GPTConfig:
@@ -78,43 +99,59 @@ class GPTConfig:
             )
         return cls(**sizes)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
 
 class Embedding(nn.Module):
-    """Token embedding plus learned position embedding."""
+    """Token embedding plus learned position embedding (none under rotary positions)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.pos = None if cfg.is_llama else nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.pos is None:
+            return self.tok(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.tok(tokens) + self.pos(positions)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate q/k/v for column-parallel TP."""
+    """Causal self-attention with separate q/k/v for column-parallel TP; under Llama's
+    block rotary positions on q and k, ``kv_heads`` key-value heads and no biases."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.hidden // cfg.heads
-        self.q = nn.Linear(cfg.hidden, cfg.hidden)
-        self.k = nn.Linear(cfg.hidden, cfg.hidden)
-        self.v = nn.Linear(cfg.hidden, cfg.hidden)
-        self.out = nn.Linear(cfg.hidden, cfg.hidden)
+        self.rotary = cfg.is_llama
+        bias, kv_width = not cfg.is_llama, cfg.kv * self.head_dim
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self.k = nn.Linear(cfg.hidden, kv_width, bias=bias)
+        self.v = nn.Linear(cfg.hidden, kv_width, bias=bias)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]
-        # -1 heads: under TP each rank holds heads / tp of them.
+        # -1 heads: under TP each rank holds heads / tp (kv_heads / tp) of them.
         shape = (batch, seq, -1, self.head_dim)
         q = self.q(x).view(shape).transpose(1, 2)
         k = self.k(x).view(shape).transpose(1, 2)
         v = self.v(x).view(shape).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.rotary:
+            cos, sin = self._rotary(seq, x.device)
+            q, k = llama.apply_rotary(q, cos, sin), llama.apply_rotary(k, cos, sin)
+        y = llama.attend(q, k, v)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _rotary(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables, computed once per length and device (no kernels per step)."""
+        key = (seq, device)
+        if key not in self._tables:
+            self._tables[key] = llama.rotary_tables(seq, self.head_dim, device)
+        return self._tables[key]
 
 
 class MLP(nn.Module):
@@ -127,15 +164,21 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def norm(cfg: GPTConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    return llama.rms_norm(cfg.hidden) if cfg.is_llama else nn.LayerNorm(cfg.hidden)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block (GPT-2)."""
+    """Pre-norm transformer block (GPT-2's, or Llama's under ``arch: llama``)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.mlp = MLP(cfg)
+        self.ln2 = norm(cfg)
+        self.mlp: nn.Module = (llama.SwiGLU(cfg.hidden, cfg.ffn_hidden) if cfg.is_llama
+                               else MLP(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -143,7 +186,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2: embeddings, ``layers`` blocks, final LayerNorm, tied output head.
+    """GPT-2: embeddings, ``layers`` blocks, final LayerNorm, tied output head (under
+    ``arch: llama`` Llama's blocks and a final RMSNorm, the head still tied, as Llama
+    3.2 1B and 3B tie it).
 
     On a pipeline stage ``embed``, ``norm`` and ``head`` may be ``None``; the
     forward then takes hidden states in and/or gives hidden states out.
@@ -154,7 +199,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed: Embedding | None = Embedding(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden)
+        self.norm: nn.Module | None = norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.tie_weights()
         self.apply(_init_weights)

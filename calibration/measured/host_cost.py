@@ -80,7 +80,7 @@ def _step_seconds(tp: bool, threads: int, repeats: int, steps: int,
     from calibration.measured.worker_run import autocast_for
 
     torch.manual_seed(0)
-    cfg = GPTConfig(**HOST_GPT)
+    cfg = GPTConfig.from_dict(HOST_GPT)
     dev = torch.device(device)
     model = GPT(cfg).to(dev)
     autocast = autocast_for(dev)

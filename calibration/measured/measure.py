@@ -189,9 +189,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         default="tiny-gpt",
         choices=sorted(PRESETS),
-        help="model preset (default tiny-gpt)",
+        help="model preset (default tiny-gpt; tiny-llama and llama-1b build Llama's block: "
+        "RMSNorm, SwiGLU, rotary positions, grouped-query attention; llama-1b has Llama "
+        "3.2 1B's sizes)",
     )
-    for size in ("layers", "hidden", "heads", "ffn-hidden", "seq-len", "vocab"):
+    for size in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "seq-len", "vocab"):
         note = " (ffn-hidden follows as 4 x hidden unless given)" if size == "hidden" else ""
         p.add_argument(
             f"--{size}", type=int, default=None, help=f"override the preset's {size}{note}"
@@ -268,6 +270,7 @@ def _cli_main(args: argparse.Namespace) -> int:
         "hidden": args.hidden,
         "heads": args.heads,
         "ffn_hidden": args.ffn_hidden,
+        "kv_heads": args.kv_heads,
         "seq_len": args.seq_len,
         "vocab": args.vocab,
     }

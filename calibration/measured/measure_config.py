@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.measured.gpt_presets import MODEL_KEYS, PRESETS
+from calibration.measured.gpt_presets import ARCHES, MODEL_KEYS, OPTIONAL_KEYS, PRESETS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DEVICES = ("cpu", "cuda")
@@ -38,7 +38,7 @@ class MeasureConfig:
     zero: int  # 0: DDP-style replication, 3: FSDP2 fully_shard
     micro_batches: int  # micro-batches per step per replica
     micro_batch_size: int  # samples per micro-batch
-    model: dict[str, int]  # GPTConfig sizes
+    model: dict[str, Any]  # GPTConfig sizes (and arch, kv_heads where given)
     steps: int  # timed steps
     warmup: int  # untimed steps before them
     device: str  # cpu | cuda
@@ -64,8 +64,8 @@ class MeasureConfig:
 
 
 def resolve_model(
-    model: dict[str, int] | str, overrides: dict[str, int | None] | None = None
-) -> dict[str, int]:
+    model: dict[str, Any] | str, overrides: dict[str, int | None] | None = None
+) -> dict[str, Any]:
     """Sizes of a preset name (``tiny-gpt``) or a dict, then the non-``None`` overrides.
 
     Overriding ``hidden`` without ``ffn_hidden`` keeps the MLP at 4 x hidden.
@@ -122,7 +122,9 @@ def state_bytes(cfg: MeasureConfig) -> tuple[int, int]:
     under ZeRO-3; every rank of a CPU run shares the host."""
     m = cfg.model
     h, f, layers, vocab = m["hidden"], m["ffn_hidden"], m["layers"], m["vocab"]
-    params = layers * (4 * h * h + 2 * h * f) + vocab * h
+    kv_width = h * m.get("kv_heads", m["heads"]) // m["heads"]
+    mlp = 3 if m.get("arch") == "llama" else 2  # SwiGLU's gate, up and down
+    params = layers * (2 * h * h + 2 * h * kv_width + mlp * h * f) + vocab * h
     per_rank = STATE_BYTES_PER_PARAM * params // (cfg.tp * cfg.pp * (cfg.dp if cfg.zero else 1))
     return params, per_rank * (cfg.world_size if cfg.device == "cpu" else 1)
 
@@ -183,8 +185,9 @@ def _run_problems(cfg: MeasureConfig) -> None:
 def _model_problems(cfg: MeasureConfig) -> None:
     """The model's sizes, and their divisibility by the TP degree (and sequence parallel)."""
     m = cfg.model
-    unknown = sorted(set(m) - set(MODEL_KEYS))
-    _require(not unknown, f"model: unknown key(s) {unknown}; allowed: {', '.join(MODEL_KEYS)}")
+    allowed = (*MODEL_KEYS, *OPTIONAL_KEYS)
+    unknown = sorted(set(m) - set(allowed))
+    _require(not unknown, f"model: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
     for key in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
         _require(
             isinstance(m.get(key), int) and m[key] >= 1,
@@ -194,10 +197,11 @@ def _model_problems(cfg: MeasureConfig) -> None:
         m["hidden"] % m["heads"] == 0,
         f"model.hidden={m['hidden']}: not divisible by heads={m['heads']}; use a multiple",
     )
-    for key in ("heads", "hidden", "ffn_hidden", "vocab"):
+    _arch_problems(cfg)
+    for key in ("heads", "hidden", "ffn_hidden", "vocab", "kv_heads"):
         _require(
-            m[key] % cfg.tp == 0,
-            f"model.{key}={m[key]}: not divisible by tp={cfg.tp}; "
+            m.get(key, cfg.tp) % cfg.tp == 0,
+            f"model.{key}={m.get(key)}: not divisible by tp={cfg.tp}; "
             "use a multiple of tp or a smaller tp",
         )
     if cfg.sequence_parallel:
@@ -206,6 +210,22 @@ def _model_problems(cfg: MeasureConfig) -> None:
             m["seq_len"] % cfg.tp == 0,
             f"model.seq_len={m['seq_len']}: not divisible by tp={cfg.tp} (sequence parallel)",
         )
+
+
+def _arch_problems(cfg: MeasureConfig) -> None:
+    """Llama's block (``arch``) and grouped-query attention (``kv_heads``): the dense
+    trainer only (the MoE and CP workers build GPT-2's blocks)."""
+    m = cfg.model
+    arch, kv = m.get("arch", "gpt"), m.get("kv_heads", m["heads"])
+    _require(arch in ARCHES, f"model.arch={arch!r}: choose one of {', '.join(ARCHES)}")
+    _require(isinstance(kv, int) and kv >= 1 and m["heads"] % kv == 0,
+             f"model.kv_heads={kv!r}: must divide heads={m['heads']}; use a divisor")
+    _require(kv == m["heads"] or arch == "llama",
+             f"model.kv_heads={kv}: grouped-query attention needs arch llama "
+             "(--model tiny-llama or llama-1b); or leave kv_heads out")
+    _require(arch == "gpt" or (cfg.experts == 0 and cfg.cp == 1),
+             f"model.arch={arch}: the MoE and context-parallel runs build GPT-2's "
+             "blocks; use --model tiny-gpt or small-gpt with --experts or --cp")
 
 
 def _powersgd_problems(cfg: MeasureConfig) -> None:
@@ -312,7 +332,7 @@ def make_config(
     zero: int = 0,
     micro_batches: int = 4,
     micro_batch_size: int = 2,
-    model: dict[str, int] | str = "tiny-gpt",
+    model: dict[str, Any] | str = "tiny-gpt",
     steps: int = 5,
     warmup: int = 2,
     device: str = "cpu",

@@ -104,21 +104,23 @@ def scenario_dict(
     return out
 
 
-def _model_section(m: dict[str, int]) -> dict[str, Any]:
-    """The measured GPT's sizes with the GPT-2 features :mod:`calibration.measured.gpt` has."""
+def _model_section(m: dict[str, Any]) -> dict[str, Any]:
+    """The measured GPT's sizes with the features :mod:`calibration.measured.gpt` builds:
+    GPT-2's block, or Llama's (:mod:`calibration.measured.llama`), the head tied either way."""
+    llama = m.get("arch") == "llama"
     return {
         "layers": m["layers"],
         "hidden": m["hidden"],
         "heads": m["heads"],
-        "kv_heads": m["heads"],
+        "kv_heads": m.get("kv_heads", m["heads"]),
         "ffn_hidden": m["ffn_hidden"],
         "vocab": m["vocab"],
         "seq_len": m["seq_len"],
-        "activation": "gelu",
-        "norm": "layernorm",
-        "bias": True,
+        "activation": "swiglu" if llama else "gelu",
+        "norm": "rmsnorm" if llama else "layernorm",
+        "bias": not llama,
         "tied_embeddings": True,
-        "position": "learned",
+        "position": "rope" if llama else "learned",
     }
 
 

@@ -100,6 +100,8 @@ def tp_plan(model: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
                 pre + "mlp.down": RowwiseParallel(output_layouts=residual),
             }
         )
+        if model.cfg.is_llama:  # SwiGLU's gate, split as its up projection is
+            plan[pre + "mlp.gate"] = ColwiseParallel()
         if sp:
             gather = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -128,8 +130,10 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
 
 # --------------------------------------------------------------------------- DP
 def apply_dp(module: GPT, cfg: MeasureConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Wrap one (stage) module for data parallelism; returns what to call."""
-    if cfg.dp == 1:
+    """Wrap one (stage) module for data parallelism; returns what to call. ZeRO-3 wraps
+    with FSDP2 even at dp 1 (a one-rank mesh: its all-gather copies and resharding
+    still run, as a one-GPU FSDP2 run has them)."""
+    if cfg.dp == 1 and cfg.zero == 0:
         return module
     dp_mesh = mesh["dp"]
     if cfg.zero == 3 or cfg.tp > 1:

@@ -54,6 +54,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """The caching allocator's peak (``torch.cuda.max_memory_reserved``: what the process
+    holds from the device, blocks and fragmentation included); None off CUDA."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
 def state_bytes(trainer: Any) -> int:
     """Bytes of this rank's parameters, gradients and AdamW states (local shards).
 
@@ -173,6 +179,7 @@ def summarize(
         "peak_memory_kind": "cuda_max_memory_allocated"
         if device.type == "cuda"
         else "process_peak_rss",
+        "peak_reserved_bytes": [r.get("peak_reserved_bytes") for r in per_rank],
         "state_bytes": [r["state_bytes"] for r in per_rank],
         "per_rank": per_rank,
         "world_size": cfg.world_size,

@@ -28,6 +28,7 @@ from calibration.measured.measure_config import MeasureConfig, write_json_atomic
 from calibration.measured.measure_trace import breakdown_from_trace
 from calibration.measured.timing import (
     peak_memory_bytes,
+    peak_reserved_bytes,
     profile_one_step,
     state_bytes,
     summarize,
@@ -51,14 +52,15 @@ def record_run(trainer: Any, cfg: MeasureConfig, device: torch.device,
     this rank's figures (given the count of timed steps), ``tied_diff`` measures the tied
     embedding's copies apart (every rank calls it, after profiling)."""
     times, losses = timed_steps(trainer if timed is None else timed, cfg, device)
-    peak = peak_memory_bytes(device)
+    peak, reserved = peak_memory_bytes(device), peak_reserved_bytes(device)
     out = Path(cfg.out_dir)
     (out / "traces").mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
     trace_path = out / "traces" / f"trace_rank{rank}.json"
     profiled = profile_one_step(trainer, device, trace_path)
     mine = {"rank": rank, **trainer.coords, "step_times_s": times, "losses": losses,
-            "peak_memory_bytes": peak, "state_bytes": state_bytes(trainer),
+            "peak_memory_bytes": peak, "peak_reserved_bytes": reserved,
+            "state_bytes": state_bytes(trainer),
             "profiled_step_s": profiled,
             **breakdown_from_trace(json.loads(trace_path.read_text()), device.type),
             **(extra(len(times)) if extra is not None else {})}
