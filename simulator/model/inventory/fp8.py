@@ -55,7 +55,8 @@ several operators"), two changes to what the backward keeps:
   linears here, and the dense layers' MLPs keep theirs in the training dtype.
 
 Like the FP8 inputs above, the cached tensors are priced without their per-tile scales
-(4 bytes per 128 elements under ``blockwise``, 3%).
+(4 bytes per 128 elements under ``blockwise``, 3%); their quantization is memory only here
+(no kernel of its own for the E5M6 copy or the SwiGLU inputs' FP8 one).
 
 Left in 16 bits, as TE leaves them: the attention core (no FP8 attention), norms, softmax,
 the loss, the output layer (Megatron's ``output_layer`` is not a TE module), the optimizer,
