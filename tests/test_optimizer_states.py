@@ -84,7 +84,8 @@ def test_lowering_a_state_dtype_lowers_memory_by_exactly_its_bytes(
         model: str, zero: int, dp: int, field: str, data: st.DataObject) -> None:
     """Any state's dtype lowered (fp32 -> bf16/fp16 -> fp8): on every stage the optimizer
     item falls by params × (old − new bytes) / the sharding, i.e. in the ratio of the
-    bytes per parameter, and nothing else moves: the total never rises."""
+    bytes per parameter, and nothing else moves: the total never rises. The optimizer
+    step moves twice the difference fewer bytes a parameter."""
     hi, lo = sorted(data.draw(st.lists(st.sampled_from(FIELDS[field]), min_size=2,
                                        max_size=2)), key=lambda d: -ORDER[d])
     before = memory_report(_scenario(model, zero, dp, **{field: hi}))
@@ -92,6 +93,8 @@ def test_lowering_a_state_dtype_lowers_memory_by_exactly_its_bytes(
     k_hi = _stack(**{field: hi}).optimizer_bytes(2)
     k_lo = _stack(**{field: lo}).optimizer_bytes(2)
     assert k_hi - k_lo == ORDER[hi] - ORDER[lo]
+    step = [optimizer_op(1e6, 10, _stack(**{field: d}), "bf16").bytes for d in (hi, lo)]
+    assert step[0] - step[1] == 1e6 * 2 * (k_hi - k_lo)  # each state read and written
     for a, b in zip(before, after, strict=True):
         assert b.optimizer == pytest.approx(a.optimizer * k_lo / k_hi, rel=1e-12)
         assert a.total - b.total == pytest.approx(a.optimizer - b.optimizer, rel=1e-9, abs=1e-3)
