@@ -10,7 +10,8 @@ Megatron-LM refuses, this refuses too, with its reason:
   ``__post_init__``: "exp_avg_dtype can only be fp32 when not using precision-aware
   optimizer");
 - the flag without ``--use-distributed-optimizer`` (megatron/core/optimizer/__init__.py:
-  "--use-precision-aware-optimizer only supported with distributed optimizer");
+  "--use-precision-aware-optimizer only supported with distributed optimizer"), or with an
+  ``--optimizer`` other than adam (optimizer_config.py: "only supported with adam");
 - ``--main-grads-dtype bf16`` with ``--accumulate-allreduce-grads-in-fp32`` (arguments.py:
   "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set").
 
@@ -61,6 +62,10 @@ def optimizer_states(a: Parsed, d: Draft) -> None:
                 raise UserError([Problem(flag, value, f"Megatron-LM asserts fp32 without "
                                          f"{FLAG} (optimizer_config.py); add {FLAG}")])
         return
+    if (a.text("--optimizer", "adam") or "adam") != "adam":
+        raise UserError([Problem(FLAG, f"with --optimizer {a.text('--optimizer')}",
+                                 "Megatron-Core supports it only with adam "
+                                 "(optimizer_config.py); drop one of them")])
     if not a.given("--use-distributed-optimizer"):
         raise UserError([Problem(FLAG, "without --use-distributed-optimizer", "Megatron-Core "
                                  "supports it only with the distributed optimizer "
