@@ -35,6 +35,9 @@ SC21 = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 BASE = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
         "--seq-length", "2048", "--micro-batch-size", "1", "--vocab-size", "50257"]
 
+#: Megatron-Core's precision-aware optimizer, as it must be given (with the distributed one)
+AWARE = ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"]
+
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -181,6 +184,20 @@ def test_megatron_defaults(tmp_path: Path, extra: list[str], field: str,
      "blockwise"),
     ([], ("training", "dtype"), "fp32"),
     (["--global-batch-size", "64"], ("training", "global_batch"), 64),
+    # the precision-aware optimizer (megatron/core/optimizer/optimizer_config.py)
+    ([*AWARE, "--exp-avg-dtype", "bf16"], ("stack", "exp_avg_dtype"), "bf16"),
+    ([*AWARE, "--exp-avg-sq-dtype", "fp8"], ("stack", "exp_avg_sq_dtype"), "fp8"),
+    ([*AWARE, "--main-params-dtype", "fp16"], ("stack", "main_params_dtype"), "fp16"),
+    ([*AWARE, "--main-params-dtype", "fp16"], ("stack", "param_remainders"), False),
+    # bf16 parameters, fp32 master owned by TE's FusedAdam: store_param_remainders (default)
+    (AWARE, ("stack", "param_remainders"), True),
+    ([*AWARE, "--fp8-format", "hybrid"], ("stack", "param_remainders"), True),  # delayed
+    # blockwise FP8: Megatron-Core keeps the fp32 master itself, whole
+    ([*AWARE, "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+     ("stack", "param_remainders"), False),
+    ([*AWARE, "--main-grads-dtype", "bf16"], ("stack", "main_grads"), "param"),
+    ([*AWARE, "--main-grads-dtype", "bf16"], ("stack", "grad_reduce_dtype"), "param"),
+    (["--bf16", "--use-distributed-optimizer"], ("stack", "exp_avg_dtype"), "fp32"),
 ])
 def test_parallel_and_stack_flags(tmp_path: Path, extra: list[str], path: tuple[str, ...],
                                   value: object) -> None:
@@ -216,6 +233,17 @@ def test_unmapped_and_unknown_flags_are_listed(tmp_path: Path,
      ["--gpus", "64"], ["tp(8) * cp(1) * pp(16) = 128", "64 GPUs"]),
     ([], [], ["--nodes N or --gpus N"]),
     (["--bf16", "--fp16"], ["--gpus", "8"], ["--bf16"]),
+    (["--bf16", "--exp-avg-dtype", "bf16"], ["--gpus", "8"],
+     ["--exp-avg-dtype", "'bf16'", "add --use-precision-aware-optimizer"]),
+    (["--bf16", "--use-precision-aware-optimizer"], ["--gpus", "8"],
+     ["--use-precision-aware-optimizer", "add --use-distributed-optimizer"]),
+    ([*AWARE, "--optimizer", "sgd"], ["--gpus", "8"],
+     ["--use-precision-aware-optimizer", "--optimizer sgd", "only with adam"]),
+    ([*AWARE, "--exp-avg-dtype", "int8"], ["--gpus", "8"],
+     ["--exp-avg-dtype", "'int8'", "fp32, fp16, bf16, fp8"]),
+    ([*AWARE, "--main-params-dtype", "bf16"], ["--gpus", "8"], ["--main-params-dtype"]),
+    ([*AWARE, "--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32"],
+     ["--gpus", "8"], ["--main-grads-dtype", "--accumulate-allreduce-grads-in-fp32"]),
     (["--num-attention-heads", "12"], ["--gpus", "8"], ["model.hidden", "imported scenario"]),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],

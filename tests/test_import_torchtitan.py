@@ -133,6 +133,14 @@ def test_unmapped_unknown_and_legacy_keys_are_listed(tmp_path: Path,
     ("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"op\"\n",
      ("parallel", "recompute"), "op"),
     ("[optimizer]\nimplementation = \"for-loop\"\n", ("stack", "optimizer"), "per_tensor"),
+    # torchtitan #2732: fused AdamW with both moments in bf16
+    ("[optimizer]\nimplementation = \"fused_opt_states_bf16\"\n", ("stack", "optimizer"),
+     "fused"),
+    ("[optimizer]\nimplementation = \"fused_opt_states_bf16\"\n", ("stack", "exp_avg_dtype"),
+     "bf16"),
+    ("[optimizer]\nimplementation = \"fused_opt_states_bf16\"\n",
+     ("stack", "exp_avg_sq_dtype"), "bf16"),
+    ("[optimizer]\nimplementation = \"fused\"\n", ("stack", "exp_avg_sq_dtype"), "fp32"),
 ])
 def test_keys(tmp_path: Path, extra: str, path: tuple[str, ...], value: object) -> None:
     rc, out = _import(tmp_path, _toml(tmp_path, SMALL + extra), "--gpus", "8")

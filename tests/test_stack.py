@@ -150,7 +150,8 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     out = (2 * rs + 2 * g) * L * h  # the two norms' and the QKV and MLP-up projections' inputs
     out += 2 * L * h if stack.hidden_dropout > 0 else 0  # two 1-byte masks
     out += dt * T * (q + 2 * kv)  # Q, K, V
-    out += g * T * q  # the out-projection's input
+    # the out-projection's input: one copy, FP8 or DeepSeek-V3's 12-bit E5M6 (1.5 bytes)
+    out += (1.5 if stack.fp8_cache == "deepseek" else g) * T * q
     out += dt * T * f * (2 if spec.activation == "swiglu" else 1)  # the activation's input
     out += g * T * f  # the MLP-down projection's input
     if recompute == "selective":
@@ -160,16 +161,23 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     return out + dt * S + ((dt + 1) * S if stack.attention_dropout > 0 else 0)
 
 
+#: A preset's variants the property also runs: autocast as our CUDA runs execute, FP8 linears,
+#: FP8 linears caching as DeepSeek-V3 does (stack.fp8_cache)
+EXTRAS: dict[str, dict[str, object]] = {
+    "autocast": {"autocast": True}, "fp8": {"fp8": "delayed"},
+    "deepseek": {"fp8": "blockwise", "fp8_cache": "deepseek"}}
+
+
 @settings(max_examples=80, deadline=None)
 @given(dense_specs, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.booleans(),
        st.sampled_from([*STACKS, "pytorch-eager+autocast", "megatron-core+fp8",
-                        "torchtitan+fp8"]),
+                        "torchtitan+fp8", "megatron-core+deepseek"]),
        st.sampled_from(["none", "selective", "full"]))
 def test_memory_and_inventory_agree_on_what_is_kept(spec: ModelSpec, b: int, tp: int, sp: bool,
                                                    name: str, recompute: str) -> None:
-    preset, _, extra = name.partition("+")  # autocast as our CUDA runs execute; FP8 linears
+    preset, _, extra = name.partition("+")
     stack = load_stack(name) if not extra else StackSpec.model_validate(
-        {"preset": preset, **({"autocast": True} if extra == "autocast" else {"fp8": "delayed"})})
+        {"preset": preset, **EXTRAS[extra]})
     memory = activation_bytes_per_layer(spec, b, tp, sp, recompute, stack=stack)  # type: ignore[arg-type]
     inventory = kept_for_backward(spec, b, tp, sp, "bf16", recompute, stack)
     assert memory == inventory

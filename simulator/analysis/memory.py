@@ -29,6 +29,7 @@ from simulator.model.memory import (
 )
 from simulator.spec.placement import head_rank, stage_ends, stage_layers
 from simulator.spec.scenario import Scenario
+from simulator.spec.stack import STATE_BYTES
 from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
@@ -72,12 +73,14 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     psi = rank_params(scenario, total - experts, 0)
     grad_bytes = scenario.stack.main_grad_bytes(dtype_bytes(dtype))
     fp32 = scenario.stack.fp32_params(dtype_bytes(dtype))
-    w, g, o = state_bytes_per_param(par.zero, par.shard, dtype, grad_bytes, fp32)
+    k = scenario.stack.optimizer_bytes(dtype_bytes(dtype))
+    w, g, o = state_bytes_per_param(par.zero, par.shard, dtype, grad_bytes, fp32, k)
     gradients, optimizer = psi * g, psi * o
     weights = psi * w
     if experts:
         psi_e = experts / (par.etp * par.ep)
-        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes, fp32)
+        we, ge, oe = state_bytes_per_param(par.zero, max(par.edp, 1), dtype, grad_bytes, fp32,
+                                           k)
         weights, gradients, optimizer = weights + psi_e * we, gradients + psi_e * ge, \
             optimizer + psi_e * oe
     weights += fp8_weight_cache(scenario, runs)
@@ -143,10 +146,27 @@ TENSOR_SOURCES: dict[str, tuple[str, str]] = {
 }
 
 
-def memory_items(m: MemoryBreakdown) -> list[tuple[str, float, str]]:
+def optimizer_source(s: Scenario) -> str:
+    """The optimizer item's source under ``s``'s stack: AdamW's bytes per parameter, the
+    master copy's and each moment's dtype, as the distributed optimizer shards them."""
+    st, dt = s.stack, dtype_bytes(s.training.dtype)
+    master = st.master_bytes(dt)
+    kind = "int16 remainders" if st.param_remainders else st.main_params_dtype
+    held = f"{kind} master {master:g} + " if master else "(fp32 params are the master) "
+    return (f"AdamW {st.optimizer_bytes(dt):g} B/param: {held}exp_avg {st.exp_avg_dtype} "
+            f"{STATE_BYTES[st.exp_avg_dtype]} + exp_avg_sq {st.exp_avg_sq_dtype} "
+            f"{STATE_BYTES[st.exp_avg_sq_dtype]} (stack.*_dtype), ÷ dp·cp from ZeRO-1 "
+            "(distrib_optimizer.py)")
+
+
+def memory_items(m: MemoryBreakdown, s: Scenario | None = None) -> list[tuple[str, float, str]]:
     """Every item of ``m``: (name, bytes, source), the tensors' fields then the device's
-    terms (:data:`simulator.model.device_memory.DEVICE_TERMS`)."""
+    terms (:data:`simulator.model.device_memory.DEVICE_TERMS`); with the scenario ``s``,
+    the optimizer's source names its state's dtypes (:func:`optimizer_source`)."""
     sources = {term.name: term.source for term in DEVICE_TERMS}
+    tensors = dict(TENSOR_SOURCES)
+    if s is not None:
+        tensors["optimizer"] = ("optimizer", optimizer_source(s))
     return [*((name, getattr(m, field), source)
-              for field, (name, source) in TENSOR_SOURCES.items()),
+              for field, (name, source) in tensors.items()),
             *((name, nbytes, sources.get(name, "")) for name, nbytes in m.device)]

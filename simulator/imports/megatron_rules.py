@@ -16,6 +16,7 @@ from typing import Any, get_args
 
 from simulator.errors import Problem, UserError
 from simulator.imports.common import Draft
+from simulator.imports.megatron_optimizer import DTYPES, FLAG, optimizer_states
 from simulator.spec.scenario import RecomputeModule
 
 
@@ -373,6 +374,7 @@ RULES: tuple[Rule, ...] = (
           "--step-batch-size-schedule"), batch),
     Rule(("--bf16", "--fp16", "--fp8-format", "--fp8-recipe", "--grad-reduce-in-bf16"),
          precision),
+    Rule((FLAG, *DTYPES), optimizer_states),  # after precision: it reads dtype and fp8
     Rule(("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
           "--no-overlap-p2p-communication"), overlap),
     Rule(("--attention-backend", "--transformer-impl", "--use-flash-attn", "--hidden-dropout",

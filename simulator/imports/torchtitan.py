@@ -90,7 +90,12 @@ MAPPED = {
     "optimizer.name", "optimizer.implementation",
 }
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
-OPTIMIZERS = {"fused": "fused", "foreach": "foreach", "for-loop": "per_tensor"}
+OPTIMIZERS = {"fused": "fused", "foreach": "foreach", "for-loop": "per_tensor",
+              "fused_opt_states_bf16": "fused"}
+#: optimizer.implementation values that store both AdamW moments in bf16 (torchtitan/
+#: components/optimizer/optimizer.py, since #2732: "initialize Adam/AdamW momentum and
+#: variance in bfloat16 via a step pre-hook", the fused kernel's mixed-precision path)
+BF16_STATES = ("fused_opt_states_bf16",)
 
 
 @lru_cache(maxsize=1)
@@ -277,6 +282,9 @@ def precision(c: Config, d: Draft) -> None:
     if name not in ("AdamW", "Adam"):
         d.note("optimizer.name", name, "the schema's optimizer is AdamW")
     d.set("stack.optimizer", c.choice("optimizer.implementation", "fused", OPTIMIZERS))
+    if c.get("optimizer.implementation", "fused", str) in BF16_STATES:
+        d.set("stack.exp_avg_dtype", "bf16")
+        d.set("stack.exp_avg_sq_dtype", "bf16")
 
 
 def checkpointing(c: Config, d: Draft) -> None:

@@ -3,12 +3,13 @@
 One :class:`MemoryBreakdown` per pipeline stage (every TP and DP rank of a
 stage holds the same amounts). 1 GB = 1e9 bytes throughout.
 
-Model states follow the ZeRO paper's table for mixed-precision AdamW: 2 bytes
-of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
-master weights, momentum, variance) per parameter, sharded over N_d = dp by
-ZeRO stage (1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4
-+ 4 + 8 (the weights are the master copy), and so does 16-bit training whose fp32
-parameters are the master (autocast; FSDP's mixed precision, ``stack.master_weights``).
+Model states follow the ZeRO paper's table for mixed-precision AdamW: 2 bytes of 16-bit
+weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32 master weights, momentum,
+variance) per parameter (fewer with the stack's lower-precision master weights or moments:
+:meth:`simulator.spec.stack.StackSpec.optimizer_bytes`), sharded over N_d = dp by ZeRO stage
+(1: optimizer, 2: + gradients, 3: + weights). fp32 training keeps 4 + 4 + 8 (the weights are
+the master copy), and so does 16-bit training whose fp32 parameters are the master
+(autocast; FSDP's mixed precision, ``stack.master_weights``).
 Parameters are the stage's layers (:mod:`simulator.spec.placement`: an even split, or
 ``parallel.layers_per_stage``) plus the embedding on the first stage and the final
 norm and output projection on the last; a tied output projection has its own copy on
@@ -110,11 +111,14 @@ class MemoryBreakdown:
 
 
 def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: int | None = None,
-                          fp32_params: bool = False) -> tuple[float, float, float]:
+                          fp32_params: bool = False, optimizer_bytes: float | None = None
+                          ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one rank; ``grad_bytes``
     overrides the gradients' width (4 where the stack keeps fp32 main grads);
     ``fp32_params``: the parameters are fp32 and are the master copy (autocast, FSDP's
-    mixed precision: :meth:`simulator.spec.stack.StackSpec.fp32_params`)."""
+    mixed precision: :meth:`simulator.spec.stack.StackSpec.fp32_params`);
+    ``optimizer_bytes`` overrides the optimizer state's (the stack's master-weight and
+    moment dtypes: :meth:`simulator.spec.stack.StackSpec.optimizer_bytes`)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {zero}")
     if n_d < 1:
@@ -125,6 +129,8 @@ def state_bytes_per_param(zero: int, n_d: int, dtype: str = "bf16", grad_bytes: 
         weights, grads, optimizer = 2.0, 2.0, float(ADAMW_K)
     if grad_bytes is not None:
         grads = float(grad_bytes)
+    if optimizer_bytes is not None:
+        optimizer = float(optimizer_bytes)
     return (weights / n_d if zero >= 3 else weights,
             grads / n_d if zero >= 2 else grads,
             optimizer / n_d if zero >= 1 else optimizer)

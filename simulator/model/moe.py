@@ -267,7 +267,8 @@ ROUTED_OPS = ("expert_up", "expert_act", "expert_down", "expert_buffers", "exper
 
 
 def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: bool,
-               dt: int, masks: bool, fp8_inputs: bool = False) -> dict[str, float]:
+               dt: int, masks: bool, fp8_inputs: bool = False,
+               deepseek: bool = False) -> dict[str, float]:
     """Bytes a latent-attention model's layer (MoE or dense) keeps for the backward, by op
     name (:func:`layer_ops` hands them to its ops; :mod:`simulator.model.memory` sums them); its
     flash attention core keeps no s×s scores. Per token, in 16-bit units scaled by the
@@ -284,7 +285,9 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
       activation), the shared experts' likewise; a dense layer of such a model its
       MLP activation's;
     - under ``stack.fp8`` (``fp8_inputs``) the FP8 linears' inputs at 1 byte
-      (:func:`_fp8_kept`).
+      (:func:`_fp8_kept`), and with ``deepseek`` (``stack.fp8_cache: deepseek``) the
+      out-proj input at E5M6's 1.5 bytes and the routed experts' activation inputs at 1
+      (:mod:`simulator.model.inventory.fp8`).
     """
     h, t, tokens = spec.hidden, tp, float(b * spec.seq_len)
     scale = dt / 2
@@ -311,11 +314,14 @@ def kept_bytes(spec: ModelSpec, layer: int, b: int, tp: int, sequence_parallel: 
         if spec.shared_experts:
             out["shared_act"] = tokens * mlp_unit * spec.shared_experts * spec.expert_ffn / t
     kept = {name: v * scale for name, v in out.items()}
-    return _fp8_kept(spec, mla, layer, kept, (tokens, local), tp, dt) if fp8_inputs else kept
+    if not fp8_inputs:
+        return kept
+    return _fp8_kept(spec, mla, layer, kept, (tokens, local), tp, dt, deepseek)
 
 
 def _fp8_kept(spec: ModelSpec, mla: MLASpec, layer: int, kept: dict[str, float],
-              rows: tuple[float, float], tp: int, dt: int) -> dict[str, float]:
+              rows: tuple[float, float], tp: int, dt: int,
+              deepseek: bool = False) -> dict[str, float]:
     """:func:`kept_bytes` under ``stack.fp8``: each FP8 linear keeps its input's
     column-wise FP8 copy, 1 byte an element (Transformer Engine's ``_Linear`` and
     ``_GroupedLinear`` save the quantized input, :mod:`simulator.model.inventory.fp8`):
@@ -325,17 +331,20 @@ def _fp8_kept(spec: ModelSpec, mla: MLASpec, layer: int, kept: dict[str, float],
     theirs. The latents stay as counted (once, 16-bit: the latent norms' inputs), so do
     Q, K, V, the router's input and probabilities, the activations' inputs and the
     shared experts' (16-bit linears here). ``rows``: the layer's tokens and its local
-    (sequence-parallel) share."""
+    (sequence-parallel) share. With ``deepseek`` (DeepSeek-V3's caching) the out-proj input
+    is kept in E5M6 and the routed experts' activation inputs in FP8."""
     (tokens, local), h = rows, spec.hidden
     out = {**kept, "q_down" if mla.q_lora_rank else "q_up": 2 * local * h}  # both copies
-    out["attn_core"] -= (dt - 1) * tokens * spec.heads * mla.v_head_dim / tp
+    o_bytes = fp8.E5M6_BYTES if deepseek else 1.0
+    out["attn_core"] -= (dt - o_bytes) * tokens * spec.heads * mla.v_head_dim / tp
     if not spec.is_moe_layer(layer):
         out["mlp_up"] = local * h
         out["act"] -= (dt - 1) * tokens * spec.ffn / tp
         return out
     routed = routed_tokens(spec, tokens, padded=True)
     out["permute"] = routed * h
-    out["expert_act"] -= (dt - 1) * routed * spec.expert_ffn / tp
+    inputs = (2 if spec.activation == "swiglu" else 1) if deepseek else 0
+    out["expert_act"] -= (dt - 1) * routed * (1 + inputs) * spec.expert_ffn / tp
     return out
 
 
@@ -391,7 +400,8 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
         ops = (*ops, *fp8.scale_update(x, linears, pass_))
     if pass_ != "fwd":
         return ops[::-1]
-    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks, fp8.on(st))
+    kept = kept_bytes(spec, layer, micro_batch, tp, sequence_parallel, dt, masks, fp8.on(st),
+                      fp8.deepseek(st))
     # an FP8 weight cast every micro-batch keeps its column-wise copy (fp8.around)
     return tuple(replace(op, saved=kept.get(op.name, op.saved if op.name.startswith("fp8_w_")
                                             else 0.0)) for op in ops)

@@ -50,7 +50,33 @@ def consistency_problems(s: Scenario) -> list[Problem]:
     for strategy in registry.strategies():
         out += strategy.problems(s)
     return out + moe_problems(mdl) + variability_problems(s.variability, par.world, par.pp) \
-        + fp8_problems(s)
+        + fp8_problems(s) + state_dtype_problems(s)
+
+
+def state_dtype_problems(s: Scenario) -> list[Problem]:
+    """The optimizer's master-weight storage and FP8 activation caching need what they
+    store: int16 remainders a bf16 parameter with an fp32 master beside it (Transformer
+    Engine's FusedAdam keeps them "only when param type is BF16 and master weight type is
+    FP32"), an fp16 master a 16-bit parameter that is not itself the master, DeepSeek-V3's
+    caching FP8 linears."""
+    st, dtype = s.stack, s.training.dtype
+    master = dtype != "fp32" and not st.fp32_params(2)
+    out: list[Problem] = []
+    if st.param_remainders and (dtype != "bf16" or not master or st.main_params_dtype != "fp32"):
+        out.append(Problem("stack.param_remainders", True, "needs bf16 parameters with fp32 "
+                           "master weights beside them (training.dtype: bf16, "
+                           "stack.main_params_dtype: fp32, master_weights: optimizer, no "
+                           "autocast); set it false"))
+    if st.main_params_dtype != "fp32" and not master:
+        out.append(Problem("stack.main_params_dtype", st.main_params_dtype, "the parameters "
+                           f"are the fp32 master here (training.dtype {dtype}, "
+                           f"master_weights {st.master_weights}, autocast {st.autocast}); "
+                           "remove it or train in 16 bits with master_weights: optimizer"))
+    if st.fp8_cache != "linear_inputs" and st.fp8 == "none":
+        out.append(Problem("stack.fp8_cache", st.fp8_cache, "caches the inputs of FP8 "
+                           "linears: set stack.fp8 (DeepSeek-V3's recipe is blockwise) or "
+                           "remove it"))
+    return out
 
 
 def fp8_problems(s: Scenario) -> list[Problem]:

@@ -53,6 +53,12 @@ Attention = Literal["unfused", "unfused_fused_softmax", FusedAttention, "te"]
 Fusion = Literal["projections", "bias_act", "bias_dropout_add", "rope", "cross_entropy",
                  "bias_gemm"]
 GradDtype = Literal["fp32", "param"]
+#: An AdamW moment's storage: the dtypes Megatron-LM's ``--exp-avg-dtype`` and
+#: ``--exp-avg-sq-dtype`` take (megatron/training/arguments.py, choices fp32, fp16, bf16,
+#: fp8), which Transformer Engine's FusedAdam stores (fp8 as one byte with a scale per tensor)
+StateDtype = Literal["fp32", "bf16", "fp16", "fp8"]
+#: Bytes of one element of each optimizer-state dtype
+STATE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 class StackSpec(BaseModel):
@@ -197,6 +203,29 @@ class StackSpec(BaseModel):
     way on the 16-bit logits, which it keeps with a per-row fp32 log-sum-exp, its backward
     writing a 16-bit gradient (``torch.empty_like(logits)``)"""
 
+    exp_avg_dtype: StateDtype = "fp32"
+    """The dtype AdamW's first moment (``exp_avg``) is stored in: fp32, or bf16, fp16 or fp8
+    under Megatron-Core's precision-aware optimizer (``--use-precision-aware-optimizer
+    --exp-avg-dtype``: Transformer Engine's FusedAdam keeps the state in that dtype and
+    computes in fp32; megatron/core/optimizer/optimizer_config.py asserts fp32 without it)
+    or torchtitan's ``optimizer.implementation = "fused_opt_states_bf16"`` (both moments
+    bf16). DeepSeek-V3 keeps both moments in BF16 (arXiv:2412.19437, §3.3.3)."""
+    exp_avg_sq_dtype: StateDtype = "fp32"
+    """The dtype AdamW's second moment (``exp_avg_sq``) is stored in (Megatron's
+    ``--exp-avg-sq-dtype``), as ``exp_avg_dtype``."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """The dtype of the master weights the optimizer keeps beside 16-bit parameters
+    (Megatron's ``--main-params-dtype``, fp32 or fp16, under the precision-aware
+    optimizer); no effect where the parameters are the master (fp32 training,
+    ``master_weights: parameters``)."""
+    param_remainders: bool = False
+    """fp32 master weights stored as the 16 low bits each (an int16 remainder), the high 16
+    being the bf16 parameter itself: 2 bytes a parameter where fp32 master weights take 4
+    (Transformer Engine's FusedAdam ``store_param_remainders``, which Megatron-Core turns on
+    by default, ``OptimizerConfig.store_param_remainders``, when the precision-aware
+    optimizer owns fp32 master weights of bf16 parameters: no FP8 or delayed scaling,
+    megatron/core/optimizer/__init__.py). Needs bf16 training and fp32 main params."""
+
     fp8: FP8Recipe | Literal["none"] = "none"
     """The linear layers' GEMMs in FP8 under this recipe (Transformer Engine's
     ``fp8_autocast``; Megatron's ``--fp8-format hybrid --fp8-recipe``): ``delayed``,
@@ -212,6 +241,15 @@ class StackSpec(BaseModel):
     ``microbatch`` (a caller that passes no ``is_first_microbatch``, as Composer's modules:
     transformer_engine/pytorch/module/linear.py ``update_ws``), the column-wise copy then
     kept for the backward with the activations."""
+    fp8_cache: Literal["linear_inputs", "deepseek"] = "linear_inputs"
+    """What FP8 linears keep for the backward (with ``fp8`` only): ``linear_inputs``, each
+    FP8 linear its input's FP8 copy (1 byte; Transformer Engine's ``_Linear`` saves the
+    quantized input), the other kept tensors in the training dtype; ``deepseek``,
+    DeepSeek-V3's low-precision activations (arXiv:2412.19437, §3.3.3) besides: the input of
+    the linear after the attention in the customised E5M6 format (12 bits packed: 1.5
+    bytes), kept once for both the linear's and the attention's backward, and the routed
+    experts' SwiGLU inputs in FP8 (1 byte; recompute the SwiGLU output with
+    ``parallel.recompute_modules: [moe_act]``)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -255,6 +293,19 @@ class StackSpec(BaseModel):
 
     def main_grad_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.main_grads == "fp32" else dtype_bytes
+
+    def master_bytes(self, dtype_bytes: int) -> float:
+        """Bytes of the optimizer's master copy of one parameter: none where the
+        parameters are the master (fp32 ones), 2 as int16 remainders or fp16, else 4."""
+        if dtype_bytes == 4 or self.fp32_params(dtype_bytes):
+            return 0.0
+        return 2.0 if self.param_remainders else float(STATE_BYTES[self.main_params_dtype])
+
+    def optimizer_bytes(self, dtype_bytes: int) -> float:
+        """AdamW's state per parameter: the master copy and the two moments (12 bytes with
+        fp32 master weights and moments; 8 where the fp32 parameters are the master)."""
+        return self.master_bytes(dtype_bytes) + STATE_BYTES[self.exp_avg_dtype] \
+            + STATE_BYTES[self.exp_avg_sq_dtype]
 
     def reduce_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.grad_reduce_dtype == "fp32" else dtype_bytes

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{'yes' if m.fits else 'NO':>11}"]))
     peak = max(report, key=lambda item: item.total)
     print(f"\nstage {peak.stage} (the peak), item by item:")
-    for name, nbytes, source in memory_items(peak):
+    for name, nbytes, source in memory_items(peak, s):
         print(f"  {name:<20} {nbytes / gb:>8.2f} GB  {source}")
     verdict = memory_verdict(stage_rows(report))
     print(verdict.line())

@@ -60,7 +60,8 @@ from simulator.spec.stack import StackSpec
 
 def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
     """The layer's four linears; under ``stack.fp8`` FP8 GEMMs that keep their FP8 input
-    (1 byte an element, :mod:`simulator.model.inventory.fp8`)."""
+    (1 byte an element; the out-projection's in E5M6 under DeepSeek-V3's caching,
+    :func:`simulator.model.inventory.fp8.attn_out_bytes`)."""
     h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     kb = (1 if fp8.active(x) else dt) * (pass_ == "fwd")  # bytes kept per input element
@@ -72,7 +73,8 @@ def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
 
     return {
         "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * L * h),
-        "out_proj": make("out_proj", x.q, h, 1, kb * T * x.q),
+        "out_proj": make("out_proj", x.q, h, 1,
+                         fp8.attn_out_bytes(x.st, dt) * (pass_ == "fwd") * T * x.q),
         "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * L * h),
         "mlp_down": make("mlp_down", x.spec.ffn / x.tp, h, 1, kb * T * x.spec.ffn / x.tp),
     }

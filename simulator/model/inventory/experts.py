@@ -62,12 +62,15 @@ def expert_calls(stack: StackSpec | None, groups: int) -> int:
 
 
 def expert_act(spec: ModelSpec, tokens: float, width: float, dt: int, pass_: Pass,
-                name: str, kernels: int = 1) -> Op:
+                name: str, kernels: int = 1, kept: float | None = None) -> Op:
     """An expert MLP's activation over ``tokens`` × ``width``: it reads and writes
-    (GeLU) 2, (SwiGLU) 3 elements a unit forward, 3 and 5 backward; keeps its input."""
+    (GeLU) 2, (SwiGLU) 3 elements a unit forward, 3 and 5 backward; keeps its input, at
+    ``kept`` bytes an element (default the training dtype's; FP8 under DeepSeek-V3's
+    caching, :func:`simulator.model.inventory.fp8.expert_act_bytes`)."""
     swiglu = spec.activation == "swiglu"
     factor = (3.0 if swiglu else 2.0) if pass_ == "fwd" else (5.0 if swiglu else 3.0)
-    keep = (2 if swiglu else 1) * tokens * width * dt if pass_ == "fwd" else 0.0
+    width_kept = dt if kept is None else kept
+    keep = (2 if swiglu else 1) * tokens * width * width_kept if pass_ == "fwd" else 0.0
     return mem(name, factor * tokens * width, dt, "elementwise", kernels, keep)
 
 
@@ -93,7 +96,8 @@ def routed_expert_ops(spec: ModelSpec, tokens: float, width: float, groups: int,
         return [grouped_gemm(name, tokens, k, n, groups, dt, cls, kb * tokens * k, calls)]
 
     ops = [*make("expert_up", h, up, tokens * up),
-           expert_act(spec, tokens, width, dt, pass_, "expert_act", calls),
+           expert_act(spec, tokens, width, dt, pass_, "expert_act", calls,
+                      fp8.expert_act_bytes(stack, dt)),
            *make("expert_down", width, h, tokens * h)]
     buffers = eager_buffer_op(tokens, h, groups, ep, dt, pass_) \
         if stack is not None and stack.moe_routing == "eager" else None

@@ -35,6 +35,29 @@ linear.py ``_Linear``; the recipes in transformer_engine/common/recipe/__init__.
   §3.3: 1x128 activation tiles, 128x128 weight blocks) writes an fp32 scale per 128
   elements with the cast; ``mxfp8`` an E8M0 byte per 32.
 
+DeepSeek-V3's own caching (``stack.fp8_cache: deepseek``; arXiv:2412.19437 §3.3.3,
+"Low-Precision Activation": "it is a natural choice to cache activations in FP8 format for
+the backward pass of the Linear operator. However, special considerations are taken on
+several operators"), two changes to what the backward keeps:
+
+- "(1) Inputs of the Linear after the attention operator. These activations are also used
+  in the backward pass of the attention operator, which makes it sensitive to precision.
+  We adopt a customized E5M6 data format exclusively for these activations." One copy,
+  which the attention's backward reads too, at 12 bits an element: 1.5 bytes
+  (:data:`E5M6_BYTES`, two elements packed in three bytes; the report gives no layout, and
+  a 12-bit format saves memory over BF16 only packed) where the ``linear_inputs`` default
+  counts that tensor once at the FP8 copy's 1 byte.
+- "(2) Inputs of the SwiGLU operator in MoE. To further reduce the memory cost, we cache
+  the inputs of the SwiGLU operator and recompute its output in the backward pass. These
+  activations are also stored in FP8 with our fine-grained quantization method": the
+  routed experts' activation inputs at 1 byte (:func:`expert_act_bytes`); the output's
+  recomputation is ``parallel.recompute_modules: [moe_act]``. The shared experts, 16-bit
+  linears here, and the dense layers' MLPs keep theirs in the training dtype.
+
+Like the FP8 inputs above, the cached tensors are priced without their per-tile scales
+(4 bytes per 128 elements under ``blockwise``, 3%); their quantization is memory only here
+(no kernel of its own for the E5M6 copy or the SwiGLU inputs' FP8 one).
+
 Left in 16 bits, as TE leaves them: the attention core (no FP8 attention), norms, softmax,
 the loss, the output layer (Megatron's ``output_layer`` is not a TE module), the optimizer,
 master weights and gradients' reductions. DeepSeek-V3's promotion of partial sums to CUDA
@@ -75,6 +98,30 @@ RECIPES: dict[str, RecipeCost] = {
     "blockwise": RecipeCost(amax_pass=False, scale_bytes=4.0 / 128, history=False),
     "mxfp8": RecipeCost(amax_pass=False, scale_bytes=1.0 / 32, history=False),
 }
+
+
+#: Bytes of an element kept in DeepSeek-V3's E5M6 format: 1 sign, 5 exponent and 6 mantissa
+#: bits, two elements packed in three bytes
+E5M6_BYTES = 1.5
+
+
+def deepseek(stack: StackSpec | None) -> bool:
+    """``stack`` runs FP8 linears and caches activations as DeepSeek-V3 does."""
+    return on(stack) and stack is not None and stack.fp8_cache == "deepseek"
+
+
+def attn_out_bytes(stack: StackSpec | None, dt: int) -> float:
+    """Bytes a kept element of the input of the linear after the attention takes: the
+    training dtype's, 1 as an FP8 linear's copy, :data:`E5M6_BYTES` as DeepSeek-V3's."""
+    if not on(stack):
+        return float(dt)
+    return E5M6_BYTES if deepseek(stack) else 1.0
+
+
+def expert_act_bytes(stack: StackSpec | None, dt: int) -> float:
+    """Bytes a kept element of a routed expert's activation input takes: 1 (FP8) under
+    DeepSeek-V3's caching, else the training dtype's."""
+    return 1.0 if deepseek(stack) else float(dt)
 
 
 def active(x: Shape) -> bool:
