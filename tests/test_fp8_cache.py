@@ -99,8 +99,10 @@ def test_the_bundled_deepseek_v3_run_with_the_reports_low_precision_stores() -> 
     of the fp32 moments' and its activations fall; the middle ranks (model stages r and
     15 − r, 4 MoE layers each) then fit in 80 GB, the end ranks (embedding, 3 dense
     layers, 2 MoE layers, the MTP module and the output layer with its logits) do not."""
-    s = load_scenario(SCENARIO)
-    low = _with(s, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16", fp8_cache="deepseek")
+    low = load_scenario(SCENARIO)  # the scenario states the report's stores
+    assert (low.stack.exp_avg_dtype, low.stack.exp_avg_sq_dtype, low.stack.fp8_cache) == (
+        "bf16", "bf16", "deepseek")
+    s = _with(low, exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", fp8_cache="linear_inputs")
     before, after = memory_report(s), memory_report(low)
     for a, b in zip(before, after, strict=True):
         assert b.optimizer == pytest.approx(a.optimizer * 8 / 12, rel=1e-12)
