@@ -107,9 +107,10 @@ def test_deepseek_v3s_bf16_moments_hold_a_third_less_state() -> None:
     """The bundled DeepSeek-V3 run with its report's BF16 moments: 8 bytes a parameter of
     the shard where fp32 moments hold 12, so every stage's optimizer item is 2/3 of it
     (stage 1: 8.63 -> 5.75 GB), and `clustersim memory` names the dtypes it priced."""
-    s = load_scenario(DSV3)
-    low = s.model_copy(update={"stack": s.stack.model_copy(update={
-        "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"})})
+    low = load_scenario(DSV3)  # the scenario states them; fp32 moments are the override
+    assert (low.stack.exp_avg_dtype, low.stack.exp_avg_sq_dtype) == ("bf16", "bf16")
+    s = low.model_copy(update={"stack": low.stack.model_copy(update={
+        "exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32"})})
     for a, b in zip(memory_report(s), memory_report(low), strict=True):
         assert b.optimizer == pytest.approx(a.optimizer * 8 / 12, rel=1e-12)
     peak = memory_report(low)[1]
