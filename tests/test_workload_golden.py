@@ -36,39 +36,39 @@ CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
 # (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
 GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
-        ("bfd0695920a31a4e", 1825),
+        ("6036438f1f8cb5ab", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("544e48b5c2e4dfe6", 4480),
+        ("984e5948fc83f5e7", 4480),
     ("llama2-7b-1gpu-offload", (), "folded"):
-        ("2e46a93a946b80e7", 232),
+        ("de6578d02857a11f", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("87eea47d92dfebc3", 4364),
+        ("3f1d78c134866ef4", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("c45caee237afa439", 2952),
+        ("b42e27547dc06bc7", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("c09c45d6edd6d8c7", 7752),
+        ("8e30366697d2f5b3", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
-        ("ba36f279a7c8990d", 6248),
+        ("dd89172471751006", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("c5cb60328a54983c", 2282),
+        ("93d65ff27ad24553", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("9e1598e24b4db90a", 8516),
+        ("2bda4297e467ac74", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("802862ddc8e9dd56", 2706),
+        ("835b0bed15b20777", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("72a7422de5a49bb8", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("bb895cde0849755a", 2260),
+        ("e6ffbab66d51761f", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
-        ("b29f624967bdd6d4", 2125),
+        ("1d73bd122d676a4e", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):
-        ("1800428972151d68", 2642),
+        ("2628c39cecd53469", 2642),
 }
 
 
