@@ -21,8 +21,8 @@ from simulator.spec.stack import default_stack
 from simulator.system.costs import CostModel
 from simulator.system.gemm_shape import (
     GemmCall,
+    padding,
     quantisation,
-    reference_fill,
     shape_factor,
     tile_count,
     wave_count,
@@ -33,39 +33,40 @@ H100 = ((256, 128), (128, 256))
 
 
 def test_tiles_and_waves_worked_by_hand() -> None:
-    """4096 × 768 on 256 × 128 tiles: 16 · 6 = 96 tiles, one wave of 132 SMs, 96/132 of
-    it used; 4097 rows need a 17th tile row (102 tiles); 2048 × 4608 on 128 × 256: 16 · 18
-    = 288 tiles, 3 waves (396 slots)."""
-    call = GemmCall(4096, 768, 2048)
-    assert tile_count(call, (256, 128)) == 96
-    assert wave_count(call, (256, 128), 132) == 1
-    assert quantisation(call, (256, 128), 132) == pytest.approx(96 / 132)
-    assert tile_count(GemmCall(4097, 768, 2048), (256, 128)) == 17 * 6
+    """2048 × 4608 on 128 × 256 tiles (GPT-3's QKV at TP 8): 16 · 18 = 288 tiles, 3 waves
+    of 132 SMs, 288/396 of the slots used; 4097 rows need a 17th tile row; 100 × 100 pads
+    one 256 × 128 tile to 10⁴/32768; a grouped launch of 8 experts counts all their tiles."""
     wide = GemmCall(2048, 4608, 12288)
     assert tile_count(wide, (128, 256)) == 288 and wave_count(wide, (128, 256), 132) == 3
     assert quantisation(wide, (128, 256), 132) == pytest.approx(288 / 396)
-    # a part tile: 100 × 100 uses 10⁴ of one 256 × 128 tile's 32768 slots on 1 SM
-    assert quantisation(GemmCall(100, 100, 64), (256, 128), 1) == pytest.approx(1e4 / 32768)
-    # a grouped launch of 8 experts counts all their tiles
+    assert shape_factor(wide, H100, 132) == pytest.approx(288 / 396)  # 256 × 128: 288 too
+    assert shape_factor(wide, H100, 108) == pytest.approx(288 / 324)  # an A100's 108 SMs
+    assert tile_count(GemmCall(4097, 768, 2048), (256, 128)) == 17 * 6
+    assert padding(GemmCall(4097, 768, 2048), (256, 128)) == pytest.approx(4097 / (17 * 256))
+    assert padding(GemmCall(100, 100, 64), (256, 128)) == pytest.approx(1e4 / 32768)
     assert tile_count(GemmCall(512, 256, 64, batch=8), (256, 128)) == 8 * 2 * 2
 
 
 def test_factor_is_one_at_perfect_tiling() -> None:
     """m, n multiples of the tile and tiles a multiple of the SMs: whole waves, factor 1;
-    so is a square GEMM too small to fill one wave (the curve's own reference)."""
+    so is a launch under one wave whose sides are multiples of the tile (4096 × 768: 96
+    tiles on 132 SMs; split-K and the FLOPs curve hold what it loses)."""
     call = GemmCall(256 * 12, 128 * 11, 4096)  # 132 tiles on 132 SMs
     assert quantisation(call, (256, 128), 132) == 1.0
-    assert shape_factor(call, call.flops, H100, 132) == 1.0
-    small = GemmCall(1024, 1024, 1024)  # 32 tiles: the square reference's own fill
-    assert reference_fill(small.flops, (256, 128), 132) == pytest.approx(32 / 132)
-    assert shape_factor(small, small.flops, H100, 132) == pytest.approx(1.0)
+    assert shape_factor(call, H100, 132) == 1.0
+    assert shape_factor(GemmCall(4096, 768, 2048), H100, 132) == 1.0
+    assert shape_factor(GemmCall(1024, 1024, 1024), H100, 132) == 1.0
 
 
 def test_badly_quantised_shape_is_slower_than_its_flops() -> None:
     """1.06 waves: 140 tiles of 256 × 128 where 132 fit; both tiles give 140 tiles, two
-    waves, 140/264 of the slots; a square GEMM of those FLOPs fills whole waves."""
+    waves, 140/264 of the slots; one row more than a tile multiple pads a whole row."""
     call = GemmCall(256 * 14, 128 * 10, 8192)
-    assert shape_factor(call, call.flops, H100, 132) == pytest.approx(140 / 264)
+    assert shape_factor(call, H100, 132) == pytest.approx(140 / 264)
+    # 256·11 + 1 rows: 12 tile rows of 256 by 11 of 128, 132 tiles in one full wave, the
+    # last row padded (2817/3072); 128 × 256 would take 23 · 6 = 138 tiles, two waves
+    assert shape_factor(GemmCall(256 * 11 + 1, 128 * 11, 4096), H100, 132) == \
+        pytest.approx(2817 / 3072)
 
 
 @given(m=st.integers(1, 20000), n=st.integers(1, 20000), k=st.integers(1, 20000),
@@ -75,7 +76,7 @@ def test_factor_never_exceeds_one(m: int, n: int, k: int, batch: int, sms: int) 
     """The term only ever slows a GEMM: factor in (0, 1]; so on a profile the shaped
     efficiency never exceeds the FLOPs-only one."""
     call = GemmCall(m, n, k, batch)
-    f = shape_factor(call, call.flops * batch, H100, sms)
+    f = shape_factor(call, H100, sms)
     assert 0 < f <= 1
     gpu = load_system("dgx-h100").gpu
     for cls in ("gemm_fwd", "gemm_dgrad", "gemm_wgrad"):
@@ -88,12 +89,14 @@ def test_factor_never_exceeds_one(m: int, n: int, k: int, batch: int, sms: int) 
 def test_waves_grow_with_rows_and_fill_within_a_tile(m: int, n: int, dm: int,
                                                       sms: int) -> None:
     """More rows never take fewer tiles or waves; rows added inside the last tile row
-    (same tiles, same waves) only raise the quantisation efficiency."""
+    (same tiles, same waves) only raise the quantisation efficiency; padding the rows
+    to the tile makes the padding 1 exactly where n is a tile multiple."""
     tile, call, more = (256, 128), GemmCall(m, n, 64), GemmCall(m + dm, n, 64)
     assert tile_count(more, tile) >= tile_count(call, tile)
     assert wave_count(more, tile, sms) >= wave_count(call, tile, sms)
     padded = GemmCall(math.ceil(m / 256) * 256, n, 64)
     assert quantisation(padded, tile, sms) >= quantisation(call, tile, sms)
+    assert (padding(GemmCall(padded.m, 128 * math.ceil(n / 128), 64), tile) == 1.0)
 
 
 @pytest.mark.parametrize("model,tp,fused", [("gpt3-175b", 8, True), ("llama3-8b", 4, False),
@@ -159,13 +162,15 @@ def test_profile_without_tiles_prices_as_before(name: str) -> None:
 
 
 def test_tiles_price_a_badly_quantised_gemm_slower() -> None:
-    """On the H100 preset the 140-tile GEMM above takes 264/140 times its FLOPs-only
-    compute time; a whole-wave one the same."""
+    """On the H100 preset the 3584 × 1280 GEMM takes 140 tiles of 256 × 128 (two waves,
+    140/264) or 280 of 128 × 128 (three, 280/396): the best, 280/396, of its FLOPs-only
+    speed; a whole-wave one runs at its FLOPs' speed."""
     hw = load_system("dgx-h100")
+    assert hw.gpu.gemm_tiles == ((256, 128), (128, 256), (128, 128))
     cost = CostModel(hw, "bf16")
     bad = gemm("x", 256 * 14, 8192, 128 * 10, 2, "gemm_fwd")
     good = gemm("x", 256 * 12, 8192, 128 * 11, 2, "gemm_fwd")
-    for op, ratio in ((bad, 264 / 140), (good, 1.0)):
+    for op, ratio in ((bad, 396 / 280), (good, 1.0)):
         bare = type(op)(**{**op.__dict__, "gemm_call": None})
         assert cost.op_parts(op)[0] == pytest.approx(cost.op_parts(bare)[0] * ratio)
 

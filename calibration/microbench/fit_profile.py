@@ -107,14 +107,14 @@ def well_quantised(records: list[dict[str, Any]],
                    sheet: HardwareProfile | None) -> list[dict[str, Any]]:
     """GEMM records with each time multiplied by its shape's factor on the datasheet
     preset's tiles (:meth:`GPUSpec.gemm_shape_factor`; the call as its layout runs it):
-    the time those FLOPs would take quantised as well as the curve's square reference,
-    so the fitted curve is the one the cost model multiplies by the same factor again.
-    Unchanged without tiles (a CPU, a GPU no preset describes)."""
+    the time those FLOPs would take perfectly tiled in whole waves, so the fitted curve
+    is the one the cost model multiplies by the same factor again. Unchanged without
+    tiles (a CPU, a GPU no preset describes)."""
     if sheet is None or not sheet.gpu.gemm_tiles:
         return records
     gpu = sheet.gpu
     return [{**r, "time_s": r["time_s"] * gpu.gemm_shape_factor(
-        call_shape(r["m"], r["k"], r["n"], f"gemm_{r.get('layout', 'fwd')}"), r["flops"])}
+        call_shape(r["m"], r["k"], r["n"], f"gemm_{r.get('layout', 'fwd')}"))}
             for r in records]
 
 

@@ -9,26 +9,29 @@ library picks, one thread block each, and runs them on the SMs in waves (NVIDIA'
 - wave quantisation (§3.2): ``tiles`` tiles on ``sms`` SMs take ceil(tiles/sms) waves,
   the last one partly idle.
 
-The useful fraction of the tile slots a launch occupies is the quantisation efficiency
-
-    q = batch·m·n / (waves · sms · Tm·Tn),  waves = ceil(batch·ceil(m/Tm)·ceil(n/Tn) / sms)
-
-(``batch`` products in one launch: a grouped GEMM's experts). q is 1 exactly when m and
-n are multiples of the tile and the tiles fill whole waves. cuBLAS picks among several
-tiles (§2.3: 256×128 and 128×256 the most efficient); a profile lists the ones it takes
-for large GEMMs and the best of them sets q (the library's heuristic avoids a badly
-quantising tile where another of the same efficiency fits).
+A launch of ``batch`` products (a grouped GEMM's experts) has batch times the tiles.
+cuBLAS picks among several tiles (§2.3: 256×128 and 128×256 the most
+efficient); a profile lists the ones it takes for large GEMMs and the best quantising
+of them sets the factor.
 
 The profile's FLOPs curve (``gpu.gemm_efficiency``) was read from microbenchmarks of
-square, well-quantised GEMMs, so it already holds what a GEMM of that size loses by not
-filling the GPU at all: a square GEMM of F FLOPs (m = n = k = (F/2)^(1/3)) covers
-``fill = min(1, (F/2)^(2/3) / (Tm·Tn·sms))`` of one wave. The shape term is q relative
-to that reference, never above 1:
+square, well-quantised GEMMs, so the shape term is 1 wherever a shape quantises
+perfectly and what it loses otherwise:
 
-    factor(m, n, k) = min(1, q / fill),   efficiency = curve(F) · factor
+    factor(m, n, k) = padding · waves_term
+    padding    = m·n / (ceil(m/Tm)·Tm · ceil(n/Tn)·Tn)
+    waves_term = tiles / (waves · sms)   when tiles >= sms, else 1
 
-so a shape that quantises as well as the reference runs on the curve, one that
-quantises worse at the same FLOPs is slower, and none is faster than the curve says.
+so efficiency = curve(F) · factor: a shape that quantises worse than another of the
+same FLOPs is slower, none is faster than its FLOPs say. A launch of fewer tiles than
+SMs is not charged its idle SMs: the FLOPs curve already holds what a small GEMM loses
+by not filling the GPU (its square microbenchmarks are small there too), and a skinny
+GEMM with few output tiles and a long k is split along k across thread blocks (split-K,
+CUTLASS's media/docs/cpp/efficient_gemm.md "Parallelized Reductions": for M and N small
+while K is large the plain tiling "may launch relatively few threadblocks and fail to
+make full use of all multiprocessors"). From one full wave on, the partly idle last
+wave is charged: the guide's wave quantisation.
+
 A profile without tiles (``gpu.gemm_tiles`` empty: a CPU, a calibrated profile written
 before the field) prices every GEMM on its FLOPs alone.
 """
@@ -73,26 +76,27 @@ def wave_count(call: GemmCall, tile: Tile, sms: int) -> int:
     return math.ceil(tile_count(call, tile) / sms)
 
 
+def padding(call: GemmCall, tile: Tile) -> float:
+    """Tile quantisation: the useful share of the tiles' area, m·n / (ceil(m/Tm)·Tm ·
+    ceil(n/Tn)·Tn)."""
+    return call.m * call.n / (math.ceil(call.m / tile[0]) * tile[0]
+                              * math.ceil(call.n / tile[1]) * tile[1])
+
+
 def quantisation(call: GemmCall, tile: Tile, sms: int) -> float:
-    """Useful output over the tile slots of all waves, batch·m·n / (waves·sms·Tm·Tn):
-    1 for a perfectly tiled, whole-wave launch, less otherwise."""
-    return call.batch * call.m * call.n / (wave_count(call, tile, sms) * sms
-                                           * tile[0] * tile[1])
+    """Tile times wave quantisation on ``tile``: :func:`padding` times tiles / (waves ·
+    sms) once the launch has at least one full wave (below that, 1: split-K fills the
+    SMs, the FLOPs curve holds the rest). 1 for perfect tiling in whole waves."""
+    tiles = tile_count(call, tile)
+    waves = tiles / (wave_count(call, tile, sms) * sms) if tiles >= sms else 1.0
+    return padding(call, tile) * waves
 
 
-def reference_fill(flops: float, tile: Tile, sms: int) -> float:
-    """The share of one wave a square GEMM of ``flops`` FLOPs covers, tiles counted
-    without rounding: min(1, (F/2)^(2/3) / (Tm·Tn·sms)), what the FLOPs curve's own
-    (square) microbenchmarks already lose to an unfilled GPU."""
-    return min(1.0, (flops / 2.0) ** (2.0 / 3.0) / (tile[0] * tile[1] * sms))
-
-
-def shape_factor(call: GemmCall, size: float, tiles: Sequence[Tile], sms: int) -> float:
-    """How much of the FLOPs curve's efficiency at ``size`` (the call's lookup FLOPs) a
-    GEMM of shape ``call`` keeps, in (0, 1]: its best tile's quantisation relative to
-    the square reference's fill (:func:`reference_fill` on the first tile); 1 without
-    tiles or for an empty product."""
-    if not tiles or call.m <= 0 or call.n <= 0 or call.k <= 0 or size <= 0:
+def shape_factor(call: GemmCall, tiles: Sequence[Tile], sms: int) -> float:
+    """How much of the FLOPs curve's efficiency a GEMM of shape ``call`` keeps, in
+    (0, 1]: the best of ``tiles`` by :func:`quantisation` (the library's heuristic avoids
+    a badly quantising tile where another fits); 1 without tiles or for an empty
+    product."""
+    if not tiles or call.m <= 0 or call.n <= 0 or call.k <= 0:
         return 1.0
-    q = max(quantisation(call, tile, sms) for tile in tiles)
-    return min(1.0, q / reference_fill(size, tiles[0], sms))
+    return max(quantisation(call, tile, sms) for tile in tiles)

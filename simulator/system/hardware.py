@@ -162,8 +162,8 @@ class GPUSpec(Frozen):
     sms: int | None = Field(default=None, gt=0, le=100_000)
     # the CTA output tiles (Tm, Tn) the GEMM library runs large 16-bit GEMMs on, the best
     # quantising of them taken per shape: a GEMM's efficiency is the FLOPs curve times its
-    # tile and wave quantisation relative to a square GEMM's (simulator/system/
-    # gemm_shape.py; needs ``sms``); absent: by FLOPs alone
+    # tile and wave quantisation (simulator/system/gemm_shape.py; needs ``sms``); absent:
+    # by FLOPs alone
     gemm_tiles: tuple[tuple[int, int], ...] = Field(default=(), max_length=16)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
@@ -276,7 +276,7 @@ class GPUSpec(Frozen):
             raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
         if gemm is not None and cost_class.startswith("gemm_"):
             return self.efficiency(cost_class, size, call, precision) \
-                * self.gemm_shape_factor(gemm, size)
+                * self.gemm_shape_factor(gemm)
         if precision == "fp8" and self.fp8_gemm_efficiency is not None:
             return self.fp8_gemm_efficiency(size)
         curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
@@ -292,13 +292,13 @@ class GPUSpec(Frozen):
                      else self.memory_efficiency)
         return curve(size)
 
-    def gemm_shape_factor(self, gemm: GemmCall, size: float) -> float:
-        """What a GEMM of shape ``gemm`` keeps of the curve's efficiency at ``size``: its
-        tile and wave quantisation on ``gemm_tiles`` and ``sms`` relative to a square
-        GEMM's (:func:`simulator.system.gemm_shape.shape_factor`); 1 without tiles."""
+    def gemm_shape_factor(self, gemm: GemmCall) -> float:
+        """What a GEMM of shape ``gemm`` keeps of its FLOPs curve's efficiency: its tile
+        and wave quantisation on ``gemm_tiles`` and ``sms``
+        (:func:`simulator.system.gemm_shape.shape_factor`); 1 without tiles."""
         if not self.gemm_tiles or self.sms is None:
             return 1.0
-        return shape_factor(gemm, size, self.gemm_tiles, self.sms)
+        return shape_factor(gemm, self.gemm_tiles, self.sms)
 
     def runtime_memory(self) -> RuntimeMemory:
         """``runtime`` where the profile states it; else nothing on a CPU device
