@@ -36,39 +36,39 @@ CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
 # (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
 GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
-        ("6036438f1f8cb5ab", 1825),
+        ("ca857a7f37321ea9", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("984e5948fc83f5e7", 4480),
+        ("26cb0e36f0ed1ad9", 4480),
     ("llama2-7b-1gpu-offload", (), "folded"):
-        ("de6578d02857a11f", 232),
+        ("4e1c681ec59edb54", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("3f1d78c134866ef4", 4364),
+        ("b6a5a5808024df7c", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("b42e27547dc06bc7", 2952),
+        ("e688fff63a90ffd8", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("8e30366697d2f5b3", 7752),
+        ("40965ac01a8adba5", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
-        ("dd89172471751006", 6248),
+        ("b9861daf4e5ab610", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("93d65ff27ad24553", 2282),
+        ("03ffcf943797ed9b", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("2bda4297e467ac74", 8516),
+        ("d976d43a48ffaabf", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("835b0bed15b20777", 2706),
+        ("6b452f645a4a2a88", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("72a7422de5a49bb8", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("e6ffbab66d51761f", 2260),
+        ("cce2cee761977340", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
-        ("1d73bd122d676a4e", 2125),
+        ("487f566a125531f3", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):
-        ("2628c39cecd53469", 2642),
+        ("e8318e574c90a939", 2642),
 }
 
 
