@@ -1,6 +1,7 @@
 """The inventory's vocabulary: an :class:`Op` (FLOPs, HBM bytes, cost class, kernels,
-bytes kept for backward), the passes, element sizes, and :class:`Shape`, one layer on
-one TP rank for one micro-batch, that every op builder reads.
+bytes kept for backward, a GEMM's call shape, :func:`call_shape`), the passes, element
+sizes, and :class:`Shape`, one layer on one TP rank for one micro-batch, that every op
+builder reads.
 """
 
 from __future__ import annotations
