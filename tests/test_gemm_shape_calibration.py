@@ -136,6 +136,13 @@ def test_a_bad_scenario_flag_is_one_line(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--scenario" in err and "no such file" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {preset: llama3-8b}\ntraining: {global_batch: 0}\n")
+    rc = cli(["calibrate", "--device", "cpu", "--tiny", "--out", str(tmp_path / "p.yaml"),
+              "--scenario", str(bad)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and lines and all("--scenario" in line and "does not load" in line
+                                     for line in lines)
 
 
 def test_inventory_shapes_match_gemm_shape_records() -> None:

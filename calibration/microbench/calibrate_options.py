@@ -90,11 +90,11 @@ def _scenario_problems(path: str | None) -> list[Problem]:
         return []
     if not Path(path).is_file():
         return [Problem("--scenario", path, "no such file; name a scenario YAML, e.g. "
-                        "scenarios/llama3-8b.yaml")]
+                        "scenarios/llama2-7b-8gpu-ddp.yaml")]
     from simulator.spec.load import load_scenario
 
     try:
         load_scenario(path)
-    except UserError as err:
-        return [Problem("--scenario", path, f"does not load: {err}")]
+    except UserError as err:  # each of its problems on its own line
+        return [Problem("--scenario", path, f"does not load: {line}") for line in err.lines()]
     return []
