@@ -21,6 +21,7 @@ from simulator.spec.stack import default_stack
 from simulator.system.costs import CostModel
 from simulator.system.gemm_shape import (
     GemmCall,
+    fitted,
     padding,
     quantisation,
     shape_factor,
@@ -56,6 +57,16 @@ def test_factor_is_one_at_perfect_tiling() -> None:
     assert shape_factor(call, H100, 132) == 1.0
     assert shape_factor(GemmCall(4096, 768, 2048), H100, 132) == 1.0
     assert shape_factor(GemmCall(1024, 1024, 1024), H100, 132) == 1.0
+
+
+def test_a_side_shorter_than_the_tile_runs_a_tile_cut_to_it() -> None:
+    """A 64-row GEMM runs 64-row tiles (factor 1), a 100 × 100 one a 128 × 128 tile cut
+    from 256 × 128 (10⁴/16384), never a half-empty large tile."""
+    assert fitted((256, 128), GemmCall(64, 384, 128)) == (64, 128)
+    assert fitted((256, 128), GemmCall(100, 100, 64)) == (128, 128)
+    assert fitted((256, 128), GemmCall(4096, 768, 64)) == (256, 128)
+    assert shape_factor(GemmCall(64, 384, 128), H100, 108) == 1.0
+    assert shape_factor(GemmCall(100, 100, 64), H100, 132) == pytest.approx(1e4 / 16384)
 
 
 def test_badly_quantised_shape_is_slower_than_its_flops() -> None:

@@ -19,7 +19,8 @@ square, well-quantised GEMMs, so the shape term is 1 wherever a shape quantises
 perfectly and what it loses otherwise:
 
     factor(m, n, k) = padding · waves_term
-    padding    = m·n / (ceil(m/Tm)·Tm · ceil(n/Tn)·Tn)
+    padding    = m·n / (ceil(m/Tm)·Tm · ceil(n/Tn)·Tn)   (a side shorter than the tile on
+                 a tile cut to it, in steps of 64: the library's smallest tiles)
     waves_term = tiles / (waves · sms)   when tiles >= sms, else 1
 
 so efficiency = curve(F) · factor: a shape that quantises worse than another of the
@@ -44,6 +45,19 @@ from dataclasses import dataclass
 
 #: a CTA output tile, (Tm, Tn) elements of C
 Tile = tuple[int, int]
+
+#: The smallest side of a CTA tile the library runs (the guide's §2.3 lists cuBLAS's
+#: tiles down to 64×64; cuBLAS's sm_90 kernels include tilesize64x64x64, vLLM's
+#: docs/contributing/profiling.md): a side of C shorter than a listed tile's runs on
+#: that tile cut to the next multiple of 64, not padded to the full tile.
+MIN_SIDE = 64
+
+
+def fitted(tile: Tile, call: GemmCall) -> Tile:
+    """``tile`` with each side cut to C's side rounded up to :data:`MIN_SIDE` where that
+    is shorter (a 64-row GEMM runs 64-row tiles, not half-empty 128-row ones)."""
+    return (min(tile[0], MIN_SIDE * math.ceil(call.m / MIN_SIDE)),
+            min(tile[1], MIN_SIDE * math.ceil(call.n / MIN_SIDE)))
 
 
 @dataclass(frozen=True)
@@ -84,9 +98,11 @@ def padding(call: GemmCall, tile: Tile) -> float:
 
 
 def quantisation(call: GemmCall, tile: Tile, sms: int) -> float:
-    """Tile times wave quantisation on ``tile``: :func:`padding` times tiles / (waves ·
-    sms) once the launch has at least one full wave (below that, 1: split-K fills the
-    SMs, the FLOPs curve holds the rest). 1 for perfect tiling in whole waves."""
+    """Tile times wave quantisation on ``tile`` (:func:`fitted` to a small GEMM):
+    :func:`padding` times tiles / (waves · sms) once the launch has at least one full
+    wave (below that, 1: split-K fills the SMs, the FLOPs curve holds the rest). 1 for
+    perfect tiling in whole waves."""
+    tile = fitted(tile, call)
     tiles = tile_count(call, tile)
     waves = tiles / (wave_count(call, tile, sms) * sms) if tiles >= sms else 1.0
     return padding(call, tile) * waves
