@@ -9,12 +9,18 @@ tokens, runs these forward GEMMs (C[m, n] = A[m, k] @ B[k, n], 2mnk FLOPs):
     MLP down   m=T  n=h                  k=f / t
     logits     m=T  n=V / t              k=h
 
-(backward GEMMs have the same FLOPs in transposed layouts; the cost model keys
-efficiency on FLOPs, so forward shapes sample the curve). Shapes come from every
-bundled model at several TP degrees and micro-batch sizes. On a CPU device, or
-with a small budget, a shape above the budget's FLOP cap is scaled down by a
-power of two in all three dimensions, which keeps its aspect ratio (a skinny
-GEMM stays skinny). The selection is spread evenly over log FLOPs.
+read off the op inventory itself (:func:`inventory_gemms`: each GEMM op's
+``gemm_call``), so the sweep times the shapes the cost model prices (backward GEMMs
+have the same FLOPs in transposed layouts, timed by :mod:`bench_terms`). Shapes come
+from every bundled model at several TP degrees and micro-batch sizes, and with
+``calibrate --scenario`` from that scenario's model, TP degree and micro-batch first,
+all of them kept (:func:`scenario_gemm_shapes`). The efficiency a GEMM reaches
+depends on its shape as well as its FLOPs (tile and wave quantisation,
+:mod:`simulator.system.gemm_shape`); the fit divides each measured shape's
+quantisation out, so the curve is the well-quantised one the cost model multiplies
+back. On a CPU device, or with a small budget, a shape above the budget's FLOP cap
+is scaled down by a power of two in all three dimensions, which keeps its aspect
+ratio (a skinny GEMM stays skinny). The selection is spread evenly over log FLOPs.
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from calibration.microbench.bench_timing import Budget
+from simulator.model.inventory.ops import CORE_OPS
+from simulator.spec.model_spec import ModelSpec
+from simulator.spec.stack import StackSpec, default_stack
 
 T = TypeVar("T")
 TP_DEGREES = (1, 2, 4, 8)
@@ -69,24 +79,24 @@ def _round8(x: float) -> int:
     return max(8, round(x / 8) * 8)
 
 
-def _layer_gemms(name: str, tp: int, tokens: int) -> list[tuple[str, int, int, int]]:
-    from simulator.spec.model_spec import load_preset_model
+def inventory_gemms(mdl: ModelSpec, tp: int, micro_batch: int,
+                    stack: StackSpec | None = None) -> list[tuple[str, int, int, int]]:
+    """The forward GEMM calls the op inventory prices for ``mdl`` at TP degree ``tp`` and
+    ``micro_batch`` sequences, one per linear, as (name, m, n, k) rounded to whole
+    elements: the shapes the cost model looks up (:attr:`Op.gemm_call`), so calibration
+    sweeps what the simulator runs. Expert and latent-attention models keep to their
+    dense layers' linears and the head (their own GEMMs join with the expert pass)."""
+    from simulator.model.inventory.dense import dense_layer_ops
+    from simulator.model.transformer import head_ops
 
-    mdl = load_preset_model(name)
     if mdl.heads % tp or mdl.ffn % tp or mdl.vocab % tp:
         return []
     if mdl.is_moe or mdl.mla is not None:
         return []  # expert and latent GEMMs join with the expert workload pass
-    d = mdl.head_size
-    kv_local = max(mdl.kv // tp, 1)  # KV heads are replicated when tp > kv
-    up = mdl.ffn // tp * (2 if mdl.activation == "swiglu" else 1)
-    return [
-        ("qkv", tokens, (mdl.heads // tp + 2 * kv_local) * d, mdl.hidden),
-        ("proj", tokens, mdl.hidden, mdl.heads // tp * d),
-        ("mlp_up", tokens, up, mdl.hidden),
-        ("mlp_down", tokens, mdl.hidden, mdl.ffn // tp),
-        ("logits", tokens, mdl.vocab // tp, mdl.hidden),
-    ]
+    ops = [*dense_layer_ops(mdl, micro_batch, tp, False, "bf16", "fwd", stack or default_stack()),
+           *head_ops(mdl, micro_batch, tp, False, "bf16", "fwd", stack)]
+    return [(op.name, round(c.m), round(c.n), round(c.k)) for op in ops
+            if (c := op.gemm_call) is not None and op.name not in CORE_OPS]
 
 
 def _scale(m: int, n: int, k: int, cap: float) -> tuple[int, int, int, int]:
@@ -100,19 +110,46 @@ def _scale(m: int, n: int, k: int, cap: float) -> tuple[int, int, int, int]:
         j += 1
 
 
+def _shapes_of(mdl: ModelSpec, name: str, tp: int, mb: int, budget: Budget,
+               stack: StackSpec | None = None) -> list[GemmShape]:
+    """:func:`inventory_gemms` of one model, TP degree and micro-batch, each scaled under
+    the budget's FLOP cap (:func:`_scale`) and tagged with where it came from."""
+    out = []
+    for layer, m, n, k in inventory_gemms(mdl, tp, mb, stack):
+        mm, nn, kk, f = _scale(m, n, k, budget.max_gemm_flops)
+        tag = f"{name} tp{tp} mb{mb} {layer}" + (f" (scaled 1/{f})" if f > 1 else "")
+        out.append(GemmShape(mm, nn, kk, tag))
+    return out
+
+
 def model_gemm_shapes(budget: Budget, device: str) -> list[GemmShape]:
+    """The bundled models' GEMMs at several TP degrees and micro-batches, spread over
+    log FLOPs, after the scenario's own (:attr:`Budget.scenario_gemms`, all kept)."""
     from simulator.spec.model_spec import load_preset_model, preset_model_names
 
     seen: dict[tuple[int, int, int], GemmShape] = {}
     for name in preset_model_names():
-        seq = min(load_preset_model(name).seq_len, 4096 if device == "cuda" else 2048)
+        mdl = load_preset_model(name)
+        mdl = mdl.model_copy(update={"seq_len": min(mdl.seq_len, 4096 if device == "cuda"
+                                                    else 2048)})
         for tp in TP_DEGREES:
             for mb in MICRO_BATCHES:
-                for layer, m, n, k in _layer_gemms(name, tp, mb * seq):
-                    mm, nn, kk, f = _scale(m, n, k, budget.max_gemm_flops)
-                    tag = f"{name} tp{tp} mb{mb} {layer}" + (f" (scaled 1/{f})" if f > 1 else "")
-                    seen.setdefault((mm, nn, kk), GemmShape(mm, nn, kk, tag))
-    return spread_by_size(list(seen.values()), budget.gemm_model_shapes, lambda s: s.flops)
+                for shape in _shapes_of(mdl, name, tp, mb, budget):
+                    seen.setdefault((shape.m, shape.n, shape.k), shape)
+    own = {(s.m, s.n, s.k): s for s in budget.scenario_gemms}
+    rest = [s for key, s in seen.items() if key not in own]
+    return [*own.values(), *spread_by_size(rest, budget.gemm_model_shapes, lambda s: s.flops)]
+
+
+def scenario_gemm_shapes(path: str, budget: Budget) -> tuple[GemmShape, ...]:
+    """The GEMMs of scenario ``path``'s model at its TP degree and micro-batch, as its
+    stack builds them (``calibrate --scenario``): the shapes its simulation prices."""
+    from simulator.spec.load import load_scenario
+
+    s = load_scenario(path)
+    shapes = _shapes_of(s.model, Path(path).stem, s.parallel.tp, s.training.micro_batch,
+                        budget, s.stack)
+    return tuple({(g.m, g.n, g.k): g for g in shapes}.values())
 
 
 def grid_gemm_shapes(budget: Budget) -> list[GemmShape]:

@@ -26,7 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from calibration.microbench.bench_shapes import GemmShape
 
 from calibration.host import cpu_name, keep_freed_memory
 
@@ -53,6 +56,9 @@ class Budget:
     recheck_passes: int = 2  # re-time compute points that read >15% slow (bench_compute)
     coll_steps_per_octave: int = 2  # message sizes per doubling (2: steps of √2)
     retry: int = 0  # > 0: a busy-machine re-measure, every compute job timed again
+    # the GEMMs of ``calibrate --scenario``'s model (bench_shapes.scenario_gemm_shapes):
+    # timed besides the bundled models' spread, every one of them
+    scenario_gemms: tuple[GemmShape, ...] = ()
 
     @property
     def min_batch_s(self) -> float:

@@ -56,6 +56,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base", metavar="PRESET",
                    help="preset or profile for what is not measured (default: the matching "
                    "datasheet preset on cuda, cpu-1thread on cpu)")
+    p.add_argument("--scenario", metavar="SCENARIO.yaml",
+                   help="also time every GEMM this scenario's model runs at its TP degree and "
+                        "micro-batch (the shapes its simulation prices), beside the bundled "
+                        "models' sweep")
     p.add_argument("--name", help="profile name (default: calibrated-<device>)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds before the collectives' torchrun launch is killed "
@@ -197,11 +202,14 @@ def calibrate(opts: Options, base: Any, nccl_runs: list[Any]) -> Path:
     import torch
 
     from calibration.microbench.bench_results import ResultsStore
+    from calibration.microbench.bench_shapes import scenario_gemm_shapes
     from calibration.microbench.bench_timing import Device, budget_for, device_info
 
     store = ResultsStore(opts.results, retry_failed=opts.retry_failed)
     device = Device(opts.device, opts.threads)
     budget = budget_for(opts.device, opts.level)
+    if opts.scenario:  # its model's GEMMs, as its stack builds them, timed first
+        budget = replace(budget, scenario_gemms=scenario_gemm_shapes(opts.scenario, budget))
     threads_before = torch.get_num_threads()
     started = time.perf_counter()
     reused = len(store.measured())

@@ -34,6 +34,7 @@ class Options:
     retry_failed: bool
     device_name: str
     retry_busy: int = 0
+    scenario: str | None = None  # --scenario: its model's GEMMs timed too
 
 
 def resolve_options(args: argparse.Namespace) -> Options:
@@ -56,6 +57,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
     if args.from_nccl_tests and "collectives" in args.skip:
         problems.append(Problem("--skip", "collectives", "conflicts with --from-nccl-tests; "
                                 "drop one of them"))
+    problems += _scenario_problems(getattr(args, "scenario", None))
     if problems:
         raise UserError(problems)
     torch = require_torch()
@@ -79,4 +81,20 @@ def resolve_options(args: argparse.Namespace) -> Options:
                    args.threads, out, results, tuple(args.from_nccl_tests or ()),
                    frozenset(args.skip), base, args.name or f"calibrated-{slug}",
                    args.timeout or (1800.0 if device == "cuda" else 300.0), args.retry_failed,
-                   device_name, args.retry_busy)
+                   device_name, args.retry_busy, getattr(args, "scenario", None))
+
+
+def _scenario_problems(path: str | None) -> list[Problem]:
+    """``--scenario``: a file that loads as a scenario (its own problems, named)."""
+    if path is None:
+        return []
+    if not Path(path).is_file():
+        return [Problem("--scenario", path, "no such file; name a scenario YAML, e.g. "
+                        "scenarios/llama2-7b-8gpu-ddp.yaml")]
+    from simulator.spec.load import load_scenario
+
+    try:
+        load_scenario(path)
+    except UserError as err:  # each of its problems on its own line
+        return [Problem("--scenario", path, f"does not load: {line}") for line in err.lines()]
+    return []

@@ -36,6 +36,7 @@ from calibration.microbench.fit_terms import (
     fit_overhead,
     fit_two_rank,
 )
+from simulator.model.inventory.ops import call_shape
 from simulator.system.devices import preset_for as datasheet_preset
 from simulator.system.hardware import HardwareProfile
 from simulator.system.profiles import load_system
@@ -50,6 +51,9 @@ class Fits:
     hbm_source: str = ""
     gemm: CurveFit | None = None
     fp8_gemm: CurveFit | None = None  # against peak_tflops["fp8"], where FP8 GEMMs were timed
+    # the CTA tiles and SMs whose quantisation the GEMM curves leave out (well_quantised)
+    gemm_tiles: tuple[tuple[int, int], ...] = ()
+    sms: int | None = None
     attention: CurveFit | None = None
     memory: CurveFit | None = None
     memory_kernels: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -91,10 +95,27 @@ def fit_compute(records: list[dict[str, Any]], device: str, dtype: str, threads:
     peak = _fit_flops(fits, records, by_kind, sheet, sel, ov, gpu_like)
     _fit_fp8(fits, _ok(records, "gemm_fp8", dtype="fp8", **sel), sheet, ov, gpu_like)
     _fit_memory(fits, by_kind["memory"], sheet, ov)
-    fits.terms = fit_classes(by_kind, peak, fits.hbm_GBps * 1e9 if fits.hbm_GBps else None, ov,
+    shaped = {**by_kind, "gemm": well_quantised(by_kind["gemm"], sheet),
+              "gemm_layout": well_quantised(by_kind["gemm_layout"], sheet)}
+    fits.terms = fit_classes(shaped, peak, fits.hbm_GBps * 1e9 if fits.hbm_GBps else None, ov,
                              gpu_like)
     fit_two_rank(fits.terms, [r for r in records if all(r.get(k) == v for k, v in sel.items())])
     return fits
+
+
+def well_quantised(records: list[dict[str, Any]],
+                   sheet: HardwareProfile | None) -> list[dict[str, Any]]:
+    """GEMM records with each time multiplied by its shape's factor on the datasheet
+    preset's tiles (:meth:`GPUSpec.gemm_shape_factor`; the call as its layout runs it):
+    the time those FLOPs would take perfectly tiled in whole waves, so the fitted curve
+    is the one the cost model multiplies by the same factor again. Unchanged without
+    tiles (a CPU, a GPU no preset describes)."""
+    if sheet is None or not sheet.gpu.gemm_tiles:
+        return records
+    gpu = sheet.gpu
+    return [{**r, "time_s": r["time_s"] * gpu.gemm_shape_factor(
+        call_shape(r["m"], r["k"], r["n"], f"gemm_{r.get('layout', 'fwd')}"))}
+            for r in records]
 
 
 def _fit_flops(fits: Fits, records: list[dict[str, Any]],
@@ -115,8 +136,11 @@ def _fit_flops(fits: Fits, records: list[dict[str, Any]],
         fits.peak_source = f"best measured {dtype} GEMM rate"
         fits.peak_tflops.update(_other_dtype_peaks(records, gemm, best, sel, dtype))
     peak = fits.peak_tflops[dtype] * 1e12
-    fits.gemm = fit_efficiency([r["flops"] for r in gemm], [r["time_s"] for r in gemm],
+    shaped = well_quantised(gemm, sheet)
+    fits.gemm = fit_efficiency([r["flops"] for r in shaped], [r["time_s"] for r in shaped],
                                peak, monotone=gpu_like, offset_s=ov)
+    if sheet is not None and sheet.gpu.gemm_tiles:  # the shape term the curve leaves out
+        fits.gemm_tiles, fits.sms = sheet.gpu.gemm_tiles, sheet.gpu.sms
     if att:
         fits.attention = fit_efficiency([r["flops"] for r in att], [r["time_s"] for r in att],
                                         executed_peak(att, peak), monotone=gpu_like,
@@ -133,7 +157,8 @@ def _fit_fp8(fits: Fits, fp8: list[dict[str, Any]], sheet: HardwareProfile | Non
     best = best_rate(fp8, "flops", ov) / 1e12
     listed = sheet.gpu.peak_tflops.get("fp8", 0) if sheet else 0
     fits.peak_tflops["fp8"] = listed if listed >= best else sig(best)
-    fits.fp8_gemm = fit_efficiency([r["flops"] for r in fp8], [r["time_s"] for r in fp8],
+    shaped = well_quantised(fp8, sheet)
+    fits.fp8_gemm = fit_efficiency([r["flops"] for r in shaped], [r["time_s"] for r in shaped],
                                    fits.peak_tflops["fp8"] * 1e12, monotone=gpu_like,
                                    offset_s=ov)
 

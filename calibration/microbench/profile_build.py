@@ -78,6 +78,10 @@ def _curves_into(gpu: dict[str, Any], fits: Fits, not_measured: list[str]) -> No
         gpu["peak_tflops"] = fits.peak_tflops
         gpu["gemm_efficiency"] = {"points": [list(p) for p in fits.gemm.points]}
         gpu["kernel_overhead_us"] = 0.0  # without an overhead fit it is inside the curves
+        if fits.gemm_tiles:  # the shape term the fit divided out, multiplied back
+            gpu["gemm_tiles"], gpu["sms"] = [list(t) for t in fits.gemm_tiles], fits.sms
+        else:  # curves over FLOPs alone: no shape term on top
+            gpu.pop("gemm_tiles", None)
     else:
         not_measured += ["gpu.peak_tflops", "gpu.gemm_efficiency"]
     if fits.fp8_gemm and "fp8" in gpu.get("peak_tflops", {}):  # per-tensor FP8 GEMMs timed

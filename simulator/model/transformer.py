@@ -192,8 +192,8 @@ def head_ops(
     wide = st.fp32_under_amp(dt)
     if pass_ == "bwd_weight":
         if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
-            logits = Op(logits.name, "gemm", logits.flops, logits.bytes
-                        + (8 - dt) * spec.hidden * spec.vocab / tp, logits.gemm_flops, cls)
+            logits = replace(logits, bytes=logits.bytes
+                             + (8 - dt) * spec.hidden * spec.vocab / tp)
         return (logits,)
     flash = st.loss == "flash"  # a custom kernel on the GEMM's 16-bit logits: no cast
     loss = _loss(st, tokens * spec.vocab / tp, dt if flash else wide, pass_)

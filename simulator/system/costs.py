@@ -8,7 +8,9 @@ come from the profile (datasheet presets or calibration) per cost class, falling
 to ``gemm_efficiency`` / ``attention_efficiency`` / ``memory_efficiency`` where the
 profile has no curve of its own for the class; a fused attention call is priced on its
 kernel's curves by sequence length and head dimension where the profile has them
-(:mod:`simulator.system.attention_kernels`). ``scale`` is the fraction of the counted
+(:mod:`simulator.system.attention_kernels`); a GEMM whose shape the op carries keeps its
+tile and wave quantisation's share of its curve where the profile lists the GPU's CTA
+tiles (:mod:`simulator.system.gemm_shape`). ``scale`` is the fraction of the counted
 FLOPs the kernel executes (a causal flash kernel skips the masked half; its backward
 recomputes the scores).
 
@@ -50,6 +52,7 @@ from functools import cached_property, lru_cache
 from typing import Literal, Protocol
 
 from simulator.system.attention_kernels import AttentionCall
+from simulator.system.gemm_shape import GemmCall
 from simulator.system.hardware import HardwareProfile
 from simulator.system.units import Dtype
 
@@ -77,6 +80,8 @@ class CostedOp(Protocol):
     def attn(self) -> AttentionCall | None: ...
     @property
     def precision(self) -> str: ...
+    @property
+    def gemm_call(self) -> GemmCall | None: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -123,7 +128,8 @@ class CostModel:
         if op.kind == "memory" or op.flops <= 0:
             compute = 0.0
         else:
-            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn, op.precision)
+            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn, op.precision,
+                                 op.gemm_call)
             peak = gpu.peak_flops("fp8") if op.precision == "fp8" else self.peak
             compute = op.flops * op.compute_scale / (peak * eff)
         host_us = self.host_us

@@ -15,7 +15,9 @@ The ``intra_node`` class joins the GPUs of one NVLink domain: a node, or where
 
 Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
 in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
-its kind (:meth:`GPUSpec.efficiency`). ``gpu.interference`` says how much compute
+its kind (:meth:`GPUSpec.efficiency`); where ``gpu.gemm_tiles`` lists the CTA tiles of
+the GPU's GEMM library, a GEMM of known shape keeps its tile and wave quantisation's share
+of that (:mod:`simulator.system.gemm_shape`). ``gpu.interference`` says how much compute
 slows while a collective on a link class overlaps it, ``gpu.collective_sync_us`` what
 a collective issued after compute costs beyond its back-to-back α-β time,
 ``gpu.send_sync_us`` the same for a point-to-point send (a pipeline stage's
@@ -49,6 +51,7 @@ from pydantic import (
 from simulator.errors import Problem, UserError
 from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
 from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
+from simulator.system.gemm_shape import GemmCall, shape_factor
 from simulator.system.link_specs import (
     AlphaBeta,
     HostSpec,
@@ -157,6 +160,11 @@ class GPUSpec(Frozen):
     # H200 SXM 132, B200 148): a communication kernel that holds some for its whole run
     # (DeepEP's, ``Plan.sms``) leaves the compute beside it the rest (absent: not priced)
     sms: int | None = Field(default=None, gt=0, le=100_000)
+    # the CTA output tiles (Tm, Tn) the GEMM library runs large 16-bit GEMMs on, the best
+    # quantising of them taken per shape: a GEMM's efficiency is the FLOPs curve times its
+    # tile and wave quantisation (simulator/system/gemm_shape.py; needs ``sms``); absent:
+    # by FLOPs alone
+    gemm_tiles: tuple[tuple[int, int], ...] = Field(default=(), max_length=16)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once
@@ -205,6 +213,38 @@ class GPUSpec(Frozen):
     def _recipes(cls, data: Any) -> Any:
         return tuple(data) if isinstance(data, list) else data  # YAML lists; strict tuples
 
+    @field_validator("gemm_tiles", mode="before")
+    @classmethod
+    def _tile_tuples(cls, data: Any) -> Any:
+        if isinstance(data, list):  # YAML lists; strict tuples
+            return tuple(tuple(t) if isinstance(t, list) else t for t in data)
+        return data
+
+    @field_validator("gemm_tiles")
+    @classmethod
+    def _tile_sizes(cls, tiles: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        bad = [t for t in tiles if not all(8 <= d <= 1024 and d % 8 == 0 for d in t)]
+        if bad:
+            raise ValueError(f"tile {list(bad[0])}: each side a multiple of 8 in [8, 1024] "
+                             "elements (a CTA tile, e.g. [256, 128])")
+        return tiles
+
+    @model_validator(mode="after")
+    def _tiles_need_sms(self) -> GPUSpec:
+        if self.gemm_tiles and self.sms is None:
+            raise ValueError("gemm_tiles needs sms (the waves are counted on the SMs): "
+                             "state gpu.sms or drop gemm_tiles")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without tiles the field is left out, as a profile file leaves it out: a run's
+        echo of the hardware (and its hash) reads as before the field."""
+        out: dict[str, Any] = handler(self)
+        if not self.gemm_tiles:
+            out.pop("gemm_tiles", None)
+        return out
+
     @field_validator("attention_kernels", mode="before")
     @classmethod
     def _attention_kernels(cls, data: Any) -> Any:
@@ -222,17 +262,21 @@ class GPUSpec(Frozen):
     def _link_names(cls, data: Any) -> Any:
         return known_keys(data, LINK_NAMES, "link class")
 
-    def efficiency(self, cost_class: str, size: float,
-                   call: AttentionCall | None = None, precision: str = "") -> float:
+    def efficiency(self, cost_class: str, size: float, call: AttentionCall | None = None,
+                   precision: str = "", gemm: GemmCall | None = None) -> float:
         """Achieved / peak of one kernel of ``cost_class`` and ``size`` (FLOPs for GEMM
         and attention, bytes moved otherwise): the class's own curve when the profile
         has one (calibration measured it), else for a fused attention ``call`` its
         kernel's curves at the call's sequence length and head dimension where the
         profile has them, else ``gemm_efficiency``, ``attention_efficiency`` or
         ``memory_efficiency`` by the class's kind. An FP8 GEMM (``precision`` fp8) is on
-        ``fp8_gemm_efficiency`` where the profile has it, else on its class's curve."""
+        ``fp8_gemm_efficiency`` where the profile has it, else on its class's curve. A GEMM
+        whose shape ``gemm`` is known keeps :meth:`gemm_shape_factor` of that."""
         if cost_class not in COST_CLASSES:
             raise ValueError(f"unknown cost class {cost_class!r}; one of {COST_CLASSES}")
+        if gemm is not None and cost_class.startswith("gemm_"):
+            return self.efficiency(cost_class, size, call, precision) \
+                * self.gemm_shape_factor(gemm)
         if precision == "fp8" and self.fp8_gemm_efficiency is not None:
             return self.fp8_gemm_efficiency(size)
         curve = self.class_efficiency.get(cost_class)  # type: ignore[call-overload]
@@ -247,6 +291,14 @@ class GPUSpec(Frozen):
                      else self.attention_efficiency if cost_class.startswith("attention_")
                      else self.memory_efficiency)
         return curve(size)
+
+    def gemm_shape_factor(self, gemm: GemmCall) -> float:
+        """What a GEMM of shape ``gemm`` keeps of its FLOPs curve's efficiency: its tile
+        and wave quantisation on ``gemm_tiles`` and ``sms``
+        (:func:`simulator.system.gemm_shape.shape_factor`); 1 without tiles."""
+        if not self.gemm_tiles or self.sms is None:
+            return 1.0
+        return shape_factor(gemm, self.gemm_tiles, self.sms)
 
     def runtime_memory(self) -> RuntimeMemory:
         """``runtime`` where the profile states it; else nothing on a CPU device

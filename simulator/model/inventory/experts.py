@@ -18,6 +18,7 @@ from simulator.model.inventory.ops import (
     Op,
     Pass,
     Shape,
+    call_shape,
     dtype_bytes,
     gemm,
     mem,
@@ -47,7 +48,7 @@ def grouped_gemm(name: str, m: float, k: float, n: float, groups: int, dt: int, 
     (:func:`expert_calls`; the efficiency-curve lookup at one expert's product)."""
     flops = 2.0 * m * k * n
     return Op(name, "gemm", flops, dt * (m * k + groups * k * n + m * n), flops / groups, cls,
-              calls, saved)
+              calls, saved, gemm_call=call_shape(m, k, n, cls, calls, groups))
 
 
 def expert_calls(stack: StackSpec | None, groups: int) -> int:

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from simulator.model.inventory.ops import Op, Pass, Shape, mem
+from simulator.model.inventory.ops import Op, Pass, Shape, call_shape, mem
 from simulator.spec.stack import StackSpec
 
 #: DelayedScaling.amax_history_len's default (transformer_engine/common/recipe/__init__.py)
@@ -160,7 +160,7 @@ def linear(name: str, m: float, k: float, n: float, dt: int, cls: str, pass_: Pa
     operands = m * k + w + m * n - result
     per_call = flops / groups if groups > 1 else flops / kernels  # the curve's lookup
     return Op(name, "gemm", flops, operands + dt * result, per_call, cls, kernels, saved,
-              precision="fp8")
+              precision="fp8", gemm_call=call_shape(m, k, n, pass_, kernels, groups))
 
 
 def around(stack: StackSpec | None, name: str, gemm: Op, inputs: float, grads: float,

@@ -1,6 +1,7 @@
 """The inventory's vocabulary: an :class:`Op` (FLOPs, HBM bytes, cost class, kernels,
-bytes kept for backward), the passes, element sizes, and :class:`Shape`, one layer on
-one TP rank for one micro-batch, that every op builder reads.
+bytes kept for backward, a GEMM's call shape, :func:`call_shape`), the passes, element
+sizes, and :class:`Shape`, one layer on one TP rank for one micro-batch, that every op
+builder reads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Literal
 from simulator.spec.model_spec import ModelSpec
 from simulator.spec.stack import StackSpec
 from simulator.system.attention_kernels import AttentionCall
+from simulator.system.gemm_shape import GemmCall
 
 OpKind = Literal["gemm", "attention", "memory"]
 
@@ -83,6 +85,9 @@ class Op:
     #: the element type a GEMM runs in where it is not the training dtype's: ``fp8`` for the
     #: linears of a stack with ``stack.fp8`` (priced at the GPU's fp8 peak)
     precision: str = ""
+    #: a GEMM's shape, one call as the pass runs it (:func:`call_shape`), whose tile and wave
+    #: quantisation the profile may price (simulator/system/gemm_shape.py); None: by FLOPs
+    gemm_call: GemmCall | None = None
 
     @property
     def host_ops(self) -> int:
@@ -104,13 +109,32 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}") from None
 
 
+#: The output (rows, columns) and reduction of a linear Y[m×n] = X[m×k]·W[k×n]'s GEMM in
+#: each pass: forward Y (m×n over k), input gradient dX = dY·Wᵀ (m×k over n), weight
+#: gradient dW = Xᵀ·dY (k×n over m); keyed by cost class and by pass.
+PASS_SHAPES: dict[str, tuple[str, str, str]] = {
+    "gemm_fwd": ("m", "n", "k"), "gemm_dgrad": ("m", "k", "n"), "gemm_wgrad": ("k", "n", "m"),
+    "fwd": ("m", "n", "k"), "bwd_input": ("m", "k", "n"), "bwd_weight": ("k", "n", "m")}
+
+
+def call_shape(m: float, k: float, n: float, pass_: str, calls: int = 1,
+               groups: int = 1) -> GemmCall:
+    """One call of an (m×k)·(k×n) linear as ``pass_`` (a pass or a GEMM cost class; any
+    other: the forward) runs it: its ``calls`` launches split n (separate q, k, v or gate
+    and up) or, with ``groups`` experts, the experts (m/groups rows each; a launch of
+    several runs them as one batch)."""
+    dims = {"m": m / groups, "k": k, "n": n / (1 if groups > 1 else calls)}
+    rows, cols, depth = PASS_SHAPES.get(pass_, ("m", "n", "k"))
+    return GemmCall(dims[rows], dims[cols], dims[depth], max(groups // calls, 1))
+
+
 def gemm(name: str, m: float, k: float, n: float, dt: int, cls: str = "", kernels: int = 1,
          saved: float = 0.0) -> Op:
     """An (m×k)·(k×n) product in ``kernels`` equal calls; its dgrad and wgrad read and
     write the same three shapes."""
     flops = 2.0 * m * k * n
     return Op(name, "gemm", flops, dt * (m * k + k * n + m * n), flops / kernels, cls, kernels,
-              saved)
+              saved, gemm_call=call_shape(m, k, n, cls, kernels))
 
 
 def mem(name: str, elements: float, dt: int, cls: str = "", kernels: int = 1,

@@ -76,9 +76,10 @@ class Window:
 
 def gemm_chunk(op: Op, parts: int) -> Op:
     """One of ``parts`` row chunks of GEMM ``op``: 1/parts of its FLOPs on the efficiency
-    curve of a call that size, and of its bytes."""
+    curve of a call that size (its shape's rows split), and of its bytes."""
     return replace(op, flops=op.flops / parts, bytes=op.bytes / parts,
-                   gemm_flops=op.gemm_flops / parts, saved=0.0)
+                   gemm_flops=op.gemm_flops / parts, saved=0.0,
+                   gemm_call=op.gemm_call and op.gemm_call.rows(parts))
 
 
 def overlap_sides(mode: str, backward: bool) -> tuple[bool, bool]:
