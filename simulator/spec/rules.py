@@ -19,6 +19,7 @@ from simulator.spec.recompute import model_problems, recompute_problems
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import variability_problems
 from simulator.strategies import registry
+from simulator.system.hardware import GPUSpec
 
 
 def consistency_problems(s: Scenario) -> list[Problem]:
@@ -92,7 +93,7 @@ def fp8_problems(s: Scenario) -> list[Problem]:
     if not lacking:
         return []
     name, hw = lacking[0]
-    problem = hw.gpu.fp8_problem(s.stack.fp8, name, _systems_with(s.stack.fp8))
+    problem = fp8_problem(hw.gpu, s.stack.fp8, name, _systems_with(s.stack.fp8))
     return [problem] if problem is not None else []
 
 
@@ -214,3 +215,14 @@ def scenario_warnings(s: Scenario) -> list[str]:
     for strategy in registry.strategies():
         out += strategy.warnings(s)
     return out
+
+def fp8_problem(gpu: GPUSpec, recipe: str, system: str, runs_it: list[str]) -> Problem | None:
+    """Why ``gpu`` cannot run FP8 ``recipe`` (None when it can): no fp8 peak, or a recipe
+    outside its ``fp8_recipes``; ``runs_it`` names the systems that do."""
+    if "fp8" in gpu.peak_tflops and recipe in gpu.fp8_recipes:
+        return None
+    has = (f"its FP8 recipes are {', '.join(gpu.fp8_recipes)}; choose one of those, "
+           if gpu.fp8_recipes else "choose ")
+    return Problem("stack.fp8", recipe, f"system {system} ({gpu.name}) has no FP8 "
+                   f"tensor cores for it: {has}a system that runs {recipe} "
+                   f"({', '.join(runs_it)}), or stack.fp8: none")

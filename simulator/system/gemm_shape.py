@@ -42,6 +42,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator
 
 #: a CTA output tile, (Tm, Tn) elements of C
 Tile = tuple[int, int]
@@ -116,3 +119,26 @@ def shape_factor(call: GemmCall, tiles: Sequence[Tile], sms: int) -> float:
     if not tiles or call.m <= 0 or call.n <= 0 or call.k <= 0:
         return 1.0
     return max(quantisation(call, tile, sms) for tile in tiles)
+
+
+def tile_tuples(data: Any) -> Any:
+    """A profile's ``gemm_tiles`` as YAML gives them (lists) made the tuples the field
+    types (strict validation); anything else unchanged."""
+    if isinstance(data, list):
+        return tuple(tuple(t) if isinstance(t, list) else t for t in data)
+    return data
+
+
+def checked_tiles(tiles: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """``tiles`` unchanged where every side is a multiple of 8 in [8, 1024] elements; else
+    a ValueError naming the first bad tile."""
+    bad = [t for t in tiles if not all(8 <= d <= 1024 and d % 8 == 0 for d in t)]
+    if bad:
+        raise ValueError(f"tile {list(bad[0])}: each side a multiple of 8 in [8, 1024] "
+                         "elements (a CTA tile, e.g. [256, 128])")
+    return tiles
+
+
+#: a profile's ``gpu.gemm_tiles``: (Tm, Tn) pairs, YAML's lists made tuples, each side checked
+Tiles = Annotated[tuple[tuple[int, int], ...], BeforeValidator(tile_tuples),
+                  AfterValidator(checked_tiles)]

@@ -51,7 +51,7 @@ from pydantic import (
 from simulator.errors import Problem, UserError
 from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
 from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
-from simulator.system.gemm_shape import GemmCall, shape_factor
+from simulator.system.gemm_shape import GemmCall, Tiles, shape_factor
 from simulator.system.link_specs import (
     AlphaBeta,
     HostSpec,
@@ -60,6 +60,7 @@ from simulator.system.link_specs import (
     LinkSpec,
     PowerSpec,
 )
+from simulator.system.runtime_memory import NO_RUNTIME, RuntimeMemory
 from simulator.system.units import (
     COST_CLASSES,
     LINK_NAMES,
@@ -79,27 +80,6 @@ from simulator.system.units import (
     Rate,
     RelativeStd,
 )
-
-
-class RuntimeMemory(Frozen):
-    """What the GPU holds per process besides tensors (simulator/model/device_memory.py);
-    the defaults are an H100's, a preset states its own with the source."""
-
-    # the CUDA context with lazy module loading, 1e9 bytes: "around 400MB if CUDA >= 11.7
-    # is used and lazy module loading enabled" (pytorch/pytorch#109888)
-    context_GB: float = Field(default=0.4, ge=0, le=1e3)
-    # cuBLAS workspace per handle and stream, MiB (PyTorch CublasHandlePool.cpp
-    # getChosenWorkspaceSize: 32 on Hopper and Blackwell, 8.125 before)
-    cublas_workspace_MiB: float = Field(default=32.0, ge=0, le=1e5)
-    gemm_streams: int = Field(default=1, ge=0, le=64)  # streams that run GEMMs
-    # channels NCCL's topology search gives a communicator (its INIT log's "coll channels");
-    # 0: no NCCL (a CPU profile's gloo)
-    nccl_channels: int = Field(default=16, ge=0, le=64)
-
-
-#: a CPU process's: no CUDA context, cuBLAS workspace or NCCL
-NO_RUNTIME = RuntimeMemory(context_GB=0.0, cublas_workspace_MiB=0.0, gemm_streams=0,
-                           nccl_channels=0)
 
 
 class GPUSpec(Frozen):
@@ -164,7 +144,7 @@ class GPUSpec(Frozen):
     # quantising of them taken per shape: a GEMM's efficiency is the FLOPs curve times its
     # tile and wave quantisation (simulator/system/gemm_shape.py; needs ``sms``); absent:
     # by FLOPs alone
-    gemm_tiles: tuple[tuple[int, int], ...] = Field(default=(), max_length=16)
+    gemm_tiles: Tiles = Field(default=(), max_length=16)
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once
@@ -212,22 +192,6 @@ class GPUSpec(Frozen):
     @classmethod
     def _recipes(cls, data: Any) -> Any:
         return tuple(data) if isinstance(data, list) else data  # YAML lists; strict tuples
-
-    @field_validator("gemm_tiles", mode="before")
-    @classmethod
-    def _tile_tuples(cls, data: Any) -> Any:
-        if isinstance(data, list):  # YAML lists; strict tuples
-            return tuple(tuple(t) if isinstance(t, list) else t for t in data)
-        return data
-
-    @field_validator("gemm_tiles")
-    @classmethod
-    def _tile_sizes(cls, tiles: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-        bad = [t for t in tiles if not all(8 <= d <= 1024 and d % 8 == 0 for d in t)]
-        if bad:
-            raise ValueError(f"tile {list(bad[0])}: each side a multiple of 8 in [8, 1024] "
-                             "elements (a CTA tile, e.g. [256, 128])")
-        return tiles
 
     @model_validator(mode="after")
     def _tiles_need_sms(self) -> GPUSpec:
@@ -335,17 +299,6 @@ class GPUSpec(Frozen):
         """Seconds a point-to-point send over ``link_class`` that follows compute costs
         beyond its back-to-back time (0 when the profile does not say)."""
         return self.send_sync_us.get(link_class, 0.0) * 1e-6  # type: ignore[call-overload]
-
-    def fp8_problem(self, recipe: str, system: str, runs_it: list[str]) -> Problem | None:
-        """Why this GPU cannot run FP8 ``recipe`` (None when it can): no fp8 peak, or a
-        recipe outside ``fp8_recipes``; ``runs_it`` names the systems that do."""
-        if "fp8" in self.peak_tflops and recipe in self.fp8_recipes:
-            return None
-        has = (f"its FP8 recipes are {', '.join(self.fp8_recipes)}; choose one of those, "
-               if self.fp8_recipes else "choose ")
-        return Problem("stack.fp8", recipe, f"system {system} ({self.name}) has no FP8 "
-                       f"tensor cores for it: {has}a system that runs {recipe} "
-                       f"({', '.join(runs_it)}), or stack.fp8: none")
 
     def peak_flops(self, dtype: PeakDtype) -> float:
         if dtype not in self.peak_tflops:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 from simulator.model import moe
+from simulator.model.inventory import mla
 from simulator.model.inventory.dense import dense_layer_ops, weight_elements
 from simulator.model.inventory.experts import expert_calls, moe_layer_ops, moe_layer_tensors
 from simulator.model.inventory.ops import Shape, dense_layer_tensors, dtype_bytes
@@ -35,7 +36,7 @@ def fp8_weights(spec: ModelSpec, stack: StackSpec, tp: int, layer: int = 0) -> t
         return 0.0, 0
     x = Shape(spec, 1, tp, False, 2, stack)
     if spec.mla is not None:
-        w = moe.mla_linears(spec, spec.mla, tp)
+        w = mla.mla_linears(spec, spec.mla, tp)
         if not spec.is_moe_layer(layer):
             w |= {"mlp_up": (spec.hidden, x.up), "mlp_down": (spec.ffn / tp, spec.hidden)}
         return sum(k * n for k, n in w.values()), len(w)
