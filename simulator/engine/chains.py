@@ -106,9 +106,11 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     path would have waited for any (``i`` itself back, nothing done, where step ``i``
     does not chain). The events the per-step path would have scheduled beyond that
     one are counted in ``e.merged``."""
-    chain, totals, base, run_t0 = inst.chain, inst.totals, inst.run_base, e.run_t0
+    chain: dict[int, list[Any]] = inst.chain if inst.chain is not None else {}
+    get = chain.get
+    totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
-    t, count, k, n = e.env._now, 0, i, len(steps)
+    t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
     while k < n:
         kind, deps, a, b, g, _, dependents, lead = steps[k]
         if k > i and deps:
@@ -122,7 +124,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if b >= 0:
                 break
             continue
-        entry = chain.get(id(b)) if kind == COLL and chain is not None else None
+        entry = get(id(b)) if kind == COLL else None
         if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
             break
         t0 = t  # the arrival, as ``stream`` and ``lead_in`` compute it
@@ -134,19 +136,20 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 t, count = t + wait, count + 1
         gid = ids[a]
         begin[gid] = t
-        if entry[6] is not None:  # the flow: its end, and each link's busy seconds
-            end = t + entry[6]
-            for link in entry[5]:
-                link.busy += end - t
-            t, count = end, count + 1
-            e.net.flows_started += 1
-        alpha = entry[2]
+        _, _, alpha, _, _, objs, alone, _ = entry
+        if alone is not None:  # the flow: its end, and each link's busy seconds
+            end = t + alone
+            busy = end - t  # ``now - link.since`` at its end, on every link
+            for link in objs:
+                link.busy += busy
+            t, count, flows = end, count + 1, flows + 1
         if alpha > 0:
             t += alpha
         starts[gid], ends[gid], count = t0, t, count + 1  # the α: one event either way
         k += 1
         if dependents:
             break
+    e.net.flows_started += flows
     if k == i or not count:
         return k, None
     e.merged += count - 1

@@ -18,7 +18,10 @@ tasks), then:
 
 Compute may run slower while the rank's transfers are in flight
 (:mod:`simulator.engine.interference`). At full fidelity a TP group whose ranks provably
-run alike runs as one process (:mod:`simulator.engine.lockstep`). Each distinct program
+run alike runs as one process (:mod:`simulator.engine.lockstep`). Consecutive steps
+that nothing else observes (compute, and collectives of one simulated member alone on
+links no other stream uses) run in closed form as one event
+(:mod:`simulator.engine.chains`). Each distinct program
 is compiled once into steps (:mod:`simulator.engine.compile`); at full fidelity a
 stage's ranks share its prototype (:mod:`simulator.builder.program`): times go into flat
 arrays by task id, a run's tasks get their spans from the run's start and their
