@@ -20,6 +20,7 @@ from simulator.builder.tasks import Task
 from simulator.system.collectives.plan import Plan
 
 RUN, COLL, SEND = 0, 1, 2
+Where = Callable[[int], tuple[int, int]] | None  # a shared program's (owner, local index)
 
 
 class Template:
@@ -48,17 +49,21 @@ class Template:
         self.stream_names: list[str] = []
         for name, order in streams:
             if order:
-                self.streams.append(self._steps(tasks, order, where, gidx, phases))
+                by_id: dict[tuple[int, int], tuple[int, Any]] = {}
+                dsts: dict[int, None] = {}
+                self.streams.append(self._steps(tasks, order, where, gidx, phases, by_id,
+                                                dsts))
+                self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
+                self.sends += [(len(self.stream_names), d) for d in dsts]
                 self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
-    def _steps(self, tasks: list[Task], order: list[int],
-               where: Callable[[int], tuple[int, int]] | None,
-               gidx: dict[tuple[int, ...], int],
-               phases: Callable[[Plan], Any]) -> list[tuple[Any, ...]]:
+    def _steps(self, tasks: list[Task], order: list[int], where: Where,
+               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+               by_id: dict[tuple[int, int], tuple[int, Any]],
+               dsts: dict[int, None]) -> list[tuple[Any, ...]]:
+        """One stream's steps; into ``by_id`` its collectives, into ``dsts`` its sends."""
         steps: list[tuple[Any, ...]] = []
-        by_id: dict[tuple[int, int], tuple[int, Any]] = {}  # (id(group), id(plan)) -> g, phases
-        s, dsts = len(self.streams), set()
         i, n = 0, len(order)
         while i < n:
             local = order[i]
@@ -92,9 +97,7 @@ class Template:
                 # that registers its arrival time (no timeout of its own, see ``stream``)
                 i, local, t = j, order[j], nxt
             if t.dst >= 0:
-                if t.dst not in dsts:
-                    dsts.add(t.dst)
-                    self.sends.append((s, t.dst))
+                dsts[t.dst] = None
                 steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents, -1))
             else:
                 # the builder hands out one tuple per group and one plan per (op, size,
@@ -108,7 +111,6 @@ class Template:
                         self.groups.append(t.group)
                     assert t.plan is not None
                     found = by_id[key] = (g, phases(t.plan))
-                    self.flows.append((s, *found))
                 # a rendezvous is (group, tail): a shared program's n-th collective of
                 # the group, else the task's own group key
                 tail = t.group_key[1] if self.shared else t.group_key
