@@ -212,3 +212,16 @@ def test_cycles_made_under_a_pause_are_still_collected(monkeypatch: Any) -> None
                 node = Node()
                 node.me = node
     assert len(gc.get_objects()) < 4 * base
+
+
+def test_objects_someone_froze_stay_frozen() -> None:
+    """A program that froze its objects (``gc.freeze`` before a fork) keeps them
+    frozen: the pause promotes nothing then."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with tasks.gc_paused():
+            made = [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == frozen and len(made) == 1000
+    finally:
+        gc.unfreeze()

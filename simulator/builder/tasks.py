@@ -109,6 +109,8 @@ def gc_paused() -> Iterator[None]:
 
 
 def _promote() -> None:
+    if gc.get_freeze_count():  # someone froze objects (before a fork): leave them be
+        return
     _Heap.made += gc.get_count()[0]  # net objects made since the last young pass
     gc.freeze()
     if _Heap.made <= max(_Heap.tracked, 500_000):  # too few to double the heap
