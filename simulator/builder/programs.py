@@ -40,3 +40,6 @@ def build_programs(ctx: Context) -> None:
             pipeline.build_rank(rank)
         pipeline.resolve()
         ctx.count_dependents()
+    # the passes hold the context, whose hooks hold them: let go of them, so that the
+    # build is freed when its workload is (not at the collector's next full pass)
+    ctx.install([])

@@ -20,6 +20,7 @@ from simulator.builder.tasks import Task
 from simulator.system.collectives.plan import Plan
 
 RUN, COLL, SEND = 0, 1, 2
+Where = Callable[[int], tuple[int, int]] | None  # a shared program's (owner, local index)
 
 
 class Template:
@@ -32,7 +33,7 @@ class Template:
                  where: Callable[[int], tuple[int, int]] | None,
                  phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
         self.n = len(tasks)
-        self.phases, self.shared, self.fuse = phases, shared, fuse
+        self.shared, self.fuse = shared, fuse  # ``phases`` is not kept: it holds the engine
         self.durations = [t.duration for t in tasks]
         # what slow GPUs and jitter scale (program.is_work, inline: this runs per task)
         self.work = [i for i, t in enumerate(tasks)
@@ -40,19 +41,29 @@ class Template:
         self.groups: list[tuple[int, ...]] = []
         gidx: dict[tuple[int, ...], int] = {}
         self.runs: list[list[int]] = []  # run -> local indices
+        # per stream index: its distinct collectives (group, phases) and send
+        # destinations, which :mod:`simulator.engine.chains` reads for the links it uses
+        self.flows: list[tuple[int, int, Any]] = []
+        self.sends: list[tuple[int, int]] = []
         self.streams: list[list[tuple[Any, ...]]] = []
         self.stream_names: list[str] = []
         for name, order in streams:
             if order:
-                self.streams.append(self._steps(tasks, order, where, gidx))
+                by_id: dict[tuple[int, int], tuple[int, Any]] = {}
+                dsts: dict[int, None] = {}
+                self.streams.append(self._steps(tasks, order, where, gidx, phases, by_id,
+                                                dsts))
+                self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
+                self.sends += [(len(self.stream_names), d) for d in dsts]
                 self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
-    def _steps(self, tasks: list[Task], order: list[int],
-               where: Callable[[int], tuple[int, int]] | None,
-               gidx: dict[tuple[int, ...], int]) -> list[tuple[Any, ...]]:
+    def _steps(self, tasks: list[Task], order: list[int], where: Where,
+               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+               by_id: dict[tuple[int, int], tuple[int, Any]],
+               dsts: dict[int, None]) -> list[tuple[Any, ...]]:
+        """One stream's steps; into ``by_id`` its collectives, into ``dsts`` its sends."""
         steps: list[tuple[Any, ...]] = []
-        by_id: dict[tuple[int, int], tuple[int, Any]] = {}  # (id(group), id(plan)) -> g, phases
         i, n = 0, len(order)
         while i < n:
             local = order[i]
@@ -86,6 +97,7 @@ class Template:
                 # that registers its arrival time (no timeout of its own, see ``stream``)
                 i, local, t = j, order[j], nxt
             if t.dst >= 0:
+                dsts[t.dst] = None
                 steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents, -1))
             else:
                 # the builder hands out one tuple per group and one plan per (op, size,
@@ -98,7 +110,7 @@ class Template:
                         g = gidx[t.group] = len(self.groups)
                         self.groups.append(t.group)
                     assert t.plan is not None
-                    found = by_id[key] = (g, self.phases(t.plan))
+                    found = by_id[key] = (g, phases(t.plan))
                 # a rendezvous is (group, tail): a shared program's n-th collective of
                 # the group, else the task's own group key
                 tail = t.group_key[1] if self.shared else t.group_key
@@ -133,8 +145,8 @@ class Template:
 class Instance:
     """A simulated rank: its template, its task ids, its groups' ids, its durations."""
 
-    __slots__ = ("delta", "durations", "groups", "ids", "keys", "rank", "run_base",
-                 "template", "totals")
+    __slots__ = ("chain", "delta", "durations", "groups", "ids", "keys", "rank",
+                 "run_base", "template", "totals")
 
     def __init__(self, rank: int, template: Template, ids: range | list[int], delta: int,
                  run_base: int) -> None:
@@ -143,3 +155,5 @@ class Instance:
         self.durations, self.totals = template.durations, template.totals
         self.groups: list[int] = []
         self.keys: list[Any] = []  # per template group: how its group keys map
+        # id(phases) -> a collective chains may price in closed form
+        self.chain: dict[int, list[Any]] | None = None

@@ -18,7 +18,10 @@ tasks), then:
 
 Compute may run slower while the rank's transfers are in flight
 (:mod:`simulator.engine.interference`). At full fidelity a TP group whose ranks provably
-run alike runs as one process (:mod:`simulator.engine.lockstep`). Each distinct program
+run alike runs as one process (:mod:`simulator.engine.lockstep`). Consecutive steps
+that nothing else observes (compute, and collectives of one simulated member alone on
+links no other stream uses) run in closed form as one event
+(:mod:`simulator.engine.chains`). Each distinct program
 is compiled once into steps (:mod:`simulator.engine.compile`); at full fidelity a
 stage's ranks share its prototype (:mod:`simulator.builder.program`): times go into flat
 arrays by task id, a run's tasks get their spans from the run's start and their
@@ -41,10 +44,11 @@ from simpy.events import AllOf, Event, Timeout
 
 from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
+from simulator.engine.chains import plan_chains
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
-from simulator.engine.result import SimResult, busy_by_class
+from simulator.engine.result import SimResult, busy_by_class, run_spans
 from simulator.engine.streams import Rendezvous, stream
 from simulator.system.collectives.cost import leg_rate, phase_latencies, sync_burst_cost
 from simulator.system.collectives.plan import Plan
@@ -62,7 +66,8 @@ class Engine:
 
     def __init__(self, workload: Workload, hw: HardwareProfile,
                  env: simpy.Environment | None = None, topo: Topology | None = None,
-                 net: FlowNetwork | None = None, lockstep: bool = True) -> None:
+                 net: FlowNetwork | None = None, lockstep: bool = True,
+                 chains: bool = True) -> None:
         self.w = workload
         self.hw = hw
         self.env = simpy.Environment() if env is None else env
@@ -97,10 +102,16 @@ class Engine:
         self._mark: dict[int, float] = {}
         self._plan_of: dict[int, Plan] = {}  # id(phases) -> plan, a group of more than one
         # lock-step groups: the ranks one simulated rank stands for (its TP group's)
-        self.lock = lockstep_size(workload, env is None and topo is None and net is None) \
-            if lockstep else 1
+        alone = env is None and topo is None and net is None
+        self.lock = lockstep_size(workload, alone) if lockstep else 1
         with gc_paused():  # a tuple per step: the collector would rescan the workload
             self.instances = self._compile()
+        # chains (:mod:`simulator.engine.chains`): not where another job's flows, the
+        # rank's changing pace or its compute bursts reach into a step
+        self.chains = chains and alone and not slowed and not self.bursts
+        self.merged = 0  # events the per-step path would have scheduled beyond theirs
+        if self.chains:
+            plan_chains(self)
         self.interference = Interference(
             self.env, self._slowing, self.topo, [inst.rank for inst in self.instances],
             self._sm_slow) if slowed else None
@@ -226,7 +237,7 @@ class Engine:
     def collect(self, wall: float) -> SimResult:
         """What the run gave (after the event of :meth:`launch` fired, or the queue ran
         dry: a deadlock, raised here), ``wall`` seconds of it."""
-        start_a, end_a = self._spans()
+        start_a, end_a = run_spans(self)
         begin = np.frombuffer(self.begin, np.float64)
         last = np.frombuffer(self.last, np.int64)
         if self.lock > 1:  # every rank's spans from its lock-step group's
@@ -241,47 +252,7 @@ class Engine:
         end = float(end_a.max()) if len(end_a) else 0.0
         return SimResult(self.w, start_a, end_a, begin, last, busy, end,
                          self._event_count(), wall,
-                         len(self.instances) if self.lock > 1 else 0)
-
-    def _spans(self) -> tuple[np.ndarray, np.ndarray]:
-        """Start and end by task id: collectives and sends as they ran, a run's tasks
-        from the run's start and their durations summed in order."""
-        start = np.frombuffer(self.start, np.float64).copy()
-        end = np.frombuffer(self.end, np.float64).copy()
-        t0 = np.frombuffer(self.run_t0, np.float64)
-        layouts: dict[int, tuple[np.ndarray, ...]] = {}
-        points = self.interference.slow_points if self.interference is not None else {}
-        slow = np.fromiter(sorted(points), np.int64)  # runs interference stretched
-        for inst in self.instances:
-            tmpl = inst.template
-            if not tmpl.runs:
-                continue
-            got = layouts.get(id(tmpl))
-            if got is None:
-                locals_ = np.fromiter((i for run in tmpl.runs for i in run), np.int64)
-                run_no = np.repeat(np.arange(len(tmpl.runs)),
-                                   [len(run) for run in tmpl.runs])
-                got = layouts[id(tmpl)] = (
-                    locals_, run_no, np.asarray(tmpl.durations, np.float64)[locals_],
-                    np.asarray(tmpl.prefixes(tmpl.durations), np.float64),
-                    np.concatenate(([0], np.cumsum([len(run) for run in tmpl.runs]))))
-            locals_, run_no, dur, prefix, offsets = got
-            if inst.durations is not tmpl.durations:  # a slow or jittered rank's own
-                dur = np.asarray(inst.durations, np.float64)[locals_]
-                prefix = np.asarray(tmpl.prefixes(inst.durations), np.float64)
-            ids = (locals_ + inst.ids.start if isinstance(inst.ids, range)
-                   else np.asarray(inst.ids)[locals_])
-            s = t0[inst.run_base + run_no] + prefix
-            start[ids] = s
-            end[ids] = s + dur
-            lo, hi = np.searchsorted(slow, (inst.run_base, inst.run_base + len(tmpl.runs)))
-            for run in slow[lo:hi].tolist():  # work done -> time, piecewise linear
-                work, when = zip(*points[run], strict=True)
-                k = run - inst.run_base
-                sl = slice(int(offsets[k]), int(offsets[k + 1]))
-                start[ids[sl]] = np.interp(prefix[sl], work, when)
-                end[ids[sl]] = np.interp(prefix[sl] + dur[sl], work, when)
-        return start, end
+                         len(self.instances) if self.lock > 1 else 0, self.merged)
 
     def _event_count(self) -> int:
         """Events SimPy scheduled: its private heap counter (simpy 4's ``_eid``)."""
@@ -394,7 +365,8 @@ class Engine:
 
 def simulate(workload: Workload, hw: HardwareProfile,
              progress: Callable[[float], None] | None = None, horizon: float = 0.0,
-             lockstep: bool = True) -> SimResult:
+             lockstep: bool = True, chains: bool = True) -> SimResult:
     """Run ``workload`` alone; ``lockstep=False`` simulates every rank even where its
-    TP group runs in lock-step (what tests compare lock-step with)."""
-    return Engine(workload, hw, lockstep=lockstep).run(progress, horizon)
+    TP group runs in lock-step, ``chains=False`` every step with its own events (what
+    tests compare lock-step groups and chains with)."""
+    return Engine(workload, hw, lockstep=lockstep, chains=chains).run(progress, horizon)

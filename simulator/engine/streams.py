@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import simpy
 from simpy.events import AllOf, Event, Timeout
 
+from simulator.engine.chains import forward
 from simulator.engine.compile import RUN, SEND, Instance
 
 if TYPE_CHECKING:
@@ -63,42 +64,42 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
     starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
     slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
-    # the compute burst before each collective, where the profile's sync cost grows
-    # with it: this stream's compute adds to the rank's, a collective takes its share
-    counts, busy, mark = e.burst_counters(rank, name)
-    for kind, deps, a, b, g, tail, dependents, lead in steps:
+    # compute bursts (a sync cost growing with them): this stream's add to the rank's
+    counts, busy, _ = e.burst_counters(rank, name)
+    chained, i, n = e.chains, 0, len(steps)
+    while i < n:
+        kind, deps, a, b, g, tail, dependents, lead = steps[i]
         if deps:
             pending = waits(e, inst, deps)
             if pending:
                 yield AllOf(env, pending)
+        if chained and kind != SEND:  # steps nothing else observes: one event
+            j, ev = forward(e, inst, steps, i)
+            if j > i:
+                if ev is not None:
+                    yield ev
+                ended(e, inst, steps[j - 1])
+                i = j
+                continue
+        i += 1
         if kind == RUN:  # a: the run, b: its last task when someone waits for it,
             t0 = env._now  # g: whether interference may slow it
             total = totals[a]
             if counts:
                 busy[rank] += total
             if total > 0:
-                if slowing and g:
-                    yield e.interference.slow_run(rank, base + a, total)  # type: ignore[union-attr]
-                else:
-                    yield Timeout(env, total)
+                yield e.interference.slow_run(  # type: ignore[union-attr]
+                    rank, base + a, total) if slowing and g else Timeout(env, total)
             run_t0[base + a] = t0
             if b >= 0:
                 event_of(ids[b]).succeed()
             continue
-        t0 = env._now  # this task's start: when the rank arrives at it
-        if lead >= 0:  # a run first: the rank arrives when the run ends
-            run_t0[base + lead] = t0
-            t0 += totals[lead]
-            if counts:
-                busy[rank] += totals[lead]
-        gid = ids[a]
+        t0, gid = arrival(e, inst, lead, counts), ids[a]
         if kind == SEND:  # b: the destination, g: the bytes
             yield send(e, inst, b, g)
         else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
-            burst, grp = 0.0, groups[g]
-            if e.bursts:  # the rank's compute since its last collective
-                burst = busy[rank] - mark[rank]
-                mark[rank] = busy[rank]
+            grp = groups[g]
+            burst = burst_of(e, rank) if e.bursts else 0.0
             rv = arrive(e, grp, tail, t0, gid, burst) if size[grp] > 1 else None
             if rv is not None and rv.arrived < rv.members:  # another member runs it
                 yield rv.done
@@ -107,15 +108,43 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             wait = lead_in(e, t0, gid, rv)  # until the latest arrival
             if wait > 0:
                 yield Timeout(env, wait)
-            ev = flow(e, gid, b, grp, rv, burst if rv is None else rv.burst)
+            burst = burst if rv is None else rv.burst
+            ev = flow(e, gid, b, grp, rv, burst)
             if ev is None:  # more than one flow, or a burst's extra cost first
-                yield from move(e, gid, b, grp, rv, burst if rv is None else rv.burst)
+                yield from move(e, gid, b, grp, rv, burst)
             else:
                 yield ev
-        starts[gid] = t0
-        ends[gid] = env._now
+        starts[gid], ends[gid] = t0, env._now
         if dependents:
             event_of(gid).succeed()
+
+
+def arrival(e: Engine, inst: Instance, lead: int, counts: bool) -> float:
+    """When the rank arrives at a collective or send: now, or where a run leads into it
+    (``lead``, its index), when the run ends."""
+    t0 = e.env._now
+    if lead >= 0:
+        e.run_t0[inst.run_base + lead] = t0
+        t0 += inst.totals[lead]
+        if counts:
+            e._busy[inst.rank] += inst.totals[lead]
+    return t0
+
+
+def burst_of(e: Engine, rank: int) -> float:
+    """The rank's compute since its last collective, which this collective takes."""
+    burst = e._busy[rank] - e._mark[rank]
+    e._mark[rank] = e._busy[rank]
+    return burst
+
+
+def ended(e: Engine, inst: Instance, step: tuple[Any, ...]) -> None:
+    """A chain's last step's event, where someone waits for it (:mod:`chains`)."""
+    kind, _, a, b, _, _, dependents, _ = step
+    if kind == RUN and b >= 0:
+        e.event_of(inst.ids[b]).succeed()
+    elif kind != RUN and dependents:
+        e.event_of(inst.ids[a]).succeed()
 
 
 def send(e: Engine, inst: Instance, dst: int, nbytes: float) -> simpy.Event:

@@ -1,0 +1,165 @@
+"""Chains: consecutive steps of one stream that nothing else observes, run as one event.
+
+A compute run holds its stream for its durations summed in order; a collective of one
+simulated member whose single flow crosses only links that no other stream of any
+simulated rank ever uses (*private* links: a folded or lock-step rank's NVLink port
+under its TP all-reduces) runs alone on them, at the rate
+``min over links of capacity / load`` it gets on empty links, and ends ``α`` after its
+bytes have crossed. Nothing outside the stream can see such a step between its start
+and its end, so where consecutive steps are of these two kinds, none but the first
+waits on another task and none but the last is waited on, the stream computes their
+spans in the same floating-point operations, in the same order, that SimPy's clock
+and the flow network would (``now + delay`` per timeout, ``remaining / rate`` per
+flow, each link's busy seconds added flow by flow) and holds one event until the last
+one's end.
+
+The per-step path stays where a chain would not be exact: interference (a run's pace
+changes mid-run), a sync cost that grows with the compute burst, a network shared with
+other jobs (their flows may cross any link), collectives of several simulated members
+(a rendezvous), flows of several legs or phases, sends, and a link's first flow (which
+registers the link with the network, in the order the link busy table follows).
+``tests/test_chains.py`` compares chained and per-step runs span by span.
+
+Nothing here knows what a transformer is.
+"""
+
+from __future__ import annotations
+
+import math
+from heapq import heappush
+from typing import TYPE_CHECKING, Any
+
+import simpy
+from simpy.events import NORMAL, Event
+
+from simulator.engine.compile import COLL, RUN, Instance
+from simulator.system.network import Route
+
+if TYPE_CHECKING:
+    from simulator.engine.engine import Engine
+
+_SHARED = (-1, -1)  # a link more than one (instance, stream) puts flows on
+
+
+def plan_chains(e: Engine) -> None:
+    """Give each instance its collectives a chain may price: id(phases) -> [template
+    group, links, alpha, bytes, weight, its link objects and its duration alone once
+    its links are registered, whether they are]."""
+    users: dict[Any, tuple[int, int]] = {}
+    for k, inst in enumerate(e.instances):
+        for s, links in _flows_of(e, inst):
+            for link in links:
+                if users.setdefault(link, (k, s)) != (k, s):
+                    users[link] = _SHARED
+    for k, inst in enumerate(e.instances):
+        chain: dict[int, list[Any]] = {}
+        for s, g, phases in inst.template.flows:
+            grp = inst.groups[g]
+            if len(phases) != 1 or len(phases[0][0]) != 1 or e.size[grp] != 1:
+                continue
+            legs, alpha = phases[0]
+            link_class, nbytes = legs[0]
+            links = e.group_links(grp, link_class)
+            if all(users[link] == (k, s) for link in links):
+                chain[id(phases)] = [g, links, max(alpha + 0.0, 0.0), nbytes,
+                                     e.group_weight(grp), None, None, False]
+        inst.chain = chain or None
+
+
+def _flows_of(e: Engine, inst: Instance) -> list[tuple[int, Any]]:
+    """(stream index, links) of every flow the instance's program may start."""
+    out = []
+    for s, g, phases in inst.template.flows:
+        grp = inst.groups[g]
+        out += [(s, e.group_links(grp, c)) for legs, _ in phases for c, _ in legs]
+    for s, dst in inst.template.sends:
+        d = e.dst(inst, dst)
+        out.append((s, e.topo.send_links(inst.rank, d, e.topo.link_class(inst.rank, d))))
+    return out
+
+
+def _alone(e: Engine, entry: list[Any]) -> bool:
+    """Whether the entry's flow can be priced: no flow, or its links registered (its
+    duration then computed as the network's ``transfer`` computes a flow alone)."""
+    _, links, _, nbytes, weight, _, _, _ = entry
+    if nbytes <= 0 or not links:
+        entry[7] = True
+        return True
+    got = e.net._resolved.get(id(links))
+    if got is None or got[0] is not links:
+        return False  # its first flow registers the links
+    objs = got[1]
+    rate = math.inf
+    loads = links.loads if type(links) is Route else None
+    for i, link in enumerate(objs):
+        load = 0.0 + (loads[i] if loads is not None
+                      else weight if link.weighted else 1.0)
+        rate = min(rate, link.cap / load)
+    entry[5], entry[6], entry[7] = objs, float(nbytes) / rate, True
+    return True
+
+
+def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
+            i: int) -> tuple[int, Event | None]:
+    """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the
+    index after the last and the one event that fires at its end, if the per-step
+    path would have waited for any (``i`` itself back, nothing done, where step ``i``
+    does not chain). The events the per-step path would have scheduled beyond that
+    one are counted in ``e.merged``."""
+    chain: dict[int, list[Any]] = inst.chain if inst.chain is not None else {}
+    get = chain.get
+    totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
+    ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
+    t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    while k < n:
+        kind, deps, a, b, g, _, dependents, lead = steps[k]
+        if k > i and deps:
+            break
+        if kind == RUN:  # a: the run, b: its last task when someone waits for it
+            run_t0[base + a] = t
+            total = totals[a]
+            if total > 0:
+                t, count = t + total, count + 1
+            k += 1
+            if b >= 0:
+                break
+            continue
+        entry = get(id(b)) if kind == COLL else None
+        if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
+            break
+        t0 = t  # the arrival, as ``stream`` and ``lead_in`` compute it
+        if lead >= 0:
+            run_t0[base + lead] = t
+            t0 = t + totals[lead]
+            wait = t0 - t
+            if wait > 0:
+                t, count = t + wait, count + 1
+        gid = ids[a]
+        begin[gid] = t
+        _, _, alpha, _, _, objs, alone, _ = entry
+        if alone is not None:  # the flow: its end, and each link's busy seconds
+            end = t + alone
+            busy = end - t  # ``now - link.since`` at its end, on every link
+            for link in objs:
+                link.busy += busy
+            t, count, flows = end, count + 1, flows + 1
+        if alpha > 0:
+            t += alpha
+        starts[gid], ends[gid], count = t0, t, count + 1  # the α: one event either way
+        k += 1
+        if dependents:
+            break
+    e.net.flows_started += flows
+    if k == i or not count:
+        return k, None
+    e.merged += count - 1
+    return k, at(e.env, t)
+
+
+def at(env: simpy.Environment, when: float) -> Event:
+    """An event that fires at time ``when`` (absolute: ``now + (when - now)`` need not
+    be ``when`` in floating point), as a timeout of normal priority would."""
+    ev = Event(env)
+    ev._ok, ev._value = True, None
+    heappush(env._queue, (when, NORMAL, next(env._eid), ev))
+    return ev
