@@ -60,19 +60,31 @@ _curves = st.lists(st.fixed_dictionaries({
     "rank": st.integers(0, 4096), "stage": st.integers(0, 64),
     "points": st.lists(st.lists(st.floats(0, 1e12), min_size=2, max_size=2), min_size=1)}),
     unique_by=lambda c: c["rank"])
+_seconds = st.floats(0, 1e4, allow_subnormal=True)
+_BREAKDOWN_KEYS = ("rank", "stage", "forward", "tp_wait", "é \"")  # one order, as runs have
+_breakdowns = st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 64), _seconds,
+                                 _seconds, _seconds).map(
+    lambda values: dict(zip(_BREAKDOWN_KEYS, values, strict=True))), max_size=40)
 
 
 @settings(max_examples=25, deadline=None)
-@given(path=_path, curves=_curves)
+@given(path=_path, curves=_curves, breakdown=_breakdowns)
 def test_split_then_attach_is_the_identity(tmp_path_factory: pytest.TempPathFactory,
                                            path: list[dict[str, Any]],
-                                           curves: list[dict[str, Any]]) -> None:
-    results = {"step_time_s": 1.0, "critical_path": path, "memory_timeline": curves}
+                                           curves: list[dict[str, Any]],
+                                           breakdown: list[dict[str, Any]]) -> None:
+    results = {"step_time_s": 1.0, "critical_path": path, "memory_timeline": curves,
+               "time_breakdown_s": breakdown}
     out = tmp_path_factory.mktemp("tables")
     summary, frames = split_tables(results)
     write_tables(out, frames)
     assert "critical_path" not in summary and summary["tables"]["memory_timeline"]
-    assert attach_tables(summary, out) == results
+    assert "time_breakdown_s" not in summary
+    back = attach_tables(summary, out)
+    assert back == results
+    assert [list(e) for e in back["time_breakdown_s"]] == [list(e) for e in breakdown]
+    assert all(type(e["rank"]) is int and type(e["forward"]) is float
+               for e in back["time_breakdown_s"])  # the JSON types, not numpy's
 
 
 def test_an_older_run_with_inline_lists_still_plots(tmp_path: Path,

@@ -1,21 +1,24 @@
 """The bulk of a run's results as Parquet tables beside ``results.json``.
 
-``results.json`` holds a run's summary figures and its per-rank time breakdown
-(``time_breakdown_s``, one entry per simulated rank: about 0.6 MB for 1,024 ranks);
-two lists in the results dict grow with the step (a segment per change of the
-critical path, a point per allocation change of each stage's memory curve) and made
-it megabytes at GPT-3 scale. A run directory stores each as a table of its own
-(:data:`TABLES`):
+``results.json`` holds a run's summary figures. Three lists in the results dict grow
+with the step or the cluster (a segment per change of the critical path, a point per
+allocation change of each stage's memory curve, an entry per simulated rank: 0.8 kB a
+rank, 13.7 MB at 16,384 ranks) and made it megabytes. A run directory stores each as a
+table of its own (:data:`TABLES`):
 
 - ``critical_path.parquet``: one row per segment of the step's critical path,
   earliest first: ``rank`` (int32), ``start``, ``end`` (float64, seconds),
   ``category`` (dictionary-encoded text);
 - ``memory_timeline.parquet``: one row per point of each curve, ranks in the
   order results had them: ``rank``, ``stage`` (int32), ``t`` (float64, seconds),
-  ``bytes`` (float64, allocated bytes from ``t`` on).
+  ``bytes`` (float64, allocated bytes from ``t`` on);
+- ``time_breakdown.parquet``: ``time_breakdown_s``, one row per simulated rank (per
+  stage for the analytic method), its keys as columns in their order: ``rank``,
+  ``stage`` (and ``ranks``, the ranks an entry stands for, in asymmetric folding) as
+  int64, each accounting category's seconds as float64.
 
-``results.json`` keeps the summaries (``critical_path_s``, ``memory``,
-``memory_peak_bytes``, ``time_breakdown_s``) and, under ``tables``, each table's file name by its
+``results.json`` keeps the summaries (``critical_path_s``, ``step_breakdown_s``, ``memory``,
+``memory_peak_bytes``) and, under ``tables``, each table's file name by its
 results key (``{"critical_path": "critical_path.parquet", ...}``), so a reader
 knows where the rows are. The in-memory results dict (:func:`simulator.api.run_scenario`)
 still holds the lists; :func:`split_tables` takes them out when writing and
@@ -79,13 +82,31 @@ def _curve_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def _record_frame(entries: list[Mapping[str, Any]]) -> pd.DataFrame:
+    """Entries with the same keys as columns: integers (not bools) as int64, the rest
+    float64."""
+    import pandas as pd
+
+    frame = pd.DataFrame.from_records(list(entries), columns=list(entries[0]) if entries
+                                      else None)
+    ints = {k for k, v in (entries[0].items() if entries else ())
+            if isinstance(v, int) and not isinstance(v, bool)}
+    return frame.astype({c: "int64" if c in ints else "float64" for c in frame.columns})
+
+
+def _record_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    columns = [(c, int if frame[c].dtype.kind in "iu" else float, frame[c].tolist())
+               for c in frame.columns]
+    return [{c: kind(values[i]) for c, kind, values in columns} for i in range(len(frame))]
+
+
 @dataclass(frozen=True)
 class ResultTable:
     """One list of the results dict and the Parquet file that holds it."""
 
     key: str  # the results key
     file: str  # the file name in the run directory
-    columns: tuple[str, ...]  # the columns read back
+    columns: tuple[str, ...]  # the columns read back (every column when empty)
     to_frame: Callable[[list[Mapping[str, Any]]], pd.DataFrame]
     to_rows: Callable[[pd.DataFrame], list[dict[str, Any]]]
 
@@ -95,6 +116,8 @@ TABLES: dict[str, ResultTable] = {t.key: t for t in (
                 ("rank", "start", "end", "category"), _path_frame, _path_rows),
     ResultTable("memory_timeline", "memory_timeline.parquet",
                 ("rank", "stage", "t", "bytes"), _curve_frame, _curve_rows),
+    ResultTable("time_breakdown_s", "time_breakdown.parquet", (), _record_frame,
+                _record_rows),
 )}
 TABLE_FILES = tuple(t.file for t in TABLES.values())
 
@@ -137,7 +160,7 @@ def read_table_rows(path: Path, table: ResultTable) -> list[dict[str, Any]]:
         raise UserError([Problem(field, str(path), f"is missing (results.json names it for "
                                  f"{table.key}); {_FIX}")])
     try:
-        frame = pq.read_table(path, columns=list(table.columns)).to_pandas()
+        frame = pq.read_table(path, columns=list(table.columns) or None).to_pandas()
         return table.to_rows(frame)
     except (pa.ArrowException, OSError, KeyError, ValueError, TypeError) as exc:
         raise UserError([Problem(field, str(path), f"is not a readable {table.key} table "
