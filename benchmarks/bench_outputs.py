@@ -11,13 +11,16 @@ Runs one scenario the way ``clustersim run`` does (``run_scenario`` then
 
 then the outputs' time as a fraction of the simulation's, and for each file
 written its bytes and the seconds its write took (the PNGs are drawn together).
+Each phase also reports its peak resident memory (the high-water mark is reset as it
+starts, Linux only) and what is still resident after it, in MB; the run's peak is the
+highest phase's (``/usr/bin/time`` sees only the last reset's).
 Targets: outputs at most 20% of the simulation time and under 300 MB in all (issue
 "One accounting of the step", item 4); results.json under 1 MB and trace.json
 under 50 MB (issue 44, item 3, at the headline scenario, folded or full). Nothing
 fails when a target is missed; the figures are printed, each target met or missed,
 and, with ``--json``, written.
 
-A full-fidelity 1,024-GPU run needs about 7 GB of memory and several minutes.
+A full-fidelity 1,024-GPU run needs about 3.2 GB of memory and a few minutes.
 
 Usage::
 

@@ -126,7 +126,7 @@ def span_table(result: SimResult, columns: TaskColumns | None = None) -> pd.Data
     end_all = np.asarray(result.end, dtype=np.float64)
     rank = columns.numbers["rank"]
     order = np.lexsort((end_all, start_all, rank))
-    rank, tid = rank[order], order.astype(np.int64)
+    rank, tid = rank[order], order.astype(np.int64, copy=False)
     out: dict[str, Any] = {
         "rank": rank,
         "stage": (rank // layout.per_stage).astype(np.int32),
