@@ -27,6 +27,8 @@ Usage::
     python benchmarks/bench_outputs.py                         # GPT-3 1,024 GPUs, full
     python benchmarks/bench_outputs.py --fidelity folded --json out/bench_outputs.json
     python benchmarks/bench_outputs.py --set parallel.dp=1 --set cluster.nodes=16
+    python benchmarks/bench_outputs.py --scenario scenarios/llama3-405b-16k-h100.yaml \
+        --max-tasks 100000000                                  # 16,384 GPUs: ~7 GB
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def _memory_phases(memory: dict[str, dict[str, float]]) -> Iterator[None]:
 
 
 def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
-            trace_ranks: str, out_dir: Path, plots: bool = True) -> dict[str, Any]:
+            trace_ranks: str, out_dir: Path, plots: bool = True,
+            max_tasks: int | None = None) -> dict[str, Any]:
     """Run and write once; phase timings and memory, file sizes and the ratios."""
     sys.path.insert(0, str(ROOT))
     from simulator.api import Timings, run_scenario, write_outputs
@@ -116,7 +119,7 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
     timings: Timings = {}
     memory: dict[str, dict[str, float]] = {}
     with _memory_phases(memory):
-        run = run_scenario(s, "engine", fidelity, timings=timings,
+        run = run_scenario(s, "engine", fidelity, timings=timings, max_tasks=max_tasks,
                            trace_ranks=parse_rank_selection(trace_ranks))
         written = write_outputs(out_dir, run.results, run.spans, timeline=timeline,
                                 trace=run.trace, timings=timings, plots=plots)
@@ -184,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet")
     p.add_argument("--trace-ranks", default="stages")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--max-tasks", type=int, default=None,
+                   help="as clustersim run's (the 16,384-GPU scenario at full fidelity "
+                   "needs 100000000)")
     p.add_argument("--out", type=Path, default=None,
                    help="run directory to write (default: a temporary one, removed)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -191,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_outputs_") as tmp:
         out = args.out or Path(tmp)
         r = measure(args.scenario, args.overrides, args.fidelity, args.timeline,
-                    args.trace_ranks, out, plots=not args.no_plots)
+                    args.trace_ranks, out, plots=not args.no_plots,
+                    max_tasks=args.max_tasks)
     print("\n".join(report(r)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
