@@ -28,7 +28,7 @@ def test_each_phase_reports_its_memory_and_each_file_its_bytes(tmp_path: Path) -
     assert {"build", "simulate", "metrics", "span_table", "write_timeline"} <= set(phases)
     assert all(0 < p["after_MB"] <= p["peak_MB"] * 1.01 for p in phases.values())
     assert r["peak_rss_GB"] * 1e3 >= max(p["peak_MB"] for p in phases.values())
-    assert r["files_bytes"]["time_breakdown.parquet"] > 0
+    assert r["files_bytes"]["critical_path.parquet"] > 0
     assert r["files_bytes"]["results.json"] == (tmp_path / "run" / "results.json").stat().st_size
     lines = bench.report(r)
     for name, p in phases.items():  # a line per phase with its peak and what stayed

@@ -4,7 +4,9 @@
 with the step or the cluster (a segment per change of the critical path, a point per
 allocation change of each stage's memory curve, an entry per simulated rank: 0.8 kB a
 rank, 13.7 MB at 16,384 ranks) and made it megabytes. A run directory stores each as a
-table of its own (:data:`TABLES`):
+table of its own (:data:`TABLES`); the time breakdown only when it has more than
+:data:`INLINE_RANKS` entries (a full-fidelity run of a large cluster): a folded run's
+few entries stay inline, where readers of ``results.json`` have always found them.
 
 - ``critical_path.parquet``: one row per segment of the step's critical path,
   earliest first: ``rank`` (int32), ``start``, ``end`` (float64, seconds),
@@ -12,8 +14,8 @@ table of its own (:data:`TABLES`):
 - ``memory_timeline.parquet``: one row per point of each curve, ranks in the
   order results had them: ``rank``, ``stage`` (int32), ``t`` (float64, seconds),
   ``bytes`` (float64, allocated bytes from ``t`` on);
-- ``time_breakdown.parquet``: ``time_breakdown_s``, one row per simulated rank (per
-  stage for the analytic method), its keys as columns in their order: ``rank``,
+- ``time_breakdown.parquet``: ``time_breakdown_s`` above :data:`INLINE_RANKS` entries,
+  one row per simulated rank, its keys as columns in their order: ``rank``,
   ``stage`` (and ``ranks``, the ranks an entry stands for, in asymmetric folding) as
   int64, each accounting category's seconds as float64.
 
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 TABLES_KEY = "tables"
+#: A time breakdown of at most this many entries (ranks) stays in results.json (~0.2 MB).
+INLINE_RANKS = 256
 _FIX = "run the scenario again (`clustersim run SCENARIO --out DIR`)"
 
 
@@ -109,6 +113,7 @@ class ResultTable:
     columns: tuple[str, ...]  # the columns read back (every column when empty)
     to_frame: Callable[[list[Mapping[str, Any]]], pd.DataFrame]
     to_rows: Callable[[pd.DataFrame], list[dict[str, Any]]]
+    inline_max: int = -1  # a list of at most this many entries stays in results.json
 
 
 TABLES: dict[str, ResultTable] = {t.key: t for t in (
@@ -117,19 +122,23 @@ TABLES: dict[str, ResultTable] = {t.key: t for t in (
     ResultTable("memory_timeline", "memory_timeline.parquet",
                 ("rank", "stage", "t", "bytes"), _curve_frame, _curve_rows),
     ResultTable("time_breakdown_s", "time_breakdown.parquet", (), _record_frame,
-                _record_rows),
+                _record_rows, INLINE_RANKS),
 )}
 TABLE_FILES = tuple(t.file for t in TABLES.values())
 
 
 def split_tables(results: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
     """``results`` less its tables (with the ``tables`` pointer), and the tables as
-    frames by file name. A list that is absent or None stays out of both."""
-    summary = {k: v for k, v in results.items() if k not in TABLES}
-    frames = {}
+    frames by file name. A list that is absent or None stays out of both; one no longer
+    than its table's ``inline_max`` stays in ``results``."""
+    frames, inline = {}, set()
     for key, table in TABLES.items():
-        if isinstance(results.get(key), list):
-            frames[table.file] = table.to_frame(results[key])
+        rows = results.get(key)
+        if isinstance(rows, list) and len(rows) <= table.inline_max:
+            inline.add(key)
+        elif isinstance(rows, list):
+            frames[table.file] = table.to_frame(rows)
+    summary = {k: v for k, v in results.items() if k not in TABLES or k in inline}
     if frames:
         summary[TABLES_KEY] = {k: t.file for k, t in TABLES.items() if t.file in frames}
     return summary, frames
