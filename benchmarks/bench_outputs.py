@@ -11,19 +11,24 @@ Runs one scenario the way ``clustersim run`` does (``run_scenario`` then
 
 then the outputs' time as a fraction of the simulation's, and for each file
 written its bytes and the seconds its write took (the PNGs are drawn together).
+Each phase also reports its peak resident memory (the high-water mark is reset as it
+starts, Linux only) and what is still resident after it, in MB; the run's peak is the
+highest phase's (``/usr/bin/time`` sees only the last reset's).
 Targets: outputs at most 20% of the simulation time and under 300 MB in all (issue
 "One accounting of the step", item 4); results.json under 1 MB and trace.json
 under 50 MB (issue 44, item 3, at the headline scenario, folded or full). Nothing
 fails when a target is missed; the figures are printed, each target met or missed,
 and, with ``--json``, written.
 
-A full-fidelity 1,024-GPU run needs about 7 GB of memory and several minutes.
+A full-fidelity 1,024-GPU run needs about 3.2 GB of memory and a few minutes.
 
 Usage::
 
     python benchmarks/bench_outputs.py                         # GPT-3 1,024 GPUs, full
     python benchmarks/bench_outputs.py --fidelity folded --json out/bench_outputs.json
     python benchmarks/bench_outputs.py --set parallel.dp=1 --set cluster.nodes=16
+    python benchmarks/bench_outputs.py --scenario scenarios/llama3-405b-16k-h100.yaml \
+        --max-tasks 100000000                                  # 16,384 GPUs: ~7 GB
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import platform
 import resource
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +67,49 @@ def writer(name: str) -> str:
     return WRITER.get(name, f"write_table:{name}")
 
 
+def _status_kB(field: str) -> float:
+    """A field of /proc/self/status in kB (0 where there is none: not Linux)."""
+    try:
+        with Path("/proc/self/status").open() as f:
+            return next((float(line.split()[1]) for line in f if line.startswith(field)), 0.0)
+    except OSError:
+        return 0.0
+
+
+def _reset_peak() -> None:
+    """Start a new resident-memory high-water mark (Linux: ``clear_refs`` 5)."""
+    with suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+@contextmanager
+def _memory_phases(memory: dict[str, dict[str, float]]) -> Iterator[None]:
+    """Wrap the API's phase timer so that each phase also records, in MB, its peak
+    resident memory (the high-water mark reset as it starts) and what stays resident
+    after it."""
+    from simulator import api
+
+    timed = api._timed
+
+    @contextmanager
+    def measured(timings: Any, phase: str) -> Iterator[None]:
+        _reset_peak()
+        with timed(timings, phase):
+            yield
+        peak = max(_status_kB("VmHWM"), memory.get(phase, {}).get("peak_MB", 0.0) * 1e3)
+        memory[phase] = {"peak_MB": peak / 1e3, "after_MB": _status_kB("VmRSS") / 1e3}
+
+    api._timed = measured
+    try:
+        yield
+    finally:
+        api._timed = timed
+
+
 def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
-            trace_ranks: str, out_dir: Path) -> dict[str, Any]:
-    """Run and write once; phase timings, file sizes and the ratios."""
+            trace_ranks: str, out_dir: Path, plots: bool = True,
+            max_tasks: int | None = None) -> dict[str, Any]:
+    """Run and write once; phase timings and memory, file sizes and the ratios."""
     sys.path.insert(0, str(ROOT))
     from simulator.api import Timings, run_scenario, write_outputs
     from simulator.outputs.rank_selection import parse_rank_selection
@@ -70,10 +117,12 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
 
     s = load_scenario(scenario, overrides)
     timings: Timings = {}
-    run = run_scenario(s, "engine", fidelity, trace_ranks=parse_rank_selection(trace_ranks),
-                       timings=timings)
-    written = write_outputs(out_dir, run.results, run.spans, timeline=timeline,
-                            trace=run.trace, timings=timings)
+    memory: dict[str, dict[str, float]] = {}
+    with _memory_phases(memory):
+        run = run_scenario(s, "engine", fidelity, timings=timings, max_tasks=max_tasks,
+                           trace_ranks=parse_rank_selection(trace_ranks))
+        written = write_outputs(out_dir, run.results, run.spans, timeline=timeline,
+                                trace=run.trace, timings=timings, plots=plots)
     files = {p.name: p.stat().st_size for p in written}
     seconds = {name: timings.get(writer(name), (0.0, 0.0)) for name in files}
 
@@ -86,14 +135,17 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
     return {
         "scenario": s.name, "fidelity": fidelity, "timeline": timeline,
         "trace_ranks": trace_ranks, "spans": 0 if run.spans is None else len(run.spans),
-        "phases": {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in timings.items()},
+        "phases": {k: {"wall_s": w, "cpu_s": c, **memory.get(k, {})}
+                   for k, (w, c) in timings.items()},
         "simulation_s": {"wall": sim_wall, "cpu": sim_cpu},
         "outputs_s": {"wall": out_wall, "cpu": out_cpu},
         "output_ratio": {"wall": out_wall / sim_wall, "cpu": out_cpu / sim_cpu},
         "files_bytes": files, "files_write_s": seconds, "total_bytes": sum(files.values()),
         "file_targets": {name: {"MB": mb, "met": files.get(name, 0) < mb * 1e6}
                          for name, mb in FILE_TARGETS_MB.items() if name in files},
-        "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        # the phases reset the high-water mark: the run's peak is the highest of theirs
+        "peak_rss_GB": max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                            *(m["peak_MB"] / 1e3 for m in memory.values())]),
         "python": platform.python_version(), "machine": platform.machine(),
     }
 
@@ -101,11 +153,12 @@ def measure(scenario: str, overrides: list[str], fidelity: str, timeline: str,
 def report(r: dict[str, Any]) -> list[str]:
     lines = [f"{r['scenario']} ({r['fidelity']}): {r['spans']:,} spans, timeline "
              f"{r['timeline']}, trace ranks {r['trace_ranks']}",
-             f"{'phase':<38}{'wall s':>8}{'cpu s':>8}"]
+             f"{'phase':<34}{'wall s':>8}{'cpu s':>8}{'peak MB':>9}{'after MB':>9}"]
     for name, t in r["phases"].items():
         group = "  (simulation)" if name in SIMULATION else "  (output)" if is_output(name) \
             else "  (results.json figures)"
-        lines.append(f"{name:<38}{t['wall_s']:>8.2f}{t['cpu_s']:>8.2f}{group}")
+        lines.append(f"{name:<34}{t['wall_s']:>8.2f}{t['cpu_s']:>8.2f}"
+                     f"{t.get('peak_MB', 0):>9,.0f}{t.get('after_MB', 0):>9,.0f}{group}")
     ratio = r["output_ratio"]
     mb = r["total_bytes"] / 1e6
     lines += [
@@ -133,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fidelity", choices=["folded", "full"], default="full")
     p.add_argument("--timeline", choices=["parquet", "csv", "both"], default="parquet")
     p.add_argument("--trace-ranks", default="stages")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--max-tasks", type=int, default=None,
+                   help="as clustersim run's (the 16,384-GPU scenario at full fidelity "
+                   "needs 100000000)")
     p.add_argument("--out", type=Path, default=None,
                    help="run directory to write (default: a temporary one, removed)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -140,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_outputs_") as tmp:
         out = args.out or Path(tmp)
         r = measure(args.scenario, args.overrides, args.fidelity, args.timeline,
-                    args.trace_ranks, out)
+                    args.trace_ranks, out, plots=not args.no_plots,
+                    max_tasks=args.max_tasks)
     print("\n".join(report(r)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

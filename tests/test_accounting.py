@@ -175,3 +175,26 @@ def test_categories_and_labels() -> None:
         assert f"{kind}_transfer" in CATEGORIES and f"{kind}_wait" in CATEGORIES
     assert label("embedding_tie_wait") == "embedding-tie wait"
     assert label("pipeline_bubble") == "pipeline bubble"
+
+
+def test_the_walks_read_views_of_the_result() -> None:
+    """The walks' scalar reads are views of the engine's arrays, not copies (8 bytes a
+    task each: 1 GB at 31 million tasks), and the last arrival is the engine's ``last``."""
+    import numpy as np
+
+    from simulator.analysis.accounting.timing import Timing
+    from simulator.builder.columns import task_columns
+    from simulator.builder.workload import build_workload
+    from simulator.engine.engine import simulate
+
+    s = make_scenario(tp=2, pp=2, dp=2, m=4)
+    result = simulate(build_workload(s, fidelity="full"), s.hardware)
+    columns = task_columns(result.workload)
+    timing = Timing.of(result.workload.tasks, result.start, result.end, result.begin,
+                       result.last, columns.prev)
+    assert np.shares_memory(np.asarray(timing.start), result.start)
+    assert np.shares_memory(np.asarray(timing.prev), columns.prev)
+    waited = np.flatnonzero(result.last >= 0)
+    assert len(waited) and all(timing.arrived(int(i)) == result.last[i] for i in waited)
+    assert timing.arrived(int(np.flatnonzero(result.last < 0)[0])) == \
+        int(np.flatnonzero(result.last < 0)[0])

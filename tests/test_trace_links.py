@@ -27,6 +27,20 @@ def full_run() -> Run:
     return run_scenario(scenario_from_dict(SMALL), fidelity="full", trace_ranks="all")
 
 
+def test_links_read_no_per_collective_dict() -> None:
+    """The traced ranks' link load reads transfer starts from the result's array: the
+    cached dict of every collective of every rank (1.7 GB at 16,384 GPUs) stays unmade."""
+    from simulator.builder.workload import build_workload
+    from simulator.engine.engine import simulate
+    from simulator.outputs.span_table import span_table
+    from simulator.outputs.trace_links import trace_links
+
+    s = scenario_from_dict(SMALL)
+    result = simulate(build_workload(s, fidelity="full"), s.hardware)
+    links = trace_links(s, result, span_table(result), [0])
+    assert len(links.links) and "comm_start" not in vars(result)
+
+
 def trace_of(run: Run) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = to_chrome_trace(run.spans, run.results,
                                                    run.trace)["traceEvents"]

@@ -54,29 +54,42 @@ def collective_summary(columns: TaskColumns, timing: Timing) -> dict[str, dict[s
     ids, plans = columns.plan_ids, columns.plans
     if not len(ids):
         return {}
+    # by codes, not a string per collective (millions at full fidelity): the op as a
+    # categorical in name order (groups as strings sort), the algorithm as an index
     factors: dict[int, float] = {}
-    names: dict[int, str] = {}
+    algorithm: dict[int, int] = {}
+    names: dict[str, int] = {}
     for plan in plans:
         if id(plan) not in factors:
             factors[id(plan)] = busbw_factor(plan.op, plan.n)
-            names[id(plan)] = f"{plan.algorithm}/{plan.protocol}"
-    frame = pd.DataFrame({"op": columns.text("op", ids),
-                          "bytes": columns.numbers["nbytes"][ids],
-                          "seconds": timing.end_a[ids] - timing.begin_a[ids],
-                          "factor": np.fromiter((factors[id(p)] for p in plans), float,
-                                                len(plans)),
-                          "algorithm": [names[id(p)] for p in plans]})
+            name = f"{plan.algorithm}/{plan.protocol}"
+            algorithm[id(plan)] = names.setdefault(name, len(names))
+    ops = columns.values["op"]
+    by_name = sorted(range(len(ops)), key=ops.__getitem__)
+    position = np.empty(len(ops), dtype=np.int32)
+    position[by_name] = np.arange(len(ops), dtype=np.int32)
+    frame = pd.DataFrame({
+        "op": pd.Categorical.from_codes(position[columns.codes["op"][ids]],
+                                        [ops[i] for i in by_name]),
+        "bytes": columns.numbers["nbytes"][ids],
+        "seconds": timing.end_a[ids] - timing.begin_a[ids],
+        "factor": np.fromiter((factors[id(p)] for p in plans), float, len(plans)),
+        "algorithm": np.fromiter((algorithm[id(p)] for p in plans), np.int32, len(plans))},
+        copy=False)
     frame = frame[frame["seconds"] > 0]
     frame["algbw"] = frame["bytes"] / frame["seconds"]
     frame["busbw"] = frame["algbw"] * frame["factor"]
+    labels = list(names)
     out = {}
-    for op, g in frame.groupby("op", sort=True):
+    for op, g in frame.groupby("op", sort=True, observed=True):
+        used, first, counts = np.unique(g["algorithm"].to_numpy(), return_index=True,
+                                        return_counts=True)
         out[str(op)] = {"count": float(len(g)), "bytes": float(g["bytes"].sum()),
                         "seconds": float(g["seconds"].sum()),
                         "algbw_GBps": float(g["algbw"].mean()) / 1e9,
                         "busbw_GBps": float(g["busbw"].mean()) / 1e9,
-                        "algorithms": {str(a): float(c) for a, c
-                                       in g["algorithm"].value_counts(sort=False).items()}}
+                        "algorithms": {labels[used[i]]: float(counts[i])  # as they first ran
+                                       for i in np.argsort(first, kind="stable")}}
     return out
 
 
@@ -94,7 +107,7 @@ def engine_metrics(s: Scenario, result: SimResult,
     here when not given)."""
     w = result.workload
     columns = columns if columns is not None else task_columns(w)
-    timing = Timing.of(w.tasks, result.start, result.end, result.begin, result.last_arrival,
+    timing = Timing.of(w.tasks, result.start, result.end, result.begin, result.last,
                        columns.prev)
     step = result.end_time
     ranks = list(w.programs)

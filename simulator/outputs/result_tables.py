@@ -1,21 +1,26 @@
 """The bulk of a run's results as Parquet tables beside ``results.json``.
 
-``results.json`` holds a run's summary figures and its per-rank time breakdown
-(``time_breakdown_s``, one entry per simulated rank: about 0.6 MB for 1,024 ranks);
-two lists in the results dict grow with the step (a segment per change of the
-critical path, a point per allocation change of each stage's memory curve) and made
-it megabytes at GPT-3 scale. A run directory stores each as a table of its own
-(:data:`TABLES`):
+``results.json`` holds a run's summary figures. Three lists in the results dict grow
+with the step or the cluster (a segment per change of the critical path, a point per
+allocation change of each stage's memory curve, an entry per simulated rank: 0.8 kB a
+rank, 13.7 MB at 16,384 ranks) and made it megabytes. A run directory stores each as a
+table of its own (:data:`TABLES`); the time breakdown only when it has more than
+:data:`INLINE_RANKS` entries (a full-fidelity run of a large cluster): a folded run's
+few entries stay inline, where readers of ``results.json`` have always found them.
 
 - ``critical_path.parquet``: one row per segment of the step's critical path,
   earliest first: ``rank`` (int32), ``start``, ``end`` (float64, seconds),
   ``category`` (dictionary-encoded text);
 - ``memory_timeline.parquet``: one row per point of each curve, ranks in the
   order results had them: ``rank``, ``stage`` (int32), ``t`` (float64, seconds),
-  ``bytes`` (float64, allocated bytes from ``t`` on).
+  ``bytes`` (float64, allocated bytes from ``t`` on);
+- ``time_breakdown.parquet``: ``time_breakdown_s`` above :data:`INLINE_RANKS` entries,
+  one row per simulated rank, its keys as columns in their order: ``rank``,
+  ``stage`` (and ``ranks``, the ranks an entry stands for, in asymmetric folding) as
+  int64, each accounting category's seconds as float64.
 
-``results.json`` keeps the summaries (``critical_path_s``, ``memory``,
-``memory_peak_bytes``, ``time_breakdown_s``) and, under ``tables``, each table's file name by its
+``results.json`` keeps the summaries (``critical_path_s``, ``step_breakdown_s``, ``memory``,
+``memory_peak_bytes``) and, under ``tables``, each table's file name by its
 results key (``{"critical_path": "critical_path.parquet", ...}``), so a reader
 knows where the rows are. The in-memory results dict (:func:`simulator.api.run_scenario`)
 still holds the lists; :func:`split_tables` takes them out when writing and
@@ -38,6 +43,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 TABLES_KEY = "tables"
+#: A time breakdown of at most this many entries (ranks) stays in results.json (~0.2 MB).
+INLINE_RANKS = 256
 _FIX = "run the scenario again (`clustersim run SCENARIO --out DIR`)"
 
 
@@ -79,15 +86,34 @@ def _curve_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def _record_frame(entries: list[Mapping[str, Any]]) -> pd.DataFrame:
+    """Entries with the same keys as columns: integers (not bools) as int64, the rest
+    float64."""
+    import pandas as pd
+
+    frame = pd.DataFrame.from_records(list(entries), columns=list(entries[0]) if entries
+                                      else None)
+    ints = {k for k, v in (entries[0].items() if entries else ())
+            if isinstance(v, int) and not isinstance(v, bool)}
+    return frame.astype({c: "int64" if c in ints else "float64" for c in frame.columns})
+
+
+def _record_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    columns = [(c, int if frame[c].dtype.kind in "iu" else float, frame[c].tolist())
+               for c in frame.columns]
+    return [{c: kind(values[i]) for c, kind, values in columns} for i in range(len(frame))]
+
+
 @dataclass(frozen=True)
 class ResultTable:
     """One list of the results dict and the Parquet file that holds it."""
 
     key: str  # the results key
     file: str  # the file name in the run directory
-    columns: tuple[str, ...]  # the columns read back
+    columns: tuple[str, ...]  # the columns read back (every column when empty)
     to_frame: Callable[[list[Mapping[str, Any]]], pd.DataFrame]
     to_rows: Callable[[pd.DataFrame], list[dict[str, Any]]]
+    inline_max: int = -1  # a list of at most this many entries stays in results.json
 
 
 TABLES: dict[str, ResultTable] = {t.key: t for t in (
@@ -95,18 +121,24 @@ TABLES: dict[str, ResultTable] = {t.key: t for t in (
                 ("rank", "start", "end", "category"), _path_frame, _path_rows),
     ResultTable("memory_timeline", "memory_timeline.parquet",
                 ("rank", "stage", "t", "bytes"), _curve_frame, _curve_rows),
+    ResultTable("time_breakdown_s", "time_breakdown.parquet", (), _record_frame,
+                _record_rows, INLINE_RANKS),
 )}
 TABLE_FILES = tuple(t.file for t in TABLES.values())
 
 
 def split_tables(results: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
     """``results`` less its tables (with the ``tables`` pointer), and the tables as
-    frames by file name. A list that is absent or None stays out of both."""
-    summary = {k: v for k, v in results.items() if k not in TABLES}
-    frames = {}
+    frames by file name. A list that is absent or None stays out of both; one no longer
+    than its table's ``inline_max`` stays in ``results``."""
+    frames, inline = {}, set()
     for key, table in TABLES.items():
-        if isinstance(results.get(key), list):
-            frames[table.file] = table.to_frame(results[key])
+        rows = results.get(key)
+        if isinstance(rows, list) and len(rows) <= table.inline_max:
+            inline.add(key)
+        elif isinstance(rows, list):
+            frames[table.file] = table.to_frame(rows)
+    summary = {k: v for k, v in results.items() if k not in TABLES or k in inline}
     if frames:
         summary[TABLES_KEY] = {k: t.file for k, t in TABLES.items() if t.file in frames}
     return summary, frames
@@ -137,7 +169,7 @@ def read_table_rows(path: Path, table: ResultTable) -> list[dict[str, Any]]:
         raise UserError([Problem(field, str(path), f"is missing (results.json names it for "
                                  f"{table.key}); {_FIX}")])
     try:
-        frame = pq.read_table(path, columns=list(table.columns)).to_pandas()
+        frame = pq.read_table(path, columns=list(table.columns) or None).to_pandas()
         return table.to_rows(frame)
     except (pa.ArrowException, OSError, KeyError, ValueError, TypeError) as exc:
         raise UserError([Problem(field, str(path), f"is not a readable {table.key} table "

@@ -32,7 +32,7 @@ def critical_path(timing: Timing, last: int, step_time: float) -> list[tuple[int
         task = timing.tasks[tid]
         a = timing.start[tid]
         begin = timing.begin(tid)
-        arrived = timing.last_arrival.get(tid, tid)
+        arrived = timing.arrived(tid)
         if is_comm(task) and arrived != tid and begin > a:
             # the transfer is on the path; before it, whoever arrived last
             segments.append((task.rank, begin, t, comm_category(task, "transfer")))
