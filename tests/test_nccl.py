@@ -88,25 +88,35 @@ def test_pat_only_from_2_23_with_one_rank_per_node() -> None:
     assert make_plan("all_gather", 1e3, GroupShape(16, 1), "auto", A100).algorithm == "ring"
 
 
-def test_nvls_on_one_nvswitch_gen3_node_from_2_17() -> None:
+@pytest.mark.parametrize(("version", "ratio"), [("2.18", 0.75), ("2.18.6", 0.75),
+                                              ("2.19", 5 / 6), ("2.20.3", 5 / 6)])
+def test_nvls_on_one_nvswitch_gen3_node_from_2_17(version: str, ratio: float) -> None:
     assert "nvls" in candidates("all_reduce", GroupShape(8, 8), "2.18", nvls=True)
     assert "nvls" not in candidates("all_reduce", GroupShape(8, 8), "2.16", nvls=True)
     assert "nvls" not in candidates("all_reduce", GroupShape(16, 8), "2.18", nvls=True)
     assert "nvls" not in candidates("all_gather", GroupShape(8, 8), "2.18", nvls=True)
     assert H100.intra_node.nvls and not A100.intra_node.nvls
-    big = make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", H100)
+    big = make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", H100, version)
     assert (big.algorithm, big.protocol) == ("nvls", "Simple")
-    # NVLS: the whole buffer through the port at 5/6 of its rate, NVLink NVLS latency
-    expected = 1e9 / (H100.intra_node.bytes_per_s * 5 / 6) \
+    # NVLS: the whole buffer through the port at algbw ratio .75 of its rate (2.18.1
+    # tuning.cc ``else if (a == NCCL_ALGO_NVLS) ratio = .75;``), 5/6 from 2.19; NVLink
+    # NVLS latency 23 µs either way (2.18's baseLat, 2.19's hwLat[NVLINK])
+    expected = 1e9 / (H100.intra_node.bytes_per_s * ratio) \
         + 23.0 / 3.4 * H100.intra_node.alpha_s
     assert estimate(big, H100) == pytest.approx(expected, rel=1e-12)
     assert make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", A100).algorithm == "ring"
 
 
+def _nvls_tree(shape: GroupShape, size: float, version: str):  # type: ignore[no-untyped-def]
+    return next(p for p in nccl_plans("all_reduce", size, shape, H100, version)
+                if p.algorithm == "nvls_tree")
+
+
 @pytest.mark.parametrize("nodes", [2, 8])
 def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
-    """NVLS inside each node, a tree over the NICs (tuning.cc: one NVLS hop + 2 log2(N)
-    network hops; bandwidth 5/6 of min(NVLink, network, halved beyond two nodes))."""
+    """NVLS inside each node, a tree over the NICs (tuning.cc 2.19+: one NVLS hop + 2
+    log2(N) network hops; bandwidth 5/6 of min(NVLink, network, halved beyond two
+    nodes))."""
     shape = GroupShape(8 * nodes, 8)
     assert "nvls_tree" in candidates("all_reduce", shape, "2.18", nvls=True)
     assert "nvls_tree" not in candidates("all_reduce", shape, "2.17", nvls=True)
@@ -115,8 +125,7 @@ def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
     assert "nvls_tree" not in candidates("all_reduce", GroupShape(nodes, 1), "2.18", nvls=True)
     assert "nvls_tree" not in candidates("all_gather", shape, "2.18", nvls=True)
     size = 1e9
-    plan = next(p for p in nccl_plans("all_reduce", size, shape, H100)
-                if p.algorithm == "nvls_tree")
+    plan = _nvls_tree(shape, size, "2.20")
     s_nv, s_net = H100.intra_node.alpha_s / 3.4e-6, H100.inter_node.alpha_s / 14e-6
     log_n = nodes.bit_length() - 1
     latency = (23.0 * s_nv + 2 * log_n * 14.0 * s_net) * 1e-6
@@ -125,7 +134,50 @@ def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
     assert estimate(plan, H100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
     # on two nodes NVLS-tree halves a large ring all-reduce's network share: it wins
     if nodes == 2:
-        assert make_plan("all_reduce", size, shape, "auto", H100).algorithm == "nvls_tree"
+        assert make_plan("all_reduce", size, shape, "auto", H100, "2.20").algorithm \
+            == "nvls_tree"
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 8, 64])
+def test_nvls_tree_of_2_18_is_a_chain_over_the_nodes(nodes: int) -> None:
+    """NCCL 2.18.1's tuning.cc: NVLS-tree's latency ``baseLat`` 23 µs +
+    ``2*(nNodes-1)*hwLat[NET][NVLS_TREE]`` (19 µs), its algbw ``.70 * nNodes /
+    (2*(nNodes-1))`` of nChannels × bwIntra on up to two nodes, × bwInter beyond; the
+    leg NCCL does not price runs at its link's rate."""
+    shape, size = GroupShape(8 * nodes, 8), 1e9
+    plan = _nvls_tree(shape, size, "2.18")
+    s_net = H100.inter_node.alpha_s / 14e-6
+    latency = (23.0 + 2 * (nodes - 1) * 19.0) * s_net * 1e-6
+    ratio = 0.70 * nodes / (2 * (nodes - 1))
+    intra = size / (H100.intra_node.bytes_per_s * (ratio if nodes <= 2 else 1.0))
+    inter = size / 8 / (H100.inter_node.bytes_per_s * (1.0 if nodes <= 2 else ratio))
+    assert estimate(plan, H100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
+    assert [p.steps for p in plan.phases] == [1 + 2 * (nodes - 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.integers(2, 256), exponent=st.floats(3, 10.5))
+def test_nvls_tree_latency_grows_linearly_in_2_18_logarithmically_after(
+        nodes: int, exponent: float) -> None:
+    """Each node more adds two network hops (2 × 19 µs, scaled) to 2.18's NVLS-tree, and
+    2 × 14 µs or nothing from 2.19 (where floor(log2 N) steps), so from two nodes on
+    2.18's latency is the longer; and 2.18's algbw ratio .70·N / (2(N − 1)) falls as
+    nodes are added while each NIC's S / k stays, so its time never falls."""
+    alphas = {"nvlink": H100.intra_node.alpha_s, "net": H100.inter_node.alpha_s}
+
+    def latency(n: int, version: str) -> float:
+        return nccl.latency_s("nvls_tree", "Simple", "all_reduce", nccl.Shape(8 * n, n),
+                              alphas, version)
+
+    step = 2 * 19.0 / 14.0 * H100.inter_node.alpha_s
+    assert latency(nodes + 1, "2.18") - latency(nodes, "2.18") == pytest.approx(step)
+    grew = latency(nodes + 1, "2.20") - latency(nodes, "2.20")
+    assert grew == pytest.approx(0.0) or grew == pytest.approx(2 * H100.inter_node.alpha_s)
+    assert latency(nodes, "2.18") > latency(nodes, "2.20")
+    size = 10**exponent
+    t = [nccl_time(_nvls_tree(GroupShape(8 * n, 8), size, "2.18"), H100)
+         for n in (nodes, nodes + 1)]
+    assert t[1] > t[0]
 
 
 def test_version_must_parse() -> None:

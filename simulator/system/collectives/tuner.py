@@ -57,10 +57,10 @@ def nccl_plan(op: CollectiveName, size: float, shape: GroupShape, algo: NcclAlgo
     NVLS: the whole buffer through the NVSwitch port), in one phase of NCCL's latency
     (``alphas``: the NVLink and network α, seconds)."""
     nop, ns = _as_nccl_op(op), _nccl_shape(shape)
-    factor = nccl.bandwidth_factor(algo, proto, nop, ns, size)
+    factor = nccl.bandwidth_factor(algo, proto, nop, ns, size, version)
     legs_of = ALGORITHMS[algo].nccl_legs
     assert legs_of is not None, algo
-    legs, steps = legs_of(op, size, shape, factor)
+    legs, steps = legs_of(op, size, shape, factor, version)
     units = nccl.latency_units(algo, proto, nop, ns, {"nvlink": alphas[0], "net": alphas[1]},
                                version)
     alpha_units = tuple((cls, units[hw]) for cls, hw in NCCL_HW.items() if units[hw])
