@@ -14,7 +14,7 @@ from simulator.system import nccl
 from simulator.system.collectives.choice import candidates, make_plan
 from simulator.system.collectives.cost import estimate, expand
 from simulator.system.collectives.plan import GroupShape
-from simulator.system.collectives.tuner import nccl_plans, nccl_time
+from simulator.system.collectives.tuner import nccl_gpu, nccl_plan, nccl_plans, nccl_time
 from simulator.system.link_specs import AlphaBeta
 from simulator.system.profiles import load_system
 
@@ -348,3 +348,81 @@ def test_profile_may_leave_nvls_out() -> None:
     data["intra_node"]["nvls"] = "yes"
     with pytest.raises(UserError, match=r"intra_node\.nvls"):
         validate_profile(data, "h100")
+
+
+# ------------------------------------------------------------------ the ring plateau
+
+
+@pytest.mark.parametrize(("version", "capability", "size", "factor"), [
+    # 2.18+: nBytes / (nChannels · nRanks) >= 64 (16 channels, 16 ranks: 16,384 bytes)
+    ("2.18", 80, 16384, 1.4), ("2.18", 80, 16383, 1.0), ("2.20.3", 90, 1e9, 1.4),
+    ("2.18", 70, 1e9, 1.9),
+    # 2.17: × 1.5 from compute capability 9.0, nBytes >= nRanks / 16 · 65536 (65,536)
+    ("2.17", 90, 65536, 1.5), ("2.17", 80, 65536, 1.9), ("2.17", 90, 65535, 1.0),
+    # before: × 1.9
+    ("2.12", 90, 65536, 1.9), ("2.8", 80, 1e9, 1.9),
+])
+def test_ring_plateau_closed_form(version: str, capability: int, size: float,
+                                  factor: float) -> None:
+    """``ncclTopoGetAlgoTime`` ("Plateau effect of ring"): a ring/Simple all-reduce across
+    nodes has its latency × 1.9 (v2.16.2-1 and before), × (minCompCap < 90 ? 1.9 : 1.5)
+    (v2.17.1-1), × (minCompCap < 80 ? 1.9 : 1.4) once nBytes/(nChannels·nRanks) >= 64
+    (v2.18.1-1 on)."""
+    shape = nccl.Shape(16, 2)
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", shape, size, version, 16,
+                             capability) == factor
+    alphas = (A100.intra_node.alpha_s, A100.inter_node.alpha_s)
+    with_gpu, without = (nccl_plan("all_reduce", size, GroupShape(16, 8), "ring", "Simple",
+                                   alphas, version, gpu) for gpu in ((16, capability), (0, 0)))
+    lat = [sum(u * {"intra_node": alphas[0], "inter_node": alphas[1]}[c]
+               for c, u in p.phases[0].alpha_units or ()) for p in (with_gpu, without)]
+    assert lat[0] == pytest.approx(factor * lat[1], rel=1e-12)
+    assert with_gpu.phases[0].legs == without.phases[0].legs  # bandwidth untouched
+
+
+@pytest.mark.parametrize(("algo", "proto", "op", "shape"), [
+    ("ring", "LL128", "all_reduce", nccl.Shape(16, 2)),
+    ("tree", "Simple", "all_reduce", nccl.Shape(16, 2)),
+    ("ring", "Simple", "all_gather", nccl.Shape(16, 2)),
+    ("ring", "Simple", "all_reduce", nccl.Shape(8, 1)),  # one node
+])
+def test_ring_plateau_only_multi_node_ring_simple_all_reduce(algo, proto, op, shape) -> None:  # type: ignore[no-untyped-def]
+    assert nccl.ring_plateau(algo, proto, op, shape, 1e9, "2.18", 16, 90) == 1.0
+    # a profile that states no compute capability or no channels: no plateau
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(16, 2), 1e9,
+                             "2.18", 16, 0) == 1.0
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(16, 2), 1e9,
+                             "2.18", 0, 90) == 1.0
+
+
+def test_presets_give_the_tuner_channels_and_capability() -> None:
+    assert nccl_gpu(A100) == (16, 80)
+    assert nccl_gpu(H100) == (16, 90)
+
+
+@settings(max_examples=80, deadline=None)
+@given(nodes=st.integers(2, 128), per_node=st.sampled_from([1, 2, 8]),
+       exponent=st.floats(2, 10.5), version=st.sampled_from(["2.12", "2.17", "2.18", "2.21"]),
+       hw=st.sampled_from([A100, H100]))
+def test_ring_plateau_never_makes_an_all_reduce_faster(nodes, per_node, exponent, version,
+                                                        hw) -> None:  # type: ignore[no-untyped-def]
+    """Every candidate's latency is the same or longer with the plateau, so NCCL's pick
+    (the fastest candidate by its model) is never faster than without it, and a ring/
+    Simple pick beyond the threshold is slower by exactly (factor − 1) × its latency."""
+    shape, size = GroupShape(nodes * per_node, per_node), 10**exponent
+    alphas = (hw.intra_node.alpha_s, hw.inter_node.alpha_s)
+    best = {}
+    for gpu in (nccl_gpu(hw), (0, 0)):
+        times = [nccl_time(nccl_plan("all_reduce", size, shape, p.algorithm, p.protocol,
+                                     alphas, version, gpu), hw)
+                 for p in nccl_plans("all_reduce", size, shape, hw, version)]
+        best[gpu] = min(times)
+    assert best[nccl_gpu(hw)] >= best[(0, 0)] - 1e-15
+    ring = [nccl_plan("all_reduce", size, shape, "ring", "Simple", alphas, version, gpu)
+            for gpu in (nccl_gpu(hw), (0, 0))]
+    factor = nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(shape.n, nodes),
+                               size, version, *nccl_gpu(hw))
+    latency = sum(u * {"intra_node": alphas[0], "inter_node": alphas[1]}[c]
+                  for c, u in ring[1].phases[0].alpha_units or ())
+    assert nccl_time(ring[0], hw) - nccl_time(ring[1], hw) == pytest.approx(
+        (factor - 1) * latency, rel=1e-9, abs=1e-15)

@@ -18,6 +18,11 @@ Sources (NVIDIA/nccl, re-expressed here, never copied):
   ``intraLat + 2·log2i(nNodes)·interLat``; its busBw is ``nChannels`` × bwIntra on up
   to two nodes, × bwInter beyond (one or the other, not their minimum) and its
   algbw ratio ``.70·nNodes / (2·(nNodes − 1))``; NVLS's algbw ratio is .75, not 5/6.
+- ``ncclTopoGetAlgoTime`` of every release: the "plateau effect of ring", a multi-node
+  ring/Simple all-reduce's latency × 1.9 once it is large enough; 2.17 (v2.17.1-1) ×
+  1.5 on compute capability 9.0 and up; from 2.18 (v2.18.1-1) × 1.4 on 8.0 and up, "large
+  enough" from ``nBytes / (nChannels · nRanks) >= 64`` (before: ``nBytes >= nRanks / 16
+  · 65536``), :func:`ring_plateau`.
 - ``src/graph/tuning.cc`` of the releases with ``NCCL_ALGO_PAT`` (2.23 onwards):
   ``ncclPatEnable`` (one rank per node), PAT's bandwidth factor 0.75 and latency
   ``8 + log2(nNodes)·interLat/3.5 + nRanks·2.8`` µs.
@@ -106,6 +111,13 @@ NVLS_BW_2_18 = 0.75
 NVLS_TREE_BW_2_18 = 0.70
 NVLS_BASE_US_2_18 = 23.0
 NVLS_TREE_NET_US_2_18 = 19.0
+# ncclTopoGetAlgoTime: the ring plateau (version, from compute capability, factor), newest
+# first; below the capability the oldest factor
+RING_PLATEAU: tuple[tuple[tuple[int, int], int, float], ...] = (
+    ((2, 18), 80, 1.4), ((2, 17), 90, 1.5))
+RING_PLATEAU_OLD = 1.9
+RING_PLATEAU_BYTES_PER_CHANNEL_RANK = 64  # from 2.18: nBytes / (nChannels·nRanks) >= 64
+RING_PLATEAU_BYTES_PER_RANK = 65536 / 16  # before: nBytes >= nRanks / 16.0 * 65536
 # tuning.cc (2.20.3) ``treeCorrectionFactor``: tree bandwidth × factor[log2(size / 64)]
 TREE_CORRECTION: dict[Protocol, tuple[float, ...]] = {
     "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9,
@@ -198,6 +210,30 @@ def tree_correction(protocol: Protocol, size: float) -> float:
     index = chunks.bit_length() - 1
     table = TREE_CORRECTION[protocol]
     return table[index] if index < len(table) else 1.0
+
+
+def ring_plateau(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: Shape,
+                 size: float, version: str, channels: int, compute_capability: int) -> float:
+    """``ncclTopoGetAlgoTime``'s "plateau effect of ring": the factor on the latency of a
+    ring/Simple all-reduce across nodes of ``size`` bytes (1 otherwise): 1.9, from 2.17
+    1.5 on compute capability ≥ 9.0, from 2.18 1.4 on ≥ 8.0; from 2.18 once
+    ``size / (channels · ranks)`` reaches 64 bytes, before once ``size`` reaches
+    ``ranks / 16 · 65536``. ``compute_capability`` as NCCL's ``minCompCap`` (80 for
+    8.0); 0 (unknown) or no ``channels`` leave the latency as it is."""
+    if algorithm != "ring" or protocol != "Simple" or op != "all_reduce" \
+            or shape.nodes <= 1 or compute_capability <= 0 or channels <= 0:
+        return 1.0
+    ver = parse_version(version)
+    if ver >= (2, 18):
+        large = int(size) // (channels * shape.ranks) >= RING_PLATEAU_BYTES_PER_CHANNEL_RANK
+    else:
+        large = size >= shape.ranks * RING_PLATEAU_BYTES_PER_RANK
+    if not large:
+        return 1.0
+    for since, capability, factor in RING_PLATEAU:
+        if ver >= since:
+            return factor if compute_capability >= capability else RING_PLATEAU_OLD
+    return RING_PLATEAU_OLD
 
 
 def _index(protocol: Protocol) -> int:
