@@ -155,3 +155,23 @@ def test_module_units_keep_their_streams() -> None:
         "layers": 2, "hidden": 512, "heads": 8, "vocab": 4096, "seq_len": 512},
         "stack": "deepspeed"})
     assert z3.serial_reductions(s, _layout(s), s.hardware) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("layers", "m", "nodes"), [(2, 1, 2), (3, 2, 2), (4, 3, 4),
+                                                    (2, 3, 4)])
+def test_engine_step_never_shorter_in_one_communicator(layers: int, m: int,
+                                                       nodes: int) -> None:
+    """Ordering a communicator's collectives only adds waits: the engine's step is at
+    least as long as with the gathers and reduce-scatters side by side, and longer
+    where micro-batches follow one another (the next one's gathers wait for the
+    backward's last reduce-scatters)."""
+    from simulator.strategies.zero3 import workload
+
+    s = fsdp1(layers, m, nodes)
+    serial = simulate_scenario(s)[0]["step_time_s"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workload, "one_communicator", lambda *a: None)
+        side_by_side = simulate_scenario(s)[0]["step_time_s"]
+    assert serial >= side_by_side - 1e-12
+    if m > 1:
+        assert serial > side_by_side
