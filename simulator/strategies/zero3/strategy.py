@@ -303,8 +303,8 @@ def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple
     rdt, group = s.stack.reduce_bytes(dt), layout.shard_group(0)
     unit = mdl.layer_params(spec) / par.tp * rdt
     root = max(zero3_root_bytes(s, st)[0] for st in {0, head_rank(par)}) / dt * rdt
-    return tuple(collective_time(s, layout, "reduce_scatter", size, group, hw)  # type: ignore[return-value]
-                 for size in (unit, root))
+    return (collective_time(s, layout, "reduce_scatter", unit, group, hw),
+            collective_time(s, layout, "reduce_scatter", root, group, hw))
 
 
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
