@@ -274,7 +274,11 @@ def test_zero3_last_gradients_held_until_their_reduce_scatter_ends(case: dict[st
     s = make(zero=3, **case)
     result, tl = run(s)
     tasks, unit = result.workload.tasks, sizes(s)["unit"]
-    checked = roots = 0
+    checked = roots = cancelled = 0
+    gathers: dict[int, list[float]] = {}
+    for tid, start, _ in result.spans:
+        if tasks[tid].op == "zero.all_gather":
+            gathers.setdefault(tasks[tid].rank, []).append(start)
     for e in tl:
         pts = np.asarray(e["points"])
         head_grad = zero3_root_bytes(s, e["stage"])[1]
@@ -292,13 +296,16 @@ def test_zero3_last_gradients_held_until_their_reduce_scatter_ends(case: dict[st
                 at = np.searchsorted(pts[:, 0], end * (1 + 1e-12), side="right") - 1
                 before = np.searchsorted(pts[:, 0], end * (1 - 1e-9), side="right") - 1
                 if pts[at, 0] != pytest.approx(end, rel=1e-12):
-                    # the next micro-batch's gradient is allocated at this very instant:
-                    # free and allocate cancel and the curve has no change point here
+                    # the next micro-batch's gradient is allocated at this very instant,
+                    # or the gather the reduce-scatter held back on their communicator
+                    # (simulator/strategies/zero3/communicator.py) starts: free and
+                    # allocate cancel and the curve has no change point here
+                    cancelled += any(abs(a - end) <= 1e-12 * end for a in gathers[t.rank])
                     continue
                 assert pts[before, 1] - pts[at, 1] == pytest.approx(unit, rel=EXACT)
                 checked += 1
     # at least every layer of the last micro-batch, on the rank that holds it
-    assert s.model.layers <= checked <= s.model.layers * s.microbatches
+    assert s.model.layers <= checked + cancelled <= s.model.layers * s.microbatches
     assert roots >= 1  # the last micro-batch's at least: nothing follows it
 
 

@@ -14,7 +14,7 @@ from simulator.system import nccl
 from simulator.system.collectives.choice import candidates, make_plan
 from simulator.system.collectives.cost import estimate, expand
 from simulator.system.collectives.plan import GroupShape
-from simulator.system.collectives.tuner import nccl_plans, nccl_time
+from simulator.system.collectives.tuner import nccl_gpu, nccl_plan, nccl_plans, nccl_time
 from simulator.system.link_specs import AlphaBeta
 from simulator.system.profiles import load_system
 
@@ -88,25 +88,35 @@ def test_pat_only_from_2_23_with_one_rank_per_node() -> None:
     assert make_plan("all_gather", 1e3, GroupShape(16, 1), "auto", A100).algorithm == "ring"
 
 
-def test_nvls_on_one_nvswitch_gen3_node_from_2_17() -> None:
+@pytest.mark.parametrize(("version", "ratio"), [("2.18", 0.75), ("2.18.6", 0.75),
+                                              ("2.19", 5 / 6), ("2.20.3", 5 / 6)])
+def test_nvls_on_one_nvswitch_gen3_node_from_2_17(version: str, ratio: float) -> None:
     assert "nvls" in candidates("all_reduce", GroupShape(8, 8), "2.18", nvls=True)
     assert "nvls" not in candidates("all_reduce", GroupShape(8, 8), "2.16", nvls=True)
     assert "nvls" not in candidates("all_reduce", GroupShape(16, 8), "2.18", nvls=True)
     assert "nvls" not in candidates("all_gather", GroupShape(8, 8), "2.18", nvls=True)
     assert H100.intra_node.nvls and not A100.intra_node.nvls
-    big = make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", H100)
+    big = make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", H100, version)
     assert (big.algorithm, big.protocol) == ("nvls", "Simple")
-    # NVLS: the whole buffer through the port at 5/6 of its rate, NVLink NVLS latency
-    expected = 1e9 / (H100.intra_node.bytes_per_s * 5 / 6) \
+    # NVLS: the whole buffer through the port at algbw ratio .75 of its rate (2.18.1
+    # tuning.cc ``else if (a == NCCL_ALGO_NVLS) ratio = .75;``), 5/6 from 2.19; NVLink
+    # NVLS latency 23 µs either way (2.18's baseLat, 2.19's hwLat[NVLINK])
+    expected = 1e9 / (H100.intra_node.bytes_per_s * ratio) \
         + 23.0 / 3.4 * H100.intra_node.alpha_s
     assert estimate(big, H100) == pytest.approx(expected, rel=1e-12)
     assert make_plan("all_reduce", 1e9, GroupShape(8, 8), "auto", A100).algorithm == "ring"
 
 
+def _nvls_tree(shape: GroupShape, size: float, version: str):  # type: ignore[no-untyped-def]
+    return next(p for p in nccl_plans("all_reduce", size, shape, H100, version)
+                if p.algorithm == "nvls_tree")
+
+
 @pytest.mark.parametrize("nodes", [2, 8])
 def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
-    """NVLS inside each node, a tree over the NICs (tuning.cc: one NVLS hop + 2 log2(N)
-    network hops; bandwidth 5/6 of min(NVLink, network, halved beyond two nodes))."""
+    """NVLS inside each node, a tree over the NICs (tuning.cc 2.19+: one NVLS hop + 2
+    log2(N) network hops; bandwidth 5/6 of min(NVLink, network, halved beyond two
+    nodes))."""
     shape = GroupShape(8 * nodes, 8)
     assert "nvls_tree" in candidates("all_reduce", shape, "2.18", nvls=True)
     assert "nvls_tree" not in candidates("all_reduce", shape, "2.17", nvls=True)
@@ -115,8 +125,7 @@ def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
     assert "nvls_tree" not in candidates("all_reduce", GroupShape(nodes, 1), "2.18", nvls=True)
     assert "nvls_tree" not in candidates("all_gather", shape, "2.18", nvls=True)
     size = 1e9
-    plan = next(p for p in nccl_plans("all_reduce", size, shape, H100)
-                if p.algorithm == "nvls_tree")
+    plan = _nvls_tree(shape, size, "2.20")
     s_nv, s_net = H100.intra_node.alpha_s / 3.4e-6, H100.inter_node.alpha_s / 14e-6
     log_n = nodes.bit_length() - 1
     latency = (23.0 * s_nv + 2 * log_n * 14.0 * s_net) * 1e-6
@@ -125,7 +134,50 @@ def test_nvls_tree_across_nodes_from_2_18(nodes: int) -> None:
     assert estimate(plan, H100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
     # on two nodes NVLS-tree halves a large ring all-reduce's network share: it wins
     if nodes == 2:
-        assert make_plan("all_reduce", size, shape, "auto", H100).algorithm == "nvls_tree"
+        assert make_plan("all_reduce", size, shape, "auto", H100, "2.20").algorithm \
+            == "nvls_tree"
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 8, 64])
+def test_nvls_tree_of_2_18_is_a_chain_over_the_nodes(nodes: int) -> None:
+    """NCCL 2.18.1's tuning.cc: NVLS-tree's latency ``baseLat`` 23 µs +
+    ``2*(nNodes-1)*hwLat[NET][NVLS_TREE]`` (19 µs), its algbw ``.70 * nNodes /
+    (2*(nNodes-1))`` of nChannels × bwIntra on up to two nodes, × bwInter beyond; the
+    leg NCCL does not price runs at its link's rate."""
+    shape, size = GroupShape(8 * nodes, 8), 1e9
+    plan = _nvls_tree(shape, size, "2.18")
+    s_net = H100.inter_node.alpha_s / 14e-6
+    latency = (23.0 + 2 * (nodes - 1) * 19.0) * s_net * 1e-6
+    ratio = 0.70 * nodes / (2 * (nodes - 1))
+    intra = size / (H100.intra_node.bytes_per_s * (ratio if nodes <= 2 else 1.0))
+    inter = size / 8 / (H100.inter_node.bytes_per_s * (1.0 if nodes <= 2 else ratio))
+    assert estimate(plan, H100) == pytest.approx(latency + max(inter, intra), rel=1e-12)
+    assert [p.steps for p in plan.phases] == [1 + 2 * (nodes - 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.integers(2, 256), exponent=st.floats(3, 10.5))
+def test_nvls_tree_latency_grows_linearly_in_2_18_logarithmically_after(
+        nodes: int, exponent: float) -> None:
+    """Each node more adds two network hops (2 × 19 µs, scaled) to 2.18's NVLS-tree, and
+    2 × 14 µs or nothing from 2.19 (where floor(log2 N) steps), so from two nodes on
+    2.18's latency is the longer; and 2.18's algbw ratio .70·N / (2(N − 1)) falls as
+    nodes are added while each NIC's S / k stays, so its time never falls."""
+    alphas = {"nvlink": H100.intra_node.alpha_s, "net": H100.inter_node.alpha_s}
+
+    def latency(n: int, version: str) -> float:
+        return nccl.latency_s("nvls_tree", "Simple", "all_reduce", nccl.Shape(8 * n, n),
+                              alphas, version)
+
+    step = 2 * 19.0 / 14.0 * H100.inter_node.alpha_s
+    assert latency(nodes + 1, "2.18") - latency(nodes, "2.18") == pytest.approx(step)
+    grew = latency(nodes + 1, "2.20") - latency(nodes, "2.20")
+    assert grew == pytest.approx(0.0) or grew == pytest.approx(2 * H100.inter_node.alpha_s)
+    assert latency(nodes, "2.18") > latency(nodes, "2.20")
+    size = 10**exponent
+    t = [nccl_time(_nvls_tree(GroupShape(8 * n, 8), size, "2.18"), H100)
+         for n in (nodes, nodes + 1)]
+    assert t[1] > t[0]
 
 
 def test_version_must_parse() -> None:
@@ -296,3 +348,81 @@ def test_profile_may_leave_nvls_out() -> None:
     data["intra_node"]["nvls"] = "yes"
     with pytest.raises(UserError, match=r"intra_node\.nvls"):
         validate_profile(data, "h100")
+
+
+# ------------------------------------------------------------------ the ring plateau
+
+
+@pytest.mark.parametrize(("version", "capability", "size", "factor"), [
+    # 2.18+: nBytes / (nChannels · nRanks) >= 64 (16 channels, 16 ranks: 16,384 bytes)
+    ("2.18", 80, 16384, 1.4), ("2.18", 80, 16383, 1.0), ("2.20.3", 90, 1e9, 1.4),
+    ("2.18", 70, 1e9, 1.9),
+    # 2.17: × 1.5 from compute capability 9.0, nBytes >= nRanks / 16 · 65536 (65,536)
+    ("2.17", 90, 65536, 1.5), ("2.17", 80, 65536, 1.9), ("2.17", 90, 65535, 1.0),
+    # before: × 1.9
+    ("2.12", 90, 65536, 1.9), ("2.8", 80, 1e9, 1.9),
+])
+def test_ring_plateau_closed_form(version: str, capability: int, size: float,
+                                  factor: float) -> None:
+    """``ncclTopoGetAlgoTime`` ("Plateau effect of ring"): a ring/Simple all-reduce across
+    nodes has its latency × 1.9 (v2.16.2-1 and before), × (minCompCap < 90 ? 1.9 : 1.5)
+    (v2.17.1-1), × (minCompCap < 80 ? 1.9 : 1.4) once nBytes/(nChannels·nRanks) >= 64
+    (v2.18.1-1 on)."""
+    shape = nccl.Shape(16, 2)
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", shape, size, version, 16,
+                             capability) == factor
+    alphas = (A100.intra_node.alpha_s, A100.inter_node.alpha_s)
+    with_gpu, without = (nccl_plan("all_reduce", size, GroupShape(16, 8), "ring", "Simple",
+                                   alphas, version, gpu) for gpu in ((16, capability), (0, 0)))
+    lat = [sum(u * {"intra_node": alphas[0], "inter_node": alphas[1]}[c]
+               for c, u in p.phases[0].alpha_units or ()) for p in (with_gpu, without)]
+    assert lat[0] == pytest.approx(factor * lat[1], rel=1e-12)
+    assert with_gpu.phases[0].legs == without.phases[0].legs  # bandwidth untouched
+
+
+@pytest.mark.parametrize(("algo", "proto", "op", "shape"), [
+    ("ring", "LL128", "all_reduce", nccl.Shape(16, 2)),
+    ("tree", "Simple", "all_reduce", nccl.Shape(16, 2)),
+    ("ring", "Simple", "all_gather", nccl.Shape(16, 2)),
+    ("ring", "Simple", "all_reduce", nccl.Shape(8, 1)),  # one node
+])
+def test_ring_plateau_only_multi_node_ring_simple_all_reduce(algo, proto, op, shape) -> None:  # type: ignore[no-untyped-def]
+    assert nccl.ring_plateau(algo, proto, op, shape, 1e9, "2.18", 16, 90) == 1.0
+    # a profile that states no compute capability or no channels: no plateau
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(16, 2), 1e9,
+                             "2.18", 16, 0) == 1.0
+    assert nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(16, 2), 1e9,
+                             "2.18", 0, 90) == 1.0
+
+
+def test_presets_give_the_tuner_channels_and_capability() -> None:
+    assert nccl_gpu(A100) == (16, 80)
+    assert nccl_gpu(H100) == (16, 90)
+
+
+@settings(max_examples=80, deadline=None)
+@given(nodes=st.integers(2, 128), per_node=st.sampled_from([1, 2, 8]),
+       exponent=st.floats(2, 10.5), version=st.sampled_from(["2.12", "2.17", "2.18", "2.21"]),
+       hw=st.sampled_from([A100, H100]))
+def test_ring_plateau_never_makes_an_all_reduce_faster(nodes, per_node, exponent, version,
+                                                        hw) -> None:  # type: ignore[no-untyped-def]
+    """Every candidate's latency is the same or longer with the plateau, so NCCL's pick
+    (the fastest candidate by its model) is never faster than without it, and a ring/
+    Simple pick beyond the threshold is slower by exactly (factor − 1) × its latency."""
+    shape, size = GroupShape(nodes * per_node, per_node), 10**exponent
+    alphas = (hw.intra_node.alpha_s, hw.inter_node.alpha_s)
+    best = {}
+    for gpu in (nccl_gpu(hw), (0, 0)):
+        times = [nccl_time(nccl_plan("all_reduce", size, shape, p.algorithm, p.protocol,
+                                     alphas, version, gpu), hw)
+                 for p in nccl_plans("all_reduce", size, shape, hw, version)]
+        best[gpu] = min(times)
+    assert best[nccl_gpu(hw)] >= best[(0, 0)] - 1e-15
+    ring = [nccl_plan("all_reduce", size, shape, "ring", "Simple", alphas, version, gpu)
+            for gpu in (nccl_gpu(hw), (0, 0))]
+    factor = nccl.ring_plateau("ring", "Simple", "all_reduce", nccl.Shape(shape.n, nodes),
+                               size, version, *nccl_gpu(hw))
+    latency = sum(u * {"intra_node": alphas[0], "inter_node": alphas[1]}[c]
+                  for c, u in ring[1].phases[0].alpha_units or ())
+    assert nccl_time(ring[0], hw) - nccl_time(ring[1], hw) == pytest.approx(
+        (factor - 1) * latency, rel=1e-9, abs=1e-15)

@@ -121,6 +121,23 @@ def test_fsdp_hybrid_shard_shards_within_a_node() -> None:
         scenario_data(hybrid.model_copy(update={"tp": 2, "dp": 256}))
 
 
+def test_fsdp_shard_grad_op_is_zero3_kept_gathered_through_the_backward() -> None:
+    """SHARD_GRAD_OP (torch/distributed/fsdp/api.py): parameters sharded outside
+    computation, gathered before the forward and kept until after the backward: ZeRO-3
+    without resharding after forward, so each unit is gathered once a micro-batch (L + 1
+    gathers, none after the step); FULL_SHARD reshards."""
+    [row] = [r for r in read_rows(DEV_SET) if r.name ==
+             "llmfoundry_h100_bf16_large_mpt1b_seq2048_128gpu_mbs12_ga1"]
+    assert "SHARD_GRAD_OP" in row.zero_or_fsdp
+    s = scenario_from_dict(scenario_data(row))
+    assert (s.parallel.zero, s.parallel.reshard_after_forward) == (3, False)
+    full = scenario_from_dict(scenario_data(row.model_copy(
+        update={"zero_or_fsdp": "FSDP FULL_SHARD (mixed precision mode DEFAULT)"})))
+    assert (full.parallel.zero, full.parallel.reshard_after_forward) == (3, True)
+    from simulator.strategies.zero3.strategy import zero3_collective_counts
+    assert zero3_collective_counts(s, 0)["all_gather"] == s.model.layers + 1
+
+
 def test_fsdp_mixed_precision_pure_reduces_gradients_in_bf16() -> None:
     [row] = [r for r in read_rows(DEV_SET) if "PURE" in r.zero_or_fsdp][:1]
     s = scenario_from_dict(scenario_data(row))

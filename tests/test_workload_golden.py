@@ -56,10 +56,10 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
         ("03ffcf943797ed9b", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("d976d43a48ffaabf", 8516),
+        ("edb758b3fc732dae", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("6b452f645a4a2a88", 2706),
+        ("9886b41c4284409a", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("72a7422de5a49bb8", 1648),

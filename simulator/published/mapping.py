@@ -10,7 +10,8 @@ ran, or why the simulator cannot say it.
   them (fewer GPUs: one node of that many).
 - **Layout**: tp, pp (with ``vpp`` virtual stages: interleaved 1F1B), cp, ep, dp (the
   GPUs left when blank); ``zero_or_fsdp`` as a ZeRO stage (FSDP FULL_SHARD is ZeRO-3,
-  SHARD_GRAD_OP ZeRO-2, HYBRID_SHARD ZeRO-3 sharded within a node: :func:`dp_shard_of`;
+  SHARD_GRAD_OP ZeRO-3 kept gathered from forward to backward: :func:`reshard_of`,
+  HYBRID_SHARD ZeRO-3 sharded within a node: :func:`dp_shard_of`;
   _HYBRID_SHARD_ZERO2 is not modelled); ``recompute`` (full, selective or
   none); the mixed-precision mode of FSDP (PURE reduces the gradients in the training
   dtype) as stack overrides.
@@ -102,7 +103,7 @@ def zero_stage(text: str) -> int:
                           "node) is not modelled; HYBRID_SHARD is")
     if "HYBRID" in t:
         return 3
-    for words, stage in ((("FULL_SHARD",), 3), (("SHARD_GRAD_OP",), 2), (("NO_SHARD",), 0),
+    for words, stage in ((("FULL_SHARD",), 3), (("SHARD_GRAD_OP",), 3), (("NO_SHARD",), 0),
                          (("ZERO-3",), 3), (("ZERO3",), 3), (("ZERO-2",), 2), (("ZERO2",), 2),
                          (("ZERO-1",), 1), (("ZERO1",), 1), (("DISTRIBUTED OPTIMIZER",), 1),
                          (("FSDP",), 3)):
@@ -127,6 +128,16 @@ def dp_shard_of(text: str, dp: int, per_node: int, model_parallel: int) -> dict[
                           "node's GPUs of a purely data-parallel world; the row does not "
                           "say how it shards beside model parallelism")
     return {"dp_shard": min(per_node, dp)}
+
+
+def reshard_of(text: str) -> dict[str, bool]:
+    """``parallel.reshard_after_forward`` of a ``zero_or_fsdp`` cell: false for FSDP's
+    SHARD_GRAD_OP, which shards the parameters outside computation, "unshards before the
+    forward, does not reshard them after the forward, and only reshards them after the
+    backward computation" (torch/distributed/fsdp/api.py ``ShardingStrategy``): ZeRO-3
+    with one gather a unit and micro-batch, not ZeRO-2's gather after the step; nothing
+    for any other sharding."""
+    return {"reshard_after_forward": False} if "SHARD_GRAD_OP" in text.upper() else {}
 
 
 def recompute_of(text: str) -> str:
@@ -189,7 +200,8 @@ def _parallel(row: Row) -> dict[str, Any]:
             "schedule": "interleaved" if vpp > 1 else "1f1b",
             "zero": zero_stage(row.zero_or_fsdp), "recompute": recompute_of(row.recompute),
             "sequence_parallel": sp in ("true", "yes", "1"),
-            **dp_shard_of(row.zero_or_fsdp, dp, per_node, tp * pp * cp)}
+            **dp_shard_of(row.zero_or_fsdp, dp, per_node, tp * pp * cp),
+            **reshard_of(row.zero_or_fsdp)}
 
 
 #: a head width the table has no column for, stated in ``other_flags`` by either name

@@ -8,7 +8,21 @@ Sources (NVIDIA/nccl, re-expressed here, never copied):
 - ``src/graph/tuning.cc`` of NCCL **2.20.3** (commit b6475625, ``makefiles/version.mk``
   says 2.20.3): ``baseLat``, ``hwLat``, the protocol refinements of
   ``ncclTopoTuneModel`` and ``treeCorrectionFactor`` / ``ncclTopoGetAlgoTime``. Every
-  table below is that release's; other versions change only which algorithms exist.
+  table below is that release's; other versions change which algorithms exist and,
+  before 2.19, NVLS's and NVLS-tree's entries (next item).
+- ``src/graph/tuning.cc`` of NCCL **2.18.1** (tag v2.18.1-1, the release torch 2.1's
+  CUDA 12.1 wheels pin; 2.18.6 has the same NVLS entries): where 2.18 differs from
+  2.19 onwards, NVLS and NVLS-tree. ``baseLat`` of both is 23 µs (Simple);
+  ``hwLat[NET]`` 18 (NVLS), 19 (NVLS-tree); NVLS-tree's latency is
+  ``baseLat + 2·(nNodes − 1)·hwLat[NET]``, a chain over the nodes, not 2.19's
+  ``intraLat + 2·log2i(nNodes)·interLat``; its busBw is ``nChannels`` × bwIntra on up
+  to two nodes, × bwInter beyond (one or the other, not their minimum) and its
+  algbw ratio ``.70·nNodes / (2·(nNodes − 1))``; NVLS's algbw ratio is .75, not 5/6.
+- ``ncclTopoGetAlgoTime`` of every release: the "plateau effect of ring", a multi-node
+  ring/Simple all-reduce's latency × 1.9 once it is large enough; 2.17 (v2.17.1-1) ×
+  1.5 on compute capability 9.0 and up; from 2.18 (v2.18.1-1) × 1.4 on 8.0 and up, "large
+  enough" from ``nBytes / (nChannels · nRanks) >= 64`` (before: ``nBytes >= nRanks / 16
+  · 65536``), :func:`ring_plateau`.
 - ``src/graph/tuning.cc`` of the releases with ``NCCL_ALGO_PAT`` (2.23 onwards):
   ``ncclPatEnable`` (one rank per node), PAT's bandwidth factor 0.75 and latency
   ``8 + log2(nNodes)·interLat/3.5 + nRanks·2.8`` µs.
@@ -58,6 +72,7 @@ DEFAULT_NCCL_VERSION = "2.18"
 PAT_SINCE = (2, 23)  # NCCL_ALGO_PAT first appears in 2.23's tuning.cc
 NVLS_SINCE = (2, 17)  # NVLink SHARP all-reduce: NCCL 2.17 release notes
 NVLS_TREE_SINCE = (2, 18)  # NVLS + tree across nodes: NCCL 2.18.1 release notes
+NVLS_2_19 = (2, 19)  # NVLS and NVLS-tree take the tuning of 2.19.x's tuning.cc
 
 # tuning.cc (2.20.3) ``baseLat``, µs, per algorithm and protocol (LL, LL128, Simple)
 BASE_LAT_US: dict[NcclAlgorithm, tuple[float, float, float]] = {
@@ -89,6 +104,20 @@ TREE_LL128_ONE_NODE = 7 / 9
 TREE_LL128 = 120 / 128
 NVLS_BW = 5 / 6  # NVLS and NVLS-tree busBw → algbw ratio
 NVLS_TREE_INTER = 1 / 2  # NVLS tree over more than 2 nodes: bwInter / 2
+# tuning.cc (2.18.1), before NVLS_2_19: NVLS ``ratio = .75``; NVLS-tree
+# ``ratio = .70 * nNodes / (2*(nNodes-1))`` of nChannels × (nNodes <= 2 ? bwIntra : bwInter);
+# ``baseLat`` {0, 0, 23.0} for both, NVLS-tree ``latencies += 2*(nNodes-1)*hwLat[NET]`` (19)
+NVLS_BW_2_18 = 0.75
+NVLS_TREE_BW_2_18 = 0.70
+NVLS_BASE_US_2_18 = 23.0
+NVLS_TREE_NET_US_2_18 = 19.0
+# ncclTopoGetAlgoTime: the ring plateau (version, from compute capability, factor), newest
+# first; below the capability the oldest factor
+RING_PLATEAU: tuple[tuple[tuple[int, int], int, float], ...] = (
+    ((2, 18), 80, 1.4), ((2, 17), 90, 1.5))
+RING_PLATEAU_OLD = 1.9
+RING_PLATEAU_BYTES_PER_CHANNEL_RANK = 64  # from 2.18: nBytes / (nChannels·nRanks) >= 64
+RING_PLATEAU_BYTES_PER_RANK = 65536 / 16  # before: nBytes >= nRanks / 16.0 * 65536
 # tuning.cc (2.20.3) ``treeCorrectionFactor``: tree bandwidth × factor[log2(size / 64)]
 TREE_CORRECTION: dict[Protocol, tuple[float, ...]] = {
     "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9,
@@ -133,11 +162,12 @@ class Shape:
 
 
 def bandwidth_factor(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: Shape,
-                     size: float) -> float:
+                     size: float, version: str = DEFAULT_NCCL_VERSION) -> float:
     """NCCL's algorithm bandwidth relative to a ring/Simple on the same links (the
     channel-count caps left out, see the module notes). NVLS's applies to the whole
     buffer (its leg carries S; NVLS-tree's NVLink leg too, its network legs
-    :func:`nvls_tree_inter_factor`), the others to the ring volumes."""
+    :func:`nvls_tree_inter_factor`), the others to the ring volumes. NVLS and
+    NVLS-tree by ``version``'s tuning (2.18's before 2.19)."""
     if algorithm == "ring":
         if protocol == "LL":
             return RING_LL if shape.nodes > 1 or op == "all_reduce" else RING_LL_ONE_NODE
@@ -148,13 +178,28 @@ def bandwidth_factor(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape
         proto = {"LL": TREE_LL, "Simple": 1.0,
                  "LL128": TREE_LL128_ONE_NODE if shape.nodes == 1 else TREE_LL128}[protocol]
         return TREE_BW * proto * tree_correction(protocol, size)
-    return PAT_BW if algorithm == "pat" else NVLS_BW
+    if algorithm == "pat":
+        return PAT_BW
+    if algorithm == "nvls_tree":
+        return nvls_tree_factors(shape, version)[0]
+    return NVLS_BW if parse_version(version) >= NVLS_2_19 else NVLS_BW_2_18
 
 
-def nvls_tree_inter_factor(shape: Shape) -> float:
-    """NVLS-tree's network share, S / k per NIC: 5/6, halved beyond two nodes
-    (``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter / 2)``)."""
-    return NVLS_BW * (NVLS_TREE_INTER if shape.nodes > 2 else 1.0)
+def nvls_tree_factors(shape: Shape, version: str = DEFAULT_NCCL_VERSION) -> tuple[float, float]:
+    """NVLS-tree's factors on its NVLink leg (S through the NVSwitch port) and its
+    network leg (S / k per NIC). From 2.19 both 5/6, the network's halved beyond two
+    nodes (``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter / 2)``); in 2.18 NCCL
+    prices one link only, NVLink on up to two nodes and the network beyond, at
+    ``.70·N / (2(N − 1))``, and the other leg runs at its link's rate."""
+    if parse_version(version) >= NVLS_2_19:
+        return NVLS_BW, NVLS_BW * (NVLS_TREE_INTER if shape.nodes > 2 else 1.0)
+    ratio = NVLS_TREE_BW_2_18 * shape.nodes / (2 * (shape.nodes - 1))
+    return (ratio, 1.0) if shape.nodes <= 2 else (1.0, ratio)
+
+
+def nvls_tree_inter_factor(shape: Shape, version: str = DEFAULT_NCCL_VERSION) -> float:
+    """NVLS-tree's network share, S / k per NIC: its factor (:func:`nvls_tree_factors`)."""
+    return nvls_tree_factors(shape, version)[1]
 
 
 def tree_correction(protocol: Protocol, size: float) -> float:
@@ -165,6 +210,30 @@ def tree_correction(protocol: Protocol, size: float) -> float:
     index = chunks.bit_length() - 1
     table = TREE_CORRECTION[protocol]
     return table[index] if index < len(table) else 1.0
+
+
+def ring_plateau(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: Shape,
+                 size: float, version: str, channels: int, compute_capability: int) -> float:
+    """``ncclTopoGetAlgoTime``'s "plateau effect of ring": the factor on the latency of a
+    ring/Simple all-reduce across nodes of ``size`` bytes (1 otherwise): 1.9, from 2.17
+    1.5 on compute capability ≥ 9.0, from 2.18 1.4 on ≥ 8.0; from 2.18 once
+    ``size / (channels · ranks)`` reaches 64 bytes, before once ``size`` reaches
+    ``ranks / 16 · 65536``. ``compute_capability`` as NCCL's ``minCompCap`` (80 for
+    8.0); 0 (unknown) or no ``channels`` leave the latency as it is."""
+    if algorithm != "ring" or protocol != "Simple" or op != "all_reduce" \
+            or shape.nodes <= 1 or compute_capability <= 0 or channels <= 0:
+        return 1.0
+    ver = parse_version(version)
+    if ver >= (2, 18):
+        large = int(size) // (channels * shape.ranks) >= RING_PLATEAU_BYTES_PER_CHANNEL_RANK
+    else:
+        large = size >= shape.ranks * RING_PLATEAU_BYTES_PER_RANK
+    if not large:
+        return 1.0
+    for since, capability, factor in RING_PLATEAU:
+        if ver >= since:
+            return factor if compute_capability >= capability else RING_PLATEAU_OLD
+    return RING_PLATEAU_OLD
 
 
 def _index(protocol: Protocol) -> int:
@@ -195,6 +264,10 @@ def latency_units(algorithm: NcclAlgorithm, protocol: Protocol, op: Op, shape: S
     intra_kind: HwKind = "nvlink"
     if nodes > 1 and protocol == "LL":
         intra *= LL_INTRA_MULTINODE
+    if algorithm == "nvls_tree" and parse_version(version) < NVLS_2_19:
+        # 2.18: base + a chain of 2(N − 1) network hops, not 2.19's tree of 2 log2(N)
+        us["net"] = NVLS_BASE_US_2_18 + 2 * (nodes - 1) * NVLS_TREE_NET_US_2_18
+        return _units(us)
     if algorithm == "nvls_tree":  # one NVLS hop, 2 log2(N) network hops
         us["nvlink"] += intra
         us["net"] += 2 * _log2i(nodes) * inter

@@ -204,6 +204,15 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     if len(blocks) == 1:  # a layer unit, hidden behind the layer before
         fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
         bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
+        # one communicator: each gather after the reduce-scatter issued before it
+        # (simulator.strategies.zero3.communicator), a layer's gather and reduce-scatter
+        # one after the other behind its backward; the reduce-scatters' own excess is the
+        # reduction's (zero3_reduction)
+        r = serial_reductions(s, layout, hw)[0]
+        if r:
+            b = t_b / layers
+            bwd = layers * max(bwd / layers,
+                               max(0.0, t_ag["attn"] + r - b) - max(0.0, r - b))
         return fwd + (bwd if par.reshard_after_forward else 0.0)
     # module units: each block's gathers behind the block that runs before it
     lc = c.layer(0)
@@ -279,6 +288,25 @@ def hybrid_all_reduce(s: Scenario, layout: Layout, hw: HardwareProfile, size: fl
     return collective_time(s, layout, "all_reduce", size / s.parallel.shard, group, hw)
 
 
+def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple[float, float]:
+    """(a layer unit's reduce-scatter, the largest root unit's) where a dense model's
+    layer-unit gathers, prefetched, and reduce-scatters, overlapped, run in one
+    communicator's order (:mod:`simulator.strategies.zero3.communicator`); (0, 0)
+    elsewhere (module units, experts, either in line: as before)."""
+    par, spec = s.parallel, s.model
+    overlaps = hw.gpu.comm_overlaps_compute
+    if spec.is_moe or len(zero3_blocks(spec, s.stack, par.tp, 1.0)) > 1 \
+            or not (par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 and overlaps
+                    and s.stack.overlap(par.overlap).dp):
+        return 0.0, 0.0
+    dt = dtype_bytes(s.training.dtype)
+    rdt, group = s.stack.reduce_bytes(dt), layout.shard_group(0)
+    unit = mdl.layer_params(spec) / par.tp * rdt
+    root = max(zero3_root_bytes(s, st)[0] for st in {0, head_rank(par)}) / dt * rdt
+    return (collective_time(s, layout, "reduce_scatter", unit, group, hw),
+            collective_time(s, layout, "reduce_scatter", root, group, hw))
+
+
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
                c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
                layers_busiest: int, slowest: int = 0) -> tuple[float, float, float]:
@@ -289,6 +317,8 @@ def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     overlaps = hw.gpu.comm_overlaps_compute
     t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest)
               + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    if par.zero == 3:  # the next micro-batch's gathers wait for the backward's last
+        t_zero += (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd

@@ -17,6 +17,7 @@ from simulator.model.inventory.sharding import (
 )
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert.layer import edp_group
+from simulator.strategies.zero3.communicator import Gather, one_communicator
 from simulator.strategies.zero3.experts import (
     dense_unit,
     expert_unit,
@@ -72,6 +73,12 @@ class Zero3Pass(Pass):
         self.moe = spec.is_moe
         self.experts = expert_units_sharded(ctx.s)
         self.expert_tensors = expert_unit_tensors(ctx.s)
+        # each rank's gathers over its shard group (task, forward), in build order, to
+        # run in one communicator's order with the reduce-scatters (zero3.communicator);
+        # layer units of a dense model (module units and experts keep their streams)
+        self.gathers: dict[int, list[Gather]] = {r: [] for r in ctx.ranks}
+        self.serial = not self.by_block and not self.moe
+        self.ahead = par.fsdp_prefetch if self.stream == "zero" else 0
 
     def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
         ctx = self.ctx
@@ -104,8 +111,12 @@ class Zero3Pass(Pass):
         if ops:
             ctx.add(rank, self.stream, op="Z", kind=kind, name=f"fsdp.copy_in {label}",
                     duration=cost.ops_time(ops[:-1]), microbatch=mb, layer=layer, chunk=chunk)
+        compute = ctx.programs[rank].streams["compute"]
+        anchor = compute[-1] if compute else None
         t = ctx.collective(rank, self.stream, "all_gather", "zero", group, size,
                            f"zero3.all_gather {label}", mb, layer, chunk)
+        if t is not None and self.serial:
+            self.gathers[rank].append((t, forward, anchor))
         if t is None or not ops:
             return t
         out = ctx.compute(rank, "Z", kind, f"fsdp.copy_out {label}", cost.ops_time(ops[-1:]),
@@ -176,3 +187,15 @@ class Zero3Pass(Pass):
     def layer_end(self, rank: int, last: Task) -> None:
         if not self.by_block:
             self.unit_done[rank].append(last)
+
+    def step(self, rank: int) -> None:
+        """The rank's gathers and reduce-scatters over its shard group in one
+        communicator's order (:func:`simulator.strategies.zero3.communicator.
+        one_communicator`), once both are built."""
+        if not self.serial:
+            return
+        group = self.ctx.layout.shard_group(rank)
+        reduces = [t for ts in self.ctx.programs[rank].streams.values() for t in ts
+                   if t.op == "dp.reduce_scatter" and t.group == group]
+        one_communicator(self.gathers.pop(rank, []), reduces,
+                         self.ctx.programs[rank].streams["compute"], self.ahead)

@@ -19,8 +19,10 @@ from simulator.system.units import CollectiveName
 
 #: (op, size, shape) -> the textbook plan
 Textbook = Callable[[CollectiveName, float, GroupShape], Plan]
-#: (op, size, shape, the protocol's bandwidth factor) -> its NCCL legs and latency steps
-NcclLegs = Callable[[CollectiveName, float, GroupShape, float], tuple[tuple[Leg, ...], int]]
+#: (op, size, shape, the protocol's bandwidth factor, NCCL's version) -> its NCCL legs and
+#: latency steps
+NcclLegs = Callable[[CollectiveName, float, GroupShape, float, str],
+                    tuple[tuple[Leg, ...], int]]
 #: (op, NCCL's view of the group, NCCL's (major, minor), NVSwitch multicast) -> offered
 Offered = Callable[[nccl.Op, nccl.Shape, tuple[int, int], bool], bool]
 

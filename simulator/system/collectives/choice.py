@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from simulator.system.collectives.plan import AlgorithmName, GroupShape, Plan
 from simulator.system.collectives.registry import ALGORITHMS
-from simulator.system.collectives.tuner import nccl_algorithms, nccl_choice, nccl_plan
+from simulator.system.collectives.tuner import (
+    nccl_algorithms,
+    nccl_choice,
+    nccl_gpu,
+    nccl_plan,
+)
 from simulator.system.hardware import HardwareProfile
 from simulator.system.nccl import DEFAULT_NCCL_VERSION
 from simulator.system.units import CollectiveName
@@ -39,7 +44,8 @@ def make_plan(op: CollectiveName, size: float, shape: GroupShape, algorithm: str
     if algorithm == "auto" and op not in ("send_recv", "all_to_all"):
         algo, proto = nccl_choice(op, size, shape, hw, nccl_version)
         return nccl_plan(op, size, shape, algo, proto,
-                         (hw.intra_node.alpha_s, hw.inter_node.alpha_s), nccl_version)
+                         (hw.intra_node.alpha_s, hw.inter_node.alpha_s), nccl_version,
+                         nccl_gpu(hw))
     named = ALGORITHMS.get(algorithm)
     if named is None or named.textbook is None or not named.named(op, shape):
         named = ALGORITHMS[_default(op)]

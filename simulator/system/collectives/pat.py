@@ -12,8 +12,8 @@ from simulator.system.collectives.ring import ring_legs
 from simulator.system.units import CollectiveName
 
 
-def pat_legs(op: CollectiveName, size: float, shape: GroupShape,
-             factor: float) -> tuple[tuple[Leg, ...], int]:
+def pat_legs(op: CollectiveName, size: float, shape: GroupShape, factor: float,
+             version: str = nccl.DEFAULT_NCCL_VERSION) -> tuple[tuple[Leg, ...], int]:
     return ring_legs(op, size, shape, factor)[0], nccl.pat_steps(shape.nodes)
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from simulator.system.collectives.algorithm import Algorithm
 from simulator.system.collectives.plan import GroupShape, Leg, Phase, Plan, busbw_factor
-from simulator.system.nccl import PROTOCOLS
+from simulator.system.nccl import DEFAULT_NCCL_VERSION, PROTOCOLS
 from simulator.system.units import CollectiveName
 
 NCCL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -36,9 +36,10 @@ def ring_plan(op: CollectiveName, size: float, shape: GroupShape) -> Plan:
     return Plan(op, "ring", size, n, (Phase(legs, steps),))
 
 
-def ring_legs(op: CollectiveName, size: float, shape: GroupShape,
-              factor: float) -> tuple[tuple[Leg, ...], int]:
-    """The ring's volumes at a protocol's rate, in the ring's steps."""
+def ring_legs(op: CollectiveName, size: float, shape: GroupShape, factor: float,
+              version: str = DEFAULT_NCCL_VERSION) -> tuple[tuple[Leg, ...], int]:
+    """The ring's volumes at a protocol's rate, in the ring's steps (the same in every
+    NCCL version)."""
     ring = ring_plan(op, size, shape).phases[0]
     return tuple(replace(g, rate_factor=factor) for g in ring.legs), ring.steps
 

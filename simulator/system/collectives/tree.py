@@ -29,8 +29,8 @@ def tree_plan(op: CollectiveName, size: float, shape: GroupShape) -> Plan:
     return Plan(op, "tree", size, shape.n, (Phase(legs, tree_steps(shape)),))
 
 
-def tree_legs(op: CollectiveName, size: float, shape: GroupShape,
-              factor: float) -> tuple[tuple[Leg, ...], int]:
+def tree_legs(op: CollectiveName, size: float, shape: GroupShape, factor: float,
+              version: str = nccl.DEFAULT_NCCL_VERSION) -> tuple[tuple[Leg, ...], int]:
     """The ring's volumes at the tree's protocol rate, in the tree's steps."""
     return ring_legs(op, size, shape, factor)[0], tree_steps(shape)
 

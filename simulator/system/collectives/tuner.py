@@ -51,19 +51,32 @@ def nccl_algorithms(op: CollectiveName, shape: GroupShape,
             if a.offered is not None and a.offered(nop, ns, ver, nvls)]
 
 
+def nccl_gpu(hw: HardwareProfile) -> tuple[int, int]:
+    """What NCCL's tuner reads of the GPUs beyond the links: the communicator's channels
+    (``gpu.runtime.nccl_channels``) and ``minCompCap`` (80 for compute capability 8.0;
+    0 where the profile does not state it)."""
+    cc = hw.gpu.compute_capability
+    major, minor = (int(x) for x in cc.split(".")) if cc else (0, 0)
+    return hw.gpu.runtime_memory().nccl_channels, 10 * major + minor
+
+
 def nccl_plan(op: CollectiveName, size: float, shape: GroupShape, algo: NcclAlgorithm,
-              proto: Protocol, alphas: tuple[float, float], version: str) -> Plan:
+              proto: Protocol, alphas: tuple[float, float], version: str,
+              gpu: tuple[int, int] = (0, 0)) -> Plan:
     """NCCL's ``algo`` with ``proto``: its legs at the protocol's rate (the ring's volumes;
     NVLS: the whole buffer through the NVSwitch port), in one phase of NCCL's latency
-    (``alphas``: the NVLink and network α, seconds)."""
+    (``alphas``: the NVLink and network α, seconds; ``gpu``: :func:`nccl_gpu`, for the
+    ring plateau of :func:`simulator.system.nccl.ring_plateau`)."""
     nop, ns = _as_nccl_op(op), _nccl_shape(shape)
-    factor = nccl.bandwidth_factor(algo, proto, nop, ns, size)
+    factor = nccl.bandwidth_factor(algo, proto, nop, ns, size, version)
     legs_of = ALGORITHMS[algo].nccl_legs
     assert legs_of is not None, algo
-    legs, steps = legs_of(op, size, shape, factor)
+    legs, steps = legs_of(op, size, shape, factor, version)
     units = nccl.latency_units(algo, proto, nop, ns, {"nvlink": alphas[0], "net": alphas[1]},
                                version)
-    alpha_units = tuple((cls, units[hw]) for cls, hw in NCCL_HW.items() if units[hw])
+    plateau = nccl.ring_plateau(algo, proto, nop, ns, size, version, *gpu)
+    alpha_units = tuple((cls, units[hw] * plateau) for cls, hw in NCCL_HW.items()
+                        if units[hw])
     return Plan(op, algo, size, shape.n, (Phase(legs, steps, alpha_units),), proto)
 
 
@@ -72,7 +85,7 @@ def nccl_plans(op: CollectiveName, size: float, shape: GroupShape, hw: HardwareP
     """Every (algorithm, protocol) NCCL ``nccl_version`` may run the collective with,
     in its tuner's loop order."""
     alphas = (hw.intra_node.alpha_s, hw.inter_node.alpha_s)
-    return [nccl_plan(op, size, shape, algo, proto, alphas, nccl_version)
+    return [nccl_plan(op, size, shape, algo, proto, alphas, nccl_version, nccl_gpu(hw))
             for algo in nccl_algorithms(op, shape, nccl_version, hw.intra_node.nvls)
             for proto in ALGORITHMS[algo].protocols]
 
@@ -101,20 +114,22 @@ def nccl_choice(op: CollectiveName, size: float, shape: GroupShape, hw: Hardware
     in the tuner's loop order on a tie."""
     intra, inter = hw.intra_node, hw.inter_node
     return _choice(op, size, shape.n, shape.per_node, nccl_version, intra.nvls,
-                   intra.bytes_per_s, intra.alpha_s, inter.bytes_per_s, inter.alpha_s)
+                   intra.bytes_per_s, intra.alpha_s, inter.bytes_per_s, inter.alpha_s,
+                   nccl_gpu(hw))
 
 
 @lru_cache(maxsize=65536)
 def _choice(op: CollectiveName, size: float, n: int, per_node: int, version: str,
             nvls: bool, intra_rate: float, intra_alpha: float, inter_rate: float,
-            inter_alpha: float) -> tuple[NcclAlgorithm, Protocol]:
+            inter_alpha: float, gpu: tuple[int, int]) -> tuple[NcclAlgorithm, Protocol]:
     """:func:`nccl_choice` on the numbers it depends on (cached: the analytic search
     asks for the same collective thousands of times)."""
     shape = GroupShape(n, per_node)
     best: tuple[float, Plan] | None = None
     for algo in nccl_algorithms(op, shape, version, nvls):
         for proto in ALGORITHMS[algo].protocols:
-            plan = nccl_plan(op, size, shape, algo, proto, (intra_alpha, inter_alpha), version)
+            plan = nccl_plan(op, size, shape, algo, proto, (intra_alpha, inter_alpha), version,
+                             gpu)
             t = _link_time(plan, (intra_rate, inter_rate), (intra_alpha, inter_alpha))
             if best is None or t < best[0]:
                 best = (t, plan)
