@@ -2,25 +2,28 @@
 
 A sibling is the same candidate with one dimension's knobs at another value. Each
 :class:`Rule` names a dimension, which of its values are *variants* and, for a variant,
-the siblings it is judged by and whether each must fit:
+the siblings that judge it and whether each must fit:
 
-* **HSDP, another CP exchange, another MoE dispatcher** need no less memory than full
-  sharding, the p2p ring and the alltoall dispatcher (a shard group of fewer ranks
-  holds more of each parameter; the all-to-all variants keep the gathered heads and
-  allgather the gathered keys and values; the allgather and flex dispatchers hold
-  buffers the alltoall one does not): where that sibling does not fit, neither does
-  the variant.
+* **Hybrid sharding, another CP exchange** need no less memory than full sharding and
+  the p2p ring (a shard group of fewer ranks holds more of each parameter; the
+  all-to-all variants keep the gathered heads, allgather the gathered keys and
+  values): where that sibling does not fit, neither does the variant.
 * **A set of recompute modules, or torchtitan's per-op policy**, recomputes something
   and so never shortens a step: where the same layout without recomputation fits, it
   is at least as fast. Full recomputation keeps the least: where it does not fit,
   neither does a partial policy.
 
-``tests/test_plan_space.py`` holds both premises to the memory model and the estimate.
-Candidates are assessed in rounds, one per rule in :data:`RULES` order after those with
-no variant at all: a candidate's round is that of the last rule it is a variant of, and
-its siblings under that rule are variants of earlier rules only, so their verdicts are
-known (a sibling itself skipped does not fit). A sibling the search did not enumerate
-(a narrower request, a ``--set`` pin) decides nothing.
+The MoE token dispatchers have no such order (the allgather and flex dispatchers hold
+buffers, the alltoall one its permuted tokens; Mixtral's peak is lowest with flex on
+16 H100), so each is assessed. ``tests/test_plan_space.py`` holds the premises to the
+memory model and the estimate.
+
+The planner assesses the candidates no rule calls a variant first, then each rule's in
+:data:`RULES` order: a variant comes from the candidate with the rule's first sibling
+values, which is known by then, as are its other siblings; one left out counts as not
+fitting (what a later rule varies of it is left out too, by the same premises). A
+sibling the search did not enumerate (a narrower request, a ``--set`` pin) decides
+nothing.
 """
 
 from __future__ import annotations
@@ -49,8 +52,6 @@ RULES = (
          "full sharding does not fit (hybrid sharding needs no less memory)"),
     Rule(("cp_comm", "cp_a2a"), lambda v: v[0] not in (None, "p2p"), ((("p2p", None), True),),
          "the p2p ring does not fit (this exchange needs no less memory)"),
-    Rule(("dispatcher",), lambda v: v[0] not in (None, "alltoall"), ((("alltoall",), True),),
-         "the alltoall dispatcher does not fit (this one needs no less memory)"),
     Rule(("recompute", "recompute_modules"), lambda v: v[0] == "op" or v[1] is not None,
          ((("none", None), False), (("full", None), True)),
          "no recomputation fits (and is faster), or with full recomputation it does not "
@@ -63,14 +64,15 @@ def _dimension(dims: list[Dimension], rule: Rule) -> Dimension:
 
 
 def variants(rule: Rule, known: Mapping[Candidate, bool], names: tuple[str, ...],
-             dims: list[Dimension], req: Any, base: Any) -> tuple[list[Candidate], int]:
-    """The variants of ``rule`` that could win, each from the candidate ``known`` holds
-    with the rule's first sibling values (``known``: candidate to whether it fits, every
-    one enumerated so far), and how many were left out."""
+             dims: list[Dimension], req: Any, base: Any
+             ) -> tuple[list[Candidate], list[Candidate]]:
+    """The variants of ``rule``, each from the candidate of ``known`` with the rule's
+    first sibling values (``known``: every candidate so far, to whether it fits; one left
+    out does not), as those to assess and those left out."""
     slots = [names.index(k) for k in rule.knobs]
     dim, anchor = _dimension(dims, rule), rule.siblings[0][0]
     out: list[Candidate] = []
-    skipped = 0
+    left_out: list[Candidate] = []
     memo: dict[Candidate, list[tuple[Any, ...]]] = {}  # values read the earlier knobs only
     for cand in list(known):
         if tuple(cand[i] for i in slots) != anchor:
@@ -81,11 +83,9 @@ def variants(rule: Rule, known: Mapping[Candidate, bool], names: tuple[str, ...]
             found = memo[prefix] = [
                 v for v in dim.values(req, base, dict(zip(names, cand, strict=True)))
                 if rule.variant(v)]
-        if _blocked(rule, slots, cand, known):
-            skipped += len(found)
-        else:
-            out += (_with(cand, slots, v) for v in found)
-    return out, skipped
+        into = left_out if _blocked(rule, slots, cand, known) else out
+        into += (_with(cand, slots, v) for v in found)
+    return out, left_out
 
 
 def _with(cand: Candidate, slots: list[int], values: tuple[Any, ...]) -> Candidate:

@@ -187,7 +187,8 @@ def _assess_in_rounds(req: PlanRequest, base: Scenario, executor: Executor
         if any(d.knobs == rule.knobs and set(d.fields) & set(pinned) for d in dims):
             continue  # a pinned dimension was enumerated whole
         new, left_out = variants(rule, known, names, dims, req, base)
-        dominated += left_out
+        dominated += len(left_out)
+        known.update(dict.fromkeys(left_out, False))  # a later rule's variants of them too
         if len(cands) + len(new) > req.max_candidates:
             raise too_many(req)
         if new:

@@ -11,10 +11,10 @@ strategy's ``problems`` and ``unsupported`` (hybrid sharding). What a knob would
 as the field's default is ``None`` (a dense model's dispatcher, CP 1's exchange, full
 sharding, the default modules), so a candidate's scenario leaves that field unset.
 
-Which values are searched, and which are searched only where a sibling says they could
-win (:mod:`simulator.search.dominance`), is the module note of ``docs/search.md``:
-module sets only where the layout without recomputation does not fit; HSDP, another
-CP exchange or another dispatcher only where the default one fits.
+Which values are assessed only where a sibling says they could win is
+:mod:`simulator.search.dominance`'s: module sets and the per-op policy only where the
+layout without recomputation does not fit and with full recomputation does; HSDP and
+another CP exchange only where full sharding and the p2p ring fit.
 """
 
 from __future__ import annotations
