@@ -311,12 +311,14 @@ def plan_lines(plan: Plan) -> list[str]:
     req, c, t = plan.request, plan.counts, plan.table
     unsupported = (f"{c['not_yet_simulated']:,} not yet simulated, "
                    if c["not_yet_simulated"] else "")
+    left_out = (f"{c['dominated']:,} more left out, a sibling showing they cannot win; "
+                if c.get("dominated") else "")
     lines = [f"planned {req.model_name} on {req.gpus:,} GPUs of {req.system}, global batch "
              f"{req.global_batch}: {c['candidates']:,} candidates considered, {c['invalid']:,} "
              f"invalid, {unsupported}{c['out_of_memory']:,} do not fit in "
              f"{plan.usable_GB:.1f} GB ({plan.gpu_memory_GB:g} GB less {req.headroom} "
-             f"headroom), {c['fit']:,} fit; {c.get('dominated', 0):,} more left out, a sibling "
-             f"showing they cannot win; {c['simulated']} simulated in {plan.wall_s:.1f} s"]
+             f"headroom), {c['fit']:,} fit; {left_out}{c['simulated']} simulated in "
+             f"{plan.wall_s:.1f} s"]
     if plan.chosen is None and c["fit"]:
         return [*lines, "nothing re-simulated (--top 0): no choice"]
     if plan.chosen is None:
