@@ -85,8 +85,8 @@ def add_parser(sub: Subparsers) -> None:
                    "other than p2p only where p2p fits (default: %(default)s)")
     q.add_argument("--moe-dispatchers", default=",".join(DISPATCHERS), metavar="D1,D2,...",
                    help="MoE token dispatchers (parallel.moe_token_dispatcher) to try, a "
-                   "mixture of experts only: alltoall, allgather, flex; other than alltoall "
-                   "only where alltoall fits (default: %(default)s)")
+                   "mixture of experts only: alltoall, allgather, flex (DeepEP; where "
+                   "expert_tp * ep > 1) (default: %(default)s)")
     q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
                    help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
     q.add_argument("--tp-beyond-node", action="store_true",
