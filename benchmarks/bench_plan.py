@@ -57,7 +57,9 @@ PLANS = (
     ("gpt3", PlanRequest("gpt3-175b", 1024, "dgx-a100-80gb", 1536, 2048), 10_000),
     ("llama3", PlanRequest("llama3-70b", 512, "dgx-h100", 1024, 8192), 10_000),
     ("mixtral", PlanRequest("mixtral-8x7b", 64, "dgx-h100", 256), 10_000),
-    ("large", PlanRequest("llama3-70b", 2048, "gb200-nvl72", 512, 131072), 100_000),
+    # its variants (CP exchanges above all) take it past the default limit of 200,000
+    ("large", PlanRequest("llama3-70b", 2048, "gb200-nvl72", 512, 131072,
+                          max_candidates=600_000), 100_000),
 )
 
 

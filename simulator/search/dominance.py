@@ -14,14 +14,17 @@ the siblings that judge it and whether each must fit:
   neither does a partial policy.
 
 The MoE token dispatchers have no such order (the allgather and flex dispatchers hold
-buffers, the alltoall one its permuted tokens; Mixtral's peak is lowest with flex on
-16 H100), so each is assessed. ``tests/test_plan_space.py`` holds the premises to the
-memory model and the estimate.
+buffers the alltoall one does not, yet Mixtral's peak on 16 H100 is lowest with flex);
+but no rule but the dispatcher's own reads the dispatcher, so where the alltoall
+layout is invalid or not yet simulated the others are too: they are assessed only
+where it is valid and simulated. ``tests/test_plan_space.py`` holds the premises to the
+memory model, the estimate and the rules.
 
 The planner assesses the candidates no rule calls a variant first, then each rule's in
 :data:`RULES` order: a variant comes from the candidate with the rule's first sibling
 values, which is known by then, as are its other siblings; one left out counts as not
-fitting (what a later rule varies of it is left out too, by the same premises). A
+fitting (what a later rule varies of it is left out too, by the same premises; the
+dispatcher's rule comes first, so its siblings are never left out). A
 sibling the search did not enumerate (a narrower request, a ``--set`` pin) decides
 nothing.
 """
@@ -37,23 +40,34 @@ from simulator.strategies.base import Dimension
 Candidate = tuple[Any, ...]
 
 
+#: What a sibling's verdict must be for its variants to be assessed: "fits", "does not
+#: fit" (a sibling left out does not), or "runs" (valid and simulated, fitting or not)
+MEETS = {"fits": lambda v: v == "fits", "does not fit": lambda v: v != "fits",
+         "runs": lambda v: v in ("fits", "out of memory")}
+LEFT_OUT = "left out"  # the verdict ``known`` holds for a candidate left out
+
+
 @dataclass(frozen=True)
 class Rule:
-    """A dimension's variants and the siblings (values, must fit) that judge them."""
+    """A dimension's variants and the siblings (values, what its verdict must be) that
+    judge them."""
 
     knobs: tuple[str, ...]
     variant: Callable[[tuple[Any, ...]], bool]
-    siblings: tuple[tuple[tuple[Any, ...], bool], ...]
+    siblings: tuple[tuple[tuple[Any, ...], str], ...]
     why: str  # what a sibling's verdict shows, after "the same layout with"
 
 
 RULES = (
-    Rule(("dp_shard",), lambda v: v[0] is not None, (((None,), True),),
+    Rule(("dispatcher",), lambda v: v[0] not in (None, "alltoall"), ((("alltoall",), "runs"),),
+         "the alltoall dispatcher is refused for a reason that is not the dispatcher's"),
+    Rule(("dp_shard",), lambda v: v[0] is not None, (((None,), "fits"),),
          "full sharding does not fit (hybrid sharding needs no less memory)"),
-    Rule(("cp_comm", "cp_a2a"), lambda v: v[0] not in (None, "p2p"), ((("p2p", None), True),),
+    Rule(("cp_comm", "cp_a2a"), lambda v: v[0] not in (None, "p2p"),
+         ((("p2p", None), "fits"),),
          "the p2p ring does not fit (this exchange needs no less memory)"),
     Rule(("recompute", "recompute_modules"), lambda v: v[0] == "op" or v[1] is not None,
-         ((("none", None), False), (("full", None), True)),
+         ((("none", None), "does not fit"), (("full", None), "fits")),
          "no recomputation fits (and is faster), or with full recomputation it does not "
          "fit (which keeps the least)"),
 )
@@ -63,12 +77,12 @@ def _dimension(dims: list[Dimension], rule: Rule) -> Dimension:
     return next(d for d in dims if d.knobs == rule.knobs)
 
 
-def variants(rule: Rule, known: Mapping[Candidate, bool], names: tuple[str, ...],
+def variants(rule: Rule, known: Mapping[Candidate, str], names: tuple[str, ...],
              dims: list[Dimension], req: Any, base: Any
              ) -> tuple[list[Candidate], list[Candidate]]:
     """The variants of ``rule``, each from the candidate of ``known`` with the rule's
-    first sibling values (``known``: every candidate so far, to whether it fits; one left
-    out does not), as those to assess and those left out."""
+    first sibling values (``known``: every candidate so far, to its verdict), as those to
+    assess and those left out."""
     slots = [names.index(k) for k in rule.knobs]
     dim, anchor = _dimension(dims, rule), rule.siblings[0][0]
     out: list[Candidate] = []
@@ -96,9 +110,9 @@ def _with(cand: Candidate, slots: list[int], values: tuple[Any, ...]) -> Candida
 
 
 def _blocked(rule: Rule, slots: list[int], cand: Candidate,
-             known: Mapping[Candidate, bool]) -> bool:
+             known: Mapping[Candidate, str]) -> bool:
     """Whether a sibling's verdict shows the variants of ``cand`` cannot win (a sibling
     not enumerated decides nothing)."""
-    sibs: Iterator[tuple[Candidate, bool]] = ((_with(cand, slots, v), must)
-                                              for v, must in rule.siblings)
-    return any(sib in known and known[sib] != must for sib, must in sibs)
+    sibs: Iterator[tuple[Candidate, str]] = ((_with(cand, slots, v), need)
+                                             for v, need in rule.siblings)
+    return any(sib in known and not MEETS[need](known[sib]) for sib, need in sibs)

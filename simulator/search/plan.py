@@ -69,7 +69,7 @@ from simulator.search.candidates import (
     split_sets,
     too_many,
 )
-from simulator.search.dominance import RULES, variants
+from simulator.search.dominance import LEFT_OUT, RULES, variants
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
 from simulator.search.shared import SharedTerms
 from simulator.spec.placement import head_rank
@@ -181,19 +181,19 @@ def _assess_in_rounds(req: PlanRequest, base: Scenario, executor: Executor
     out."""
     cands = candidates(req, base, variants=False)
     table = _assess_all(base, cands, executor, req.headroom)
-    known = dict(zip(cands, table["fits"].astype(bool), strict=True))
+    known = dict(zip(cands, table["verdict"], strict=True))
     pinned, names, dims, dominated = split_sets(req.sets)[1], knobs(), dimensions(), 0
     for rule in RULES:
         if any(d.knobs == rule.knobs and set(d.fields) & set(pinned) for d in dims):
             continue  # a pinned dimension was enumerated whole
         new, left_out = variants(rule, known, names, dims, req, base)
         dominated += len(left_out)
-        known.update(dict.fromkeys(left_out, False))  # a later rule's variants of them too
+        known.update(dict.fromkeys(left_out, LEFT_OUT))  # later rules vary them too
         if len(cands) + len(new) > req.max_candidates:
             raise too_many(req)
         if new:
             part = _assess_all(base, new, executor, req.headroom)
-            known.update(zip(new, part["fits"].astype(bool), strict=True))
+            known.update(zip(new, part["verdict"], strict=True))
             cands, table = cands + new, pd.concat([table, part], ignore_index=True)
     return cands, table, dominated
 

@@ -14,7 +14,8 @@ sharding, the default modules), so a candidate's scenario leaves that field unse
 Which values are assessed only where a sibling says they could win is
 :mod:`simulator.search.dominance`'s: module sets and the per-op policy only where the
 layout without recomputation does not fit and with full recomputation does; HSDP and
-another CP exchange only where full sharding and the p2p ring fit.
+another CP exchange only where full sharding and the p2p ring fit; another dispatcher
+only where the alltoall one is valid and simulated.
 """
 
 from __future__ import annotations
