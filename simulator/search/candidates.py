@@ -5,8 +5,10 @@ A candidate is one value per dimension of the search: each strategy's
 most an NVLink domain unless ``tp_beyond_node``, CP, PP dividing the layers with DP = N / (TP · CP
 · PP) whole, for a mixture of experts every EP degree the stage admits, every schedule
 with the virtual-stage counts that give each chunk whole layers, every ZeRO stage,
-sequence parallelism when TP > 1) and the planner's own (recompute mode, micro-batch
-size). Dimensions nest by their order; a branch with no values is pruned. A strategy
+sequence parallelism when TP > 1) and the planner's own (:mod:`simulator.search.space`:
+the CP exchange, the MoE token dispatcher, hybrid sharding, the recompute mode with
+Megatron's modules, micro-batch size). Dimensions nest by their order; a branch with
+no values is pruned. A strategy
 registered beside the built-in ones adds its own dimensions, and :func:`knobs` its
 columns.
 
@@ -22,7 +24,8 @@ candidate starts from.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -33,15 +36,16 @@ from simulator.errors import Problem, UserError
 from simulator.limits import MAX_CANDIDATES
 from simulator.loading import parse_override, read_yaml
 from simulator.schedules import registry as schedules
+from simulator.search.choices import DEFAULT_CP_COMM, DISPATCHERS, MODULE_SETS, RECOMPUTE
+from simulator.search.dominance import RULES
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
+from simulator.search.space import PLANNER_DIMENSIONS, TO_FIELD, TO_KNOB
 from simulator.spec.load import apply_overrides, scenario_from_dict
 from simulator.spec.model_spec import preset_model_names
 from simulator.spec.scenario import ParallelSpec, Scenario, TrainingSpec
 from simulator.strategies import registry
 from simulator.strategies.base import Dimension
 from simulator.system.profiles import load_system
-
-RECOMPUTE = ("none", "selective", "full")
 
 #: A candidate's settings, one per knob, in :func:`knobs` order.
 Candidate = tuple[Any, ...]
@@ -62,6 +66,13 @@ class PlanRequest:
     schedules: tuple[str, ...] = field(default_factory=lambda: tuple(schedules.SCHEDULES))
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
+    # Megatron's --recompute-modules sets tried with selective (beside its default)
+    recompute_modules: tuple[str, ...] = MODULE_SETS
+    # HSDP shard-group sizes tried under ZeRO-3 beside full sharding; None: each divisor
+    # of dp whose group is whole nodes
+    dp_shard: tuple[int, ...] | None = None
+    cp_comm: tuple[str, ...] = DEFAULT_CP_COMM  # CP exchanges tried where cp > 1
+    dispatchers: tuple[str, ...] = DISPATCHERS  # MoE token dispatchers (experts only)
     # CP degrees; None: powers of two down to CP_MIN_TOKENS tokens a rank (cp_degrees)
     context_parallel: tuple[int, ...] | None = None
     # EP degrees (a mixture of experts only), each kept where the stage admits it;
@@ -166,19 +177,6 @@ def base_scenario(req: PlanRequest) -> Scenario:
     return base.model_copy(update={"training": training})
 
 
-def _micro_batches(req: PlanRequest, base: Scenario,
-                   chosen: Mapping[str, Any]) -> Iterator[tuple[int]]:
-    return ((b,) for b in req.micro_batches if b * chosen["dp"] <= req.global_batch)
-
-
-#: The planner's own dimensions, beside the strategies'.
-PLANNER_DIMENSIONS = (
-    Dimension(("recompute",), ("parallel.recompute",), 80,
-              lambda req, base, chosen: ((r,) for r in req.recompute)),
-    Dimension(("micro_batch",), ("training.micro_batch",), 100, _micro_batches),
-)
-
-
 def dimensions() -> list[Dimension]:
     """Every dimension of the search, in nesting order."""
     dims = [d for st in registry.strategies() for d in st.dimensions()]
@@ -194,45 +192,62 @@ def knobs() -> tuple[str, ...]:
 KNOBS = knobs()
 
 
-def candidates(req: PlanRequest, base: Scenario) -> list[Candidate]:
-    """Every layout of pass 1, in a fixed order."""
+def candidates(req: PlanRequest, base: Scenario, variants: bool = True) -> list[Candidate]:
+    """Every layout of pass 1, in a fixed order; without ``variants``, only those no rule
+    of :mod:`simulator.search.dominance` calls a variant (a pinned dimension keeps its
+    every value): the planner's first round, whose siblings come later."""
     if not base.model.is_moe and any(ep > 1 for ep in req.expert_parallel or ()):
         raise UserError([Problem("--expert-parallel", req.expert_parallel, f"{req.model} has "
                                  "no routed experts (model.experts = 0); leave it out")])
-    dims, names = dimensions(), knobs()
+    dims, names, pins = dimensions(), knobs(), split_sets(req.sets)[1]
     chosen: dict[str, Any] = {}
     out: list[Candidate] = []
+    judged = {} if variants else {rule.knobs: rule.variant for rule in RULES}
+    judged = {d.knobs: judged[d.knobs] for d in dims
+              if d.knobs in judged and not set(d.fields) & set(pins)}
 
     def walk(i: int) -> None:
         if i == len(dims):
             out.append(tuple(chosen[k] for k in names))
             if len(out) > req.max_candidates:  # stop here: the rest is not enumerated
-                raise UserError([Problem("--gpus", req.gpus, f"{req.model} on {req.gpus:,} "
-                                         f"GPUs makes more than {req.max_candidates:,} "
-                                         "candidate layouts; narrow the search "
-                                         "(--micro-batches, --context-parallel, "
-                                         "--expert-parallel), or raise the limit with "
-                                         "--max-candidates N")])
+                raise too_many(req)
             return
+        variant = judged.get(dims[i].knobs)
         for values in dims[i].values(req, base, chosen):
+            if variant is not None and variant(values):
+                continue
             chosen.update(zip(dims[i].knobs, values, strict=True))
             walk(i + 1)
 
     walk(0)
-    return _pinned(out, split_sets(req.sets)[1])
+    return _pinned(out, pins)
+
+
+def too_many(req: PlanRequest) -> UserError:
+    """The error of a search above ``req.max_candidates``."""
+    return UserError([Problem("--gpus", req.gpus, f"{req.model} on {req.gpus:,} GPUs makes "
+                              f"more than {req.max_candidates:,} candidate layouts; narrow "
+                              "the search (--micro-batches, --context-parallel, "
+                              "--expert-parallel, --recompute-modules, --dp-shard, "
+                              "--cp-comm), or raise the limit with --max-candidates N")])
 
 
 def _pinned(cands: list[Candidate], pins: Mapping[str, Any]) -> list[Candidate]:
     """The candidates whose searched fields equal every pin (``--set`` of a knob)."""
     fields = searched_fields()
-    for key, value in pins.items():
-        i = fields.index(key)
+    for key, given in pins.items():
+        i, value = fields.index(key), TO_KNOB.get(key, lambda v: v)(given)
         tried = sorted({c[i] for c in cands}, key=str)
         cands = [c for c in cands if c[i] == value]
         if not cands:
             raise UserError([Problem("--set", f"{key}={value}", "no candidate layout has it; "
                                      f"the search tried {', '.join(map(str, tried))}")])
     return cands
+
+
+def is_set(value: Any) -> bool:
+    """Whether a knob holds a value: None, and the NaN a table holds for it, do not."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 class CandidateScenarios:
@@ -251,9 +266,11 @@ class CandidateScenarios:
     def __call__(self, cand: Candidate) -> Scenario:
         """``base`` with a candidate's settings (field checks run; cross-field ones do
         not)."""
-        fields = dict(zip(self.fields, cand, strict=True))
+        fields = {k: TO_FIELD[k](v) if k in TO_FIELD and is_set(v) else v
+                  for k, v in zip(self.fields, cand, strict=True)}
+        # a knob left at None (NaN in a table) leaves its field unset: its default
         parallel = {k.removeprefix("parallel."): v for k, v in fields.items()
-                    if k.startswith("parallel.")}
+                    if k.startswith("parallel.") and is_set(v)}
         par = ParallelSpec(**cast(Any, {**self._kept, **parallel}))
         trn = TrainingSpec(**{**self._training, "micro_batch": fields["training.micro_batch"]})
         update: dict[str, Any] = {"parallel": par, "training": trn}

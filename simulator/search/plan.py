@@ -63,8 +63,13 @@ from simulator.search.candidates import (
     base_scenario,
     candidate_scenario,
     candidates,
+    dimensions,
+    is_set,
     knobs,
+    split_sets,
+    too_many,
 )
+from simulator.search.dominance import LEFT_OUT, RULES, variants
 from simulator.search.headroom import DEFAULT_HEADROOM, Headroom
 from simulator.search.shared import SharedTerms
 from simulator.spec.placement import head_rank
@@ -169,6 +174,30 @@ def _assess_all(base: Scenario, cands: list[Candidate], executor: Executor,
                                        "mfu_ceiling"])
 
 
+def _assess_in_rounds(req: PlanRequest, base: Scenario, executor: Executor
+                     ) -> tuple[list[Candidate], pd.DataFrame, int]:
+    """Every candidate no sibling rules out, assessed (:mod:`simulator.search.dominance`:
+    the first round, then each rule's variants that could win), and how many were left
+    out."""
+    cands = candidates(req, base, variants=False)
+    table = _assess_all(base, cands, executor, req.headroom)
+    known = dict(zip(cands, table["verdict"], strict=True))
+    pinned, names, dims, dominated = split_sets(req.sets)[1], knobs(), dimensions(), 0
+    for rule in RULES:
+        if any(d.knobs == rule.knobs and set(d.fields) & set(pinned) for d in dims):
+            continue  # a pinned dimension was enumerated whole
+        new, left_out = variants(rule, known, names, dims, req, base)
+        dominated += len(left_out)
+        known.update(dict.fromkeys(left_out, LEFT_OUT))  # later rules vary them too
+        if len(cands) + len(new) > req.max_candidates:
+            raise too_many(req)
+        if new:
+            part = _assess_all(base, new, executor, req.headroom)
+            known.update(zip(new, part["verdict"], strict=True))
+            cands, table = cands + new, pd.concat([table, part], ignore_index=True)
+    return cands, table, dominated
+
+
 def pareto_mask(memory: pd.Series, step: pd.Series) -> pd.Series:
     """True where no other point has at most the memory and a shorter step."""
     order = sorted(range(len(step)), key=lambda i: (memory.iloc[i], step.iloc[i]))
@@ -210,8 +239,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
             raise UserError([Problem(flag, value, f"must be >= {low}")])
     check_ranks(req.gpus, field="--gpus", option="")
     base = base_scenario(req)
-    cands = candidates(req, base)
-    table = _assess_all(base, cands, executor, req.headroom)
+    cands, table, dominated = _assess_in_rounds(req, base, executor)
     fits = table["fits"].astype(bool)
     ranked = table.loc[resimulated(table[fits], req.top_k)]
     scenarios = [candidate_scenario(base, cands[i]) for i in ranked.index]
@@ -234,7 +262,7 @@ def run_plan(req: PlanRequest, executor: Executor, cache: ResultCache | None = N
     counts = {"candidates": len(table), "invalid": int(n.get("invalid", 0)),
               "not_yet_simulated": int(n.get("not yet simulated", 0)),
               "out_of_memory": int(n.get("out of memory", 0)), "fit": int(n.get("fits", 0)),
-              "simulated": len(ranked)}
+              "simulated": len(ranked), "dominated": dominated}
     return Plan(req, table, chosen, time.perf_counter() - start,
                 base.hardware.gpu.memory_GB, counts, chosen_scenario,
                 usable_bytes(base, req.headroom) / 1e9)
@@ -254,11 +282,28 @@ def degrees_label(row: Any) -> str:
 def layout_label(row: Any) -> str:
     """``TP 8 · PP 16 · DP 8, 1f1b, ZeRO-1, selective, SP, b 1`` for a table row."""
     sched = row["schedule"] + (f" v{row['virtual_stages']}" if row["virtual_stages"] > 1 else "")
-    parts = [degrees_label(row), sched, f"ZeRO-{row['zero']}", f"recompute {row['recompute']}"]
+    parts = [degrees_label(row), sched, f"ZeRO-{row['zero']}"]
+    for knob, show in SHOWN.items():  # a table written before they were planned: none
+        if is_set(row.get(knob)):
+            parts.append(show(row))
+    parts.append(f"recompute {row['recompute']}" + (
+        f" ({row['recompute_modules']})" if is_set(row.get("recompute_modules")) else ""))
     if row["sequence_parallel"]:
         parts.append("SP")
     parts.append(f"b {row['micro_batch']}")
     return ", ".join(parts)
+
+
+def _whole(value: Any) -> str:
+    """A degree a table holds as a float (beside NaN), as a whole number."""
+    return value if isinstance(value, str) else str(int(value))
+
+
+#: the labels of the knobs a layout shows only where set
+SHOWN = {"cp_comm": lambda r: f"CP {r['cp_comm']}" + (f" {int(r['cp_a2a'])}" if is_set(
+    r.get("cp_a2a")) else ""),
+         "dispatcher": lambda r: f"{r['dispatcher']} dispatcher",
+         "dp_shard": lambda r: f"HSDP shard {int(r['dp_shard'])}"}
 
 
 def plan_lines(plan: Plan) -> list[str]:
@@ -266,29 +311,38 @@ def plan_lines(plan: Plan) -> list[str]:
     req, c, t = plan.request, plan.counts, plan.table
     unsupported = (f"{c['not_yet_simulated']:,} not yet simulated, "
                    if c["not_yet_simulated"] else "")
+    left_out = (f"{c['dominated']:,} more left out, a sibling showing they cannot win; "
+                if c.get("dominated") else "")
     lines = [f"planned {req.model_name} on {req.gpus:,} GPUs of {req.system}, global batch "
              f"{req.global_batch}: {c['candidates']:,} candidates considered, {c['invalid']:,} "
              f"invalid, {unsupported}{c['out_of_memory']:,} do not fit in "
              f"{plan.usable_GB:.1f} GB ({plan.gpu_memory_GB:g} GB less {req.headroom} "
-             f"headroom), {c['fit']:,} fit; {c['simulated']} simulated in {plan.wall_s:.1f} s"]
+             f"headroom), {c['fit']:,} fit; {left_out}{c['simulated']} simulated in "
+             f"{plan.wall_s:.1f} s"]
     if plan.chosen is None and c["fit"]:
         return [*lines, "nothing re-simulated (--top 0): no choice"]
     if plan.chosen is None:
         return [*lines, "no candidate fits in memory: add GPUs, a smaller global batch or "
                 "--tp-beyond-node"]
     top = t[t["engine_step_time_s"].notna()].sort_values("engine_step_time_s", kind="stable")
-    cols = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "schedule": "schedule",
-            "virtual_stages": "v", "zero": "zero", "recompute": "recompute",
+    cols = {"tp": "tp", "cp": "cp", "cp_comm": "cp comm", "cp_a2a": "a2a", "pp": "pp",
+            "dp": "dp", "ep": "ep", "dispatcher": "dispatcher", "schedule": "schedule",
+            "virtual_stages": "v", "zero": "zero", "dp_shard": "shard",
+            "recompute": "recompute", "recompute_modules": "modules",
             "sequence_parallel": "sp", "micro_batch": "b", "microbatches": "m",
             "peak_memory_GB": "mem GB", "analytic_step_time_s": "analytic s",
             "engine_step_time_s": "engine s", "engine_mfu": "MFU"}
     for degree in ("cp", "ep"):  # a column only where the plan tried more than 1
         if (t[degree] == 1).all():
             del cols[degree]
-    shown = top[list(cols)].rename(columns=cols)
+    for knob in ("cp_comm", "cp_a2a", "dispatcher", "dp_shard", "recompute_modules"):
+        if t[knob].isna().all():  # ... or where it tried a value
+            del cols[knob]
+    shown = top[list(cols)].rename(columns=cols).astype(object).where(
+        top[list(cols)].notna().to_numpy(), "-")
     lines.append(shown.to_string(index=False, formatters={
-        "mem GB": "{:.1f}".format, "analytic s": "{:.3f}".format, "engine s": "{:.3f}".format,
-        "MFU": "{:.1%}".format}))
+        "shard": _whole, "a2a": _whole, "mem GB": "{:.1f}".format,
+        "analytic s": "{:.3f}".format, "engine s": "{:.3f}".format, "MFU": "{:.1%}".format}))
     best = t.loc[plan.chosen]
     lines.append(f"best: {layout_label(best)}: {best['engine_step_time_s']:.3f} s a step "
                  f"(engine, folded), {best['engine_tokens_per_s']:,.0f} tokens/s, MFU "

@@ -18,6 +18,7 @@ from simulator.cli.common import (
 )
 from simulator.errors import Problem, UserError
 from simulator.limits import MAX_CANDIDATES
+from simulator.search.choices import DEFAULT_CP_COMM, DISPATCHERS, MODULE_SETS
 
 HELP = ("search every layout of a model on N GPUs: plan.csv, pareto.png and the fastest "
         "layout that fits")
@@ -61,6 +62,31 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--expert-parallel", default=None, metavar="E1,E2,...",
                    help="EP degrees to try, a mixture of experts only (default: every divisor "
                    "of the experts that divides a stage's cp * dp)")
+    q.add_argument("--recompute", default="none,selective,full,op", metavar="M1,M2,...",
+                   help="recompute modes to try: none, selective, full, op (torchtitan's "
+                   "per-op policy, dense layers with standard attention only; tried only "
+                   "where the layout without recomputation does not fit and with full "
+                   "recomputation does)")
+    q.add_argument("--recompute-modules", default=",".join(MODULE_SETS),
+                   metavar="SET1,SET2,...|none",
+                   help="Megatron --recompute-modules sets to try with selective beside its "
+                   "default core_attn, modules joined by + (core_attn, layernorm, mlp, moe, "
+                   "shared_experts, moe_act, mla_up_proj); each only where the model has "
+                   "them, where the layout without recomputation does not fit and with full "
+                   "recomputation does (default: %(default)s)")
+    q.add_argument("--dp-shard", default=None, metavar="D1,D2,...|none",
+                   help="HSDP shard-group sizes (parallel.dp_shard) to try under ZeRO-3 "
+                   "beside full sharding, each where it divides dp and full sharding fits "
+                   "(default: each divisor of dp whose group of tp * cp * dp_shard GPUs is "
+                   "whole nodes; none: full sharding only)")
+    q.add_argument("--cp-comm", default=",".join(DEFAULT_CP_COMM), metavar="T1,T2,...",
+                   help="CP exchanges (parallel.cp_comm_type) to try where cp > 1: p2p, "
+                   "allgather, a2a, a2a+p2p (with each cp_a2a strictly between 1 and cp); "
+                   "other than p2p only where p2p fits (default: %(default)s)")
+    q.add_argument("--moe-dispatchers", default=",".join(DISPATCHERS), metavar="D1,D2,...",
+                   help="MoE token dispatchers (parallel.moe_token_dispatcher) to try, a "
+                   "mixture of experts only: alltoall, allgather, flex (DeepEP; where "
+                   "expert_tp * ep > 1) (default: %(default)s)")
     q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
                    help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
     q.add_argument("--tp-beyond-node", action="store_true",
@@ -86,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.search.executors import open_executor
     from simulator.search.headroom import parse_headroom
     from simulator.search.plan import plan_lines, run_plan
+    from simulator.search.space import parse_module_sets, parse_names
     from simulator.spec.rules import batch_warning
 
     cp, ep = (None if text is None else int_list(flag, text) for flag, text in
@@ -93,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
                ("--expert-parallel", args.expert_parallel)))
     req = PlanRequest(args.model, args.gpus, args.system, args.global_batch, args.seq_len,
                       args.top, int_list("--micro-batches", args.micro_batches),
+                      recompute=parse_names("--recompute", args.recompute),
+                      recompute_modules=parse_module_sets(args.recompute_modules),
+                      dp_shard=None if args.dp_shard is None else
+                      () if args.dp_shard.strip() == "none" else int_list("--dp-shard",
+                                                                          args.dp_shard),
+                      cp_comm=parse_names("--cp-comm", args.cp_comm),
+                      dispatchers=parse_names("--moe-dispatchers", args.moe_dispatchers),
                       context_parallel=cp, expert_parallel=ep,
                       tp_beyond_node=args.tp_beyond_node, stack=args.stack,
                       sets=tuple(args.overrides),
@@ -104,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out_dir(f"plan-{req.model_name}-{args.gpus}")
     check_out_dir(out)
     # a bad model, stack, system or --set (a pin no candidate has): one line, now
-    candidates(req, base := base_scenario(req))
+    candidates(req, base := base_scenario(req), variants=False)
     for line in batch_warning(args.global_batch, base.model.seq_len, "--global-batch"):
         print(line, file=sys.stderr)
     cache = result_cache(args, out)
