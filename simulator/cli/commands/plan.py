@@ -54,6 +54,27 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--top", type=int, default=5,
                    help="re-simulate the K best with the engine (and the best of each ZeRO "
                    "stage and CP degree besides; 0: none)")
+    _dimension_args(q)
+    q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
+                   help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
+    q.add_argument("--tp-beyond-node", action="store_true",
+                   help="also try TP groups larger than an NVLink domain "
+                   "(a node, or a GB200 NVL72 rack)")
+    q.add_argument("--headroom", default="5%", metavar="SHARE|GB",
+                   help="memory kept free on every GPU for the allocator's fragmentation: a "
+                   "share (5%%, the default: Megatron-LM's 1.05 overhead factor) or an amount "
+                   "(4GB); no layout returned needs more than capacity less it")
+    q.add_argument("--out", type=Path, default=None, help="output directory "
+                   "(default out/plan-<model>-<gpus>)")
+    q.add_argument("--write-scenario", type=Path, default=None, metavar="FILE.yaml",
+                   help="also write the chosen layout as a scenario `clustersim run` takes "
+                   "unchanged (it gives the plan's engine step time)")
+    search_args(q)
+    q.set_defaults(func=run)
+
+
+def _dimension_args(q: argparse.ArgumentParser) -> None:
+    """The options that narrow or widen one dimension of the search."""
     q.add_argument("--micro-batches", default="1,2,4,8,16", metavar="B1,B2,...",
                    help="micro-batch sizes to try")
     q.add_argument("--context-parallel", default=None, metavar="C1,C2,...",
@@ -87,22 +108,6 @@ def add_parser(sub: Subparsers) -> None:
                    help="MoE token dispatchers (parallel.moe_token_dispatcher) to try, a "
                    "mixture of experts only: alltoall, allgather, flex (DeepEP; where "
                    "expert_tp * ep > 1) (default: %(default)s)")
-    q.add_argument("--max-candidates", type=positive_int, default=MAX_CANDIDATES, metavar="N",
-                   help=f"refuse a search of more candidate layouts (default {MAX_CANDIDATES:,})")
-    q.add_argument("--tp-beyond-node", action="store_true",
-                   help="also try TP groups larger than an NVLink domain "
-                   "(a node, or a GB200 NVL72 rack)")
-    q.add_argument("--headroom", default="5%", metavar="SHARE|GB",
-                   help="memory kept free on every GPU for the allocator's fragmentation: a "
-                   "share (5%%, the default: Megatron-LM's 1.05 overhead factor) or an amount "
-                   "(4GB); no layout returned needs more than capacity less it")
-    q.add_argument("--out", type=Path, default=None, help="output directory "
-                   "(default out/plan-<model>-<gpus>)")
-    q.add_argument("--write-scenario", type=Path, default=None, metavar="FILE.yaml",
-                   help="also write the chosen layout as a scenario `clustersim run` takes "
-                   "unchanged (it gives the plan's engine step time)")
-    search_args(q)
-    q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
