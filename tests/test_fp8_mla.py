@@ -87,13 +87,15 @@ def _kept(recipe: str, layer: int, recompute: str = "none", spec: ModelSpec = SP
 
 @pytest.mark.parametrize("recompute", ["none", "selective:layernorm,mla_up_proj"])
 def test_the_fp8_inputs_each_layer_keeps(recompute: str) -> None:
-    """1 byte instead of 2 for the out-proj's input (T·H·d_v/t), a dense layer's MLP up
-    input (L·h) and down input (T·f/t), a MoE layer's routed experts' inputs (k·T·h and
-    k·T·f_e/t); the normed tokens the two down-projections each keep in FP8 weigh what
-    the one 16-bit copy did. Recomputing the norms drops the MLP's normed input in
-    either precision; recomputing the up-projections (Q, K, V) leaves the rest."""
+    """1 byte instead of 2 for a dense layer's MLP up input (L·h) and down input (T·f/t),
+    a MoE layer's routed experts' inputs (k·T·h and k·T·f_e/t); the normed tokens the two
+    down-projections each keep in FP8 weigh what the one 16-bit copy did; the out-proj's
+    FP8 input is 1 byte more (T·H·d_v/t): the fused core keeps its 16-bit output for its
+    own backward beside it (TE's FusedAttnFunc saves out_f16). Recomputing the norms
+    drops the MLP's normed input in either precision; recomputing the up-projections (Q,
+    K, V) leaves the rest."""
     T, L, routed = 2 * 128, 2 * 128 / 2, 2 * 2 * 128
-    out_proj = T * HEADS * DV / 2
+    out_proj = -T * HEADS * DV / 2
     dense = out_proj + L * H + T * F / 2
     experts = out_proj + routed * H + routed * FE / 2
     if recompute != "none":  # the MLP's normed input goes with the norm's recomputation

@@ -259,7 +259,8 @@ def _fp8_kept(spec: ModelSpec, mla: MLASpec, layer: int, kept: dict[str, float],
     ``_GroupedLinear`` save the quantized input, :mod:`simulator.model.inventory.fp8`):
     the two down-projections a copy each of the normed tokens (one 16-bit tensor
     before; both counted with the first, which recomputing the norm drops as it drops
-    the 16-bit one), the out-proj its input, the dense MLP's and the routed experts' linears
+    the 16-bit one), the out-proj its input (beside the 16-bit output the core keeps for its
+    own backward), the dense MLP's and the routed experts' linears
     theirs. The latents stay as counted (once, 16-bit: the latent norms' inputs), so do
     Q, K, V, the router's input and probabilities, the activations' inputs and the
     shared experts' (16-bit linears here). ``rows``: the layer's tokens and its local
@@ -267,8 +268,10 @@ def _fp8_kept(spec: ModelSpec, mla: MLASpec, layer: int, kept: dict[str, float],
     is kept in E5M6 and the routed experts' activation inputs in FP8."""
     (tokens, local), h = rows, spec.hidden
     out = {**kept, "q_down" if mla.q_lora_rank else "q_up": 2 * local * h}  # both copies
-    o_bytes = fp8.E5M6_BYTES if deepseek else 1.0
-    out["attn_core"] -= (dt - o_bytes) * tokens * spec.heads * mla.v_head_dim / tp
+    o = tokens * spec.heads * mla.v_head_dim / tp  # the core's output: the out-proj's input
+    # DeepSeek-V3 keeps it once in E5M6 for both backwards; an FP8 linear keeps its 1-byte
+    # copy beside the 16-bit output the fused core keeps (attention.own_output)
+    out["attn_core"] += -(dt - fp8.E5M6_BYTES) * o if deepseek else 1.0 * o
     if not spec.is_moe_layer(layer):
         out["mlp_up"] = local * h
         out["act"] -= (dt - 1) * tokens * spec.ffn / tp

@@ -5,6 +5,7 @@ FlashAttention kernel, rotary embeddings, and the core under context parallelism
 
 from __future__ import annotations
 
+from simulator.model.inventory import fp8
 from simulator.model.inventory.ops import (
     CORE_OPS,
     FLASH_BWD_KERNELS,
@@ -30,8 +31,8 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
         if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
             return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
                        fwd_flops, "attention_fwd", 1,
-                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads, flash_scale(pass_),
-                       attn=call)]
+                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads + own_output(x),
+                       flash_scale(pass_), attn=call)]
         return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
                    2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
                    flash_scale(pass_), attn=call)]
@@ -58,6 +59,20 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
     ops.append(Op("attn_av", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
                   "gemm_dgrad", 2))
     return ops
+
+
+def own_output(x: Shape) -> float:
+    """Bytes of its 16-bit output a fused attention kernel keeps for its own backward
+    apart from what the out-projection keeps: none where the two share the tensor (16-bit
+    linears: the out-projection's input is the kernel's output, counted there once), the
+    whole output under FP8 linears, which keep a 1-byte copy of their own beside it
+    (Transformer Engine's ``FusedAttnFunc.forward`` saves ``(q, k, v, out_f16)``,
+    transformer_engine/pytorch/attention/dot_product_attention/backends.py; flash-attn's
+    ``FlashAttnFunc`` saves ``out_padded``), and none under DeepSeek-V3's caching, whose
+    one E5M6 copy serves both backwards (its §3.3.3)."""
+    if not fp8.active(x) or fp8.deepseek(x.st):
+        return 0.0
+    return x.dt * x.tokens * x.q
 
 
 def rope_ops(x: Shape, pass_: Pass) -> list[Op]:
