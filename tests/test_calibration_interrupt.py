@@ -135,7 +135,7 @@ def _cheap_jobs(kill_at: int | None) -> list[Job]:
 
 def test_ctrl_c_in_process_keeps_the_measurements_and_the_rerun_reuses_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], collector_paused: None) -> None:
     """The real signal, the real walk over jobs and results file; the jobs' kernels and the
     fit are stand-ins (the slow tests below run the real ones)."""
     kill_at: list[int | None] = [3]

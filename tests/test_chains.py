@@ -204,14 +204,20 @@ def test_cycles_made_under_a_pause_are_still_collected(monkeypatch: Any) -> None
     class Node:
         me: Any = None
 
-    gc.collect()
-    base = max(len(gc.get_objects()), 500_000)
-    for _ in range(8):
-        with tasks.gc_paused():
-            for _ in range(base // 2):
-                node = Node()
-                node.me = node
-    assert len(gc.get_objects()) < 4 * base
+    was = gc.isenabled()
+    gc.enable()  # the pause promotes only what an enabled collector would have scanned
+    try:
+        gc.collect()
+        base = max(len(gc.get_objects()), 500_000)
+        for _ in range(8):
+            with tasks.gc_paused():
+                for _ in range(base // 2):
+                    node = Node()
+                    node.me = node
+        assert len(gc.get_objects()) < 4 * base
+    finally:
+        if not was:
+            gc.disable()
 
 
 def test_objects_someone_froze_stay_frozen() -> None:
@@ -225,3 +231,17 @@ def test_objects_someone_froze_stay_frozen() -> None:
         assert gc.get_freeze_count() == frozen and len(made) == 1000
     finally:
         gc.unfreeze()
+
+
+def test_an_interrupt_in_the_promotion_leaves_the_collector_enabled(monkeypatch: Any) -> None:
+    """A SIGINT that lands while the pause promotes what it made (a KeyboardInterrupt out
+    of ``gc.freeze`` or ``gc.collect``) must not leave automatic collection off for the
+    rest of the process."""
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tasks, "_promote", interrupted)
+    assert gc.isenabled()
+    with pytest.raises(KeyboardInterrupt), tasks.gc_paused():
+        pass
+    assert gc.isenabled()

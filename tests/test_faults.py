@@ -14,14 +14,12 @@ Ctrl-C and SIGTERM sent for real.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,21 +32,6 @@ from simulator.search.cache import ResultCache, map_cached
 from simulator.search.executors import RespawningPool
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def collector_paused() -> Iterator[None]:
-    """No automatic garbage collection while a test sends itself SIGINT: a KeyboardInterrupt
-    that lands inside a gc callback (hypothesis registers one, so after any hypothesis test
-    in the same process) is swallowed as unraisable and the test sees no interruption (seen
-    once in the full suite)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def slow_square(x: int) -> dict[str, Any]:

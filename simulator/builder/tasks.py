@@ -104,8 +104,10 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
-            _promote()
-            gc.enable()
+            try:  # a signal's exception inside the promotion must not leave gc disabled
+                _promote()
+            finally:
+                gc.enable()
 
 
 def _promote() -> None:
