@@ -157,7 +157,8 @@ def read_table(path: Path, fix: str) -> pd.DataFrame:
 
     text = decode_text(read_bytes(path, "run_dir", TABLE_LIMIT_BYTES), "run_dir", str(path))
     try:
-        table = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+        table = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""],
+                            low_memory=False)  # one type per column, no DtypeWarning
     except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise UserError([Problem("run_dir", str(path), f"is not a readable CSV table "
                                  f"({str(exc).splitlines()[0][:80]}); {fix}")]) from None
