@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -16,8 +17,12 @@ def collector_paused() -> Iterator[None]:
     once in the full suite)."""
     was = gc.isenabled()
     gc.disable()
+    # and SIGINT raising KeyboardInterrupt whatever the launcher left: a shell without job
+    # control starts a background job with SIGINT ignored, which Python then keeps
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
+        signal.signal(signal.SIGINT, handler)
         if was:
             gc.enable()

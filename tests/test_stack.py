@@ -156,8 +156,10 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     out += g * T * f  # the MLP-down projection's input
     if recompute == "selective":
         return out
-    if stack.flash:
-        return out + 4 * T * heads  # the fp32 log-sum-exp
+    if stack.flash:  # the fp32 log-sum-exp, and under FP8 linears (not DeepSeek-V3's one
+        # E5M6 copy) the fused core's own 16-bit output beside the out-projection's copy
+        own = dt * T * q if stack.fp8 != "none" and stack.fp8_cache != "deepseek" else 0
+        return out + 4 * T * heads + own
     return out + dt * S + ((dt + 1) * S if stack.attention_dropout > 0 else 0)
 
 
