@@ -140,6 +140,19 @@ def test_checkpoint_is_weights_and_optimizer_states_once() -> None:
     assert cost.durable_s == pytest.approx(cost.blocking_s + 14 * psi / 100e9)
 
 
+@pytest.mark.parametrize(("stack", "per_param"), [
+    ({"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, 2 + 4 + 2 + 2),  # BF16 moments
+    ({"autocast": True}, 4 + 4 + 4),  # fp32 parameters are their own master copy
+    ({"param_remainders": True}, 2 + 2 + 4 + 4),  # int16 remainders for the master
+])
+def test_checkpoint_holds_the_states_in_the_stacks_widths(stack: dict, per_param: int) -> None:
+    """The checkpoint is the memory model's unique states: a stack's optimizer-state
+    dtypes and autocast's fp32 parameters change its size (not a fixed 14 B/param)."""
+    s = _scenario(stack={"preset": "megatron-core", **stack})
+    psi = param_count(s.model)  # type: ignore[attr-defined]
+    assert checkpoint_bytes(s) == per_param * psi  # type: ignore[arg-type]
+
+
 def test_scenario_job_without_failures_is_exact() -> None:
     s = _scenario(reliability={"preset": "none"})
     spec = job_spec(s, 16 * 8192 * 100, [3.0], every=10)  # type: ignore[arg-type]

@@ -14,8 +14,10 @@ comes from), divided by that cluster's component-hours. Interruptions are a
 Poisson process (exponential times between them), as in Young's and Daly's
 derivations.
 
-Checkpoints. A checkpoint holds the unique model states: 16-bit weights and the
-fp32 optimizer states (master weights, Adam moments) of every parameter once,
+Checkpoints. A checkpoint holds the unique model states: the weights and the optimizer
+states (master weights, Adam moments) of every parameter once, in the widths the stack
+keeps them (16-bit weights and 12 bytes of fp32 states by default; fp32 weights that are
+their own master copy under autocast; BF16 moments where the stack says so),
 with the copy of a tied embedding that the last pipeline stage keeps — the
 memory model's per-rank states summed over ranks, replicas counted once
 (:func:`simulator.model.memory.stage_params`,
@@ -40,6 +42,7 @@ from typing import Any, Literal, get_args
 
 from simulator.errors import Problem, UserError
 from simulator.loading import PRESETS_DIR, read_yaml
+from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import stage_params, state_bytes_per_param
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.placement import head_rank, stage_ends, stage_layers
@@ -124,8 +127,12 @@ class CheckpointCost:
 
 
 def checkpoint_bytes(s: Scenario) -> float:
-    """Unique model states: Σ over stages of parameters × (weight + optimizer bytes)."""
-    w, _, o = state_bytes_per_param(0, 1, s.training.dtype)
+    """Unique model states: Σ over stages of parameters × (weight + optimizer bytes), each
+    in the widths the memory model gives the stack (fp32 parameters under autocast, the
+    master copy's and the moments' dtypes: ``stack.optimizer_bytes``)."""
+    width = dtype_bytes(s.training.dtype)
+    w, _, o = state_bytes_per_param(0, 1, s.training.dtype, fp32_params=s.stack.fp32_params(width),
+                                    optimizer_bytes=s.stack.optimizer_bytes(width))
     par = s.parallel
     spec = s.model
     params = sum(stage_params(spec, par.pp, st, stage_layers(spec.layers, par, st, spec.mtp_layers),
