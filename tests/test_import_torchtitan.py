@@ -141,6 +141,11 @@ def test_unmapped_unknown_and_legacy_keys_are_listed(tmp_path: Path,
     ("[optimizer]\nimplementation = \"fused_opt_states_bf16\"\n",
      ("stack", "exp_avg_sq_dtype"), "bf16"),
     ("[optimizer]\nimplementation = \"fused\"\n", ("stack", "exp_avg_sq_dtype"), "fp32"),
+    # torch's _AllGatherRotater gathers K/V once; _AllToAllRotater passes them to the next
+    # rank each ring step: the ring of point-to-point exchanges
+    ("[parallelism]\ncontext_parallel_degree = 2\n", ("parallel", "cp_comm_type"), "allgather"),
+    ("[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_rotate_method = "
+     "\"alltoall\"\n", ("parallel", "cp_comm_type"), "p2p"),
 ])
 def test_keys(tmp_path: Path, extra: str, path: tuple[str, ...], value: object) -> None:
     rc, out = _import(tmp_path, _toml(tmp_path, SMALL + extra), "--gpus", "8")

@@ -222,13 +222,17 @@ def degrees(c: Config, d: Draft) -> None:
         d.set("parallel.schedule", c.choice("parallelism.pipeline_parallel_schedule", "1F1B",
                                             SCHEDULES))
     if d.get("parallel.cp") > 1:
+        # torch/distributed/tensor/experimental/_attention.py: _AllGatherRotater gathers
+        # every rank's K/V once; _AllToAllRotater "send[s] the kv to the next rank" each
+        # ring step (permute_tensor to rank + 1), issued before the step's attention: the
+        # ring of point-to-point exchanges Megatron calls p2p
         rotate = c.get("parallelism.context_parallel_rotate_method", "allgather", str)
-        if rotate == "allgather":
-            d.set("parallel.cp_comm_type", "allgather")
-        else:
-            d.note("parallelism.context_parallel_rotate_method", rotate, "parallel."
-                   "cp_comm_type is p2p or allgather; simulated as allgather")
-            d.set("parallel.cp_comm_type", "allgather")
+        c_type = {"allgather": "allgather", "alltoall": "p2p"}.get(rotate)
+        if c_type is None:
+            d.note("parallelism.context_parallel_rotate_method", rotate, "torchtitan's "
+                   "rotate methods are allgather and alltoall; simulated as allgather")
+            c_type = "allgather"
+        d.set("parallel.cp_comm_type", c_type)
 
 
 def data_parallel(c: Config, d: Draft, gpus: int) -> None:
