@@ -183,11 +183,14 @@ def test_errors_are_grouped_by_regime() -> None:
         table = compare_rows(rows, "analytic", pool)
     regimes = regime_summary(table)
     assert set(regimes["regime"]) == {"gpu", "model size", "sequence length", "GPUs",
-                                      "checkpointing", "dtype"}
+                                      "tokens per micro-batch", "checkpointing", "dtype"}
     done = table[table["error"].notna()]
     for regime, group in regimes.groupby("regime"):
         assert group["rows"].sum() == len(done), regime  # each row in one group
     assert totals(table)["compared"] == len(done)
+    assert (done["micro_batch_tokens"] == [r.micro_batch * r.seq_len for r in rows
+                                           if r.name in set(done["name"])]).all()
+    assert ((done["exposed_comm"] >= 0) & (done["exposed_comm"] < 1)).all()
 
 
 def test_a_bad_cell_is_one_line_naming_the_row_and_column(tmp_path: Path) -> None:

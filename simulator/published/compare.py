@@ -6,7 +6,8 @@ its figure read in the row's unit (:data:`UNITS`); the error is simulated / meas
 so a positive error reads the run faster than it was. A row that cannot be expressed,
 that the scenario rules refuse or that has no workload yet keeps its reason instead.
 Errors are then grouped by regime (:data:`REGIMES`): GPU, model size, sequence length,
-GPU count, checkpointing and dtype.
+GPU count, tokens per micro-batch, checkpointing and dtype; each row also says what share of
+its simulated step is exposed communication (``exposed_comm``).
 """
 
 from __future__ import annotations
@@ -34,20 +35,26 @@ UNITS: dict[str, Callable[[dict[str, Any], Row], float]] = {
     "mfu": lambda r, row: r["mfu"],
     "peak_memory_gb": lambda r, row: r["memory_peak_bytes"] / 1e9,
 }
-COLUMNS = ("name", "gpu", "gpus", "model", "params_B", "seq_len", "recompute", "dtype", "unit",
-           "measured", "simulated", "error", "fits", "reason")
+COLUMNS = ("name", "gpu", "gpus", "model", "params_B", "seq_len", "micro_batch_tokens",
+           "recompute", "dtype", "unit", "measured", "simulated", "error", "exposed_comm", "fits",
+           "reason")
 #: regime -> how a row's table entry falls into it
 REGIMES: dict[str, Callable[[pd.Series], str]] = {
     "gpu": lambda r: str(r["gpu"]).split(" (")[0],
     "model size": lambda r: _bucket(r["params_B"], (1, 10, 100), "B params"),
     "sequence length": lambda r: _bucket(r["seq_len"], (2048, 8192, 32768), " tokens"),
     "GPUs": lambda r: _bucket(r["gpus"], (8, 64, 512), " GPUs"),
+    # the work a micro-batch gives each GPU against what a step does per micro-batch
+    # whatever its size (FSDP's gathers and reductions, launches, the optimizer's share)
+    "tokens per micro-batch": lambda r: _bucket(r["micro_batch_tokens"], (4096, 16384, 65536),
+                                                " tokens"),
     "checkpointing": lambda r: str(r["recompute"]),
     "dtype": lambda r: str(r["dtype"]),
 }
 
 #: the column whose values order a regime's groups (by name otherwise)
-_ORDER = {"model size": "params_B", "sequence length": "seq_len", "GPUs": "gpus"}
+_ORDER = {"model size": "params_B", "sequence length": "seq_len", "GPUs": "gpus",
+          "tokens per micro-batch": "micro_batch_tokens"}
 
 
 def _bucket(value: float, edges: Sequence[float], unit: str) -> str:
@@ -66,9 +73,11 @@ def compare_row(row: Row, method: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"name": row.name, "gpu": row.gpu, "gpus": row.gpus,
                            "model": row.model, "params_B": math.nan, "seq_len": row.seq_len,
+                           "micro_batch_tokens": row.micro_batch * row.seq_len,
                            "recompute": row.recompute or "none", "dtype": row.dtype,
                            "unit": row.unit, "measured": row.measured, "simulated": math.nan,
-                           "error": math.nan, "fits": None, "reason": ""}
+                           "error": math.nan, "exposed_comm": math.nan, "fits": None,
+                           "reason": ""}
     unit = UNITS.get(row.unit.strip().lower())
     try:
         if unit is None:
@@ -84,6 +93,7 @@ def compare_row(row: Row, method: str) -> dict[str, Any]:
         return out
     out["simulated"] = unit(results, row)
     out["error"] = out["simulated"] / row.measured - 1
+    out["exposed_comm"] = sum(results["exposed_comm_s"].values()) / results["step_time_s"]
     out["fits"] = bool(results["fits_in_memory"])
     return out
 
