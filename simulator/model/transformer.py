@@ -191,7 +191,7 @@ def head_ops(
     amp = st.amp(dt)  # autocast: the norm and the loss in fp32, a cast on each side of the GEMM
     wide = st.fp32_under_amp(dt)
     if pass_ == "bwd_weight":
-        if st.main_grads == "fp32":  # read-modify-write the fp32 main grad
+        if st.fused_main_grads(dt):  # read-modify-write the fp32 main grad
             logits = replace(logits, bytes=logits.bytes
                              + (8 - dt) * spec.hidden * spec.vocab / tp)
         return (logits,)

@@ -83,14 +83,14 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]
     par = s.parallel
-    if par.zero == 3 and par.dp * par.cp > 1:  # FSDP2's copies around one layer's collectives
+    if par.zero == 3 and par.dp * par.cp > 1:  # FSDP's kernels around one layer's collectives
         unit, n, dp = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack), \
             par.shard
         dtb = dtype_bytes(dt)
         rows += [_row(cost, "fsdp unit", "per gather", op)
                  for op in fsdp_gather_ops(s.stack, unit, dp, dtb, n)]
         rows += [_row(cost, "fsdp unit", "per reduce", op) for op in fsdp_reduce_ops(
-            s.stack, unit, dp, dtb, s.stack.reduce_bytes(dtb), n, True)]
+            s.stack, unit, dp, dtb, s.stack.reduce_bytes(dtb), n, True, par.dp * par.cp // dp)]
     if par.zero == 0 and par.dp * par.cp > 1:  # torch DDP's bucket copies of one layer
         unit, n = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack)
         rdt = s.stack.reduce_bytes(dtype_bytes(dt))

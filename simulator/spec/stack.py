@@ -138,6 +138,14 @@ class StackSpec(BaseModel):
     and the reduced shard added to ``.grad`` on later micro-batches
     (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
     :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)"""
+    fsdp_flat_param: bool = False
+    """FSDP1's FlatParameter kernels around each unit's collectives (torch/distributed/fsdp/
+    _runtime_utils.py, _flat_param.py): under mixed precision the fp32 shard cast to 16 bits
+    before each all-gather (``_use_low_precision_shard``); the unit's gradients concatenated
+    into the flat parameter's (autograd's split backward), cast to the reduce dtype, padded
+    to the group and pre-divided before the reduce-scatter, post-divided, cast to the
+    parameter dtype and added to the saved shard after it (``_post_backward_hook``,
+    ``_reduce_grad``; :mod:`simulator.model.inventory.fsdp1`)"""
     ddp_copies: bool = False
     """torch DDP's Reducer with ``gradient_as_bucket_view=False`` (its default): each gradient is
     copied into its bucket, divided by the group size on the way (``at::mul_out``), and the
@@ -290,6 +298,15 @@ class StackSpec(BaseModel):
         """The parameters are fp32 and are the master copy under 16-bit training:
         autocast's, or a stack that keeps its master weights in the parameters."""
         return self.amp(dtype_bytes) or (dtype_bytes < 4 and self.master_weights == "parameters")
+
+    def fused_main_grads(self, dtype_bytes: int) -> bool:
+        """The wgrad GEMMs read-modify-write an fp32 main grad in their epilogue (Megatron's
+        gradient_accumulation_fusion): fp32 main grads, except where the fp32 parameters
+        are the master under 16-bit training (FSDP mixed precision), whose compute copies'
+        gradients are 16-bit as the GEMM writes them and FSDP casts, reduces and
+        accumulates them (:func:`simulator.model.inventory.sharding.fsdp_reduce_parts`)."""
+        return self.main_grads == "fp32" and not (
+            dtype_bytes < 4 and self.master_weights == "parameters")
 
     def main_grad_bytes(self, dtype_bytes: int) -> int:
         return 4 if self.main_grads == "fp32" else dtype_bytes

@@ -183,7 +183,8 @@ def param_grad_ops(spec: ModelSpec, stack: StackSpec, dt: int, prefix: str,
                     tensors: int) -> tuple[list[Op], list[Op]]:
     """The parameter-gradient ops of :func:`grad_ops` and :func:`expert_weight_ops`
     (named with ``prefix``): the bias gradients; then under autocast the casts, and
-    AccumulateGrad's add over ``accum_elements`` or the fp32 main grads' traffic."""
+    AccumulateGrad's add over ``accum_elements`` or the fused fp32 main grads' traffic
+    (none where FSDP mixed precision keeps them: ``StackSpec.fused_main_grads``)."""
     bias = [mem(f"{prefix}bias_grad", bias_elements, dt, "reduction", bias_kernels)] \
         if spec.bias else []
     accum: list[Op] = []
@@ -193,8 +194,9 @@ def param_grad_ops(spec: ModelSpec, stack: StackSpec, dt: int, prefix: str,
     if stack.main_grads == "param":  # AccumulateGrad adds each micro-batch's grads
         accum.append(mem(f"{prefix}grad_accum", 3 * accum_elements,
                          4 if stack.amp(dt) else dt, "elementwise", tensors))
-    else:  # the wgrad GEMMs read-modify-write the fp32 main_grad in their epilogue
-        # (gradient_accumulation_fusion): 8 bytes per weight instead of the 16-bit write
+    elif stack.fused_main_grads(dt):  # the wgrad GEMMs read-modify-write the fp32 main_grad
+        # in their epilogue (gradient_accumulation_fusion): 8 bytes per weight instead of the
+        # 16-bit write (under FSDP mixed precision FSDP's own kernels: fsdp_reduce_parts)
         accum.append(Op(f"{prefix}main_grad", "memory", 0.0, (8 - dt) * weights, 0.0,
                         "elementwise", 0))
     return bias, accum

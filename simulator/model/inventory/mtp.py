@@ -63,7 +63,7 @@ def mtp_in_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bo
     proj = gemm("mtp_proj", tokens, 2 * spec.hidden, spec.hidden / tp, dt, cls,
                 saved=dt * local * 2 * spec.hidden if pass_ == "fwd" else 0.0)
     if pass_ == "bwd_weight":
-        if stack.main_grads == "fp32":  # read-modify-write the fp32 main grad
+        if stack.fused_main_grads(dt):  # read-modify-write the fp32 main grad
             proj = replace(proj, bytes=proj.bytes + (8 - dt) * 2 * spec.hidden * spec.hidden / tp)
         return (proj,)
     wide = stack.fp32_under_amp(dt)

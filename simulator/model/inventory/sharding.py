@@ -1,12 +1,14 @@
 """What sharding data parallelism adds to the inventory: ZeRO-3's collectives per
-layer (one, or one per linear module), FSDP2's copies around its all-gathers and
-reduce-scatters, and torch DDP's bucket copies.
+layer (one, or one per linear module), FSDP's own kernels around its all-gathers and
+reduce-scatters (FSDP2's copies; FSDP1's casts and divisions,
+:mod:`simulator.model.inventory.fsdp1`), and torch DDP's bucket copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from simulator.model.inventory import fsdp1
 from simulator.model.inventory.dense import weight_elements
 from simulator.model.inventory.ops import Op, Shape, mem, qkv_linears, up_linears
 from simulator.spec.model_spec import ModelSpec
@@ -54,10 +56,72 @@ ROOT_TENSORS = 4
 END_TENSORS = 2
 
 
+#: ops before a collective on its stream, ops after it on the compute stream
+GatherParts = tuple[tuple[Op, ...], tuple[Op, ...]]
+
+#: ops on the compute stream before a reduce-scatter, on its stream before it, after it
+ReduceParts = tuple[tuple[Op, ...], tuple[Op, ...], tuple[Op, ...]]
+
+
+def fsdp_runtime(stack: StackSpec) -> str | None:
+    """The FSDP whose own kernels the stack runs around its collectives: ``fsdp2``
+    (``fsdp_copies``), ``fsdp1`` (``fsdp_flat_param``) or none."""
+    return "fsdp2" if stack.fsdp_copies else "fsdp1" if stack.fsdp_flat_param else None
+
+
+def fsdp_gather_parts(stack: StackSpec, elements: float, dp: int, dt: int,
+                      tensors: int) -> GatherParts:
+    """The stack's FSDP kernels around one unit's all-gather of ``elements`` parameters of
+    ``dt`` bytes over ``dp`` ranks (``tensors`` parameter tensors): (before it on its
+    stream, after it on the compute stream); none without an FSDP runtime."""
+    runtime = fsdp_runtime(stack)
+    if runtime is None or elements <= 0:
+        return (), ()
+    if runtime == "fsdp1":
+        return fsdp1.gather_parts(stack, elements, dp, dt)
+    return _fsdp2_gather(stack, elements, dp, dt, tensors)
+
+
+def fsdp_reduce_parts(stack: StackSpec, elements: float, dp: int, grad_dt: int,
+                      reduce_dt: int, tensors: int, accumulate: bool,
+                      replicas: int = 1) -> ReduceParts:
+    """The stack's FSDP kernels around one unit's reduce-scatter of ``elements``
+    gradients over ``dp`` ranks (``replicas`` hybrid-sharding replicas), on a micro-batch
+    after the first (``accumulate``) or not: (on the compute stream before it, on its
+    stream before it, after it there); none without an FSDP runtime."""
+    runtime = fsdp_runtime(stack)
+    if runtime is None or elements <= 0:
+        return (), (), ()
+    if runtime == "fsdp1":
+        return fsdp1.reduce_parts(stack, elements, dp, grad_dt, reduce_dt, accumulate,
+                                  replicas)
+    return _fsdp2_reduce(elements, dp, grad_dt, reduce_dt, tensors, accumulate)
+
+
 def fsdp_gather_ops(stack: StackSpec, elements: float, dp: int, dt: int,
                     tensors: int) -> tuple[Op, ...]:
-    """FSDP2's copies around one unit's all-gather of ``elements`` parameters of ``dt``
-    bytes over ``dp`` ranks, under a stack with ``fsdp_copies``
+    """:func:`fsdp_gather_parts` in the order they run."""
+    return tuple(op for part in fsdp_gather_parts(stack, elements, dp, dt, tensors)
+                 for op in part)
+
+
+def fsdp_reduce_ops(stack: StackSpec, elements: float, dp: int, grad_dt: int, reduce_dt: int,
+                    tensors: int, accumulate: bool, replicas: int = 1) -> tuple[Op, ...]:
+    """:func:`fsdp_reduce_parts` in the order they run."""
+    return tuple(op for part in fsdp_reduce_parts(stack, elements, dp, grad_dt, reduce_dt,
+                                                  tensors, accumulate, replicas)
+                 for op in part)
+
+
+def fsdp_task_name(ops: tuple[Op, ...]) -> str:
+    """The name of the task that runs FSDP's ``ops``: theirs without the runtime's
+    prefix (``fsdp_``, ``fsdp1_``), joined with ``+``."""
+    return "+".join(op.name.split("_", 1)[1] for op in ops)
+
+
+def _fsdp2_gather(stack: StackSpec, elements: float, dp: int, dt: int,
+                  tensors: int) -> GatherParts:
+    """FSDP2's copies around one unit's all-gather
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Before it, on the
     all-gather's stream: under a MixedPrecisionPolicy (the stack keeps fp32 main grads
     beside fp32 sharded parameters, and trains in a 16-bit ``dt``)
@@ -68,15 +132,12 @@ def fsdp_gather_ops(stack: StackSpec, elements: float, dp: int, dt: int,
     parameters (``split_with_sizes_copy``: every element read and written once).
     Each is one kernel over the unit's ``tensors`` parameter tensors, whose host work is
     per tensor (the lists of views FSDP2 builds; on a CPU ``_foreach_copy_`` and
-    ``split_with_sizes_copy`` loop over them). The ops before the gather, then the
-    copy-out (the last); none without the copies."""
-    if not stack.fsdp_copies or elements <= 0:
-        return ()
+    ``split_with_sizes_copy`` loop over them)."""
     shard = elements / dp
     before = [per_tensor(mem("fsdp_cast_in", shard, 4 + dt, "copy"), tensors)] \
         if stack.main_grads == "fp32" and dt < 4 else []
-    return (*before, per_tensor(mem("fsdp_copy_in", shard, 2 * dt, "copy"), tensors),
-            per_tensor(mem("fsdp_copy_out", elements, 2 * dt, "copy"), tensors))
+    return ((*before, per_tensor(mem("fsdp_copy_in", shard, 2 * dt, "copy"), tensors)),
+            (per_tensor(mem("fsdp_copy_out", elements, 2 * dt, "copy"), tensors),))
 
 
 def per_tensor(op: Op, tensors: int) -> Op:
@@ -84,23 +145,21 @@ def per_tensor(op: Op, tensors: int) -> Op:
     return replace(op, host_units=max(tensors, 1))
 
 
-def fsdp_reduce_ops(stack: StackSpec, elements: float, dp: int, grad_dt: int, reduce_dt: int,
-                    tensors: int, accumulate: bool) -> tuple[Op, ...]:
-    """FSDP2's copies around one unit's reduce-scatter of ``elements`` gradients
-    (``foreach_reduce``, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), under a
-    stack with ``fsdp_copies``: before it, on the compute stream, ``chunk_cat`` packs the
-    unsharded gradients (``grad_dt`` bytes) into the reduce-scatter input (``reduce_dt``:
-    the cast to the reduce dtype happens in it); after it, on a micro-batch after the
-    first (``accumulate``), each of the unit's ``tensors`` sharded ``.grad`` adds its
-    reduced shard (``grad._local_tensor += new_sharded_grad``, one add per tensor; the
-    first micro-batch's shard becomes ``.grad`` as it is). The pack, then the add where
-    there is one; none without the copies."""
-    if not stack.fsdp_copies or elements <= 0:
-        return ()
-    ops = [per_tensor(mem("fsdp_chunk_cat", elements, grad_dt + reduce_dt, "copy"), tensors)]
-    if accumulate:
-        ops.append(mem("fsdp_grad_accum", elements / dp, 3 * reduce_dt, "elementwise", tensors))
-    return tuple(ops)
+def _fsdp2_reduce(elements: float, dp: int, grad_dt: int, reduce_dt: int, tensors: int,
+                  accumulate: bool) -> ReduceParts:
+    """FSDP2's copies around one unit's reduce-scatter (``foreach_reduce``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): before it, on the compute
+    stream, ``chunk_cat`` packs the unsharded gradients (``grad_dt`` bytes) into the
+    reduce-scatter input (``reduce_dt``: the cast to the reduce dtype happens in it);
+    after it, on a micro-batch after the first (``accumulate``), each of the unit's
+    ``tensors`` sharded ``.grad`` adds its reduced shard (``grad._local_tensor +=
+    new_sharded_grad``, one add per tensor; the first micro-batch's shard becomes
+    ``.grad`` as it is). No division kernels: for an fp32 or bf16 reduce dtype NCCL
+    averages (``_get_gradient_divide_factors``: ``ReduceOp.AVG``)."""
+    pack = (per_tensor(mem("fsdp_chunk_cat", elements, grad_dt + reduce_dt, "copy"), tensors),)
+    add = (mem("fsdp_grad_accum", elements / dp, 3 * reduce_dt, "elementwise", tensors),) \
+        if accumulate else ()
+    return pack, (), add
 
 
 def ddp_copy_ops(stack: StackSpec, elements: float, dt: int, tensors: int,

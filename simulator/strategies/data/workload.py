@@ -42,7 +42,8 @@ from simulator.model.inventory.ops import Op
 from simulator.model.inventory.sharding import (
     ROOT_TENSORS,
     ddp_copy_ops,
-    fsdp_reduce_ops,
+    fsdp_reduce_parts,
+    fsdp_task_name,
 )
 from simulator.schedules.action import Action
 from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
@@ -133,21 +134,23 @@ class DataPass(Pass):
             root = zero3 and index >= len(ctx.layers_of(stage))  # its root
             parts = ctx.zero3_parts if zero3 and not root else 1
             group = ctx.layout.shard_group(rank) if zero3 else ctx.layout.dp_group(rank)
-            pack, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
-                if zero3 and len(group) > 1 else (None, ())
-            after = pack or after
+            pack, pre, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
+                if zero3 and len(group) > 1 else (None, None, ())
+            # the unit's last gradient first: the post-backward hook's issue point, which
+            # the communicator's order reads (simulator.strategies.zero3.communicator)
+            waits = [after.id] + [k.id for k in (pack, pre) if k is not None]
             for part in range(parts):
                 t = ctx.collective(rank, self.stream, op, "dp", group,
                                    size / parts, f"dp.{op} {'root' if root else 'bucket'} "
                                    f"{size / 1e6:.1f} MB{part_label(part, parts)}",
                                    after.microbatch if root else -1, chunk=chunk)
                 if t is not None and part == 0:
-                    t.deps.append(after.id)
+                    t.deps.extend(waits)
                 if zero3:
                     t = self.replicate(rank, size / parts, group, t, chunk)
             if accumulate and t is not None:
                 t = ctx.add(rank, self.stream, op="Z", kind="optimizer",
-                            name=f"fsdp.grad_accum mb{after.microbatch}",
+                            name=f"fsdp.{fsdp_task_name(accumulate)} mb{after.microbatch}",
                             duration=ctx.cost_of(rank).ops_time(accumulate),
                             microbatch=after.microbatch, chunk=chunk)
         for bucket_reduced in ctx.hooks.bucket_reduced:
@@ -175,23 +178,33 @@ class DataPass(Pass):
             r.deps.append(t.id)
         return r or t
 
-    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task,
-                    chunk: int) -> tuple[Task | None, tuple[Op, ...]]:
-        """FSDP2's copies around one unit's reduce-scatter of ``size`` bytes
-        (:func:`simulator.model.inventory.sharding.fsdp_reduce_ops`): the gradient pack as a task
-        on the
-        compute stream after ``after`` (None without the copies) and the accumulate's ops,
-        which run after the reduce-scatter on its stream."""
+    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task, chunk: int
+                    ) -> tuple[Task | None, Task | None, tuple[Op, ...]]:
+        """The stack's FSDP kernels around one unit's reduce-scatter of ``size`` bytes
+        (:func:`simulator.model.inventory.sharding.fsdp_reduce_parts`): those on the compute
+        stream as a task right after ``after`` (FSDP2's pack, FSDP1's gradient concat),
+        those before the reduce-scatter on its stream as a task there after it (FSDP1's
+        cast and pre-divide; each None without any), and the ops after the
+        reduce-scatter, which run after it on its stream."""
         ctx = self.ctx
         tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
-        ops = fsdp_reduce_ops(ctx.s.stack, size / ctx.grad_dt, len(ctx.layout.shard_group(rank)),
-                              ctx.dt_bytes, ctx.grad_dt, tensors, after.microbatch > 0)
-        if not ops:
-            return None, ()
-        t = ctx.compute_after(rank, after, "Z", "backward", f"fsdp.chunk_cat mb{after.microbatch}",
-                              ctx.cost_of(rank).ops_time(ops[:1]))
-        t.weight_s = t.duration  # gradient work: the backward's weight share
-        return t, ops[1:]
+        shard = len(ctx.layout.shard_group(rank))
+        compute, before, post = fsdp_reduce_parts(
+            ctx.s.stack, size / ctx.grad_dt, shard, ctx.dt_bytes, ctx.grad_dt, tensors,
+            after.microbatch > 0, len(ctx.layout.replicate_group(rank)))
+        cost, mb = ctx.cost_of(rank), after.microbatch
+        pack = pre = None
+        if compute:
+            pack = ctx.compute_after(rank, after, "Z", "backward",
+                                     f"fsdp.{fsdp_task_name(compute)} mb{mb}",
+                                     cost.ops_time(compute))
+            pack.weight_s = pack.duration  # gradient work: the backward's weight share
+        if before:
+            pre = ctx.add(rank, self.stream, op="Z", kind="backward",
+                          name=f"fsdp.{fsdp_task_name(before)} mb{mb}",
+                          duration=cost.ops_time(before), microbatch=mb, chunk=chunk)
+            pre.deps.append((pack or after).id)
+        return pack, pre, post
 
     def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:
         """torch DDP's copies of a bucket's gradients into it (``units`` of it;
@@ -251,5 +264,4 @@ class DataPass(Pass):
             return
         ctx.collective(rank, "compute", "all_gather", "dp", ctx.layout.dp_group(rank),
                        ctx.params_of(rank) * ctx.dt_bytes, "dp.all_gather updated params")
-
 

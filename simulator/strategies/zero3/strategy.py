@@ -14,8 +14,9 @@ from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import (
     ROOT_TENSORS,
-    fsdp_gather_ops,
-    fsdp_reduce_ops,
+    fsdp_gather_parts,
+    fsdp_reduce_parts,
+    fsdp_runtime,
     zero3_blocks,
     zero3_collectives,
 )
@@ -129,31 +130,33 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
                  on_compute_only: bool) -> tuple[float, float]:
-    """(forward, backward) seconds per step of FSDP2's copies around a stage's ZeRO-3
-    collectives (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
-    :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`) as the engine places them: the
-    copy-out
-    after each gather and the gradient pack before each reduce-scatter on the compute
-    stream; the copy-in and the accumulate (micro-batches after the first) on the
-    collectives' streams, so only where those run in line (``on_compute_only`` false).
-    A stage's ``layers`` and its root unit."""
+    """(forward, backward) seconds per step of the stack's FSDP kernels around a stage's
+    ZeRO-3 collectives (:func:`simulator.model.inventory.sharding.fsdp_gather_parts`,
+    :func:`~simulator.model.inventory.sharding.fsdp_reduce_parts`: FSDP2's copies,
+    FSDP1's casts and divisions) as the engine places them: those after each gather and
+    before each reduce-scatter on the compute stream; those on the collectives' streams
+    (before a gather, around a reduce-scatter) only where those run in line
+    (``on_compute_only`` false). A stage's ``layers`` and its root unit."""
     par, spec, stack = s.parallel, s.model, s.stack
-    if par.zero != 3 or par.dp * par.cp == 1 or not stack.fsdp_copies:
+    if par.zero != 3 or par.dp * par.cp == 1 or fsdp_runtime(stack) is None:
         return 0.0, 0.0
     dt = dtype_bytes(s.training.dtype)
     rdt, dp, m = stack.reduce_bytes(dt), par.shard, s.microbatches
+    replicas = par.dp * par.cp // par.shard
     tensors = layer_tensors(spec, stack)
     unit = mdl.layer_params(spec) / par.tp
     root = zero3_root_bytes(s, stage)[0] / dt
 
     def gather(elements: float, n: int, over: int = dp) -> float:
-        ops = fsdp_gather_ops(stack, elements, over, dt, n)
-        return cost.ops_time(ops[-1:] if on_compute_only else ops)
+        before, after = fsdp_gather_parts(stack, elements, over, dt, n)
+        return cost.ops_time(after if on_compute_only else (*before, *after))
 
-    def reduce(elements: float, n: int) -> float:  # a step's: m packs, m − 1 accumulates
-        return sum(cost.ops_time(ops[:1] if on_compute_only else ops) * k for ops, k in (
-            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, False), 1),
-            (fsdp_reduce_ops(stack, elements, dp, dt, rdt, n, True), m - 1)))
+    def reduce(elements: float, n: int) -> float:  # a step's: m reductions, m − 1 adding
+        return sum(cost.ops_time(parts[0] if on_compute_only else sum(parts, ())) * k
+                   for parts, k in (
+                       (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, False, replicas), 1),
+                       (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, True, replicas),
+                        m - 1)))
 
     if spec.is_moe:  # each layer's dense unit by its kind, and its experts' gather
         sharded = expert_units_sharded(s)
@@ -310,7 +313,7 @@ def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
                c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
                layers_busiest: int, slowest: int = 0) -> tuple[float, float, float]:
-    """(ZeRO-3's exposed time per step, FSDP2's copies in forward, in backward): each
+    """(ZeRO-3's exposed time per step, FSDP's own kernels in forward, in backward): each
     layer's gathers beyond what prefetching hides and the root's, per micro-batch, on the
     ``slowest`` stage; the copies on the busiest."""
     par, m = s.parallel, s.microbatches
@@ -343,7 +346,7 @@ class Zero3(Strategy):
         hybrid = par.zero == 3 and par.shard < par.dp * par.cp
         n = zero3_collectives(s.model, s.stack) if hybrid else 0
         if expert_units_sharded(s):  # a MoE layer's experts: two gathers, their copies
-            per = 2 * (3 if s.stack.fsdp_copies else 1)
+            per = 2 * (3 if fsdp_runtime(s.stack) else 1)
             n += -(-per * s.model.moe_layers // s.model.layers)
         return n
 

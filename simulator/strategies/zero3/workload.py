@@ -12,7 +12,8 @@ from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.sharding import (
     ROOT_TENSORS,
-    fsdp_gather_ops,
+    fsdp_gather_parts,
+    fsdp_task_name,
     zero3_blocks,
 )
 from simulator.spec.recompute import layer_mode
@@ -95,32 +96,32 @@ class Zero3Pass(Pass):
                    mb: int, layer: int, chunk: int,
                    group: tuple[int, ...] | None = None) -> Task | None:
         """One all-gather of ``size`` bytes (``tensors`` parameter tensors) on the unit's
-        stream, with FSDP2's copies
-        around it where the stack has them
-        (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`):
-        the copy-in before it on the same stream, the copy-out after it on the compute
-        stream, which is then what the unit's compute waits for. Its first task is the
-        first one added (the caller hangs the prefetch dependency on it). Over ``group``,
-        by default the rank's shard group."""
+        stream, with the stack's FSDP kernels around it
+        (:func:`simulator.model.inventory.sharding.fsdp_gather_parts`): those before it
+        (FSDP2's copy-in, FSDP1's shard cast) on the same stream, those after it (FSDP2's
+        copy-out) on the compute stream, which is then what the unit's compute waits for.
+        Its first task is the first one added (the caller hangs the prefetch dependency
+        on it). Over ``group``, by default the rank's shard group."""
         ctx = self.ctx
         group = group or ctx.layout.shard_group(rank)
-        ops = fsdp_gather_ops(ctx.s.stack, size / ctx.dt_bytes, len(group), ctx.dt_bytes,
-                              tensors) if len(group) > 1 else ()
+        before, after = fsdp_gather_parts(ctx.s.stack, size / ctx.dt_bytes, len(group),
+                                          ctx.dt_bytes, tensors) if len(group) > 1 else ((), ())
         kind = "forward" if forward else "backward"
         cost = ctx.cost_of(rank)
-        if ops:
-            ctx.add(rank, self.stream, op="Z", kind=kind, name=f"fsdp.copy_in {label}",
-                    duration=cost.ops_time(ops[:-1]), microbatch=mb, layer=layer, chunk=chunk)
+        if before:
+            ctx.add(rank, self.stream, op="Z", kind=kind,
+                    name=f"fsdp.{fsdp_task_name(before)} {label}",
+                    duration=cost.ops_time(before), microbatch=mb, layer=layer, chunk=chunk)
         compute = ctx.programs[rank].streams["compute"]
         anchor = compute[-1] if compute else None
         t = ctx.collective(rank, self.stream, "all_gather", "zero", group, size,
                            f"zero3.all_gather {label}", mb, layer, chunk)
         if t is not None and self.serial:
             self.gathers[rank].append((t, forward, anchor))
-        if t is None or not ops:
+        if t is None or not after:
             return t
-        out = ctx.compute(rank, "Z", kind, f"fsdp.copy_out {label}", cost.ops_time(ops[-1:]),
-                          mb, layer, chunk)
+        out = ctx.compute(rank, "Z", kind, f"fsdp.{fsdp_task_name(after)} {label}",
+                          cost.ops_time(after), mb, layer, chunk)
         out.deps.append(t.id)
         return out
 
