@@ -41,6 +41,7 @@ from simulator.analysis.accounting.breakdown import schedule_bubble
 from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.vocabulary import categories
 from simulator.analysis.analytic.stage import (
+    AGAIN,
     pipeline_phase,
     pipeline_time,
     slowdown,
@@ -254,7 +255,8 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
         passes = stage_passes(s, pipe.per_stage.get(st, pipe.c), pipe.t_tp, st, pipe.experts,
                               pipe.t_cp, pipe.ends)
         for category, seconds in passes.items():
-            entry[category] = m * seconds
+            if category != AGAIN:  # a share of the transfers, not a category
+                entry[category] = m * seconds
         for category, seconds in after.items():
             entry[category] += seconds
         own = pipe.stages[st]
