@@ -69,13 +69,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def scenario(case: str, variant: str, pp: int = 1) -> Scenario:
+def scenario(case: str, variant: str, pp: int = 1, stack: dict[str, Any] | None = None,
+             **parallel: Any) -> Scenario:
     model, gpus, par = CASES[case]
+    preset = "torchtitan" if variant == "op" and stack is None else "megatron-core"
     return scenario_from_dict({
-        "name": "reissue", "stack": "torchtitan" if variant == "op" else "megatron-core",
+        "name": "reissue", "stack": {"preset": preset, **(stack or {})},
         "model": model, "cluster": {"system": "dgx-a100-80gb", "nodes": 1,
                                     "gpus_per_node": gpus * pp},
-        "parallel": {"pp": pp, **par, **VARIANTS[variant]},
+        "parallel": {"pp": pp, **par, **VARIANTS[variant], **parallel},
         "training": {"global_batch": 8, "micro_batch": B}})
 
 
@@ -161,14 +163,35 @@ def test_every_module_names_its_collectives() -> None:
     ("tp+sp", "mlp"), ("tp+sp", "op"), ("tp", "mlp"), ("tp", "op"), ("ep", "moe"),
     ("tp+sp+ep", "moe"), ("tp+sp+ep", "layernorm+moe+moe_act"), ("cp a2a", "core_attn"),
     ("cp p2p", "core_attn"), ("cp allgather", "core_attn"), ("tp+sp", "full"),
-    ("tp+sp+ep", "full")])
-def test_engine_and_closed_form_agree_on_what_reissuing_adds(case: str, variant: str) -> None:
+    ("tp+sp", "full")])
+@pytest.mark.parametrize("extra", [{}, {"stack": {"tp_overlap": "pipelined"}},
+                                   {"stack": {"tp_overlap": "bulk"}}])
+def test_engine_and_closed_form_agree_on_what_reissuing_adds(case: str, variant: str,
+                                                            extra: dict[str, Any]) -> None:
     """One rank's whole step (no pipeline): the engine's and the analytic estimate's step
     grow alike from no recomputation (both exact here for TP; for EP and CP they differ
-    by a constant, the same with or without recomputation)."""
+    by a constant, the same with or without recomputation), TP overlap's split GEMMs
+    around a block re-run whole included."""
+    if extra and ("sp" not in case or "ep" in case):
+        pytest.skip("TP overlap needs sequence parallelism (and a dense first layer)")
+    _agree(case, variant, extra)
+
+
+@pytest.mark.parametrize(("case", "extra"), [
+    ("tp+sp+ep", {"moe_shared_expert_overlap": True}),
+    ("tp+sp+ep", {"moe_token_dispatcher": "allgather"}),
+    ("ep", {"moe_token_dispatcher": "flex"}),
+    ("tp+sp+ep", {"expert_tp": 2, "ep": 2, "dp": 2})])
+def test_a_recomputed_moe_block_agrees_under_every_dispatcher(case: str,
+                                                             extra: dict[str, Any]) -> None:
+    _agree(case, "moe", extra)
+    _agree(case, "full", extra)
+
+
+def _agree(case: str, variant: str, extra: dict[str, Any]) -> None:
     steps = {}
     for v in ("none", variant):
-        s = scenario(case, v)
+        s = scenario(case, v, **extra)
         steps[v] = (engine_metrics(s, simulate(build_workload(s), s.hardware))["step_time_s"],
                     analytic_estimate(s)["step_time_s"])
     engine, closed = (steps[variant][i] - steps["none"][i] for i in (0, 1))
