@@ -230,3 +230,27 @@ def test_reissuing_never_shortens_a_step(case: str, variant: str, pp: int) -> No
                    engine_metrics(s, simulate(build_workload(s), s.hardware))["step_time_s"])
     assert with_[0] >= without[0] * (1 - 1e-12)
     assert with_[1] >= without[1] * (1 - 1e-12)
+
+
+def _streams(s: Scenario) -> Counter[tuple[str, str]]:
+    w = build_workload(s, fidelity="full")
+    return Counter((t.stream, t.kind) for t in w.tasks if t.rank == 0 and t.plan is not None
+                   and t.layer >= 0 and t.kind in ("tp", "ep", "cp"))
+
+
+@pytest.mark.parametrize(("case", "variant", "extra", "want"), [
+    ("tp+sp", "mlp", {}, {("compute", "tp")}),
+    ("tp+sp", "mlp", {"stack": {"tp_overlap": "pipelined"}}, {("tp", "tp")}),
+    ("tp+sp", "op", {"stack": {"tp_overlap": "pipelined"}}, {("compute", "tp")}),
+    ("cp p2p", "core_attn", {}, {("cp", "cp")}),
+    ("cp a2a", "core_attn", {}, {("compute", "cp")}),
+    ("tp+sp+ep", "moe", {"moe_shared_expert_overlap": True}, {("ep", "ep"), ("compute", "tp")}),
+])
+def test_reissued_collectives_run_on_the_forwards_streams(
+        case: str, variant: str, extra: dict[str, Any], want: set[tuple[str, str]]) -> None:
+    """A block re-run whole overlaps as its forward does (TP overlap's ``tp`` stream, the
+    ring's ``cp`` stream, shared-expert overlap's ``ep`` stream); a lone gather runs in
+    line on the compute stream."""
+    added = _streams(scenario(case, variant, **extra)) - _streams(scenario(case, "none",
+                                                                           **extra))
+    assert set(added) == want
