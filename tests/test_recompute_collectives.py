@@ -28,9 +28,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate, cost_model, layer_terms
+from simulator.analysis.analytic.stage import stage_times
 from simulator.analysis.report import engine_metrics
-from simulator.builder.workload import build_workload
+from simulator.builder.workload import build_workload, local_scenario
 from simulator.engine.engine import simulate
 from simulator.model.inventory import recompute_comm
 from simulator.model.inventory.recompute_comm import NOTHING, reissued
@@ -70,9 +71,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def scenario(case: str, variant: str, pp: int = 1, stack: dict[str, Any] | None = None,
-             **parallel: Any) -> Scenario:
+             like: str | None = None, **parallel: Any) -> Scenario:
+    """``case`` under ``variant`` on Megatron-Core's stack, or torchtitan's for its op
+    policy (``like``: the variant whose stack to take, for a baseline)."""
     model, gpus, par = CASES[case]
-    preset = "torchtitan" if variant == "op" and stack is None else "megatron-core"
+    preset = "torchtitan" if (like or variant) == "op" and stack is None \
+        else "megatron-core"
     return scenario_from_dict({
         "name": "reissue", "stack": {"preset": preset, **(stack or {})},
         "model": model, "cluster": {"system": "dgx-a100-80gb", "nodes": 1,
@@ -91,7 +95,7 @@ def comm(s: Scenario, rank: int = 0) -> Counter[tuple[str, str, float]]:
 
 def again(case: str, variant: str) -> Counter[tuple[str, str, float]]:
     """Per layer and micro-batch, the collectives ``variant`` adds to no recomputation."""
-    s, base = scenario(case, variant), scenario(case, "none")
+    s, base = scenario(case, variant), scenario(case, "none", like=variant)
     n = s.model.layers * s.microbatches
     diff = comm(s) - comm(base)
     assert not comm(base) - comm(s)  # recomputation never drops a collective
@@ -191,7 +195,7 @@ def test_a_recomputed_moe_block_agrees_under_every_dispatcher(case: str,
 def _agree(case: str, variant: str, extra: dict[str, Any]) -> None:
     steps = {}
     for v in ("none", variant):
-        s = scenario(case, v, **extra)
+        s = scenario(case, v, like=variant, **extra)
         steps[v] = (engine_metrics(s, simulate(build_workload(s), s.hardware))["step_time_s"],
                     analytic_estimate(s)["step_time_s"])
     engine, closed = (steps[variant][i] - steps["none"][i] for i in (0, 1))
@@ -251,6 +255,24 @@ def test_reissued_collectives_run_on_the_forwards_streams(
     """A block re-run whole overlaps as its forward does (TP overlap's ``tp`` stream, the
     ring's ``cp`` stream, shared-expert overlap's ``ep`` stream); a lone gather runs in
     line on the compute stream."""
-    added = _streams(scenario(case, variant, **extra)) - _streams(scenario(case, "none",
-                                                                           **extra))
+    added = _streams(scenario(case, variant, **extra)) \
+        - _streams(scenario(case, "none", like=variant, **extra))
     assert set(added) == want
+
+
+@pytest.mark.parametrize(("case", "variant"), [
+    ("tp+sp", "mlp"), ("tp", "op"), ("tp+sp+ep", "moe"), ("cp a2a", "core_attn"),
+    ("cp p2p", "core_attn"), ("cp allgather", "core_attn")])
+def test_the_closed_form_puts_what_is_issued_again_in_the_backward(case: str,
+                                                                   variant: str) -> None:
+    """t_F of a stage is the forward's whatever the recomputation re-issues; t_B holds the
+    re-issued collectives (besides the recomputed compute)."""
+    times = {}
+    for v in ("none", variant):
+        s = scenario(case, v, pp=2, like=variant)
+        cost = cost_model(s)
+        terms = layer_terms(s, cost, s.hardware)
+        times[v] = stage_times(local_scenario(s), terms.c, terms.t_tp, 0, terms.experts,
+                               terms.t_cp, terms.ends, terms.t_cp_again)
+    assert times[variant][0] == pytest.approx(times["none"][0], rel=1e-12)
+    assert times[variant][1] > times["none"][1]

@@ -61,7 +61,8 @@ def chunk_kinds(s: Scenario, stage: int) -> Kinds:
 
 def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             first: bool, last: bool, experts: Experts = NO_EXPERTS,
-            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
+            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS,
+            t_cp_again: float = 0.0) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
@@ -69,7 +70,9 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
     one expert-TP collective's, and under shared-expert overlap the shared experts'
     compute and the exchange seconds it hides
     (:func:`simulator.strategies.expert.strategy.expert_times`). ``t_cp``: a layer's exposed
-    context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
+    context-parallel exchange, all passes, and ``t_cp_again`` of it what a finer policy's
+    recomputed core exchanges again
+    (:func:`simulator.strategies.context.strategy.cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
@@ -88,7 +91,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_input"] += count * split[2]
         out["cp_transfer"] += count * t_cp
         if mode != "full":  # what the recomputation issues again sits in the backward
-            out[AGAIN] += count * tp[1]
+            out[AGAIN] += count * (tp[1] + t_cp_again)
         if spec.is_moe_layer(layer):
             _experts(out, count, experts, "mlp" in again.blocks, mode == "full")
     _ends(s, c, first, last, ends, out)
@@ -172,14 +175,14 @@ def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
 
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
-                  ends: Ends = NO_ENDS) -> dict[str, float]:
+                  ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> dict[str, float]:
     """:func:`passes` of one micro-batch through pipeline ``stage``: all its chunks, or
     with two directions (DualPipe, each micro-batch through one of the rank's two model
     stages) their mean."""
     d = slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage),
                          holds_embedding(s.parallel, stage),
                          holds_head(s.parallel, stage), experts, t_cp,
-                         s.parallel.virtual_stages, ends), stage)
+                         s.parallel.virtual_stages, ends, t_cp_again), stage)
     directions = schedule_spec(s.parallel.schedule).directions
     return d if directions == 1 else {k: v / directions for k, v in d.items()}
 
@@ -221,16 +224,16 @@ def times(s: Scenario, d: dict[str, float], kinds: Kinds | None = None
 
 def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
-                 ends: Ends = NO_ENDS) -> tuple[float, ...]:
+                 ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends),
+    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends, t_cp_again),
                  chunk_kinds(s, stage))
 
 
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
                     slowest: tuple[float, ...],
                     per_stage: dict[int, BlockCosts] | None = None,
-                    ends: Ends = NO_ENDS) -> float:
+                    ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
     even placement; for an uneven one (:mod:`simulator.spec.placement`), or layers recomputed
     in some chunks only, the schedule's actions placed in time with each virtual stage's own
@@ -251,7 +254,8 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
     chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
                                         kinds[k], sched.is_first(k), sched.is_last(k),
-                                        experts, t_cp, 1, ends), sched.rank_of(k)), kinds[k])
+                                        experts, t_cp, 1, ends, t_cp_again),
+                                 sched.rank_of(k)), kinds[k])
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])
