@@ -177,7 +177,7 @@ def test_engine_and_closed_form_agree_on_what_reissuing_adds(case: str, variant:
     by a constant, the same with or without recomputation), TP overlap's split GEMMs
     around a block re-run whole included."""
     if extra and ("sp" not in case or "ep" in case):
-        pytest.skip("TP overlap needs sequence parallelism (and a dense first layer)")
+        pytest.skip("TP overlap needs sequence parallelism and dense layers (refused with experts)")
     _agree(case, variant, extra)
 
 
