@@ -11,7 +11,8 @@ prototype program), so the cost is known before building: tasks ≈ simulated ra
 Tasks per layer and micro-batch, from the builder's expansion (workload.py):
 forward and backward are one block each without TP, two blocks and two TP
 collectives each with TP (four with sequence parallelism); full recomputation
-repeats the forward, selective adds one block; ZB-H1 adds a weight-gradient
+repeats the forward, selective adds one block (and the collectives a module's
+checkpointed function re-issues); ZB-H1 adds a weight-gradient
 block; with DP, ZeRO-2/3 reduce gradients per micro-batch and ZeRO-3 gathers
 each unit before forward and backward; sends and bookkeeping add one or two.
 On the bundled scenarios this is within 12% of the built count (tested to 30%).
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from simulator.builder.workload import simulated_count
 from simulator.errors import Problem, UserError
+from simulator.model.inventory.recompute_comm import reissued
 from simulator.model.inventory.sharding import zero3_collectives
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.base import MAX_STAGES
@@ -72,6 +74,10 @@ def tasks_per_layer(s: Scenario) -> int:
     # selective and per-op: one task, two with an MLP block's modules
     n += {"none": 0, "selective": 1 if policy(par) == "selective" else 2,
           "op": 2, "full": forward}[par.recompute]
+    again = reissued(policy(par), False, par.sequence_parallel)
+    if par.tp > 1 and par.recompute != "full":  # the TP collectives a finer policy re-issues
+        n += len(again.blocks) * (2 if par.sequence_parallel else 1) + len(again.gathers) \
+            + len(again.reduces)
     if schedule_spec(par.schedule).split_backward:  # a W action per layer
         n += 1
     if par.dp > 1 and par.zero >= 2:  # ZeRO-3: two gathers and a reduce-scatter per part
@@ -83,7 +89,8 @@ def tasks_per_layer(s: Scenario) -> int:
     if s.model.is_moe:  # per MoE layer and pass: all-to-all, experts, all-to-all (+ gather,
         # scatter with expert TP), averaged over the layers
         per_pass = 3 + (2 if par.etp > 1 else 0)
-        passes = 3 if par.recompute == "full" else 2
+        passes = 3 if "mlp" in reissued(policy(par), True, par.sequence_parallel).blocks \
+            else 2
         n += -(-per_pass * passes * s.model.moe_layers // s.model.layers)
     return n + sum(strategy.tasks_per_layer(s) for strategy in registry.strategies())
 

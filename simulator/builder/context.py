@@ -42,6 +42,7 @@ from simulator.system.units import CollectiveName
 
 if TYPE_CHECKING:
     from simulator.builder.workload import BlockCosts
+    from simulator.model.inventory.recompute_comm import Reissue
 
 STREAMS: tuple[Stream, ...] = ("compute", "pp", "dp", "zero", "host")
 
@@ -261,7 +262,10 @@ class Pass:
     argument, ``backward``, true in B and I; a pass that splits the block's compute
     into pieces returns the last of them from ``block(before=False)``, which then
     stands for the block); then
-    ``layer_end`` with the layer's last compute task. At the model's ends
+    ``layer_end`` with the layer's last compute task. A finer recompute policy's blocks
+    (not full recomputation's, which are ``block``'s) call ``recompute_block`` instead,
+    before and after the recomputed block's task, with what the policy issues again
+    (:func:`simulator.model.inventory.recompute_comm.reissued`). At the model's ends
     ``edge`` ("embed" after the embedding's forward and before its backward,
     "head" before the output layer's forward and after its backward) and after
     the head's forward ``loss``. After each B or W action ``weight_grads`` with
@@ -289,6 +293,10 @@ class Pass:
 
     def block(self, rank: int, label: str, before: bool, mb: int, layer: int,
               chunk: int, backward: bool) -> Task | None:
+        return None
+
+    def recompute_block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+                        chunk: int, again: Reissue) -> Task | None:
         return None
 
     def layer_end(self, rank: int, last: Task) -> None:
@@ -331,6 +339,7 @@ class Hooks:
     forward_start: list[Callable[[int, int, int, int], Task | None]]
     layer_start: list[Callable[[int, bool, int, int, int], Task | None]]
     block: list[Callable[[int, str, bool, int, int, int, bool], Task | None]]
+    recompute_block: list[Callable[[int, str, bool, int, int, int, Reissue], Task | None]]
     layer_end: list[Callable[[int, Task], None]]
     edge: list[Callable[[int, str, bool, int, int], None]]
     loss: list[Callable[[int, int, int], None]]

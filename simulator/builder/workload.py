@@ -48,6 +48,7 @@ from simulator.model import transformer as mdl
 from simulator.model.inventory.attention import context_parallel_ops
 from simulator.model.inventory.mtp import mtp_in_ops
 from simulator.model.inventory.ops import Op, Pass
+from simulator.model.inventory.recompute_comm import reissued
 from simulator.schedules.action import Schedule
 from simulator.schedules.registry import build_schedule
 from simulator.spec.recompute import policy
@@ -151,20 +152,25 @@ def _layer_costs(s: Scenario, cost: CostModel, layer: int, embed: tuple[float, f
         rec = context_parallel_ops(
             mdl.layer_recompute_ops(spec, b, tp, sp, dt, mode, layer, s.stack),
             spec, b, tp, dt, "fwd", cp, gathered, a2a=a2a)
+        again = reissued(mode, routed, sp)
         rec_t = (cost.ops_time(rec), 0.0) if mode == "selective" else \
-            _recompute_blocks(s, cost, rec, attn, routed)
+            _recompute_blocks(s, cost, rec, attn, apart if "mlp" in again.blocks else None)
     return BlockCosts(_split(fwd, cost, True), _split(bwd_i, cost, False), (w_attn, w_mlp),
                       rec_t, embed, head)
 
 
 def _recompute_blocks(s: Scenario, cost: CostModel, rec: tuple[Op, ...], attn: set[str],
-                      routed: bool) -> tuple[float, float]:
+                      apart: tuple[str, ...] | None) -> tuple[float, float]:
     """(attention block, MLP block) seconds a finer policy re-runs
-    (:mod:`simulator.model.inventory.recompute_policy`); a MoE layer's routed experts
-    among them priced as the expert pass prices them (its ranks' tokens and experts)."""
+    (:mod:`simulator.model.inventory.recompute_policy`). In a MoE layer whose MoE block
+    is re-run whole (``apart``: the ops the expert pass runs again with its exchanges,
+    :func:`simulator.model.inventory.recompute_comm.reissued`) the block leaves them out,
+    as full recomputation's; otherwise (``apart`` None) the routed experts it re-runs
+    are priced as the expert pass prices them (its ranks' tokens and experts)."""
     names = {op.name for op in rec}
-    mlp = [op for op in rec if op.name not in attn and op.name not in moe.ROUTED_OPS]
-    if routed:
+    gone = moe.ROUTED_OPS if apart is None else apart
+    mlp = [op for op in rec if op.name not in attn and op.name not in gone]
+    if apart is None and any(op.name in moe.ROUTED_OPS for op in rec):
         mlp += [op for op in expert_layer(s).fwd if op.name in names]
     return cost.ops_time([op for op in rec if op.name in attn]), cost.ops_time(mlp)
 

@@ -155,7 +155,9 @@ class ParallelSpec(Frozen):
     ``--recompute-modules``: core_attn (the attention core), layernorm (both norms'
     outputs), mlp (a dense layer's MLP), moe (a MoE layer's MoE block), shared_experts,
     moe_act (the routed experts' activation), mla_up_proj (latent attention's
-    up-projections); default [core_attn]."""
+    up-projections); default [core_attn]. A recomputed module issues again the
+    collectives inside it (mlp its TP ones, moe also the dispatch and combine, core_attn
+    the context-parallel exchange)."""
     recompute_num_layers: int | None = Field(default=None, ge=0, le=MAX_SIZE)
     """With recompute: full, only the first N layers of each model chunk (each pipeline
     stage, each virtual stage when interleaved) are recomputed, the others not at all

@@ -41,6 +41,7 @@ from simulator.analysis.accounting.breakdown import schedule_bubble
 from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.vocabulary import categories
 from simulator.analysis.analytic.stage import (
+    AGAIN,
     pipeline_phase,
     pipeline_time,
     slowdown,
@@ -91,6 +92,7 @@ class _Pipe:
     stages: list[tuple[float, ...]]  # (t_F, t_B_input, t_W) per stage
     slowest: int
     t_pipe: float
+    t_cp_again: float = 0.0  # of t_cp, a recomputed core's exchange before the backward
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class LayerTerms:
     experts: Experts
     t_cp: float
     ends: Ends
+    t_cp_again: float = 0.0  # of t_cp, a recomputed core's exchange before the backward
 
 
 def cost_model(s: Scenario, hw: HardwareProfile | None = None) -> CostModel:
@@ -136,19 +139,22 @@ def layer_terms(s: Scenario, cost: CostModel, hw: HardwareProfile,
     c = costs or block_costs(s, cost)
     local = local_scenario(s)  # a context-parallel rank's view: seq_len / cp tokens
     layout = layout_of(local)
+    t_cp, again = cp_exposed(local, layout, c, hw)
     return LayerTerms(c, tp_time(local, layout, cost, hw), expert_times(local, layout, cost, hw),
-                      cp_exposed(local, layout, c, hw), tp_ends(local, layout, cost, hw))
+                      t_cp, tp_ends(local, layout, cost, hw), again)
 
 
 def _pipeline(s: Scenario, cost: CostModel, hw: HardwareProfile, terms: LayerTerms,
               per_stage: dict[int, BlockCosts]) -> _Pipe:
     par = s.parallel
     c, t_tp, experts, t_cp, ends = terms.c, terms.t_tp, terms.experts, terms.t_cp, terms.ends
-    stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
+    again = terms.t_cp_again
+    stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends, again)
               for st in range(par.pp)]
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
-    t_pipe = pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends)
-    return _Pipe(c, per_stage, t_tp, experts, t_cp, ends, stages, slowest, t_pipe)
+    t_pipe = pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends,
+                            again)
+    return _Pipe(c, per_stage, t_tp, experts, t_cp, ends, stages, slowest, t_pipe, again)
 
 
 def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
@@ -254,7 +260,8 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
         passes = stage_passes(s, pipe.per_stage.get(st, pipe.c), pipe.t_tp, st, pipe.experts,
                               pipe.t_cp, pipe.ends)
         for category, seconds in passes.items():
-            entry[category] = m * seconds
+            if category != AGAIN:  # a share of the transfers, not a category
+                entry[category] = m * seconds
         for category, seconds in after.items():
             entry[category] += seconds
         own = pipe.stages[st]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from simulator.builder.workload import BlockCosts, layout_of
 from simulator.model import moe
+from simulator.model.inventory.recompute_comm import BLOCKS, Reissue, reissued
 from simulator.model.inventory.tensor_parallel import tp_block_collectives
 from simulator.schedules.action import execute
 from simulator.schedules.registry import build_schedule, schedule_spec
@@ -35,6 +36,10 @@ EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed f
 
 Kinds = list[tuple[int, int, Policy]]  # (a layer, how many like it, their recompute)
 
+#: of :func:`passes`' transfer seconds, those a finer recompute policy issues again before
+#: the backward (:func:`times` leaves them out of the forward's share; not a category)
+AGAIN = "reissued_transfer"
+
 
 def layer_kinds_of(s: Scenario, runs: list[range]) -> Kinds:
     """(a representative layer, how many like it, their recompute mode) over the layer
@@ -56,7 +61,8 @@ def chunk_kinds(s: Scenario, stage: int) -> Kinds:
 
 def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             first: bool, last: bool, experts: Experts = NO_EXPERTS,
-            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
+            t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS,
+            t_cp_again: float = 0.0) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
     backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
@@ -64,51 +70,85 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
     one expert-TP collective's, and under shared-expert overlap the shared experts'
     compute and the exchange seconds it hides
     (:func:`simulator.strategies.expert.strategy.expert_times`). ``t_cp``: a layer's exposed
-    context-parallel exchange, all passes (:func:`_cp_exposed`). ``ends``: the TP
+    context-parallel exchange, all passes, and ``t_cp_again`` of it what a finer policy's
+    recomputed core exchanges again
+    (:func:`simulator.strategies.context.strategy.cp_exposed`). ``ends``: the TP
     collectives at the embedding and the output layer (:func:`_tp_ends`)."""
     par, spec = s.parallel, s.model
-    # a layer's TP collectives: forward (again when fully recomputed) and backward
-    gather = 1 if par.sequence_parallel else 0
-    fwd_n, bwd_n = (sum(tp_block_collectives(spec, s.stack, par.tp, par.sequence_parallel,
-                                             label, backward) + gather
-                        for label in ("attn", "mlp")) for backward in (False, True))
-    tp_layer = {p: t_tp * (fwd_n * (p - 1) + bwd_n) for p in (2, 3)}
-    split_f = split_b = 0.0  # what TP overlap's chunked GEMMs add, forward and backward
-    if c.tp_windows:  # TP overlap: each SP collective less what its GEMM hides
-        comm_f, split_f = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, False,
-                                  issue=c.tp_issue)
-        comm_b, split_b = exposed(s.stack.tp_overlap, c.tp_windows, t_tp, True,
-                                  weights=not schedule_spec(par.schedule).split_backward,
-                                  issue=c.tp_issue)
-        tp_layer = {p: comm_f * (p - 1) + comm_b for p in (2, 3)}
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
-                         "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
+                         "tp_transfer", "ep_transfer", "cp_transfer", AGAIN), 0.0)
     for layer, count, mode in kinds:
-        passes = 3 if mode == "full" else 2
         lc = c.layer(layer)
+        again = reissued(mode, spec.is_moe_layer(layer), par.sequence_parallel)
+        tp, split = _tp_layer(s, c, t_tp, again)
         out["forward"] += count * sum(lc.fwd)
         out["backward_input"] += count * sum(lc.bwd_input)
         out["backward_weight"] += count * sum(lc.bwd_weight)
         out["recompute"] += count * sum(lc.recompute) if mode != "none" else 0.0
-        out["tp_transfer"] += count * tp_layer[passes]
-        out["forward"] += count * split_f
-        out["recompute"] += count * split_f if mode == "full" else 0.0
-        out["backward_input"] += count * split_b
+        out["tp_transfer"] += count * tp[0]
+        out["forward"] += count * split[0]
+        out["recompute"] += count * split[1]
+        out["backward_input"] += count * split[2]
         out["cp_transfer"] += count * t_cp
+        if mode != "full":  # what the recomputation issues again sits in the backward
+            out[AGAIN] += count * (tp[1] + t_cp_again)
         if spec.is_moe_layer(layer):
-            x = experts
-            fwd = x.fwd + x.shared_fwd + x.stretch_fwd
-            bwd = x.bwd + x.shared_bwd + x.stretch_bwd
-            out["forward"] += count * fwd
-            out["backward_input"] += count * bwd
-            out["recompute"] += count * fwd if mode == "full" else 0.0
-            out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
-                                           - x.hidden_bwd)
-            out["tp_transfer"] += count * 2 * x.etp * passes
+            _experts(out, count, experts, "mlp" in again.blocks, mode == "full")
     _ends(s, c, first, last, ends, out)
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
     return out
+
+
+def _tp_layer(s: Scenario, c: BlockCosts, t_tp: float, again: Reissue
+              ) -> tuple[tuple[float, float], tuple[float, float, float]]:
+    """One layer's TP seconds (all passes, and of them what the recomputation issues
+    again) and what TP overlap's chunked GEMMs add to the forward, the recomputation and
+    the backward (:func:`exposed`). ``again``
+    (:func:`simulator.model.inventory.recompute_comm.reissued`): its whole blocks'
+    collectives as the forward's, a lone gather or all-reduce in line."""
+    par, spec = s.parallel, s.model
+    sp = par.sequence_parallel
+
+    def count(labels: tuple[str, ...], backward: bool) -> int:
+        return sum(tp_block_collectives(spec, s.stack, par.tp, sp, label, backward)
+                   + (1 if sp else 0) for label in labels)
+
+    alone = len(again.gathers) if sp else sum(
+        tp_block_collectives(spec, s.stack, par.tp, sp, label, False)
+        for label in again.reduces)
+    n_again = count(again.blocks, False) + alone
+    if not c.tp_windows:
+        return ((t_tp * (count(BLOCKS, False) + n_again + count(BLOCKS, True)),
+                 t_tp * n_again), (0.0, 0.0, 0.0))
+    mode, issue = s.stack.tp_overlap, c.tp_issue
+    comm_f, split_f = exposed(mode, c.tp_windows, t_tp, False, issue=issue)
+    comm_r, split_r = exposed(mode, c.tp_windows, t_tp, False, issue=issue,
+                              labels=again.blocks)
+    comm_b, split_b = exposed(mode, c.tp_windows, t_tp, True,
+                              weights=not schedule_spec(par.schedule).split_backward,
+                              issue=issue)
+    comm_r += t_tp * alone
+    return (comm_f + comm_r + comm_b, comm_r), (split_f, split_r, split_b)
+
+
+def _experts(out: dict[str, float], count: int, x: Experts, again: bool,
+             full: bool) -> None:
+    """A MoE layer's routed experts, exchanges and expert-TP collectives, forward and
+    backward, and again before the backward when the layer's MoE block is recomputed
+    whole (``again``: full recomputation or Megatron's ``moe``)."""
+    fwd = x.fwd + x.shared_fwd + x.stretch_fwd
+    bwd = x.bwd + x.shared_bwd + x.stretch_bwd
+    passes = 3 if again else 2
+    out["forward"] += count * fwd
+    out["backward_input"] += count * bwd
+    out["recompute"] += count * fwd if again else 0.0
+    ep = count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1) - x.hidden_bwd)
+    etp = count * 2 * x.etp * passes
+    out["ep_transfer"] += ep
+    out["tp_transfer"] += etp
+    if again and not full:
+        out[AGAIN] += count * (2 * x.a2a - x.hidden_fwd + 2 * x.etp)
 
 
 def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
@@ -135,14 +175,14 @@ def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
 
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                   experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
-                  ends: Ends = NO_ENDS) -> dict[str, float]:
+                  ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> dict[str, float]:
     """:func:`passes` of one micro-batch through pipeline ``stage``: all its chunks, or
     with two directions (DualPipe, each micro-batch through one of the rank's two model
     stages) their mean."""
     d = slowed(s, passes(s, c, t_tp, chunk_kinds(s, stage),
                          holds_embedding(s.parallel, stage),
                          holds_head(s.parallel, stage), experts, t_cp,
-                         s.parallel.virtual_stages, ends), stage)
+                         s.parallel.virtual_stages, ends, t_cp_again), stage)
     directions = schedule_spec(s.parallel.schedule).directions
     return d if directions == 1 else {k: v / directions for k, v in d.items()}
 
@@ -177,23 +217,23 @@ def times(s: Scenario, d: dict[str, float], kinds: Kinds | None = None
     if kinds and partial(s.parallel):
         layers = sum(n for _, n, _ in kinds)
         passes = 2 + sum(n for _, n, mode in kinds if mode == "full") / max(layers, 1)
-    comm_f = comm / passes
+    comm_f = (comm - d.get(AGAIN, 0.0)) / passes
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
 
 def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
-                 ends: Ends = NO_ENDS) -> tuple[float, ...]:
+                 ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends),
+    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends, t_cp_again),
                  chunk_kinds(s, stage))
 
 
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
                     slowest: tuple[float, ...],
                     per_stage: dict[int, BlockCosts] | None = None,
-                    ends: Ends = NO_ENDS) -> float:
+                    ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> float:
     """The pipeline phase: the schedule's closed form at the slowest stage's times for an
     even placement; for an uneven one (:mod:`simulator.spec.placement`), or layers recomputed
     in some chunks only, the schedule's actions placed in time with each virtual stage's own
@@ -214,7 +254,8 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
     chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
                                         kinds[k], sched.is_first(k), sched.is_last(k),
-                                        experts, t_cp, 1, ends), sched.rank_of(k)), kinds[k])
+                                        experts, t_cp, 1, ends, t_cp_again),
+                                 sched.rank_of(k)), kinds[k])
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])

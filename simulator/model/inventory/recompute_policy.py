@@ -36,9 +36,8 @@ where each is applied):
   ``qkv_up_checkpoint``): the up-projections and RoPE re-run from the latents; Q, K
   and V, which the core kept, dropped.
 
-The recomputed modules run as compute: the collectives inside a recomputed MLP or MoE
-block (its TP gathers, its all-to-alls) are not issued again (a lower bound on their
-cost).
+A recomputed block issues again the collectives its framework's checkpointed function
+contains (:func:`reissued`), with the forward's bytes, on the forward's streams.
 """
 
 from __future__ import annotations

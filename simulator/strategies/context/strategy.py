@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from simulator.errors import Problem
 from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
-from simulator.spec.recompute import partial, recomputed_share
+from simulator.model.inventory.recompute_comm import reissued
+from simulator.spec.recompute import partial, policy, recomputed_share
 from simulator.spec.scenario import ParallelSpec, Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.context.workload import ContextParallelPass
@@ -83,37 +84,44 @@ def a2a_problems(s: Scenario) -> list[Problem]:
                     f"use {fix}p2p or allgather, or a smaller tp")]
 
 
-def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts, hw: HardwareProfile) -> float:
+def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts,
+               hw: HardwareProfile) -> tuple[float, float]:
     """One layer's exposed context-parallel exchange per micro-batch, all passes
     (:mod:`simulator.strategies.context.workload`): a ring beyond what its attention block
     hides (twice the bytes in backward), or the blocking all-gathers and the
     gradients' reduce-scatter (and the backward's all-gather unless the stack keeps the
     gathered keys and values); with the all-to-all variants, their blocking
-    all-to-alls besides (:func:`a2a_exposed`). ``s`` is the rank's local view
-    (seq_len / cp)."""
+    all-to-alls besides (:func:`a2a_exposed`); and of it, what a finer recompute policy
+    that re-runs the core exchanges again before the backward. ``s`` is the rank's local
+    view (seq_len / cp)."""
     par, trn = s.parallel, s.training
     if par.cp == 1:
-        return 0.0
+        return 0.0, 0.0
     a2a = par.cp_a2a_degree
     size = par.cp // a2a * cp_kv_bytes(s.model, trn.micro_batch, par.tp, trn.dtype)
     inner, group = layout.cp_a2a_group(0), layout.cp_ring_group(0)
     # forward passes of a layer: again when recomputed (on average over the layers when
-    # only some are, simulator.spec.recompute)
+    # only some are, simulator.spec.recompute); a finer policy that re-runs the core
+    # (Megatron's core_attn) exchanges once more, beside the recomputed core
     fwd_passes = 1 + recomputed_share(par, s.model.layers) if partial(par) \
         else 2 if par.recompute == "full" else 1
+    core = 1 if par.recompute != "full" and \
+        reissued(policy(par), False, par.sequence_parallel).cp else 0
     if par.cp_comm_type == "allgather":
         ag = collective_time(s, layout, "all_gather", size, group, hw)
         rs = collective_time(s, layout, "reduce_scatter", size, group, hw)
         regather = 0 if s.cp_keeps_gathered_kv else 1  # the backward's all-gather
-        return (fwd_passes + regather) * ag + rs
-    exposed = a2a_exposed(s, layout, inner, hw, fwd_passes)
+        return (fwd_passes + core + regather) * ag + rs, core * ag
+    one = a2a_exposed(s, layout, inner, hw, 0.0)  # one pass's all-to-alls
+    exposed = (fwd_passes + core + 1) * one
     if par.cp_comm_type == "a2a":
-        return exposed
+        return exposed, core * one
     ring_f = collective_time(s, layout, "all_gather", size, group, hw)
     ring_b = collective_time(s, layout, "all_gather", 2 * size, group, hw)
     lc = c.layer(0)
+    again = core * max(0.0, ring_f - lc.recompute[0])
     return exposed + fwd_passes * max(0.0, ring_f - lc.fwd[0]) \
-        + max(0.0, ring_b - lc.bwd_input[0] - lc.bwd_weight[0])
+        + max(0.0, ring_b - lc.bwd_input[0] - lc.bwd_weight[0]) + again, core * one + again
 
 
 def a2a_exposed(s: Scenario, layout: Layout, group: tuple[int, ...], hw: HardwareProfile,

@@ -33,7 +33,9 @@ guide, ``docs/source/api-guide/context_parallel.rst``):
   (:meth:`simulator.system.layout.Layout.cp_ring_group`), overlapped with the core
   as ``p2p``'s.
 
-Recomputed attention blocks (full recomputation) exchange as a forward does.
+Recomputed attention cores (full recomputation, and Megatron's ``core_attn``, whose
+checkpointed core holds Transformer Engine's exchange:
+:mod:`simulator.model.inventory.recompute_comm`) exchange again as a forward does.
 The gradients of every weight reduce over the data-parallel group with CP
 (:meth:`simulator.system.layout.Layout.dp_group`). Installed only when cp > 1.
 """
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 from simulator.builder.context import Context, Pass
 from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
+from simulator.model.inventory.recompute_comm import Reissue
 
 A2A_IN = ("q", "k", "v")  # before the core, forward (the backward sends dO)
 A2A_OUT = ("dq", "dk", "dv")  # after the core, backward (the forward sends O)
@@ -88,6 +91,13 @@ class ContextParallelPass(Pass):
             ctx.collective(rank, "compute", "reduce_scatter", "cp", group, gathered,
                            f"cp.reduce_scatter dkv L{layer} mb{mb}", mb, layer, chunk)
         self.all_to_all(rank, inner, A2A_OUT if backward else ("o",), mb, layer, chunk)
+
+    def recompute_block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+                        chunk: int, again: Reissue) -> None:
+        """A recomputed attention core (Megatron's ``core_attn``) exchanges again as a
+        forward does: the exchange is inside the checkpointed core."""
+        if again.cp:
+            self.block(rank, label, before, mb, layer, chunk, False)
 
     def all_to_all(self, rank: int, group: tuple[int, ...], names: tuple[str, ...], mb: int,
                    layer: int, chunk: int) -> None:

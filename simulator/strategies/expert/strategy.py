@@ -21,7 +21,6 @@ from simulator.strategies.expert import deepep, dispatcher
 from simulator.strategies.expert.deepep import buffer_bytes
 from simulator.strategies.expert.dispatcher import Exchange
 from simulator.strategies.expert.layer import (
-    etp_group,
     expert_layer,
     shared_ops,
     shared_overlapped,
@@ -129,7 +128,7 @@ class Experts(NamedTuple):
     fwd: float  # the routed experts' forward compute
     bwd: float  # their input gradients
     a2a: float  # one ep exchange: the mean of the dispatch's and the combine's
-    etp: float  # one expert-TP all-gather (alltoall dispatcher with expert_tp > 1)
+    etp: float  # one expert-TP collective (alltoall dispatcher with expert_tp > 1)
     # under shared-expert overlap: the shared experts' compute per pass (forward,
     # backward) and the ep exchange seconds it hides per pass
     shared_fwd: float = 0.0
@@ -162,21 +161,24 @@ def _exchange_time(s: Scenario, layout: Layout, xs: tuple[Exchange, ...], kind: 
 def expert_times(s: Scenario, layout: Layout, cost: CostModel,
                   hw: HardwareProfile) -> Experts:
     """A MoE layer's routed experts per micro-batch: forward and input-gradient compute,
-    one ep exchange (the mean of the dispatch and the combine), one expert-TP all-gather,
+    one ep exchange (the mean of the dispatch and the combine), one expert-TP collective
+    (the mean of the dispatch's all-gather and the combine's reduce-scatter),
     and under shared-expert overlap the shared experts' compute and what it hides:
     min(exchange, shared part) beside each exchange (slowed beside DeepEP's kernels:
     :func:`held_sms_factor`), as the engine's ``ep`` stream has it
     (:mod:`simulator.strategies.expert.workload`)."""
     if not s.model.is_moe:
         return NO_EXPERTS
-    par, lay = s.parallel, expert_layer(s)
+    lay = expert_layer(s)
     x = lay.exchanges
     dispatch, combine = (_exchange_time(s, layout, side, "ep", hw)
                          for side in (x.dispatch, x.combine))
-    etp = collective_time(s, layout, "all_gather", lay.etp_bytes,
-                           etp_group(layout, 0, par.etp), hw)
+    # the dispatcher's expert-TP collectives (the alltoall dispatcher's all-gather and
+    # reduce-scatter; none for the allgather and flex dispatchers, whose exchanges are
+    # all over the tp·ep group)
+    etp = sum(_exchange_time(s, layout, side, "tp", hw) for side in (x.dispatch, x.combine))
     out = Experts(cost.ops_time(lay.fwd), cost.ops_time(lay.bwd_input),
-                  (dispatch + combine) / 2, etp)
+                  (dispatch + combine) / 2, etp / 2)
     if not shared_overlapped(s):
         return out
     (f1, f2), (b1, b2) = ((cost.ops_time(a), cost.ops_time(b))

@@ -12,8 +12,9 @@ sizes and the load), after the MLP block's router, permutation and shared expert
   dispatch's gradient all-to-all). The experts' weight gradients sit in the MLP
   block's weight share (:class:`~simulator.builder.workload.BlockCosts`), so B carries them
   and ZB-H1's W defers them like any weight gradient;
-- full recomputation repeats the forward's all-to-alls and GEMMs (kind
-  ``recompute``).
+- full recomputation, and Megatron's ``moe`` module (its checkpointed ``MoELayer``
+  holds the dispatch and the combine), repeat the forward's exchanges and GEMMs (kind
+  ``recompute``; :mod:`simulator.model.inventory.recompute_comm`).
 
 The dispatch and combine collectives are the dispatcher's
 (:mod:`simulator.strategies.expert.dispatcher`: all-to-alls, all-gather and
@@ -45,6 +46,7 @@ from __future__ import annotations
 from simulator.builder.context import Context, Pass
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
+from simulator.model.inventory.recompute_comm import Reissue
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert import dispatcher
@@ -101,6 +103,15 @@ class ExpertPass(Pass):
                 self.experts(rank, "recompute" if recompute else "forward", mb, layer, chunk)
         elif before:
             self.experts(rank, "backward", mb, layer, chunk)
+
+    def recompute_block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+                        chunk: int, again: Reissue) -> None:
+        """A MoE block a finer policy re-runs whole (Megatron's ``moe``) dispatches,
+        computes its routed experts and combines again, after the block's recomputed
+        router, permutation and shared experts, as full recomputation's does."""
+        if not before and label == "mlp" and "mlp" in again.blocks \
+                and self.ctx.s.model.is_moe_layer(layer):
+            self.experts(rank, "recompute", mb, layer, chunk)
 
     def experts(self, rank: int, kind: str, mb: int, layer: int, chunk: int) -> None:
         """The dispatch, the routed experts, the combine (in a backward their gradients:

@@ -47,6 +47,7 @@ from simulator.builder.context import Context
 from simulator.builder.stamp import Stamps
 from simulator.builder.tasks import Stream, Task
 from simulator.model import transformer as mdl
+from simulator.model.inventory.recompute_comm import reissued
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.pipeline import pairs
@@ -290,7 +291,7 @@ class PipelinePass:
 
     def recompute(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
-        if ctx.s.parallel.recompute != "full":  # selective or per-op: compute only
+        if ctx.s.parallel.recompute != "full":  # selective or per-op: their own blocks
             return self.recompute_ops(rank, mb, layer, chunk)
         first = None
         for blk, label in ((0, "attn"), (1, "mlp")):
@@ -306,13 +307,25 @@ class PipelinePass:
     def recompute_ops(self, rank: int, mb: int, layer: int, chunk: int) -> Task:
         """Selective or per-op recomputation: the attention block's recomputed ops, then a
         finer policy's MLP-block ones (:mod:`simulator.model.inventory.recompute_policy`),
-        compute only."""
+        each between the ``recompute_block`` hooks that issue again the collectives the
+        policy's checkpointed function holds
+        (:func:`simulator.model.inventory.recompute_comm.reissued`)."""
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
-        first = ctx.compute(rank, "R", "recompute", f"recompute.attn L{layer} mb{mb}",
-                            c.recompute[0], mb, layer, chunk)
-        if c.recompute[1]:
-            ctx.compute(rank, "R", "recompute", f"recompute.mlp L{layer} mb{mb}",
-                        c.recompute[1], mb, layer, chunk)
+        s = ctx.s
+        again = reissued(layer_mode(s.parallel, s.model.layers, layer),
+                         s.model.is_moe_layer(layer), s.parallel.sequence_parallel)
+        first: Task | None = None
+        for blk, label in ((0, "attn"), (1, "mlp")):
+            if blk and not (c.recompute[1] or again.touches(label)):
+                continue
+            for hook in ctx.hooks.recompute_block:
+                hook(rank, label, True, mb, layer, chunk, again)
+            t = ctx.compute(rank, "R", "recompute", f"recompute.{label} L{layer} mb{mb}",
+                            c.recompute[blk], mb, layer, chunk)
+            first = first or t
+            for hook in ctx.hooks.recompute_block:
+                hook(rank, label, False, mb, layer, chunk, again)
+        assert first is not None
         return first
 
     def weight_grad(self, rank: int, a: Action, chunk: int) -> list[Task]:

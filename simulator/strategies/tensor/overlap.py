@@ -126,16 +126,18 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
 
 
 def exposed(mode: str, windows: Windows, t_comm: float, backward: bool,
-            weights: bool = True, issue: float = 0.0) -> tuple[float, float]:
+            weights: bool = True, issue: float = 0.0,
+            labels: tuple[str, ...] = ("attn", "mlp")) -> tuple[float, float]:
     """One layer's TP seconds in one pass under overlap ``mode``, as (exposed transfer,
     compute the split GEMMs add), for sequence parallelism's all-gather and
-    reduce-scatter of ``t_comm`` each around both blocks; ``weights``: whether the
-    backward computes weight gradients (an I action does not); ``issue``: of
-    ``t_comm``, the host time of issuing it, which no GEMM hides."""
+    reduce-scatter of ``t_comm`` each around the blocks ``labels`` (both, or those a
+    recomputation re-runs); ``weights``: whether the backward computes weight gradients
+    (an I action does not); ``issue``: of ``t_comm``, the host time of issuing it, which
+    no GEMM hides."""
     comm = extra = 0.0
     ag, rs = overlap_sides(mode, backward)
     rs = rs and (weights or not backward)
-    for label in ("attn", "mlp"):
+    for label in labels:
         for side, on in (("ag", ag), ("rs", rs)):
             if not on:
                 comm += t_comm

@@ -4,9 +4,10 @@ Per layer and micro-batch, two collectives in forward and two in backward
 (Shoeybi et al. 2019, §3): an all-reduce after the attention block and after
 the MLP block; with sequence parallelism (Korthikanti et al. 2022, §4.2.2) an
 all-gather before each block and a reduce-scatter after it instead, in both
-directions, of the same b·s·h activation. Full recomputation repeats the
-forward's collectives. They run on the compute stream: the next block needs
-their result.
+directions, of the same b·s·h activation. Recomputation repeats the forward's
+collectives its checkpointed function holds (all of them under full recomputation;
+:func:`~simulator.model.inventory.recompute_comm.reissued`). They run on the compute
+stream: the next block needs their result.
 
 The vocab-parallel ends (Megatron's ``VocabParallelEmbedding`` and
 ``vocab_parallel_cross_entropy``): the embedding's partial sums are
@@ -58,6 +59,7 @@ from typing import Literal
 from simulator.builder.context import Context, Pass
 from simulator.builder.tasks import Task
 from simulator.model import transformer as mdl
+from simulator.model.inventory.recompute_comm import Reissue
 from simulator.model.inventory.tensor_parallel import (
     tp_block_collectives,
     tp_end_collectives,
@@ -130,6 +132,20 @@ class TensorPass(Pass):
             op: CollectiveName = "reduce_scatter" if self.sp else "all_reduce"
             self.in_line(rank, op, self.after[label, backward], mb, layer, chunk, backward)
         return end
+
+    def recompute_block(self, rank: int, label: str, before: bool, mb: int, layer: int,
+                        chunk: int, again: Reissue) -> Task | None:
+        """A block a finer policy re-runs whole issues its forward's collectives as
+        :meth:`block` does (overlapped as the forward's); one that re-runs only its
+        all-gather's or its all-reduce's consumers issues that one alone, in line."""
+        if label in again.blocks:
+            return self.block(rank, label, before, mb, layer, chunk, False)
+        if before and self.sp and label in again.gathers:
+            self.in_line(rank, "all_gather", 1, mb, layer, chunk, False)
+        elif not before and not self.sp and label in again.reduces:
+            self.in_line(rank, "all_reduce", self.after[label, False], mb, layer, chunk,
+                         False)
+        return None
 
     def in_line(self, rank: int, op: CollectiveName, count: int, mb: int, layer: int,
                 chunk: int, backward: bool) -> None:
