@@ -41,6 +41,7 @@ from simulator.analysis.accounting.breakdown import schedule_bubble
 from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.vocabulary import categories
 from simulator.analysis.analytic.stage import (
+    RECOMPUTED_COMM,
     pipeline_phase,
     pipeline_time,
     slowdown,
@@ -71,7 +72,7 @@ from simulator.strategies.offload import cpu_adam_s, offload_step_s
 from simulator.strategies.pipeline.strategy import pipeline_sends
 from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
 from simulator.strategies.timing import collective_time, interference, stretch
-from simulator.strategies.zero3.strategy import zero3_reduction, zero3_step
+from simulator.strategies.zero3.strategy import Zero3Step, zero3_reduction, zero3_step
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
@@ -185,10 +186,13 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
 
 
 def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
-               pipe: _Pipe, g: _Grads) -> tuple[float, float, float, float, float]:
+               pipe: _Pipe, g: _Grads, z: Zero3Step) -> tuple[float, float, float, float, float]:
     """(exposed reduction, its compute, interference's stretch of the backward, the
     momentum exchange, its compute): the reduction beyond what the last backward hides
-    (all of it without overlap), every micro-batch's under ZeRO-2/3, or compression's."""
+    (all of it without overlap), every micro-batch's under ZeRO-2/3, or compression's.
+    ZeRO-3's exposed gathers (``z``) lengthen the backward, and the micro-batch, the
+    reductions run beside: each window is the pass as the step has it, so compute added
+    to a pass (a recomputed forward) that shortens the gathers' wait leaves it as long."""
     par, m = s.parallel, s.microbatches
     _, b, w = pipe.stages[pipe.slowest]
     overlaps = hw.gpu.comm_overlaps_compute
@@ -198,12 +202,13 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     # the backward the reduction overlaps runs 1/f as fast while it is in flight
     slow = stretch(g.t_dp, hidden, interference(s, layout, g.dp_op, g.grad_bytes,
                                                 layout.dp_group(0), hw))
-    exposed_dp = max(0.0, g.t_dp - hidden - slow)
+    waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
+    exposed_dp = max(0.0, g.t_dp - hidden - waits - slow)
     if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
-        window = sum(pipe.stages[pipe.slowest]) if hidden else 0.0  # a micro-batch
+        window = sum(pipe.stages[pipe.slowest]) + z.fwd + z.bwd if hidden else 0.0
         exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window)
     if effective_method(s) != "none":
         slow = 0.0
@@ -254,7 +259,8 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
         passes = stage_passes(s, pipe.per_stage.get(st, pipe.c), pipe.t_tp, st, pipe.experts,
                               pipe.t_cp, pipe.ends)
         for category, seconds in passes.items():
-            entry[category] = m * seconds
+            if category != RECOMPUTED_COMM:  # a part of the transfers, counted in them
+                entry[category] = m * seconds
         for category, seconds in after.items():
             entry[category] += seconds
         own = pipe.stages[st]
@@ -287,13 +293,13 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     c = terms.c
     pipe = _pipeline(s, cost, hw, terms, per_stage)
     g = _gradients(s, layout, hw)
-    exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g)
+    f, b, _ = pipe.stages[pipe.slowest]
+    z = zero3_step(s, layout, cost, hw, c, f, b, g.layers[pipe.slowest], g.busiest,
+                   g.layers[g.busiest], pipe.slowest)
+    t_zero, fsdp_fwd, fsdp_bwd = z.total, z.fsdp_fwd, z.fsdp_bwd
+    exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g, z)
     t_p2p = pipeline_sends(s, layout, hw, not (s.stack.overlap(par.overlap).pp and overlaps))
     t_opt, shard = _optimizer(s, layout, cost, hw, stage_cost, g)
-    f, b, _ = pipe.stages[pipe.slowest]
-    t_zero, fsdp_fwd, fsdp_bwd = zero3_step(s, layout, cost, hw, c, f, b,
-                                            g.layers[pipe.slowest], g.busiest,
-                                            g.layers[g.busiest], pipe.slowest)
     t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
     t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
     t_pipe = pipe.t_pipe

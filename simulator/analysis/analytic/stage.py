@@ -23,7 +23,7 @@ from simulator.spec.placement import (
     is_even,
     stage_layers,
 )
-from simulator.spec.recompute import Policy, chunks_alike, mode_runs, partial
+from simulator.spec.recompute import Policy, chunks_alike, mode_runs
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
@@ -31,6 +31,9 @@ from simulator.strategies.tensor.overlap import exposed
 from simulator.strategies.tensor.strategy import NO_ENDS, Ends
 
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
+#: a key of :func:`passes` beside its categories: the communication the recomputed forward
+#: passes add (in tp_transfer and ep_transfer), which runs inside the backward
+RECOMPUTED_COMM = "recomputed_comm_transfer"
 
 
 Kinds = list[tuple[int, int, Policy]]  # (a layer, how many like it, their recompute)
@@ -59,7 +62,8 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             t_cp: float = 0.0, chunks: int = 1, ends: Ends = NO_ENDS) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
-    backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
+    backward_weight, recompute, tp_transfer and ep_transfer, and under :data:`RECOMPUTED_COMM`
+    the part of the transfers the recomputed forwards add. ``experts``: a MoE
     layer's routed experts forward and input-gradient seconds, one ep exchange's and
     one expert-TP collective's, and under shared-expert overlap the shared experts'
     compute and the exchange seconds it hides
@@ -82,7 +86,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
                                   issue=c.tp_issue)
         tp_layer = {p: comm_f * (p - 1) + comm_b for p in (2, 3)}
     out = dict.fromkeys(("forward", "backward_input", "backward_weight", "recompute",
-                         "tp_transfer", "ep_transfer", "cp_transfer"), 0.0)
+                         "tp_transfer", "ep_transfer", "cp_transfer", RECOMPUTED_COMM), 0.0)
     for layer, count, mode in kinds:
         passes = 3 if mode == "full" else 2
         lc = c.layer(layer)
@@ -91,6 +95,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["backward_weight"] += count * sum(lc.bwd_weight)
         out["recompute"] += count * sum(lc.recompute) if mode != "none" else 0.0
         out["tp_transfer"] += count * tp_layer[passes]
+        out[RECOMPUTED_COMM] += count * (tp_layer[passes] - tp_layer[2])
         out["forward"] += count * split_f
         out["recompute"] += count * split_f if mode == "full" else 0.0
         out["backward_input"] += count * split_b
@@ -105,6 +110,7 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             out["ep_transfer"] += count * (2 * x.a2a * passes - x.hidden_fwd * (passes - 1)
                                            - x.hidden_bwd)
             out["tp_transfer"] += count * 2 * x.etp * passes
+            out[RECOMPUTED_COMM] += count * (2 * x.a2a - x.hidden_fwd + 2 * x.etp) * (passes - 2)
     _ends(s, c, first, last, ends, out)
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
@@ -131,6 +137,7 @@ def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
         if par.recompute == "full":  # the input side again, its projection's gathers too
             out["recompute"] += n * c.mtp_recompute
             out["tp_transfer"] += n * ends[4]
+            out[RECOMPUTED_COMM] += n * ends[4]
 
 
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
@@ -167,17 +174,14 @@ def slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
     return {k: v if k.endswith("_transfer") else v * slow for k, v in d.items()}
 
 
-def times(s: Scenario, d: dict[str, float], kinds: Kinds | None = None
-          ) -> tuple[float, float, float]:
-    """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
-    count in the pass they sit in (a forward's share: one pass in 3 fully recomputed,
-    in 2 otherwise; with only some layers recomputed, ``kinds`` say how many)."""
+def times(d: dict[str, float]) -> tuple[float, float, float]:
+    """(t_F, t_B_input, t_W) of passes ``d``; TP, EP and CP communication and recompute
+    count in the pass they sit in: the forward's share is half of what a step without
+    recomputation exchanges, and what the recomputed forwards add
+    (:data:`RECOMPUTED_COMM`) runs with them inside the backward, so recomputing adds
+    to the backward alone and never moves the forward's own work into it."""
     comm = d["tp_transfer"] + d["ep_transfer"] + d["cp_transfer"]
-    passes: float = 3 if s.parallel.recompute == "full" else 2
-    if kinds and partial(s.parallel):
-        layers = sum(n for _, n, _ in kinds)
-        passes = 2 + sum(n for _, n, mode in kinds if mode == "full") / max(layers, 1)
-    comm_f = comm / passes
+    comm_f = (comm - d.get(RECOMPUTED_COMM, 0.0)) / 2
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
@@ -186,8 +190,7 @@ def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
                  ends: Ends = NO_ENDS) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends),
-                 chunk_kinds(s, stage))
+    return times(stage_passes(s, c, t_tp, stage, experts, t_cp, ends))
 
 
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
@@ -212,9 +215,9 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     runs = [[chunk_layers(s.model.layers, par, k, s.model.mtp_layers)] for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
-    chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
+    chunks = [times(slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
                                         kinds[k], sched.is_first(k), sched.is_last(k),
-                                        experts, t_cp, 1, ends), sched.rank_of(k)), kinds[k])
+                                        experts, t_cp, 1, ends), sched.rank_of(k)))
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])

@@ -5,7 +5,7 @@ holds (gathered units, an unsharded gradient, the root unit).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from simulator.errors import Problem
 from simulator.model import moe
@@ -180,8 +180,10 @@ def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
 
 
 def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
-                   hw: HardwareProfile, layers: int, c: BlockCosts, stage: int = 0) -> float:
-    """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
+                   hw: HardwareProfile, layers: int, c: BlockCosts,
+                   stage: int = 0) -> tuple[float, float]:
+    """ZeRO-3 per micro-batch, (in the forward, in the backward): each of the stage's
+    ``layers`` layers' gathers (before
     forward and, resharded, before backward) beyond what the previous unit's compute
     hides when prefetched: the previous layer's, or with module units
     (:func:`simulator.model.inventory.sharding.zero3_blocks`) the previous block's; a
@@ -189,7 +191,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     (:func:`simulator.strategies.zero3.experts.moe_exposed`)."""
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
-        return 0.0
+        return 0.0, 0.0
     if spec.is_moe:  # layer units by kind, each with its experts' (zero3.experts)
         return moe_exposed(s, layout, hw, stage, t_f, t_b)
     blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
@@ -199,8 +201,8 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
         and hw.gpu.comm_overlaps_compute
     if not prefetch:
-        gathers = sum(t_ag.values())
-        return layers * gathers * (2 if par.reshard_after_forward else 1)
+        gathers = layers * sum(t_ag.values())
+        return gathers, gathers if par.reshard_after_forward else 0.0
     if len(blocks) == 1:  # a layer unit, hidden behind the layer before
         fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
         bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
@@ -213,7 +215,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
             b = t_b / layers
             bwd = layers * max(bwd / layers,
                                max(0.0, t_ag["attn"] + r - b) - max(0.0, r - b))
-        return fwd + (bwd if par.reshard_after_forward else 0.0)
+        return fwd, bwd if par.reshard_after_forward else 0.0
     # module units: each block's gathers behind the block that runs before it
     lc = c.layer(0)
     fwd = max(0.0, t_ag["attn"] - lc.fwd[1]) + max(0.0, t_ag["mlp"] - lc.fwd[0])
@@ -235,7 +237,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
         bwd = share * bwd_full + (1.0 - share) * bwd_none
     else:
         bwd = bwd_full if par.recompute == "full" else bwd_none
-    return layers * (fwd + (bwd if par.reshard_after_forward else 0.0))
+    return layers * fwd, layers * bwd if par.reshard_after_forward else 0.0
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
@@ -307,22 +309,36 @@ def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple
             collective_time(s, layout, "reduce_scatter", root, group, hw))
 
 
+class Zero3Step(NamedTuple):
+    """ZeRO-3's closed-form terms of a step (:func:`zero3_step`)."""
+
+    total: float  # exposed seconds per step, the copies included
+    fsdp_fwd: float  # FSDP2's copies in forward, per step
+    fsdp_bwd: float  # and in backward
+    # a micro-batch's exposed layer gathers in its backward: the backward as the step
+    # sees it is longer by them, and the reductions issued in it run beside them too
+    bwd: float
+    fwd: float  # and in its forward
+
+
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
                c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
-               layers_busiest: int, slowest: int = 0) -> tuple[float, float, float]:
-    """(ZeRO-3's exposed time per step, FSDP2's copies in forward, in backward): each
-    layer's gathers beyond what prefetching hides and the root's, per micro-batch, on the
-    ``slowest`` stage; the copies on the busiest."""
+               layers_busiest: int, slowest: int = 0) -> Zero3Step:
+    """ZeRO-3's exposed time per step, each layer's gathers beyond what prefetching
+    hides and the root's, per micro-batch, on the ``slowest`` stage, with FSDP2's
+    copies (on the busiest) in forward and backward, and a micro-batch's exposed
+    gathers by pass."""
     par, m = s.parallel, s.microbatches
     overlaps = hw.gpu.comm_overlaps_compute
-    t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest)
-              + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    fwd, bwd = zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest) \
+        if par.zero == 3 else (0.0, 0.0)
+    t_zero = (fwd + bwd + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
     if par.zero == 3:  # the next micro-batch's gathers wait for the backward's last
         t_zero += (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd
-    return t_zero, fsdp_fwd, fsdp_bwd
+    return Zero3Step(t_zero, fsdp_fwd, fsdp_bwd, bwd, fwd)
 
 
 class Zero3(Strategy):
