@@ -119,7 +119,6 @@ def test_mixtral_zero3_recomputing_the_moe_is_no_faster() -> None:
     assert passes[1]["forward"] == pytest.approx(passes[0]["forward"], rel=1e-12)
 
 
-@pytest.mark.slow
 def test_mixtral_zero3_engine_is_monotone_too() -> None:
     t_none, t_moe = (simulate_scenario(mixtral_zero3(m), "engine", "folded")[0]["step_time_s"]
                      for m in (None, ["moe"]))

@@ -20,16 +20,17 @@ gather and reduce-scatter) to the pass they sit in, its experts' gradient reduct
 over the expert data-parallel group to the DP reduction and their shard to the
 optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them, each
 with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) are
-exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
-of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
-all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
-compute hides and, per micro-batch, the root unit's gather (embedding, head), which
-waits for the compute before it (FSDP2's root pre-forward); with experts each MoE
-layer's expert unit too, over edp, and the links those gathers share with the
-gradient reduce-scatters (:mod:`simulator.strategies.zero3.experts`); ZeRO-Offload replaces
-the optimizer step with CPU Adam and the copy back. Contention between concurrent
-flows is ignored here — that is the engine's job, as are degraded links and jitter
-(a slow GPU slows its stage's compute).
+exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all of
+it without overlap; the backward as the step has it, ZeRO-3's exposed gathers in it);
+then the optimizer step and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds
+each layer's gathers beyond what the neighbouring layer's compute hides and, per
+micro-batch, the root unit's gather (embedding, head), which waits for the compute
+before it (FSDP2's root pre-forward); with experts each MoE layer's expert unit too,
+over edp, and the links those gathers share with the gradient reduce-scatters
+(:mod:`simulator.strategies.zero3.experts`); ZeRO-Offload replaces the optimizer step
+with CPU Adam and the copy back. Contention between concurrent flows is ignored here —
+that is the engine's job, as are degraded links and jitter (a slow GPU slows its
+stage's compute).
 """
 
 from __future__ import annotations
