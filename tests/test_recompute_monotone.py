@@ -14,8 +14,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from simulator.analysis.analytic.estimate import analytic_estimate
+from simulator.analysis.analytic.estimate import analytic_estimate, cost_model, layer_terms
+from simulator.analysis.analytic.stage import stage_times
 from simulator.api import simulate_scenario
+from simulator.builder.workload import local_scenario
 from simulator.errors import ScenarioError
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.rules import consistency_problems, not_yet_simulated
@@ -25,18 +27,22 @@ DENSE_MODULES = ("core_attn", "layernorm", "mlp")
 MOE_MODULES = ("core_attn", "layernorm", "moe_act", "moe", "shared_experts")
 
 
+Policy = dict[str, Any]  # parallel fields of a recompute policy
+NONE: Policy = {}
+FULL: Policy = {"recompute": "full"}
+
+
+def selective(modules: tuple[str, ...]) -> Policy:
+    return {"recompute": "selective", "recompute_modules": list(modules)}
+
+
 def _scenario(model: str, layers: int, seq: int, nodes: int, per_node: int, tp: int,
-              ep: int, zero: int, stack: str, m: int, recompute: tuple[str, ...] | None,
-              dispatcher: str = "alltoall") -> Scenario | None:
-    """A small cluster's scenario, or None where the schema refuses it. ``recompute``:
-    None for none, () for full, else the selective modules."""
-    dp = nodes * per_node // tp
-    par: dict[str, Any] = {"tp": tp, "dp": dp, "zero": zero,
-                           "sequence_parallel": tp > 1, "recompute": "none"}
-    if recompute == ():
-        par["recompute"] = "full"
-    elif recompute is not None:
-        par.update(recompute="selective", recompute_modules=list(recompute))
+              pp: int, ep: int, zero: int, stack: str, schedule: str, m: int,
+              recompute: Policy, dispatcher: str = "alltoall") -> Scenario | None:
+    """A small cluster's scenario, or None where the schema refuses it."""
+    dp = nodes * per_node // (tp * pp)
+    par: dict[str, Any] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "schedule": schedule,
+                           "sequence_parallel": tp > 1, **recompute}
     if ep > 1:
         par.update(ep=ep, expert_tp=1, moe_token_dispatcher=dispatcher)
     try:
@@ -51,29 +57,35 @@ def _scenario(model: str, layers: int, seq: int, nodes: int, per_node: int, tp: 
 
 
 @st.composite
-def _pairs(draw: st.DrawFn) -> tuple[dict[str, Any], tuple[str, ...] | None,
-                                      tuple[str, ...] | None]:
+def _pairs(draw: st.DrawFn) -> tuple[dict[str, Any], Policy, Policy]:
     """A layout and two recompute policies, the second recomputing a superset of the
-    first's: none, selective modules, more modules, full."""
+    first's: none, selective modules, more modules, full; or none, the first layer of
+    each stage in full (Megatron's block method), every layer in full."""
     moe = draw(st.booleans())
     nodes, per_node = draw(st.sampled_from([(1, 2), (1, 4), (1, 8), (2, 2), (2, 4),
                                             (2, 8)]))
-    tp = draw(st.sampled_from([t for t in (1, 2) if nodes * per_node // t > 1]))
-    dp = nodes * per_node // tp
-    ep = draw(st.sampled_from([e for e in (2, 4, 8) if (dp * tp) % e == 0])) if moe else 1
+    tp, pp = draw(st.sampled_from([(t, p) for t in (1, 2) for p in (1, 2)
+                                   if nodes * per_node // (t * p) > 1]))
+    ranks = nodes * per_node // pp  # a stage's, of which ep carves its groups
+    ep = draw(st.sampled_from([e for e in (2, 4, 8) if ranks % e == 0])) if moe else 1
     layout = {"model": "mixtral-8x7b" if moe else "llama2-7b",
-              "layers": draw(st.integers(2, 4)), "seq": draw(st.sampled_from([512, 4096])),
-              "nodes": nodes, "per_node": per_node, "tp": tp, "ep": ep,
+              "layers": draw(st.sampled_from([2, 4])), "seq": draw(st.sampled_from([512, 4096])),
+              "nodes": nodes, "per_node": per_node, "tp": tp, "pp": pp, "ep": ep,
               "zero": draw(st.sampled_from([1, 2, 3])), "m": draw(st.integers(1, 4)),
-              "stack": draw(st.sampled_from(["megatron-core", "torchtitan",
-                                             "composer-fsdp1"])),
+              "stack": draw(st.sampled_from(["megatron-core", "torchtitan", "composer-fsdp1",
+                                             "deepspeed"])),
+              "schedule": draw(st.sampled_from(["1f1b", "zb-h1"])),
               "dispatcher": draw(st.sampled_from(["alltoall", "allgather"]))}
-    modules = MOE_MODULES if moe else DENSE_MODULES
-    chain: list[tuple[str, ...] | None] = [None]
-    for name in draw(st.permutations(modules)):
-        if draw(st.booleans()):
-            chain.append(tuple(sorted({*(chain[-1] or ()), name})))
-    chain.append(())
+    chain: list[Policy] = [NONE]
+    if draw(st.booleans()):
+        chain.append({**FULL, "recompute_num_layers": 1})
+    else:
+        modules: tuple[str, ...] = ()
+        for name in draw(st.permutations(MOE_MODULES if moe else DENSE_MODULES)):
+            if draw(st.booleans()):
+                modules = tuple(sorted({*modules, name}))
+                chain.append(selective(modules))
+    chain.append(FULL)
     i = draw(st.integers(0, len(chain) - 2))
     j = draw(st.integers(i + 1, len(chain) - 1))
     return layout, chain[i], chain[j]
@@ -123,3 +135,31 @@ def test_mixtral_zero3_engine_is_monotone_too() -> None:
     t_none, t_moe = (simulate_scenario(mixtral_zero3(m), "engine", "folded")[0]["step_time_s"]
                      for m in (None, ["moe"]))
     assert t_moe >= t_none
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_recomputed_forward_runs_in_the_backward(moe: bool) -> None:
+    """t_F is the same recomputed or not; t_B grows by the recomputed compute and the
+    collectives it re-issues (TP's and, with experts, the exchanges), all of it: a
+    forward's share of comm/3 under full recomputation moved some of the forward's own
+    collectives into the backward, where they hid the data-parallel reduction."""
+    layout = {"model": "mixtral-8x7b" if moe else "llama2-7b", "layers": 2, "seq": 512,
+              "nodes": 1, "per_node": 8, "tp": 2, "pp": 1, "ep": 4 if moe else 1,
+              "zero": 1, "stack": "megatron-core", "schedule": "1f1b", "m": 1}
+    none, full = (_scenario(**layout, recompute=r) for r in (NONE, FULL))
+    assert none is not None and full is not None
+    (f0, b0, w0), (f1, b1, w1) = (_times(s) for s in (none, full))
+    added = analytic_estimate(full)["step_breakdown_s"]
+    base = analytic_estimate(none)["step_breakdown_s"]
+    comm = sum(added[k] - base[k] for k in ("tp_transfer", "ep_transfer"))
+    assert comm > 0 and added["recompute"] > 0
+    assert f1 == pytest.approx(f0, rel=1e-12) and w1 == pytest.approx(w0, rel=1e-12)
+    assert b1 - b0 == pytest.approx(added["recompute"] + comm, rel=1e-9)
+
+
+def _times(s: Scenario) -> tuple[float, ...]:
+    """(t_F, t_B, t_W) of one micro-batch through the first stage."""
+    s = local_scenario(s)
+    cost = cost_model(s)
+    terms = layer_terms(s, cost, s.hardware)
+    return stage_times(s, terms.c, terms.t_tp, 0, terms.experts, terms.t_cp, terms.ends)
