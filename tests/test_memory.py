@@ -32,7 +32,7 @@ from simulator.spec.load import scenario_from_dict
 from simulator.spec.model_spec import load_preset_model
 from simulator.spec.scenario import Scenario
 from simulator.spec.stack import load_stack
-from simulator.strategies.zero3.strategy import zero3_root_bytes
+from simulator.strategies.zero3.buffers import zero3_root_bytes
 
 GB = 1e9
 

@@ -2,7 +2,7 @@
 (:mod:`simulator.model.memory`) with what each strategy adds: ZeRO's sharding of the
 states, the communication buffers of DDP's buckets or ZeRO-3's gathered units
 (:func:`simulator.strategies.data.strategy.bucket_buffers`,
-:func:`simulator.strategies.zero3.strategy.zero3_buffers`), ZeRO-Offload's states on
+:func:`simulator.strategies.zero3.buffers.zero3_buffers`), ZeRO-Offload's states on
 the host, gradient compression's buffers and states, and a new strategy's own terms
 (its ``memory_terms``), and the device's own terms beside the tensors
 (:mod:`simulator.model.device_memory`). One :class:`~simulator.model.memory.MemoryBreakdown` per
@@ -34,7 +34,7 @@ from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
 from simulator.strategies.offload import offloaded
-from simulator.strategies.zero3.strategy import zero3_buffers
+from simulator.strategies.zero3.buffers import zero3_buffers
 
 
 def comm_buffers(s: Scenario, stage: int) -> float:

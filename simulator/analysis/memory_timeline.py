@@ -28,7 +28,7 @@ this module puts the same quantities on the simulated timeline, so a rank's curv
   held while its weight gradient is computed (the B blocks, or W), and for the
   micro-batch whose backward triggers the layer's reduce-scatter, until that
   reduce-scatter ends. The stage's root unit
-  (:func:`~simulator.strategies.zero3.strategy.zero3_root_bytes`: embedding, head) is
+  (:func:`~simulator.strategies.zero3.buffers.zero3_root_bytes`: embedding, head) is
   held from its gather's start to the end of the micro-batch's backward (FSDP2 keeps its
   root gathered for the backward, reshards it after), once however many micro-batches
   overlap; on the last stage the output layer's unsharded gradient from the head's
@@ -66,7 +66,7 @@ from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_collectives
 from simulator.spec.recompute import keeps, layer_mode, policy
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.strategy import zero3_root_bytes
+from simulator.strategies.zero3.buffers import zero3_root_bytes
 
 MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous

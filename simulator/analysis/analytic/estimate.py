@@ -20,16 +20,17 @@ gather and reduce-scatter) to the pass they sit in, its experts' gradient reduct
 over the expert data-parallel group to the DP reduction and their shard to the
 optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them, each
 with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) are
-exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all
-of it without overlap); then the optimizer step and, under ZeRO-1/2, the parameter
-all-gather. ZeRO-3 adds each layer's gathers beyond what the neighbouring layer's
-compute hides and, per micro-batch, the root unit's gather (embedding, head), which
-waits for the compute before it (FSDP2's root pre-forward); with experts each MoE
-layer's expert unit too, over edp, and the links those gathers share with the
-gradient reduce-scatters (:mod:`simulator.strategies.zero3.experts`); ZeRO-Offload replaces
-the optimizer step with CPU Adam and the copy back. Contention between concurrent
-flows is ignored here — that is the engine's job, as are degraded links and jitter
-(a slow GPU slows its stage's compute).
+exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all of
+it without overlap; the backward as the step has it, ZeRO-3's exposed gathers in it);
+then the optimizer step and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds
+each layer's gathers beyond what the neighbouring layer's compute hides and, per
+micro-batch, the root unit's gather (embedding, head), which waits for the compute
+before it (FSDP2's root pre-forward); with experts each MoE layer's expert unit too,
+over edp, and the links those gathers share with the gradient reduce-scatters
+(:mod:`simulator.strategies.zero3.experts`); ZeRO-Offload replaces the optimizer step
+with CPU Adam and the copy back. Contention between concurrent flows is ignored here —
+that is the engine's job, as are degraded links and jitter (a slow GPU slows its
+stage's compute).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from simulator.strategies.offload import cpu_adam_s, offload_step_s
 from simulator.strategies.pipeline.strategy import pipeline_sends
 from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
 from simulator.strategies.timing import collective_time, interference, stretch
-from simulator.strategies.zero3.strategy import zero3_reduction, zero3_step
+from simulator.strategies.zero3.strategy import Zero3Step, zero3_reduction, zero3_step
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
@@ -191,10 +192,13 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
 
 
 def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
-               pipe: _Pipe, g: _Grads) -> tuple[float, float, float, float, float]:
+               pipe: _Pipe, g: _Grads, z: Zero3Step) -> tuple[float, float, float, float, float]:
     """(exposed reduction, its compute, interference's stretch of the backward, the
     momentum exchange, its compute): the reduction beyond what the last backward hides
-    (all of it without overlap), every micro-batch's under ZeRO-2/3, or compression's."""
+    (all of it without overlap), every micro-batch's under ZeRO-2/3, or compression's.
+    ZeRO-3's exposed gathers (``z``) lengthen the backward, and the micro-batch, the
+    reductions run beside: each window is the pass as the step has it, so compute added
+    to a pass (a recomputed forward) that shortens the gathers' wait leaves it as long."""
     par, m = s.parallel, s.microbatches
     _, b, w = pipe.stages[pipe.slowest]
     overlaps = hw.gpu.comm_overlaps_compute
@@ -204,12 +208,13 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     # the backward the reduction overlaps runs 1/f as fast while it is in flight
     slow = stretch(g.t_dp, hidden, interference(s, layout, g.dp_op, g.grad_bytes,
                                                 layout.dp_group(0), hw))
-    exposed_dp = max(0.0, g.t_dp - hidden - slow)
+    waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
+    exposed_dp = max(0.0, g.t_dp - hidden - waits - slow)
     if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
-        window = sum(pipe.stages[pipe.slowest]) if hidden else 0.0  # a micro-batch
+        window = sum(pipe.stages[pipe.slowest]) + z.fwd + z.bwd if hidden else 0.0
         exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window)
     if effective_method(s) != "none":
         slow = 0.0
@@ -294,13 +299,13 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     c = terms.c
     pipe = _pipeline(s, cost, hw, terms, per_stage)
     g = _gradients(s, layout, hw)
-    exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g)
+    f, b, _ = pipe.stages[pipe.slowest]
+    z = zero3_step(s, layout, cost, hw, c, f, b, g.layers[pipe.slowest], g.busiest,
+                   g.layers[g.busiest], pipe.slowest)
+    t_zero, fsdp_fwd, fsdp_bwd = z.total, z.fsdp_fwd, z.fsdp_bwd
+    exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g, z)
     t_p2p = pipeline_sends(s, layout, hw, not (s.stack.overlap(par.overlap).pp and overlaps))
     t_opt, shard = _optimizer(s, layout, cost, hw, stage_cost, g)
-    f, b, _ = pipe.stages[pipe.slowest]
-    t_zero, fsdp_fwd, fsdp_bwd = zero3_step(s, layout, cost, hw, c, f, b,
-                                            g.layers[pipe.slowest], g.busiest,
-                                            g.layers[g.busiest], pipe.slowest)
     t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
     t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
     t_pipe = pipe.t_pipe

@@ -24,7 +24,7 @@ from simulator.spec.placement import (
     is_even,
     stage_layers,
 )
-from simulator.spec.recompute import Policy, chunks_alike, mode_runs, partial
+from simulator.spec.recompute import Policy, chunks_alike, mode_runs
 from simulator.spec.scenario import Scenario
 from simulator.spec.variability import resolve
 from simulator.strategies.expert.strategy import NO_EXPERTS, Experts
@@ -32,12 +32,11 @@ from simulator.strategies.tensor.overlap import exposed
 from simulator.strategies.tensor.strategy import NO_ENDS, Ends
 
 EXECUTED_ACTIONS = 1_000_000  # an uneven pipeline this large takes the closed form instead
-
-
 Kinds = list[tuple[int, int, Policy]]  # (a layer, how many like it, their recompute)
 
-#: of :func:`passes`' transfer seconds, those a finer recompute policy issues again before
-#: the backward (:func:`times` leaves them out of the forward's share; not a category)
+#: of :func:`passes`' transfer seconds, those the recomputation issues again (full
+#: recomputation's whole forward, or what a finer policy's recomputed blocks hold): they run
+#: inside the backward (:func:`times` leaves them out of the forward's share; not a category)
 AGAIN = "reissued_transfer"
 
 
@@ -65,7 +64,8 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
             t_cp_again: float = 0.0) -> dict[str, float]:
     """Seconds of one micro-batch through the layers ``kinds`` (with the embedding when
     ``first``, the output layer when ``last``), by category: forward, backward_input,
-    backward_weight, recompute, tp_transfer and ep_transfer. ``experts``: a MoE
+    backward_weight, recompute, tp_transfer and ep_transfer, and under :data:`AGAIN`
+    the part of the transfers the recomputation issues again. ``experts``: a MoE
     layer's routed experts forward and input-gradient seconds, one ep exchange's and
     one expert-TP collective's, and under shared-expert overlap the shared experts'
     compute and the exchange seconds it hides
@@ -90,10 +90,11 @@ def passes(s: Scenario, c: BlockCosts, t_tp: float, kinds: Kinds,
         out["recompute"] += count * split[1]
         out["backward_input"] += count * split[2]
         out["cp_transfer"] += count * t_cp
-        if mode != "full":  # what the recomputation issues again sits in the backward
-            out[AGAIN] += count * (tp[1] + t_cp_again)
+        # what the recomputation issues again sits in the backward (the CP share, like
+        # t_cp, is the layers' mean under partial recomputation)
+        out[AGAIN] += count * (tp[1] + t_cp_again)
         if spec.is_moe_layer(layer):
-            _experts(out, count, experts, "mlp" in again.blocks, mode == "full")
+            _experts(out, count, experts, "mlp" in again.blocks)
     _ends(s, c, first, last, ends, out)
     out["forward"] += chunks * c.action  # the pipeline runtime's host time per action
     out["backward_input"] += chunks * c.action
@@ -132,8 +133,7 @@ def _tp_layer(s: Scenario, c: BlockCosts, t_tp: float, again: Reissue
     return (comm_f + comm_r + comm_b, comm_r), (split_f, split_r, split_b)
 
 
-def _experts(out: dict[str, float], count: int, x: Experts, again: bool,
-             full: bool) -> None:
+def _experts(out: dict[str, float], count: int, x: Experts, again: bool) -> None:
     """A MoE layer's routed experts, exchanges and expert-TP collectives, forward and
     backward, and again before the backward when the layer's MoE block is recomputed
     whole (``again``: full recomputation or Megatron's ``moe``)."""
@@ -147,7 +147,7 @@ def _experts(out: dict[str, float], count: int, x: Experts, again: bool,
     etp = count * 2 * x.etp * passes
     out["ep_transfer"] += ep
     out["tp_transfer"] += etp
-    if again and not full:
+    if again:
         out[AGAIN] += count * (2 * x.a2a - x.hidden_fwd + 2 * x.etp)
 
 
@@ -171,6 +171,7 @@ def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
         if par.recompute == "full":  # the input side again, its projection's gathers too
             out["recompute"] += n * c.mtp_recompute
             out["tp_transfer"] += n * ends[4]
+            out[AGAIN] += n * ends[4]
 
 
 def stage_passes(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
@@ -207,17 +208,14 @@ def slowed(s: Scenario, d: dict[str, float], stage: int) -> dict[str, float]:
     return {k: v if k.endswith("_transfer") else v * slow for k, v in d.items()}
 
 
-def times(s: Scenario, d: dict[str, float], kinds: Kinds | None = None
-          ) -> tuple[float, float, float]:
-    """(t_F, t_B_input, t_W) of passes ``d``; TP and EP communication and recompute
-    count in the pass they sit in (a forward's share: one pass in 3 fully recomputed,
-    in 2 otherwise; with only some layers recomputed, ``kinds`` say how many)."""
+def times(d: dict[str, float]) -> tuple[float, float, float]:
+    """(t_F, t_B_input, t_W) of passes ``d``; TP, EP and CP communication and recompute
+    count in the pass they sit in: the forward's share is half of what a step without
+    recomputation exchanges, and what the recomputed forwards add
+    (:data:`AGAIN`) runs with them inside the backward, so recomputing adds to the
+    backward alone and never moves the forward's own work into it."""
     comm = d["tp_transfer"] + d["ep_transfer"] + d["cp_transfer"]
-    passes: float = 3 if s.parallel.recompute == "full" else 2
-    if kinds and partial(s.parallel):
-        layers = sum(n for _, n, _ in kinds)
-        passes = 2 + sum(n for _, n, mode in kinds if mode == "full") / max(layers, 1)
-    comm_f = (comm - d.get(AGAIN, 0.0)) / passes
+    comm_f = (comm - d.get(AGAIN, 0.0)) / 2
     return (d["forward"] + comm_f, d["backward_input"] + d["recompute"] + comm - comm_f,
             d["backward_weight"])
 
@@ -226,8 +224,7 @@ def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
                  experts: Experts = NO_EXPERTS, t_cp: float = 0.0,
                  ends: Ends = NO_ENDS, t_cp_again: float = 0.0) -> tuple[float, ...]:
     """(t_F, t_B_input, t_W) of one micro-batch through the whole stage (all chunks)."""
-    return times(s, stage_passes(s, c, t_tp, stage, experts, t_cp, ends, t_cp_again),
-                 chunk_kinds(s, stage))
+    return times(stage_passes(s, c, t_tp, stage, experts, t_cp, ends, t_cp_again))
 
 
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
@@ -252,10 +249,10 @@ def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_
     runs = [[chunk_layers(s.model.layers, par, k, s.model.mtp_layers)] for k in range(n)]
     sched = build_schedule(par.schedule, par.pp, m, par.virtual_stages)
     kinds = [layer_kinds_of(s, runs[k]) for k in range(n)]
-    chunks = [times(s, slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
+    chunks = [times(slowed(s, passes(s, per_stage.get(sched.rank_of(k), c), t_tp,
                                         kinds[k], sched.is_first(k), sched.is_last(k),
                                         experts, t_cp, 1, ends, t_cp_again),
-                                 sched.rank_of(k)), kinds[k])
+                                 sched.rank_of(k)))
               for k in range(n)]
     timed = execute(sched, [x[0] for x in chunks], [x[1] for x in chunks],
                     [x[2] for x in chunks])

@@ -91,9 +91,9 @@ def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts,
     hides (twice the bytes in backward), or the blocking all-gathers and the
     gradients' reduce-scatter (and the backward's all-gather unless the stack keeps the
     gathered keys and values); with the all-to-all variants, their blocking
-    all-to-alls besides (:func:`a2a_exposed`); and of it, what a finer recompute policy
-    that re-runs the core exchanges again before the backward. ``s`` is the rank's local
-    view (seq_len / cp)."""
+    all-to-alls besides (:func:`a2a_exposed`); and of it, what the recomputation exchanges
+    again before the backward (full recomputation's forward passes, or a finer policy that
+    re-runs the core). ``s`` is the rank's local view (seq_len / cp)."""
     par, trn = s.parallel, s.training
     if par.cp == 1:
         return 0.0, 0.0
@@ -107,21 +107,24 @@ def cp_exposed(s: Scenario, layout: Layout, c: BlockCosts,
         else 2 if par.recompute == "full" else 1
     core = 1 if par.recompute != "full" and \
         reissued(policy(par), False, par.sequence_parallel).cp else 0
+    extra = fwd_passes - 1 + core  # the passes the recomputation adds
     if par.cp_comm_type == "allgather":
         ag = collective_time(s, layout, "all_gather", size, group, hw)
         rs = collective_time(s, layout, "reduce_scatter", size, group, hw)
         regather = 0 if s.cp_keeps_gathered_kv else 1  # the backward's all-gather
-        return (fwd_passes + core + regather) * ag + rs, core * ag
+        return (fwd_passes + core + regather) * ag + rs, extra * ag
     one = a2a_exposed(s, layout, inner, hw, 0.0)  # one pass's all-to-alls
     exposed = (fwd_passes + core + 1) * one
     if par.cp_comm_type == "a2a":
-        return exposed, core * one
+        return exposed, extra * one
     ring_f = collective_time(s, layout, "all_gather", size, group, hw)
     ring_b = collective_time(s, layout, "all_gather", 2 * size, group, hw)
     lc = c.layer(0)
+    ring = max(0.0, ring_f - lc.fwd[0])  # a forward's ring beyond its attention block
     again = core * max(0.0, ring_f - lc.recompute[0])
-    return exposed + fwd_passes * max(0.0, ring_f - lc.fwd[0]) \
-        + max(0.0, ring_b - lc.bwd_input[0] - lc.bwd_weight[0]) + again, core * one + again
+    return exposed + fwd_passes * ring + max(0.0, ring_b - lc.bwd_input[0]
+                                             - lc.bwd_weight[0]) + again, \
+        extra * one + (fwd_passes - 1) * ring + again
 
 
 def a2a_exposed(s: Scenario, layout: Layout, group: tuple[int, ...], hw: HardwareProfile,

@@ -121,27 +121,30 @@ def unit_gather_s(s: Scenario, layout: Layout, hw: HardwareProfile, u: LayerUnit
 
 
 def moe_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, t_f: float,
-                t_b: float) -> float:
-    """ZeRO-3 per micro-batch on a mixture of experts' ``stage``: each layer's gathers
-    (its dense unit's and its experts', :func:`unit_gather_s`) before its forward and,
-    resharded, before its backward, beyond what the layer before hides when prefetched
-    (a layer's share of the stage's forward ``t_f`` and backward ``t_b``), as
-    :func:`simulator.strategies.zero3.strategy.zero3_exposed` prices a dense layer's."""
+                t_b: float) -> tuple[float, float]:
+    """ZeRO-3 per micro-batch on a mixture of experts' ``stage``, (in the forward, in the
+    backward): each layer's gathers (its dense unit's and its experts',
+    :func:`unit_gather_s`) before its forward and, resharded, before its backward,
+    beyond what the layer before hides when prefetched (a layer's share of the stage's
+    forward ``t_f`` and backward ``t_b``), as
+    :func:`simulator.strategies.zero3.strategy.zero3_exposed` prices a dense layer's;
+    the links' excess (below) stretches the backward, where the reductions run."""
     par = s.parallel
     units = stage_units(s, stage)
     layers = sum(u.count for u in units)
     if not layers:
-        return 0.0
+        return 0.0, 0.0
     gathers = [(u.count, unit_gather_s(s, layout, hw, u)) for u in units]
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
         and hw.gpu.comm_overlaps_compute
     if not prefetch:
-        return sum(n * g for n, g in gathers) * (2 if par.reshard_after_forward else 1)
+        once = sum(n * g for n, g in gathers)
+        return once, once if par.reshard_after_forward else 0.0
     fwd = sum(n * max(0.0, g - t_f / layers) for n, g in gathers)
     bwd = sum(n * max(0.0, g - t_b / layers) for n, g in gathers)
-    exposed = fwd + (bwd if par.reshard_after_forward else 0.0)
+    bwd = bwd if par.reshard_after_forward else 0.0
     if not s.stack.overlap(par.overlap).dp:
-        return exposed
+        return fwd, bwd
     # The gathers share the rank's links with the micro-batch's gradient reduce-scatters
     # (the experts' carry fp32 main grads over the same edp peers): the links carry both
     # within the micro-batch's compute, so the gathers wait for whatever part of the
@@ -149,7 +152,8 @@ def moe_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, t_
     # exposed time, counted with the gradients).
     window = t_f + t_b
     total = sum(n * g for n, g in gathers) * (2 if par.reshard_after_forward else 1)
-    return max(exposed, total - max(0.0, window - stage_reduction(s, layout, hw, stage)))
+    links = total - max(0.0, window - stage_reduction(s, layout, hw, stage))
+    return fwd, max(bwd, links - fwd)
 
 
 def stage_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int) -> float:

@@ -1,14 +1,13 @@
-"""ZeRO-3 / FSDP as a strategy: its pass, its closed-form terms (each unit's gathers
-beyond what prefetching hides, the root unit's, FSDP2's copies) and the buffers it
-holds (gathered units, an unsharded gradient, the root unit).
+"""ZeRO-3 / FSDP as a strategy: its pass and its closed-form terms (each unit's gathers
+beyond what prefetching hides, the root unit's, FSDP2's copies); the buffers it holds are
+:mod:`simulator.strategies.zero3.buffers`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from simulator.errors import Problem
-from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.ops import dtype_bytes
@@ -20,20 +19,18 @@ from simulator.model.inventory.sharding import (
     zero3_blocks,
     zero3_collectives,
 )
-from simulator.model.memory import rank_params
-from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.placement import (
     head_rank,
     holds_embedding,
     holds_head,
     stage_layer_count,
-    tied_copy,
 )
 from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.timing import collective_time
+from simulator.strategies.zero3.buffers import zero3_root_bytes
 from simulator.strategies.zero3.experts import (
     expert_unit_tensors,
     expert_units_sharded,
@@ -51,52 +48,6 @@ from simulator.system.units import CollectiveName
 if TYPE_CHECKING:
     from simulator.builder.context import Context, Pass
     from simulator.builder.workload import BlockCosts
-
-
-def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
-    """ZeRO-3 on one GPU of pipeline ``stage``: bytes of the root unit's gathered
-    parameters (the embedding on the first stage, the final norm, output layer and a
-    tied embedding's copy on the last) and of the output layer's unsharded gradient
-    (last stage: the head's parameters, or the shared embedding's when tied)."""
-    spec, par = scenario.model, scenario.parallel
-    dt = dtype_bytes(scenario.training.dtype) / par.tp
-    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
-    gathered = embedding_params(spec) if holds_embedding(par, stage) else 0.0
-    grad = 0.0
-    if holds_head(par, stage):
-        copy = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
-        gathered += head_params(spec) + copy
-        grad = head_params(spec) + max(tied, copy)
-    return gathered * dt, grad * dt
-
-
-def zero3_buffers(scenario: Scenario, stage: int) -> float:
-    """ZeRO-3's communication buffers on one GPU of ``stage``: the gathered 16-bit
-    parameters of the running unit and the prefetched ones (by modules, as DeepSpeed
-    gathers them: the running block and the ``fsdp_prefetch`` blocks after it), one
-    layer's unsharded gradient before its reduce-scatter, and the root unit
-    (:func:`zero3_root_bytes`)."""
-    par = scenario.parallel
-    spec = scenario.model
-    layer = max(rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
-                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
-        * dtype_bytes(scenario.training.dtype)
-    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
-    if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered: float = stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
-    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
-        # DeepSpeed's modules, gathered by blocks as the engine runs them
-        # (Zero3Pass): the running block and the fsdp_prefetch
-        # blocks after it (attention and MLP blocks alternate), without prefetch the
-        # running block alone; in layers
-        blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
-        seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
-        n = 1 + (par.fsdp_prefetch if ahead else 0)
-        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
-    else:  # the running layer plus the prefetched ones
-        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
-    root = sum(zero3_root_bytes(scenario, stage))
-    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
 
 
 def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
@@ -183,8 +134,10 @@ def zero3_root(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
 
 
 def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
-                   hw: HardwareProfile, layers: int, c: BlockCosts, stage: int = 0) -> float:
-    """ZeRO-3 per micro-batch: each of the stage's ``layers`` layers' gathers (before
+                   hw: HardwareProfile, layers: int, c: BlockCosts,
+                   stage: int = 0) -> tuple[float, float]:
+    """ZeRO-3 per micro-batch, (in the forward, in the backward): each of the stage's
+    ``layers`` layers' gathers (before
     forward and, resharded, before backward) beyond what the previous unit's compute
     hides when prefetched: the previous layer's, or with module units
     (:func:`simulator.model.inventory.sharding.zero3_blocks`) the previous block's; a
@@ -192,7 +145,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     (:func:`simulator.strategies.zero3.experts.moe_exposed`)."""
     par, spec, trn = s.parallel, s.model, s.training
     if not layers:
-        return 0.0
+        return 0.0, 0.0
     if spec.is_moe:  # layer units by kind, each with its experts' (zero3.experts)
         return moe_exposed(s, layout, hw, stage, t_f, t_b)
     blocks = zero3_blocks(spec, s.stack, par.tp, mdl.layer_params(spec) / par.tp)
@@ -202,8 +155,8 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     prefetch = par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 \
         and hw.gpu.comm_overlaps_compute
     if not prefetch:
-        gathers = sum(t_ag.values())
-        return layers * gathers * (2 if par.reshard_after_forward else 1)
+        gathers = layers * sum(t_ag.values())
+        return gathers, gathers if par.reshard_after_forward else 0.0
     if len(blocks) == 1:  # a layer unit, hidden behind the layer before
         fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
         bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
@@ -216,7 +169,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
             b = t_b / layers
             bwd = layers * max(bwd / layers,
                                max(0.0, t_ag["attn"] + r - b) - max(0.0, r - b))
-        return fwd + (bwd if par.reshard_after_forward else 0.0)
+        return fwd, bwd if par.reshard_after_forward else 0.0
     # module units: each block's gathers behind the block that runs before it
     lc = c.layer(0)
     fwd = max(0.0, t_ag["attn"] - lc.fwd[1]) + max(0.0, t_ag["mlp"] - lc.fwd[0])
@@ -238,7 +191,7 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
         bwd = share * bwd_full + (1.0 - share) * bwd_none
     else:
         bwd = bwd_full if par.recompute == "full" else bwd_none
-    return layers * (fwd + (bwd if par.reshard_after_forward else 0.0))
+    return layers * fwd, layers * bwd if par.reshard_after_forward else 0.0
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
@@ -310,22 +263,36 @@ def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple
             collective_time(s, layout, "reduce_scatter", root, group, hw))
 
 
+class Zero3Step(NamedTuple):
+    """ZeRO-3's closed-form terms of a step (:func:`zero3_step`)."""
+
+    total: float  # exposed seconds per step, the copies included
+    fsdp_fwd: float  # FSDP2's copies in forward, per step
+    fsdp_bwd: float  # and in backward
+    # a micro-batch's exposed layer gathers in its backward: the backward as the step
+    # sees it is longer by them, and the reductions issued in it run beside them too
+    bwd: float
+    fwd: float  # and in its forward
+
+
 def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
                c: BlockCosts, t_f: float, t_b: float, layers_slowest: int, busiest: int,
-               layers_busiest: int, slowest: int = 0) -> tuple[float, float, float]:
-    """(ZeRO-3's exposed time per step, FSDP's own kernels in forward, in backward): each
-    layer's gathers beyond what prefetching hides and the root's, per micro-batch, on the
-    ``slowest`` stage; the copies on the busiest."""
+               layers_busiest: int, slowest: int = 0) -> Zero3Step:
+    """ZeRO-3's exposed time per step, each layer's gathers beyond what prefetching
+    hides and the root's, per micro-batch, on the ``slowest`` stage, with FSDP2's
+    copies (on the busiest) in forward and backward, and a micro-batch's exposed
+    gathers by pass."""
     par, m = s.parallel, s.microbatches
     overlaps = hw.gpu.comm_overlaps_compute
-    t_zero = (zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest)
-              + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
+    fwd, bwd = zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest) \
+        if par.zero == 3 else (0.0, 0.0)
+    t_zero = (fwd + bwd + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
     if par.zero == 3:  # the next micro-batch's gathers wait for the backward's last
         t_zero += (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd
-    return t_zero, fsdp_fwd, fsdp_bwd
+    return Zero3Step(t_zero, fsdp_fwd, fsdp_bwd, bwd, fwd)
 
 
 class Zero3(Strategy):
