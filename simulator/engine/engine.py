@@ -133,7 +133,7 @@ class Engine:
             mine = [t for ts in prog.streams.values() for t in ts]
             streams, k = [], 0
             for name, ts in prog.streams.items():
-                streams.append((name, list(range(k, k + len(ts)))))
+                streams.append((name, range(k, k + len(ts))))
                 k += len(ts)
             tmpl = Template(mine, streams, None, self._phases, False, not self._slowed)
             inst = Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
