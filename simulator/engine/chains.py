@@ -111,6 +111,11 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    # the last collective's phases and group, and what its entry gives (consecutive
+    # collectives mostly share them): its α, its links and its duration alone
+    phases: Any = None
+    group, alpha, alone, link = -1, 0.0, None, None
+    objs: tuple[Any, ...] = ()
     while k < n:
         kind, deps, a, b, g, _, dependents, lead = steps[k]
         if k > i and deps:
@@ -124,9 +129,13 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if b >= 0:
                 break
             continue
-        entry = get(id(b)) if kind == COLL else None
-        if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
-            break
+        if b is not phases or g != group:
+            entry = get(id(b)) if kind == COLL else None
+            if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
+                break
+            phases, group = b, g
+            _, _, alpha, _, _, objs, alone, _ = entry
+            link = objs[0] if alone is not None and len(objs) == 1 else None
         t0 = t  # the arrival, as ``stream`` and ``lead_in`` compute it
         if lead >= 0:
             run_t0[base + lead] = t
@@ -136,12 +145,14 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 t, count = t + wait, count + 1
         gid = ids[a]
         begin[gid] = t
-        _, _, alpha, _, _, objs, alone, _ = entry
         if alone is not None:  # the flow: its end, and each link's busy seconds
             end = t + alone
             busy = end - t  # ``now - link.since`` at its end, on every link
-            for link in objs:
+            if link is not None:
                 link.busy += busy
+            else:
+                for one in objs:
+                    one.busy += busy
             t, count, flows = end, count + 1, flows + 1
         if alpha > 0:
             t += alpha

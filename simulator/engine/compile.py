@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ class Template:
                  phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
         self.n = len(tasks)
         self.shared, self.fuse = shared, fuse  # ``phases`` is not kept: it holds the engine
-        self.durations = [t.duration for t in tasks]
+        self.durations = list(map(attrgetter("duration"), tasks))
         # what slow GPUs and jitter scale (program.is_work, inline: this runs per task),
         # which only a shared program's ranks read (their compute factors)
         self.work = [i for i, t in enumerate(tasks)
@@ -145,14 +146,29 @@ class Template:
         """:func:`run_layout` of the runs."""
         return run_layout(self.runs)
 
+    @cached_property
+    def duration_array(self) -> np.ndarray:
+        """:attr:`durations` as an array."""
+        return np.asarray(self.durations, np.float64)
+
+    @cached_property
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`run_sums` of :attr:`durations` (the run's timeouts at compile time,
+        its tasks' offsets after the run)."""
+        return run_sums(self.layout, self.duration_array)
+
     def run_totals(self, durations: list[float]) -> list[float]:
         """Each run's timeout: its durations summed in order."""
-        return run_sums(self.layout, durations)[0].tolist()
+        return self._sums(durations)[0].tolist()
 
     def prefixes(self, durations: list[float]) -> np.ndarray:
         """Per task of every run, in run order: the durations before it in its run,
         summed in the order the run's timeout summed them."""
-        return run_sums(self.layout, durations)[1]
+        return self._sums(durations)[1]
+
+    def _sums(self, durations: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        return self.sums if durations is self.durations \
+            else run_sums(self.layout, np.asarray(durations, np.float64))
 
 
 def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -166,7 +182,7 @@ def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def run_sums(layout: tuple[np.ndarray, np.ndarray, np.ndarray],
-             durations: list[float]) -> tuple[np.ndarray, np.ndarray]:
+             durations: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each run's total and each task's prefix (in run order), summed as ``total = 0.0``
     then ``total += d`` task by task: one vector addition per position in a run over
     the runs at least that long (the same floating-point additions, in the same

@@ -90,7 +90,7 @@ def run_spans(e: Engine) -> tuple[np.ndarray, np.ndarray]:
             locals_, first, lens = tmpl.layout
             run_no = np.repeat(np.arange(len(lens)), lens)
             got = layouts[id(tmpl)] = (
-                locals_, run_no, np.asarray(tmpl.durations, np.float64)[locals_],
+                locals_, run_no, tmpl.duration_array[locals_],
                 tmpl.prefixes(tmpl.durations), np.append(first, len(locals_)))
         locals_, run_no, dur, prefix, offsets = got
         if inst.durations is not tmpl.durations:  # a slow or jittered rank's own
