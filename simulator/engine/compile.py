@@ -88,23 +88,23 @@ class Template:
             deps = (tuple(d) if where is None else tuple(map(where, d))) if d else ()
             lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
-                j = i + 1
-                if not t.dependents:
+                j, waited = i + 1, t.dependents  # whether its last task is waited on
+                if not waited:
                     while j < n:
                         tj = seq[j]
                         if tj.plan is not None or tj.dst >= 0 or tj.deps:
                             break
                         j += 1
-                        if tj.dependents:
+                        waited = tj.dependents
+                        if waited:
                             break
                 lead, nruns = nruns, nruns + 1
                 runs.append(order[i:j])
-                last = order[j - 1] if seq[j - 1].dependents else -1
-                nxt = seq[j] if j < n else None
-                if last >= 0 or nxt is None or nxt.plan is None or nxt.dst >= 0 \
-                        or nxt.deps or not fuse:
+                nxt = seq[j] if j < n and not waited and fuse else None
+                if nxt is None or nxt.plan is None or nxt.dst >= 0 or nxt.deps:
                     # the fifth field: whether interference may slow the run
-                    append((RUN, deps, lead, last, t.stream == "compute", None, 0, -1))
+                    append((RUN, deps, lead, order[j - 1] if waited else -1,
+                            t.stream == "compute", None, 0, -1))
                     i = j
                     continue
                 # the run leads straight into a collective nobody else gates: one step
