@@ -86,6 +86,8 @@ class Template:
             # (owner, local index) pairs; without ``where`` the task ids themselves
             d = t.deps
             deps = (tuple(d) if where is None else tuple(map(where, d))) if d else ()
+            if deps and len(d) == 1 and self._after(steps, seq, order, i):
+                deps = ()  # the task before it on its stream, which has ended by then
             lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
                 j, waited = i + 1, t.dependents  # whether its last task is waited on
@@ -123,6 +125,20 @@ class Template:
                 append((COLL, deps, order[i], ph, g, tail, t.dependents, lead))
             i += 1
         return steps
+
+    @staticmethod
+    def _after(steps: list[tuple[Any, ...]], seq: list[Task], order: Sequence[int],
+               i: int) -> bool:
+        """Whether task ``i`` of a stream waits on nothing but the collective or send
+        before it, which nothing else waits on: then neither needs an event (the stream
+        runs its steps in order), and the step before no longer has a dependent."""
+        if not steps or seq[i].deps[0] != seq[i - 1].id or seq[i - 1].dependents != 1:
+            return False
+        step = steps[-1]
+        if step[0] == RUN or step[2] != order[i - 1]:
+            return False
+        steps[-1] = (*step[:6], 0, step[7])
+        return True
 
     def _collective(self, plan: Plan | None, group: tuple[int, ...],
                     gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
