@@ -75,9 +75,40 @@ class Record:
     #: (the name, None) where it has none
     parts: list[tuple[str, str | None]] = field(default_factory=list)
 
+    #: what :meth:`compile` derives for replaying: per task its fields in
+    #: :class:`~simulator.builder.tasks.Task`'s order where they do not depend on the
+    #: copy, its collective's group slot and ordinal in it, its name parts and deps
+    rows: list[tuple[Any, ...]] | None = None
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # slot -> group
+    counts: list[int] = field(default_factory=list)  # slot -> its collectives here
+    one: str | None = None  # the one stream of a record without dependencies
+
     def __post_init__(self) -> None:
         self.parts = [(n, None) if isinstance(n, str) else (n[0] + "mb", n[1])
                       for n in self.names]
+
+    def compile(self) -> list[tuple[Any, ...]]:
+        """The replay's rows (:attr:`rows`), made once."""
+        slots: dict[tuple[int, ...], int] = {}
+        rows = []
+        for (stream, op, kind, duration, plan, group, coll, dst, nbytes, mine, layer, chunk,
+             weight_s), (pre, post), deps in zip(self.tasks, self.parts, self.deps,
+                                                 strict=True):
+            slot = j = -1
+            if coll:
+                slot = slots.setdefault(group, len(slots))
+                if slot == len(self.counts):
+                    self.groups.append(group)
+                    self.counts.append(0)
+                j = self.counts[slot]
+                self.counts[slot] += 1
+            rows.append((stream, op, kind, duration, plan, group, slot, j, dst, nbytes,
+                         int(mine), layer, chunk, weight_s, pre, post, deps))
+        names = {row[0] for row in rows}
+        if len(names) == 1 and not any(self.deps):
+            self.one = names.pop()
+        self.rows = rows
+        return rows
 
 
 def _split_name(name: str, mb: int) -> tuple[str, str] | str | None:
@@ -185,25 +216,37 @@ class Stamps:
         ctx = self.ctx
         tasks, streams, seq = ctx.tasks, ctx.programs[rank].streams, ctx.seq[rank]
         first = len(tasks)
-        lengths = [len(streams[name]) for name in rec.streams]
-        out = [streams[name] for name in rec.streams]
-        smb, append, i = str(mb), tasks.append, first
-        for (stream, op, kind, duration, plan, group, coll, dst, nbytes, mine, layer, chunk,
-             weight_s), (pre, post), deps in zip(rec.tasks, rec.parts, rec.deps, strict=True):
-            key: tuple[Any, ...] = ()
-            if coll:  # the n-th collective of its group on this rank (Context.collective)
-                n = seq.get(group, 0)
-                seq[group] = n + 1
-                key = (group, n)
-            t = Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
-                     duration, plan, group, key, dst, nbytes, mb if mine else -1, layer,
-                     chunk,
-                     [first + off if where == 0 else
-                      out[where - 1][lengths[where - 1] - off].id for where, off in deps]
-                     if deps else [], 0, weight_s)
-            append(t)
-            streams[stream].append(t)
-            i += 1
+        rows = rec.rows if rec.rows is not None else rec.compile()
+        # the n-th collective of its group on this rank (Context.collective): the
+        # record's j-th of a group is this rank's count of it so far, plus j
+        bases = [seq.get(g, 0) for g in rec.groups]
+        for g, base, count in zip(rec.groups, bases, rec.counts, strict=True):
+            seq[g] = base + count
+        smb, mbs = str(mb), (-1, mb)
+        if rec.one is not None:  # one stream, no dependencies: the common case
+            made = [Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
+                         duration, plan, group, () if slot < 0 else (group, bases[slot] + j),
+                         dst, nbytes, mbs[mine], layer, chunk, [], 0, weight_s)
+                    for i, (stream, op, kind, duration, plan, group, slot, j, dst, nbytes,
+                            mine, layer, chunk, weight_s, pre, post, _)
+                    in enumerate(rows, first)]
+            tasks += made
+            streams[rec.one] += made
+        else:
+            lengths = [len(streams[name]) for name in rec.streams]
+            out = [streams[name] for name in rec.streams]
+            append, i = tasks.append, first
+            for (stream, op, kind, duration, plan, group, slot, j, dst, nbytes, mine, layer,
+                 chunk, weight_s, pre, post, deps) in rows:
+                t = Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
+                         duration, plan, group, () if slot < 0 else (group, bases[slot] + j),
+                         dst, nbytes, mbs[mine], layer, chunk,
+                         [first + off if where == 0 else
+                          out[where - 1][lengths[where - 1] - off].id for where, off in deps]
+                         if deps else [], 0, weight_s)
+                append(t)
+                streams[stream].append(t)
+                i += 1
         for off, wkey in rec.waits:
             self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))
         if isinstance(rec.built, list):

@@ -99,6 +99,18 @@ def _alone(e: Engine, entry: list[Any]) -> bool:
     return True
 
 
+def _priced(e: Engine, chain: dict[int, list[Any]], kind: int, phases: Any,
+            g: int) -> tuple[float, tuple[Any, ...], float | None, Any] | None:
+    """How a chain prices a step of collective ``phases`` over template group ``g``:
+    its α, its links' objects, its flow's duration alone (None: no flow) and its one
+    link where it has one; None where the step does not chain."""
+    entry = chain.get(id(phases)) if kind == COLL else None
+    if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
+        return None
+    _, _, alpha, _, _, objs, alone, _ = entry
+    return alpha, objs, alone, objs[0] if alone is not None and len(objs) == 1 else None
+
+
 def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             i: int) -> tuple[int, Event | None]:
     """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the
@@ -106,11 +118,14 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     path would have waited for any (``i`` itself back, nothing done, where step ``i``
     does not chain). The events the per-step path would have scheduled beyond that
     one are counted in ``e.merged``."""
-    chain: dict[int, list[Any]] = inst.chain if inst.chain is not None else {}
-    get = chain.get
+    chain: dict[int, list[Any]] = inst.chain or {}
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    # the last collective's phases and group and how it is priced (consecutive
+    # collectives mostly share them): its α, links, duration alone and one link
+    phases, group, alpha, alone, link = None, -1, 0.0, None, None
+    objs: tuple[Any, ...] = ()
     while k < n:
         kind, deps, a, b, g, _, dependents, lead = steps[k]
         if k > i and deps:
@@ -124,9 +139,11 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if b >= 0:
                 break
             continue
-        entry = get(id(b)) if kind == COLL else None
-        if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
-            break
+        if b is not phases or g != group:
+            priced = _priced(e, chain, kind, b, g)
+            if priced is None:
+                break
+            phases, group, (alpha, objs, alone, link) = b, g, priced
         t0 = t  # the arrival, as ``stream`` and ``lead_in`` compute it
         if lead >= 0:
             run_t0[base + lead] = t
@@ -136,12 +153,14 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 t, count = t + wait, count + 1
         gid = ids[a]
         begin[gid] = t
-        _, _, alpha, _, _, objs, alone, _ = entry
         if alone is not None:  # the flow: its end, and each link's busy seconds
             end = t + alone
             busy = end - t  # ``now - link.since`` at its end, on every link
-            for link in objs:
+            if link is not None:
                 link.busy += busy
+            else:
+                for one in objs:
+                    one.busy += busy
             t, count, flows = end, count + 1, flows + 1
         if alpha > 0:
             t += alpha

@@ -13,13 +13,20 @@ tuple ``(kind, deps, a, b, g, tail, dependents, lead)`` whose fields
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 from typing import Any
+
+import numpy as np
 
 from simulator.builder.tasks import Task
 from simulator.system.collectives.plan import Plan
 
 RUN, COLL, SEND = 0, 1, 2
+#: runs at least this many long at a position: summed there with one vector addition
+VECTOR = 32
 Where = Callable[[int], tuple[int, int]] | None  # a shared program's (owner, local index)
 
 
@@ -29,18 +36,20 @@ class Template:
     id where programs are not shared. ``fuse``: a run may lead into the collective
     after it as one step."""
 
-    def __init__(self, tasks: list[Task], streams: list[tuple[str, list[int]]],
+    def __init__(self, tasks: list[Task], streams: Sequence[tuple[str, Sequence[int]]],
                  where: Callable[[int], tuple[int, int]] | None,
                  phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
         self.n = len(tasks)
         self.shared, self.fuse = shared, fuse  # ``phases`` is not kept: it holds the engine
-        self.durations = [t.duration for t in tasks]
-        # what slow GPUs and jitter scale (program.is_work, inline: this runs per task)
+        self.durations = list(map(attrgetter("duration"), tasks))
+        # what slow GPUs and jitter scale (program.is_work, inline: this runs per task),
+        # which only a shared program's ranks read (their compute factors)
         self.work = [i for i, t in enumerate(tasks)
-                     if t.plan is None and t.dst < 0 and t.stream == "compute"]
+                     if t.plan is None and t.dst < 0 and t.stream == "compute"] \
+            if shared else []
         self.groups: list[tuple[int, ...]] = []
         gidx: dict[tuple[int, ...], int] = {}
-        self.runs: list[list[int]] = []  # run -> local indices
+        self.runs: list[Sequence[int]] = []  # run -> local indices (a slice of a stream's)
         # per stream index: its distinct collectives (group, phases) and send
         # destinations, which :mod:`simulator.engine.chains` reads for the links it uses
         self.flows: list[tuple[int, int, Any]] = []
@@ -58,88 +67,164 @@ class Template:
                 self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
-    def _steps(self, tasks: list[Task], order: list[int], where: Where,
+    def _steps(self, tasks: list[Task], order: Sequence[int], where: Where,
                gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
                by_id: dict[tuple[int, int], tuple[int, Any]],
                dsts: dict[int, None]) -> list[tuple[Any, ...]]:
         """One stream's steps; into ``by_id`` its collectives, into ``dsts`` its sends."""
         steps: list[tuple[Any, ...]] = []
+        append, runs, fuse, shared = steps.append, self.runs, self.fuse, self.shared
+        seq = tasks[order.start:order.stop] if isinstance(order, range) and order.step == 1 \
+            else [tasks[k] for k in order]
+        nruns = len(runs)
+        plan: Plan | None = None  # the last collective's plan and group, and what they gave
+        group: tuple[int, ...] = ()
+        g, ph = -1, None
         i, n = 0, len(order)
         while i < n:
-            local = order[i]
-            t = tasks[local]
+            t = seq[i]
             # (owner, local index) pairs; without ``where`` the task ids themselves
-            deps = (tuple(t.deps) if where is None else tuple(map(where, t.deps))) \
-                if t.deps else ()
+            d = t.deps
+            deps = (tuple(d) if where is None else tuple(map(where, d))) if d else ()
+            if deps and len(d) == 1 and self._after(steps, seq, order, i):
+                deps = ()  # the task before it on its stream, which has ended by then
             lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
-                j, run = i, []
-                while j < n:
-                    tj = tasks[order[j]]
-                    if tj.plan is not None or tj.dst >= 0 or (j > i and tj.deps):
-                        break
-                    run.append(order[j])
-                    j += 1
-                    if tj.dependents:
-                        break
-                last = run[-1] if tasks[run[-1]].dependents else -1
-                lead = len(self.runs)
-                self.runs.append(run)
-                nxt = tasks[order[j]] if j < n else None
-                if last >= 0 or nxt is None or nxt.plan is None or nxt.dst >= 0 \
-                        or nxt.deps or not self.fuse:
+                j, waited = i + 1, t.dependents  # whether its last task is waited on
+                if not waited:
+                    while j < n:
+                        tj = seq[j]
+                        if tj.plan is not None or tj.dst >= 0 or tj.deps:
+                            break
+                        j += 1
+                        waited = tj.dependents
+                        if waited:
+                            break
+                lead, nruns = nruns, nruns + 1
+                runs.append(order[i:j])
+                nxt = seq[j] if j < n and not waited and fuse else None
+                if nxt is None or nxt.plan is None or nxt.dst >= 0 or nxt.deps:
                     # the fifth field: whether interference may slow the run
-                    steps.append((RUN, deps, lead, last, t.stream == "compute", None, 0,
-                                  -1))
+                    append((RUN, deps, lead, order[j - 1] if waited else -1,
+                            t.stream == "compute", None, 0, -1))
                     i = j
                     continue
                 # the run leads straight into a collective nobody else gates: one step
                 # that registers its arrival time (no timeout of its own, see ``stream``)
-                i, local, t = j, order[j], nxt
+                i, t = j, nxt
             if t.dst >= 0:
                 dsts[t.dst] = None
-                steps.append((SEND, deps, local, t.dst, t.nbytes, None, t.dependents, -1))
+                append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
             else:
-                # the builder hands out one tuple per group and one plan per (op, size,
-                # group): identities find them without hashing (the tasks keep them alive)
-                key = (id(t.group), id(t.plan))
-                found = by_id.get(key)
-                if found is None:
-                    g = gidx.get(t.group)
-                    if g is None:
-                        g = gidx[t.group] = len(self.groups)
-                        self.groups.append(t.group)
-                    assert t.plan is not None
-                    found = by_id[key] = (g, phases(t.plan))
+                if t.plan is not plan or t.group is not group:
+                    plan, group = t.plan, t.group
+                    g, ph = self._collective(plan, group, gidx, phases, by_id)
                 # a rendezvous is (group, tail): a shared program's n-th collective of
                 # the group, else the task's own group key
-                tail = t.group_key[1] if self.shared else t.group_key
-                steps.append((COLL, deps, local, found[1], found[0], tail, t.dependents,
-                              lead))
+                tail = t.group_key[1] if shared else t.group_key
+                append((COLL, deps, order[i], ph, g, tail, t.dependents, lead))
             i += 1
         return steps
 
+    @staticmethod
+    def _after(steps: list[tuple[Any, ...]], seq: list[Task], order: Sequence[int],
+               i: int) -> bool:
+        """Whether task ``i`` of a stream waits on nothing but the collective or send
+        before it, which nothing else waits on: then neither needs an event (the stream
+        runs its steps in order), and the step before no longer has a dependent."""
+        if not steps or seq[i].deps[0] != seq[i - 1].id or seq[i - 1].dependents != 1:
+            return False
+        step = steps[-1]
+        if step[0] == RUN or step[2] != order[i - 1]:
+            return False
+        steps[-1] = (*step[:6], 0, step[7])
+        return True
+
+    def _collective(self, plan: Plan | None, group: tuple[int, ...],
+                    gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+                    by_id: dict[tuple[int, int], tuple[int, Any]]) -> tuple[int, Any]:
+        """A collective's group index and phases. The builder hands out one tuple per
+        group and one plan per (op, size, group): identities find them without hashing
+        (the tasks keep them alive)."""
+        key = (id(group), id(plan))
+        found = by_id.get(key)
+        if found is None:
+            g = gidx.get(group)
+            if g is None:
+                g = gidx[group] = len(self.groups)
+                self.groups.append(group)
+            assert plan is not None
+            found = by_id[key] = (g, phases(plan))
+        return found
+
+    @cached_property
+    def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`run_layout` of the runs."""
+        return run_layout(self.runs)
+
+    @cached_property
+    def duration_array(self) -> np.ndarray:
+        """:attr:`durations` as an array."""
+        return np.asarray(self.durations, np.float64)
+
+    @cached_property
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`run_sums` of :attr:`durations` (the run's timeouts at compile time,
+        its tasks' offsets after the run)."""
+        return run_sums(self.layout, self.duration_array)
+
     def run_totals(self, durations: list[float]) -> list[float]:
         """Each run's timeout: its durations summed in order."""
-        out = []
-        for run in self.runs:
-            total = 0.0
-            for i in run:
-                total += durations[i]
-            out.append(total)
-        return out
+        return self._sums(durations)[0].tolist()
 
-    def prefixes(self, durations: list[float]) -> list[float]:
+    def prefixes(self, durations: list[float]) -> np.ndarray:
         """Per task of every run, in run order: the durations before it in its run,
         summed in the order the run's timeout summed them."""
-        out: list[float] = []
-        append = out.append
-        for run in self.runs:
-            total = 0.0
-            for i in run:
-                append(total)
-                total += durations[i]
-        return out
+        return self._sums(durations)[1]
+
+    def _sums(self, durations: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        return self.sums if durations is self.durations \
+            else run_sums(self.layout, np.asarray(durations, np.float64))
+
+
+def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs' tasks in run order (local indices), each run's first position in that
+    order and each run's length."""
+    lens = np.fromiter(map(len, runs), np.int64, len(runs))
+    flat = np.fromiter(chain.from_iterable(runs), np.int64, int(lens.sum()))
+    first = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    return flat, first, lens
+
+
+def run_sums(layout: tuple[np.ndarray, np.ndarray, np.ndarray],
+             durations: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each run's total and each task's prefix (in run order), summed as ``total = 0.0``
+    then ``total += d`` task by task: one vector addition per position in a run over
+    the runs at least that long (the same floating-point additions, in the same
+    order), and the few runs longer than the rest one by one."""
+    flat, first, lens = layout
+    d = np.asarray(durations, np.float64)[flat]
+    totals = np.zeros(len(lens))
+    prefix = np.empty(len(flat))
+    if not len(lens):
+        return totals, prefix
+    by_len = np.argsort(-lens, kind="stable")  # the runs longer than k: a prefix of it
+    longer = len(lens) - np.cumsum(np.bincount(lens))
+    k, most = 0, int(lens.max())
+    while k < most and longer[k] >= VECTOR:
+        runs = by_len[:longer[k]]
+        pos = first[runs] + k
+        prefix[pos] = totals[runs]
+        totals[runs] += d[pos]
+        k += 1
+    for r in by_len[:longer[k]].tolist() if k < most else ():
+        total = float(totals[r])
+        for at in range(int(first[r]) + k, int(first[r] + lens[r])):
+            prefix[at] = total
+            total += float(d[at])
+        totals[r] = total
+    return totals, prefix
 
 
 class Instance:

@@ -36,6 +36,8 @@ import time
 from array import array
 from collections.abc import Callable, Generator
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -130,13 +132,13 @@ class Engine:
             return self._compile_shared(shared)
         out, run_base = [], 0
         for rank, prog in self.w.programs.items():
-            mine = [t for ts in prog.streams.values() for t in ts]
+            mine = list(chain.from_iterable(prog.streams.values()))
             streams, k = [], 0
             for name, ts in prog.streams.items():
-                streams.append((name, list(range(k, k + len(ts)))))
+                streams.append((name, range(k, k + len(ts))))
                 k += len(ts)
             tmpl = Template(mine, streams, None, self._phases, False, not self._slowed)
-            inst = Instance(rank, tmpl, [t.id for t in mine], 0, run_base)
+            inst = Instance(rank, tmpl, list(map(attrgetter("id"), mine)), 0, run_base)
             run_base += len(tmpl.runs)
             for g in tmpl.groups:
                 inst.groups.append(self._intern(g))

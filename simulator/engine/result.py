@@ -87,17 +87,15 @@ def run_spans(e: Engine) -> tuple[np.ndarray, np.ndarray]:
             continue
         got = layouts.get(id(tmpl))
         if got is None:
-            locals_ = np.fromiter((i for run in tmpl.runs for i in run), np.int64)
-            run_no = np.repeat(np.arange(len(tmpl.runs)),
-                               [len(run) for run in tmpl.runs])
+            locals_, first, lens = tmpl.layout
+            run_no = np.repeat(np.arange(len(lens)), lens)
             got = layouts[id(tmpl)] = (
-                locals_, run_no, np.asarray(tmpl.durations, np.float64)[locals_],
-                np.asarray(tmpl.prefixes(tmpl.durations), np.float64),
-                np.concatenate(([0], np.cumsum([len(run) for run in tmpl.runs]))))
+                locals_, run_no, tmpl.duration_array[locals_],
+                tmpl.prefixes(tmpl.durations), np.append(first, len(locals_)))
         locals_, run_no, dur, prefix, offsets = got
         if inst.durations is not tmpl.durations:  # a slow or jittered rank's own
             dur = np.asarray(inst.durations, np.float64)[locals_]
-            prefix = np.asarray(tmpl.prefixes(inst.durations), np.float64)
+            prefix = tmpl.prefixes(inst.durations)
         ids = (locals_ + inst.ids.start if isinstance(inst.ids, range)
                else np.asarray(inst.ids)[locals_])
         s = t0[inst.run_base + run_no] + prefix
