@@ -79,4 +79,4 @@ class SharedTerms:
             cost = cost_model(s)
             found = self._terms[key] = cost, layer_terms(s, cost, s.hardware)
         cost, terms = found
-        return analytic_estimate(s, cost=cost, terms=terms)
+        return analytic_estimate(s, cost=cost, terms=terms, breakdown=False)
