@@ -41,11 +41,11 @@ from simulator.analysis.accounting.breakdown import schedule_bubble
 from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.vocabulary import categories
 from simulator.analysis.analytic.stage import (
+    every_stage_times,
     pipeline_phase,
     pipeline_time,
     slowdown,
     stage_passes,
-    stage_times,
 )
 from simulator.builder.workload import BlockCosts, block_costs, layout_of, local_scenario
 from simulator.model import transformer as mdl
@@ -144,8 +144,7 @@ def _pipeline(s: Scenario, cost: CostModel, hw: HardwareProfile, terms: LayerTer
               per_stage: dict[int, BlockCosts]) -> _Pipe:
     par = s.parallel
     c, t_tp, experts, t_cp, ends = terms.c, terms.t_tp, terms.experts, terms.t_cp, terms.ends
-    stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends)
-              for st in range(par.pp)]
+    stages = every_stage_times(s, c, t_tp, experts, t_cp, ends, per_stage)
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
     t_pipe = pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends)
     return _Pipe(c, per_stage, t_tp, experts, t_cp, ends, stages, slowest, t_pipe)
