@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from simulator.analysis import ceiling
 from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.analysis.ceiling import mfu_ceiling
+from simulator.builder.workload import layout_of
 from simulator.schedules import registry as schedules
 from simulator.schedules.action import execute, makespan
 from simulator.search import shared
@@ -34,6 +35,7 @@ from simulator.search.candidates import (
     candidates,
     knobs,
 )
+from simulator.search.headroom import DEFAULT_HEADROOM
 from simulator.search.plan import assess_chunk, peak_memory_bytes, usable_bytes
 from simulator.spec import placement
 from simulator.spec.rules import consistency_problems, not_yet_simulated
@@ -74,15 +76,11 @@ def _slow_row(base: Scenario, cand: Candidate) -> dict[str, Any]:
     if consistency_problems(s) or not_yet_simulated(s):
         return {"verdict": "invalid or not yet simulated"}
     peak = peak_memory_bytes(s)
-    if peak > usable_bytes(s, base_request_headroom()):
+    if peak > usable_bytes(s, DEFAULT_HEADROOM):  # the requests' headroom
         return {"verdict": "out of memory", "peak_memory_GB": peak / 1e9}
     return {"verdict": "fits", "peak_memory_GB": peak / 1e9,
             "analytic_step_time_s": analytic_estimate(s)["step_time_s"],
             "mfu_ceiling": mfu_ceiling(s)}
-
-
-def base_request_headroom() -> Any:
-    return DENSE.headroom
 
 
 def _fast_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +186,7 @@ def test_makespan_is_the_executed_one(name: str, p: int, m: int, v: int,
 def test_collectives_priced_once_are_the_same(no_memos: None) -> None:
     """A collective priced with and without the memo (the fixture empties it)."""
     s = candidate_scenario(DENSE_BASE, DENSE_CANDIDATES[0])
-    layout = __import__("simulator.builder.workload", fromlist=["layout_of"]).layout_of(s)
+    layout = layout_of(s)
     group = tuple(range(16))
     alone = timing.collective_time(s, layout, "all_reduce", 3e8, group, s.hardware)
     memo: dict[Any, float] = {}
