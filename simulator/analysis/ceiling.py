@@ -49,9 +49,20 @@ def _compute_curves(gpu: GPUSpec) -> Iterable[EfficiencyCurve]:
         yield from kernel.bwd.values()
 
 
+#: :func:`best_kernel_efficiency` by GPU (held beside it, so its id names no other GPU
+#: while kept; a GPU spec is frozen): a planner asks it for every candidate
+_BEST: dict[int, tuple[GPUSpec, float]] = {}
+
+
 def best_kernel_efficiency(gpu: GPUSpec) -> float:
     """The highest achieved / peak any compute curve of ``gpu`` reaches."""
-    return max(value for curve in _compute_curves(gpu) for _, value in curve.points)
+    held = _BEST.get(id(gpu))
+    if held is None or held[0] is not gpu:
+        if len(_BEST) >= 64:
+            _BEST.clear()
+        best = max(value for curve in _compute_curves(gpu) for _, value in curve.points)
+        held = _BEST[id(gpu)] = (gpu, best)
+    return held[1]
 
 
 def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,

@@ -113,17 +113,15 @@ def _priced(e: Engine, chain: dict[int, list[Any]], kind: int, phases: Any,
 
 def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             i: int) -> tuple[int, Event | None]:
-    """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the
-    index after the last and the one event that fires at its end, if the per-step
-    path would have waited for any (``i`` itself back, nothing done, where step ``i``
-    does not chain). The events the per-step path would have scheduled beyond that
-    one are counted in ``e.merged``."""
+    """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the index
+    after the last and the one event at its end if the per-step path would have waited
+    (``i`` back, nothing done, where step ``i`` does not chain); ``e.merged`` counts the
+    events the per-step path would have scheduled beyond it."""
     chain: dict[int, list[Any]] = inst.chain or {}
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
-    # the last collective's phases and group and how it is priced (consecutive
-    # collectives mostly share them): its α, links, duration alone and one link
+    # the last collective's phases, group and pricing (α, links, duration alone, one link)
     phases, group, alpha, alone, link = None, -1, 0.0, None, None
     objs: tuple[Any, ...] = ()
     while k < n:

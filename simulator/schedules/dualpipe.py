@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from simulator.schedules.action import Action, Schedule, check_sizes, execute
+from simulator.schedules.action import Action, Schedule, check_sizes, makespan
 from simulator.schedules.spec import Requirement, ScheduleSpec
 
 
@@ -171,8 +171,7 @@ def _time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
 
 @lru_cache(maxsize=4096)
 def _makespan(p: int, m: int, f: float, b: float, w: float) -> float:
-    timed = execute(dualpipe(p, m), t_f=f, t_b=b, t_w=w)
-    return max(t.end for t in timed) - min(t.start for t in timed)
+    return makespan(dualpipe(p, m), f, b, w)
 
 
 DUALPIPE = ScheduleSpec(lambda p, m, v: dualpipe(p, m), _in_flight, _time, chunks=(2, 2),

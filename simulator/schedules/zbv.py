@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from simulator.schedules.action import Action, Kind, Schedule, check_sizes, execute
+from simulator.schedules.action import Action, Kind, Schedule, check_sizes, makespan
 from simulator.schedules.spec import ScheduleSpec
 
 _FIW: tuple[Kind, ...] = ("F", "I", "W")
@@ -115,8 +115,7 @@ def _zbv_time(p: int, m: int, v: int, f: float, b: float, w: float) -> float:
 def _makespan(p: int, m: int, f: float, b: float, w: float) -> float:
     """The executed makespan of ``zbv(p, m)`` at chunk times f, b, w (cached: the
     analytic method asks it once per stage, most stages alike)."""
-    timed = execute(zbv(p, m), t_f=f, t_b=b, t_w=w)
-    return max(t.end for t in timed) - min(t.start for t in timed)
+    return makespan(zbv(p, m), f, b, w)
 
 
 ZBV = ScheduleSpec(lambda p, m, v: zbv(p, m),

@@ -20,8 +20,10 @@
    stage is computed. Candidates above the GPU's capacity less the request's
    headroom (:mod:`simulator.search.headroom`: 5 % by default, for the allocator's
    fragmentation) are rows marked as not fitting: no layout returned needs more.
-4. **Rank** the survivors by :func:`~simulator.analysis.analytic.estimate.analytic_estimate`,
-   then re-simulate the best ``top_k`` with the engine (folded), and the best of each
+4. **Rank** the survivors by :func:`~simulator.analysis.analytic.estimate.analytic_estimate`'s
+   step time (computed alone: ``breakdown=False`` skips the per-stage breakdown the table
+   does not hold; ``tests/test_plan_fast.py`` holds it to the full estimate's), then
+   re-simulate the best ``top_k`` with the engine (folded), and the best of each
    ZeRO stage and CP degree besides (:func:`resimulated`: the estimate errs by family),
    and choose the fastest by the engine's step time. A simulated MFU above the
    kernel-level ceiling (:func:`~simulator.analysis.ceiling.mfu_ceiling`) is flagged

@@ -10,7 +10,13 @@ in those share them: GPT-3 175B on 1,024 A100 has 4,085 fitting candidates and 8
 distinct layers, Llama-3 70B at 128K tokens on 2,048 GB200 41,871 and 969. A knob a
 strategy registers later is part of the key unless named here, so a new dimension can
 only make the memo miss, never return another candidate's terms.
-``tests/test_plan_shared.py`` holds the memo to the estimate computed afresh.
+``tests/test_plan_shared.py`` holds the memo to the estimate computed afresh. The
+estimate is its step time alone (``breakdown=False``); the collectives, schedule
+makespans and layer placements it prices are looked up where a candidate before asked
+the same (:func:`~simulator.strategies.timing.collective_time`,
+:func:`~simulator.schedules.action.makespan`,
+:func:`~simulator.spec.placement.stage_layers`), and ``tests/test_plan_fast.py`` holds
+every row to the one computed without them.
 
 The memo is per base scenario, keyed by its content with the hardware profile and the
 stack its names resolve to (a profile file edited between two plans is another plan),
@@ -79,4 +85,4 @@ class SharedTerms:
             cost = cost_model(s)
             found = self._terms[key] = cost, layer_terms(s, cost, s.hardware)
         cost, terms = found
-        return analytic_estimate(s, cost=cost, terms=terms)
+        return analytic_estimate(s, cost=cost, terms=terms, breakdown=False)

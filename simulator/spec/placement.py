@@ -41,7 +41,7 @@ Every lookup is O(1) per virtual stage (the running sums are computed once per
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from simulator.errors import Problem
 from simulator.schedules.action import rank_stages, stage_rank
@@ -118,10 +118,23 @@ def tied_copy(par: ParallelSpec) -> bool:
     return head_rank(par) != 0
 
 
+#: :func:`stage_layers` by the fields it reads: a planner asks it of every stage of every
+#: candidate, and most share a placement
+_RUNS: dict[tuple[Any, ...], tuple[range, ...]] = {}
+
+
 def stage_layers(layers: int, par: ParallelSpec, rank: int, mtp: int = 0) -> list[range]:
     """The layer runs of pipeline ``rank``: one per model chunk it holds, in chunk order
-    (the last with the ``mtp`` multi-token prediction layers, :func:`chunk_layers`)."""
-    return [chunk_layers(layers, par, st, mtp) for st in rank_virtual_stages(par, rank)]
+    (the last with the ``mtp`` multi-token prediction layers, :func:`chunk_layers`; they
+    read ``pp``, ``virtual_stages``, ``schedule`` and ``layers_per_stage`` of ``par``)."""
+    key = (layers, par.pp, par.virtual_stages, par.schedule, par.layers_per_stage, rank, mtp)
+    runs = _RUNS.get(key)
+    if runs is None:
+        if len(_RUNS) >= 65_536:
+            _RUNS.clear()
+        runs = _RUNS[key] = tuple(chunk_layers(layers, par, st, mtp)
+                                  for st in rank_virtual_stages(par, rank))
+    return list(runs)
 
 
 def stage_layer_count(layers: int, par: ParallelSpec, rank: int, mtp: int = 0) -> int:

@@ -6,6 +6,8 @@ stack's NCCL version choose it), how much slower compute runs while it is in fli
 
 from __future__ import annotations
 
+from typing import Any
+
 from simulator.spec.scenario import Scenario
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.cost import estimate
@@ -14,15 +16,34 @@ from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
 from simulator.system.units import CollectiveName
 
+#: Uncontended times already priced, per hardware profile (held beside them, so its id
+#: names no other profile while they are kept; a profile is frozen): a planner prices
+#: the same collective for thousands of candidates.
+_PRICED: dict[int, tuple[HardwareProfile, dict[tuple[Any, ...], float]]] = {}
+_PRICED_MOST = 200_000  # entries per profile before they are dropped
+
+
+def _priced(hw: HardwareProfile) -> dict[tuple[Any, ...], float]:
+    held = _PRICED.get(id(hw))
+    if held is None or held[0] is not hw or len(held[1]) > _PRICED_MOST:
+        if len(_PRICED) >= 8:
+            _PRICED.clear()
+        held = _PRICED[id(hw)] = (hw, {})
+    return held[1]
+
 
 def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
                      group: tuple[int, ...], hw: HardwareProfile) -> float:
     if len(group) <= 1 or size <= 0:
         return 0.0
     shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
-    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
-                     s.stack.nccl_version)
-    return estimate(plan, hw)
+    key = (op, size, shape, s.simulation.collective_algorithm, s.stack.nccl_version)
+    priced = _priced(hw)
+    seconds = priced.get(key)
+    if seconds is None:
+        plan = make_plan(op, size, shape, key[3], hw, key[4])
+        seconds = priced[key] = estimate(plan, hw)
+    return seconds
 
 
 def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,

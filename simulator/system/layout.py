@@ -23,7 +23,7 @@ of the ranks ``cp_a2a`` apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 from simulator.system.units import LinkName
 
@@ -130,7 +130,7 @@ class Layout:
         return rank // self.domain_size
 
     def domains_spanned(self, group: tuple[int, ...]) -> int:
-        return len({self.domain(r) for r in group})
+        return _domains_spanned(group, self.domain_size)
 
     def group_link(self, group: tuple[int, ...]) -> str:
         """The slowest link class a collective over ``group`` crosses."""
@@ -143,3 +143,10 @@ class Layout:
     def representatives(self) -> tuple[int, ...]:
         """One rank per pipeline stage (dp 0, tp 0): what folded simulation runs."""
         return tuple(self.rank(p, 0, 0) for p in range(self.pp))
+
+
+@lru_cache(maxsize=4096)
+def _domains_spanned(group: tuple[int, ...], size: int) -> int:
+    """How many NVLink domains of ``size`` GPUs ``group`` spans (cached: a planner asks
+    it of the same groups candidate after candidate)."""
+    return len({r // size for r in group})

@@ -43,11 +43,11 @@ from simulator.analysis.accounting.metrics import metrics
 from simulator.analysis.accounting.vocabulary import categories
 from simulator.analysis.analytic.stage import (
     AGAIN,
+    every_stage_times,
     pipeline_phase,
     pipeline_time,
     slowdown,
     stage_passes,
-    stage_times,
 )
 from simulator.builder.workload import BlockCosts, block_costs, layout_of, local_scenario
 from simulator.model import transformer as mdl
@@ -150,8 +150,7 @@ def _pipeline(s: Scenario, cost: CostModel, hw: HardwareProfile, terms: LayerTer
     par = s.parallel
     c, t_tp, experts, t_cp, ends = terms.c, terms.t_tp, terms.experts, terms.t_cp, terms.ends
     again = terms.t_cp_again
-    stages = [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends, again)
-              for st in range(par.pp)]
+    stages = every_stage_times(s, c, t_tp, experts, t_cp, ends, per_stage, again)
     slowest = max(range(par.pp), key=lambda st: sum(stages[st]))
     t_pipe = pipeline_phase(s, c, t_tp, experts, t_cp, stages[slowest], per_stage, ends,
                             again)
@@ -281,11 +280,14 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
 
 def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                       cost: CostModel | None = None, hw: HardwareProfile | None = None,
-                      terms: LayerTerms | None = None) -> dict[str, Any]:
+                      terms: LayerTerms | None = None, breakdown: bool = True
+                      ) -> dict[str, Any]:
     """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
     hardware profile (``--what-if`` prices the same step with one class faster);
     ``terms``: the layer's terms when already computed (:func:`layer_terms` of ``s``
-    with the same ``cost`` and ``hw``; a planner shares them between candidates)."""
+    with the same ``cost`` and ``hw``; a planner shares them between candidates).
+    Without ``breakdown``, ``step_time_s`` alone (the same figure; what a planner ranks
+    by), without the per-stage breakdown and the metrics derived from it."""
     hw = hw or s.hardware
     cost = cost or cost_model(s, hw)
     terms = terms or layer_terms(s, cost, hw, costs)
@@ -313,6 +315,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     extra = _extensions(AnalyticView(s, layout, cost, hw, t_pipe))
     for seconds in extra.values():
         step += seconds
+    if not breakdown:
+        return {"step_time_s": step}
     after = {"pp_transfer": t_p2p, "zero_transfer": t_zero - fsdp_fwd - fsdp_bwd,
              "forward": fsdp_fwd, "backward_weight": fsdp_bwd + t_ddp, "backward_input": slow,
              "dp_transfer": exposed_dp - t_comp + t_gather + t_exch - t_exch_comp}

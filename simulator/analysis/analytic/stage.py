@@ -227,6 +227,28 @@ def stage_times(s: Scenario, c: BlockCosts, t_tp: float, stage: int,
     return times(stage_passes(s, c, t_tp, stage, experts, t_cp, ends, t_cp_again))
 
 
+def every_stage_times(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts,
+                      t_cp: float, ends: Ends, per_stage: dict[int, BlockCosts],
+                      t_cp_again: float = 0.0) -> list[tuple[float, ...]]:
+    """:func:`stage_times` of every pipeline rank, each computed once per distinct rank:
+    a rank's times read only its layers' kinds (:func:`chunk_kinds`), whether it holds
+    the embedding and the output layer, its blocks (``per_stage``, a mixed-generation
+    cluster) and its pace (``variability.slow_gpus``), so the middle ranks of a deep
+    pipeline share theirs."""
+    par = s.parallel
+    if per_stage or s.variability.slow_gpus:
+        return [stage_times(s, per_stage.get(st, c), t_tp, st, experts, t_cp, ends,
+                            t_cp_again) for st in range(par.pp)]
+    alike: dict[tuple[object, ...], tuple[float, ...]] = {}
+    out = []
+    for st in range(par.pp):
+        key = (*chunk_kinds(s, st), holds_embedding(par, st), holds_head(par, st))
+        if key not in alike:
+            alike[key] = stage_times(s, c, t_tp, st, experts, t_cp, ends, t_cp_again)
+        out.append(alike[key])
+    return out
+
+
 def pipeline_phase(s: Scenario, c: BlockCosts, t_tp: float, experts: Experts, t_cp: float,
                     slowest: tuple[float, ...],
                     per_stage: dict[int, BlockCosts] | None = None,
