@@ -72,6 +72,7 @@ def test_full_recompute_keeps_less_than_none(tiny: Path) -> None:
     (("parallel.tp=2", "parallel.dp=1"), "parallel.tp"),
     (("parallel.zero=1",), "parallel.zero"),
     (("model.activation=gelu",), "model.activation"),
+    (("stack.preset=pytorch-eager",), "stack.master_weights"),
 ])
 def test_refuses_what_the_model_cannot_express(tiny: Path, overrides: tuple[str, ...],
                                                field: str,

@@ -59,6 +59,10 @@ def _check_parallel(s: Scenario) -> None:
         raise _refuse("parallel.dp_shard", par.dp_shard, "leave it unset (no hybrid sharding)")
     if par.recompute not in ("none", "full", "op") or par.recompute_num_layers:
         raise _refuse("parallel.recompute", par.recompute, "use none, full or op on every layer")
+    if s.training.dtype != "fp32" and not s.stack.fp32_params(2):
+        raise _refuse("stack.master_weights", s.stack.master_weights, "FSDP2's "
+                      "MixedPrecisionPolicy keeps fp32 parameters as the master; use a stack "
+                      "with master_weights: parameters (torchtitan)")
     if s.training.optimizer != "adamw":
         raise _refuse("training.optimizer", s.training.optimizer, "use adamw")
 
