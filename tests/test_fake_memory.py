@@ -4,7 +4,7 @@
 The default run is a tiny Llama on two fake ranks (a few seconds); the 8B scenario of
 torchtitan on 8 H100 is marked slow. Tolerances, from docs/memory.md's measurements:
 the model states are closed forms and agree to the byte's rounding (1%); the tensors'
-total agrees within 10% without recompute (tiny Llama -5.6%, full -10.8%, op -0.2%; the
+total agrees within 10% without recompute (tiny Llama -0.8%, full -11.2%, op -0.4%; the
 8B: op +3.9%, full +5.8%), items compensating: the simulator sums each item's largest
 value, the tracker takes one moment (the tiny model's backward temporaries and its
 buffers are of the order of its activations, so the moment moves).

@@ -381,6 +381,21 @@ def test_torch_cross_entropy_holds_two_fp32_gradients_in_its_backward() -> None:
     assert logits(torch_, 0) == 4 * elements * 3
 
 
+def test_unfused_swiglu_keeps_silus_output_for_the_mul() -> None:
+    """Eager ``down(silu(gate) * up)``: SiLU keeps its input, the mul both its operands
+    (tools/autograd/derivatives.yaml), three ffn-wide tensors a layer where a fused SwiGLU
+    kernel keeps gate and up (FSDPMemTracker: 1.79 GB a layer of Llama 3 8B at 8192
+    tokens, docs/memory.md)."""
+    def acts(fusions: list[str]) -> float:
+        s = scenario({"preset": "llama3-8b", "seq_len": 8192}, system="dgx-h100",
+                     stack={"preset": "torchtitan", "fusions": fusions}, dp=8, zero=3,
+                     training={"global_batch": 8, "micro_batch": 1})
+        return stage_breakdown(s, 0).activations
+
+    spec = load_preset_model("llama3-8b")
+    assert acts([]) - acts(["bias_act"]) == pytest.approx(spec.layers * 8192 * spec.ffn * 2)
+
+
 def _fsdp(micro_batch: int, stack: str = "torchtitan", zero: int = 3) -> Scenario:
     return scenario_from_dict({
         "name": "t", "model": {"preset": "llama3-8b", "seq_len": 8192},
