@@ -22,4 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "kernel (the measured GPT at a degenerate size) and write it into a profile"),
     "validation": ("calibration.measured.validation", "measure fixed small configurations "
                    "and compare each with its simulation (docs/validation.md's table)"),
+    "fake-memory": ("calibration.measured.fake_memory_cli", "PyTorch's own memory accounting "
+                    "(FakeTensorMode, FSDPMemTracker) of one FSDP2 step of the scenario, "
+                    "beside the simulator's memory table"),
 }

@@ -356,7 +356,7 @@ def _head_scenario(stack: dict[str, Any]) -> Scenario:
 def test_flash_attns_fused_loss_holds_16_bit_logits_not_an_fp32_softmax() -> None:
     """flash_attn/losses/cross_entropy.py saves the logits in their own dtype and an fp32
     log-sum-exp per row, and its backward writes ``torch.empty_like(logits)``; Megatron's
-    and PyTorch's losses keep the fp32 softmax (plus an fp32 copy for the gradient)."""
+    and PyTorch's losses keep the fp32 softmax (plus fp32 copies for the gradient)."""
     flash = _head_scenario({"preset": "composer-fsdp1"})
     torch_ = _head_scenario({"preset": "composer-fsdp1", "loss": "torch"})
     assert flash.stack.loss == "flash"
@@ -364,7 +364,60 @@ def test_flash_attns_fused_loss_holds_16_bit_logits_not_an_fp32_softmax() -> Non
     elements = tokens * flash.model.vocab
     held = 1  # one micro-batch at a time without pipeline parallelism
     assert logits(flash, 0) == (2 * elements + 4 * tokens) * held + 2 * elements
-    assert logits(torch_, 0) == 4 * elements * (held + 1)
+    assert logits(torch_, 0) == 4 * elements * (held + 2)
+
+
+def test_torch_cross_entropy_holds_two_fp32_gradients_in_its_backward() -> None:
+    """F.cross_entropy's backward: nll_loss_backward's zeroed gradient of the fp32
+    log-probabilities (aten/src/ATen/native/LossNLL.cpp) is held while
+    log_softmax_backward_data writes its own (SoftMax.cpp): with the saved log-probabilities
+    three fp32 copies of the logits, as FSDPMemTracker counts them (Temp: two copies at the
+    peak, docs/memory.md); Megatron's vocab-parallel loss writes its gradient in place."""
+    megatron = _head_scenario({"preset": "megatron-core"})
+    torch_ = _head_scenario({"preset": "torchtitan"})
+    elements = 4 * 2048 * torch_.model.vocab
+    assert megatron.stack.loss == "vocab_parallel" and torch_.stack.loss == "torch"
+    assert logits(megatron, 0) == 4 * elements * 2
+    assert logits(torch_, 0) == 4 * elements * 3
+
+
+def test_unfused_swiglu_keeps_silus_output_for_the_mul() -> None:
+    """Eager ``down(silu(gate) * up)``: SiLU keeps its input, the mul both its operands
+    (tools/autograd/derivatives.yaml), three ffn-wide tensors a layer where a fused SwiGLU
+    kernel keeps gate and up (FSDPMemTracker: 1.79 GB a layer of Llama 3 8B at 8192
+    tokens, docs/memory.md)."""
+    def acts(fusions: list[str]) -> float:
+        s = scenario({"preset": "llama3-8b", "seq_len": 8192}, system="dgx-h100",
+                     stack={"preset": "torchtitan", "fusions": fusions}, dp=8, zero=3,
+                     training={"global_batch": 8, "micro_batch": 1})
+        return stage_breakdown(s, 0).activations
+
+    spec = load_preset_model("llama3-8b")
+    assert acts([]) - acts(["bias_act"]) == pytest.approx(spec.layers * 8192 * spec.ffn * 2)
+
+
+def _fsdp(micro_batch: int, stack: str = "torchtitan", zero: int = 3) -> Scenario:
+    return scenario_from_dict({
+        "name": "t", "model": {"preset": "llama3-8b", "seq_len": 8192},
+        "cluster": {"system": "dgx-h100", "nodes": 1, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "zero": zero, "recompute": "op"},
+        "training": {"global_batch": 16, "micro_batch": micro_batch}, "stack": stack})
+
+
+def test_fsdp_gradients_do_not_coexist_with_the_saved_tensors_in_a_one_microbatch_step() -> None:
+    """PyTorch FSDP's sharded gradients are created by each unit's reduce-scatter as the
+    backward frees that unit's saved tensors (zero_grad set them to None; FSDP2
+    _fsdp_collectives.py foreach_reduce): with one micro-batch a step only what they exceed
+    the saved tensors by adds to the peak; with two, the first's are there for the second."""
+    one, two = stage_breakdown(_fsdp(2), 0), stage_breakdown(_fsdp(1), 0)
+    assert _fsdp(2).microbatches == 1 and _fsdp(1).microbatches == 2
+    shard = param_count(_fsdp(1).model) * 4 / 8
+    assert two.gradients == pytest.approx(shard)
+    assert one.gradients == max(shard - one.activations - one.logits, 0.0) == 0.0
+    # DeepSpeed's ZeRO-3 and Megatron keep their gradient buffers: counted whole
+    for stack in ("deepspeed", "megatron-core"):
+        assert stage_breakdown(_fsdp(2, stack), 0).gradients > 0
+    assert stage_breakdown(_fsdp(2, zero=2), 0).gradients == pytest.approx(shard)
 
 
 def test_flash_attns_fused_loss_reads_the_logits_once_and_writes_their_gradient() -> None:

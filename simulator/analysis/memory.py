@@ -86,18 +86,36 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     weights += fp8_weight_cache(scenario, runs)
     gradients, optimizer = offloaded(scenario, gradients, optimizer)
     buffers, compression_state = memory_extra(scenario, stage)
+    acts, held = activations(scenario, stage), logits(scenario, stage)
     out = MemoryBreakdown(
         stage=stage,
         weights=weights,
-        gradients=gradients,
+        gradients=fsdp_grads_at_peak(scenario, gradients, acts + held),
         optimizer=optimizer + compression_state,
-        activations=activations(scenario, stage),
-        logits=logits(scenario, stage),
+        activations=acts,
+        logits=held,
         comm_buffers=comm_buffers(scenario, stage) + buffers,
         capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
         device=tuple(device_terms(scenario, stage).items()),
     )
     return _extended(scenario, stage, out)
+
+
+def fsdp_grads_at_peak(s: Scenario, gradients: float, saved: float) -> float:
+    """The sharded gradients that coexist with the activations' peak. PyTorch FSDP keeps
+    them as the sharded parameters' ``.grad``, which ``zero_grad()`` sets to None after the
+    step and each unit's reduce-scatter creates anew as the backward reaches it (FSDP2:
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_reduce``, which
+    assigns ``sharded_param.grad`` where it is None; FSDP1: _runtime_utils.py
+    ``_accumulate_sharded_gradient``). With one micro-batch a step the backward's start,
+    where the saved tensors peak, holds none of them, and each layer's gradient is made as
+    that layer's saved tensors are freed: the step holds max(saved, gradients) of the two,
+    so only what the gradients exceed the saved tensors by is added. With more micro-batches
+    the first one's gradients are there for the second's backward: all of them."""
+    fsdp = s.parallel.zero == 3 and s.stack.master_weights == "parameters"
+    if not fsdp or s.microbatches > 1:
+        return gradients
+    return max(gradients - saved, 0.0)
 
 
 def fp8_weight_cache(s: Scenario, runs: list[range]) -> float:
@@ -135,7 +153,8 @@ TENSOR_SOURCES: dict[str, tuple[str, str]] = {
     "weights": ("weights", "16-bit parameters of the stage ÷ tp (÷ dp_shard·cp under ZeRO-3; "
                            "routed experts ÷ expert_tp·ep, ÷ edp under ZeRO-3)"),
     "gradients": ("grads", "stack.main_grad_bytes per parameter (Megatron-Core keeps fp32 main "
-                           "grads, unsharded below ZeRO-2)"),
+                           "grads, unsharded below ZeRO-2; PyTorch FSDP with one micro-batch "
+                           "a step: only what exceeds the saved tensors, fsdp_grads_at_peak)"),
     "optimizer": ("optimizer", "AdamW fp32 master + moments, 12 B ÷ dp·cp (dp_shard·cp "
                                "hybrid; distrib_optimizer.py: 6 + 12/d with the grads)"),
     "activations": ("activations", "op inventory's saved tensors × the schedule's in-flight "

@@ -96,7 +96,9 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         # its norms' and projection's inputs
         "head": (4 * tokens_h + logits) * (1 + spec.mtp_layers)
         + spec.mtp_layers * mtp_kept(spec, b, t, sp, dt, s.stack, par.recompute),
-        "dlogits": logits,  # the loss gradient's copy while the head's backward runs
+        # the loss gradient's copy while the head's backward runs (two under PyTorch's
+        # F.cross_entropy: nll_loss's and log_softmax's, memory.py's logits)
+        "dlogits": logits * (2 if s.stack.loss == "torch" else 1),
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
         / zero3_collectives(spec, s.stack),

@@ -297,7 +297,12 @@ def activations(scenario: Scenario, stage: int) -> float:
 def logits(scenario: Scenario, stage: int) -> float:
     """What the loss holds on the last stage: per micro-batch whose backward has not
     run, the fp32 softmax (Megatron's vocab-parallel loss, PyTorch's log_softmax), plus
-    one more copy for the logits' gradient; under flash-attn's fused loss
+    one more copy for the logits' gradient (Megatron's loss writes it in place of the
+    softmax); under PyTorch's ``F.cross_entropy`` (``stack.loss: torch``) two more: while
+    ``log_softmax_backward_data`` writes its own gradient (aten/src/ATen/native/SoftMax.cpp)
+    the fp32 gradient ``nll_loss_backward`` made of the log-probabilities
+    (aten/src/ATen/native/LossNLL.cpp, a zeroed tensor of the input's shape) is still held,
+    as FSDPMemTracker counts it (docs/memory.md); under flash-attn's fused loss
     (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
     and a 16-bit gradient. Each multi-token prediction module's loss holds as much again
     (one gradient serves them all: the losses' backward runs one after another)."""
@@ -311,7 +316,8 @@ def logits(scenario: Scenario, stage: int) -> float:
     if scenario.stack.loss == "flash":
         dt = dtype_bytes(scenario.training.dtype)
         return (dt * elements + 4.0 * tokens) * held + dt * elements
-    return 4.0 * elements * (held + 1)
+    gradients = 2 if scenario.stack.loss == "torch" else 1
+    return 4.0 * elements * (held + gradients)
 
 
 def rank_params(scenario: Scenario, dense: float, experts: float) -> float:

@@ -105,9 +105,11 @@ def act_op(x: Shape, pass_: Pass) -> Op:
     T, f, dt = x.tokens, x.spec.ffn / x.tp, x.dt
     fused, bias = x.st.fused("bias_act"), x.spec.bias
     if x.spec.activation == "swiglu":
-        if pass_ == "fwd":
+        if pass_ == "fwd":  # kept: gate and up; unfused also SiLU's output, which the mul
+            # keeps for up's gradient (tools/autograd/derivatives.yaml: silu saves self,
+            # mul.Tensor saves self and other)
             return mem("act", (3 if fused else 5) * T * f, dt, "elementwise", 1 if fused else 2,
-                       dt * 2 * T * f)
+                       dt * (2 if fused else 3) * T * f)
         return mem("act", (5 if fused else 8) * T * f, dt, "elementwise", 1 if fused else 3)
     # a separate bias-add kernel (read + write) unless fused here or inside the GEMM (addmm)
     extra = 0 if fused or not bias or x.st.fused("bias_gemm") else 1
