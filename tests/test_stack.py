@@ -152,7 +152,10 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     out += dt * T * (q + 2 * kv)  # Q, K, V
     # the out-projection's input: one copy, FP8 or DeepSeek-V3's 12-bit E5M6 (1.5 bytes)
     out += (1.5 if stack.fp8_cache == "deepseek" else g) * T * q
-    out += dt * T * f * (2 if spec.activation == "swiglu" else 1)  # the activation's input
+    # the activation's input: GeLU's; SwiGLU's gate and up, and unfused SiLU's output too
+    # (derivatives.yaml: silu saves its input, mul both operands)
+    out += dt * T * f * ((2 if stack.fused("bias_act") else 3) if spec.activation == "swiglu"
+                         else 1)
     out += g * T * f  # the MLP-down projection's input
     if recompute == "selective":
         return out
@@ -226,11 +229,12 @@ def test_a_moe_layers_memory_is_what_its_ops_keep(spec: ModelSpec, b: int, tp: i
     assert memory == kept_for_backward(spec, b, tp, sp, "bf16", "none", stack, layer)
     dt, h, T = 2, spec.hidden, b * spec.seq_len
     L = T / tp if sp else T
-    unit = 3 if spec.activation == "swiglu" else 2
+    unit = 3 if spec.activation == "swiglu" else 2  # an expert's, fused
+    dense = unit + (1 if spec.activation == "swiglu" and not stack.fused("bias_act") else 0)
     want = _closed_form(spec, b, tp, sp, stack, "none")
     if spec.is_moe_layer(layer):
         pairs = T * spec.experts_per_token * (spec.capacity_factor or 1.0)
-        want += -dt * T * unit * spec.ffn / tp + 4 * L * spec.experts \
+        want += -dt * T * dense * spec.ffn / tp + 4 * L * spec.experts \
             + pairs * dt * (h + unit * spec.expert_ffn / tp) \
             + T * dt * unit * spec.shared_experts * spec.expert_ffn / tp
     assert memory == pytest.approx(want, rel=1e-12)
