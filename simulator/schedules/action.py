@@ -39,7 +39,7 @@ peak memory as 1F1B" is about the peak over ranks, reached at rank 0.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, cast
@@ -234,7 +234,7 @@ def dependencies(action: Action, route: range, present: set[Action]) -> tuple[Ac
     return own_forward, grad if grad in present else Action(stage + 1, "B", microbatch)
 
 
-def _deadlock(schedule: Schedule, position: list[int], done: dict[Action, float]) -> ValueError:
+def _deadlock(schedule: Schedule, position: list[int], done: Container[Action]) -> ValueError:
     present = {a for rank in schedule.actions for a in rank}
     stuck = []
     for rank, order in enumerate(schedule.actions):
@@ -270,47 +270,37 @@ def execute(
     n = schedule.total_stages
     f, b, w = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
     duration = {"F": f, "B": [x + y for x, y in zip(b, w, strict=True)], "I": b, "W": w}
-    present = {a for rank in schedule.actions for a in rank}
-    done: dict[Action, float] = {}
-    position = [0] * schedule.stages
+    order = _placed_order(schedule)
     free = [0.0] * schedule.stages
+    ends: list[float] = []
     timed: list[TimedAction] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, order in enumerate(schedule.actions):
-            while position[rank] < len(order):
-                action = order[position[rank]]
-                deps = dependencies(action, schedule.route(action.microbatch), present)
-                if any(d not in done for d in deps):
-                    break
-                start = free[rank]
-                for dep in deps:
-                    hop = comm if schedule.rank_of(dep.stage) != rank else 0.0
-                    start = max(start, done[dep] + hop)
-                end = start + duration[action.kind][action.stage]
-                done[action] = free[rank] = end
-                timed.append(TimedAction(action, rank, start, end))
-                position[rank] += 1
-                progress = True
-    if len(timed) < sum(len(order) for order in schedule.actions):
-        raise _deadlock(schedule, position, done)
+    for action, rank, deps in order:
+        start = free[rank]
+        for dep in deps:
+            hop = comm if schedule.rank_of(order[dep][0].stage) != rank else 0.0
+            start = max(start, ends[dep] + hop)
+        end = start + duration[action.kind][action.stage]
+        ends.append(end)
+        free[rank] = end
+        timed.append(TimedAction(action, rank, start, end))
     return sorted(timed, key=lambda t: (t.start, t.rank))
 
 
-#: :func:`execute`'s visiting order of a schedule: per action, its rank, kind and the
-#: positions of its dependencies in that order (which actions are done when depends on
+#: :func:`execute`'s visiting order of a schedule: per action, the action, its rank and
+#: the positions of its dependencies in that order (which actions are done when depends on
 #: the order alone, never on the times)
-Order = tuple[tuple[int, str, tuple[int, ...]], ...]
+Order = tuple[tuple[Action, int, tuple[int, ...]], ...]
 
 
-@lru_cache(maxsize=64)
-def _order(schedule: Schedule) -> Order | None:
-    """The order :func:`execute` places ``schedule``'s actions in (None: a deadlock)."""
+def _walk(schedule: Schedule) -> tuple[list[tuple[Action, int, tuple[int, ...]]], list[int],
+                                       dict[Action, int]]:
+    """Visit ``schedule``'s ranks in turn, each as far as its next action's dependencies
+    are placed: the actions in that order (each with its rank and its dependencies'
+    positions), and where every rank stopped (all placed, or a deadlock)."""
     present = {a for rank in schedule.actions for a in rank}
     index: dict[Action, int] = {}
     position = [0] * schedule.stages
-    out: list[tuple[int, str, tuple[int, ...]]] = []
+    out: list[tuple[Action, int, tuple[int, ...]]] = []
     progress = True
     while progress:
         progress = False
@@ -321,30 +311,43 @@ def _order(schedule: Schedule) -> Order | None:
                 if any(d not in index for d in deps):
                     break
                 index[action] = len(out)
-                out.append((rank, action.kind, tuple(index[d] for d in deps)))
+                out.append((action, rank, tuple(index[d] for d in deps)))
                 position[rank] += 1
                 progress = True
-    return tuple(out) if len(out) == len(present) else None
+    return out, position, index
+
+
+@lru_cache(maxsize=64)
+def _order(schedule: Schedule) -> Order | None:
+    """The order :func:`execute` places ``schedule``'s actions in (None: a deadlock)."""
+    out, _, index = _walk(schedule)
+    return tuple(out) if len(index) == sum(len(o) for o in schedule.actions) else None
+
+
+def _placed_order(schedule: Schedule) -> Order:
+    """:func:`_order`, or the ValueError that names where each rank is stuck."""
+    order = _order(schedule)
+    if order is None:
+        _, position, placed = _walk(schedule)
+        raise _deadlock(schedule, position, placed)
+    return order
 
 
 def makespan(schedule: Schedule, t_f: float, t_b: float, t_w: float) -> float:
     """First start to last end of :func:`execute` (no ``comm``) at one time per kind for
     every virtual stage: the same sums in the same order, bit for bit, from the
     schedule's order worked out once (a planner prices one schedule at many times)."""
-    order = _order(schedule)
-    if order is None:  # execute names the deadlock
-        timed = execute(schedule, t_f, t_b, t_w)
-        return max(t.end for t in timed) - min(t.start for t in timed)
+    order = _placed_order(schedule)
     duration = {"F": float(t_f), "B": float(t_b) + float(t_w), "I": float(t_b),
                 "W": float(t_w)}
     free = [0.0] * schedule.stages
     done: list[float] = []
     first, last = float("inf"), float("-inf")
-    for rank, kind, deps in order:
+    for action, rank, deps in order:
         start = free[rank]
         for dep in deps:
             start = max(start, done[dep] + 0.0)
-        end = start + duration[kind]
+        end = start + duration[action.kind]
         done.append(end)
         free[rank] = end
         first, last = min(first, start), max(last, end)
