@@ -48,20 +48,26 @@ DENSE = PlanRequest("llama2-7b", 32, "dgx-a100-80gb", 64, seq_len=8192, micro_ba
 
 
 class _Forgetful(dict):  # type: ignore[type-arg]
-    """A memo that keeps nothing."""
+    """A memo that keeps nothing: every lookup misses."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        pass
+        """Drop the value (the slow way prices everything afresh)."""
+
+
+def _forget(m: pytest.MonkeyPatch) -> None:
+    """The slow way: every memo of the fast one empty and kept empty, and the ZB-V and
+    DualPipe makespans placed by the executor."""
+    m.setattr(timing, "_priced", lambda hw: _Forgetful())
+    m.setattr(placement, "_RUNS", _Forgetful())
+    m.setattr(ceiling, "_BEST", _Forgetful())
+    m.setattr("simulator.schedules.zbv.makespan", _executed)
+    m.setattr("simulator.schedules.dualpipe.makespan", _executed)
 
 
 @pytest.fixture
 def no_memos(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The slow way: every memo of the fast one empty and kept empty."""
-    monkeypatch.setattr(timing, "_priced", lambda hw: _Forgetful())
-    monkeypatch.setattr(placement, "_RUNS", _Forgetful())
-    monkeypatch.setattr(ceiling, "_BEST", _Forgetful())
-    monkeypatch.setattr("simulator.schedules.zbv.makespan", _executed)
-    monkeypatch.setattr("simulator.schedules.dualpipe.makespan", _executed)
+    """The slow way (:func:`_forget`)."""
+    _forget(monkeypatch)
     yield
 
 
@@ -109,11 +115,7 @@ def _compare(base: Scenario, cands: list[Candidate], monkeypatch: pytest.MonkeyP
     shared._memo.cache_clear()
     fast = [_fast_row(r) for r in assess_chunk(base, cands)["rows"]]
     with monkeypatch.context() as m:
-        m.setattr(timing, "_priced", lambda hw: _Forgetful())
-        m.setattr(placement, "_RUNS", _Forgetful())
-        m.setattr(ceiling, "_BEST", _Forgetful())
-        m.setattr("simulator.schedules.zbv.makespan", _executed)
-        m.setattr("simulator.schedules.dualpipe.makespan", _executed)
+        _forget(m)
         slow = [_slow_row(base, c) for c in cands]
     return [(c, f, s) for c, f, s in zip(cands, fast, slow, strict=True) if f != s]
 
