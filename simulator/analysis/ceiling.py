@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from simulator.memo import by_identity
 from simulator.model import moe
 from simulator.model import transformer as mdl
 from simulator.spec.model_spec import ModelSpec
@@ -56,13 +57,8 @@ _BEST: dict[int, tuple[GPUSpec, float]] = {}
 
 def best_kernel_efficiency(gpu: GPUSpec) -> float:
     """The highest achieved / peak any compute curve of ``gpu`` reaches."""
-    held = _BEST.get(id(gpu))
-    if held is None or held[0] is not gpu:
-        if len(_BEST) >= 64:
-            _BEST.clear()
-        best = max(value for curve in _compute_curves(gpu) for _, value in curve.points)
-        held = _BEST[id(gpu)] = (gpu, best)
-    return held[1]
+    return by_identity(_BEST, gpu, lambda: max(
+        value for curve in _compute_curves(gpu) for _, value in curve.points), 64)
 
 
 def skipped_flops(model: ModelSpec, global_batch: int, recompute: mdl.RecomputeMode,

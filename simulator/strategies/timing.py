@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from simulator.memo import by_identity
 from simulator.spec.scenario import Scenario
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.cost import estimate
@@ -24,12 +25,7 @@ _PRICED_MOST = 200_000  # entries per profile before they are dropped
 
 
 def _priced(hw: HardwareProfile) -> dict[tuple[Any, ...], float]:
-    held = _PRICED.get(id(hw))
-    if held is None or held[0] is not hw or len(held[1]) > _PRICED_MOST:
-        if len(_PRICED) >= 8:
-            _PRICED.clear()
-        held = _PRICED[id(hw)] = (hw, {})
-    return held[1]
+    return by_identity(_PRICED, hw, dict, 8)
 
 
 def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
@@ -42,6 +38,8 @@ def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float
     seconds = priced.get(key)
     if seconds is None:
         plan = make_plan(op, size, shape, key[3], hw, key[4])
+        if len(priced) >= _PRICED_MOST:
+            priced.clear()
         seconds = priced[key] = estimate(plan, hw)
     return seconds
 
