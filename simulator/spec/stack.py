@@ -138,6 +138,15 @@ class StackSpec(BaseModel):
     and the reduced shard added to ``.grad`` on later micro-batches
     (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
     :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)"""
+    flash_unpad: bool = False
+    """flash-attn's kernels (flash1, flash2) called on packed tokens through its
+    ``bert_padding`` helpers, as llm-foundry's ``flash_attn_fn`` calls them on every forward
+    (a mask of ones when the batch has none): ``unpad_input`` on Q, K and V (each a mask
+    sum, ``nonzero``, a max read back by ``.item()``, a cumsum and a ``torch.gather`` into a
+    packed copy) and ``pad_input`` on the output (a zeroed buffer and an index put); their
+    backward scatters each gradient into a zeroed buffer and gathers the output's. No
+    effect on other kernels (llm-foundry's Triton path takes the padded tensors).
+    (:func:`simulator.model.inventory.attention.unpad_ops`)"""
     fsdp_flat_param: bool = False
     """FSDP1's FlatParameter kernels around each unit's collectives (torch/distributed/fsdp/
     _runtime_utils.py, _flat_param.py): under mixed precision the fp32 shard cast to 16 bits

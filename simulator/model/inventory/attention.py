@@ -28,14 +28,16 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
     heads = x.spec.heads / x.tp
     if x.st.flash:
         call = AttentionCall(x.st.attention, x.spec.seq_len, x.spec.head_size)
+        before, after = unpad_ops(x, pass_)
         if pass_ == "fwd":  # read q, k, v; write o; keep q, k, v and the fp32 log-sum-exp
-            return [Op("attn_core", "attention", fwd_flops, dt * T * (2 * x.q + 2 * x.kv),
-                       fwd_flops, "attention_fwd", 1,
-                       dt * T * (x.q + 2 * x.kv) + 4 * T * heads + own_output(x),
-                       flash_scale(pass_), attn=call)]
-        return [Op("attn_core", "attention", 2 * fwd_flops, dt * T * (4 * x.q + 4 * x.kv),
-                   2 * fwd_flops, "attention_bwd", FLASH_BWD_KERNELS[x.st.attention], 0.0,
-                   flash_scale(pass_), attn=call)]
+            return [*before, Op("attn_core", "attention", fwd_flops,
+                                dt * T * (2 * x.q + 2 * x.kv), fwd_flops, "attention_fwd", 1,
+                                dt * T * (x.q + 2 * x.kv) + 4 * T * heads + own_output(x),
+                                flash_scale(pass_), attn=call), *after]
+        return [*before, Op("attn_core", "attention", 2 * fwd_flops,
+                            dt * T * (4 * x.q + 4 * x.kv), 2 * fwd_flops, "attention_bwd",
+                            FLASH_BWD_KERNELS[x.st.attention], 0.0, flash_scale(pass_),
+                            attn=call), *after]
     fused_softmax = x.st.attention == "unfused_fused_softmax"
     dropout = x.st.attention_dropout > 0
     half = fwd_flops / 2
@@ -59,6 +61,37 @@ def attention_ops(x: Shape, pass_: Pass) -> list[Op]:
     ops.append(Op("attn_av", "gemm", fwd_flops, dt * (2 * S + 2 * T * (x.q + x.kv)), half,
                   "gemm_dgrad", 2))
     return ops
+
+
+#: the kernels flash-attn's ``bert_padding`` helpers wrap (its varlen interface)
+UNPADDED = ("flash1", "flash2")
+
+#: Kernels of one ``unpad_input`` (flash_attn/bert_padding.py): the mask's sum, ``nonzero``
+#: (a count and a select), the lengths' max, its ``.item()`` copy to the host, the cumsum,
+#: ``F.pad`` and the ``torch.gather`` into the packed copy
+UNPAD_KERNELS = 8
+
+
+def unpad_ops(x: Shape, pass_: Pass) -> tuple[list[Op], list[Op]]:
+    """The ops before and after a flash-attn kernel called on packed tokens
+    (``stack.flash_unpad``), in forward order. llm-foundry's ``flash_attn_fn``
+    (llmfoundry/models/layers/attention.py) makes a mask of ones when none is given and
+    packs Q, K and V with three ``unpad_input`` calls, then ``pad_input``s the output;
+    ``IndexFirstAxis`` and ``IndexPutFirstAxis`` (flash_attn/bert_padding.py) give the
+    bytes: forward, each gather reads and writes its tensor, the pad zeroes the padded
+    output, reads the packed one and writes it back (``torch.zeros`` + ``output[indices]
+    = values``); backward, each unpad's gradient is a zeroed buffer its packed gradient is
+    scattered into (``scatter_``: zeros, read, write), the pad's a gather of the output
+    gradient. The index tensors (``repeat`` makes a broadcast view) and the mask's few
+    bytes a token are left out."""
+    if not x.st.flash_unpad or x.st.attention not in UNPADDED:
+        return [], []
+    packed, tokens = x.q + 2 * x.kv, x.tokens
+    if pass_ == "fwd":  # + the mask of ones (torch.ones_like)
+        return ([mem("attn_unpad", 2 * tokens * packed, x.dt, "copy", 3 * UNPAD_KERNELS + 1)],
+                [mem("attn_pad", 3 * tokens * x.q, x.dt, "copy", 2)])
+    return ([mem("attn_unpad", 3 * tokens * packed, x.dt, "copy", 6)],
+            [mem("attn_pad", 2 * tokens * x.q, x.dt, "copy", 1)])
 
 
 def own_output(x: Shape) -> float:
