@@ -314,15 +314,17 @@ def checkpointing(c: Config, d: Draft) -> None:
 
 def compiled(c: Config, d: Draft) -> None:
     """torch.compile's fusions (the torchtitan stack preset lists what it fuses):
-    none without ``compile.enable``, the loss's only when ``loss`` is a component."""
+    none without ``compile.enable``, the loss's only when ``loss`` is a component; the
+    model's norms are PyTorch's own ``nn.RMSNorm`` kernels unless the model is compiled."""
     components = c.get("compile.components", ["model", "loss"], list)
     fusions: list[str] = []
-    if c.get("compile.enable", False, bool):
-        if "model" in components:
-            fusions += ["bias_act", "bias_dropout_add", "rope"]
-        if "loss" in components:
-            fusions.append("cross_entropy")
+    model = c.get("compile.enable", False, bool) and "model" in components
+    if model:
+        fusions += ["bias_act", "bias_dropout_add", "rope"]
+    if c.get("compile.enable", False, bool) and "loss" in components:
+        fusions.append("cross_entropy")
     d.set("stack.fusions", fusions)
+    d.set("stack.norm_kernel", "fused" if model else "torch")
 
 
 def import_torchtitan(path: Path, system: str, nodes: int | None, gpus: int | None,

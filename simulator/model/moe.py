@@ -326,8 +326,9 @@ def layer_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: boo
     if pass_ == "bwd_weight":
         return tuple(op for op in (*attention, *mlp) if op.kind == "gemm")
     residual = mem("residual", 3.0 * local * spec.hidden, dt)
-    ops = (mem("ln1", norm_elements(spec, local, pass_), dt, "norm"), *attention,
-           residual, mem("ln2", norm_elements(spec, local, pass_), dt, "norm"), *mlp,
+    norm = st.norm_classes[0]
+    ops = (mem("ln1", norm_elements(spec, local, pass_), dt, norm), *attention,
+           residual, mem("ln2", norm_elements(spec, local, pass_), dt, norm), *mlp,
            residual)
     if fp8.on(st):  # delayed scaling's update, after the pass
         x = Shape(spec, micro_batch, tp, sequence_parallel, dt, st)

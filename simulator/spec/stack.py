@@ -138,6 +138,12 @@ class StackSpec(BaseModel):
     and the reduced shard added to ``.grad`` on later micro-batches
     (:func:`simulator.model.inventory.sharding.fsdp_gather_ops`,
     :func:`~simulator.model.inventory.sharding.fsdp_reduce_ops`)"""
+    norm_kernel: Literal["fused", "torch"] = "fused"
+    """The normalisation kernels: torch (PyTorch's own ``layer_norm`` / ``rms_norm``,
+    its backward's separate γ/β reduction included: what ``clustersim calibrate`` times as
+    the ``norm`` class, priced on ``gpu.class_efficiency.norm`` where the profile has
+    it) or fused (a framework's own: Transformer Engine's, apex's, a compiled one;
+    priced as an elementwise kernel of its bytes, the γ/β sums as a reduction)."""
     flash_unpad: bool = False
     """flash-attn's kernels (flash1, flash2) called on packed tokens through its
     ``bert_padding`` helpers, as llm-foundry's ``flash_attn_fn`` calls them on every forward
@@ -287,6 +293,11 @@ class StackSpec(BaseModel):
     @property
     def flash(self) -> bool:
         return self.attention in (*get_args(FusedAttention), "te")
+
+    @property
+    def norm_classes(self) -> tuple[str, str]:
+        """The cost classes of a norm and of its γ/β gradient sums (``norm_kernel``)."""
+        return ("norm", "norm") if self.norm_kernel == "torch" else ("elementwise", "reduction")
 
     @property
     def host_us(self) -> float:

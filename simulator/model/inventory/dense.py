@@ -140,7 +140,8 @@ def residual_ops(x: Shape, pass_: Pass) -> list[Op]:
 
 def norm_op(x: Shape, name: str, pass_: Pass) -> Op:
     elements = norm_elements(x.spec, x.local, pass_)
-    return mem(name, elements, x.rs, "norm", 1, x.rs * x.local * x.spec.hidden * (pass_ == "fwd"))
+    return mem(name, elements, x.rs, x.st.norm_classes[0], 1,
+               x.rs * x.local * x.spec.hidden * (pass_ == "fwd"))
 
 
 def amp_cast_ops(x: Shape, name: str, linears: int, pass_: Pass) -> list[Op]:
@@ -175,7 +176,8 @@ def grad_ops(x: Shape, bias_elements: float, bias_kernels: int, weights: float,
     L, h, dt = x.local, x.spec.hidden, x.dt
     bias, accum = param_grad_ops(x.spec, x.st, dt, "", bias_elements, bias_kernels, weights,
                                   weights, cast_elements, cast_kernels, tensors)
-    return [*bias, mem("norm_grad", 2 * 2 * L * h, dt, "reduction", 2 * norm_tensors(x.spec)),
+    return [*bias, mem("norm_grad", 2 * 2 * L * h, dt, x.st.norm_classes[1],
+                       2 * norm_tensors(x.spec)),
             *accum]
 
 

@@ -57,12 +57,12 @@ def mla_ops(spec: ModelSpec, mla: MLASpec, micro_batch: int, tp: int, dt: int,
     norm = 2.0 if pass_ == "fwd" else 3.0
     if mla.q_lora_rank:
         q = [*proj("q_down", shard * spec.hidden),
-             mem("q_norm", norm * tokens * mla.q_lora_rank, dt),
+             mem("q_norm", norm * tokens * mla.q_lora_rank, dt, st.norm_classes[0]),
              *proj("q_up", tokens * mla.q_lora_rank)]
     else:
         q = proj("q_up", shard * spec.hidden)
     kv = [*proj("kv_down", shard * spec.hidden),
-          mem("kv_norm", norm * tokens * mla.kv_lora_rank, dt),
+          mem("kv_norm", norm * tokens * mla.kv_lora_rank, dt, st.norm_classes[0]),
           *proj("kv_up", tokens * mla.kv_lora_rank)]
     core = 2.0 * micro_batch * spec.seq_len**2 * heads * (mla.qk_head_dim + mla.v_head_dim)
     qk, v = heads * mla.qk_head_dim, heads * mla.v_head_dim

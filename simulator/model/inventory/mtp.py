@@ -74,8 +74,9 @@ def mtp_in_ops(spec: ModelSpec, micro_batch: int, tp: int, sequence_parallel: bo
     # hnorm with their own (read two, write one)
     join = mem("mtp_concat", 2 * 2 * local * spec.hidden, dt, "copy") if pass_ == "fwd" else \
         mem("mtp_grad_sum", 3 * local * spec.hidden, dt, "elementwise")
-    ops = (mem("mtp_enorm", norm, wide, "norm", saved=saved),
-           mem("mtp_hnorm", norm, wide, "norm", saved=saved), join, proj)
+    cls = stack.norm_classes[0]
+    ops = (mem("mtp_enorm", norm, wide, cls, saved=saved),
+           mem("mtp_hnorm", norm, wide, cls, saved=saved), join, proj)
     return ops if pass_ == "fwd" else ops[::-1]
 
 
