@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -176,11 +176,31 @@ def _split(snap: dict[Any, dict[str, int]]) -> dict[str, Any]:
             "tracker": tracker_bytes, "by_item": ours}
 
 
+def peak_moment(tracker: FSDPMemTracker, model: GPT, peak: int) -> dict[str, str]:
+    """Where the forward-and-backward peak of ``peak`` bytes happened, from the tracker's
+    per-unit peaks (``memory_tracking``: each ``fully_shard`` unit's peak while it ran
+    forward and backward): ``block`` in the backward of the last block (the backward's
+    first), ``later block`` in another block's backward, ``forward`` in a block's
+    forward, ``root`` in the root unit's own modules (embedding, norm, head), ``loss``
+    outside every unit (the loss's backward, before the root's pre-backward hook), with
+    the unit's name."""
+    blocks = list(model.layers.values())
+    units = [(b, "block" if i == len(blocks) - 1 else "later block")
+             for i, b in enumerate(blocks)]
+    for state, label in ((_FSDPModState.PEAK_BW, None), (_FSDPModState.PEAK_FW, "forward")):
+        for unit, name in [*units, (model, "root")]:
+            stats = tracker.memory_tracking.get(unit)
+            snaps = stats.snapshots.get(state, []) if stats is not None else []
+            if any(snap.get("Total", 0) == peak for s in snaps for snap in s.values()):
+                return {"moment": label or name, "module": stats.mod_fqn}
+    return {"moment": "loss", "module": ""}
+
+
 def tracked_peak(step: FakeStep,
                  progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The tracker's peak snapshots of a steady-state step on rank 0, in bytes: over the
     forward and backward, and over the whole step (the optimizer's step included; fused
-    AdamW, which updates in place)."""
+    AdamW, which updates in place), and where the first happened (:func:`peak_moment`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mesh = _fake_group(step.shards)
@@ -199,8 +219,9 @@ def tracked_peak(step: FakeStep,
                 progress("step 2 of 2 (tracked)")
                 _forward_backward(model, tokens)
                 backward = tracker.get_tracker_snapshot("peak")
+                where = peak_moment(tracker, model, _split(backward)["peak_bytes"])
                 _optimizer_step(opt)
             step_peak = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()
-    return {"forward_backward": _split(backward), "step": _split(step_peak)}
+    return {"forward_backward": _split(backward), "step": _split(step_peak), "peak_at": where}

@@ -8,8 +8,9 @@ TP, PP, CP, experts or hybrid sharding, recompute ``none``, ``full`` or ``op``
 
 Prints per item the simulator's bytes (stage 0 of :func:`simulator.analysis.memory.
 memory_report`) and the tracker's at its forward-and-backward peak and over the whole
-step, and with ``--out DIR`` writes ``DIR/memory.json`` and ``DIR/memory.txt``, each
-atomically.
+step, then the moment of each side's peak (the tracker's unit, the simulator's
+:func:`simulator.strategies.zero3.buffers.zero3_peak`), and with ``--out DIR`` writes
+``DIR/memory.json`` and ``DIR/memory.txt``, each atomically.
 """
 
 from __future__ import annotations
@@ -127,6 +128,21 @@ def comparison(sim: dict[str, float], tracked: dict[str, Any]) -> list[dict[str,
     return rows
 
 
+def simulated_moment(s: Scenario) -> str:
+    """The moment of stage 0's backward the simulator's table holds
+    (:func:`simulator.strategies.zero3.buffers.zero3_peak`: ``loss`` or ``block``)."""
+    from simulator.strategies.zero3.buffers import zero3_peak
+
+    return zero3_peak(s, 0).name
+
+
+def moment_line(tracked: dict[str, Any], ours: str) -> str:
+    """Where each side's peak is: the tracker's unit and moment, and ours."""
+    at = tracked["peak_at"]
+    where = f"{at['moment']} ({at['module']})" if at["module"] else at["moment"]
+    return f"peak moment: tracker {where}, simulated {ours}"
+
+
 def table(name: str, rows: list[dict[str, Any]]) -> str:
     gb = 1e9
     lines = [f"{name}: rank 0 in GB, the simulator beside FSDPMemTracker's peaks",
@@ -170,12 +186,13 @@ def run(args: argparse.Namespace) -> int:
 
     tracked = tracked_peak(step, _progress(time.monotonic()))
     rows = comparison(simulated(s), tracked)
-    text = table(s.name, rows)
+    ours = simulated_moment(s)
+    text = table(s.name, rows) + "\n" + moment_line(tracked, ours)
     print(text)
     if args.out is not None:
         doc = {"scenario": s.name, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                "step": {k: str(v) for k, v in vars(step).items()},
-               "tracker": tracked, "rows": rows}
+               "tracker": tracked, "rows": rows, "simulated_moment": ours}
         with atomic_output(args.out / "memory.json", "--out") as tmp:
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
         with atomic_output(args.out / "memory.txt", "--out") as tmp:
