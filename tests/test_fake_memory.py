@@ -118,6 +118,20 @@ def test_without_reshard_every_block_is_gathered_at_the_loss(tiny: Path) -> None
         zero3_moments(s, 0)[0].buffers, rel=STATES_TOL)
 
 
+def test_two_micro_batches_hold_the_first_ones_sharded_gradients(tiny: Path) -> None:
+    """Gradient accumulation: the tracked last micro-batch's loss peak holds the sharded
+    fp32 gradients the first one's reduce-scatters made (fsdp_grads_at_peak counts them
+    whole with more than one micro-batch), the same buffers and the same moment."""
+    rows = _rows(tiny, "training.global_batch=8")
+    s = load_scenario(tiny, ["training.global_batch=8"])
+    assert s.microbatches == 2
+    for item in ("weights", "grads", "optimizer", "buffers"):
+        assert rows[item]["simulated"] == pytest.approx(rows[item]["tracker_step"],
+                                                        rel=STATES_TOL)
+    assert rows["grads"]["simulated"] == pytest.approx(4 * param_count(s.model) / 2,
+                                                       rel=STATES_TOL)
+
+
 @pytest.mark.parametrize("overrides, field", [
     (("parallel.tp=2", "parallel.dp=1"), "parallel.tp"),
     (("parallel.zero=1",), "parallel.zero"),

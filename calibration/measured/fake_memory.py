@@ -17,7 +17,10 @@ Two steps run: the first creates AdamW's states (lazily, in its first ``step``),
 second is tracked, as a steady-state step. The first is not tracked: a tracker entered
 over both counts the second step's states again (torch 2.13: OptState reads about ten
 times AdamW's two moments after ``reset_mod_stats``), one entered after the first reads
-them right.
+them right. A step of several micro-batches (gradient accumulation, each reduce-scattered
+as FSDP2 does by default) runs all but the last before the tracker starts (it follows
+one forward a unit): the tracked pass is the last, the earlier ones' sharded gradients
+held.
 
 The tensors live on the CPU: on a CPU-only build FSDP2's ``fully_shard`` asks
 ``torch.cuda.current_device()`` for a ``cuda`` mesh (``_fsdp_init._get_device_from_mesh``)
@@ -76,6 +79,7 @@ class FakeStep:
     reduce_dtype: str  # MixedPrecisionPolicy.reduce_dtype
     recompute: str  # none | full | op (each block under torch.utils.checkpoint)
     reshard_after_forward: bool
+    microbatches: int = 1  # forward-backward passes a step (gradient accumulation)
 
 
 #: what torchtitan's per-op policy saves (``_op_sac_save_list`` of
@@ -156,8 +160,11 @@ def _build(step: FakeStep, mesh: Any) -> GPT:
     return model
 
 
-def _forward_backward(model: GPT, tokens: torch.Tensor) -> None:
-    loss_fn(model(tokens), tokens).backward()
+def _forward_backward(model: GPT, tokens: torch.Tensor, microbatches: int = 1) -> None:
+    """``microbatches`` forward-backward passes, each reduce-scattered as FSDP2 does by
+    default (the sharded gradients accumulate from the first)."""
+    for _ in range(microbatches):
+        loss_fn(model(tokens), tokens).backward()
 
 
 def _optimizer_step(opt: torch.optim.Optimizer) -> None:
@@ -211,12 +218,15 @@ def tracked_peak(step: FakeStep,
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             tokens = torch.zeros(step.micro_batch, step.sizes.seq_len, dtype=torch.long)
             progress("step 1 of 2 (creates AdamW's states, untracked)")
-            _forward_backward(model, tokens)
+            _forward_backward(model, tokens, step.microbatches)
             _optimizer_step(opt)
+            # the tracker follows one forward a unit: the earlier micro-batches run
+            # before it, their sharded gradients there when it starts
+            _forward_backward(model, tokens, step.microbatches - 1)
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((tokens,))
             with tracker:
-                progress("step 2 of 2 (tracked)")
+                progress("step 2 of 2 (tracked: its last micro-batch and the optimizer)")
                 _forward_backward(model, tokens)
                 backward = tracker.get_tracker_snapshot("peak")
                 where = peak_moment(tracker, model, _split(backward)["peak_bytes"])

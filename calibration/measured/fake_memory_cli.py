@@ -97,7 +97,8 @@ def fake_step(s: Scenario) -> FakeStep:
                     reduce_dtype=("fp32" if s.stack.grad_reduce_dtype == "fp32"
                                   else s.training.dtype),
                     recompute=s.parallel.recompute,
-                    reshard_after_forward=s.parallel.reshard_after_forward)
+                    reshard_after_forward=s.parallel.reshard_after_forward,
+                    microbatches=s.microbatches)
 
 
 def simulated(s: Scenario) -> dict[str, float]:
