@@ -34,7 +34,7 @@ from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
 from simulator.strategies.offload import offloaded
-from simulator.strategies.zero3.buffers import zero3_peak
+from simulator.strategies.zero3.buffers import MOMENTS, zero3_peak
 
 
 def loss_and_buffers(s: Scenario, stage: int) -> tuple[float, float]:
@@ -171,12 +171,6 @@ TENSOR_SOURCES: dict[str, tuple[str, str]] = {
                                 "units and unsharded gradients at the peak's moment: the "
                                 "loss's backward or the first block's (zero3_peak)"),
 }
-
-
-#: ZeRO-3's moments (:func:`simulator.strategies.zero3.buffers.zero3_moments`) in words
-MOMENTS = {"loss": "the loss's backward (the root and the running unit gathered)",
-           "block": "the first block's backward (running and prefetched units, the "
-                    "unsharded gradients)"}
 
 
 def optimizer_source(s: Scenario) -> str:

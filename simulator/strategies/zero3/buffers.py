@@ -36,6 +36,11 @@ from simulator.model.transformer import embedding_params, head_params, layer_par
 from simulator.spec.placement import holds_embedding, holds_head, stage_layer_count, tied_copy
 from simulator.spec.scenario import Scenario
 
+#: the moments of :func:`zero3_moments`, in words (``clustersim memory``'s buffers item)
+MOMENTS = {"loss": "the loss's backward (the root and the running unit gathered)",
+           "block": "the first block's backward (running and prefetched units, the "
+                    "unsharded gradients)"}
+
 
 @dataclass(frozen=True)
 class Moment:
