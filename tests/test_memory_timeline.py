@@ -31,6 +31,7 @@ from simulator.model.memory import activation_bytes_per_layer
 from simulator.model.transformer import layer_params
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
+from simulator.strategies.zero3.buffers import zero3_moments, zero3_peak
 from simulator.strategies.zero3.strategy import zero3_root_bytes
 
 EXACT = 1e-12
@@ -187,34 +188,56 @@ def _zero3(**kw: Any) -> tuple[Scenario, dict[int, float], dict[int, float], dic
     pytest.param({"tp": 2, "recompute": "full", "sequence_parallel": True}, id="tp-sp-full"),
     pytest.param({"tp": 2, "recompute": "selective", "fidelity": "full"}, id="tp-selective-full"),
 ])
-def test_zero3_first_stage_exact_last_stage_frees_logits_first(case: dict[str, Any]) -> None:
+def test_zero3_first_stage_exact_last_stage_frees_the_head_inputs(case: dict[str, Any]) -> None:
     """At the first backward of a non-last stage the curve holds all in-flight activations,
     the backward's gathered layer, the prefetched ones and the first unsharded gradient:
-    memory.py's sum exactly. On the last stage the head's inputs and both logits copies
-    are freed (end of the head's backward) before the first layer's gradient buffer is
-    allocated, so the curve holds the larger of the two where memory.py adds them."""
+    memory.py's sum exactly. On the last stage of this model (a gathered layer outweighs
+    the logits) the table's peak is its first block's backward (zero3_moments' "block":
+    the loss's copies freed, the output layer's gradient made); the curve holds the same
+    less the head's inputs (final norm's and logits GEMM's, 4 b·s·h), which the head's
+    backward frees and the table keeps in the activations."""
     s, got, total, z = _zero3(**case)
     assert got[0] == pytest.approx(total[0], rel=EXACT)
     last = s.parallel.pp - 1
-    gap = min(z["unit"], z["head"] + z["dlogits"])
-    assert got[last] == pytest.approx(total[last] - gap, rel=EXACT)
+    assert zero3_peak(s, last).name == "block"
+    assert got[last] == pytest.approx(total[last] - 4 * z["tok"], rel=EXACT)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_zero3_loss_moment_with_the_engine_prefetches(prefetch: int) -> None:
+    """A large vocabulary: the table's peak is the loss's backward (every logits copy, the
+    root unit and the running layer gathered, no gradient yet, as FSDPMemTracker sees
+    it); the engine issues the first backward's prefetched gathers during the loss's
+    backward (FSDP2 issues them at the first block's pre-backward), so the curve holds
+    ``fsdp_prefetch`` gathered layers more."""
+    s, got, total, z = _zero3(model={**MODEL, "vocab": 8192}, fsdp_prefetch=prefetch)
+    last = s.parallel.pp - 1
+    assert zero3_peak(s, last).name == "loss"
+    assert got[0] == pytest.approx(total[0], rel=EXACT)
+    assert got[last] == pytest.approx(total[last] + prefetch * z["unit"], rel=EXACT)
 
 
 def test_zero3_single_stage() -> None:
     _, got, total, z = _zero3(pp=1, dp=4)
-    assert got[0] == pytest.approx(total[0] - min(z["unit"], z["head"] + z["dlogits"]),
-                                   rel=EXACT)
+    assert got[0] == pytest.approx(total[0] - 4 * z["tok"], rel=EXACT)
 
 
 def test_zero3_zb_h1_has_no_gradient_buffer_at_the_activation_peak() -> None:
     """ZB-H1's I computes no weight gradient: the unsharded gradients (W, later: a
     layer's, and on the last stage the output layer's) never coincide with the
-    activation peak, which is memory.py's total less those."""
+    activation peak. A first stage holds memory.py's total less the layer's gradient; the
+    last stage's curve peaks at the loss's backward (its moment, with the engine's
+    prefetched layer: the test above)."""
     s, got, total, z = _zero3(schedule="zb-h1")
+    last = s.parallel.pp - 1
     for st in total:
         head_grad = zero3_root_bytes(s, st)[1]
-        assert head_grad == 0 or st == s.parallel.pp - 1
-        assert got[st] == pytest.approx(total[st] - z["unit"] - head_grad, rel=EXACT)
+        assert head_grad == 0 or st == last
+    assert got[0] == pytest.approx(total[0] - z["unit"], rel=EXACT)
+    br = stage_breakdown(s, last)
+    loss = zero3_moments(s, last)[0]
+    at_loss = total[last] - br.logits - br.comm_buffers + loss.total
+    assert got[last] == pytest.approx(at_loss + z["unit"], rel=EXACT)
 
 
 def test_zero3_interleaved_with_tp() -> None:
@@ -222,14 +245,17 @@ def test_zero3_interleaved_with_tp() -> None:
     result, tl = run(s)
     got, total, z = stage_peaks(tl), totals(s), sizes(s)
     # stage 0: memory.py's sum plus the interleaved embedding-mask count (replay - memory.py
-    # without ZeRO-3 buffers); last stage: as 1F1B's, plus that count's head-input analogue
+    # without ZeRO-3 buffers); last stage: the table's peak is its first block's backward
+    # (no logits), where the curve holds the replay's activations less the head's inputs
+    # and both logits copies (freed by the head's backward), and the table's buffers
     for st in total:
         replay_gap = replay_peak(s, result, st) - (total[st] - stage_breakdown(s, st)
                                                     .comm_buffers)
         if st == 0:
             assert got[st] == pytest.approx(total[st] + replay_gap, rel=EXACT)
         else:
-            gap = min(z["unit"], z["head"] + z["dlogits"])
+            assert zero3_peak(s, st).name == "block"
+            gap = z["head"] + z["dlogits"]
             assert got[st] == pytest.approx(total[st] + replay_gap - gap, rel=EXACT)
 
 

@@ -17,7 +17,10 @@ Two steps run: the first creates AdamW's states (lazily, in its first ``step``),
 second is tracked, as a steady-state step. The first is not tracked: a tracker entered
 over both counts the second step's states again (torch 2.13: OptState reads about ten
 times AdamW's two moments after ``reset_mod_stats``), one entered after the first reads
-them right.
+them right. A step of several micro-batches (gradient accumulation, each reduce-scattered
+as FSDP2 does by default) runs all but the last before the tracker starts (it follows
+one forward a unit): the tracked pass is the last, the earlier ones' sharded gradients
+held.
 
 The tensors live on the CPU: on a CPU-only build FSDP2's ``fully_shard`` asks
 ``torch.cuda.current_device()`` for a ``cuda`` mesh (``_fsdp_init._get_device_from_mesh``)
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -76,6 +79,7 @@ class FakeStep:
     reduce_dtype: str  # MixedPrecisionPolicy.reduce_dtype
     recompute: str  # none | full | op (each block under torch.utils.checkpoint)
     reshard_after_forward: bool
+    microbatches: int = 1  # forward-backward passes a step (gradient accumulation)
 
 
 #: what torchtitan's per-op policy saves (``_op_sac_save_list`` of
@@ -156,8 +160,11 @@ def _build(step: FakeStep, mesh: Any) -> GPT:
     return model
 
 
-def _forward_backward(model: GPT, tokens: torch.Tensor) -> None:
-    loss_fn(model(tokens), tokens).backward()
+def _forward_backward(model: GPT, tokens: torch.Tensor, microbatches: int = 1) -> None:
+    """``microbatches`` forward-backward passes, each reduce-scattered as FSDP2 does by
+    default (the sharded gradients accumulate from the first)."""
+    for _ in range(microbatches):
+        loss_fn(model(tokens), tokens).backward()
 
 
 def _optimizer_step(opt: torch.optim.Optimizer) -> None:
@@ -176,11 +183,31 @@ def _split(snap: dict[Any, dict[str, int]]) -> dict[str, Any]:
             "tracker": tracker_bytes, "by_item": ours}
 
 
+def peak_moment(tracker: FSDPMemTracker, model: GPT, peak: int) -> dict[str, str]:
+    """Where the forward-and-backward peak of ``peak`` bytes happened, from the tracker's
+    per-unit peaks (``memory_tracking``: each ``fully_shard`` unit's peak while it ran
+    forward and backward): ``block`` in the backward of the last block (the backward's
+    first), ``later block`` in another block's backward, ``forward`` in a block's
+    forward, ``root`` in the root unit's own modules (embedding, norm, head), ``loss``
+    outside every unit (the loss's backward, before the root's pre-backward hook), with
+    the unit's name."""
+    blocks = list(model.layers.values())
+    units = [(b, "block" if i == len(blocks) - 1 else "later block")
+             for i, b in enumerate(blocks)]
+    for state, label in ((_FSDPModState.PEAK_BW, None), (_FSDPModState.PEAK_FW, "forward")):
+        for unit, name in [*units, (model, "root")]:
+            stats = tracker.memory_tracking.get(unit)
+            snaps = stats.snapshots.get(state, []) if stats is not None else []
+            if any(snap.get("Total", 0) == peak for s in snaps for snap in s.values()):
+                return {"moment": label or name, "module": stats.mod_fqn}
+    return {"moment": "loss", "module": ""}
+
+
 def tracked_peak(step: FakeStep,
                  progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The tracker's peak snapshots of a steady-state step on rank 0, in bytes: over the
     forward and backward, and over the whole step (the optimizer's step included; fused
-    AdamW, which updates in place)."""
+    AdamW, which updates in place), and where the first happened (:func:`peak_moment`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mesh = _fake_group(step.shards)
@@ -191,16 +218,20 @@ def tracked_peak(step: FakeStep,
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             tokens = torch.zeros(step.micro_batch, step.sizes.seq_len, dtype=torch.long)
             progress("step 1 of 2 (creates AdamW's states, untracked)")
-            _forward_backward(model, tokens)
+            _forward_backward(model, tokens, step.microbatches)
             _optimizer_step(opt)
+            # the tracker follows one forward a unit: the earlier micro-batches run
+            # before it, their sharded gradients there when it starts
+            _forward_backward(model, tokens, step.microbatches - 1)
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((tokens,))
             with tracker:
-                progress("step 2 of 2 (tracked)")
+                progress("step 2 of 2 (tracked: its last micro-batch and the optimizer)")
                 _forward_backward(model, tokens)
                 backward = tracker.get_tracker_snapshot("peak")
+                where = peak_moment(tracker, model, _split(backward)["peak_bytes"])
                 _optimizer_step(opt)
             step_peak = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()
-    return {"forward_backward": _split(backward), "step": _split(step_peak)}
+    return {"forward_backward": _split(backward), "step": _split(step_peak), "peak_at": where}

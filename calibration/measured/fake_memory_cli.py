@@ -8,8 +8,9 @@ TP, PP, CP, experts or hybrid sharding, recompute ``none``, ``full`` or ``op``
 
 Prints per item the simulator's bytes (stage 0 of :func:`simulator.analysis.memory.
 memory_report`) and the tracker's at its forward-and-backward peak and over the whole
-step, and with ``--out DIR`` writes ``DIR/memory.json`` and ``DIR/memory.txt``, each
-atomically.
+step, then the moment of each side's peak (the tracker's unit, the simulator's
+:func:`simulator.strategies.zero3.buffers.zero3_peak`), and with ``--out DIR`` writes
+``DIR/memory.json`` and ``DIR/memory.txt``, each atomically.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def fake_step(s: Scenario) -> FakeStep:
                     reduce_dtype=("fp32" if s.stack.grad_reduce_dtype == "fp32"
                                   else s.training.dtype),
                     recompute=s.parallel.recompute,
-                    reshard_after_forward=s.parallel.reshard_after_forward)
+                    reshard_after_forward=s.parallel.reshard_after_forward,
+                    microbatches=s.microbatches)
 
 
 def simulated(s: Scenario) -> dict[str, float]:
@@ -125,6 +127,21 @@ def comparison(sim: dict[str, float], tracked: dict[str, Any]) -> list[dict[str,
     for r in rows:
         r["error"] = (r["simulated"] / r["tracker_step"] - 1) if r["tracker_step"] else None
     return rows
+
+
+def simulated_moment(s: Scenario) -> str:
+    """The moment of stage 0's backward the simulator's table holds
+    (:func:`simulator.strategies.zero3.buffers.zero3_peak`: ``loss`` or ``block``)."""
+    from simulator.strategies.zero3.buffers import zero3_peak
+
+    return zero3_peak(s, 0).name
+
+
+def moment_line(tracked: dict[str, Any], ours: str) -> str:
+    """Where each side's peak is: the tracker's unit and moment, and ours."""
+    at = tracked["peak_at"]
+    where = f"{at['moment']} ({at['module']})" if at["module"] else at["moment"]
+    return f"peak moment: tracker {where}, simulated {ours}"
 
 
 def table(name: str, rows: list[dict[str, Any]]) -> str:
@@ -170,12 +187,13 @@ def run(args: argparse.Namespace) -> int:
 
     tracked = tracked_peak(step, _progress(time.monotonic()))
     rows = comparison(simulated(s), tracked)
-    text = table(s.name, rows)
+    ours = simulated_moment(s)
+    text = table(s.name, rows) + "\n" + moment_line(tracked, ours)
     print(text)
     if args.out is not None:
         doc = {"scenario": s.name, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                "step": {k: str(v) for k, v in vars(step).items()},
-               "tracker": tracked, "rows": rows}
+               "tracker": tracked, "rows": rows, "simulated_moment": ours}
         with atomic_output(args.out / "memory.json", "--out") as tmp:
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
         with atomic_output(args.out / "memory.txt", "--out") as tmp:

@@ -34,17 +34,22 @@ from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
 from simulator.strategies.offload import offloaded
-from simulator.strategies.zero3.buffers import zero3_buffers
+from simulator.strategies.zero3.buffers import MOMENTS, zero3_peak
 
 
-def comm_buffers(s: Scenario, stage: int) -> float:
-    """Communication buffers on one GPU of ``stage``: two gradient buckets in flight under
-    DDP and ZeRO-1/2, ZeRO-3's gathered units (none without data parallelism)."""
+def loss_and_buffers(s: Scenario, stage: int) -> tuple[float, float]:
+    """What the loss holds and the communication buffers on one GPU of ``stage`` at its
+    peak: under DDP and ZeRO-1/2 every logits copy and two gradient buckets in flight
+    (none without data parallelism); under ZeRO-3 those of the moment of its backward
+    that holds the most (:func:`simulator.strategies.zero3.buffers.zero3_peak`: the
+    loss's backward with its logits copies, or the first block's with the gathered,
+    prefetched and unsharded gradients' buffers)."""
     if s.parallel.dp == 1:
-        return 0.0
+        return logits(s, stage), 0.0
     if s.parallel.zero <= 2:
-        return bucket_buffers(s)
-    return zero3_buffers(s, stage)
+        return logits(s, stage), bucket_buffers(s)
+    peak = zero3_peak(s, stage)
+    return peak.logits, peak.buffers
 
 
 def _extended(s: Scenario, stage: int, m: MemoryBreakdown) -> MemoryBreakdown:
@@ -87,14 +92,15 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
     gradients, optimizer = offloaded(scenario, gradients, optimizer)
     buffers, compression_state = memory_extra(scenario, stage)
     acts, held = activations(scenario, stage), logits(scenario, stage)
+    at_peak, comm = loss_and_buffers(scenario, stage)
     out = MemoryBreakdown(
         stage=stage,
         weights=weights,
         gradients=fsdp_grads_at_peak(scenario, gradients, acts + held),
         optimizer=optimizer + compression_state,
         activations=acts,
-        logits=held,
-        comm_buffers=comm_buffers(scenario, stage) + buffers,
+        logits=at_peak,
+        comm_buffers=comm + buffers,
         capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
         device=tuple(device_terms(scenario, stage).items()),
     )
@@ -159,9 +165,11 @@ TENSOR_SOURCES: dict[str, tuple[str, str]] = {
                                "hybrid; distrib_optimizer.py: 6 + 12/d with the grads)"),
     "activations": ("activations", "op inventory's saved tensors × the schedule's in-flight "
                                    "micro-batches (Korthikanti et al. 2022, Table 2)"),
-    "logits": ("logits", "fp32 softmax of micro-batches awaiting backward, + its gradient"),
+    "logits": ("logits", "fp32 softmax of micro-batches awaiting backward, + its gradient "
+                         "(ZeRO-3: at the peak's moment, zero3_peak)"),
     "comm_buffers": ("buffers", "DDP buckets (parallel.dp_bucket_MB) or ZeRO-3's gathered "
-                                "units and unsharded gradients"),
+                                "units and unsharded gradients at the peak's moment: the "
+                                "loss's backward or the first block's (zero3_peak)"),
 }
 
 
@@ -186,6 +194,10 @@ def memory_items(m: MemoryBreakdown, s: Scenario | None = None) -> list[tuple[st
     tensors = dict(TENSOR_SOURCES)
     if s is not None:
         tensors["optimizer"] = ("optimizer", optimizer_source(s))
+        if s.parallel.zero == 3 and s.parallel.dp > 1:
+            moment = MOMENTS[zero3_peak(s, m.stage).name]
+            tensors["comm_buffers"] = ("buffers", "ZeRO-3's gathered units and unsharded "
+                                       f"gradients at the peak's moment, {moment} (zero3_peak)")
     return [*((name, getattr(m, field), source)
               for field, (name, source) in tensors.items()),
             *((name, nbytes, sources.get(name, "")) for name, nbytes in m.device)]

@@ -31,8 +31,9 @@ this module puts the same quantities on the simulated timeline, so a rank's curv
   (:func:`~simulator.strategies.zero3.buffers.zero3_root_bytes`: embedding, head) is
   held from its gather's start to the end of the micro-batch's backward (FSDP2 keeps its
   root gathered for the backward, reshards it after), once however many micro-batches
-  overlap; on the last stage the output layer's unsharded gradient from the head's
-  weight-gradient compute (B, or W) until the root's reduce-scatter ends. The
+  overlap; on the last stage the output layer's unsharded gradient from the end of the
+  head's B (the loss's copies freed first, as memory.py's moments have it) or the start
+  of its W until the root's reduce-scatter ends. The
   embedding's gradient, made at the backward's end, is not counted (nor by memory.py).
 
 At one timestamp the allocations made by work that ended there are applied first and the
@@ -146,7 +147,9 @@ def _passes(m: _Marks, t: Task, start: float, end: float) -> None:
         key = (t.chunk, mb)
         m.bwd_last[key] = max(m.bwd_last.get(key, end), end)
         if layer < 0 and op != "I" and t.name.startswith("head"):
-            m.root_grad[t.chunk, mb] = start
+            # the output layer's gradient: once B has run the loss's backward and freed
+            # its copies (B's end), or as W starts
+            m.root_grad[t.chunk, mb] = end if op == "B" else start
     if op == "F":
         if layer >= 0:
             m.fwd_end[layer, mb] = max(m.fwd_end.get((layer, mb), end), end)

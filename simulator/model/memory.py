@@ -28,15 +28,13 @@ whose backward has not run yet, plus one more copy for the loss gradient (under
 flash-attn's fused loss the 16-bit logits and a 16-bit gradient: :func:`logits`).
 
 Communication buffers: DDP / ZeRO-1/2 hold two gradient buckets in flight;
-ZeRO-3 holds the gathered 16-bit parameters of (1 + prefetch) layers (by modules, as
-DeepSpeed gathers them, of 1 + prefetch blocks: with the default prefetch of 1 an
-attention and an MLP block, one layer, not two) and one layer's unsharded gradient
-before its reduce-scatter, plus the stage's root unit
-(FSDP2's ``fully_shard`` on the stage's module: embedding, final norm, output
-layer), gathered for the whole micro-batch since the root is not resharded after
-forward, and on the last stage the output layer's unsharded gradient, produced
-first in the backward and reduce-scattered after it (the embedding's is produced
-last, when the micro-batch's activations are freed, and is not counted).
+ZeRO-3 holds gathered 16-bit parameters, unsharded gradients and the stage's root unit
+(FSDP2's ``fully_shard`` on the stage's module: embedding, final norm, output layer),
+not all at once: the table takes the moment of the backward that holds the most, the
+loss's (every logits copy, the root and the running unit gathered) or the first
+block's (the loss's copies of the running micro-batch freed, :func:`logits_after_head`;
+the running and prefetched units, a layer's and the output layer's unsharded
+gradients): :mod:`simulator.strategies.zero3.buffers`.
 ZeRO-Offload moves the
 optimizer states (and with ZeRO-2/3 the gradient shards) to host memory.
 
@@ -309,15 +307,42 @@ def logits(scenario: Scenario, stage: int) -> float:
     par = scenario.parallel
     if not holds_head(par, stage):
         return 0.0
-    tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
-    elements = tokens * scenario.model.vocab / par.tp
-    held = schedule_spec(par.schedule).logits_held(scenario.microbatches) \
-        * (1 + scenario.model.mtp_layers)
+    tokens, elements = _loss_elements(scenario)
+    held = _logits_held(scenario)
     if scenario.stack.loss == "flash":
         dt = dtype_bytes(scenario.training.dtype)
         return (dt * elements + 4.0 * tokens) * held + dt * elements
     gradients = 2 if scenario.stack.loss == "torch" else 1
     return 4.0 * elements * (held + gradients)
+
+
+def logits_after_head(scenario: Scenario, stage: int) -> float:
+    """What the loss still holds on the last stage once the first backward has run
+    through the output layer: the saved softmax (or flash's logits and log-sum-exp) of
+    the other micro-batches whose backward has not run (GPipe's m − 1, none where each
+    backward follows its forward), no gradient copy (:func:`logits` less the running
+    micro-batch's)."""
+    if not holds_head(scenario.parallel, stage):
+        return 0.0
+    tokens, elements = _loss_elements(scenario)
+    others = _logits_held(scenario) - (1 + scenario.model.mtp_layers)
+    if scenario.stack.loss == "flash":
+        return (dtype_bytes(scenario.training.dtype) * elements + 4.0 * tokens) * others
+    return 4.0 * elements * others
+
+
+def _loss_elements(scenario: Scenario) -> tuple[float, float]:
+    """(tokens, logits elements) of one micro-batch's loss on one rank."""
+    par = scenario.parallel
+    tokens = scenario.training.micro_batch * scenario.model.seq_len / par.cp
+    return tokens, tokens * scenario.model.vocab / par.tp
+
+
+def _logits_held(scenario: Scenario) -> int:
+    """The losses whose saved tensors the last stage holds at its first backward: the
+    schedule's micro-batches, each with its multi-token prediction modules' losses."""
+    return schedule_spec(scenario.parallel.schedule).logits_held(scenario.microbatches) \
+        * (1 + scenario.model.mtp_layers)
 
 
 def rank_params(scenario: Scenario, dense: float, experts: float) -> float:

@@ -1,17 +1,59 @@
-"""The memory ZeRO-3 / FSDP holds beside the sharded states: the gathered units (the
-running one and the prefetched ones), one unsharded gradient before its reduce-scatter,
-and the root unit (embedding, output layer) with the output layer's unsharded gradient.
+"""The memory ZeRO-3 / FSDP holds beside the sharded states, and when: the gathered units
+(the running one and the prefetched ones), one unsharded gradient before its
+reduce-scatter, and the root unit (embedding, output layer) with the output layer's
+unsharded gradient.
+
+They do not all exist at once. The stage's peak is the larger of two moments of its
+first backward (:func:`zero3_moments`), each with what the loss holds then:
+
+- **loss**: the loss's backward, when every in-flight micro-batch's activations and
+  the loss's softmax and gradient copies are held (:func:`simulator.model.memory.logits`);
+  gathered are the root unit and the running unit (the last block, which FSDP2 under
+  torchtitan keeps gathered after its forward for the backward to start with; every
+  layer of the stage without ``reshard_after_forward``); no gradient exists yet.
+- **block**: the first block's backward, the loss's tensors of this micro-batch freed
+  (:func:`simulator.model.memory.logits_after_head`); gathered are the root unit, the
+  running block and the ``fsdp_prefetch`` blocks prefetched after it, with the block's
+  unsharded gradient before its reduce-scatter and, on the last stage, the output
+  layer's unsharded gradient, made by the head's backward and reduce-scattered with the
+  root unit's at the backward's end (FSDP2's root post-backward; FSDP1's root flat
+  parameter).
+
+Later blocks' backwards hold the same buffers over fewer activations, so the first one
+stands for them. On a stage without the output layer the block's moment holds the
+loss's and more; there the peak is always the block's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from simulator.model import moe
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_blocks
-from simulator.model.memory import rank_params
+from simulator.model.memory import logits, logits_after_head, rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.placement import holds_embedding, holds_head, stage_layer_count, tied_copy
 from simulator.spec.scenario import Scenario
+
+#: the moments of :func:`zero3_moments`, in words (``clustersim memory``'s buffers item)
+MOMENTS = {"loss": "the loss's backward (the root and the running unit gathered)",
+           "block": "the first block's backward (running and prefetched units, the "
+                    "unsharded gradients)"}
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What one GPU of a stage holds at one moment of its backward beside the model
+    states and activations: ZeRO-3's buffers and the loss's tensors, in bytes."""
+
+    name: str
+    buffers: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.buffers + self.logits
 
 
 def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
@@ -31,30 +73,54 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     return gathered * dt, grad * dt
 
 
-def zero3_buffers(scenario: Scenario, stage: int) -> float:
-    """ZeRO-3's communication buffers on one GPU of ``stage``: the gathered 16-bit
-    parameters of the running unit and the prefetched ones (by modules, as DeepSpeed
-    gathers them: the running block and the ``fsdp_prefetch`` blocks after it), one
-    layer's unsharded gradient before its reduce-scatter, and the root unit
-    (:func:`zero3_root_bytes`)."""
-    par = scenario.parallel
+def zero3_layer_bytes(scenario: Scenario) -> float:
+    """One layer's 16-bit parameters on one rank (the largest layer's, MoE layers with
+    their routed experts split over expert_tp · ep): a gathered layer, or its unsharded
+    gradient."""
     spec = scenario.model
-    layer = max(rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
-                             moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
+    return max(rank_params(scenario, layer_params(spec, i) - moe.expert_params(spec, i),
+                           moe.expert_params(spec, i)) for i, _ in moe.layer_kinds(spec)) \
         * dtype_bytes(scenario.training.dtype)
-    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
+
+
+def gathered_layers(scenario: Scenario, stage: int, units: int) -> float:
+    """Layers' worth of gathered parameters while ``units`` units are gathered (the
+    running one and those prefetched after it): by modules, as DeepSpeed gathers them
+    (Zero3Pass: attention and MLP blocks alternate), the largest ``units`` consecutive
+    blocks; every layer of the stage without ``reshard_after_forward``."""
+    spec, par = scenario.model, scenario.parallel
     if not par.reshard_after_forward:  # every layer of the stage stays gathered
-        gathered: float = stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
-    elif scenario.stack.zero3_unit == "module" and not spec.is_moe:
-        # DeepSpeed's modules, gathered by blocks as the engine runs them
-        # (Zero3Pass): the running block and the fsdp_prefetch
-        # blocks after it (attention and MLP blocks alternate), without prefetch the
-        # running block alone; in layers
+        return float(stage_layer_count(spec.layers, par, stage, spec.mtp_layers))
+    if scenario.stack.zero3_unit == "module" and not spec.is_moe:
         blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
         seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
-        n = 1 + (par.fsdp_prefetch if ahead else 0)
-        gathered = max(sum(seq[(start + i) % 2] for i in range(n)) for start in (0, 1))
-    else:  # the running layer plus the prefetched ones
-        gathered = 1 + (par.fsdp_prefetch if ahead else 0)
-    root = sum(zero3_root_bytes(scenario, stage))
-    return layer * gathered + layer + root  # gathered params + one unsharded grad + root
+        return max(sum(seq[(start + i) % 2] for i in range(units)) for start in (0, 1))
+    return float(units)
+
+
+def zero3_moments(scenario: Scenario, stage: int) -> tuple[Moment, Moment]:
+    """The two moments of ``stage``'s first backward whose buffers and loss tensors
+    coexist (the module docstring): the loss's backward and the first block's."""
+    par = scenario.parallel
+    ahead = par.overlap.zero3_prefetch and scenario.hardware.gpu.comm_overlaps_compute
+    prefetched = par.fsdp_prefetch if ahead else 0
+    layer = zero3_layer_bytes(scenario)
+    root, head_grad = zero3_root_bytes(scenario, stage)
+    loss = Moment("loss", root + layer * gathered_layers(scenario, stage, 1),
+                  logits(scenario, stage))
+    # the running block and those prefetched, its unsharded gradient, the root unit's
+    block = Moment("block", layer * gathered_layers(scenario, stage, 1 + prefetched) + layer
+                   + (root + head_grad), logits_after_head(scenario, stage))
+    return loss, block
+
+
+def zero3_peak(scenario: Scenario, stage: int) -> Moment:
+    """The moment of :func:`zero3_moments` that holds the most (the block's on a tie)."""
+    loss, block = zero3_moments(scenario, stage)
+    return loss if loss.total > block.total else block
+
+
+def zero3_buffers(scenario: Scenario, stage: int) -> float:
+    """ZeRO-3's communication buffers on one GPU of ``stage`` at its peak
+    (:func:`zero3_peak`)."""
+    return zero3_peak(scenario, stage).buffers
