@@ -93,13 +93,15 @@ def test_the_llm_foundry_flash_rows_pack_and_the_triton_rows_do_not() -> None:
        st.sampled_from([512, 2048, 8192]), st.integers(1, 4), st.booleans())
 def test_packing_never_makes_a_step_faster(dims: tuple[int, int], seq_len: int,
                                            micro_batch: int, full: bool) -> None:
-    """More work on the compute stream, nothing to hide it behind: the step (closed
-    form) is longer with the packing ops, whether or not the forward runs again."""
-    times = []
+    """More work on the compute stream: the step (closed form) is never shorter, whether
+    or not the forward runs again, and the compute stream's busy time always longer (a
+    step bound by FSDP's exposed gathers may hide the packing)."""
+    results = []
     for unpad in (False, True):
         s = _scenario("flash2", unpad, *dims, seq_len=seq_len, micro_batch=micro_batch)
         if full:
             s = s.model_copy(update={"parallel": s.parallel.model_copy(
                 update={"recompute": "full"})})
-        times.append(simulate_scenario(s, "analytic")[0]["step_time_s"])
-    assert times[1] > times[0]
+        results.append(simulate_scenario(s, "analytic")[0])
+    assert results[1]["step_time_s"] >= results[0]["step_time_s"]
+    assert sum(results[1]["compute_s"]) > sum(results[0]["compute_s"])
