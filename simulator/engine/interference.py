@@ -106,7 +106,12 @@ class Interference:
         if factor == pace.factor:
             return
         sr, now = pace.run, self.env._now
-        if sr is not None:
+        if sr is not None and now == sr.t0 and factor == 1.0:
+            # back to full speed at its start (the transfer it waited for ended now, its
+            # release came after the run began): a plain run, as a chain would have it
+            sr.points = None
+            self.slow_points.pop(sr.index, None)
+        elif sr is not None:
             sr.left -= (now - sr.since) / pace.factor
             sr.since = now
             sr.mark(self.slow_points).append((sr.total - sr.left, now))
