@@ -143,22 +143,23 @@ def systems(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return system
 
 
-def _dp_scenario(system: str) -> Scenario:
+def _dp_scenario(system: str, zero: int = 0) -> Scenario:
     return make_scenario(dp=4, m=2, gpus_per_node=4, cluster={"system": system},
-                         parallel={"overlap": {"dp": True}},
+                         parallel={"overlap": {"dp": True}, "zero": zero},
                          model={"layers": 4, "hidden": 1024, "heads": 8, "vocab": 8000,
                                 "seq_len": 512})
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fewer=st.integers(1, 16), more=st.integers(1, 16),
-       fidelity=st.sampled_from(["full", "folded"]))
-def test_more_channels_never_make_a_step_faster(systems, fewer, more, fidelity):
+       fidelity=st.sampled_from(["full", "folded"]), zero=st.sampled_from([0, 3]))
+def test_more_channels_never_make_a_step_faster(systems, fewer, more, fidelity, zero):
     """On one node (no ring plateau, the only other use of the channel count) a
     communicator of more channels holds as many SMs or more: neither the engine's step
-    nor the closed form's gets shorter."""
+    nor the closed form's gets shorter, with DP reductions or ZeRO-3's gathers beside
+    the compute."""
     fewer, more = sorted((fewer, more))
-    lo, hi = _dp_scenario(systems(fewer)), _dp_scenario(systems(more))
+    lo, hi = _dp_scenario(systems(fewer), zero), _dp_scenario(systems(more), zero)
     t_lo = simulate(build_workload(lo, fidelity=fidelity), lo.hardware).end_time
     t_hi = simulate(build_workload(hi, fidelity=fidelity), hi.hardware).end_time
     assert t_lo - EXACT <= t_hi
@@ -166,10 +167,12 @@ def test_more_channels_never_make_a_step_faster(systems, fewer, more, fidelity):
         + EXACT
 
 
-def test_channels_slow_the_step(systems):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_channels_slow_the_step(systems, zero):
     """The mechanism reaches the step: 16 channels held against 1 lengthen both the
-    engine's and the closed form's step (the DP reduction overlaps the backward)."""
-    lo, hi = _dp_scenario(systems(1)), _dp_scenario(systems(16))
+    engine's and the closed form's step (the DP reduction overlaps the backward, ZeRO-3's
+    gathers the layer before)."""
+    lo, hi = _dp_scenario(systems(1), zero), _dp_scenario(systems(16), zero)
     assert simulate(build_workload(lo), lo.hardware).end_time \
         < simulate(build_workload(hi), hi.hardware).end_time
     assert analytic_estimate(lo)["step_time_s"] < analytic_estimate(hi)["step_time_s"]
