@@ -14,10 +14,14 @@ flow, each link's busy seconds added flow by flow) and holds one event until the
 one's end.
 
 The per-step path stays where a chain would not be exact: interference (a run's pace
-changes mid-run), a sync cost that grows with the compute burst, a network shared with
-other jobs (their flows may cross any link), collectives of several simulated members
-(a rendezvous), flows of several legs or phases, sends, and a link's first flow (which
-registers the link with the network, in the order the link busy table follows).
+changes mid-run: a profile's ``gpu.interference`` everywhere; under SMs held by the
+collectives of a stream beside the compute, ``Plan.sms``, the compute stream chains only
+while each such stream of its rank waits for an event of that compute stream or is done,
+:func:`calm`, so none can start before the chain's last step), a sync cost that grows
+with the compute burst, a network shared with other jobs (their flows may cross any
+link), collectives of several simulated members (a rendezvous), flows of several legs or
+phases, sends, and a link's first flow (which registers the link with the network, in
+the order the link busy table follows).
 ``tests/test_chains.py`` compares chained and per-step runs span by span.
 
 Nothing here knows what a transformer is.

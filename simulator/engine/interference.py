@@ -1,13 +1,14 @@
 """Interference: compute slowed while the rank's transfers are in flight.
 
-With ``gpu.interference`` in the profile (and a device whose communication overlaps
-its compute), a rank's compute runs slow down by the factor of a link class while a
-transfer of that rank over that class is in flight (a collective's from its start to
-its end, a send's at both ends; the largest factor when several are): a run holds its
-remaining work, and each time its rank's factor changes the run's end is rescheduled
-(a stale end is ignored by its generation, as :class:`simulator.system.network.FlowNetwork`
-does for flows). A collective whose kernels hold SMs for their whole run (DeepEP's,
-``Plan.sms``) slows its members' compute by gpu.sms / (gpu.sms − those SMs) the same way.
+With ``gpu.interference`` in the profile (and a device whose communication overlaps its
+compute), a rank's compute runs slow down by the factor of a link class while a transfer
+of that rank over that class is in flight (a collective's from its start to its end, a
+send's at both ends; the largest factor when several are): a run holds its remaining
+work, and each time its rank's factor changes the run's end is rescheduled (a stale end
+is ignored by its generation, as :class:`simulator.system.network.FlowNetwork` does for
+flows). A collective whose kernels hold SMs for their whole run (``Plan.sms``: DeepEP's,
+NCCL's channels) slows its members' compute by gpu.sms / (gpu.sms − those SMs) the same
+way (:func:`simulator.system.collectives.channels.sm_factor`).
 Its tasks' spans follow the run's piecewise rate
 (:attr:`Interference.slow_points`).
 """
