@@ -36,39 +36,39 @@ CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
 # (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
 GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
-        ("ca857a7f37321ea9", 1825),
+        ("45b4f408f9179c7d", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("26cb0e36f0ed1ad9", 4480),
+        ("ed43d59749348faa", 4480),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("4e1c681ec59edb54", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("b6a5a5808024df7c", 4364),
+        ("c91773416e983f0f", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("e688fff63a90ffd8", 2952),
+        ("d56839c74f1fc89a", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("40965ac01a8adba5", 7752),
+        ("c9571b68d3d9cf7b", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
         ("b9861daf4e5ab610", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("3e1fba5ee2e63383", 2282),
+        ("4598c5487ca249cc", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("00cbc8a485f667f2", 8516),
+        ("a2bd410248a091e8", 8516),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("d5f3d2d4ab86b1d5", 2706),
+        ("933646d1223ca3af", 2706),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("70d8c6f58adfc4c9", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("bad75ac587b961d3", 2260),
+        ("09e459ccbbb72d89", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
-        ("487f566a125531f3", 2125),
+        ("efed82ad3fd4d560", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):
-        ("e8318e574c90a939", 2642),
+        ("dd32f8a9076706c1", 2642),
 }
 
 

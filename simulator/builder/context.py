@@ -59,7 +59,7 @@ class Context:
         self.seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in ranks}
         self._placed: dict[int, int] = {}  # rank -> where compute_after last placed a task
         self.plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
-        self.holds_sms = False  # some collective's kernels hold SMs (Plan.sms)
+        self.holds_sms = False  # some collective beside the compute holds SMs (Plan.sms)
         self.last_stage = schedule.total_stages - 1
         self.dt_bytes = dtype_bytes(s.training.dtype)
         self.grad_dt = s.stack.reduce_bytes(self.dt_bytes)  # gradients as they are reduced
@@ -151,7 +151,7 @@ class Context:
             plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
                              self.s.hardware, self.s.stack.nccl_version)
             self.plans[(op, size, group)] = plan
-        self.holds_sms = self.holds_sms or plan.sms > 0
+        self.holds_sms = self.holds_sms or (plan.sms > 0 and stream != "compute")
         # the n-th collective of this group *on this rank*: equal on every member
         seq = self.seq[rank]
         n = seq.get(group, 0)

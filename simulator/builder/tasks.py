@@ -70,8 +70,9 @@ class Workload:
     # full fidelity: one prototype program per stage for all its ranks (then
     # ``programs`` and ``tasks`` are views that make task objects on first use)
     shared: SharedPrograms | None = None
-    # some collective's kernels hold SMs for their whole run (Plan.sms: DeepEP's), which
-    # the engine takes from the compute beside them (simulator.engine.interference)
+    # some collective whose kernels hold SMs for their whole run (Plan.sms: DeepEP's,
+    # NCCL's channels) runs on a stream beside the compute, whose runs the engine then
+    # slows (simulator.engine.interference); on the compute stream it overlaps none
     holds_sms: bool = False
 
     def weight_of(self, rank: int) -> float:

@@ -14,10 +14,14 @@ flow, each link's busy seconds added flow by flow) and holds one event until the
 one's end.
 
 The per-step path stays where a chain would not be exact: interference (a run's pace
-changes mid-run), a sync cost that grows with the compute burst, a network shared with
-other jobs (their flows may cross any link), collectives of several simulated members
-(a rendezvous), flows of several legs or phases, sends, and a link's first flow (which
-registers the link with the network, in the order the link busy table follows).
+changes mid-run: a profile's ``gpu.interference`` everywhere; under SMs held by the
+collectives of a stream beside the compute, ``Plan.sms``, the compute stream chains only
+while each such stream of its rank waits for an event of that compute stream or is done,
+:func:`calm`, so none can start before the chain's last step), a sync cost that grows
+with the compute burst, a network shared with other jobs (their flows may cross any
+link), collectives of several simulated members (a rendezvous), flows of several legs or
+phases, sends, and a link's first flow (which registers the link with the network, in
+the order the link busy table follows).
 ``tests/test_chains.py`` compares chained and per-step runs span by span.
 
 Nothing here knows what a transformer is.
@@ -46,6 +50,7 @@ def plan_chains(e: Engine) -> None:
     group, links, alpha, bytes, weight, its link objects and its duration alone once
     its links are registered, whether they are]."""
     users: dict[Any, tuple[int, int]] = {}
+    e.gates = _gates(e)
     for k, inst in enumerate(e.instances):
         for s, links in _flows_of(e, inst):
             for link in links:
@@ -64,6 +69,52 @@ def plan_chains(e: Engine) -> None:
                 chain[id(phases)] = [g, links, max(alpha + 0.0, 0.0), nbytes,
                                      e.group_weight(grp), None, None, False]
         inst.chain = chain or None
+
+
+def _gates(e: Engine) -> dict[int, dict[str, Any]]:
+    """Per rank whose compute a collective holding SMs may slow mid-run
+    (``Engine._sm_slow``: a member of such a group whose collective runs on a stream
+    other than compute, on any member), those streams of its own: each one's gate
+    (:func:`calm`), at first None. A collective on the compute stream holds its SMs
+    while that stream waits for it, so it changes no run's pace."""
+    held = e._sm_slow
+    if not held:
+        return {}
+    beside = {inst.groups[g] for inst in e.instances
+              for s, g, phases in inst.template.flows
+              if id(phases) in held and inst.template.stream_names[s] != "compute"}
+    gates: dict[int, dict[str, Any]] = {}
+    for inst in e.instances:
+        names = inst.template.stream_names
+        mine = {names[s] for s, g, phases in inst.template.flows
+                if id(phases) in held and inst.groups[g] in beside}
+        if mine:
+            gates[inst.rank] = dict.fromkeys(sorted(mine - {"compute"}))
+    return gates
+
+
+def gate(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> Event | None:
+    """What a gated stream's step waits for that only its rank's compute stream fires: a
+    pending event of a task of that stream (None if none). Until it fires, the step's
+    collective cannot start, and a chain ends at any step someone waits for."""
+    tasks, shared = e.w.tasks, e.w.shared
+    for d in deps:
+        tid = d if shared is None else e.ids_of[d[0] + inst.delta][d[1]]
+        ev = e.events.get(tid)
+        if (ev is None or not ev.triggered) and tasks[tid].stream == "compute" \
+                and tasks[tid].rank == inst.rank:
+            return e.event_of(tid)
+    return None
+
+
+def calm(gates: dict[str, Any]) -> bool:
+    """Whether no collective holding SMs can slow the rank's compute before the compute
+    stream's next step that someone waits for: each gated stream done (``DONE``) or
+    waiting for a compute event (:func:`gate`) that has not fired."""
+    return all(g is DONE or (g is not None and not g.triggered) for g in gates.values())
+
+
+DONE = object()  # a gated stream's gate once it has run its last step
 
 
 def _flows_of(e: Engine, inst: Instance) -> list[tuple[int, Any]]:

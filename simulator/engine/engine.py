@@ -52,6 +52,7 @@ from simulator.engine.interference import Interference, Phases
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class, run_spans
 from simulator.engine.streams import Rendezvous, stream
+from simulator.system.collectives.channels import sm_factor
 from simulator.system.collectives.cost import leg_rate, phase_latencies, sync_burst_cost
 from simulator.system.collectives.plan import Plan
 from simulator.system.hardware import HardwareProfile
@@ -109,9 +110,11 @@ class Engine:
         with gc_paused():  # a tuple per step: the collector would rescan the workload
             self.instances = self._compile()
         # chains (:mod:`simulator.engine.chains`): not where another job's flows, the
-        # rank's changing pace or its compute bursts reach into a step
-        self.chains = chains and alone and not slowed and not self.bursts
+        # rank's changing pace (every rank's under link interference; under SMs held,
+        # the ranks :func:`plan_chains` finds) or its compute bursts reach into a step
+        self.chains = chains and alone and not self._slowing and not self.bursts
         self.merged = 0  # events the per-step path would have scheduled beyond theirs
+        self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
         if self.chains:
             plan_chains(self)
         self.interference = Interference(
@@ -357,8 +360,10 @@ class Engine:
                          / leg_rate(leg, plan.op, self.hw)) for leg in phase.legs]
                 out.append((legs, alpha))
             self._plan_cache[id(plan)] = out
-            if plan.sms and self._sms is not None:
-                self._sm_slow[id(out)] = self._sms / max(self._sms - plan.sms, 1)
+            held = sm_factor(plan, self.hw.gpu) if plan.sms and self._sms is not None \
+                else 1.0
+            if held > 1:
+                self._sm_slow[id(out)] = held
             self._plans_alive.append(plan)  # keeps id(plan) unique while cached
             if self.bursts and plan.n > 1:
                 self._plan_of[id(out)] = plan

@@ -1,13 +1,14 @@
 """Interference: compute slowed while the rank's transfers are in flight.
 
-With ``gpu.interference`` in the profile (and a device whose communication overlaps
-its compute), a rank's compute runs slow down by the factor of a link class while a
-transfer of that rank over that class is in flight (a collective's from its start to
-its end, a send's at both ends; the largest factor when several are): a run holds its
-remaining work, and each time its rank's factor changes the run's end is rescheduled
-(a stale end is ignored by its generation, as :class:`simulator.system.network.FlowNetwork`
-does for flows). A collective whose kernels hold SMs for their whole run (DeepEP's,
-``Plan.sms``) slows its members' compute by gpu.sms / (gpu.sms − those SMs) the same way.
+With ``gpu.interference`` in the profile (and a device whose communication overlaps its
+compute), a rank's compute runs slow down by the factor of a link class while a transfer
+of that rank over that class is in flight (a collective's from its start to its end, a
+send's at both ends; the largest factor when several are): a run holds its remaining
+work, and each time its rank's factor changes the run's end is rescheduled (a stale end
+is ignored by its generation, as :class:`simulator.system.network.FlowNetwork` does for
+flows). A collective whose kernels hold SMs for their whole run (``Plan.sms``: DeepEP's,
+NCCL's channels) slows its members' compute by gpu.sms / (gpu.sms − those SMs) the same
+way (:func:`simulator.system.collectives.channels.sm_factor`).
 Its tasks' spans follow the run's piecewise rate
 (:attr:`Interference.slow_points`).
 """
@@ -106,7 +107,12 @@ class Interference:
         if factor == pace.factor:
             return
         sr, now = pace.run, self.env._now
-        if sr is not None:
+        if sr is not None and now == sr.t0 and factor == 1.0:
+            # back to full speed at its start (the transfer it waited for ended now, its
+            # release came after the run began): a plain run, as a chain would have it
+            sr.points = None
+            self.slow_points.pop(sr.index, None)
+        elif sr is not None:
             sr.left -= (now - sr.since) / pace.factor
             sr.since = now
             sr.mark(self.slow_points).append((sr.total - sr.left, now))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import simpy
 from simpy.events import AllOf, Event, Timeout
 
-from simulator.engine.chains import forward
+from simulator.engine.chains import DONE, calm, forward, gate
 from simulator.engine.compile import RUN, SEND, Instance
 
 if TYPE_CHECKING:
@@ -66,14 +66,23 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
     # compute bursts (a sync cost growing with them): this stream's add to the rank's
     counts, busy, _ = e.burst_counters(rank, name)
-    chained, i, n = e.chains, 0, len(steps)
+    # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
+    # while the gated streams are calm, each gated stream's gate while it waits
+    gates = e.gates.get(rank) if e.chains else None
+    gated = gates is not None and name in gates
+    chained = e.chains and (gates is None or name == "compute")
+    i, n = 0, len(steps)
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
         if deps:
             pending = waits(e, inst, deps)
             if pending:
+                if gated:
+                    gates[name] = gate(e, inst, deps)  # type: ignore[index]
                 yield AllOf(env, pending)
-        if chained and kind != SEND:  # steps nothing else observes: one event
+                if gated:
+                    gates[name] = None  # type: ignore[index]
+        if chained and kind != SEND and (gates is None or calm(gates)):  # one event
             j, ev = forward(e, inst, steps, i)
             if j > i:
                 if ev is not None:
@@ -117,6 +126,8 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         starts[gid], ends[gid] = t0, env._now
         if dependents:
             event_of(gid).succeed()
+    if gated:
+        gates[name] = DONE  # type: ignore[index]
 
 
 def arrival(e: Engine, inst: Instance, lead: int, counts: bool) -> float:

@@ -1,7 +1,8 @@
 """Closed-form timing the strategies' analytic terms share: a collective's uncontended
 time on the scenario's layout (its plan as ``simulation.collective_algorithm`` and the
 stack's NCCL version choose it), how much slower compute runs while it is in flight
-(``gpu.interference``), and what that costs the compute it overlaps.
+(``gpu.interference``, or the SMs NCCL's kernels hold), and what that costs the
+compute it overlaps.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 from simulator.memo import by_identity
 from simulator.spec.scenario import Scenario
+from simulator.system.collectives.channels import sm_factor
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.cost import estimate
 from simulator.system.collectives.plan import GroupShape
@@ -47,16 +49,25 @@ def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float
 def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
                   group: tuple[int, ...], hw: HardwareProfile) -> float:
     """How many times slower compute runs while this collective is in flight: the
-    largest ``gpu.interference`` of the link classes its plan crosses (1 where
-    transfers run in line with compute, as the engine has it)."""
-    if len(group) <= 1 or size <= 0 or not hw.gpu.interference \
-            or not hw.gpu.comm_overlaps_compute:
+    largest ``gpu.interference`` of the link classes its plan crosses and of the SMs
+    its kernels hold (:func:`simulator.system.collectives.channels.sm_factor`); 1 where
+    transfers run in line with compute, as the engine has it."""
+    gpu = hw.gpu
+    if len(group) <= 1 or size <= 0 or not gpu.comm_overlaps_compute \
+            or not (gpu.interference or gpu.sms):
         return 1.0
     shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
-    plan = make_plan(op, size, shape, s.simulation.collective_algorithm, hw,
-                     s.stack.nccl_version)
-    return max((hw.gpu.interference_factor(leg.link_class) for phase in plan.phases
-                for leg in phase.legs), default=1.0)
+    key = ("slows", op, size, shape, s.simulation.collective_algorithm, s.stack.nccl_version)
+    priced = _priced(hw)
+    factor = priced.get(key)
+    if factor is None:
+        plan = make_plan(op, size, shape, key[4], hw, key[5])
+        if len(priced) >= _PRICED_MOST:
+            priced.clear()
+        factor = priced[key] = max(
+            sm_factor(plan, gpu), *(gpu.interference_factor(leg.link_class)
+                                    for phase in plan.phases for leg in phase.legs))
+    return factor
 
 
 def stretch(t_comm: float, window: float, factor: float) -> float:

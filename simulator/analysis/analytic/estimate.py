@@ -205,16 +205,19 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
         else 0.0
     t_comp = 0.0  # compression compute on the exposed path (counted as optimizer)
     # the backward the reduction overlaps runs 1/f as fast while it is in flight
-    slow = stretch(g.t_dp, hidden, interference(s, layout, g.dp_op, g.grad_bytes,
-                                                layout.dp_group(0), hw))
+    f = interference(s, layout, g.dp_op, g.grad_bytes, layout.dp_group(0), hw)
+    slow = stretch(g.t_dp, hidden, f)
     waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
     exposed_dp = max(0.0, g.t_dp - hidden - waits - slow)
     if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
+        # (that work slowed while they are in flight: max(t − window, stretch), as a layer
+        # behind a ZeRO-3 gather)
         window = sum(pipe.stages[pipe.slowest]) + z.fwd + z.bwd if hidden else 0.0
-        exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window)
+        exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window,
+                                    stretch(g.t_dp_early, window, f))
     if effective_method(s) != "none":
         slow = 0.0
         exposed_dp, t_comp = compressed_reduction(s, layout, hw, cost, hidden, g.busiest)

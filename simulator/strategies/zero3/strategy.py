@@ -29,7 +29,7 @@ from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
-from simulator.strategies.timing import collective_time
+from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
 from simulator.strategies.zero3.experts import (
     expert_unit_tensors,
@@ -158,8 +158,11 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
         gathers = layers * sum(t_ag.values())
         return gathers, gathers if par.reshard_after_forward else 0.0
     if len(blocks) == 1:  # a layer unit, hidden behind the layer before
-        fwd = layers * max(0.0, t_ag["attn"] - t_f / layers)
-        bwd = layers * max(0.0, t_ag["attn"] - t_b / layers)
+        # which runs slower while the gather is in flight (strategies.timing): a layer
+        # takes max(gather, compute + stretch), so (gather − compute) or the stretch
+        f = interference(s, layout, "all_gather", sum(blocks["attn"]) * dt, group, hw)
+        fwd = layers * max(t_ag["attn"] - t_f / layers, stretch(t_ag["attn"], t_f / layers, f))
+        bwd = layers * max(t_ag["attn"] - t_b / layers, stretch(t_ag["attn"], t_b / layers, f))
         # one communicator: each gather after the reduce-scatter issued before it
         # (simulator.strategies.zero3.communicator), a layer's gather and reduce-scatter
         # one after the other behind its backward; the reduce-scatters' own excess is the

@@ -6,6 +6,7 @@ ring; pairwise for all-to-all; direct for send/recv).
 
 from __future__ import annotations
 
+from simulator.system.collectives.channels import with_channels
 from simulator.system.collectives.plan import AlgorithmName, GroupShape, Plan
 from simulator.system.collectives.registry import ALGORITHMS
 from simulator.system.collectives.tuner import (
@@ -38,16 +39,17 @@ def candidates(op: CollectiveName, shape: GroupShape, nccl_version: str = DEFAUL
 def make_plan(op: CollectiveName, size: float, shape: GroupShape, algorithm: str,
               hw: HardwareProfile, nccl_version: str = DEFAULT_NCCL_VERSION) -> Plan:
     """The plan for one collective: ``auto`` as NCCL ``nccl_version`` would run it, a
-    named algorithm in its textbook form (the op's default where it has none)."""
+    named algorithm in its textbook form (the op's default where it has none); an
+    NCCL kernel's with the SMs it holds (:mod:`simulator.system.collectives.channels`)."""
     if shape.n <= 1:
         return Plan(op, "direct", size, shape.n, ())
     if algorithm == "auto" and op not in ("send_recv", "all_to_all"):
         algo, proto = nccl_choice(op, size, shape, hw, nccl_version)
-        return nccl_plan(op, size, shape, algo, proto,
-                         (hw.intra_node.alpha_s, hw.inter_node.alpha_s), nccl_version,
-                         nccl_gpu(hw))
+        return with_channels(nccl_plan(op, size, shape, algo, proto,
+                                       (hw.intra_node.alpha_s, hw.inter_node.alpha_s),
+                                       nccl_version, nccl_gpu(hw)), hw)
     named = ALGORITHMS.get(algorithm)
     if named is None or named.textbook is None or not named.named(op, shape):
         named = ALGORITHMS[_default(op)]
     assert named.textbook is not None
-    return named.textbook(op, size, shape)
+    return with_channels(named.textbook(op, size, shape), hw)

@@ -57,7 +57,7 @@ class Plan:
     phases: tuple[Phase, ...]
     protocol: Protocol = "Simple"  # NCCL's LL, LL128 or Simple
     # SMs its kernels hold for their whole run, taken from the compute beside them
-    # (DeepEP's; 0 for NCCL's, whose effect on compute is ``gpu.interference``)
+    # (DeepEP's; NCCL's channels: :mod:`simulator.system.collectives.channels`)
     sms: int = 0
 
 
