@@ -17,12 +17,15 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from simulator.builder.tasks import Task
+from simulator.builder.tasks import Program, Task
 from simulator.system.collectives.plan import Plan
+
+if TYPE_CHECKING:
+    from simulator.builder.lazy import Copies, Copy
 
 RUN, COLL, SEND = 0, 1, 2
 #: runs at least this many long at a position: summed there with one vector addition
@@ -38,10 +41,12 @@ class Template:
 
     def __init__(self, tasks: list[Task], streams: Sequence[tuple[str, Sequence[int]]],
                  where: Callable[[int], tuple[int, int]] | None,
-                 phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
+                 phases: Callable[[Plan], Any], shared: bool, fuse: bool = True,
+                 lazy: Lazy | None = None) -> None:
         self.n = len(tasks)
         self.shared, self.fuse = shared, fuse  # ``phases`` is not kept: it holds the engine
-        self.durations = list(map(attrgetter("duration"), tasks))
+        self.durations = list(map(attrgetter("duration"), tasks)) if lazy is None \
+            else lazy.durations
         # what slow GPUs and jitter scale (program.is_work, inline: this runs per task),
         # which only a shared program's ranks read (their compute factors)
         self.work = [i for i, t in enumerate(tasks)
@@ -55,38 +60,87 @@ class Template:
         self.flows: list[tuple[int, int, Any]] = []
         self.sends: list[tuple[int, int]] = []
         self.streams: list[list[tuple[Any, ...]]] = []
+        # per stream, per step: what its positions and its run indices are moved by
+        # (a stamped copy's steps are its record's, shared: :class:`Blocks`)
+        self.offsets: list[tuple[list[int], list[int]]] = []
+        self.moved: list[tuple[int, int, int]] = []  # (first run, runs, position moved by)
+        self.tasks = tasks  # a laid step's rendezvous key is its task's (:meth:`tail`)
+        # an unmade task of a lazy copy by local index (:mod:`simulator.builder.lazy`)
+        self.lookup: Callable[[int], Task] | None = None
         self.stream_names: list[str] = []
         for name, order in streams:
             if order:
                 by_id: dict[tuple[int, int], tuple[int, Any]] = {}
                 dsts: dict[int, None] = {}
-                self.streams.append(self._steps(tasks, order, where, gidx, phases, by_id,
-                                                dsts))
+                steps, po, ro = self._stream(tasks, order, where, gidx, phases, by_id, dsts,
+                                             lazy, name)
+                self.streams.append(steps)
+                self.offsets.append((po, ro))
                 self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
                 self.sends += [(len(self.stream_names), d) for d in dsts]
                 self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
-    def _steps(self, tasks: list[Task], order: Sequence[int], where: Where,
-               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
-               by_id: dict[tuple[int, int], tuple[int, Any]],
-               dsts: dict[int, None]) -> list[tuple[Any, ...]]:
-        """One stream's steps; into ``by_id`` its collectives, into ``dsts`` its sends."""
-        steps: list[tuple[Any, ...]] = []
-        append, runs, fuse, shared = steps.append, self.runs, self.fuse, self.shared
+    def _stream(self, tasks: list[Task], order: Sequence[int], where: Where,
+                gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+                by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
+                lazy: Lazy | None, name: str,
+                ) -> tuple[list[tuple[Any, ...]], list[int], list[int]]:
+        """One stream's steps and their offsets; into ``by_id`` its collectives, into
+        ``dsts`` its sends. Where a step starts at a lazy copy (``lazy``) whose record an
+        earlier copy compiled, that copy's steps are laid over it (:class:`Blocks`)."""
         seq = tasks[order.start:order.stop] if isinstance(order, range) and order.step == 1 \
             else [tasks[k] for k in order]
+        steps: list[tuple[Any, ...]] = []
+        po: list[int] = []
+        ro: list[int] = []
+        args = (seq, order, where, gidx, phases, by_id, dsts, steps, po)
+        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy)
+        starts = blocks.prepare(lazy.pending.get(name, [])) if lazy is not None else []
+        i = 0
+        for p, size, key in starts:
+            if p < i:  # a step ran into it
+                continue
+            if p > i:
+                blocks.pad()
+                i = self._steps(*args, i, p)
+            if i != p:
+                continue
+            if key is not None and blocks.lay(key, p):
+                i = p + size
+                continue
+            blocks.make(p)
+            blocks.pad()
+            s0, r0 = len(steps), len(self.runs)
+            i = self._steps(*args, p, p + size)
+            if key is not None and i == p + size:
+                blocks.keep(key, p, s0, r0)
+        if i < len(seq):
+            blocks.pad()
+            self._steps(*args, i, len(seq))
+        blocks.pad()
+        return steps, po, ro
+
+    def _steps(self, seq: list[Task], order: Sequence[int], where: Where,
+               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+               by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
+               steps: list[tuple[Any, ...]], po: list[int], i: int, stop: int) -> int:
+        """Compile the stream's steps that start at positions ``i`` to ``stop`` (the
+        last may run past it) into ``steps``; where the next step starts. The steps
+        before ``i`` have their offsets in ``po``."""
+        append, runs, fuse, shared = steps.append, self.runs, self.fuse, self.shared
         nruns = len(runs)
         plan: Plan | None = None  # the last collective's plan and group, and what they gave
         group: tuple[int, ...] = ()
         g, ph = -1, None
-        i, n = 0, len(order)
-        while i < n:
+        n = len(seq)
+        while i < stop:
             t = seq[i]
             # (owner, local index) pairs; without ``where`` the task ids themselves
             d = t.deps
             deps = (tuple(d) if where is None else tuple(map(where, d))) if d else ()
-            if deps and len(d) == 1 and self._after(steps, seq, order, i):
+            if deps and len(d) == 1 and self._after(steps, seq, order, i,
+                                                    po[-1] if po and len(po) == len(steps) else 0):
                 deps = ()  # the task before it on its stream, which has ended by then
             lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
@@ -124,18 +178,37 @@ class Template:
                 tail = t.group_key[1] if shared else t.group_key
                 append((COLL, deps, order[i], ph, g, tail, t.dependents, lead))
             i += 1
-        return steps
+        return i
+
+    def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
+                   steps: list[tuple[Any, ...]], offset: int, i: int) -> tuple[Any, ...]:
+        """The dependencies of a step that starts at task ``i``, as :meth:`_steps` gives
+        them (the step before moved by ``offset``)."""
+        d = seq[i].deps
+        if not d:
+            return ()
+        deps = tuple(d) if where is None else tuple(map(where, d))
+        return () if len(d) == 1 and self._after(steps, seq, order, i, offset) else deps
+
+    def tail(self, local: int) -> Any:
+        """The rendezvous key's tail of the collective at ``local`` (see :meth:`_steps`)."""
+        t = self.tasks[local]
+        if t is None:
+            assert self.lookup is not None
+            t = self.lookup(local)
+        key = t.group_key
+        return key[1] if self.shared else key
 
     @staticmethod
     def _after(steps: list[tuple[Any, ...]], seq: list[Task], order: Sequence[int],
-               i: int) -> bool:
+               i: int, offset: int = 0) -> bool:
         """Whether task ``i`` of a stream waits on nothing but the collective or send
         before it, which nothing else waits on: then neither needs an event (the stream
         runs its steps in order), and the step before no longer has a dependent."""
         if not steps or seq[i].deps[0] != seq[i - 1].id or seq[i - 1].dependents != 1:
             return False
         step = steps[-1]
-        if step[0] == RUN or step[2] != order[i - 1]:
+        if step[0] == RUN or step[2] + offset != order[i - 1]:
             return False
         steps[-1] = (*step[:6], 0, step[7])
         return True
@@ -159,8 +232,15 @@ class Template:
 
     @cached_property
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:func:`run_layout` of the runs."""
-        return run_layout(self.runs)
+        """:func:`run_layout` of the runs (a laid copy's moved to its positions)."""
+        flat, first, lens = run_layout(self.runs)
+        if self.moved:
+            r0, count, at = np.asarray(self.moved, np.int64).T
+            which = np.repeat(r0 - (np.cumsum(count) - count), count) + np.arange(count.sum())
+            shift = np.zeros(len(lens), np.int64)
+            shift[which] = np.repeat(at, count)
+            flat += np.repeat(shift, lens)
+        return flat, first, lens
 
     @cached_property
     def duration_array(self) -> np.ndarray:
@@ -185,6 +265,160 @@ class Template:
     def _sums(self, durations: list[float]) -> tuple[np.ndarray, np.ndarray]:
         return self.sums if durations is self.durations \
             else run_sums(self.layout, np.asarray(durations, np.float64))
+
+
+class Lazy(NamedTuple):
+    """A rank's lazy copies for :class:`Template`: the copies, every task's duration (an
+    unmade task's its record's) and, per stream, (position, copy) of each copy whose
+    tasks are not all made, in stream order."""
+
+    copies: Copies
+    durations: list[float]
+    pending: dict[str, list[tuple[int, Copy]]]
+
+
+class Blocks:
+    """One stream's stamped copies (:mod:`simulator.builder.stamp`). A copy's tasks are
+    its record's but for their ids, names, micro-batch and group keys; where a step
+    starts at a copy's first task, the copy compiles to the steps its record's first
+    such copy compiled to, with positions moved by where it starts and run indices by
+    the runs before it. So those steps are kept once, relative to the copy
+    (:meth:`keep`), and every later copy's steps are the same tuples, with its offsets
+    beside them (:meth:`lay`; the stream adds them as it reads a step). That holds
+    where the copy is still whole and in order on the stream, none of its tasks but the
+    first gained a dependency, its tasks have the kept copy's dependents (part of the
+    key) and its last step ends inside it (its last task a collective, a send or
+    waited on: nothing after the copy then changes its steps). The first step's
+    dependencies are each copy's own, and a laid collective's rendezvous key is read
+    from its task when it has one (:meth:`Template.tail`)."""
+
+    def __init__(self, tmpl: Template, seq: list[Task], order: Sequence[int], where: Where,
+                 steps: list[tuple[Any, ...]], po: list[int], ro: list[int],
+                 lazy: Lazy | None) -> None:
+        self.tmpl, self.seq, self.order, self.where = tmpl, seq, order, where
+        self.steps, self.po, self.ro, self.lazy = steps, po, ro, lazy
+        # (record, its made tasks' dependents) -> the steps and runs relative to the copy
+        self.done: dict[tuple[int, tuple[int, ...]], tuple[list[tuple[Any, ...]],
+                                                            list[range]]] = {}
+        self.at: dict[int, Copy] = {}  # position -> the lazy copy there, until made
+
+    def prepare(self, pending: list[tuple[int, Copy]],
+                ) -> list[tuple[int, int, tuple[int, tuple[int, ...]] | None]]:
+        """(position, length, key) of each lazy copy on the stream, in stream order. Its
+        unmade tasks are its record's rows (nothing held them), so its key is its record
+        and its made tasks' dependents; None, and the copy made, where a run before it
+        could go on into it, a made task but the first has a dependency, or its last
+        task ends no step (a run to its end would go on past it)."""
+        seq, out = self.seq, []
+        for p, copy in pending:
+            key: tuple[int, tuple[int, ...]] | None = None
+            prev = seq[p - 1] if p else None
+            if prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents:
+                reached = [seq[p + off] for off in copy.rec.reached]
+                last = reached[-1]
+                if not any(t.deps for t in reached[1:]) and \
+                        (last.plan is not None or last.dst >= 0 or last.dependents):
+                    key = id(copy.rec), tuple(t.dependents for t in reached)
+            self.at[p] = copy
+            if key is None:
+                self.make(p)
+            out.append((p, copy.size, key))
+        return out
+
+    def make(self, p: int) -> None:
+        """Make the tasks of the lazy copy at ``p`` (none there: nothing to do)."""
+        copy = self.at.pop(p, None)
+        if copy is None:
+            return
+        assert self.lazy is not None and isinstance(self.order, range)
+        made = self.lazy.copies.tasks_of(copy)
+        self.seq[p:p + copy.size] = made
+        at = self.order.start + p
+        self.tmpl.tasks[at:at + copy.size] = made
+
+    def pad(self) -> None:
+        """Offsets of 0 for the steps compiled since the last laid copy."""
+        k = len(self.steps) - len(self.po)
+        if k:
+            self.po += [0] * k
+            self.ro += [0] * k
+
+    def keep(self, key: tuple[int, tuple[int, ...]], p: int, s0: int, r0: int) -> None:
+        """Keep the steps from ``s0`` and the runs from ``r0``, just compiled for the copy
+        at ``p``, relative to it."""
+        at = self.order[p]
+        rel: list[tuple[Any, ...]] = []
+        for kind, _, a, b, g, _, dependents, lead in self.steps[s0:]:
+            if kind == RUN:
+                rel.append((RUN, (), a - r0, b - at if b >= 0 else -1, g, None, 0, -1))
+            else:
+                rel.append((kind, (), a - at, b, g, None, dependents,
+                            lead - r0 if lead >= 0 else -1))
+        runs = [range(r[0] - at, r[0] - at + len(r)) for r in self.tmpl.runs[r0:]]
+        self.done[key] = rel, runs
+
+    def lay(self, key: tuple[int, tuple[int, ...]], p: int) -> bool:
+        """Lay the steps kept for ``key`` over the copy at ``p``; False where none are."""
+        got = self.done.get(key)
+        if got is None:
+            return False
+        rel, runs = got
+        tmpl, steps, po = self.tmpl, self.steps, self.po
+        k = len(steps) - len(po)
+        if k:
+            self.pad()
+        deps = tmpl.first_deps(self.seq, self.order, self.where, steps, po[-1], p) \
+            if self.seq[p].deps else ()
+        at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
+        tmpl.runs += runs
+        tmpl.moved.append((r0, len(runs), at))
+        steps += rel
+        po += [at] * n
+        self.ro += [r0] * n
+        if deps:
+            steps[s0] = (steps[s0][0], deps, *steps[s0][2:])
+        return True
+
+
+def flatten(prog: Program, copies: Copies | None, rank: int,
+            ) -> tuple[list[Task], list[tuple[str, range]], list[int], Lazy | None]:
+    """A rank's tasks, its streams one after another, each stream's range in them, their
+    ids and, where some of its lazy copies are unmade, what :class:`Template` needs of
+    those (:class:`Lazy`; a copy others were put between is made now)."""
+    where: dict[str, list[tuple[int, Copy]]] = {}
+    if copies is not None:
+        names = {id(ts): name for name, ts in prog.streams.items()}
+        for c in copies.pending(rank):
+            p, n = copies.position(c), c.size
+            if p + n > len(c.stream) or c.stream[p + n - 1] is not copies.tasks[c.first + n - 1]:
+                copies.fill(c)
+            else:
+                where.setdefault(names[id(c.stream)], []).append((p, c))
+    mine = list(chain.from_iterable(prog.streams.values()))
+    streams, k, starts = [], 0, {}
+    for name, ts in prog.streams.items():
+        streams.append((name, range(k, k + len(ts))))
+        starts[name] = k
+        k += len(ts)
+    if not where:
+        return mine, streams, list(map(attrgetter("id"), mine)), None
+    assert copies is not None
+    spans = sorted(((starts[name] + p, c) for name, at in where.items() for p, c in at),
+                   key=lambda x: x[0])
+    ids: list[int] = []
+    durations: list[float] = []
+    last = 0
+    for at, c in spans:  # made tasks read, unmade ones their record's
+        ids += map(attrgetter("id"), mine[last:at])
+        durations += map(attrgetter("duration"), mine[last:at])
+        ids += range(c.first, c.first + c.size)
+        durations += c.rec.durations
+        last = at + c.size
+    ids += map(attrgetter("id"), mine[last:])
+    durations += map(attrgetter("duration"), mine[last:])
+    for at_ in where.values():
+        at_.sort(key=lambda x: x[0])
+    return mine, streams, ids, Lazy(copies, durations, where)
 
 
 def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
