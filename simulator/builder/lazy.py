@@ -65,11 +65,13 @@ class Copies:
         self.tasks, self.programs = tasks, programs
         self.all: list[Copy] = []
         self.firsts: list[int] = []
+        self.by_rank: dict[int, list[Copy]] = {}
 
     def add(self, copy: Copy) -> None:
         """Keep ``copy`` and make the tasks of it the builder may reach."""
         self.all.append(copy)
         self.firsts.append(copy.first)
+        self.by_rank.setdefault(copy.rank, []).append(copy)
         tasks, stream, first, at = self.tasks, copy.stream, copy.first, copy.at
         for off in copy.rec.reached:
             tasks[first + off] = stream[at + off] = self.make(copy, off)
@@ -118,8 +120,8 @@ class Copies:
         return self.tasks[copy.first:copy.first + copy.size]
 
     def fill_rank(self, rank: int) -> None:
-        for copy in self.all:
-            if copy.rank == rank and not copy.made:
+        for copy in self.by_rank.get(rank, ()):
+            if not copy.made:
                 self.fill(copy)
 
     def fill_all(self) -> None:
@@ -129,7 +131,7 @@ class Copies:
 
     def pending(self, rank: int) -> list[Copy]:
         """``rank``'s copies whose tasks are not all made."""
-        return [c for c in self.all if c.rank == rank and not c.made]
+        return [c for c in self.by_rank.get(rank, ()) if not c.made]
 
 
 class LazyTasks(Sequence[Task]):
