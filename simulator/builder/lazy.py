@@ -134,6 +134,37 @@ class Copies:
         return [c for c in self.by_rank.get(rank, ()) if not c.made]
 
 
+class Done(Sequence[Task]):
+    """What a lazy copy's action returned, where that is a list of its tasks (a
+    backward's gradients, which the data-parallel pass buckets): the copy is made when
+    the list is read."""
+
+    def __init__(self, copies: Copies, copy: Copy) -> None:
+        self.copies, self.copy = copies, copy
+
+    def _tasks(self) -> list[Task]:
+        tasks, built = self.copies.tasks_of(self.copy), self.copy.rec.built
+        assert isinstance(built, list)
+        return [tasks[off] for off in built]
+
+    def __len__(self) -> int:
+        built = self.copy.rec.built
+        assert isinstance(built, list)
+        return len(built)
+
+    @overload
+    def __getitem__(self, i: int) -> Task: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Task]: ...
+
+    def __getitem__(self, i: int | slice) -> Task | list[Task]:
+        return self._tasks()[i]
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self._tasks())
+
+
 class LazyTasks(Sequence[Task]):
     """``Workload.tasks`` of a build with lazy copies: a copy's tasks are made when one
     of them is read (all of them when the whole is iterated or sliced)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from simulator.builder.context import Context
-from simulator.builder.lazy import Copy
+from simulator.builder.lazy import Copy, Done
 from simulator.builder.tasks import Task
 
 #: the hooks the pipeline walk calls between actions; every other hook of
@@ -112,7 +112,8 @@ class Record:
         names = {row[0] for row in rows}
         if len(names) == 1 and not any(self.deps):
             self.one = names.pop()
-        built = self.built if isinstance(self.built, list) else [self.built]
+        # an action's list of tasks (a backward's gradients) is made when read (Done)
+        built = [] if isinstance(self.built, list) else [self.built]
         self.reached = sorted({0, len(rows) - 1, *built, *(off for off, _ in self.waits)})
         self.durations = [row[3] for row in rows]
         self.rows = rows
@@ -235,8 +236,13 @@ class Stamps:
         if rec.one is not None and lazy is not None:  # made when read: builder.lazy
             streams[rec.one] += [None] * len(rows)  # type: ignore[list-item]
             tasks += [None] * len(rows)  # type: ignore[list-item]
-            lazy.add(Copy(rec, rank, mb, first, bases, streams[rec.one],
-                          len(streams[rec.one]) - len(rows)))
+            copy = Copy(rec, rank, mb, first, bases, streams[rec.one],
+                        len(streams[rec.one]) - len(rows))
+            lazy.add(copy)
+            for off, wkey in rec.waits:
+                self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))
+            return Done(lazy, copy) if isinstance(rec.built, list) \
+                else tasks[first + rec.built]
         elif rec.one is not None:  # one stream, no dependencies: the common case
             made = [Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
                          duration, plan, group, () if slot < 0 else (group, bases[slot] + j),
