@@ -44,8 +44,9 @@ from simpy.events import AllOf, Event, Timeout
 
 from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
+from simulator.engine.blocks import flatten
 from simulator.engine.chains import plan_chains
-from simulator.engine.compile import Instance, Template, flatten
+from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class, run_spans
