@@ -2,7 +2,7 @@
 
 A folded build leaves a stamped copy's tasks unmade but for its first, its last and
 what its action returns; the compiler lays its record's steps over it
-(:class:`simulator.engine.compile.Blocks`), and the workload's tasks and programs make
+(:class:`simulator.engine.blocks.Blocks`), and the workload's tasks and programs make
 the rest when read. Every task read back (every field, floats by their bits, plans by
 identity, every stream's order) and every figure of the run (spans, collective starts,
 last arrivals, link busy seconds in the network's order, report figures) must be the

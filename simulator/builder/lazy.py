@@ -11,7 +11,7 @@ rows: nothing can have changed a task it never held. :class:`Copies` makes a cop
 other tasks on first need, the same objects in both places: when a dependency names
 one (``Context.count_dependents``), when the workload's :class:`LazyTasks` or
 :class:`LazyPrograms` are read, or when the compiler cannot lay its record's steps over
-the copy (:mod:`simulator.engine.compile`); the engine reads the rest from the records.
+the copy (:mod:`simulator.engine.blocks`); the engine reads the rest from the records.
 ``tests/test_lazy_copies.py`` holds every task and every figure to the eager build's.
 """
 

@@ -121,7 +121,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
-    po, ro = offsets  # each step's (:class:`simulator.engine.compile.Blocks`)
+    po, ro = offsets  # each step's (:class:`simulator.engine.blocks.Blocks`)
     # the last collective's phases, group and pricing (α, links, duration alone, one link)
     phases, group, alpha, alone, link = None, -1, 0.0, None, None
     objs: tuple[Any, ...] = ()

@@ -61,7 +61,7 @@ def waits(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> list[simpy.Event]
 def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
            offsets: tuple[list[int], list[int]], name: str = "compute") -> Process:
     """The process of one stream of one simulated rank: its steps, each moved by its
-    offsets (positions, run indices: :class:`simulator.engine.compile.Blocks`)."""
+    offsets (positions, run indices: :class:`simulator.engine.blocks.Blocks`)."""
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
     starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
     slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
