@@ -12,6 +12,8 @@ compile's; and the tasks must really stay unmade through the build and the compi
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from simulator.builder import workload as builder
+from simulator.builder.context import Context
 from simulator.builder.lazy import LazyTasks
 from simulator.builder.tasks import Task, Workload
 from simulator.builder.workload import build_workload
@@ -26,7 +29,7 @@ from simulator.engine.compile import RUN
 from simulator.engine.engine import Engine
 from simulator.errors import UserError
 from tests.test_chains import LAYOUTS, _scenario, same_figures
-from tests.test_stamp import exact
+from tests.test_stamp import MOE, exact, small
 
 
 def _eager(s: Any) -> Workload:
@@ -105,6 +108,37 @@ def test_lazy_copies_change_no_task_and_no_figure(parallel: dict[str, Any],
         assume(False)
         raise
     _compare(s)
+
+
+@pytest.mark.parametrize("case", [
+    {"parallel": {"dp": 2, "ep": 2}, "model": MOE},
+    {"parallel": {"dp": 2, "ep": 2, "recompute": "full"}, "model": MOE},
+    {"parallel": {"dp": 2, "sequence_parallel": True, "recompute": "selective"}},
+], ids=["moe", "moe-recompute", "sp-selective"])
+def test_experts_and_sequence_parallelism(case: dict[str, Any]) -> None:
+    """Experts' all-to-alls meet other simulated ranks inside copies: a laid step's
+    rendezvous key is read from its task (made then), as the eager compile's."""
+    ea, _ = _compare(small(**case))
+    assert any(inst.template.moved for inst in ea.instances)
+
+
+def test_a_dependency_on_an_unmade_task_makes_its_copy() -> None:
+    """Counting dependents makes the copy of a task a dependency names that was never
+    made (every later read then sees the dependents)."""
+    s = _scenario({"tp": 2, "pp": 2, "dp": 1}, gpus_per_node=2, batch=8)
+    lazy, eager = build_workload(s, fidelity="folded"), _eager(s)
+    copies = lazy.stamped
+    assert copies is not None
+    d = next(k for k, t in enumerate(copies.tasks) if t is None)
+    counts = [t.dependents if t is not None else 0 for t in copies.tasks]
+    waiter = Task(len(copies.tasks), 0, "compute", "X", "x", "waits", deps=[d])
+    copies.tasks.append(waiter)
+    ctx = SimpleNamespace(tasks=copies.tasks, lazy=copies)
+    Context.count_dependents(ctx)  # type: ignore[arg-type]
+    made = copies.tasks[d]
+    assert made is not None and copies.of(d).made
+    assert counts[d] == 0 and made.dependents == 1
+    assert exact_task(replace(made, dependents=0)) == exact_task(eager.tasks[d])
 
 
 def test_reading_a_task_makes_its_copy_as_the_eager_build_does() -> None:
