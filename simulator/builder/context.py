@@ -106,9 +106,12 @@ class Context:
 
     # ------------------------------------------------------------ primitives
     def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
-        t = Task(id=len(self.tasks), rank=rank, stream=stream, **kw)
+        return self.put(Task(id=len(self.tasks), rank=rank, stream=stream, **kw))
+
+    def put(self, t: Task) -> Task:
+        """Append task ``t`` (its id the next) to the tasks and to its rank's stream."""
         self.tasks.append(t)
-        self.programs[rank].streams[stream].append(t)
+        self.programs[t.rank].streams[t.stream].append(t)
         return t
 
     def compute(self, rank: int, op: str, kind: str, name: str, dur: float,
