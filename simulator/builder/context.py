@@ -41,6 +41,7 @@ from simulator.system.layout import Layout
 from simulator.system.units import CollectiveName
 
 if TYPE_CHECKING:
+    from simulator.builder.lazy import Copies
     from simulator.builder.workload import BlockCosts
     from simulator.model.inventory.recompute_comm import Reissue
 
@@ -78,6 +79,8 @@ class Context:
         self._last_backward: dict[int, dict[int, int]] = {}  # pp rank -> stage -> index
         # build each (rank, kind, stage)'s actions once and copy them (builder.stamp)
         self.stamp = True
+        # a folded build's copies kept as records until read (builder.lazy), or None
+        self.lazy: Copies | None = None
 
     def last_backward(self, pp_rank: int) -> dict[int, int]:
         """Per stage, the index of pipeline rank ``pp_rank``'s last action that computes
@@ -103,9 +106,12 @@ class Context:
 
     # ------------------------------------------------------------ primitives
     def add(self, rank: int, stream: Stream, **kw: Any) -> Task:
-        t = Task(id=len(self.tasks), rank=rank, stream=stream, **kw)
+        return self.put(Task(id=len(self.tasks), rank=rank, stream=stream, **kw))
+
+    def put(self, t: Task) -> Task:
+        """Append task ``t`` (its id the next) to the tasks and to its rank's stream."""
         self.tasks.append(t)
-        self.programs[rank].streams[stream].append(t)
+        self.programs[t.rank].streams[t.stream].append(t)
         return t
 
     def compute(self, rank: int, op: str, kind: str, name: str, dur: float,
@@ -163,9 +169,15 @@ class Context:
         return t
 
     def count_dependents(self) -> None:
-        for t in self.tasks:
+        tasks, lazy = self.tasks, self.lazy
+        for t in filter(None, tasks):  # a lazy copy's unmade tasks have no dependencies
             for d in t.deps:
-                self.tasks[d].dependents += 1
+                dep = tasks[d]
+                if dep is None:  # an unmade task of a lazy copy: make its copy's
+                    assert lazy is not None
+                    lazy.fill(lazy.of(d))
+                    dep = tasks[d]
+                dep.dependents += 1
 
     # ------------------------------------------------------------ model states
     def layers_of(self, stage: int) -> range:

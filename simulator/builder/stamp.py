@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from simulator.builder.context import Context
+from simulator.builder.lazy import Copy, Done
 from simulator.builder.tasks import Task
 
 #: the hooks the pipeline walk calls between actions; every other hook of
@@ -82,6 +83,10 @@ class Record:
     groups: list[tuple[int, ...]] = field(default_factory=list)  # slot -> group
     counts: list[int] = field(default_factory=list)  # slot -> its collectives here
     one: str | None = None  # the one stream of a record without dependencies
+    #: offsets of the tasks a lazy copy makes at once (:mod:`simulator.builder.lazy`):
+    #: the first, the last, what the builder returned and what waits for a transfer
+    reached: list[int] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)  # per task, as built
 
     def __post_init__(self) -> None:
         self.parts = [(n, None) if isinstance(n, str) else (n[0] + "mb", n[1])
@@ -107,6 +112,10 @@ class Record:
         names = {row[0] for row in rows}
         if len(names) == 1 and not any(self.deps):
             self.one = names.pop()
+        # an action's list of tasks (a backward's gradients) is made when read (Done)
+        built = [] if isinstance(self.built, list) else [self.built]
+        self.reached = sorted({0, len(rows) - 1, *built, *(off for off, _ in self.waits)})
+        self.durations = [row[3] for row in rows]
         self.rows = rows
         return rows
 
@@ -223,7 +232,18 @@ class Stamps:
         for g, base, count in zip(rec.groups, bases, rec.counts, strict=True):
             seq[g] = base + count
         smb, mbs = str(mb), (-1, mb)
-        if rec.one is not None:  # one stream, no dependencies: the common case
+        lazy = ctx.lazy
+        if rec.one is not None and lazy is not None:  # made when read: builder.lazy
+            streams[rec.one] += [None] * len(rows)  # type: ignore[list-item]
+            tasks += [None] * len(rows)  # type: ignore[list-item]
+            copy = Copy(rec, rank, mb, first, bases, streams[rec.one],
+                        len(streams[rec.one]) - len(rows))
+            lazy.add(copy)
+            for off, wkey in rec.waits:
+                self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))
+            return Done(lazy, copy) if isinstance(rec.built, list) \
+                else tasks[first + rec.built]
+        elif rec.one is not None:  # one stream, no dependencies: the common case
             made = [Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
                          duration, plan, group, () if slot < 0 else (group, bases[slot] + j),
                          dst, nbytes, mbs[mine], layer, chunk, [], 0, weight_s)

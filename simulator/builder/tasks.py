@@ -22,6 +22,7 @@ from simulator.system.collectives.plan import Plan
 from simulator.system.layout import Layout
 
 if TYPE_CHECKING:
+    from simulator.builder.lazy import Copies
     from simulator.builder.program import SharedPrograms
 
 Stream = Literal["compute", "pp", "dp", "zero", "host", "cp", "tp", "replicate", "ep"]
@@ -74,6 +75,10 @@ class Workload:
     # NCCL's channels) runs on a stream beside the compute, whose runs the engine then
     # slows (simulator.engine.interference); on the compute stream it overlaps none
     holds_sms: bool = False
+    #: a folded build's stamped copies whose tasks are made when read
+    #: (:mod:`simulator.builder.lazy`; then ``programs`` and ``tasks`` are views over
+    #: its raw lists, which the engine reads with the records)
+    stamped: Copies | None = None
 
     def weight_of(self, rank: int) -> float:
         return self.weight if self.weights is None else self.weights[rank]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator.builder.context import Context
+from simulator.builder.lazy import Copies, LazyPrograms, LazyTasks, eligible
 from simulator.builder.program import ProgramView, SharedPrograms, TaskView, is_work, share
 from simulator.builder.programs import build_programs
 from simulator.builder.tasks import Program, Task, Workload
@@ -290,6 +291,8 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
         _vary_compute(ctx.programs, attrs, s, step)
         programs: Mapping[int, Program] = ctx.programs
         tasks: Sequence[Task] = ctx.tasks
+        if ctx.lazy is not None:  # copies' tasks made when read (builder.lazy)
+            programs, tasks = LazyPrograms(ctx.lazy), LazyTasks(ctx.lazy)
     else:
         shared.factors = _shared_factors(shared, attrs, s, step)
         tasks = TaskView(shared)
@@ -298,7 +301,8 @@ def build_workload(s: Scenario, layout: Layout | None = None, cost: CostModel | 
     symmetric = not attrs.asymmetric or not folded
     return Workload(programs, tasks, layout, schedule, weight, fidelity,
                     None if symmetric else {r: float(n) for r, n in weights.items()},
-                    _link_factors(s, layout, attrs, weights), shared, ctx.holds_sms)
+                    _link_factors(s, layout, attrs, weights), shared, ctx.holds_sms,
+                    ctx.lazy)
 
 
 def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
@@ -307,6 +311,8 @@ def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
     """Run the builder passes for ``ranks``."""
     ctx = Context(local_scenario(s), layout, cost, costs, schedule, ranks)
     ctx.stamp = stamp
+    if stamp and folded and eligible(ctx):
+        ctx.lazy = Copies(ctx.tasks, ctx.programs)
     if folded and attrs.asymmetric:
         ctx.clean_tp = clean_tp_index(layout, attrs)
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster

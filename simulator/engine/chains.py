@@ -163,7 +163,7 @@ def _priced(e: Engine, chain: dict[int, list[Any]], kind: int, phases: Any,
 
 
 def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
-            i: int) -> tuple[int, Event | None]:
+            offsets: tuple[list[int], list[int]], i: int) -> tuple[int, Event | None]:
     """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the index
     after the last and the one event at its end if the per-step path would have waited
     (``i`` back, nothing done, where step ``i`` does not chain); ``e.merged`` counts the
@@ -172,6 +172,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    po, ro = offsets  # each step's (:class:`simulator.engine.blocks.Blocks`)
     # the last collective's phases, group and pricing (α, links, duration alone, one link)
     phases, group, alpha, alone, link = None, -1, 0.0, None, None
     objs: tuple[Any, ...] = ()
@@ -180,6 +181,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         if k > i and deps:
             break
         if kind == RUN:  # a: the run, b: its last task when someone waits for it
+            a += ro[k]
             run_t0[base + a] = t
             total = totals[a]
             if total > 0:
@@ -195,12 +197,13 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             phases, group, (alpha, objs, alone, link) = b, g, priced
         t0 = t  # the arrival, as ``stream`` and ``lead_in`` compute it
         if lead >= 0:
+            lead += ro[k]
             run_t0[base + lead] = t
             t0 = t + totals[lead]
             wait = t0 - t
             if wait > 0:
                 t, count = t + wait, count + 1
-        gid = ids[a]
+        gid = ids[a + po[k]]
         begin[gid] = t
         if alone is not None:  # the flow: its end, and each link's busy seconds
             end = t + alone

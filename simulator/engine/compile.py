@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from simulator.builder.tasks import Task
+from simulator.engine.blocks import Blocks, Lazy
+from simulator.engine.steps import COLL, RUN, SEND
 from simulator.system.collectives.plan import Plan
 
-RUN, COLL, SEND = 0, 1, 2
 #: runs at least this many long at a position: summed there with one vector addition
 VECTOR = 32
 Where = Callable[[int], tuple[int, int]] | None  # a shared program's (owner, local index)
@@ -38,10 +39,12 @@ class Template:
 
     def __init__(self, tasks: list[Task], streams: Sequence[tuple[str, Sequence[int]]],
                  where: Callable[[int], tuple[int, int]] | None,
-                 phases: Callable[[Plan], Any], shared: bool, fuse: bool = True) -> None:
+                 phases: Callable[[Plan], Any], shared: bool, fuse: bool = True,
+                 lazy: Lazy | None = None) -> None:
         self.n = len(tasks)
         self.shared, self.fuse = shared, fuse  # ``phases`` is not kept: it holds the engine
-        self.durations = list(map(attrgetter("duration"), tasks))
+        self.durations = list(map(attrgetter("duration"), tasks)) if lazy is None \
+            else lazy.durations
         # what slow GPUs and jitter scale (program.is_work, inline: this runs per task),
         # which only a shared program's ranks read (their compute factors)
         self.work = [i for i, t in enumerate(tasks)
@@ -55,38 +58,87 @@ class Template:
         self.flows: list[tuple[int, int, Any]] = []
         self.sends: list[tuple[int, int]] = []
         self.streams: list[list[tuple[Any, ...]]] = []
+        # per stream, per step: what its positions and its run indices are moved by
+        # (a stamped copy's steps are its record's, shared: :class:`Blocks`)
+        self.offsets: list[tuple[list[int], list[int]]] = []
+        self.moved: list[tuple[int, int, int]] = []  # (first run, runs, position moved by)
+        self.tasks = tasks  # a laid step's rendezvous key is its task's (:meth:`tail`)
+        # an unmade task of a lazy copy by local index (:mod:`simulator.builder.lazy`)
+        self.lookup: Callable[[int], Task] | None = None
         self.stream_names: list[str] = []
         for name, order in streams:
             if order:
                 by_id: dict[tuple[int, int], tuple[int, Any]] = {}
                 dsts: dict[int, None] = {}
-                self.streams.append(self._steps(tasks, order, where, gidx, phases, by_id,
-                                                dsts))
+                steps, po, ro = self._stream(tasks, order, where, gidx, phases, by_id, dsts,
+                                             lazy, name)
+                self.streams.append(steps)
+                self.offsets.append((po, ro))
                 self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
                 self.sends += [(len(self.stream_names), d) for d in dsts]
                 self.stream_names.append(name)
         self.totals = self.run_totals(self.durations)
 
-    def _steps(self, tasks: list[Task], order: Sequence[int], where: Where,
-               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
-               by_id: dict[tuple[int, int], tuple[int, Any]],
-               dsts: dict[int, None]) -> list[tuple[Any, ...]]:
-        """One stream's steps; into ``by_id`` its collectives, into ``dsts`` its sends."""
-        steps: list[tuple[Any, ...]] = []
-        append, runs, fuse, shared = steps.append, self.runs, self.fuse, self.shared
+    def _stream(self, tasks: list[Task], order: Sequence[int], where: Where,
+                gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+                by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
+                lazy: Lazy | None, name: str,
+                ) -> tuple[list[tuple[Any, ...]], list[int], list[int]]:
+        """One stream's steps and their offsets; into ``by_id`` its collectives, into
+        ``dsts`` its sends. Where a step starts at a lazy copy (``lazy``) whose record an
+        earlier copy compiled, that copy's steps are laid over it (:class:`Blocks`)."""
         seq = tasks[order.start:order.stop] if isinstance(order, range) and order.step == 1 \
             else [tasks[k] for k in order]
+        steps: list[tuple[Any, ...]] = []
+        po: list[int] = []
+        ro: list[int] = []
+        args = (seq, order, where, gidx, phases, by_id, dsts, steps, po)
+        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy)
+        starts = blocks.prepare(lazy.pending.get(name, [])) if lazy is not None else []
+        i = 0
+        for p, size, key in starts:
+            if p < i:  # a step ran into it
+                continue
+            if p > i:
+                blocks.pad()
+                i = self._steps(*args, i, p)
+            if i != p:
+                continue
+            if key is not None and blocks.lay(key, p):
+                i = p + size
+                continue
+            blocks.make(p)
+            blocks.pad()
+            s0, r0 = len(steps), len(self.runs)
+            i = self._steps(*args, p, p + size)
+            if key is not None and i == p + size:
+                blocks.keep(key, p, s0, r0)
+        if i < len(seq):
+            blocks.pad()
+            self._steps(*args, i, len(seq))
+        blocks.pad()
+        return steps, po, ro
+
+    def _steps(self, seq: list[Task], order: Sequence[int], where: Where,
+               gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
+               by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
+               steps: list[tuple[Any, ...]], po: list[int], i: int, stop: int) -> int:
+        """Compile the stream's steps that start at positions ``i`` to ``stop`` (the
+        last may run past it) into ``steps``; where the next step starts. The steps
+        before ``i`` have their offsets in ``po``."""
+        append, runs, fuse, shared = steps.append, self.runs, self.fuse, self.shared
         nruns = len(runs)
         plan: Plan | None = None  # the last collective's plan and group, and what they gave
         group: tuple[int, ...] = ()
         g, ph = -1, None
-        i, n = 0, len(order)
-        while i < n:
+        n = len(seq)
+        while i < stop:
             t = seq[i]
             # (owner, local index) pairs; without ``where`` the task ids themselves
             d = t.deps
             deps = (tuple(d) if where is None else tuple(map(where, d))) if d else ()
-            if deps and len(d) == 1 and self._after(steps, seq, order, i):
+            if deps and len(d) == 1 and self._after(steps, seq, order, i,
+                                                    po[-1] if po and len(po) == len(steps) else 0):
                 deps = ()  # the task before it on its stream, which has ended by then
             lead = -1
             if t.plan is None and t.dst < 0:  # a run of plain compute
@@ -124,18 +176,37 @@ class Template:
                 tail = t.group_key[1] if shared else t.group_key
                 append((COLL, deps, order[i], ph, g, tail, t.dependents, lead))
             i += 1
-        return steps
+        return i
+
+    def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
+                   steps: list[tuple[Any, ...]], offset: int, i: int) -> tuple[Any, ...]:
+        """The dependencies of a step that starts at task ``i``, as :meth:`_steps` gives
+        them (the step before moved by ``offset``)."""
+        d = seq[i].deps
+        if not d:
+            return ()
+        deps = tuple(d) if where is None else tuple(map(where, d))
+        return () if len(d) == 1 and self._after(steps, seq, order, i, offset) else deps
+
+    def tail(self, local: int) -> Any:
+        """The rendezvous key's tail of the collective at ``local`` (see :meth:`_steps`)."""
+        t = self.tasks[local]
+        if t is None:
+            assert self.lookup is not None
+            t = self.lookup(local)
+        key = t.group_key
+        return key[1] if self.shared else key
 
     @staticmethod
     def _after(steps: list[tuple[Any, ...]], seq: list[Task], order: Sequence[int],
-               i: int) -> bool:
+               i: int, offset: int = 0) -> bool:
         """Whether task ``i`` of a stream waits on nothing but the collective or send
         before it, which nothing else waits on: then neither needs an event (the stream
         runs its steps in order), and the step before no longer has a dependent."""
         if not steps or seq[i].deps[0] != seq[i - 1].id or seq[i - 1].dependents != 1:
             return False
         step = steps[-1]
-        if step[0] == RUN or step[2] != order[i - 1]:
+        if step[0] == RUN or step[2] + offset != order[i - 1]:
             return False
         steps[-1] = (*step[:6], 0, step[7])
         return True
@@ -159,8 +230,15 @@ class Template:
 
     @cached_property
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:func:`run_layout` of the runs."""
-        return run_layout(self.runs)
+        """:func:`run_layout` of the runs (a laid copy's moved to its positions)."""
+        flat, first, lens = run_layout(self.runs)
+        if self.moved:
+            r0, count, at = np.asarray(self.moved, np.int64).T
+            which = np.repeat(r0 - (np.cumsum(count) - count), count) + np.arange(count.sum())
+            shift = np.zeros(len(lens), np.int64)
+            shift[which] = np.repeat(at, count)
+            flat += np.repeat(shift, lens)
+        return flat, first, lens
 
     @cached_property
     def duration_array(self) -> np.ndarray:

@@ -36,8 +36,6 @@ import time
 from array import array
 from collections.abc import Callable, Generator
 from functools import cached_property
-from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -46,6 +44,7 @@ from simpy.events import AllOf, Event, Timeout
 
 from simulator.builder.program import SharedPrograms, TaskView
 from simulator.builder.tasks import Workload, gc_paused
+from simulator.engine.blocks import flatten
 from simulator.engine.chains import plan_chains
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
@@ -134,14 +133,13 @@ class Engine:
         if shared is not None:
             return self._compile_shared(shared)
         out, run_base = [], 0
-        for rank, prog in self.w.programs.items():
-            mine = list(chain.from_iterable(prog.streams.values()))
-            streams, k = [], 0
-            for name, ts in prog.streams.items():
-                streams.append((name, range(k, k + len(ts))))
-                k += len(ts)
-            tmpl = Template(mine, streams, None, self._phases, False, not self._slowed)
-            inst = Instance(rank, tmpl, list(map(attrgetter("id"), mine)), 0, run_base)
+        copies = self.w.stamped  # lazy copies: their raw programs, read with the records
+        for rank, prog in (self.w.programs if copies is None else copies.programs).items():
+            mine, streams, ids, lazy = flatten(prog, copies, rank)
+            tmpl = Template(mine, streams, None, self._phases, False, not self._slowed, lazy)
+            if lazy is not None:
+                tmpl.lookup = lambda a, ids=ids, view=self.w.tasks: view[ids[a]]
+            inst = Instance(rank, tmpl, ids, 0, run_base)
             run_base += len(tmpl.runs)
             for g in tmpl.groups:
                 inst.groups.append(self._intern(g))
@@ -162,7 +160,7 @@ class Engine:
         for q in range(layout.pp):
             streams = list(shared.streams[q].items())
             tmpl = Template(shared.protos[q], streams, where, self._phases, True,
-                             not self._slowed)
+                            not self._slowed)
             for delta in range(0, per, self.lock):  # TP index 0 of each lock-step group
                 rank = q * per + delta
                 first = shared.first_id(rank)
@@ -234,9 +232,11 @@ class Engine:
         """Start every stream's process; the event fires when all are done (stop there:
         stale completions of rescheduled flows may still sit in the queue, later than
         the step's end)."""
-        procs = [self.env.process(stream(self, inst, steps, name)) for inst in self.instances
-                 for name, steps in zip(inst.template.stream_names, inst.template.streams,
-                                        strict=True)]
+        procs = [self.env.process(stream(self, inst, steps, offsets, name))
+                 for inst in self.instances
+                 for name, steps, offsets in zip(inst.template.stream_names,
+                                                 inst.template.streams,
+                                                 inst.template.offsets, strict=True)]
         return self.env.all_of(procs)
 
     def collect(self, wall: float) -> SimResult:

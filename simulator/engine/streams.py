@@ -59,8 +59,9 @@ def waits(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> list[simpy.Event]
 
 
 def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
-           name: str = "compute") -> Process:
-    """The process of one stream of one simulated rank."""
+           offsets: tuple[list[int], list[int]], name: str = "compute") -> Process:
+    """The process of one stream of one simulated rank: its steps, each moved by its
+    offsets (positions, run indices: :class:`simulator.engine.blocks.Blocks`)."""
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
     starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
     slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
@@ -72,8 +73,17 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     gated = gates is not None and name in gates
     chained = e.chains and (gates is None or name == "compute")
     i, n = 0, len(steps)
+    po, ro = offsets
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
+        if kind == RUN:
+            a += ro[i]
+            if b >= 0:
+                b += po[i]
+        else:
+            a += po[i]
+            if lead >= 0:
+                lead += ro[i]
         if deps:
             pending = waits(e, inst, deps)
             if pending:
@@ -83,11 +93,11 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 if gated:
                     gates[name] = None  # type: ignore[index]
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
-            j, ev = forward(e, inst, steps, i)
+            j, ev = forward(e, inst, steps, offsets, i)
             if j > i:
                 if ev is not None:
                     yield ev
-                ended(e, inst, steps[j - 1])
+                ended(e, inst, steps[j - 1], po[j - 1], ro[j - 1])
                 i = j
                 continue
         i += 1
@@ -109,7 +119,8 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
             grp = groups[g]
             burst = burst_of(e, rank) if e.bursts else 0.0
-            rv = arrive(e, grp, tail, t0, gid, burst) if size[grp] > 1 else None
+            rv = arrive(e, grp, inst.template.tail(a) if tail is None else tail, t0, gid,
+                        burst) if size[grp] > 1 else None
             if rv is not None and rv.arrived < rv.members:  # another member runs it
                 yield rv.done
                 waited(e, rv, gid, t0, dependents)
@@ -149,13 +160,14 @@ def burst_of(e: Engine, rank: int) -> float:
     return burst
 
 
-def ended(e: Engine, inst: Instance, step: tuple[Any, ...]) -> None:
-    """A chain's last step's event, where someone waits for it (:mod:`chains`)."""
+def ended(e: Engine, inst: Instance, step: tuple[Any, ...], po: int, ro: int) -> None:
+    """A chain's last step's event (the step moved by ``po`` and ``ro``), where someone
+    waits for it (:mod:`chains`)."""
     kind, _, a, b, _, _, dependents, _ = step
     if kind == RUN and b >= 0:
-        e.event_of(inst.ids[b]).succeed()
+        e.event_of(inst.ids[b + po]).succeed()
     elif kind != RUN and dependents:
-        e.event_of(inst.ids[a]).succeed()
+        e.event_of(inst.ids[a + po]).succeed()
 
 
 def send(e: Engine, inst: Instance, dst: int, nbytes: float) -> simpy.Event:

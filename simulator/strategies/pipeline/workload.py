@@ -63,6 +63,7 @@ class PipelinePass:
         if s.parallel.sequence_parallel:  # the boundary tensor is [s/t, b, h] per TP rank
             self.act_bytes /= s.parallel.tp
         self.sends: dict[tuple[str, int, int, int], int] = {}  # (dir, stage, mb, rank) -> task
+        self.peers: dict[tuple[int, int], int] = {}  # (rank, stage) -> its peer there
         self.waits: list[tuple[Task, tuple[str, int, int, int]]] = []
         # each (rank, kind, stage)'s actions built once and copied (simulator.builder.stamp)
         self.stamps = Stamps(ctx, self.waits, ctx.stamp)
@@ -349,13 +350,17 @@ class PipelinePass:
 
     def send(self, rank: int, direction: str, a: Action, after: Task, to_stage: int,
              chunk: int) -> None:
-        ctx, coord, stage, mb = self.ctx, self.ctx.layout.coord(rank), a.stage, a.microbatch
-        dst = ctx.layout.rank(ctx.sched.rank_of(to_stage), coord.dp, coord.tp, coord.cp)
+        ctx, stage, mb = self.ctx, a.stage, a.microbatch
+        dst = self.peers.get((rank, to_stage))
+        if dst is None:  # the rank of the same (dp, tp, cp) on the other stage
+            coord = ctx.layout.coord(rank)
+            dst = self.peers[(rank, to_stage)] = ctx.layout.rank(
+                ctx.sched.rank_of(to_stage), coord.dp, coord.tp, coord.cp)
         stream: Stream = "pp" if ctx.overlap.pp else "compute"
-        t = ctx.add(rank, stream, op="pp.send", kind="pp",
-                    name=f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", dst=dst,
-                    nbytes=self.act_bytes, microbatch=mb, chunk=chunk)
-        t.deps.append(after.id)
+        # positional construction: one send per action
+        t = ctx.put(Task(len(ctx.tasks), rank, stream, "pp.send", "pp",
+                         f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", 0.0, None, (),
+                         (), dst, self.act_bytes, mb, -1, chunk, [after.id]))
         self.sends[(direction, stage, mb, dst)] = t.id
 
     # ------------------------------------------------------------ end of step

@@ -1,0 +1,177 @@
+"""Laid copies: a stamped copy's steps are its record's, moved.
+
+A folded build keeps its stamped copies as records (:mod:`simulator.builder.lazy`).
+:class:`Blocks` compiles each record's first copy from its tasks and lays the same
+steps over every later copy, with per-step offsets the streams add as they read them;
+:func:`flatten` gives :class:`~simulator.engine.compile.Template` a rank's tasks with
+what it needs of the unmade ones (:class:`Lazy`).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from simulator.builder.tasks import Program, Task
+from simulator.engine.steps import RUN
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from simulator.builder.lazy import Copies, Copy
+    from simulator.engine.compile import Template, Where
+
+
+class Lazy(NamedTuple):
+    """A rank's lazy copies for :class:`Template`: the copies, every task's duration (an
+    unmade task's its record's) and, per stream, (position, copy) of each copy whose
+    tasks are not all made, in stream order."""
+
+    copies: Copies
+    durations: list[float]
+    pending: dict[str, list[tuple[int, Copy]]]
+
+
+class Blocks:
+    """One stream's stamped copies (:mod:`simulator.builder.stamp`). A copy's tasks are
+    its record's but for their ids, names, micro-batch and group keys; where a step
+    starts at a copy's first task, the copy compiles to the steps its record's first
+    such copy compiled to, with positions moved by where it starts and run indices by
+    the runs before it. So those steps are kept once, relative to the copy
+    (:meth:`keep`), and every later copy's steps are the same tuples, with its offsets
+    beside them (:meth:`lay`; the stream adds them as it reads a step). That holds
+    where the copy is still whole and in order on the stream, none of its tasks but the
+    first gained a dependency, its tasks have the kept copy's dependents (part of the
+    key) and its last step ends inside it (its last task a collective, a send or
+    waited on: nothing after the copy then changes its steps). The first step's
+    dependencies are each copy's own, and a laid collective's rendezvous key is read
+    from its task when it has one (:meth:`Template.tail`)."""
+
+    def __init__(self, tmpl: Template, seq: list[Task], order: Sequence[int], where: Where,
+                 steps: list[tuple[Any, ...]], po: list[int], ro: list[int],
+                 lazy: Lazy | None) -> None:
+        self.tmpl, self.seq, self.order, self.where = tmpl, seq, order, where
+        self.steps, self.po, self.ro, self.lazy = steps, po, ro, lazy
+        # (record, its made tasks' dependents) -> the steps and runs relative to the copy
+        self.done: dict[tuple[int, tuple[int, ...]], tuple[list[tuple[Any, ...]],
+                                                            list[range]]] = {}
+        self.at: dict[int, Copy] = {}  # position -> the lazy copy there, until made
+
+    def prepare(self, pending: list[tuple[int, Copy]],
+                ) -> list[tuple[int, int, tuple[int, tuple[int, ...]] | None]]:
+        """(position, length, key) of each lazy copy on the stream, in stream order. Its
+        unmade tasks are its record's rows (nothing held them), so its key is its record
+        and its made tasks' dependents; None, and the copy made, where a run before it
+        could go on into it, a made task but the first has a dependency, or its last
+        task ends no step (a run to its end would go on past it)."""
+        seq, out = self.seq, []
+        for p, copy in pending:
+            key: tuple[int, tuple[int, ...]] | None = None
+            prev = seq[p - 1] if p else None
+            if prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents:
+                reached = [seq[p + off] for off in copy.rec.reached]
+                last = reached[-1]
+                if not any(t.deps for t in reached[1:]) and \
+                        (last.plan is not None or last.dst >= 0 or last.dependents):
+                    key = id(copy.rec), tuple(t.dependents for t in reached)
+            self.at[p] = copy
+            if key is None:
+                self.make(p)
+            out.append((p, copy.size, key))
+        return out
+
+    def make(self, p: int) -> None:
+        """Make the tasks of the lazy copy at ``p`` (none there: nothing to do)."""
+        copy = self.at.pop(p, None)
+        if copy is None:
+            return
+        assert self.lazy is not None and isinstance(self.order, range)
+        made = self.lazy.copies.tasks_of(copy)
+        self.seq[p:p + copy.size] = made
+        at = self.order.start + p
+        self.tmpl.tasks[at:at + copy.size] = made
+
+    def pad(self) -> None:
+        """Offsets of 0 for the steps compiled since the last laid copy."""
+        k = len(self.steps) - len(self.po)
+        if k:
+            self.po += [0] * k
+            self.ro += [0] * k
+
+    def keep(self, key: tuple[int, tuple[int, ...]], p: int, s0: int, r0: int) -> None:
+        """Keep the steps from ``s0`` and the runs from ``r0``, just compiled for the copy
+        at ``p``, relative to it."""
+        at = self.order[p]
+        rel: list[tuple[Any, ...]] = []
+        for kind, _, a, b, g, _, dependents, lead in self.steps[s0:]:
+            if kind == RUN:
+                rel.append((RUN, (), a - r0, b - at if b >= 0 else -1, g, None, 0, -1))
+            else:
+                rel.append((kind, (), a - at, b, g, None, dependents,
+                            lead - r0 if lead >= 0 else -1))
+        runs = [range(r[0] - at, r[0] - at + len(r)) for r in self.tmpl.runs[r0:]]
+        self.done[key] = rel, runs
+
+    def lay(self, key: tuple[int, tuple[int, ...]], p: int) -> bool:
+        """Lay the steps kept for ``key`` over the copy at ``p``; False where none are."""
+        got = self.done.get(key)
+        if got is None:
+            return False
+        rel, runs = got
+        tmpl, steps, po = self.tmpl, self.steps, self.po
+        k = len(steps) - len(po)
+        if k:
+            self.pad()
+        deps = tmpl.first_deps(self.seq, self.order, self.where, steps, po[-1], p) \
+            if self.seq[p].deps else ()
+        at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
+        tmpl.runs += runs
+        tmpl.moved.append((r0, len(runs), at))
+        steps += rel
+        po += [at] * n
+        self.ro += [r0] * n
+        if deps:
+            steps[s0] = (steps[s0][0], deps, *steps[s0][2:])
+        return True
+
+
+def flatten(prog: Program, copies: Copies | None, rank: int,
+            ) -> tuple[list[Task], list[tuple[str, range]], list[int], Lazy | None]:
+    """A rank's tasks, its streams one after another, each stream's range in them, their
+    ids and, where some of its lazy copies are unmade, what :class:`Template` needs of
+    those (:class:`Lazy`; a copy others were put between is made now)."""
+    where: dict[str, list[tuple[int, Copy]]] = {}
+    if copies is not None:
+        names = {id(ts): name for name, ts in prog.streams.items()}
+        for c in copies.pending(rank):
+            p, n = copies.position(c), c.size
+            if p + n > len(c.stream) or c.stream[p + n - 1] is not copies.tasks[c.first + n - 1]:
+                copies.fill(c)
+            else:
+                where.setdefault(names[id(c.stream)], []).append((p, c))
+    mine = list(chain.from_iterable(prog.streams.values()))
+    streams, k, starts = [], 0, {}
+    for name, ts in prog.streams.items():
+        streams.append((name, range(k, k + len(ts))))
+        starts[name] = k
+        k += len(ts)
+    if not where:
+        return mine, streams, list(map(attrgetter("id"), mine)), None
+    assert copies is not None
+    spans = sorted(((starts[name] + p, c) for name, at in where.items() for p, c in at),
+                   key=lambda x: x[0])
+    ids: list[int] = []
+    durations: list[float] = []
+    last = 0
+    for at, c in spans:  # made tasks read, unmade ones their record's
+        ids += map(attrgetter("id"), mine[last:at])
+        durations += map(attrgetter("duration"), mine[last:at])
+        ids += range(c.first, c.first + c.size)
+        durations += c.rec.durations
+        last = at + c.size
+    ids += map(attrgetter("id"), mine[last:])
+    durations += map(attrgetter("duration"), mine[last:])
+    for at_ in where.values():
+        at_.sort(key=lambda x: x[0])
+    return mine, streams, ids, Lazy(copies, durations, where)
