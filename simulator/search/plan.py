@@ -49,6 +49,7 @@ import pandas as pd
 
 from simulator.analysis.ceiling import mfu_ceiling
 from simulator.analysis.memory import stage_breakdown
+from simulator.analysis.priced import Price, direct
 from simulator.errors import Problem, UserError
 from simulator.limits import check_ranks
 from simulator.model.moe import layer_kinds
@@ -104,13 +105,14 @@ class Plan:
 # ---------------------------------------------------------------- pass 2 and 3 (workers)
 
 
-def peak_memory_bytes(s: Scenario) -> float:
+def peak_memory_bytes(s: Scenario, price: Price = direct) -> float:
     """The largest stage total: the first or the last stage when all layers are alike,
-    else every stage (see the module note)."""
+    else every stage (see the module note; ``price``: how the stages' terms are computed,
+    :mod:`simulator.analysis.priced`)."""
     pp = s.parallel.pp
     stages = sorted({0, head_rank(s.parallel), pp - 1}) if len(layer_kinds(s.model)) == 1 \
         else range(pp)
-    return max(stage_breakdown(s, stage).total for stage in stages)
+    return max(stage_breakdown(s, stage, price).total for stage in stages)
 
 
 def usable_bytes(s: Scenario, headroom: Headroom) -> float:
@@ -135,7 +137,7 @@ def assess(base: Scenario, cand: Candidate, headroom: Headroom = DEFAULT_HEADROO
     if problems:
         row["error"] = "; ".join(map(str, problems))
         return row
-    peak = peak_memory_bytes(s)
+    peak = peak_memory_bytes(s, shared.price(cand))
     row.update(microbatches=s.microbatches, peak_memory_GB=peak / 1e9,
                fits=peak <= usable_bytes(s, headroom))
     row["verdict"] = "fits" if row["fits"] else "out of memory"
