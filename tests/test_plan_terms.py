@@ -21,7 +21,7 @@ from test_plan_fast import DENSE_BASE, DENSE_CANDIDATES, _moe
 from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.search.candidates import Candidate, base_scenario, candidate_scenario, candidates
 from simulator.search.candidates import knobs as knob_names
-from simulator.search.plan import peak_memory_bytes
+from simulator.search.plan import ceiling, peak_memory_bytes
 from simulator.search.terms import IGNORES, key_picker
 from simulator.spec.rules import consistency_problems, not_yet_simulated
 from simulator.spec.scenario import Scenario
@@ -31,7 +31,8 @@ Recorded = dict[tuple[str, int], Any]
 
 
 def terms_of(base: Scenario, cand: Candidate) -> Recorded | None:
-    """Every term the peak and the estimate ask for, computed afresh, by (name, stage);
+    """Every term the peak, the estimate and the MFU ceiling ask for, computed afresh, by
+    (name, stage);
     None for a candidate the planner does not price."""
     s = candidate_scenario(base, cand)
     if consistency_problems(s) or not_yet_simulated(s):
@@ -44,6 +45,7 @@ def terms_of(base: Scenario, cand: Candidate) -> Recorded | None:
 
     peak_memory_bytes(s, record)
     analytic_estimate(s, breakdown=False, price=record)
+    ceiling(s, record)
     return seen
 
 

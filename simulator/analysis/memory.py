@@ -79,7 +79,8 @@ def stage_breakdown(scenario: Scenario, stage: int, price: Price = direct) -> Me
         optimizer=optimizer + compression_state,
         activations=acts,
         logits=held,
-        comm_buffers=comm_buffers(scenario, stage) + buffers,
+        comm_buffers=price("comm buffers", stage,
+                           functools.partial(comm_buffers, scenario, stage)) + buffers,
         capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
         device=tuple((t.name, price(t.name, stage, functools.partial(t.bytes, scenario, stage)))
                      for t in DEVICE_TERMS),

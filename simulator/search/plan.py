@@ -38,6 +38,7 @@ where simulated).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -115,6 +116,12 @@ def peak_memory_bytes(s: Scenario, price: Price = direct) -> float:
     return max(stage_breakdown(s, stage, price).total for stage in stages)
 
 
+def ceiling(s: Scenario, price: Price = direct) -> float:
+    """:func:`~simulator.analysis.ceiling.mfu_ceiling` of ``s`` (``price``: how it is
+    computed, :mod:`simulator.analysis.priced`)."""
+    return price("mfu ceiling", -1, functools.partial(mfu_ceiling, s))
+
+
 def usable_bytes(s: Scenario, headroom: Headroom) -> float:
     """What a layout of ``s`` may use on its smallest GPU: capacity less ``headroom``."""
     capacity = min(s.hardware_of_stage(st).gpu.memory_GB for st in range(s.parallel.pp)) * 1e9
@@ -137,13 +144,14 @@ def assess(base: Scenario, cand: Candidate, headroom: Headroom = DEFAULT_HEADROO
     if problems:
         row["error"] = "; ".join(map(str, problems))
         return row
-    peak = peak_memory_bytes(s, shared.price(cand))
+    price = shared.price(cand)
+    peak = peak_memory_bytes(s, price)
     row.update(microbatches=s.microbatches, peak_memory_GB=peak / 1e9,
                fits=peak <= usable_bytes(s, headroom))
     row["verdict"] = "fits" if row["fits"] else "out of memory"
     if row["fits"]:
         row["analytic_step_time_s"] = shared.estimate(s, cand)["step_time_s"]
-        row["mfu_ceiling"] = mfu_ceiling(s)
+        row["mfu_ceiling"] = ceiling(s, price)
     return row
 
 

@@ -47,6 +47,7 @@ ONLY_PP = frozenset({"tp", "cp", "dp", "ep", "schedule", "virtual_stages", "zero
 #: estimate ask for it (:mod:`simulator.analysis.priced`)
 IGNORES: dict[str, frozenset[str]] = {
     "states": NOT_PARAMS,
+    "comm buffers": NOT_PARAMS,
     "activations": NOT_SHARDING,
     "cuda context": ONLY_PP,
     "cuBLAS workspaces": ONLY_PP,
@@ -55,6 +56,8 @@ IGNORES: dict[str, frozenset[str]] = {
     "pipeline": NOT_SHARDING,
     "gradients": NOT_PARAMS,
     "optimizer": NOT_PARAMS,
+    # the model's and the executed FLOPs (the recomputation, by stage) and the GPUs
+    "mfu ceiling": ONLY_PP - {"schedule", "virtual_stages", "recompute", "recompute_modules"},
 }
 MOST = 400_000  # entries kept in one process (a few hundred MB at most)
 
