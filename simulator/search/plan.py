@@ -46,6 +46,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from simulator.analysis.ceiling import mfu_ceiling
@@ -211,13 +212,14 @@ def _assess_in_rounds(req: PlanRequest, base: Scenario, executor: Executor
 
 
 def pareto_mask(memory: pd.Series, step: pd.Series) -> pd.Series:
-    """True where no other point has at most the memory and a shorter step."""
-    order = sorted(range(len(step)), key=lambda i: (memory.iloc[i], step.iloc[i]))
-    mask = [False] * len(step)
-    best = math.inf
-    for i in order:
-        if step.iloc[i] < best:
-            mask[i], best = True, step.iloc[i]
+    """True where no other point has at most the memory and a shorter step (in order of
+    memory, then step, ties in table order: each point with a step below every one
+    before it)."""
+    order = np.lexsort((step.to_numpy(dtype=float), memory.to_numpy(dtype=float)))
+    ordered = step.to_numpy(dtype=float)[order]
+    before = np.fmin.accumulate(np.concatenate(([math.inf], ordered)))[:-1]
+    mask = np.zeros(len(step), dtype=bool)
+    mask[order] = ordered < before
     return pd.Series(mask, index=step.index)
 
 
