@@ -80,7 +80,6 @@ def test_a_term_is_the_same_whatever_its_key_leaves_out(name: str) -> None:
     assert checked >= 4 and not bad
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(IGNORES))
 def test_a_term_keys_the_experts_knobs(name: str, tmp_path: Path) -> None:
     """A mixture of experts: EP and the token dispatcher besides."""
