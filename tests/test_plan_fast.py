@@ -1,6 +1,8 @@
 """The planner's first pass computed the fast way equals the slow way, bit for bit.
 
 The fast way: the estimate's step time alone (``analytic_estimate(..., breakdown=False)``),
+the memory model's and the estimate's terms looked up by the knobs each reads
+(:mod:`simulator.search.terms`),
 schedule makespans from each schedule's order worked out once
 (:func:`simulator.schedules.action.makespan`), collectives priced once per plan
 (:func:`simulator.strategies.timing.collective_time`), layer placements and the GPU's
@@ -26,7 +28,7 @@ from simulator.analysis.ceiling import mfu_ceiling
 from simulator.builder.workload import layout_of
 from simulator.schedules import registry as schedules
 from simulator.schedules.action import execute, makespan
-from simulator.search import shared
+from simulator.search import shared, terms
 from simulator.search.candidates import (
     Candidate,
     PlanRequest,
@@ -113,6 +115,7 @@ def _compare(base: Scenario, cands: list[Candidate], monkeypatch: pytest.MonkeyP
              ) -> list[tuple[Candidate, dict[str, Any], dict[str, Any]]]:
     """(candidate, fast, slow) where they differ: the fast rows first, the memos warm."""
     shared._memo.cache_clear()
+    terms.memo.cache_clear()
     fast = [_fast_row(r) for r in assess_chunk(base, cands)["rows"]]
     with monkeypatch.context() as m:
         _forget(m)
@@ -168,6 +171,15 @@ def test_a_memo_blind_to_a_field_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
         fast = [_fast_row(r) for r in assess_chunk(DENSE_BASE, picked)["rows"]]
     slow = [_slow_row(DENSE_BASE, c) for c in picked]
     assert fast != slow
+
+
+def test_a_terms_key_blind_to_a_knob_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison has power over the terms memo too: activations keyed without the
+    micro-batch hand one micro-batch's to another's candidates, and some row moves."""
+    picked = DENSE_CANDIDATES[:1200:4]
+    monkeypatch.setitem(terms.IGNORES, "activations",
+                        terms.IGNORES["activations"] | {"micro_batch"})
+    assert _compare(DENSE_BASE, picked, monkeypatch)
 
 
 @settings(max_examples=60, deadline=None)

@@ -11,10 +11,12 @@ pipeline stage; 1 GB = 1e9 bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
+from simulator.analysis.priced import Price, direct
 from simulator.model import moe
-from simulator.model.device_memory import DEVICE_TERMS, device_terms
+from simulator.model.device_memory import DEVICE_TERMS
 from simulator.model.inventory.fp8 import weight_cache_bytes
 from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights
 from simulator.model.inventory.ops import dtype_bytes
@@ -63,13 +65,39 @@ def _extended(s: Scenario, stage: int, m: MemoryBreakdown) -> MemoryBreakdown:
     return replace(m, **{field: getattr(m, field) + nbytes for field, nbytes in extra.items()})
 
 
-def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
-    """Memory of one GPU of pipeline ``stage``.
+def stage_breakdown(scenario: Scenario, stage: int, price: Price = direct) -> MemoryBreakdown:
+    """Memory of one GPU of pipeline ``stage`` (``price``: how its terms are computed,
+    :mod:`simulator.analysis.priced`).
 
     ZeRO shards the dense parameters' states over the data-parallel ranks with
     their context-parallel peers (dp · cp, Megatron's ``dp-cp`` group; dp_shard · cp
     under hybrid sharding, :attr:`~simulator.spec.scenario.ParallelSpec.shard`) and the
     routed experts' states over the expert data-parallel ranks (edp)."""
+    weights, gradients, optimizer = price("states", stage,
+                                          functools.partial(states, scenario, stage))
+    buffers, compression_state = memory_extra(scenario, stage)
+    acts, held = price("activations", stage, functools.partial(_saved, scenario, stage))
+    at_peak, comm = price("loss and buffers", stage,
+                          functools.partial(loss_and_buffers, scenario, stage))
+    out = MemoryBreakdown(
+        stage=stage,
+        weights=weights,
+        gradients=fsdp_grads_at_peak(scenario, gradients, acts + held),
+        optimizer=optimizer + compression_state,
+        activations=acts,
+        logits=at_peak,
+        comm_buffers=comm + buffers,
+        capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
+        device=tuple((t.name, price(t.name, stage, functools.partial(t.bytes, scenario, stage)))
+                     for t in DEVICE_TERMS),
+    )
+    return _extended(scenario, stage, out)
+
+
+def states(scenario: Scenario, stage: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of one GPU of ``stage``: its parameters'
+    states sharded as :func:`stage_breakdown` says, the FP8 weight cache, what
+    ZeRO-Offload leaves on the GPU."""
     par, dtype = scenario.parallel, scenario.training.dtype
     runs = stage_layers(scenario.model.layers, par, stage, scenario.model.mtp_layers)
     total = stage_params(scenario.model, par.pp, stage, runs, head_rank(par),
@@ -90,21 +118,12 @@ def stage_breakdown(scenario: Scenario, stage: int) -> MemoryBreakdown:
             optimizer + psi_e * oe
     weights += fp8_weight_cache(scenario, runs)
     gradients, optimizer = offloaded(scenario, gradients, optimizer)
-    buffers, compression_state = memory_extra(scenario, stage)
-    acts, held = activations(scenario, stage), logits(scenario, stage)
-    at_peak, comm = loss_and_buffers(scenario, stage)
-    out = MemoryBreakdown(
-        stage=stage,
-        weights=weights,
-        gradients=fsdp_grads_at_peak(scenario, gradients, acts + held),
-        optimizer=optimizer + compression_state,
-        activations=acts,
-        logits=at_peak,
-        comm_buffers=comm + buffers,
-        capacity=scenario.hardware_of_stage(stage).gpu.memory_GB * 1e9,
-        device=tuple(device_terms(scenario, stage).items()),
-    )
-    return _extended(scenario, stage, out)
+    return weights, gradients, optimizer
+
+
+def _saved(scenario: Scenario, stage: int) -> tuple[float, float]:
+    """(activations, logits) of one GPU of ``stage``."""
+    return activations(scenario, stage), logits(scenario, stage)
 
 
 def fsdp_grads_at_peak(s: Scenario, gradients: float, saved: float) -> float:

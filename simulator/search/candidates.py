@@ -262,6 +262,7 @@ class CandidateScenarios:
         self._kept = {k: getattr(base.parallel, k) for k in base.parallel.model_fields_set
                       if f"parallel.{k}" not in self.fields}
         self._training = base.training.model_dump(exclude_unset=True)
+        self._trainings: dict[Any, TrainingSpec] = {}
 
     def __call__(self, cand: Candidate) -> Scenario:
         """``base`` with a candidate's settings (field checks run; cross-field ones do
@@ -272,7 +273,11 @@ class CandidateScenarios:
         parallel = {k.removeprefix("parallel."): v for k, v in fields.items()
                     if k.startswith("parallel.") and is_set(v)}
         par = ParallelSpec(**cast(Any, {**self._kept, **parallel}))
-        trn = TrainingSpec(**{**self._training, "micro_batch": fields["training.micro_batch"]})
+        micro = fields["training.micro_batch"]
+        trn = self._trainings.get(micro)
+        if trn is None:  # the training section reads the micro-batch alone
+            trn = self._trainings[micro] = TrainingSpec(**{**self._training,
+                                                           "micro_batch": micro})
         update: dict[str, Any] = {"parallel": par, "training": trn}
         options = {k.removeprefix("strategies."): v for k, v in fields.items()
                    if k.startswith("strategies.")}

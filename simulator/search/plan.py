@@ -38,6 +38,7 @@ where simulated).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -45,10 +46,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from simulator.analysis.ceiling import mfu_ceiling
 from simulator.analysis.memory import stage_breakdown
+from simulator.analysis.priced import Price, direct
 from simulator.errors import Problem, UserError
 from simulator.limits import check_ranks
 from simulator.model.moe import layer_kinds
@@ -104,13 +107,20 @@ class Plan:
 # ---------------------------------------------------------------- pass 2 and 3 (workers)
 
 
-def peak_memory_bytes(s: Scenario) -> float:
+def peak_memory_bytes(s: Scenario, price: Price = direct) -> float:
     """The largest stage total: the first or the last stage when all layers are alike,
-    else every stage (see the module note)."""
+    else every stage (see the module note; ``price``: how the stages' terms are computed,
+    :mod:`simulator.analysis.priced`)."""
     pp = s.parallel.pp
     stages = sorted({0, head_rank(s.parallel), pp - 1}) if len(layer_kinds(s.model)) == 1 \
         else range(pp)
-    return max(stage_breakdown(s, stage).total for stage in stages)
+    return max(stage_breakdown(s, stage, price).total for stage in stages)
+
+
+def ceiling(s: Scenario, price: Price = direct) -> float:
+    """:func:`~simulator.analysis.ceiling.mfu_ceiling` of ``s`` (``price``: how it is
+    computed, :mod:`simulator.analysis.priced`)."""
+    return price("mfu ceiling", -1, functools.partial(mfu_ceiling, s))
 
 
 def usable_bytes(s: Scenario, headroom: Headroom) -> float:
@@ -135,13 +145,14 @@ def assess(base: Scenario, cand: Candidate, headroom: Headroom = DEFAULT_HEADROO
     if problems:
         row["error"] = "; ".join(map(str, problems))
         return row
-    peak = peak_memory_bytes(s)
+    price = shared.price(cand)
+    peak = peak_memory_bytes(s, price)
     row.update(microbatches=s.microbatches, peak_memory_GB=peak / 1e9,
                fits=peak <= usable_bytes(s, headroom))
     row["verdict"] = "fits" if row["fits"] else "out of memory"
     if row["fits"]:
         row["analytic_step_time_s"] = shared.estimate(s, cand)["step_time_s"]
-        row["mfu_ceiling"] = mfu_ceiling(s)
+        row["mfu_ceiling"] = ceiling(s, price)
     return row
 
 
@@ -201,13 +212,14 @@ def _assess_in_rounds(req: PlanRequest, base: Scenario, executor: Executor
 
 
 def pareto_mask(memory: pd.Series, step: pd.Series) -> pd.Series:
-    """True where no other point has at most the memory and a shorter step."""
-    order = sorted(range(len(step)), key=lambda i: (memory.iloc[i], step.iloc[i]))
-    mask = [False] * len(step)
-    best = math.inf
-    for i in order:
-        if step.iloc[i] < best:
-            mask[i], best = True, step.iloc[i]
+    """True where no other point has at most the memory and a shorter step (in order of
+    memory, then step, ties in table order: each point with a step below every one
+    before it)."""
+    order = np.lexsort((step.to_numpy(dtype=float), memory.to_numpy(dtype=float)))
+    ordered = step.to_numpy(dtype=float)[order]
+    before = np.fmin.accumulate(np.concatenate(([math.inf], ordered)))[:-1]
+    mask = np.zeros(len(step), dtype=bool)
+    mask[order] = ordered < before
     return pd.Series(mask, index=step.index)
 
 

@@ -35,6 +35,8 @@ from simulator.analysis.analytic.estimate import (
     cost_model,
     layer_terms,
 )
+from simulator.analysis.priced import Price
+from simulator.search import terms
 from simulator.search.candidates import Candidate, CandidateScenarios, knobs
 from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel
@@ -75,7 +77,14 @@ class SharedTerms:
     def __init__(self, base: Scenario) -> None:
         self.scenarios = CandidateScenarios(base)
         self.names = self.scenarios.names
-        self._terms = _memo(base_key(base))
+        key = base_key(base)
+        self._terms = _memo(key)
+        self.memo = terms.memo(key, self.names)  # the memory model's and the estimate's
+
+    def price(self, cand: Candidate) -> Price:
+        """How candidate ``cand``'s terms are computed: looked up by the knobs each reads
+        (:mod:`simulator.search.terms`)."""
+        return self.memo.price(cand)
 
     def estimate(self, s: Scenario, cand: Candidate) -> dict[str, Any]:
         """:func:`analytic_estimate` of candidate ``cand`` (whose scenario is ``s``)."""
@@ -85,4 +94,5 @@ class SharedTerms:
             cost = cost_model(s)
             found = self._terms[key] = cost, layer_terms(s, cost, s.hardware)
         cost, terms = found
-        return analytic_estimate(s, cost=cost, terms=terms, breakdown=False)
+        return analytic_estimate(s, cost=cost, terms=terms, breakdown=False,
+                                 price=self.price(cand))

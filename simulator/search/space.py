@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from simulator.errors import Problem, UserError
+from simulator.memo import by_identity
 from simulator.search.choices import CP_COMM, DISPATCHERS, RECOMPUTE, SEP
 from simulator.spec.base import divisor_list
 from simulator.spec.recompute import model_problems, module_names, recompute_problems
@@ -110,20 +111,35 @@ def _dispatchers(req: Any, base: Scenario,
 def _dp_shards(req: Any, base: Scenario, chosen: Mapping[str, Any]) -> Iterator[tuple[int | None]]:
     """Full sharding (None); under ZeRO-3 also each shard-group size the ZeRO-3
     strategy's rules accept and simulate: the request's, or by default each divisor of
-    dp below it whose group (tp · cp · dp_shard GPUs) is whole nodes."""
+    dp below it whose group (tp · cp · dp_shard GPUs) is whole nodes (worked out once per
+    base scenario, request and degrees: the enumeration asks for every layout under
+    ZeRO-3)."""
     yield (None,)
     if chosen["zero"] != 3:
         return
-    tp, cp, dp = chosen["tp"], chosen["cp"], chosen["dp"]
+    key = (req.dp_shard, chosen["tp"], chosen["cp"], chosen["dp"], chosen.get("ep", 1))
+    table: dict[tuple[Any, ...], tuple[int, ...]] = by_identity(_SHARDS, base, dict, 8)
+    sizes = table.get(key)
+    if sizes is None:
+        sizes = table[key] = tuple(_shard_sizes(base, *key))
+    yield from ((d,) for d in sizes)
+
+
+_SHARDS: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[int, ...]]]] = {}
+
+
+def _shard_sizes(base: Scenario, asked: Any, tp: int, cp: int, dp: int,
+                 ep: int) -> Iterator[int]:
+    """:func:`_dp_shards`' sizes below full sharding (``asked``: the request's, or None)."""
     node = base.cluster.gpus_per_node or 1
-    sizes = req.dp_shard if req.dp_shard is not None else \
+    sizes = asked if asked is not None else \
         [d for d in divisor_list(dp) if (tp * cp * d) % node == 0]
     for d in sizes:
         if d >= dp:
             continue  # dp itself is full sharding
-        probe = _probe(base, tp=tp, cp=cp, dp=dp, ep=chosen.get("ep", 1), zero=3, dp_shard=d)
+        probe = _probe(base, tp=tp, cp=cp, dp=dp, ep=ep, zero=3, dp_shard=d)
         if not ZERO3.problems(probe) + ZERO3.unsupported(probe):
-            yield (d,)
+            yield d
 
 
 def _one_of(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:

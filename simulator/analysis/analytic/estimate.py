@@ -49,6 +49,7 @@ from simulator.analysis.analytic.stage import (
     slowdown,
     stage_passes,
 )
+from simulator.analysis.priced import Price, direct
 from simulator.builder.workload import BlockCosts, block_costs, layout_of, local_scenario
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
@@ -283,14 +284,16 @@ def _entries(s: Scenario, layout: Layout, pipe: _Pipe,
 
 def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
                       cost: CostModel | None = None, hw: HardwareProfile | None = None,
-                      terms: LayerTerms | None = None, breakdown: bool = True
-                      ) -> dict[str, Any]:
+                      terms: LayerTerms | None = None, breakdown: bool = True,
+                      price: Price = direct) -> dict[str, Any]:
     """The closed-form results. ``cost`` and ``hw`` replace the scenario's cost model and
     hardware profile (``--what-if`` prices the same step with one class faster);
     ``terms``: the layer's terms when already computed (:func:`layer_terms` of ``s``
     with the same ``cost`` and ``hw``; a planner shares them between candidates).
     Without ``breakdown``, ``step_time_s`` alone (the same figure; what a planner ranks
-    by), without the per-stage breakdown and the metrics derived from it."""
+    by), without the per-stage breakdown and the metrics derived from it. ``price``: how
+    the pipeline phase, the gradients' reduction and the optimizer step are computed
+    (:mod:`simulator.analysis.priced`)."""
     hw = hw or s.hardware
     cost = cost or cost_model(s, hw)
     terms = terms or layer_terms(s, cost, hw, costs)
@@ -302,15 +305,16 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     layout = layout_of(s)
     overlaps = hw.gpu.comm_overlaps_compute
     c = terms.c
-    pipe = _pipeline(s, cost, hw, terms, per_stage)
-    g = _gradients(s, layout, hw)
+    pipe = price("pipeline", -1, lambda: _pipeline(s, cost, hw, terms, per_stage))
+    g = price("gradients", -1, lambda: _gradients(s, layout, hw))
     f, b, _ = pipe.stages[pipe.slowest]
     z = zero3_step(s, layout, cost, hw, c, f, b, g.layers[pipe.slowest], g.busiest,
                    g.layers[g.busiest], pipe.slowest)
     t_zero, fsdp_fwd, fsdp_bwd = z.total, z.fsdp_fwd, z.fsdp_bwd
     exposed_dp, t_comp, slow, t_exch, t_exch_comp = _reduction(s, layout, cost, hw, pipe, g, z)
     t_p2p = pipeline_sends(s, layout, hw, not (s.stack.overlap(par.overlap).pp and overlaps))
-    t_opt, shard = _optimizer(s, layout, cost, hw, stage_cost, g)
+    t_opt, shard = price("optimizer", -1,
+                         lambda: _optimizer(s, layout, cost, hw, stage_cost, g))
     t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
     t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
     t_pipe = pipe.t_pipe
