@@ -7,6 +7,7 @@ compute it overlaps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from simulator.memo import by_identity
@@ -14,7 +15,7 @@ from simulator.spec.scenario import Scenario
 from simulator.system.collectives.channels import sm_factor
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.cost import estimate
-from simulator.system.collectives.plan import GroupShape
+from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
 from simulator.system.units import CollectiveName
@@ -30,20 +31,28 @@ def _priced(hw: HardwareProfile) -> dict[tuple[Any, ...], float]:
     return by_identity(_PRICED, hw, dict, 8)
 
 
+def _memo(s: Scenario, layout: Layout, op: CollectiveName, size: float,
+          group: tuple[int, ...], hw: HardwareProfile, what: str,
+          figure: Callable[[Plan], float]) -> float:
+    """``figure`` of the collective's plan (``what`` names it in the key), priced once
+    per hardware profile."""
+    shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
+    key = (what, op, size, shape, s.simulation.collective_algorithm, s.stack.nccl_version)
+    priced = _priced(hw)
+    value = priced.get(key)
+    if value is None:
+        plan = make_plan(op, size, shape, key[4], hw, key[5])
+        if len(priced) >= _PRICED_MOST:
+            priced.clear()
+        value = priced[key] = figure(plan)
+    return value
+
+
 def collective_time(s: Scenario, layout: Layout, op: CollectiveName, size: float,
                      group: tuple[int, ...], hw: HardwareProfile) -> float:
     if len(group) <= 1 or size <= 0:
         return 0.0
-    shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
-    key = (op, size, shape, s.simulation.collective_algorithm, s.stack.nccl_version)
-    priced = _priced(hw)
-    seconds = priced.get(key)
-    if seconds is None:
-        plan = make_plan(op, size, shape, key[3], hw, key[4])
-        if len(priced) >= _PRICED_MOST:
-            priced.clear()
-        seconds = priced[key] = estimate(plan, hw)
-    return seconds
+    return _memo(s, layout, op, size, group, hw, "time", lambda plan: estimate(plan, hw))
 
 
 def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
@@ -56,18 +65,9 @@ def interference(s: Scenario, layout: Layout, op: CollectiveName, size: float,
     if len(group) <= 1 or size <= 0 or not gpu.comm_overlaps_compute \
             or not (gpu.interference or gpu.sms):
         return 1.0
-    shape = GroupShape(len(group), len(group) // layout.domains_spanned(group))
-    key = ("slows", op, size, shape, s.simulation.collective_algorithm, s.stack.nccl_version)
-    priced = _priced(hw)
-    factor = priced.get(key)
-    if factor is None:
-        plan = make_plan(op, size, shape, key[4], hw, key[5])
-        if len(priced) >= _PRICED_MOST:
-            priced.clear()
-        factor = priced[key] = max(
-            sm_factor(plan, gpu), *(gpu.interference_factor(leg.link_class)
-                                    for phase in plan.phases for leg in phase.legs))
-    return factor
+    return _memo(s, layout, op, size, group, hw, "slows", lambda plan: max(
+        sm_factor(plan, gpu), *(gpu.interference_factor(leg.link_class)
+                                for phase in plan.phases for leg in phase.legs)))
 
 
 def stretch(t_comm: float, window: float, factor: float) -> float:
