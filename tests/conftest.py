@@ -26,3 +26,17 @@ def collector_paused() -> Iterator[None]:
         signal.signal(signal.SIGINT, handler)
         if was:
             gc.enable()
+
+
+@pytest.fixture
+def one_compute_speed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """NCCL's kernels holding no SMs (``Plan.sms`` 0): compute beside a collective runs at
+    one speed, as the closed forms that are exact only then assume (the mechanism itself:
+    tests/test_nccl_sms.py). The memoised slowing factors are dropped on both sides."""
+    import simulator.system.collectives.choice as choice
+    from simulator.strategies import timing
+
+    timing._PRICED.clear()
+    monkeypatch.setattr(choice, "with_channels", lambda plan, hw: plan)
+    yield
+    timing._PRICED.clear()

@@ -37,9 +37,11 @@ def _curve(*pts: tuple[float, float]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", preset_system_names())
 def test_presets_load_without_the_new_terms(name: str) -> None:
-    """No preset states the new terms; each class then falls back to its kind's curve."""
+    """No preset states the new terms but the norm class (PyTorch's LayerNorm, from a
+    published microbenchmark: tests/test_norm_kernels.py); each other class falls back
+    to its kind's curve."""
     gpu = load_system(name).gpu
-    assert gpu.class_efficiency == {} and gpu.interference == {}
+    assert set(gpu.class_efficiency) <= {"norm"} and gpu.interference == {}
     assert load_system(name).uncertainty == {}
     for size in (1e3, 1e6, 1e9, 1e12):
         for cls in ("gemm_fwd", "gemm_dgrad", "gemm_wgrad"):
@@ -48,7 +50,8 @@ def test_presets_load_without_the_new_terms(name: str) -> None:
             assert gpu.efficiency(cls, size) == gpu.attention_efficiency(size)
         for cls in ("softmax", "cross_entropy", "elementwise", "norm", "reduction", "copy",
                     "optimizer"):
-            assert gpu.efficiency(cls, size) == gpu.memory_efficiency(size)
+            if cls not in gpu.class_efficiency:
+                assert gpu.efficiency(cls, size) == gpu.memory_efficiency(size)
     assert gpu.interference_factor("intra_node") == gpu.interference_factor("inter_node") == 1
     assert gpu.collective_sync_us == {} and gpu.collective_sync_s("intra_node") == 0
 

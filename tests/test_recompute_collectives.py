@@ -170,12 +170,12 @@ def test_every_module_names_its_collectives() -> None:
     ("tp+sp", "full")])
 @pytest.mark.parametrize("extra", [{}, {"stack": {"tp_overlap": "pipelined"}},
                                    {"stack": {"tp_overlap": "bulk"}}])
-def test_engine_and_closed_form_agree_on_what_reissuing_adds(case: str, variant: str,
-                                                            extra: dict[str, Any]) -> None:
+def test_engine_and_closed_form_agree_on_what_reissuing_adds(
+        case: str, variant: str, extra: dict[str, Any], one_compute_speed: None) -> None:
     """One rank's whole step (no pipeline): the engine's and the analytic estimate's step
-    grow alike from no recomputation (both exact here for TP; for EP and CP they differ
-    by a constant, the same with or without recomputation), TP overlap's split GEMMs
-    around a block re-run whole included."""
+    grow alike from no recomputation (both exact here for TP at one compute speed; for
+    EP and CP they differ by a constant, the same with or without recomputation), TP
+    overlap's split GEMMs around a block re-run whole included."""
     if extra and ("sp" not in case or "ep" in case):
         pytest.skip("TP overlap needs sequence parallelism and dense layers (refused with experts)")
     _agree(case, variant, extra)
@@ -186,8 +186,8 @@ def test_engine_and_closed_form_agree_on_what_reissuing_adds(case: str, variant:
     ("tp+sp+ep", {"moe_token_dispatcher": "allgather"}),
     ("ep", {"moe_token_dispatcher": "flex"}),
     ("tp+sp+ep", {"expert_tp": 2, "ep": 2, "dp": 2})])
-def test_a_recomputed_moe_block_agrees_under_every_dispatcher(case: str,
-                                                             extra: dict[str, Any]) -> None:
+def test_a_recomputed_moe_block_agrees_under_every_dispatcher(
+        case: str, extra: dict[str, Any], one_compute_speed: None) -> None:
     _agree(case, "moe", extra)
     _agree(case, "full", extra)
 

@@ -220,7 +220,7 @@ def _idle(r: dict[str, Any], p: int, m: int) -> tuple[float, float]:
     return 1 - sum(busy) / (p * (end - start)), _hetero_bubble(busy, p, m)
 
 
-def test_pair_bubble_matches_theory(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pair_bubble_matches_theory(run_dir: Path, request: pytest.FixtureRequest) -> None:
     """Both schedules idle each stage for (p − 1) forward+backward slots.
 
     The bundled pair has p = 4, m = 8 (theory 3/11 = 0.2727). The last stage also
@@ -239,9 +239,7 @@ def test_pair_bubble_matches_theory(run_dir: Path, monkeypatch: pytest.MonkeyPat
     theory = (p - 1) / (m + p - 1)
     assert g["bubble_fraction"] == pytest.approx(f["bubble_fraction"], abs=1e-6)
     assert g["step_time_s"] == pytest.approx(f["step_time_s"], rel=1e-3)
-    import simulator.system.collectives.choice as choice
-
-    monkeypatch.setattr(choice, "with_channels", lambda plan, hw: plan)
+    request.getfixturevalue("one_compute_speed")
     for name, r in ((GPIPE, g), (ONE_F_ONE_B, f)):
         idle, formula = _idle(r, p, m)
         assert idle >= formula - 2e-3

@@ -4,11 +4,10 @@
 this module puts the same quantities on the simulated timeline, so a rank's curve shows
 *when* its memory is held. The bytes are memory.py's, the times are the spans':
 
-- **static** (held all step): the stage's weights, gradients, optimizer
-  states and device terms (:mod:`simulator.model.device_memory`) exactly as
-  :func:`~simulator.analysis.memory.stage_breakdown` counts them, and
-  with DDP / ZeRO-1/2 (dp > 1) its two gradient-bucket buffers (DDP allocates
-  its buckets when it wraps the model, not per step).
+- **static** (held all step): the stage's weights, gradients, optimizer states and
+  device terms (:mod:`simulator.model.device_memory`) exactly as
+  :func:`~simulator.analysis.memory.stage_breakdown` counts them, and with DDP / ZeRO-1/2
+  (dp > 1) its two gradient-bucket buffers (allocated when DDP wraps the model).
 - **activations**: one layer of one micro-batch,
   :func:`~simulator.model.memory.activation_bytes_per_layer` (recompute and sequence
   parallelism included), allocated when that layer's forward ends and freed when its
@@ -33,8 +32,8 @@ this module puts the same quantities on the simulated timeline, so a rank's curv
   root gathered for the backward, reshards it after), once however many micro-batches
   overlap; on the last stage the output layer's unsharded gradient from the end of the
   head's B (the loss's copies freed first, as memory.py's moments have it) or the start
-  of its W until the root's reduce-scatter ends. The
-  embedding's gradient, made at the backward's end, is not counted (nor by memory.py).
+  of its W until the root's reduce-scatter ends. The embedding's gradient, made at the
+  backward's end, is not counted (nor by memory.py).
 
 At one timestamp the allocations made by work that ended there are applied first and the
 curve records that value, then the frees and the allocations made by work starting there
@@ -43,8 +42,7 @@ issued after the previous unit was freed). What is not modelled, as in memory.py
 working set of a recomputed layer, autograd temporaries, optimizer-step temporaries, the
 allocator's fragmentation.
 
-Agreement with memory.py (tests/test_memory_timeline.py): docs/memory.md, "The memory
-timeline against the table".
+Agreement with memory.py (tests/test_memory_timeline.py): docs/memory.md.
 """
 
 from __future__ import annotations
@@ -147,8 +145,7 @@ def _passes(m: _Marks, t: Task, start: float, end: float) -> None:
         key = (t.chunk, mb)
         m.bwd_last[key] = max(m.bwd_last.get(key, end), end)
         if layer < 0 and op != "I" and t.name.startswith("head"):
-            # the output layer's gradient: once B has run the loss's backward and freed
-            # its copies (B's end), or as W starts
+            # the output layer's gradient: at B's end (the loss's copies freed), or as W starts
             m.root_grad[t.chunk, mb] = end if op == "B" else start
     if op == "F":
         if layer >= 0:

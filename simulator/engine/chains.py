@@ -206,14 +206,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         gid = ids[a + po[k]]
         begin[gid] = t
         if alone is not None:  # the flow: its end, and each link's busy seconds
-            end = t + alone
-            busy = end - t  # ``now - link.since`` at its end, on every link
-            if link is not None:
-                link.busy += busy
-            else:
-                for one in objs:
-                    one.busy += busy
-            t, count, flows = end, count + 1, flows + 1
+            t, count, flows = _cross(t, alone, link, objs), count + 1, flows + 1
         if alpha > 0:
             t += alpha
         starts[gid], ends[gid], count = t0, t, count + 1  # the α: one event either way
@@ -225,6 +218,19 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         return k, None
     e.merged += count - 1
     return k, at(e.env, t)
+
+
+def _cross(t: float, alone: float, link: Any, objs: tuple[Any, ...]) -> float:
+    """A chained flow's end from ``t`` (``alone`` seconds), each of its links' busy
+    seconds added (``now - link.since`` at its end, on every link)."""
+    end = t + alone
+    busy = end - t
+    if link is not None:
+        link.busy += busy
+    else:
+        for one in objs:
+            one.busy += busy
+    return end
 
 
 def at(env: simpy.Environment, when: float) -> Event:

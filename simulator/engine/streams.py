@@ -64,7 +64,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     offsets (positions, run indices: :class:`simulator.engine.blocks.Blocks`)."""
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
     starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
-    slowing, rank, size, groups = e.interference is not None, inst.rank, e.size, inst.groups
+    slowing, rank, groups = e.interference is not None, inst.rank, inst.groups
     # compute bursts (a sync cost growing with them): this stream's add to the rank's
     counts, busy, _ = e.burst_counters(rank, name)
     # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
@@ -76,22 +76,12 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     po, ro = offsets
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
-        if kind == RUN:
-            a += ro[i]
-            if b >= 0:
-                b += po[i]
+        if kind == RUN:  # the copy's offsets: runs by ``ro``, tasks by ``po``
+            a, b = a + ro[i], (b + po[i] if b >= 0 else b)
         else:
-            a += po[i]
-            if lead >= 0:
-                lead += ro[i]
-        if deps:
-            pending = waits(e, inst, deps)
-            if pending:
-                if gated:
-                    gates[name] = gate(e, inst, deps)  # type: ignore[index]
-                yield AllOf(env, pending)
-                if gated:
-                    gates[name] = None  # type: ignore[index]
+            a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
+        if deps and (pending := waits(e, inst, deps)):
+            yield from wait_for(e, inst, deps, pending, gates if gated else None, name)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
             j, ev = forward(e, inst, steps, offsets, i)
             if j > i:
@@ -116,29 +106,48 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         t0, gid = arrival(e, inst, lead, counts), ids[a]
         if kind == SEND:  # b: the destination, g: the bytes
             yield send(e, inst, b, g)
-        else:  # b: the plan's phases, g: the group, tail: the rendezvous key's
-            grp = groups[g]
-            burst = burst_of(e, rank) if e.bursts else 0.0
-            rv = arrive(e, grp, inst.template.tail(a) if tail is None else tail, t0, gid,
-                        burst) if size[grp] > 1 else None
-            if rv is not None and rv.arrived < rv.members:  # another member runs it
-                yield rv.done
-                waited(e, rv, gid, t0, dependents)
-                continue
-            wait = lead_in(e, t0, gid, rv)  # until the latest arrival
-            if wait > 0:
-                yield Timeout(env, wait)
-            burst = burst if rv is None else rv.burst
-            ev = flow(e, gid, b, grp, rv, burst)
-            if ev is None:  # more than one flow, or a burst's extra cost first
-                yield from move(e, gid, b, grp, rv, burst)
-            else:
-                yield ev
+        elif (yield from collective(e, inst, a, b, groups[g], tail, t0, gid, dependents)):
+            continue  # another member ran it
         starts[gid], ends[gid] = t0, env._now
         if dependents:
             event_of(gid).succeed()
     if gated:
         gates[name] = DONE  # type: ignore[index]
+
+
+def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[simpy.Event],
+             gates: dict[str, Any] | None, name: str) -> Process:
+    """Wait for a step's pending dependencies; a gated stream (``gates``) shows meanwhile
+    what of its rank's compute it waits for (:func:`simulator.engine.chains.gate`)."""
+    if gates is not None:
+        gates[name] = gate(e, inst, deps)
+    yield AllOf(e.env, pending)
+    if gates is not None:
+        gates[name] = None
+
+
+def collective(e: Engine, inst: Instance, a: int, phases: Any, grp: int, tail: Any,
+               t0: float, gid: int, dependents: Any) -> Generator[Event, Any, bool]:
+    """One collective step (``a``: its position, ``phases``: the plan's, ``tail``: the
+    rendezvous key's): the rendezvous of its members, the lead-in to the latest arrival,
+    its flows; True where another member ran it (its spans already written)."""
+    burst = burst_of(e, inst.rank) if e.bursts else 0.0
+    rv = arrive(e, grp, inst.template.tail(a) if tail is None else tail, t0, gid,
+                burst) if e.size[grp] > 1 else None
+    if rv is not None and rv.arrived < rv.members:  # another member runs it
+        yield rv.done
+        waited(e, rv, gid, t0, dependents)
+        return True
+    wait = lead_in(e, t0, gid, rv)  # until the latest arrival
+    if wait > 0:
+        yield Timeout(e.env, wait)
+    burst = burst if rv is None else rv.burst
+    ev = flow(e, gid, phases, grp, rv, burst)
+    if ev is None:  # more than one flow, or a burst's extra cost first
+        yield from move(e, gid, phases, grp, rv, burst)
+    else:
+        yield ev
+    return False
 
 
 def arrival(e: Engine, inst: Instance, lead: int, counts: bool) -> float:

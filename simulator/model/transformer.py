@@ -201,8 +201,7 @@ def head_ops(
              () if flash else (mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt,
                                    "copy"),)) if amp else ((), ())
     ops = (mem("final_norm", norm_elements(spec, local, pass_), wide, st.norm_classes[0]),
-           *casts[0],
-           logits, *casts[1], loss)
+           *casts[0], logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
 
 

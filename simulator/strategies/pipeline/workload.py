@@ -356,8 +356,7 @@ class PipelinePass:
             coord = ctx.layout.coord(rank)
             dst = self.peers[(rank, to_stage)] = ctx.layout.rank(
                 ctx.sched.rank_of(to_stage), coord.dp, coord.tp, coord.cp)
-        stream: Stream = "pp" if ctx.overlap.pp else "compute"
-        # positional construction: one send per action
+        stream: Stream = "pp" if ctx.overlap.pp else "compute"  # built positionally
         t = ctx.put(Task(len(ctx.tasks), rank, stream, "pp.send", "pp",
                          f"pp.send {direction} s{stage}->s{to_stage} mb{mb}", 0.0, None, (),
                          (), dst, self.act_bytes, mb, -1, chunk, [after.id]))

@@ -158,21 +158,10 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
         gathers = layers * sum(t_ag.values())
         return gathers, gathers if par.reshard_after_forward else 0.0
     if len(blocks) == 1:  # a layer unit, hidden behind the layer before
-        # which runs slower while the gather is in flight (strategies.timing): a layer
-        # takes max(gather, compute + stretch), so (gather − compute) or the stretch
         f = interference(s, layout, "all_gather", sum(blocks["attn"]) * dt, group, hw)
-        fwd = layers * max(t_ag["attn"] - t_f / layers, stretch(t_ag["attn"], t_f / layers, f))
-        bwd = layers * max(t_ag["attn"] - t_b / layers, stretch(t_ag["attn"], t_b / layers, f))
-        # one communicator: each gather after the reduce-scatter issued before it
-        # (simulator.strategies.zero3.communicator), a layer's gather and reduce-scatter
-        # one after the other behind its backward; the reduce-scatters' own excess is the
-        # reduction's (zero3_reduction)
-        r = serial_reductions(s, layout, hw)[0]
-        if r:
-            b = t_b / layers
-            bwd = layers * max(bwd / layers,
-                               max(0.0, t_ag["attn"] + r - b) - max(0.0, r - b))
-        return fwd, bwd if par.reshard_after_forward else 0.0
+        fwd, bwd = layer_unit_exposed(s, layout, hw, t_ag["attn"], f, t_f / layers,
+                                      t_b / layers)
+        return layers * fwd, layers * bwd if par.reshard_after_forward else 0.0
     # module units: each block's gathers behind the block that runs before it
     lc = c.layer(0)
     fwd = max(0.0, t_ag["attn"] - lc.fwd[1]) + max(0.0, t_ag["mlp"] - lc.fwd[0])
@@ -195,6 +184,23 @@ def zero3_exposed(s: Scenario, layout: Layout, t_f: float, t_b: float,
     else:
         bwd = bwd_full if par.recompute == "full" else bwd_none
     return layers * fwd, layers * bwd if par.reshard_after_forward else 0.0
+
+
+def layer_unit_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, t_ag: float,
+                       f: float, fwd: float, bwd: float) -> tuple[float, float]:
+    """A layer unit's gather of ``t_ag`` beyond the layer before, forward and backward
+    (``fwd``, ``bwd``: a layer's compute), which runs ``f`` times slower while the gather
+    is in flight (strategies.timing): a layer takes max(gather, compute + stretch). One
+    communicator: each gather after the reduce-scatter issued before it
+    (simulator.strategies.zero3.communicator), a layer's gather and reduce-scatter one
+    after the other behind its backward; the reduce-scatters' own excess is the
+    reduction's (zero3_reduction)."""
+    out_f = max(t_ag - fwd, stretch(t_ag, fwd, f))
+    out_b = max(t_ag - bwd, stretch(t_ag, bwd, f))
+    r = serial_reductions(s, layout, hw)[0]
+    if r:
+        out_b = max(out_b, max(0.0, t_ag + r - bwd) - max(0.0, r - bwd))
+    return out_f, out_b
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
