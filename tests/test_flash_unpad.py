@@ -10,20 +10,17 @@ gradient is a zeroed buffer its gradient is scattered into, the pad's a gather.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_published import DEV_SET
 
 from simulator.api import simulate_scenario
 from simulator.model.inventory.attention import UNPAD_KERNELS, attention_ops
 from simulator.model.inventory.ops import Shape
 from simulator.spec.load import scenario_from_dict
-
-DEV_SET = Path(__file__).resolve().parent.parent / "docs" / "validation" / "published" \
-    / "llm-foundry.csv"
 
 
 def _scenario(attention: str, unpad: bool, hidden: int = 2048, heads: int = 16,
@@ -103,5 +100,6 @@ def test_packing_never_makes_a_step_faster(dims: tuple[int, int], seq_len: int,
             s = s.model_copy(update={"parallel": s.parallel.model_copy(
                 update={"recompute": "full"})})
         results.append(simulate_scenario(s, "analytic")[0])
-    assert results[1]["step_time_s"] >= results[0]["step_time_s"]
+    # (to rounding: where exposed gathers bound the step, compute + (gather − compute))
+    assert results[1]["step_time_s"] >= results[0]["step_time_s"] * (1 - 1e-12)
     assert sum(results[1]["compute_s"]) > sum(results[0]["compute_s"])

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_plan_shared import moe_request
 
 from simulator.analysis import ceiling
 from simulator.analysis.analytic.estimate import analytic_estimate
@@ -99,14 +99,6 @@ def _fast_row(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in keys}
 
 
-def _moe(tmp: Path) -> PlanRequest:
-    path = tmp / "moe.yaml"
-    path.write_text(yaml.safe_dump({"preset": "mixtral-8x7b", "layers": 4, "seq_len": 8192,
-                                    "first_dense_layers": 1}))
-    return PlanRequest(str(path), 16, "dgx-h100", 32, micro_batches=(1, 2),
-                       expert_parallel=(1, 2, 4, 8))
-
-
 DENSE_BASE = base_scenario(DENSE)
 DENSE_CANDIDATES = candidates(DENSE, DENSE_BASE)
 
@@ -144,7 +136,7 @@ def test_every_schedule_is_priced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_mixture_of_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    req = _moe(tmp_path)
+    req = moe_request(tmp_path)
     base = base_scenario(req)
     cands = candidates(req, base)
     assert not _compare(base, cands[::40], monkeypatch)

@@ -38,7 +38,7 @@ DENSE_BASE = base_scenario(DENSE)
 DENSE_CANDIDATES = candidates(DENSE, DENSE_BASE, variants=False)  # the first round
 
 
-def _moe(tmp: Path) -> PlanRequest:
+def moe_request(tmp: Path) -> PlanRequest:
     """Mixtral's layers, four of them with a dense first, planned with expert parallelism."""
     path = tmp / "moe.yaml"
     path.write_text(yaml.safe_dump({"preset": "mixtral-8x7b", "layers": 4, "seq_len": 8192,
@@ -73,7 +73,7 @@ def test_shared_terms_equal_each_candidate_alone(rng: random.Random) -> None:
 
 
 def test_mixture_of_experts_and_every_candidate(tmp_path: Path) -> None:
-    req = _moe(tmp_path)
+    req = moe_request(tmp_path)
     base = base_scenario(req)
     cands = candidates(req, base)
     assert {c[knobs().index("ep")] for c in cands} == {1, 2, 4, 8}
