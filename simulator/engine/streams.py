@@ -81,7 +81,10 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         else:
             a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
         if deps and (pending := waits(e, inst, deps)):
-            yield from wait_for(e, inst, deps, pending, gates if gated else None, name)
+            if gated:  # what it waits for shown to the compute stream's chains
+                yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
+            else:
+                yield AllOf(env, pending)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
             j, ev = forward(e, inst, steps, offsets, i)
             if j > i:
@@ -116,14 +119,12 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
 
 
 def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[simpy.Event],
-             gates: dict[str, Any] | None, name: str) -> Process:
-    """Wait for a step's pending dependencies; a gated stream (``gates``) shows meanwhile
-    what of its rank's compute it waits for (:func:`simulator.engine.chains.gate`)."""
-    if gates is not None:
-        gates[name] = gate(e, inst, deps)
+             gates: dict[str, Any], name: str) -> Process:
+    """A gated stream's wait for a step's pending dependencies, showing meanwhile what of
+    its rank's compute it waits for (:func:`simulator.engine.chains.gate`)."""
+    gates[name] = gate(e, inst, deps)
     yield AllOf(e.env, pending)
-    if gates is not None:
-        gates[name] = None
+    gates[name] = None
 
 
 def collective(e: Engine, inst: Instance, a: int, phases: Any, grp: int, tail: Any,
