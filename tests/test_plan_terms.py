@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from test_plan_fast import DENSE_BASE, DENSE_CANDIDATES, _moe
+from test_plan_fast import DENSE_BASE, DENSE_CANDIDATES
+from test_plan_shared import moe_request
 
 from simulator.analysis.analytic.estimate import analytic_estimate
 from simulator.search.candidates import Candidate, base_scenario, candidate_scenario, candidates
@@ -83,7 +84,7 @@ def test_a_term_is_the_same_whatever_its_key_leaves_out(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(IGNORES))
 def test_a_term_keys_the_experts_knobs(name: str, tmp_path: Path) -> None:
     """A mixture of experts: EP and the token dispatcher besides."""
-    req = _moe(tmp_path)
+    req = moe_request(tmp_path)
     base = base_scenario(req)
     checked, bad = unequal_groups(base, candidates(req, base), name, IGNORES[name], seed=1)
     assert checked >= 4 and not bad
