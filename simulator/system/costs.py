@@ -12,7 +12,9 @@ kernel's curves by sequence length and head dimension where the profile has them
 tile and wave quantisation's share of its curve where the profile lists the GPU's CTA
 tiles (:mod:`simulator.system.gemm_shape`). ``scale`` is the fraction of the counted
 FLOPs the kernel executes (a causal flash kernel skips the masked half; its backward
-recomputes the scores).
+recomputes the scores). A memory-bound kernel's compute side is its own arithmetic on
+the CUDA cores where it has some worth counting (``Op.alu_flops``, e.g. PyTorch's exact
+GeLU's erf) against the GPU's fp32 peak: ``max(alu / peak_fp32, bytes / (hbm × eff_mem))``.
 
 Host-bound regime: a stream cannot issue kernels faster than the host prepares them,
 so an op costs at least ``kernels × host_us`` (the stack's per-kernel host overhead,
@@ -82,6 +84,8 @@ class CostedOp(Protocol):
     def precision(self) -> str: ...
     @property
     def gemm_call(self) -> GemmCall | None: ...
+    @property
+    def alu_flops(self) -> float: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -126,7 +130,7 @@ class CostModel:
         mem = op.bytes / (self.hbm * gpu.efficiency(_memory_class(cls), max(op.bytes, 1.0))) \
             if op.bytes else 0.0
         if op.kind == "memory" or op.flops <= 0:
-            compute = 0.0
+            compute = self.alu_time(op.alu_flops)
         else:
             eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn, op.precision,
                                  op.gemm_call)
@@ -144,6 +148,16 @@ class CostModel:
         host_us_dt = op.dtensor * (dt_us or 0.0) if host_us > 0 else 0.0
         return (compute, mem, op.kernels * gpu.kernel_overhead_us * 1e-6,
                 (op.host_ops * host_us + host_us_dt) * 1e-6)
+
+    def alu_time(self, alu_flops: float) -> float:
+        """Seconds of a memory-bound kernel's own arithmetic on the CUDA cores
+        (``Op.alu_flops``) at the GPU's fp32 peak: its compute floor. 0 without such
+        arithmetic, on a profile without an fp32 peak, and on a CPU "device" (the count is
+        a CUDA kernel's; a CPU profile's curves measured its own kernels whole)."""
+        gpu = self.hw.gpu
+        if alu_flops <= 0 or gpu.host_serial or "fp32" not in gpu.peak_tflops:
+            return 0.0
+        return alu_flops / gpu.peak_flops("fp32")
 
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)

@@ -38,9 +38,12 @@ depend on the stack; what the GPU executes does (``compute_scale``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from simulator.model.inventory import fp8
 from simulator.model.inventory.attention import attention_ops, rope_ops
 from simulator.model.inventory.ops import (
+    TORCH_GELU_FP32_FLOPS,
     Op,
     Pass,
     Shape,
@@ -113,9 +116,13 @@ def act_op(x: Shape, pass_: Pass) -> Op:
         return mem("act", (5 if fused else 8) * T * f, dt, "elementwise", 1 if fused else 3)
     # a separate bias-add kernel (read + write) unless fused here or inside the GEMM (addmm)
     extra = 0 if fused or not bias or x.st.fused("bias_gemm") else 1
+    # unfused, the GeLU is PyTorch's own F.gelu, bound by its erf on some GPUs
+    alu = 0.0 if fused else TORCH_GELU_FP32_FLOPS * T * f
     if pass_ == "fwd":
-        return mem("act", (2 + 2 * extra) * T * f, dt, "elementwise", 1 + extra, dt * T * f)
-    return mem("act", 3 * T * f, dt, "elementwise")
+        op = mem("act", (2 + 2 * extra) * T * f, dt, "elementwise", 1 + extra, dt * T * f)
+    else:
+        op = mem("act", 3 * T * f, dt, "elementwise")
+    return replace(op, alu_flops=alu)
 
 
 def residual_ops(x: Shape, pass_: Pass) -> list[Op]:
