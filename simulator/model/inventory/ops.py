@@ -108,16 +108,16 @@ class Op:
 #: PyTorch's own exact GeLU (``F.gelu``, ``approximate='none'``; aten/src/ATen/native/cuda/
 #: ActivationGeluKernel.cu: x · ½ · (1 + erf(x/√2)) in fp32 per element) costs its arithmetic,
 #: not only its bytes: measured by ``clustersim calibrate`` on an H200 (docs/validation/
-#: profile-nvidia-h200-2026-12-04-run3.results.jsonl, ``cuda/bf16/t1/memory/gelu/61035x4096``),
-#: 250.0 M bf16 elements took 318.0 µs where a copy of the same bytes took 236.2 µs and an add
-#: of half as many bytes more 230.9 µs (1.32-1.35 times the copy at every size timed), so the
-#: kernel is bound by its CUDA cores: 318.0 µs at the H200's 67 TFLOP/s fp32 (datasheet) is
-#: 85.2 fp32 operations an element. Its backward (GeluBackwardCUDAKernelImpl) evaluates the
-#: same erf and an exp besides; it is priced at the forward's count, a lower bound. Another
-#: GPU runs them at its own fp32 peak (its CUDA cores × clock), so an A100 (19.5 TFLOP/s
-#: against 2.0 TB/s) is bound by them where an H100 is not. Fused GeLUs (Megatron's
-#: bias_gelu, Transformer Engine's, compiled ones) are other kernels and are not priced so.
-TORCH_GELU_FP32_FLOPS = 85.2
+#: profile-nvidia-h200-2026-12-04.results.jsonl, ``cuda/bf16/t1/memory/gelu/61035x4096``),
+#: 250.0 M bf16 elements took 312.8 µs where a copy of the same bytes took 235.3 µs (1.30-1.33
+#: times the copy at every size timed, and as much in the session before), so the kernel is
+#: bound by its CUDA cores: 312.8 µs at the H200's 67 TFLOP/s fp32 (datasheet) is 83.8 fp32
+#: operations an element. Its backward (GeluBackwardCUDAKernelImpl) evaluates the same erf
+#: and an exp besides; it is priced at the forward's count, a lower bound. Another GPU runs
+#: them at its own fp32 peak (its CUDA cores × clock), so an A100 (19.5 TFLOP/s against 2.0
+#: TB/s) is bound by them where an H100 is not. Fused GeLUs (Megatron's bias_gelu, Transformer
+#: Engine's, compiled ones) are other kernels and are not priced so.
+TORCH_GELU_FP32_FLOPS = 83.8
 
 
 def dtype_bytes(dtype: str) -> int:
