@@ -93,7 +93,8 @@ def _measured(eff: float) -> list[dict[str, Any]]:
 def test_the_fit_divides_the_shape_out_and_the_profile_multiplies_it_back() -> None:
     """Synthetic H100 GEMMs at 0.6 of the datasheet times their quantisation: the fitted
     curve is flat at 0.6 (not dragged down by the badly quantised shapes), the profile
-    carries the preset's tiles, and it prices every measured shape at its measured time."""
+    carries the preset's tiles and reduction-depth curve, and it prices every measured shape
+    at its measured time."""
     records = _measured(0.6)
     fits = fit_compute(records, "cuda", "bf16", 1, H100)
     assert fits.gemm is not None and fits.gemm_tiles == load_system("dgx-h100").gpu.gemm_tiles
@@ -102,8 +103,11 @@ def test_the_fit_divides_the_shape_out_and_the_profile_multiplies_it_back() -> N
                          device_name=H100, gpus_per_node=8, memory_GB=None, provenance={},
                          datasheet=True)
     hw = validate_profile(prof, "x.yaml")
+    assert hw.gpu.gemm_depth == load_system("dgx-h100").gpu.gemm_depth is not None
     cost = CostModel(hw, "bf16")
-    for r in records:
+    short_k = _record(9, 8192, 8192, 512, 2.0 * 8192 * 8192 * 512 / (
+        989e12 * 0.6 * hw.gpu.gemm_shape_factor(GemmCall(8192, 8192, 512))))
+    for r in [*records, short_k]:
         op = gemm("x", r["m"], r["k"], r["n"], 2, "gemm_fwd")
         assert cost.op_parts(op)[0] == pytest.approx(r["time_s"], rel=1e-6)
 

@@ -54,6 +54,8 @@ class Fits:
     # the CTA tiles and SMs whose quantisation the GEMM curves leave out (well_quantised)
     gemm_tiles: tuple[tuple[int, int], ...] = ()
     sms: int | None = None
+    # the reduction-depth term the GEMM curves leave out (well_quantised): its points
+    gemm_depth: list[tuple[float, float]] = field(default_factory=list)
     attention: CurveFit | None = None
     memory: CurveFit | None = None
     memory_kernels: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -107,10 +109,11 @@ def well_quantised(records: list[dict[str, Any]],
                    sheet: HardwareProfile | None) -> list[dict[str, Any]]:
     """GEMM records with each time multiplied by its shape's factor on the datasheet
     preset's tiles (:meth:`GPUSpec.gemm_shape_factor`; the call as its layout runs it):
-    the time those FLOPs would take perfectly tiled in whole waves, so the fitted curve
-    is the one the cost model multiplies by the same factor again. Unchanged without
-    tiles (a CPU, a GPU no preset describes)."""
-    if sheet is None or not sheet.gpu.gemm_tiles:
+    the time those FLOPs would take perfectly tiled in whole waves over a deep k-loop
+    (the preset's ``gemm_depth`` too), so the fitted curve is the one the cost model
+    multiplies by the same factor again. Unchanged without tiles or a depth curve (a
+    CPU, a GPU no preset describes)."""
+    if sheet is None or not (sheet.gpu.gemm_tiles or sheet.gpu.gemm_depth):
         return records
     gpu = sheet.gpu
     return [{**r, "time_s": r["time_s"] * gpu.gemm_shape_factor(
@@ -141,6 +144,8 @@ def _fit_flops(fits: Fits, records: list[dict[str, Any]],
                                peak, monotone=gpu_like, offset_s=ov)
     if sheet is not None and sheet.gpu.gemm_tiles:  # the shape term the curve leaves out
         fits.gemm_tiles, fits.sms = sheet.gpu.gemm_tiles, sheet.gpu.sms
+    if sheet is not None and sheet.gpu.gemm_depth is not None:  # and the depth term
+        fits.gemm_depth = list(sheet.gpu.gemm_depth.points)
     if att:
         fits.attention = fit_efficiency([r["flops"] for r in att], [r["time_s"] for r in att],
                                         executed_peak(att, peak), monotone=gpu_like,

@@ -82,6 +82,10 @@ def _curves_into(gpu: dict[str, Any], fits: Fits, not_measured: list[str]) -> No
             gpu["gemm_tiles"], gpu["sms"] = [list(t) for t in fits.gemm_tiles], fits.sms
         else:  # curves over FLOPs alone: no shape term on top
             gpu.pop("gemm_tiles", None)
+        if fits.gemm_depth:  # the depth term the fit divided out, multiplied back
+            gpu["gemm_depth"] = {"points": [list(p) for p in fits.gemm_depth]}
+        else:
+            gpu.pop("gemm_depth", None)
     else:
         not_measured += ["gpu.peak_tflops", "gpu.gemm_efficiency"]
     if fits.fp8_gemm and "fp8" in gpu.get("peak_tflops", {}):  # per-tensor FP8 GEMMs timed

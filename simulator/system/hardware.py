@@ -145,6 +145,10 @@ class GPUSpec(Frozen):
     # tile and wave quantisation (simulator/system/gemm_shape.py; needs ``sms``); absent:
     # by FLOPs alone
     gemm_tiles: Tiles = Field(default=(), max_length=16)
+    # what a GEMM keeps of its curve by its reduction depth k, interpolated in log10(k) and
+    # flat beyond the points (measured per-launch costs a short k-loop does not amortise:
+    # simulator/system/gemm_shape.py); absent: 1 at every depth
+    gemm_depth: EfficiencyCurve | None = None
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
     # what a collective that follows compute costs beyond its back-to-back α-β time, once
@@ -202,11 +206,13 @@ class GPUSpec(Frozen):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without tiles the field is left out, as a profile file leaves it out: a run's
-        echo of the hardware (and its hash) reads as before the field."""
+        """Without tiles (or a depth curve) the field is left out, as a profile file leaves
+        it out: a run's echo of the hardware (and its hash) reads as before the field."""
         out: dict[str, Any] = handler(self)
         if not self.gemm_tiles:
             out.pop("gemm_tiles", None)
+        if self.gemm_depth is None:
+            out.pop("gemm_depth", None)
         return out
 
     @field_validator("attention_kernels", mode="before")
@@ -259,10 +265,12 @@ class GPUSpec(Frozen):
     def gemm_shape_factor(self, gemm: GemmCall) -> float:
         """What a GEMM of shape ``gemm`` keeps of its FLOPs curve's efficiency: its tile
         and wave quantisation on ``gemm_tiles`` and ``sms``
-        (:func:`simulator.system.gemm_shape.shape_factor`); 1 without tiles."""
+        (:func:`simulator.system.gemm_shape.shape_factor`; 1 without tiles) times what its
+        reduction depth keeps, ``gemm_depth`` at k (1 without the curve)."""
+        depth = self.gemm_depth(gemm.k) if self.gemm_depth is not None and gemm.k > 0 else 1.0
         if not self.gemm_tiles or self.sms is None:
-            return 1.0
-        return shape_factor(gemm, self.gemm_tiles, self.sms)
+            return depth
+        return shape_factor(gemm, self.gemm_tiles, self.sms) * depth
 
     def runtime_memory(self) -> RuntimeMemory:
         """``runtime`` where the profile states it; else nothing on a CPU device

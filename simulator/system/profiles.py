@@ -33,7 +33,8 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "dtensor_gemm_us", "pipeline_action_us",
                    "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread",
                    "attention_kernels", "compute_capability", "nvlink_domain_gpus",
-                   "runtime", "fp8_recipes", "fp8_gemm_efficiency", "sms", "gemm_tiles")
+                   "runtime", "fp8_recipes", "fp8_gemm_efficiency", "sms", "gemm_tiles",
+                   "gemm_depth")
 
 
 def _unstated(model: type[BaseModel], data: Any, loc: str = "") -> list[str]:
