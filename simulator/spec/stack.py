@@ -159,7 +159,8 @@ class StackSpec(BaseModel):
     split backward concatenates into the projection's output gradient (one ``cat`` over
     T·(q + 2kv) elements: tools/autograd/derivatives.yaml split_with_sizes,
     ``split_with_sizes_backward``), as in llm-foundry's MPT (layers/attention.py
-    ``GroupedQueryAttention.forward``). (:func:`simulator.model.inventory.attention.qkv_split_ops`)"""
+    ``GroupedQueryAttention.forward``;
+    :func:`simulator.model.inventory.attention.qkv_split_ops`)"""
     fsdp_flat_param: bool = False
     """FSDP1's FlatParameter kernels around each unit's collectives (torch/distributed/fsdp/
     _runtime_utils.py, _flat_param.py): under mixed precision the fp32 shard cast to 16 bits
