@@ -153,6 +153,14 @@ class StackSpec(BaseModel):
     backward scatters each gradient into a zeroed buffer and gathers the output's. No
     effect on other kernels (llm-foundry's Triton path takes the padded tensors).
     (:func:`simulator.model.inventory.attention.unpad_ops`)"""
+    qkv_grad_cat: bool = False
+    """The fused QKV projection's output split into views the attention reads
+    (``qkv.split``/``chunk``), whose gradients come back as three tensors that autograd's
+    split backward concatenates into the projection's output gradient (one ``cat`` over
+    T·(q + 2kv) elements: tools/autograd/derivatives.yaml split_with_sizes,
+    ``split_with_sizes_backward``), as in llm-foundry's MPT (layers/attention.py
+    ``GroupedQueryAttention.forward``;
+    :func:`simulator.model.inventory.attention.qkv_split_ops`)"""
     fsdp_flat_param: bool = False
     """FSDP1's FlatParameter kernels around each unit's collectives (torch/distributed/fsdp/
     _runtime_utils.py, _flat_param.py): under mixed precision the fp32 shard cast to 16 bits

@@ -94,6 +94,20 @@ def unpad_ops(x: Shape, pass_: Pass) -> tuple[list[Op], list[Op]]:
             [mem("attn_pad", 2 * tokens * x.q, x.dt, "copy", 1)])
 
 
+def qkv_split_ops(x: Shape, pass_: Pass) -> list[Op]:
+    """The backward of splitting one QKV projection's output into q, k and v views
+    (``stack.qkv_grad_cat``): the attention returns dQ, dK and dV as separate tensors
+    (flash_attn_triton.py ``FlashAttnFunc.backward``: three ``torch.empty_like``; flash-attn's
+    unpadded path: each ``unpad_input`` gradient its own zeroed buffer) and autograd's
+    ``split_with_sizes_backward`` concatenates them into d(qkv) for the projection's dgrad
+    (``at::cat``: one kernel reading the three and writing T·(q + 2kv) elements). The
+    forward's split is views (llm-foundry's layers/attention.py: ``qkv.split`` at b2a43a1,
+    ``qkv.chunk(3, dim=2)`` at 300cc5c), so nothing runs there."""
+    if pass_ != "bwd_input" or not x.st.qkv_grad_cat or x.qkv_kernels != 1:
+        return []
+    return [mem("qkv_grad_cat", 2 * x.tokens * (x.q + 2 * x.kv), x.dt, "copy")]
+
+
 def own_output(x: Shape) -> float:
     """Bytes of its 16-bit output a fused attention kernel keeps for its own backward
     apart from what the out-projection keeps: none where the two share the tensor (16-bit

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from simulator.model.inventory import fp8
-from simulator.model.inventory.attention import attention_ops, rope_ops
+from simulator.model.inventory.attention import attention_ops, qkv_split_ops, rope_ops
 from simulator.model.inventory.ops import (
     TORCH_GELU_FP32_FLOPS,
     Op,
@@ -239,7 +239,8 @@ def frame(x: Shape, pass_: Pass, g: dict[str, Op], mlp: list[Op],
     ops = (*grad_sum, norm_op(x, "ln1", pass_),
            *fork_grad_sum(x, "qkv_grad_sum", x.qkv_kernels, pass_),
            *amp_cast_ops(x, "amp_cast_qkv", x.qkv_kernels, pass_),
-           *with_casts(x, g, "qkv", pass_), *rope_ops(x, pass_), *attention_ops(x, pass_),
+           *with_casts(x, g, "qkv", pass_), *qkv_split_ops(x, pass_), *rope_ops(x, pass_),
+           *attention_ops(x, pass_),
            *with_casts(x, g, "out_proj", pass_), *residual_ops(x, pass_), *grad_sum,
            norm_op(x, "ln2", pass_), *fork_grad_sum(x, "up_grad_sum", readers, pass_), *mlp,
            *residual_ops(x, pass_))
