@@ -14,7 +14,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from simulator.builder.tasks import Program, Task
-from simulator.engine.steps import RUN
+from simulator.engine.steps import COLL, RUN
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,12 +50,14 @@ class Blocks:
 
     def __init__(self, tmpl: Template, seq: list[Task], order: Sequence[int], where: Where,
                  steps: list[tuple[Any, ...]], po: list[int], ro: list[int],
-                 lazy: Lazy | None) -> None:
+                 lazy: Lazy | None, laid: dict[int, Block] | None = None) -> None:
         self.tmpl, self.seq, self.order, self.where = tmpl, seq, order, where
         self.steps, self.po, self.ro, self.lazy = steps, po, ro, lazy
-        # (record, its made tasks' dependents) -> the steps and runs relative to the copy
+        # (record, its made tasks' dependents) -> the steps and runs relative to the copy,
+        # and their :class:`Block` where a chain may price them at once
         self.done: dict[tuple[int, tuple[int, ...]], tuple[list[tuple[Any, ...]],
-                                                            list[range]]] = {}
+                                                            list[range], Block | None]] = {}
+        self.laid = {} if laid is None else laid  # a laid copy's first step -> its Block
         self.at: dict[int, Copy] = {}  # position -> the lazy copy there, until made
 
     def prepare(self, pending: list[tuple[int, Copy]],
@@ -111,14 +113,14 @@ class Blocks:
                 rel.append((kind, (), a - at, b, g, None, dependents,
                             lead - r0 if lead >= 0 else -1))
         runs = [range(r[0] - at, r[0] - at + len(r)) for r in self.tmpl.runs[r0:]]
-        self.done[key] = rel, runs
+        self.done[key] = rel, runs, block(rel)
 
     def lay(self, key: tuple[int, tuple[int, ...]], p: int) -> bool:
         """Lay the steps kept for ``key`` over the copy at ``p``; False where none are."""
         got = self.done.get(key)
         if got is None:
             return False
-        rel, runs = got
+        rel, runs, blk = got
         tmpl, steps, po = self.tmpl, self.steps, self.po
         k = len(steps) - len(po)
         if k:
@@ -133,7 +135,35 @@ class Blocks:
         self.ro += [r0] * n
         if deps:
             steps[s0] = (steps[s0][0], deps, *steps[s0][2:])
+        if blk is not None:
+            self.laid[s0] = blk
         return True
+
+
+class Block(NamedTuple):
+    """A kept copy's steps where every one is a run leading into a collective of one
+    plan and group (``phases``, template group ``g``), none with dependencies (the
+    first's are each copy's own) and none waited on but perhaps the last
+    (``dependents``): per step, (its run, its position) relative to the copy. A chain
+    prices a laid copy of it in one loop (:func:`simulator.engine.chains.forward`)."""
+
+    phases: Any
+    g: int
+    pairs: list[tuple[int, int]]
+    dependents: int
+
+
+def block(rel: list[tuple[Any, ...]]) -> Block | None:
+    """The :class:`Block` of steps ``rel`` (relative to their copy), or None where they
+    are not all of that form."""
+    if not rel:
+        return None
+    phases, g = rel[0][3], rel[0][4]
+    for k, (kind, deps, _, b, gk, _, dependents, lead) in enumerate(rel):
+        if kind != COLL or deps or lead < 0 or b is not phases or gk != g or \
+                (dependents and k < len(rel) - 1):
+            return None
+    return Block(phases, g, [(lead, a) for _, _, a, _, _, _, _, lead in rel], rel[-1][6])
 
 
 def flatten(prog: Program, copies: Copies | None, rank: int,

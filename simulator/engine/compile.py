@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from simulator.builder.tasks import Task
-from simulator.engine.blocks import Blocks, Lazy
+from simulator.engine.blocks import Block, Blocks, Lazy
 from simulator.engine.steps import COLL, RUN, SEND
 from simulator.system.collectives.plan import Plan
 
@@ -61,6 +61,9 @@ class Template:
         # per stream, per step: what its positions and its run indices are moved by
         # (a stamped copy's steps are its record's, shared: :class:`Blocks`)
         self.offsets: list[tuple[list[int], list[int]]] = []
+        # per stream: a laid copy's first step -> its steps' :class:`Block`, where a
+        # chain may price them in one loop (:func:`simulator.engine.chains.forward`)
+        self.laid: list[dict[int, Block]] = []
         self.moved: list[tuple[int, int, int]] = []  # (first run, runs, position moved by)
         self.tasks = tasks  # a laid step's rendezvous key is its task's (:meth:`tail`)
         # an unmade task of a lazy copy by local index (:mod:`simulator.builder.lazy`)
@@ -70,9 +73,11 @@ class Template:
             if order:
                 by_id: dict[tuple[int, int], tuple[int, Any]] = {}
                 dsts: dict[int, None] = {}
+                laid: dict[int, Block] = {}
                 steps, po, ro = self._stream(tasks, order, where, gidx, phases, by_id, dsts,
-                                             lazy, name)
+                                             lazy, name, laid)
                 self.streams.append(steps)
+                self.laid.append(laid)
                 self.offsets.append((po, ro))
                 self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
                 self.sends += [(len(self.stream_names), d) for d in dsts]
@@ -82,7 +87,7 @@ class Template:
     def _stream(self, tasks: list[Task], order: Sequence[int], where: Where,
                 gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
                 by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
-                lazy: Lazy | None, name: str,
+                lazy: Lazy | None, name: str, laid: dict[int, Block],
                 ) -> tuple[list[tuple[Any, ...]], list[int], list[int]]:
         """One stream's steps and their offsets; into ``by_id`` its collectives, into
         ``dsts`` its sends. Where a step starts at a lazy copy (``lazy``) whose record an
@@ -93,7 +98,7 @@ class Template:
         po: list[int] = []
         ro: list[int] = []
         args = (seq, order, where, gidx, phases, by_id, dsts, steps, po)
-        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy)
+        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy, laid)
         starts = blocks.prepare(lazy.pending.get(name, [])) if lazy is not None else []
         i = 0
         for p, size, key in starts:

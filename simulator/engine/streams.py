@@ -74,6 +74,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     chained = e.chains and (gates is None or name == "compute")
     i, n = 0, len(steps)
     po, ro = offsets
+    laid = inst.template.laid[inst.template.stream_names.index(name)] or None
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
         if kind == RUN:  # the copy's offsets: runs by ``ro``, tasks by ``po``
@@ -86,7 +87,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             else:
                 yield AllOf(env, pending)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
-            j, ev = forward(e, inst, steps, offsets, i)
+            j, ev = forward(e, inst, steps, offsets, i, laid)
             if j > i:
                 if ev is not None:
                     yield ev
