@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from simulator.builder.workload import build_workload
-from simulator.engine import chains
+from simulator.engine import blocks, chains
 from simulator.engine.blocks import Block, block
 from simulator.engine.compile import COLL, RUN
 from simulator.engine.engine import Engine
 from simulator.errors import UserError
 from tests.test_chains import LAYOUTS, _scenario, same_figures
+from tests.test_lazy_copies import _compare as lazy_vs_eager
 
 
 def _run(s: Any, blocks: bool) -> tuple[Engine, Any, int]:
@@ -91,7 +92,7 @@ def test_block_takes_only_runs_into_one_collective() -> None:
     plan's collective, none waits on a task and none but the last is waited on."""
     phases: Any = [([("nvl", 1.0)], 1e-6)]
     steps = [(COLL, (), 1, phases, 0, None, 0, 0), (COLL, (), 3, phases, 0, None, 1, 1)]
-    assert block(steps) == Block(phases, 0, [(0, 1), (1, 3)], 1)
+    assert block(steps) == Block(phases, 0, [(0, 1), (1, 3)])
     other: Any = [([("nvl", 1.0)], 1e-6)]
     for bad in [(RUN, (), 2, -1, True, None, 0, -1),  # a run of its own
                 (COLL, (), 3, phases, 0, None, 0, -1),  # no run leads into it
@@ -102,3 +103,23 @@ def test_block_takes_only_runs_into_one_collective() -> None:
     waited = (COLL, (), 1, phases, 0, None, 1, 0)  # waited on, not last
     assert block([waited, steps[1]]) is None
     assert block([]) is None
+
+
+def test_a_copy_a_run_enters_is_laid_with_the_copy_before_it() -> None:
+    """The first stage's forward follows its backward, whose last compute runs on into
+    it (the last stage's backward its forward likewise): the two copies are laid as a
+    pair, left unmade, and every figure and task is the eager build's."""
+    s = _scenario({"tp": 2, "pp": 2, "dp": 1}, gpus_per_node=2, batch=8)
+    pairs = []
+    real = blocks.Blocks.lay
+
+    def lay(self: blocks.Blocks, key: tuple[Any, ...], p: int) -> bool:
+        laid = real(self, key, p)
+        if laid and len(key) == 4:  # (record, dependents) of each of two copies
+            pairs.append(p)
+        return laid
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks.Blocks, "lay", lay)
+        lazy_vs_eager(s)
+    assert len(pairs) > 2

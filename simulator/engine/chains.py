@@ -180,7 +180,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         if got is not None:
             t, count, flows = got[0], count + got[1], flows + got[2]
             k += len(blk.pairs)  # type: ignore[union-attr]
-            if blk.dependents:  # type: ignore[union-attr]
+            if steps[k - 1][6]:  # its last step is waited on (a send after it may not)
                 break
             continue
         k, t, count, flows, on = _walk(e, inst, steps, offsets, i, k, t, count, flows, laid)
