@@ -58,6 +58,17 @@ def waits(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> list[simpy.Event]
     return [ev for ev in pending if not ev.triggered]
 
 
+def joined(env: simpy.Environment, pending: list[simpy.Event]) -> simpy.Event:
+    """An event that fires once every one of ``pending`` has fired, scheduled as
+    ``AllOf`` schedules itself (by the last one's callback, at its place among them):
+    for one event a plain event its callback succeeds, without the condition's value."""
+    if len(pending) != 1:
+        return AllOf(env, pending)
+    ev = Event(env)
+    pending[0].callbacks.append(ev.succeed)  # type: ignore[union-attr]
+    return ev
+
+
 def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
            offsets: tuple[list[int], list[int]], name: str = "compute") -> Process:
     """The process of one stream of one simulated rank: its steps, each moved by its
@@ -85,7 +96,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if gated:  # what it waits for shown to the compute stream's chains
                 yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
             else:
-                yield AllOf(env, pending)
+                yield joined(env, pending)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
             j, ev = forward(e, inst, steps, offsets, i, laid)
             if j > i:
@@ -124,7 +135,7 @@ def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[sim
     """A gated stream's wait for a step's pending dependencies, showing meanwhile what of
     its rank's compute it waits for (:func:`simulator.engine.chains.gate`)."""
     gates[name] = gate(e, inst, deps)
-    yield AllOf(e.env, pending)
+    yield joined(e.env, pending)
     gates[name] = None
 
 
