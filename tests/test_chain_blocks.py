@@ -1,9 +1,11 @@
 """A laid copy priced in one loop (:func:`simulator.engine.chains._block`) against the
 same steps priced one by one (:func:`simulator.engine.chains._walk`).
 
-Where a chain starts at a laid copy whose steps are all runs leading into one plan's
-collective (:class:`simulator.engine.blocks.Block`), the chain prices them in one loop
-with the link's busy seconds summed in a local. Every span, collective start, last
+Where a chain reaches a laid copy whose steps are all runs leading into one plan's
+collective (:class:`simulator.engine.blocks.Block`), the chain carries the time through
+them in one loop, with the link's busy seconds summed in a local, and their spans are
+written after the run, every copy of a block at once (:mod:`simulator.engine.laid`), or
+step by step where a copy's row fails its check. Every span, collective start, last
 arrival, link busy second (in the network's order), flow count and report figure must be
 what the step-by-step pricing of the same build and compile gives, to the bit.
 """
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from simulator.builder.workload import build_workload
-from simulator.engine import blocks, chains
+from simulator.engine import blocks, chains, laid
 from simulator.engine.blocks import Block, block
 from simulator.engine.compile import COLL, RUN
 from simulator.engine.engine import Engine
@@ -43,8 +46,13 @@ def _run(s: Any, blocks: bool) -> tuple[Engine, Any, int]:
         return e, e.run(), priced[0]
 
 
-def _compare(s: Any) -> int:
-    ea, a, priced = _run(s, True)
+def _compare(s: Any, *, rows: bool = True) -> int:
+    """Blocks priced at once against step by step (``rows`` False: every block's spans
+    written step by step after the run, as a row that fails the check would be)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not rows:
+            mp.setattr(laid, "_exact", lambda before, *_: np.zeros(len(before), bool))
+        ea, a, priced = _run(s, True)
     eb, b, none = _run(s, False)
     assert none == 0
     assert ea.merged == eb.merged and a.events == b.events
@@ -70,6 +78,7 @@ def test_a_pipeline_prices_its_laid_copies_at_once_and_runs_the_same(
     """Eight micro-batches: copies are laid and priced at once, to the same figures."""
     s = _scenario(parallel, gpus_per_node=gpus_per_node, batch=8)
     assert _compare(s) > 0
+    assert _compare(s, rows=False) > 0
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,7 +101,7 @@ def test_block_takes_only_runs_into_one_collective() -> None:
     plan's collective, none waits on a task and none but the last is waited on."""
     phases: Any = [([("nvl", 1.0)], 1e-6)]
     steps = [(COLL, (), 1, phases, 0, None, 0, 0), (COLL, (), 3, phases, 0, None, 1, 1)]
-    assert block(steps) == Block(phases, 0, [(0, 1), (1, 3)])
+    assert block(steps) == Block(phases, 0, [0, 1], [1, 3])
     other: Any = [([("nvl", 1.0)], 1e-6)]
     for bad in [(RUN, (), 2, -1, True, None, 0, -1),  # a run of its own
                 (COLL, (), 3, phases, 0, None, 0, -1),  # no run leads into it

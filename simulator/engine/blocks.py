@@ -157,13 +157,15 @@ class Blocks:
 class Block(NamedTuple):
     """A kept copy's steps where every one is a run leading into a collective of one
     plan and group (``phases``, template group ``g``), none with dependencies (the
-    first's are each copy's own) and none waited on but perhaps the last: per step,
-    (its run, its position) relative to the copy. A chain prices a laid copy of it in
-    one loop (:func:`simulator.engine.chains.forward`)."""
+    first's are each copy's own) and none waited on but perhaps the last: per step, its
+    run (``leads``) and its position (``at``) relative to the copy. A chain prices a
+    laid copy of it in one loop (:func:`simulator.engine.chains.forward`) and its spans
+    are written after the run (:func:`simulator.engine.laid.settle`)."""
 
     phases: Any
     g: int
-    pairs: list[tuple[int, int]]
+    leads: list[int]
+    at: list[int]
 
 
 def block(rel: list[tuple[Any, ...]]) -> Block | None:
@@ -176,7 +178,7 @@ def block(rel: list[tuple[Any, ...]]) -> Block | None:
         if kind != COLL or deps or lead < 0 or b is not phases or gk != g or \
                 (dependents and k < len(rel) - 1):
             return None
-    return Block(phases, g, [(lead, a) for _, _, a, _, _, _, _, lead in rel])
+    return Block(phases, g, [step[7] for step in rel], [step[2] for step in rel])
 
 
 def flatten(prog: Program, copies: Copies | None, rank: int,

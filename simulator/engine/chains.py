@@ -179,7 +179,7 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if blk is not None and (k == i or not steps[k][1]) else None
         if got is not None:
             t, count, flows = got[0], count + got[1], flows + got[2]
-            k += len(blk.pairs)  # type: ignore[union-attr]
+            k += len(blk.leads)  # type: ignore[union-attr]
             if steps[k - 1][6]:  # its last step is waited on (a send after it may not)
                 break
             continue
@@ -256,7 +256,9 @@ def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list
     """The steps of the laid copy whose first step is ``i``, priced from time ``t`` as
     :func:`_walk` prices them (a run's end, the wait for it, the flow alone on its one
     private link, its α), its link's busy seconds added flow by flow: the time at their
-    end and the events and flows; None where they do not chain (then nothing is done)."""
+    end and the events and flows; None where they do not chain (then nothing is done).
+    Their spans are written after the run, from the start and end kept in ``e.priced``
+    (:func:`simulator.engine.laid.settle`)."""
     entry = inst.chain.get(id(blk.phases)) if inst.chain else None
     if entry is None or entry[0] != blk.g or not (entry[7] or _alone(e, entry)):
         return None
@@ -265,23 +267,19 @@ def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list
         return None
     link = objs[0]
     p, r = offsets[0][i], offsets[1][i]
-    totals, run_t0, ids = inst.totals, e.run_t0, inst.ids
-    starts, ends, begin = e.start, e.end, e.begin
-    rb, busy, waits = inst.run_base + r, link.busy, 0
-    for lead, a in blk.pairs:
-        run_t0[rb + lead] = t
+    totals, start = inst.totals, t
+    busy, waits = link.busy, 0
+    for lead in blk.leads:
         t0 = t + totals[r + lead]
         wait = t0 - t
         if wait > 0:
             t, waits = t + wait, waits + 1
-        gid = ids[a + p]
-        begin[gid] = t
         end = t + alone
         busy += end - t
         t = end + alpha  # α >= 0: ``end + 0.0`` is ``end``
-        starts[gid], ends[gid] = t0, t
     link.busy = busy
-    n = len(blk.pairs)
+    e.priced.append((inst, blk, p, r, start, t, alone, alpha))
+    n = len(blk.leads)
     return t, waits + 2 * n, n
 
 

@@ -313,8 +313,8 @@ def run_sums(layout: tuple[np.ndarray, np.ndarray, np.ndarray],
 class Instance:
     """A simulated rank: its template, its task ids, its groups' ids, its durations."""
 
-    __slots__ = ("chain", "delta", "durations", "groups", "ids", "keys", "rank",
-                 "run_base", "template", "totals")
+    __slots__ = ("_id_array", "chain", "delta", "durations", "groups", "ids", "keys",
+                 "rank", "run_base", "template", "totals")
 
     def __init__(self, rank: int, template: Template, ids: range | list[int], delta: int,
                  run_base: int) -> None:
@@ -325,3 +325,16 @@ class Instance:
         self.keys: list[Any] = []  # per template group: how its group keys map
         # id(phases) -> a collective chains may price in closed form
         self.chain: dict[int, list[Any]] | None = None
+        self._id_array: np.ndarray | None = None
+
+    def id_array(self) -> np.ndarray:
+        """:attr:`ids` as an array (made once)."""
+        if self._id_array is None:
+            self._id_array = np.asarray(self.ids, np.int64)
+        return self._id_array
+
+    def total_array(self) -> np.ndarray:
+        """:attr:`totals` as an array (the template's where they are its)."""
+        tmpl = self.template
+        return tmpl.sums[0] if self.totals is tmpl.totals \
+            else np.asarray(self.totals, np.float64)

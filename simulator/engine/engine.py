@@ -48,6 +48,7 @@ from simulator.engine.blocks import flatten
 from simulator.engine.chains import plan_chains
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
+from simulator.engine.laid import settle
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class, run_spans
 from simulator.engine.streams import Rendezvous, stream
@@ -113,6 +114,7 @@ class Engine:
         # the ranks :func:`plan_chains` finds) or its compute bursts reach into a step
         self.chains = chains and alone and not self._slowing and not self.bursts
         self.merged = 0  # events the per-step path would have scheduled beyond theirs
+        self.priced: list[tuple[Any, ...]] = []  # laid copies chained: spans to write
         self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
         if self.chains:
             plan_chains(self)
@@ -242,6 +244,7 @@ class Engine:
     def collect(self, wall: float) -> SimResult:
         """What the run gave (after the event of :meth:`launch` fired, or the queue ran
         dry: a deadlock, raised here), ``wall`` seconds of it."""
+        settle(self)
         start_a, end_a = run_spans(self)
         begin = np.frombuffer(self.begin, np.float64)
         last = np.frombuffer(self.last, np.int64)
