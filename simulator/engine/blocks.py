@@ -70,7 +70,8 @@ class Blocks:
         copies made, where a run before could go on into it, a made task but the first
         has a dependency (the pair's second: any), or its last task ends no step (a run
         to its end would go on past it)."""
-        seq, out, at = self.seq, [], self.at
+        seq, at = self.seq, self.at
+        out: list[tuple[int, int, tuple[Any, ...] | None]] = []
         half: tuple[int, int, tuple[Any, ...]] | None = None  # a copy a run leaves open
         for p, copy in pending:
             reached = [seq[p + off] for off in copy.rec.reached]
@@ -78,20 +79,18 @@ class Blocks:
             opens = prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents
             ends = last.plan is not None or last.dst >= 0 or last.dependents
             clean = not any(t.deps for t in reached[1:])
-            key: tuple[Any, ...] | None = (id(copy.rec), tuple(t.dependents
-                                                                for t in reached))
+            key: tuple[Any, ...] = (id(copy.rec), tuple(t.dependents for t in reached))
             at[p] = copy
             if half is not None and not opens and half[0] + half[1] == p and clean \
                     and ends and not reached[0].deps:
-                assert key is not None
                 out[-1] = (half[0], half[1] + copy.size, half[2] + key)
                 self.parts[half[0]] = [half[0], p]
                 half = None
                 continue
             half = (p, copy.size, key) if opens and clean and not ends else None
             out.append((p, copy.size, key if opens and clean and ends else None))
-        for p, _, key in out:
-            if key is None:
+        for p, _, kept in out:
+            if kept is None:
                 self.make(p)
         return out
 

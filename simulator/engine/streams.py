@@ -65,7 +65,7 @@ def joined(env: simpy.Environment, pending: list[simpy.Event]) -> simpy.Event:
     if len(pending) != 1:
         return AllOf(env, pending)
     ev = Event(env)
-    pending[0].callbacks.append(ev.succeed)  # type: ignore[union-attr]
+    pending[0].callbacks.append(ev.succeed)  # type: ignore[arg-type]
     return ev
 
 
