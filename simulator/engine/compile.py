@@ -106,7 +106,8 @@ class Template:
                 continue
             if p > i:
                 blocks.pad()
-                i = self._steps(*args, i, p)
+                i = self._send(seq, order, where, dsts, steps, po, i) \
+                    if p == i + 1 and seq[i].dst >= 0 else self._steps(*args, i, p)
             if i != p:
                 continue
             if key is not None and blocks.lay(key, p):
@@ -182,6 +183,17 @@ class Template:
                 append((COLL, deps, order[i], ph, g, tail, t.dependents, lead))
             i += 1
         return i
+
+    def _send(self, seq: list[Task], order: Sequence[int], where: Where,
+              dsts: dict[int, None], steps: list[tuple[Any, ...]], po: list[int],
+              i: int) -> int:
+        """The step of the send at ``i`` alone between two laid copies, as :meth:`_steps`
+        compiles it (the steps before with their offsets in ``po``); the next position."""
+        t = seq[i]
+        deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
+        dsts[t.dst] = None
+        steps.append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
+        return i + 1
 
     def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
                    steps: list[tuple[Any, ...]], offset: int, i: int) -> tuple[Any, ...]:
