@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import simpy
 from simpy.events import NORMAL, Event
 
-from simulator.engine.compile import COLL, RUN, Instance
+from simulator.engine.compile import COLL, RUN, SEND, Instance
 from simulator.system.network import Route
 
 if TYPE_CHECKING:
@@ -180,7 +180,9 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         if got is not None:
             t, count, flows = got[0], count + got[1], flows + got[2]
             k += len(blk.leads)  # type: ignore[union-attr]
-            if steps[k - 1][6]:  # its last step is waited on (a send after it may not)
+            # its last step waited on (a send after it may not wait), or a send next,
+            # or a step that waits on another task: the chain ends
+            if steps[k - 1][6] or k == n or steps[k][0] == SEND or steps[k][1]:
                 break
             continue
         k, t, count, flows, on = _walk(e, inst, steps, offsets, i, k, t, count, flows, laid)
