@@ -143,6 +143,7 @@ class Blocks:
         at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
         tmpl.runs += runs
         tmpl.moved.append((r0, len(runs), at))
+        tmpl.moved_runs.append(runs)
         steps += rel
         po += [at] * n
         self.ro += [r0] * n

@@ -65,6 +65,9 @@ class Template:
         # chain may price them in one loop (:func:`simulator.engine.chains.forward`)
         self.laid: list[dict[int, Block]] = []
         self.moved: list[tuple[int, int, int]] = []  # (first run, runs, position moved by)
+        self.moved_runs: list[list[range]] = []  # and those runs, relative to the copy
+        # every stream's order a range: every run is one (a slice of it, or laid)
+        self.ranged = all(isinstance(o, range) and o.step == 1 for _, o in streams)
         self.tasks = tasks  # a laid step's rendezvous key is its task's (:meth:`tail`)
         # an unmade task of a lazy copy by local index (:mod:`simulator.builder.lazy`)
         self.lookup: Callable[[int], Task] | None = None
@@ -248,6 +251,8 @@ class Template:
     @cached_property
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`run_layout` of the runs (a laid copy's moved to its positions)."""
+        if self.moved and self.ranged:
+            return laid_layout(self.runs, self.moved, self.moved_runs)
         flat, first, lens = run_layout(self.runs)
         if self.moved:
             r0, count, at = np.asarray(self.moved, np.int64).T
@@ -289,6 +294,35 @@ def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.nd
     flat = np.fromiter(chain.from_iterable(runs), np.int64, int(lens.sum()))
     first = np.zeros(len(lens), np.int64)
     np.cumsum(lens[:-1], out=first[1:])
+    return flat, first, lens
+
+
+def laid_layout(runs: list[Sequence[int]], moved: list[tuple[int, int, int]],
+                rel: list[list[range]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`run_layout` of runs that are all ranges, where ``moved[k]`` are runs laid
+    from the kept ranges ``rel[k]``, moved by a position: those read once per kept list
+    and placed by array, the others one by one."""
+    n = len(runs)
+    lens, starts = np.empty(n, np.int64), np.empty(n, np.int64)
+    laid = np.zeros(n, bool)
+    groups: dict[int, tuple[list[range], list[int], list[int]]] = {}
+    for (r0, _, at), kept in zip(moved, rel, strict=True):
+        g = groups.setdefault(id(kept), (kept, [], []))
+        g[1].append(r0)
+        g[2].append(at)
+    for kept, r0s, ats in groups.values():
+        which = np.asarray(r0s, np.int64)[:, None] + np.arange(len(kept))
+        lens[which] = np.fromiter(map(len, kept), np.int64, len(kept))
+        starts[which] = np.fromiter(map(attrgetter("start"), kept), np.int64, len(kept)) \
+            + np.asarray(ats, np.int64)[:, None]
+        laid[which] = True
+    rest = np.flatnonzero(~laid)
+    others = [runs[r] for r in rest.tolist()]
+    lens[rest] = np.fromiter(map(len, others), np.int64, len(others))
+    starts[rest] = np.fromiter(map(attrgetter("start"), others), np.int64, len(others))
+    first = np.zeros(n, np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    flat = np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int64)
     return flat, first, lens
 
 
