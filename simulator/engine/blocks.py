@@ -210,11 +210,17 @@ def flatten(prog: Program, copies: Copies | None, rank: int,
     durations: list[float] = []
     last = 0
     for at, c in spans:  # made tasks read, unmade ones their record's
-        ids += map(attrgetter("id"), mine[last:at])
-        durations += map(attrgetter("duration"), mine[last:at])
-        ids += range(c.first, c.first + c.size)
+        if at == last + 1:  # one made task between (a send, most often)
+            t = mine[last]
+            ids.append(t.id)
+            durations.append(t.duration)
+        elif at > last:
+            ids += map(attrgetter("id"), mine[last:at])
+            durations += map(attrgetter("duration"), mine[last:at])
+        n = len(c.rec.durations)
+        ids += range(c.first, c.first + n)
         durations += c.rec.durations
-        last = at + c.size
+        last = at + n
     ids += map(attrgetter("id"), mine[last:])
     durations += map(attrgetter("duration"), mine[last:])
     for at_ in where.values():
