@@ -51,7 +51,7 @@ def _compare(s: Any, *, rows: bool = True) -> int:
     written step by step after the run, as a row that fails the check would be)."""
     with pytest.MonkeyPatch.context() as mp:
         if not rows:
-            mp.setattr(laid, "_exact", lambda before, *_: np.zeros(len(before), bool))
+            mp.setattr(laid, "_exact", lambda before, *_: np.zeros(before.shape[1], bool))
         ea, a, priced = _run(s, True)
     eb, b, none = _run(s, False)
     assert none == 0

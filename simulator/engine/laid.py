@@ -49,29 +49,26 @@ def settle(e: Engine) -> None:
 def _settle(e: Engine, rows: list[tuple[Any, ...]], views: tuple[np.ndarray, ...],
             ids: np.ndarray, totals: np.ndarray) -> None:
     """The copies of one block of one instance, priced with one α and flow duration
-    (``ids``, ``totals``: the instance's as arrays)."""
+    (``ids``, ``totals``: the instance's as arrays): one column per copy, accumulated
+    down its steps' additions."""
     inst, blk, _, _, _, _, alone, alpha = rows[0]
     run_t0, starts, begin, ends = views
+    _, _, ps, rs, firsts, lasts, _, _ = zip(*rows, strict=True)
     n = len(blk.leads)
-    leads = np.asarray(blk.leads, np.int64)
-    p = np.fromiter((row[2] for row in rows), np.int64, len(rows))
-    r = np.fromiter((row[3] for row in rows), np.int64, len(rows))
-    runs = r[:, None] + leads
-    inc = np.empty((len(rows), n, 3))
-    inc[:, :, 0] = totals[runs]
-    inc[:, :, 1] = alone
-    inc[:, :, 2] = alpha
-    flat = np.empty((len(rows), 3 * n + 1))
-    flat[:, 0] = [row[4] for row in rows]
-    flat[:, 1:] = inc.reshape(len(rows), 3 * n)
-    t = np.add.accumulate(flat, axis=1)
-    before, arrive, end = t[:, 0:3 * n:3], t[:, 1::3], t[:, 3::3]
-    ok = _exact(before, arrive, t[:, -1], np.asarray([row[5] for row in rows]))
-    gids = ids[p[ok, None] + np.asarray(blk.at, np.int64)]
-    run_t0[inst.run_base + runs[ok]] = before[ok]
-    starts[gids] = arrive[ok]
-    begin[gids] = arrive[ok]
-    ends[gids] = end[ok]
+    runs = np.asarray(blk.leads, np.int64)[:, None] + np.asarray(rs, np.int64)
+    add = np.empty((3 * n + 1, len(rows)))
+    add[0] = firsts
+    add[1::3] = totals[runs]
+    add[2::3] = alone
+    add[3::3] = alpha
+    t = np.add.accumulate(add, axis=0)
+    before, arrive, end = t[0:3 * n:3], t[1::3], t[3::3]
+    ok = _exact(before, arrive, t[-1], np.asarray(lasts))
+    gids = ids[np.asarray(blk.at, np.int64)[:, None] + np.asarray(ps, np.int64)[ok]]
+    run_t0[inst.run_base + runs[:, ok]] = before[:, ok]
+    starts[gids] = arrive[:, ok]
+    begin[gids] = arrive[:, ok]
+    ends[gids] = end[:, ok]
     for row, good in zip(rows, ok.tolist(), strict=True):
         if not good:
             _step_by_step(e, row)
@@ -79,10 +76,10 @@ def _settle(e: Engine, rows: list[tuple[Any, ...]], views: tuple[np.ndarray, ...
 
 def _exact(before: np.ndarray, arrive: np.ndarray, last: np.ndarray,
            chained: np.ndarray) -> np.ndarray:
-    """Per copy, whether its accumulated row is the chain's arithmetic: every wait added
-    the run's end exactly (``t + (t0 - t) == t0``, ``t0 >= t``) and its last time is the
-    chain's (``chained``)."""
-    return ((arrive >= before) & (before + (arrive - before) == arrive)).all(axis=1) \
+    """Per copy (column), whether its accumulation is the chain's arithmetic: every wait
+    added the run's end exactly (``t + (t0 - t) == t0``, ``t0 >= t``) and its last time
+    is the chain's (``chained``)."""
+    return ((arrive >= before) & (before + (arrive - before) == arrive)).all(axis=0) \
         & (last == chained)
 
 
