@@ -79,7 +79,7 @@ class Blocks:
             opens = prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents
             ends = last.plan is not None or last.dst >= 0 or last.dependents
             clean = not any(t.deps for t in reached[1:])
-            key: tuple[Any, ...] = (id(copy.rec), tuple(t.dependents for t in reached))
+            key: tuple[Any, ...] = (id(copy.rec), tuple([t.dependents for t in reached]))
             at[p] = copy
             if half is not None and not opens and half[0] + half[1] == p and clean \
                     and ends and not reached[0].deps:

@@ -102,7 +102,9 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if j > i:
                 if ev is not None:
                     yield ev
-                ended(e, inst, steps[j - 1], po[j - 1], ro[j - 1])
+                last = steps[j - 1]
+                if last[6] or (last[0] == RUN and last[3] >= 0):  # someone waits for it
+                    ended(e, inst, last, po[j - 1], ro[j - 1])
                 i = j
                 continue
         i += 1
@@ -118,7 +120,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if b >= 0:
                 event_of(ids[b]).succeed()
             continue
-        t0, gid = arrival(e, inst, lead, counts), ids[a]
+        t0, gid = env._now if lead < 0 else arrival(e, inst, lead, counts), ids[a]
         if kind == SEND:  # b: the destination, g: the bytes
             yield send(e, inst, b, g)
         elif (yield from collective(e, inst, a, b, groups[g], tail, t0, gid, dependents)):
