@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.builder.workload import build_workload
 from simulator.engine import blocks, chains, laid
 from simulator.engine.blocks import Block, block
-from simulator.engine.compile import COLL, RUN
+from simulator.engine.compile import COLL, RUN, laid_layout, run_layout
 from simulator.engine.engine import Engine
-from simulator.errors import UserError
 from tests.test_chains import LAYOUTS, _scenario, same_figures
 from tests.test_lazy_copies import _compare as lazy_vs_eager
+from tests.test_lazy_copies import accepted
 
 
 def _run(s: Any, blocks: bool) -> tuple[Engine, Any, int]:
@@ -87,13 +87,7 @@ def test_a_pipeline_prices_its_laid_copies_at_once_and_runs_the_same(
        batch=st.integers(2, 8))
 def test_blocks_change_no_figure(parallel: dict[str, Any], gpus_per_node: int,
                                  batch: int) -> None:
-    try:
-        s = _scenario(parallel, gpus_per_node, batch)
-        build_workload(s, fidelity="folded")
-    except UserError:
-        assume(False)
-        raise
-    _compare(s)
+    _compare(accepted(parallel, gpus_per_node, batch))
 
 
 def test_block_takes_only_runs_into_one_collective() -> None:
@@ -132,3 +126,31 @@ def test_a_copy_a_run_enters_is_laid_with_the_copy_before_it() -> None:
         mp.setattr(blocks.Blocks, "lay", lay)
         lazy_vs_eager(s)
     assert len(pairs) > 2
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), min_size=1, max_size=12), st.data())
+def test_laid_layout_is_the_runs_moved(kept: list[tuple[int, int]], order: list[int],
+                                       data: st.DataObject) -> None:
+    """:func:`simulator.engine.compile.laid_layout` against :func:`run_layout` of the
+    same runs, each laid one moved to its position: the same three arrays."""
+    rel = [range(a, a + n) for n, a in kept]  # one kept list of runs, relative
+    runs: list[range] = []
+    moved: list[tuple[int, int, int]] = []
+    rels: list[list[range]] = []
+    absolute: list[range] = []
+    for k in order:
+        if k == 0:  # a run compiled where it is
+            at = data.draw(st.integers(0, 100))
+            runs.append(range(at, at + k + 1))
+            absolute.append(runs[-1])
+            continue
+        at = data.draw(st.integers(0, 1000))
+        moved.append((len(runs), len(rel), at))
+        rels.append(rel)
+        runs += rel
+        absolute += [range(r.start + at, r.stop + at) for r in rel]
+    got = laid_layout(runs, moved, rels)
+    want = run_layout(absolute)
+    assert all(np.array_equal(x, y) and x.dtype == y.dtype
+               for x, y in zip(got, want, strict=True))
