@@ -67,6 +67,9 @@ class Engine:
     which names the links its ranks use on that network) run side by side, each with
     its own programs, groups and rendezvous (:mod:`simulator.engine.together`)."""
 
+    #: laid copies chains priced at once, whose spans :func:`settle` writes after the run
+    priced: list[tuple[Any, ...]]
+
     def __init__(self, workload: Workload, hw: HardwareProfile,
                  env: simpy.Environment | None = None, topo: Topology | None = None,
                  net: FlowNetwork | None = None, lockstep: bool = True,
@@ -113,8 +116,7 @@ class Engine:
         # rank's changing pace (every rank's under link interference; under SMs held,
         # the ranks :func:`plan_chains` finds) or its compute bursts reach into a step
         self.chains = chains and alone and not self._slowing and not self.bursts
-        self.merged = 0  # events the per-step path would have scheduled beyond theirs
-        self.priced: list[tuple[Any, ...]] = []  # laid copies chained: spans to write
+        self.merged, self.priced = 0, []  # events the chains saved; laid copies they priced
         self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
         if self.chains:
             plan_chains(self)

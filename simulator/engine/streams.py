@@ -102,9 +102,8 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if j > i:
                 if ev is not None:
                     yield ev
-                last = steps[j - 1]
-                if last[6] or (last[0] == RUN and last[3] >= 0):  # someone waits for it
-                    ended(e, inst, last, po[j - 1], ro[j - 1])
+                if (last := steps[j - 1])[6] or (last[0] == RUN and last[3] >= 0):
+                    ended(e, inst, last, po[j - 1], ro[j - 1])  # someone waits for it
                 i = j
                 continue
         i += 1
