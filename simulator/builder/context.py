@@ -77,6 +77,7 @@ class Context:
         self.stage_cost: dict[int, CostModel] = {}
         self.stage_c: dict[int, BlockCosts] = {}
         self._last_backward: dict[int, dict[int, int]] = {}  # pp rank -> stage -> index
+        self._grad_units: dict[int, list[tuple[float, int]]] = {}  # stage -> grad_units
         # build each (rank, kind, stage)'s actions once and copy them (builder.stamp)
         self.stamp = True
         # a folded build's copies kept as records until read (builder.lazy), or None
@@ -220,6 +221,9 @@ class Context:
         tensors (:func:`simulator.model.inventory.layer.layer_tensors`), the head's final norm with
         the
         layer it rides on, the embedding's two tables."""
+        got = self._grad_units.get(stage)
+        if got is not None:
+            return got
         spec, ids = self.s.model, self.layers_of(stage)
         tensors = [layer_tensors(spec, self.s.stack, i)  # in grad_bytes' order
                    for i in (reversed(ids) if spec.is_moe else ids)]
@@ -231,8 +235,10 @@ class Context:
                 tensors.append(end)
         if self.sched.is_first(stage):
             tensors.append(END_TENSORS)
-        return [(size / self.grad_dt, n)
-                for size, n in zip(self.grad_bytes(stage), tensors, strict=True)]
+        got = self._grad_units[stage] = [
+            (size / self.grad_dt, n)
+            for size, n in zip(self.grad_bytes(stage), tensors, strict=True)]
+        return got
 
     def root_params(self, stage: int) -> float:
         """Parameters of virtual ``stage`` outside its transformer layers, per TP rank: the

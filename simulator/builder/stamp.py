@@ -231,7 +231,6 @@ class Stamps:
         bases = [seq.get(g, 0) for g in rec.groups]
         for g, base, count in zip(rec.groups, bases, rec.counts, strict=True):
             seq[g] = base + count
-        smb, mbs = str(mb), (-1, mb)
         lazy = ctx.lazy
         if rec.one is not None and lazy is not None:  # made when read: builder.lazy
             streams[rec.one] += [None] * len(rows)  # type: ignore[list-item]
@@ -243,7 +242,8 @@ class Stamps:
                 self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))
             return Done(lazy, copy) if isinstance(rec.built, list) \
                 else tasks[first + rec.built]
-        elif rec.one is not None:  # one stream, no dependencies: the common case
+        smb, mbs = str(mb), (-1, mb)
+        if rec.one is not None:  # one stream, no dependencies: the common case
             made = [Task(i, rank, stream, op, kind, pre if post is None else pre + smb + post,
                          duration, plan, group, () if slot < 0 else (group, bases[slot] + j),
                          dst, nbytes, mbs[mine], layer, chunk, [], 0, weight_s)

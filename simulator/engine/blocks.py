@@ -14,7 +14,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from simulator.builder.tasks import Program, Task
-from simulator.engine.steps import RUN
+from simulator.engine.steps import COLL, RUN
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,47 +50,62 @@ class Blocks:
 
     def __init__(self, tmpl: Template, seq: list[Task], order: Sequence[int], where: Where,
                  steps: list[tuple[Any, ...]], po: list[int], ro: list[int],
-                 lazy: Lazy | None) -> None:
+                 lazy: Lazy | None, laid: dict[int, Block] | None = None) -> None:
         self.tmpl, self.seq, self.order, self.where = tmpl, seq, order, where
         self.steps, self.po, self.ro, self.lazy = steps, po, ro, lazy
-        # (record, its made tasks' dependents) -> the steps and runs relative to the copy
-        self.done: dict[tuple[int, tuple[int, ...]], tuple[list[tuple[Any, ...]],
-                                                            list[range]]] = {}
+        # (record, its made tasks' dependents) -> the steps and runs relative to the copy,
+        # and their :class:`Block` where a chain may price them at once
+        self.done: dict[tuple[Any, ...], tuple[list[tuple[Any, ...]], list[range],
+                                               Block | None]] = {}
+        self.laid = {} if laid is None else laid  # a laid copy's first step -> its Block
         self.at: dict[int, Copy] = {}  # position -> the lazy copy there, until made
+        self.parts: dict[int, list[int]] = {}  # a pair's position -> its copies'
 
     def prepare(self, pending: list[tuple[int, Copy]],
-                ) -> list[tuple[int, int, tuple[int, tuple[int, ...]] | None]]:
-        """(position, length, key) of each lazy copy on the stream, in stream order. Its
-        unmade tasks are its record's rows (nothing held them), so its key is its record
-        and its made tasks' dependents; None, and the copy made, where a run before it
-        could go on into it, a made task but the first has a dependency, or its last
-        task ends no step (a run to its end would go on past it)."""
-        seq, out = self.seq, []
+                ) -> list[tuple[int, int, tuple[Any, ...] | None]]:
+        """(position, length, key) of each lazy copy on the stream, in stream order, or of
+        a pair of adjacent copies where a run goes on from the first into the second.
+        Unmade tasks are their record's rows (nothing held them), so a copy's key is its
+        record and its made tasks' dependents, a pair's both copies'; None, and the
+        copies made, where a run before could go on into it, a made task but the first
+        has a dependency (the pair's second: any), or its last task ends no step (a run
+        to its end would go on past it)."""
+        seq, at = self.seq, self.at
+        out: list[tuple[int, int, tuple[Any, ...] | None]] = []
+        half: tuple[int, int, tuple[Any, ...]] | None = None  # a copy a run leaves open
         for p, copy in pending:
-            key: tuple[int, tuple[int, ...]] | None = None
-            prev = seq[p - 1] if p else None
-            if prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents:
-                reached = [seq[p + off] for off in copy.rec.reached]
-                last = reached[-1]
-                if not any(t.deps for t in reached[1:]) and \
-                        (last.plan is not None or last.dst >= 0 or last.dependents):
-                    key = id(copy.rec), tuple(t.dependents for t in reached)
-            self.at[p] = copy
-            if key is None:
+            reached = [seq[p + off] for off in copy.rec.reached]
+            prev, last = seq[p - 1] if p else None, reached[-1]
+            opens = prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents
+            ends = last.plan is not None or last.dst >= 0 or last.dependents
+            clean = not any(t.deps for t in reached[1:])
+            key: tuple[Any, ...] = (id(copy.rec), tuple([t.dependents for t in reached]))
+            at[p] = copy
+            if half is not None and not opens and half[0] + half[1] == p and clean \
+                    and ends and not reached[0].deps:
+                out[-1] = (half[0], half[1] + copy.size, half[2] + key)
+                self.parts[half[0]] = [half[0], p]
+                half = None
+                continue
+            half = (p, copy.size, key) if opens and clean and not ends else None
+            out.append((p, copy.size, key if opens and clean and ends else None))
+        for p, _, kept in out:
+            if kept is None:
                 self.make(p)
-            out.append((p, copy.size, key))
         return out
 
     def make(self, p: int) -> None:
-        """Make the tasks of the lazy copy at ``p`` (none there: nothing to do)."""
-        copy = self.at.pop(p, None)
-        if copy is None:
-            return
-        assert self.lazy is not None and isinstance(self.order, range)
-        made = self.lazy.copies.tasks_of(copy)
-        self.seq[p:p + copy.size] = made
-        at = self.order.start + p
-        self.tmpl.tasks[at:at + copy.size] = made
+        """Make the tasks of the lazy copy at ``p``, or of the pair there (none there:
+        nothing to do)."""
+        for q in self.parts.pop(p, (p,)):
+            copy = self.at.pop(q, None)
+            if copy is None:
+                continue
+            assert self.lazy is not None and isinstance(self.order, range)
+            made = self.lazy.copies.tasks_of(copy)
+            self.seq[q:q + copy.size] = made
+            start = self.order.start + q
+            self.tmpl.tasks[start:start + copy.size] = made
 
     def pad(self) -> None:
         """Offsets of 0 for the steps compiled since the last laid copy."""
@@ -99,7 +114,7 @@ class Blocks:
             self.po += [0] * k
             self.ro += [0] * k
 
-    def keep(self, key: tuple[int, tuple[int, ...]], p: int, s0: int, r0: int) -> None:
+    def keep(self, key: tuple[Any, ...], p: int, s0: int, r0: int) -> None:
         """Keep the steps from ``s0`` and the runs from ``r0``, just compiled for the copy
         at ``p``, relative to it."""
         at = self.order[p]
@@ -111,14 +126,14 @@ class Blocks:
                 rel.append((kind, (), a - at, b, g, None, dependents,
                             lead - r0 if lead >= 0 else -1))
         runs = [range(r[0] - at, r[0] - at + len(r)) for r in self.tmpl.runs[r0:]]
-        self.done[key] = rel, runs
+        self.done[key] = rel, runs, block(rel)
 
-    def lay(self, key: tuple[int, tuple[int, ...]], p: int) -> bool:
+    def lay(self, key: tuple[Any, ...], p: int) -> bool:
         """Lay the steps kept for ``key`` over the copy at ``p``; False where none are."""
         got = self.done.get(key)
         if got is None:
             return False
-        rel, runs = got
+        rel, runs, blk = got
         tmpl, steps, po = self.tmpl, self.steps, self.po
         k = len(steps) - len(po)
         if k:
@@ -128,12 +143,42 @@ class Blocks:
         at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
         tmpl.runs += runs
         tmpl.moved.append((r0, len(runs), at))
+        tmpl.moved_runs.append(runs)
         steps += rel
         po += [at] * n
         self.ro += [r0] * n
         if deps:
             steps[s0] = (steps[s0][0], deps, *steps[s0][2:])
+        if blk is not None:
+            self.laid[s0] = blk
         return True
+
+
+class Block(NamedTuple):
+    """A kept copy's steps where every one is a run leading into a collective of one
+    plan and group (``phases``, template group ``g``), none with dependencies (the
+    first's are each copy's own) and none waited on but perhaps the last: per step, its
+    run (``leads``) and its position (``at``) relative to the copy. A chain prices a
+    laid copy of it in one loop (:func:`simulator.engine.chains.forward`) and its spans
+    are written after the run (:func:`simulator.engine.laid.settle`)."""
+
+    phases: Any
+    g: int
+    leads: list[int]
+    at: list[int]
+
+
+def block(rel: list[tuple[Any, ...]]) -> Block | None:
+    """The :class:`Block` of steps ``rel`` (relative to their copy), or None where they
+    are not all of that form."""
+    if not rel:
+        return None
+    phases, g = rel[0][3], rel[0][4]
+    for k, (kind, deps, _, b, gk, _, dependents, lead) in enumerate(rel):
+        if kind != COLL or deps or lead < 0 or b is not phases or gk != g or \
+                (dependents and k < len(rel) - 1):
+            return None
+    return Block(phases, g, [step[7] for step in rel], [step[2] for step in rel])
 
 
 def flatten(prog: Program, copies: Copies | None, rank: int,
@@ -165,11 +210,17 @@ def flatten(prog: Program, copies: Copies | None, rank: int,
     durations: list[float] = []
     last = 0
     for at, c in spans:  # made tasks read, unmade ones their record's
-        ids += map(attrgetter("id"), mine[last:at])
-        durations += map(attrgetter("duration"), mine[last:at])
-        ids += range(c.first, c.first + c.size)
+        if at == last + 1:  # one made task between (a send, most often)
+            t = mine[last]
+            ids.append(t.id)
+            durations.append(t.duration)
+        elif at > last:
+            ids += map(attrgetter("id"), mine[last:at])
+            durations += map(attrgetter("duration"), mine[last:at])
+        n = len(c.rec.durations)
+        ids += range(c.first, c.first + n)
         durations += c.rec.durations
-        last = at + c.size
+        last = at + n
     ids += map(attrgetter("id"), mine[last:])
     durations += map(attrgetter("duration"), mine[last:])
     for at_ in where.values():

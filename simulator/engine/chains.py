@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Any
 import simpy
 from simpy.events import NORMAL, Event
 
-from simulator.engine.compile import COLL, RUN, Instance
+from simulator.engine.compile import COLL, RUN, SEND, Instance
 from simulator.system.network import Route
 
 if TYPE_CHECKING:
+    from simulator.engine.blocks import Block
     from simulator.engine.engine import Engine
 
 _SHARED = (-1, -1)  # a link more than one (instance, stream) puts flows on
@@ -163,20 +164,56 @@ def _priced(e: Engine, chain: dict[int, list[Any]], kind: int, phases: Any,
 
 
 def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
-            offsets: tuple[list[int], list[int]], i: int) -> tuple[int, Event | None]:
+            offsets: tuple[list[int], list[int]], i: int,
+            laid: dict[int, Block] | None = None) -> tuple[int, Event | None]:
     """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the index
     after the last and the one event at its end if the per-step path would have waited
     (``i`` back, nothing done, where step ``i`` does not chain); ``e.merged`` counts the
-    events the per-step path would have scheduled beyond it."""
+    events the per-step path would have scheduled beyond it. Where step ``i`` starts a
+    laid copy (``laid``: :class:`simulator.engine.blocks.Block`), its steps are priced
+    in one loop (:func:`_block`), the same operations in the same order."""
+    t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    while k < n:
+        blk = laid.get(k) if laid else None
+        got = _block(e, inst, blk, offsets, k, t) \
+            if blk is not None and (k == i or not steps[k][1]) else None
+        if got is not None:
+            t, count, flows = got[0], count + got[1], flows + got[2]
+            k += len(blk.leads)  # type: ignore[union-attr]
+            # its last step waited on (a send after it may not wait), or a send next,
+            # or a step that waits on another task: the chain ends
+            if steps[k - 1][6] or k == n or steps[k][0] == SEND or steps[k][1]:
+                break
+            continue
+        k, t, count, flows, on = _walk(e, inst, steps, offsets, i, k, t, count, flows, laid)
+        if not on:
+            break
+    e.net.flows_started += flows
+    if k == i or not count:
+        return k, None
+    e.merged += count - 1
+    return k, at(e.env, t)
+
+
+def _walk(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
+          offsets: tuple[list[int], list[int]], i: int, k: int, t: float, count: int,
+          flows: int, laid: dict[int, Block] | None) -> tuple[int, float, int, int, bool]:
+    """:func:`forward`'s steps one by one from step ``k`` at time ``t`` (the chain began
+    at step ``i``): the index after the last, the time at its end, the events and flows
+    counted so far and whether the chain goes on at a laid copy (``laid``) reached
+    there."""
+    k0 = k
     chain: dict[int, list[Any]] = inst.chain or {}
     totals, base, run_t0 = inst.totals, inst.run_base, e.run_t0
     ids, starts, ends, begin = inst.ids, e.start, e.end, e.begin
-    t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
+    n = len(steps)
     po, ro = offsets  # each step's (:class:`simulator.engine.blocks.Blocks`)
     # the last collective's phases, group and pricing (α, links, duration alone, one link)
     phases, group, alpha, alone, link = None, -1, 0.0, None, None
     objs: tuple[Any, ...] = ()
     while k < n:
+        if laid and k != k0 and k in laid:
+            return k, t, count, flows, True
         kind, deps, a, b, g, _, dependents, lead = steps[k]
         if k > i and deps:
             break
@@ -213,11 +250,39 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         k += 1
         if dependents:
             break
-    e.net.flows_started += flows
-    if k == i or not count:
-        return k, None
-    e.merged += count - 1
-    return k, at(e.env, t)
+    return k, t, count, flows, False
+
+
+def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list[int]],
+           i: int, t: float) -> tuple[float, int, int] | None:
+    """The steps of the laid copy whose first step is ``i``, priced from time ``t`` as
+    :func:`_walk` prices them (a run's end, the wait for it, the flow alone on its one
+    private link, its α), its link's busy seconds added flow by flow: the time at their
+    end and the events and flows; None where they do not chain (then nothing is done).
+    Their spans are written after the run, from the start and end kept in ``e.priced``
+    (:func:`simulator.engine.laid.settle`)."""
+    entry = inst.chain.get(id(blk.phases)) if inst.chain else None
+    if entry is None or entry[0] != blk.g or not (entry[7] or _alone(e, entry)):
+        return None
+    _, _, alpha, _, _, objs, alone, _ = entry
+    if alone is None or len(objs) != 1:
+        return None
+    link = objs[0]
+    p, r = offsets[0][i], offsets[1][i]
+    totals, start = inst.totals, t
+    busy, waits = link.busy, 0
+    for lead in blk.leads:
+        t0 = t + totals[r + lead]
+        wait = t0 - t
+        if wait > 0:
+            t, waits = t + wait, waits + 1
+        end = t + alone
+        busy += end - t
+        t = end + alpha  # α >= 0: ``end + 0.0`` is ``end``
+    link.busy = busy
+    e.priced.append((inst, blk, p, r, start, t, alone, alpha))
+    n = len(blk.leads)
+    return t, waits + 2 * n, n
 
 
 def _cross(t: float, alone: float, link: Any, objs: tuple[Any, ...]) -> float:

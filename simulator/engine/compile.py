@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from simulator.builder.tasks import Task
-from simulator.engine.blocks import Blocks, Lazy
+from simulator.engine.blocks import Block, Blocks, Lazy
 from simulator.engine.steps import COLL, RUN, SEND
 from simulator.system.collectives.plan import Plan
 
@@ -61,7 +61,13 @@ class Template:
         # per stream, per step: what its positions and its run indices are moved by
         # (a stamped copy's steps are its record's, shared: :class:`Blocks`)
         self.offsets: list[tuple[list[int], list[int]]] = []
+        # per stream: a laid copy's first step -> its steps' :class:`Block`, where a
+        # chain may price them in one loop (:func:`simulator.engine.chains.forward`)
+        self.laid: list[dict[int, Block]] = []
         self.moved: list[tuple[int, int, int]] = []  # (first run, runs, position moved by)
+        self.moved_runs: list[list[range]] = []  # and those runs, relative to the copy
+        # every stream's order a range: every run is one (a slice of it, or laid)
+        self.ranged = all(isinstance(o, range) and o.step == 1 for _, o in streams)
         self.tasks = tasks  # a laid step's rendezvous key is its task's (:meth:`tail`)
         # an unmade task of a lazy copy by local index (:mod:`simulator.builder.lazy`)
         self.lookup: Callable[[int], Task] | None = None
@@ -70,9 +76,11 @@ class Template:
             if order:
                 by_id: dict[tuple[int, int], tuple[int, Any]] = {}
                 dsts: dict[int, None] = {}
+                laid: dict[int, Block] = {}
                 steps, po, ro = self._stream(tasks, order, where, gidx, phases, by_id, dsts,
-                                             lazy, name)
+                                             lazy, name, laid)
                 self.streams.append(steps)
+                self.laid.append(laid)
                 self.offsets.append((po, ro))
                 self.flows += [(len(self.stream_names), *f) for f in by_id.values()]
                 self.sends += [(len(self.stream_names), d) for d in dsts]
@@ -82,7 +90,7 @@ class Template:
     def _stream(self, tasks: list[Task], order: Sequence[int], where: Where,
                 gidx: dict[tuple[int, ...], int], phases: Callable[[Plan], Any],
                 by_id: dict[tuple[int, int], tuple[int, Any]], dsts: dict[int, None],
-                lazy: Lazy | None, name: str,
+                lazy: Lazy | None, name: str, laid: dict[int, Block],
                 ) -> tuple[list[tuple[Any, ...]], list[int], list[int]]:
         """One stream's steps and their offsets; into ``by_id`` its collectives, into
         ``dsts`` its sends. Where a step starts at a lazy copy (``lazy``) whose record an
@@ -93,7 +101,7 @@ class Template:
         po: list[int] = []
         ro: list[int] = []
         args = (seq, order, where, gidx, phases, by_id, dsts, steps, po)
-        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy)
+        blocks = Blocks(self, seq, order, where, steps, po, ro, lazy, laid)
         starts = blocks.prepare(lazy.pending.get(name, [])) if lazy is not None else []
         i = 0
         for p, size, key in starts:
@@ -101,7 +109,8 @@ class Template:
                 continue
             if p > i:
                 blocks.pad()
-                i = self._steps(*args, i, p)
+                i = self._send(seq, order, where, dsts, steps, po, i) \
+                    if p == i + 1 and seq[i].dst >= 0 else self._steps(*args, i, p)
             if i != p:
                 continue
             if key is not None and blocks.lay(key, p):
@@ -178,6 +187,17 @@ class Template:
             i += 1
         return i
 
+    def _send(self, seq: list[Task], order: Sequence[int], where: Where,
+              dsts: dict[int, None], steps: list[tuple[Any, ...]], po: list[int],
+              i: int) -> int:
+        """The step of the send at ``i`` alone between two laid copies, as :meth:`_steps`
+        compiles it (the steps before with their offsets in ``po``); the next position."""
+        t = seq[i]
+        deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
+        dsts[t.dst] = None
+        steps.append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
+        return i + 1
+
     def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
                    steps: list[tuple[Any, ...]], offset: int, i: int) -> tuple[Any, ...]:
         """The dependencies of a step that starts at task ``i``, as :meth:`_steps` gives
@@ -231,6 +251,8 @@ class Template:
     @cached_property
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`run_layout` of the runs (a laid copy's moved to its positions)."""
+        if self.moved and self.ranged:
+            return laid_layout(self.runs, self.moved, self.moved_runs)
         flat, first, lens = run_layout(self.runs)
         if self.moved:
             r0, count, at = np.asarray(self.moved, np.int64).T
@@ -275,6 +297,35 @@ def run_layout(runs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.nd
     return flat, first, lens
 
 
+def laid_layout(runs: list[Sequence[int]], moved: list[tuple[int, int, int]],
+                rel: list[list[range]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`run_layout` of runs that are all ranges, where ``moved[k]`` are runs laid
+    from the kept ranges ``rel[k]``, moved by a position: those read once per kept list
+    and placed by array, the others one by one."""
+    n = len(runs)
+    lens, starts = np.empty(n, np.int64), np.empty(n, np.int64)
+    laid = np.zeros(n, bool)
+    groups: dict[int, tuple[list[range], list[int], list[int]]] = {}
+    for (r0, _, at), kept in zip(moved, rel, strict=True):
+        g = groups.setdefault(id(kept), (kept, [], []))
+        g[1].append(r0)
+        g[2].append(at)
+    for kept, r0s, ats in groups.values():
+        which = np.asarray(r0s, np.int64)[:, None] + np.arange(len(kept))
+        lens[which] = np.fromiter(map(len, kept), np.int64, len(kept))
+        starts[which] = np.fromiter(map(attrgetter("start"), kept), np.int64, len(kept)) \
+            + np.asarray(ats, np.int64)[:, None]
+        laid[which] = True
+    rest = np.flatnonzero(~laid)
+    others = [runs[r] for r in rest.tolist()]
+    lens[rest] = np.fromiter(map(len, others), np.int64, len(others))
+    starts[rest] = np.fromiter(map(attrgetter("start"), others), np.int64, len(others))
+    first = np.zeros(n, np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    flat = np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    return flat, first, lens
+
+
 def run_sums(layout: tuple[np.ndarray, np.ndarray, np.ndarray],
              durations: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each run's total and each task's prefix (in run order), summed as ``total = 0.0``
@@ -308,8 +359,8 @@ def run_sums(layout: tuple[np.ndarray, np.ndarray, np.ndarray],
 class Instance:
     """A simulated rank: its template, its task ids, its groups' ids, its durations."""
 
-    __slots__ = ("chain", "delta", "durations", "groups", "ids", "keys", "rank",
-                 "run_base", "template", "totals")
+    __slots__ = ("_id_array", "chain", "delta", "durations", "groups", "ids", "keys",
+                 "rank", "run_base", "template", "totals")
 
     def __init__(self, rank: int, template: Template, ids: range | list[int], delta: int,
                  run_base: int) -> None:
@@ -320,3 +371,16 @@ class Instance:
         self.keys: list[Any] = []  # per template group: how its group keys map
         # id(phases) -> a collective chains may price in closed form
         self.chain: dict[int, list[Any]] | None = None
+        self._id_array: np.ndarray | None = None
+
+    def id_array(self) -> np.ndarray:
+        """:attr:`ids` as an array (made once)."""
+        if self._id_array is None:
+            self._id_array = np.asarray(self.ids, np.int64)
+        return self._id_array
+
+    def total_array(self) -> np.ndarray:
+        """:attr:`totals` as an array (the template's where they are its)."""
+        tmpl = self.template
+        return tmpl.sums[0] if self.totals is tmpl.totals \
+            else np.asarray(self.totals, np.float64)

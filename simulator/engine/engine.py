@@ -48,6 +48,7 @@ from simulator.engine.blocks import flatten
 from simulator.engine.chains import plan_chains
 from simulator.engine.compile import Instance, Template
 from simulator.engine.interference import Interference, Phases
+from simulator.engine.laid import settle
 from simulator.engine.lockstep import expand, lockstep_ranks, lockstep_size
 from simulator.engine.result import SimResult, busy_by_class, run_spans
 from simulator.engine.streams import Rendezvous, stream
@@ -65,6 +66,9 @@ class Engine:
     network; several engines given one ``env`` and one ``net`` (each its own ``topo``,
     which names the links its ranks use on that network) run side by side, each with
     its own programs, groups and rendezvous (:mod:`simulator.engine.together`)."""
+
+    #: laid copies chains priced at once, whose spans :func:`settle` writes after the run
+    priced: list[tuple[Any, ...]]
 
     def __init__(self, workload: Workload, hw: HardwareProfile,
                  env: simpy.Environment | None = None, topo: Topology | None = None,
@@ -112,7 +116,7 @@ class Engine:
         # rank's changing pace (every rank's under link interference; under SMs held,
         # the ranks :func:`plan_chains` finds) or its compute bursts reach into a step
         self.chains = chains and alone and not self._slowing and not self.bursts
-        self.merged = 0  # events the per-step path would have scheduled beyond theirs
+        self.merged, self.priced = 0, []  # events the chains saved; laid copies they priced
         self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
         if self.chains:
             plan_chains(self)
@@ -242,6 +246,7 @@ class Engine:
     def collect(self, wall: float) -> SimResult:
         """What the run gave (after the event of :meth:`launch` fired, or the queue ran
         dry: a deadlock, raised here), ``wall`` seconds of it."""
+        settle(self)
         start_a, end_a = run_spans(self)
         begin = np.frombuffer(self.begin, np.float64)
         last = np.frombuffer(self.last, np.int64)

@@ -97,7 +97,7 @@ def run_spans(e: Engine) -> tuple[np.ndarray, np.ndarray]:
             dur = np.asarray(inst.durations, np.float64)[locals_]
             prefix = tmpl.prefixes(inst.durations)
         ids = (locals_ + inst.ids.start if isinstance(inst.ids, range)
-               else np.asarray(inst.ids)[locals_])
+               else inst.id_array()[locals_])
         s = t0[inst.run_base + run_no] + prefix
         start[ids] = s
         end[ids] = s + dur

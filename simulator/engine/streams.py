@@ -58,6 +58,17 @@ def waits(e: Engine, inst: Instance, deps: tuple[Any, ...]) -> list[simpy.Event]
     return [ev for ev in pending if not ev.triggered]
 
 
+def joined(env: simpy.Environment, pending: list[simpy.Event]) -> simpy.Event:
+    """An event that fires once every one of ``pending`` has fired, scheduled as
+    ``AllOf`` schedules itself (by the last one's callback, at its place among them):
+    for one event a plain event its callback succeeds, without the condition's value."""
+    if len(pending) != 1:
+        return AllOf(env, pending)
+    ev = Event(env)
+    pending[0].callbacks.append(ev.succeed)  # type: ignore[arg-type]
+    return ev
+
+
 def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
            offsets: tuple[list[int], list[int]], name: str = "compute") -> Process:
     """The process of one stream of one simulated rank: its steps, each moved by its
@@ -74,6 +85,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     chained = e.chains and (gates is None or name == "compute")
     i, n = 0, len(steps)
     po, ro = offsets
+    laid = inst.template.laid[inst.template.stream_names.index(name)] or None
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
         if kind == RUN:  # the copy's offsets: runs by ``ro``, tasks by ``po``
@@ -84,13 +96,14 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if gated:  # what it waits for shown to the compute stream's chains
                 yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
             else:
-                yield AllOf(env, pending)
+                yield joined(env, pending)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
-            j, ev = forward(e, inst, steps, offsets, i)
+            j, ev = forward(e, inst, steps, offsets, i, laid)
             if j > i:
                 if ev is not None:
                     yield ev
-                ended(e, inst, steps[j - 1], po[j - 1], ro[j - 1])
+                if (last := steps[j - 1])[6] or (last[0] == RUN and last[3] >= 0):
+                    ended(e, inst, last, po[j - 1], ro[j - 1])  # someone waits for it
                 i = j
                 continue
         i += 1
@@ -106,7 +119,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if b >= 0:
                 event_of(ids[b]).succeed()
             continue
-        t0, gid = arrival(e, inst, lead, counts), ids[a]
+        t0, gid = env._now if lead < 0 else arrival(e, inst, lead, counts), ids[a]
         if kind == SEND:  # b: the destination, g: the bytes
             yield send(e, inst, b, g)
         elif (yield from collective(e, inst, a, b, groups[g], tail, t0, gid, dependents)):
@@ -123,7 +136,7 @@ def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[sim
     """A gated stream's wait for a step's pending dependencies, showing meanwhile what of
     its rank's compute it waits for (:func:`simulator.engine.chains.gate`)."""
     gates[name] = gate(e, inst, deps)
-    yield AllOf(e.env, pending)
+    yield joined(e.env, pending)
     gates[name] = None
 
 

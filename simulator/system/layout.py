@@ -63,6 +63,7 @@ class Layout:
     def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
+    @cache  # noqa: B019 (a Layout is small, frozen and lives as long as a run)
     def coord(self, rank: int) -> Coord:
         tp = rank % self.tp
         cp = (rank // self.tp) % self.cp

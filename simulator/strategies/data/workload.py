@@ -79,8 +79,8 @@ class DataPass(Pass):
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
-        elif self.ctx.last_backward(self.ctx.layout.coord(rank).pp).get(action.stage) == index:
-            self.bucket(rank, action.stage, done, chunk, pending)  # accumulated: reduce once
+        elif self.last[rank]:  # accumulated: reduce once
+            self.bucket(rank, action.stage, done, chunk, pending)
 
     def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
                pending: list[tuple[float, Task, Unit]]) -> None:
