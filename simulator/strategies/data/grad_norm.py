@@ -8,7 +8,10 @@ norm to the power p, ``dist.all_reduce(total_norm, group=self.process_group)``, 
 the p-th root; Composer's ``gradient_clipping`` calls it on the root module) and FSDP2
 under torchtitan (``torchtitan/distributed/utils.py`` ``clip_grad_norm_``: the norm is
 a DTensor with a partial placement and ``total_norm.full_tensor()`` all-reduces it over
-the mesh). One fp32 scalar, issued on the current stream after the backward's
+the mesh); DeepSpeed's ZeRO-3 step likewise all-reduces its norm groups' norms over the
+data-parallel group (deepspeed/runtime/zero/stage3.py ``step`` → ``_get_norm_groups`` →
+``get_grad_norm_direct``; the ``.item()`` that follows there, a host wait, is not
+modelled). One fp32 scalar, issued on the current stream after the backward's
 reductions have been waited for and before the optimizer step, so it sits on the
 compute stream's critical path: a latency-bound collective whose time grows with the
 group (NCCL's tree, 2 log2 N network hops).
