@@ -105,13 +105,14 @@ def test_ring_gather_scatter_one_node_closed_form(op, n):
 
 
 def test_ring_all_reduce_across_nodes_rails():
-    """n = k·N, k per node: each NIC carries 2(N-1)/N·S/k, NVLink 2(n-1)/n·S; the
-    slower leg sets the time, plus 2(n-1) steps at the inter-node α."""
+    """n = k·N, k per node: the flat ring's every link carries 2(n-1)/n·S, so each of
+    a node's k NICs carries 2(n-1)/n·S/k and NVLink 2(n-1)/n·S; the slower leg sets
+    the time, plus 2(n-1) steps at the inter-node α."""
     k, nodes, size = 8, 4, 256e6
     n = k * nodes
     plan = make_plan("all_reduce", size, GroupShape(n, k), "ring", HW)
     legs = {leg.link_class: leg.bytes_per_rank for leg in plan.phases[0].legs}
-    assert legs["inter_node"] == pytest.approx(2 * (nodes - 1) / nodes * size / k, rel=1e-15)
+    assert legs["inter_node"] == pytest.approx(2 * (n - 1) / n * size / k, rel=1e-15)
     assert legs["intra_node"] == pytest.approx(2 * (n - 1) / n * size, rel=1e-15)
     expected = max(legs["inter_node"] / B_INTER, legs["intra_node"] / B_INTRA) \
         + 2 * (n - 1) * A_INTER

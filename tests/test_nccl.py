@@ -245,7 +245,7 @@ def test_multi_node_ring_latency_splits_nvlink_and_network_hops() -> None:
     assert (plan.algorithm, plan.protocol) == ("ring", "Simple")
     intra_hop = max(3.4 * S_NV, 3.0 * S_NET) * 1e-6
     latency = 8.4 * S_NET * 1e-6 + (n - nodes) * intra_hop + (nodes - 1) * 14.0 * S_NET * 1e-6
-    bandwidth = max((nodes - 1) / nodes * 1e10 / k / B_INTER, (n - 1) / n * 1e10 / B_INTRA)
+    bandwidth = max((n - 1) / n * 1e10 / k / B_INTER, (n - 1) / n * 1e10 / B_INTRA)
     assert estimate(plan, A100) == pytest.approx(latency + bandwidth, rel=1e-12)
 
 
@@ -261,7 +261,7 @@ def test_multi_node_ll_nvlink_hops_cost_1_8_times() -> None:
     hops, inter_hops = 2 * (n - 1), 2 * (nodes - 1)
     latency = (6.6 * S_NET + (hops - inter_hops) * intra_hop + inter_hops * 2.7 * S_NET) * 1e-6
     bandwidth = max(2 * (n - 1) / n * 1e3 / (B_INTRA / 4),
-                    2 * (nodes - 1) / nodes * 1e3 / k / (B_INTER / 4))
+                    2 * (n - 1) / n * 1e3 / k / (B_INTER / 4))
     assert estimate(plan, A100) == pytest.approx(latency + bandwidth, rel=1e-12)
 
 
@@ -318,7 +318,7 @@ def test_zero_latency_links_make_latency_free() -> None:
     plan = make_plan("all_reduce", 1e6, GroupShape(16, 8), "auto", free)
     assert plan.protocol == "Simple"  # nothing to save on latency: the fastest protocol
     assert estimate(plan, free) == pytest.approx(
-        max(2 * 15 / 16 * 1e6 / B_INTRA, 2 * 1 / 2 * 1e6 / 8 / B_INTER), rel=1e-12)
+        max(2 * 15 / 16 * 1e6 / B_INTRA, 2 * 15 / 16 * 1e6 / 8 / B_INTER), rel=1e-12)
 
 
 def test_calibrated_collective_replaces_protocol_terms() -> None:

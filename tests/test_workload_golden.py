@@ -38,7 +38,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
         ("45b4f408f9179c7d", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("ed43d59749348faa", 4480),
+        ("9be7deb3a512e538", 4482),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("4e1c681ec59edb54", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
@@ -56,10 +56,10 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
         ("4598c5487ca249cc", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("a2bd410248a091e8", 8516),
+        ("ac8e150931b5edbf", 8524),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("933646d1223ca3af", 2706),
+        ("d5c14a4cd4fa3089", 2710),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("70d8c6f58adfc4c9", 1648),

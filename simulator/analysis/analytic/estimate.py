@@ -67,6 +67,7 @@ from simulator.strategies.base import AnalyticView
 from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.compression.strategy import compressed_reduction, momentum_exchange
 from simulator.strategies.context.strategy import cp_exposed
+from simulator.strategies.data.grad_norm import grad_norm_time
 from simulator.strategies.data.strategy import ddp_copies, parameter_gather
 from simulator.strategies.expert.layer import edp_group
 from simulator.strategies.expert.strategy import Experts, expert_times, stage_expert_split
@@ -316,7 +317,8 @@ def analytic_estimate(s: Scenario, costs: BlockCosts | None = None,
     t_opt, shard = price("optimizer", -1,
                          lambda: _optimizer(s, layout, cost, hw, stage_cost, g))
     t_ddp = ddp_copies(s, cost, g.busiest, g.layers[g.busiest])
-    t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params)
+    t_gather = parameter_gather(s, layout, hw, g.param_bytes, g.expert_params) \
+        + grad_norm_time(s, layout, hw)
     t_pipe = pipe.t_pipe
     step = t_pipe + t_p2p + exposed_dp + slow + t_opt + t_gather + t_zero + t_exch + t_ddp
     extra = _extensions(AnalyticView(s, layout, cost, hw, t_pipe))

@@ -30,6 +30,8 @@ the step.
 The optimizer step (AdamW on the rank's shard as the stack runs it:
 :func:`simulator.model.inventory.optimizer.optimizer_op`, clipping included) runs on the compute
 stream after every reduction; under ZeRO-Offload the offload pass runs it on the host instead.
+Clipping ZeRO-3's gradient shards first all-reduces the norm over the shard group, on the
+compute stream before the step (:mod:`simulator.strategies.data.grad_norm`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from simulator.model.inventory.sharding import (
 from simulator.schedules.action import Action
 from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
 from simulator.strategies.compression.workload import Compressor, Unit
+from simulator.strategies.data.grad_norm import GRAD_NORM_BYTES, grad_norm_reduced
 from simulator.strategies.zero3.experts import dense_unit
 from simulator.system.units import CollectiveName
 
@@ -250,11 +253,15 @@ class DataPass(Pass):
                 back = ctx.compute(rank, "D", "backward", "ddp.bucket_out", seconds, -1, -1, 0)
                 back.weight_s = seconds
                 back.deps.extend(d.id for d in streams["dp"])
+        norm = ctx.collective(rank, "compute", "all_reduce", "dp", ctx.layout.shard_group(rank),
+                              GRAD_NORM_BYTES, "dp.grad_norm") if grad_norm_reduced(ctx.s) \
+            else None
         t = ctx.compute(rank, "optimizer", "optimizer", "optimizer step",
                         ctx.optimizer_time(rank, shard), -1, -1, 0)
-        t.deps.extend(d.id for d in streams["dp"])
-        t.deps.extend(d.id for d in streams.get("replicate", ()))  # hybrid sharding's
-        t.deps.extend(d.id for d in streams["zero"][-1:])
+        for waits in filter(None, (norm, t)):  # the norm needs every reduced gradient
+            waits.deps.extend(d.id for d in streams["dp"])
+            waits.deps.extend(d.id for d in streams.get("replicate", ()))  # hybrid sharding's
+            waits.deps.extend(d.id for d in streams["zero"][-1:])
 
     def after_step(self, rank: int) -> None:
         """ZeRO-1/2: all-gather the updated parameters (ZeRO-3 gathers every unit at

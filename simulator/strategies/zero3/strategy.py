@@ -29,6 +29,7 @@ from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
+from simulator.strategies.data.grad_norm import grad_norm_reduced
 from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
 from simulator.strategies.zero3.experts import (
@@ -62,7 +63,9 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     (:attr:`~simulator.spec.scenario.ParallelSpec.dp_shard`) each reduce-scatter is
     followed by an all-reduce of its shard across the replicas. A mixture of experts
     adds each MoE layer's experts unit (:mod:`simulator.strategies.zero3.experts`),
-    gathered like its layer and reduce-scattered over edp every micro-batch."""
+    gathered like its layer and reduce-scattered over edp every micro-batch. With
+    ``stack.grad_clip`` the step all-reduces the clipping norm over the shard group once
+    (:mod:`simulator.strategies.data.grad_norm`)."""
     par = s.parallel
     if par.zero != 3 or par.dp * par.cp == 1:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -73,10 +76,11 @@ def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
     gathers = (2 if par.reshard_after_forward else 1) * (layers + experts) + root
     reduces = s.microbatches * (layers + root)
     once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
+    norm = 1 if grad_norm_reduced(s) and par.shard > 1 else 0  # the clipping norm's
     return {"all_gather": s.microbatches * gathers,
             "reduce_scatter": reduces + s.microbatches * experts,
-            "all_reduce": (layers + root if once else reduces)
-            if par.shard < par.dp * par.cp else 0}
+            "all_reduce": norm + ((layers + root if once else reduces)
+                                  if par.shard < par.dp * par.cp else 0)}
 
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
