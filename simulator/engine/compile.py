@@ -108,9 +108,11 @@ class Template:
             if p < i:  # a step ran into it
                 continue
             if p > i:
-                blocks.pad()
-                i = self._send(seq, order, where, dsts, steps, po, i) \
-                    if p == i + 1 and seq[i].dst >= 0 else self._steps(*args, i, p)
+                if p == i + 1 and seq[i].dst >= 0:
+                    i = self._send(seq, order, where, dsts, steps, po, ro, i)
+                else:
+                    blocks.pad()
+                    i = self._steps(*args, i, p)
             if i != p:
                 continue
             if key is not None and blocks.lay(key, p):
@@ -189,13 +191,20 @@ class Template:
 
     def _send(self, seq: list[Task], order: Sequence[int], where: Where,
               dsts: dict[int, None], steps: list[tuple[Any, ...]], po: list[int],
-              i: int) -> int:
+              ro: list[int], i: int) -> int:
         """The step of the send at ``i`` alone between two laid copies, as :meth:`_steps`
-        compiles it (the steps before with their offsets in ``po``); the next position."""
+        compiles it, with offsets of 0 (the steps before given theirs first:
+        :meth:`Blocks.pad`); the next position."""
+        k = len(steps) - len(po)
+        if k:
+            po += [0] * k
+            ro += [0] * k
         t = seq[i]
         deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
         dsts[t.dst] = None
         steps.append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
+        po.append(0)
+        ro.append(0)
         return i + 1
 
     def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
