@@ -193,14 +193,18 @@ class Template:
               dsts: dict[int, None], steps: list[tuple[Any, ...]], po: list[int],
               ro: list[int], i: int) -> int:
         """The step of the send at ``i`` alone between two laid copies, as :meth:`_steps`
-        compiles it, with offsets of 0 (the steps before given theirs first:
-        :meth:`Blocks.pad`); the next position."""
-        k = len(steps) - len(po)
-        if k:
+        compiles it, with offsets of 0 (and the steps before theirs: :meth:`Blocks.pad`);
+        the next position."""
+        if k := len(steps) - len(po):
             po += [0] * k
             ro += [0] * k
-        t = seq[i]
-        deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
+        t, d, step = seq[i], seq[i].deps, steps[-1] if steps else None
+        if d and len(d) == 1 and step and i and d[0] == seq[i - 1].id and step[0] != RUN \
+                and seq[i - 1].dependents == 1 and step[2] + po[-1] == order[i - 1]:
+            steps[-1] = (*step[:6], 0, step[7])  # :meth:`first_deps`'s and :meth:`_after`'s
+            deps: tuple[Any, ...] = ()
+        else:
+            deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
         dsts[t.dst] = None
         steps.append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
         po.append(0)
