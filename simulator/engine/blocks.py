@@ -143,8 +143,12 @@ class Blocks:
         if k:  # :meth:`pad`
             po += [0] * k
             ro += [0] * k
-        deps = tmpl.first_deps(self.seq, self.order, self.where, steps, po[-1], p) \
-            if self.seq[p].deps else ()
+        seq, where = self.seq, self.where
+        d = seq[p].deps
+        if d and len(d) == 1 and p and d[0] != seq[p - 1].id:  # another's task (first_deps)
+            deps: tuple[Any, ...] = tuple(d) if where is None else (where(d[0]),)
+        else:
+            deps = tmpl.first_deps(seq, self.order, where, steps, po[-1], p) if d else ()
         at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
         tmpl.runs += runs
         tmpl.moved.append((r0, len(runs), at))

@@ -74,7 +74,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     """The process of one stream of one simulated rank: its steps, each moved by its
     offsets (positions, run indices: :class:`simulator.engine.blocks.Blocks`)."""
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
-    starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
+    starts, ends, base, event_of, got = e.start, e.end, inst.run_base, e.event_of, e.events.get
     slowing, rank, groups = e.interference is not None, inst.rank, inst.groups
     counts, busy, _ = e.burst_counters(rank, name)  # compute bursts (a sync cost)
     # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
@@ -91,7 +91,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             a, b = a + ro[i], (b + po[i] if b >= 0 else b)
         else:
             a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
-        if deps and (pending := [ev for d in deps if not (ev := event_of(d)).triggered]
+        if deps and (pending := [ev for d in deps if not (ev := got(d) or event_of(d)).triggered]
                      if by_id else waits(e, inst, deps)):  # :func:`waits`, inline
             if gated:  # what it waits for shown to the compute stream's chains
                 yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
