@@ -91,7 +91,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             a, b = a + ro[i], (b + po[i] if b >= 0 else b)
         else:
             a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
-        if deps and (pending := [ev for d in deps if not (ev := got(d) or event_of(d)).triggered]
+        if deps and (pending := [w for d in deps if not (w := got(d) or event_of(d)).triggered]
                      if by_id else waits(e, inst, deps)):  # :func:`waits`, inline
             if gated:  # what it waits for shown to the compute stream's chains
                 yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
