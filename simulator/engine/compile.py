@@ -278,7 +278,7 @@ class Template:
     @cached_property
     def duration_array(self) -> np.ndarray:
         """:attr:`durations` as an array."""
-        return np.asarray(self.durations, np.float64)
+        return np.fromiter(self.durations, np.float64, len(self.durations))  # asarray's, sooner
 
     @cached_property
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
@@ -389,7 +389,7 @@ class Instance:
     def id_array(self) -> np.ndarray:
         """:attr:`ids` as an array (made once)."""
         if self._id_array is None:
-            self._id_array = np.asarray(self.ids, np.int64)
+            self._id_array = np.fromiter(self.ids, np.int64, len(self.ids))
         return self._id_array
 
     def total_array(self) -> np.ndarray:
