@@ -212,3 +212,21 @@ def exact_task(t: Task) -> tuple[Any, ...]:
                                             "duration", "group", "group_key", "dst",
                                             "nbytes", "microbatch", "layer", "chunk",
                                             "deps", "dependents", "weight_s")), t.plan)
+
+
+def test_a_copys_reached_tasks_are_made_as_make_makes_them() -> None:
+    """``Copies.add`` makes a copy's first, last and returned tasks inline: each is the
+    task ``Copies.make`` gives (but for the dependencies and dependents the build adds
+    later)."""
+    s = _scenario({"tp": 2, "pp": 2, "dp": 2}, gpus_per_node=2, batch=8)
+    copies = build_workload(s, fidelity="folded").stamped
+    assert copies is not None
+    made = 0
+    for copy in copies.all:
+        for off in copy.rec.reached:
+            t = copies.tasks[copy.first + off]
+            assert t is not None
+            assert exact_task(replace(t, deps=[], dependents=0)) == \
+                exact_task(copies.make(copy, off))
+            made += 1
+    assert made >= 2 * len(copies.all) > 0

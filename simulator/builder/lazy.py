@@ -71,10 +71,21 @@ class Copies:
         """Keep ``copy`` and make the tasks of it the builder may reach."""
         self.all.append(copy)
         self.firsts.append(copy.first)
-        self.by_rank.setdefault(copy.rank, []).append(copy)
-        tasks, stream, first, at = self.tasks, copy.stream, copy.first, copy.at
-        for off in copy.rec.reached:
-            tasks[first + off] = stream[at + off] = self.make(copy, off)
+        mine = self.by_rank.get(copy.rank)
+        if mine is None:
+            mine = self.by_rank[copy.rank] = []
+        mine.append(copy)
+        tasks, stream, first, at, rank = self.tasks, copy.stream, copy.first, copy.at, copy.rank
+        rec, mb = copy.rec, copy.mb
+        rows, bases, smb = rec.rows, copy.bases, str(mb)
+        assert rows is not None
+        for off in rec.reached:  # as :meth:`make` makes them
+            (name, op, kind, duration, plan, group, slot, j, dst, nbytes, mine_, layer, chunk,
+             weight_s, pre, post, _) = rows[off]
+            tasks[first + off] = stream[at + off] = Task(
+                first + off, rank, name, op, kind, pre if post is None else pre + smb + post,
+                duration, plan, group, () if slot < 0 else (group, bases[slot] + j), dst,
+                nbytes, mb if mine_ else -1, layer, chunk, [], 0, weight_s)
 
     def make(self, copy: Copy, k: int) -> Task:
         """Task ``k`` of ``copy``, as :meth:`simulator.builder.stamp.Stamps.replay`

@@ -228,15 +228,18 @@ class Stamps:
         rows = rec.rows if rec.rows is not None else rec.compile()
         # the n-th collective of its group on this rank (Context.collective): the
         # record's j-th of a group is this rank's count of it so far, plus j
-        bases = [seq.get(g, 0) for g in rec.groups]
-        for g, base, count in zip(rec.groups, bases, rec.counts, strict=True):
+        bases = []
+        for g, count in zip(rec.groups, rec.counts, strict=True):
+            base = seq.get(g, 0)
+            bases.append(base)
             seq[g] = base + count
         lazy = ctx.lazy
         if rec.one is not None and lazy is not None:  # made when read: builder.lazy
-            streams[rec.one] += [None] * len(rows)  # type: ignore[list-item]
-            tasks += [None] * len(rows)  # type: ignore[list-item]
-            copy = Copy(rec, rank, mb, first, bases, streams[rec.one],
-                        len(streams[rec.one]) - len(rows))
+            on, nones = streams[rec.one], [None] * len(rows)
+            at = len(on)
+            on += nones  # type: ignore[arg-type]
+            tasks += nones  # type: ignore[arg-type]
+            copy = Copy(rec, rank, mb, first, bases, on, at)
             lazy.add(copy)
             for off, wkey in rec.waits:
                 self.waits.append((tasks[first + off], (wkey[0], wkey[1], mb, wkey[3])))

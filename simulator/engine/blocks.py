@@ -10,7 +10,7 @@ what it needs of the unmade ones (:class:`Lazy`).
 from __future__ import annotations
 
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from simulator.builder.tasks import Program, Task
@@ -78,7 +78,11 @@ class Blocks:
             prev, last = seq[p - 1] if p else None, reached[-1]
             opens = prev is None or prev.plan is not None or prev.dst >= 0 or prev.dependents
             ends = last.plan is not None or last.dst >= 0 or last.dependents
-            clean = not any(t.deps for t in reached[1:])
+            clean = True
+            for t in reached[1:]:
+                if t.deps:
+                    clean = False
+                    break
             key: tuple[Any, ...] = (id(copy.rec), tuple([t.dependents for t in reached]))
             at[p] = copy
             if half is not None and not opens and half[0] + half[1] == p and clean \
@@ -134,19 +138,24 @@ class Blocks:
         if got is None:
             return False
         rel, runs, blk = got
-        tmpl, steps, po = self.tmpl, self.steps, self.po
+        tmpl, steps, po, ro = self.tmpl, self.steps, self.po, self.ro
         k = len(steps) - len(po)
-        if k:
-            self.pad()
-        deps = tmpl.first_deps(self.seq, self.order, self.where, steps, po[-1], p) \
-            if self.seq[p].deps else ()
+        if k:  # :meth:`pad`
+            po += [0] * k
+            ro += [0] * k
+        seq, where = self.seq, self.where
+        d = seq[p].deps
+        if d and len(d) == 1 and p and d[0] != seq[p - 1].id:  # another's task (first_deps)
+            deps: tuple[Any, ...] = tuple(d) if where is None else (where(d[0]),)
+        else:
+            deps = tmpl.first_deps(seq, self.order, where, steps, po[-1], p) if d else ()
         at, r0, s0, n = self.order[p], len(tmpl.runs), len(steps), len(rel)
         tmpl.runs += runs
         tmpl.moved.append((r0, len(runs), at))
         tmpl.moved_runs.append(runs)
         steps += rel
         po += [at] * n
-        self.ro += [r0] * n
+        ro += [r0] * n
         if deps:
             steps[s0] = (steps[s0][0], deps, *steps[s0][2:])
         if blk is not None:
@@ -189,9 +198,12 @@ def flatten(prog: Program, copies: Copies | None, rank: int,
     where: dict[str, list[tuple[int, Copy]]] = {}
     if copies is not None:
         names = {id(ts): name for name, ts in prog.streams.items()}
+        tasks = copies.tasks
         for c in copies.pending(rank):
-            p, n = copies.position(c), c.size
-            if p + n > len(c.stream) or c.stream[p + n - 1] is not copies.tasks[c.first + n - 1]:
+            p, n = c.at, len(c.rec.durations)
+            if c.stream[p] is not tasks[c.first]:  # others were put before it
+                p = copies.position(c)
+            if p + n > len(c.stream) or c.stream[p + n - 1] is not tasks[c.first + n - 1]:
                 copies.fill(c)
             else:
                 where.setdefault(names[id(c.stream)], []).append((p, c))
@@ -204,8 +216,8 @@ def flatten(prog: Program, copies: Copies | None, rank: int,
     if not where:
         return mine, streams, list(map(attrgetter("id"), mine)), None
     assert copies is not None
-    spans = sorted(((starts[name] + p, c) for name, at in where.items() for p, c in at),
-                   key=lambda x: x[0])
+    spans = sorted([(starts[name] + p, c) for name, at in where.items() for p, c in at],
+                   key=itemgetter(0))
     ids: list[int] = []
     durations: list[float] = []
     last = 0
@@ -224,5 +236,5 @@ def flatten(prog: Program, copies: Copies | None, rank: int,
     ids += map(attrgetter("id"), mine[last:])
     durations += map(attrgetter("duration"), mine[last:])
     for at_ in where.values():
-        at_.sort(key=lambda x: x[0])
+        at_.sort(key=itemgetter(0))
     return mine, streams, ids, Lazy(copies, durations, where)

@@ -269,20 +269,18 @@ def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list
         return None
     link = objs[0]
     p, r = offsets[0][i], offsets[1][i]
-    totals, start = inst.totals, t
-    busy, waits = link.busy, 0
+    totals, start, busy = inst.totals, t, link.busy
     for lead in blk.leads:
-        t0 = t + totals[r + lead]
-        wait = t0 - t
-        if wait > 0:
-            t, waits = t + wait, waits + 1
+        wait = t + totals[r + lead] - t  # ``t0 - t``
+        if wait > 0:  # an event, counted when the spans are written (laid.settle)
+            t += wait
         end = t + alone
         busy += end - t
         t = end + alpha  # α >= 0: ``end + 0.0`` is ``end``
     link.busy = busy
     e.priced.append((inst, blk, p, r, start, t, alone, alpha))
     n = len(blk.leads)
-    return t, waits + 2 * n, n
+    return t, 2 * n, n
 
 
 def _cross(t: float, alone: float, link: Any, objs: tuple[Any, ...]) -> float:

@@ -108,9 +108,11 @@ class Template:
             if p < i:  # a step ran into it
                 continue
             if p > i:
-                blocks.pad()
-                i = self._send(seq, order, where, dsts, steps, po, i) \
-                    if p == i + 1 and seq[i].dst >= 0 else self._steps(*args, i, p)
+                if p == i + 1 and seq[i].dst >= 0:
+                    i = self._send(seq, order, where, dsts, steps, po, ro, i)
+                else:
+                    blocks.pad()
+                    i = self._steps(*args, i, p)
             if i != p:
                 continue
             if key is not None and blocks.lay(key, p):
@@ -189,13 +191,24 @@ class Template:
 
     def _send(self, seq: list[Task], order: Sequence[int], where: Where,
               dsts: dict[int, None], steps: list[tuple[Any, ...]], po: list[int],
-              i: int) -> int:
+              ro: list[int], i: int) -> int:
         """The step of the send at ``i`` alone between two laid copies, as :meth:`_steps`
-        compiles it (the steps before with their offsets in ``po``); the next position."""
-        t = seq[i]
-        deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
+        compiles it, with offsets of 0 (and the steps before theirs: :meth:`Blocks.pad`);
+        the next position."""
+        if k := len(steps) - len(po):
+            po += [0] * k
+            ro += [0] * k
+        t, d, step = seq[i], seq[i].deps, steps[-1] if steps else None
+        if d and len(d) == 1 and step and i and d[0] == seq[i - 1].id and step[0] != RUN \
+                and seq[i - 1].dependents == 1 and step[2] + po[-1] == order[i - 1]:
+            steps[-1] = (*step[:6], 0, step[7])  # :meth:`first_deps`'s and :meth:`_after`'s
+            deps: tuple[Any, ...] = ()
+        else:
+            deps = self.first_deps(seq, order, where, steps, po[-1] if po else 0, i)
         dsts[t.dst] = None
         steps.append((SEND, deps, order[i], t.dst, t.nbytes, None, t.dependents, -1))
+        po.append(0)
+        ro.append(0)
         return i + 1
 
     def first_deps(self, seq: list[Task], order: Sequence[int], where: Where,
@@ -265,7 +278,7 @@ class Template:
     @cached_property
     def duration_array(self) -> np.ndarray:
         """:attr:`durations` as an array."""
-        return np.asarray(self.durations, np.float64)
+        return np.fromiter(self.durations, np.float64, len(self.durations))  # asarray's, sooner
 
     @cached_property
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
@@ -376,7 +389,7 @@ class Instance:
     def id_array(self) -> np.ndarray:
         """:attr:`ids` as an array (made once)."""
         if self._id_array is None:
-            self._id_array = np.asarray(self.ids, np.int64)
+            self._id_array = np.fromiter(self.ids, np.int64, len(self.ids))
         return self._id_array
 
     def total_array(self) -> np.ndarray:

@@ -64,6 +64,8 @@ def _settle(e: Engine, rows: list[tuple[Any, ...]], views: tuple[np.ndarray, ...
     t = np.add.accumulate(add, axis=0)
     before, arrive, end = t[0:3 * n:3], t[1::3], t[3::3]
     ok = _exact(before, arrive, t[-1], np.asarray(lasts))
+    # the chain's waits (``t0 - t > 0``, an event each: :func:`chains._block`)
+    e.merged += int(np.count_nonzero(arrive[:, ok] > before[:, ok]))
     gids = ids[np.asarray(blk.at, np.int64)[:, None] + np.asarray(ps, np.int64)[ok]]
     run_t0[inst.run_base + runs[:, ok]] = before[:, ok]
     starts[gids] = arrive[:, ok]
@@ -94,6 +96,7 @@ def _step_by_step(e: Engine, row: tuple[Any, ...]) -> None:
         wait = t0 - t
         if wait > 0:
             t = t + wait
+            e.merged += 1  # as the chain counted it (:func:`_settle`)
         gid = ids[a + p]
         e.begin[gid] = t
         t = t + alone + alpha

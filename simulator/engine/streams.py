@@ -74,25 +74,25 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     """The process of one stream of one simulated rank: its steps, each moved by its
     offsets (positions, run indices: :class:`simulator.engine.blocks.Blocks`)."""
     env, ids, totals, run_t0 = e.env, inst.ids, inst.totals, e.run_t0
-    starts, ends, base, event_of = e.start, e.end, inst.run_base, e.event_of
+    starts, ends, base, event_of, got = e.start, e.end, inst.run_base, e.event_of, e.events.get
     slowing, rank, groups = e.interference is not None, inst.rank, inst.groups
-    # compute bursts (a sync cost growing with them): this stream's add to the rank's
-    counts, busy, _ = e.burst_counters(rank, name)
+    counts, busy, _ = e.burst_counters(rank, name)  # compute bursts (a sync cost)
     # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
     # while the gated streams are calm, each gated stream's gate while it waits
     gates = e.gates.get(rank) if e.chains else None
     gated = gates is not None and name in gates
     chained = e.chains and (gates is None or name == "compute")
-    i, n = 0, len(steps)
-    po, ro = offsets
+    (i, n), (po, ro) = (0, len(steps)), offsets
     laid = inst.template.laid[inst.template.stream_names.index(name)] or None
+    plain = (by_id := e.w.shared is None) and not slowing  # deps as ids, sends to dst
     while i < n:
         kind, deps, a, b, g, tail, dependents, lead = steps[i]
         if kind == RUN:  # the copy's offsets: runs by ``ro``, tasks by ``po``
             a, b = a + ro[i], (b + po[i] if b >= 0 else b)
         else:
             a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
-        if deps and (pending := waits(e, inst, deps)):
+        if deps and (pending := [w for d in deps if not (w := got(d) or event_of(d)).triggered]
+                     if by_id else waits(e, inst, deps)):  # :func:`waits`, inline
             if gated:  # what it waits for shown to the compute stream's chains
                 yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
             else:
@@ -120,8 +120,8 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 event_of(ids[b]).succeed()
             continue
         t0, gid = env._now if lead < 0 else arrival(e, inst, lead, counts), ids[a]
-        if kind == SEND:  # b: the destination, g: the bytes
-            yield send(e, inst, b, g)
+        if kind == SEND:  # b: the destination, g: the bytes (:func:`send`, inline)
+            yield e.send(rank, b, g) if plain else send(e, inst, b, g)
         elif (yield from collective(e, inst, a, b, groups[g], tail, t0, gid, dependents)):
             continue  # another member ran it
         starts[gid], ends[gid] = t0, env._now
