@@ -146,8 +146,8 @@ class GPUSpec(Frozen):
     # by FLOPs alone
     gemm_tiles: Tiles = Field(default=(), max_length=16)
     # what a GEMM keeps of its curve by its reduction depth k, interpolated in log10(k) and
-    # flat beyond the points (measured per-launch costs a short k-loop does not amortise:
-    # simulator/system/gemm_shape.py); absent: 1 at every depth
+    # flat beyond the points (the per-tile costs a short k-loop does not amortise, measured:
+    # docs/model.md "Reduction depth"; applied in gemm_shape_factor); absent: 1 at every depth
     gemm_depth: EfficiencyCurve | None = None
     # compute slowdown while a collective on that link class overlaps it (absent = 1)
     interference: dict[LinkName, Interference] = Field(default_factory=dict)
