@@ -269,9 +269,14 @@ def test_autocast_optimizer_has_no_16_bit_copy_to_write() -> None:
 
     amp = StackSpec.model_validate({"preset": "pytorch-eager", "autocast": True})
     plain = StackSpec.model_validate({"preset": "pytorch-eager"})
-    # fp32 parameters and grads: w, m, v read and written, the grad read: 28 bytes
-    assert optimizer_op(1e6, 10, amp, "bf16").bytes == 28e6
-    assert optimizer_op(1e6, 10, plain, "bf16").bytes == (2 + 24 + 2) * 1e6
+    # fp32 parameters and grads, torch.optim.AdamW op by op (unfused_bytes: 4m + 3s1 + 5s2
+    # + 2g + 6t, every term 4 bytes): 80 bytes, no 16-bit copy; fused, w, m, v read and
+    # written and the grad read: 28
+    assert optimizer_op(1e6, 10, amp, "bf16").bytes == 80e6
+    fused = amp.model_copy(update={"optimizer": "fused"})
+    assert optimizer_op(1e6, 10, fused, "bf16").bytes == 28e6
+    # bf16 gradients (g = 2) and the 16-bit copy written (2)
+    assert optimizer_op(1e6, 10, plain, "bf16").bytes == (16 + 12 + 20 + 4 + 24 + 2) * 1e6
 
 
 def test_host_cost_cli_writes_the_terms_into_a_profile(tmp_path: Any,

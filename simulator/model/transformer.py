@@ -56,7 +56,7 @@ from simulator.model.inventory.ops import (
     mem,
     norm_elements,
 )
-from simulator.model.inventory.optimizer import optimizer_op
+from simulator.model.inventory.optimizer import in_flat_shard, optimizer_op
 from simulator.model.inventory.recompute_policy import recomputed_ops
 from simulator.model.inventory.sharding import ROOT_TENSORS
 from simulator.model.inventory.tensor_parallel import dtensor_tensors
@@ -269,8 +269,7 @@ def layer_recompute_ops(
 def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
                     part: Literal["dense", "experts", "all"] = "dense") -> Op:
     """The optimizer step on ``shard`` parameters of a rank holding the layer runs
-    ``layers``, as the scenario's stack runs it
-    (:func:`simulator.model.inventory.optimizer.optimizer_op`),
+    ``layers``, as the scenario's stack runs it (:func:`.inventory.optimizer.optimizer_op`),
     over the parameter tensors of ``part``: ``dense``, each layer's own (a MoE layer's
     without its routed experts) and the ends'; ``experts``, the routed experts' of the
     MoE layers among them (the expert pass's own step); ``all``, both in one step.
@@ -278,18 +277,19 @@ def optimizer_op_of(s: Scenario, shard: float, layers: Iterable[range],
     spec, p = s.model, s.parallel
     kinds = [kind for run in layers for kind in moe.layer_kinds(spec, run.start, run.stop)]
     count = sum(n for _, n in kinds)
-    tensors = 0
-    if part != "experts":
-        tensors += sum(n * layer_tensors(spec, s.stack, i) for i, n in kinds) + ROOT_TENSORS \
-            + mtp.mtp_end_tensors(spec)
+    flat = p.zero == 3 and s.stack.fsdp_flat_param  # a rank steps its shard's: in_flat_shard
+    units = [(n, layer_tensors(spec, s.stack, i)) for i, n in kinds] + \
+        [(1, ROOT_TENSORS + mtp.mtp_end_tensors(spec))] if part != "experts" else []
     if part != "dense" and spec.is_moe:
         local = expert_tensors(spec, s.stack, spec.experts // p.ep)
-        tensors += local * sum(n for i, n in kinds if spec.is_moe_layer(i))
+        units += [(n, local) for i, n in kinds if spec.is_moe_layer(i)]
+    tensors = sum(n * in_flat_shard(t, p.shard if flat else 1) for n, t in units)
     dtensors = 0 if part == "experts" else \
         count * dtensor_tensors(spec, s.stack, p.tp, p.sequence_parallel)
     if p.zero == 3 and s.stack.dtensor:  # FSDP2: every sharded parameter is a DTensor
-        dtensors = tensors
-    op = optimizer_op(shard, max(tensors, 1), s.stack, s.training.dtype, dtensors)
+        dtensors = round(tensors)
+    op = optimizer_op(shard, max(tensors, 1.0), s.stack, s.training.dtype, dtensors, flat,
+                      cached=s.hardware.gpu.host_serial)  # a CPU's caches: see optimizer_op
     if s.stack.fp8 == "none" or s.stack.fp8_weight_cast != "step":
         return op
     # FP8 linears renew their cached FP8 weights once per step (on the first micro-batch's

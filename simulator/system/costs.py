@@ -86,6 +86,8 @@ class CostedOp(Protocol):
     def gemm_call(self) -> GemmCall | None: ...
     @property
     def alu_flops(self) -> float: ...
+    @property
+    def synced(self) -> bool: ...
 
 
 ComputeClass = Literal["gemm", "attention", "memory"]
@@ -161,8 +163,8 @@ class CostModel:
 
     def op_time(self, op: CostedOp) -> float:
         compute, mem, overhead, host = self.op_parts(op)
-        if self.hw.gpu.host_serial:  # one thread runs the framework and the kernels
-            seconds = max(compute, mem) + overhead + host
+        if self.hw.gpu.host_serial or op.synced:  # one thread runs the framework and the
+            seconds = max(compute, mem) + overhead + host  # kernels, or the host waits for them
         else:
             seconds = max(max(compute, mem) + overhead, host)
         return seconds * self.rank_stretch / self.speed.get(op.kind, 1.0)
@@ -171,7 +173,7 @@ class CostModel:
         """What sets the op's time: compute, memory, or overhead (launch or host)."""
         compute, mem, overhead, host = self.op_parts(op)
         if host > max(compute, mem) + overhead or overhead > max(compute, mem):
-            return "overhead"
+            return "overhead"  # (a synced op's host and device add; the larger names it)
         return "compute" if compute >= mem else "memory"
 
     def ops_time(self, ops: Iterable[CostedOp]) -> float:
@@ -180,14 +182,19 @@ class CostModel:
         plus its device time, nor than the host's issue time up to and including it,
         ``end_i = max(end_{i−1} + device_i, Σ_{j≤i} host_j)``. So host time banks behind
         long kernels and only a run of short ones waits for the host; one op alone is
-        :meth:`op_time`'s ``max(device, host)``. On a CPU "device" (``host_serial``)
-        everything adds."""
+        :meth:`op_time`'s ``max(device, host)``. A ``synced`` op's host first waits for the
+        device (a read-back), then issues, then the device runs it. On a CPU "device"
+        (``host_serial``) everything adds."""
         if self.hw.gpu.host_serial:
             return sum(self.op_time(op) for op in ops)
         end = issued = 0.0
         for op in ops:
             compute, mem, overhead, host = self.op_parts(op)
             scale = self.rank_stretch / self.speed.get(op.kind, 1.0)
+            if op.synced:  # the host waits for the device, then issues, then the device runs
+                issued = max(issued, end) + host * scale
+                end = issued + (max(compute, mem) + overhead) * scale
+                continue
             issued += host * scale
             end = max(end + (max(compute, mem) + overhead) * scale, issued)
         return end

@@ -95,6 +95,11 @@ class Op:
     #: arithmetic floor where that bounds it before HBM does (a transcendental per element:
     #: :data:`TORCH_GELU_FP32_FLOPS`), priced against the GPU's fp32 peak
     alu_flops: float = 0.0
+    #: the host reads a device value back before issuing each group of these kernels (a
+    #: ``.item()`` on a CUDA tensor), so it waits for the device each time and its issue
+    #: work and the device's run one after the other: the op's time is their sum, not the
+    #: larger (Composer's DecoupledAdamW reads each parameter's step count so)
+    synced: bool = False
 
     @property
     def host_ops(self) -> int:
