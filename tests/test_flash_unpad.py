@@ -103,3 +103,27 @@ def test_packing_never_makes_a_step_faster(dims: tuple[int, int], seq_len: int,
     # (to rounding: where exposed gathers bound the step, compute + (gather − compute))
     assert results[1]["step_time_s"] >= results[0]["step_time_s"] * (1 - 1e-12)
     assert sum(results[1]["compute_s"]) > sum(results[0]["compute_s"])
+
+
+def test_the_forwards_packing_waits_for_the_gpu() -> None:
+    """Each ``unpad_input`` reads ``nonzero``'s size and the lengths' max back to the host
+    (flash-attn v2.4.2 bert_padding.py), so the forward's packing is ``synced``: the host
+    cannot have issued it ahead behind the QKV projection, and in the attention block its
+    host time adds to the block instead of hiding behind the GEMM before it. The
+    backward's scatters read nothing back."""
+    from dataclasses import replace
+
+    from simulator.model.inventory.dense import dense_layer_ops
+    from simulator.system.costs import CostModel
+
+    s = _scenario("flash2", True)
+    fwd, bwd = _ops(s, "fwd"), _ops(s, "bwd_input")
+    assert fwd["attn_unpad"].synced and not bwd["attn_unpad"].synced
+    assert not fwd["attn_pad"].synced and not fwd["attn_core"].synced
+    cost = CostModel(s.hardware, "bf16", host_us=s.stack.host_us)
+    block = list(dense_layer_ops(s.model, 2, 1, False, "bf16", "fwd", s.stack))
+    loose = [replace(op, synced=False) for op in block]
+    unpad = fwd["attn_unpad"]
+    host = cost.op_parts(unpad)[3]
+    assert host > 0 and cost.ops_time(block) > cost.ops_time(loose)
+    assert cost.ops_time(block) <= cost.ops_time(loose) + host + 1e-12

@@ -5,6 +5,8 @@ FlashAttention kernel, rotary embeddings, and the core under context parallelism
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from simulator.model.inventory import fp8
 from simulator.model.inventory.ops import (
     CORE_OPS,
@@ -83,12 +85,18 @@ def unpad_ops(x: Shape, pass_: Pass) -> tuple[list[Op], list[Op]]:
     = values``); backward, each unpad's gradient is a zeroed buffer its packed gradient is
     scattered into (``scatter_``: zeros, read, write), the pad's a gather of the output
     gradient. The index tensors (``repeat`` makes a broadcast view) and the mask's few
-    bytes a token are left out."""
+    bytes a token are left out. Each ``unpad_input`` reads two values back to the host
+    (flash-attn v2.4.2 bert_padding.py: ``torch.nonzero``, whose output size the host
+    needs, and ``seqlens_in_batch.max().item()``), six a forward, so the host waits there for
+    the GPU to finish what it had queued (the QKV projection) and issues the packing's
+    kernels onto an idle GPU: the forward's op is ``synced``, its host and device time
+    add. The backward's scatters and gather read nothing back."""
     if not x.st.flash_unpad or x.st.attention not in UNPADDED:
         return [], []
     packed, tokens = x.q + 2 * x.kv, x.tokens
     if pass_ == "fwd":  # + the mask of ones (torch.ones_like)
-        return ([mem("attn_unpad", 2 * tokens * packed, x.dt, "copy", 3 * UNPAD_KERNELS + 1)],
+        unpad = mem("attn_unpad", 2 * tokens * packed, x.dt, "copy", 3 * UNPAD_KERNELS + 1)
+        return ([replace(unpad, synced=True)],
                 [mem("attn_pad", 3 * tokens * x.q, x.dt, "copy", 2)])
     return ([mem("attn_unpad", 3 * tokens * packed, x.dt, "copy", 6)],
             [mem("attn_pad", 2 * tokens * x.q, x.dt, "copy", 1)])
