@@ -76,10 +76,8 @@ def unfused_bytes(stack: StackSpec, dt: int, grad: float) -> float:
     ``adamw``) runs ``exp_avg.mul_(β₁).add_(grad)`` (4s₁ + g) for the lerp and skips the
     weight decay's pass at llm-foundry's ``weight_decay: 0.0``: 2m + 5s₁ + 5s₂ + 2g + 6t,
     also 80. The fused kernel reads and writes each once (g + 2(m + s₁ + s₂), 28)."""
-    m = _state_bytes(stack, dt) - STATE_BYTES[stack.exp_avg_dtype] \
-        - STATE_BYTES[stack.exp_avg_sq_dtype]
-    s1, s2 = STATE_BYTES[stack.exp_avg_dtype], STATE_BYTES[stack.exp_avg_sq_dtype]
-    t = s2
+    m, s1 = _master_bytes(stack, dt), STATE_BYTES[stack.exp_avg_dtype]
+    s2 = t = STATE_BYTES[stack.exp_avg_sq_dtype]
     if stack.optimizer_loop == "composer":
         return 2 * m + 5 * s1 + 5 * s2 + 2 * grad + 6 * t
     return 4 * m + 3 * s1 + 5 * s2 + 2 * grad + 6 * t
@@ -89,8 +87,14 @@ def _state_bytes(stack: StackSpec, dt: int) -> float:
     """Bytes of one parameter's AdamW state the step reads and writes: the master copy (the
     fp32 parameter itself where it is the master; the int16 remainder with
     ``param_remainders``) and the two moments."""
-    master = stack.master_bytes(dt) if dt < 4 and not stack.fp32_params(dt) else 4.0
-    return master + STATE_BYTES[stack.exp_avg_dtype] + STATE_BYTES[stack.exp_avg_sq_dtype]
+    return _master_bytes(stack, dt) + STATE_BYTES[stack.exp_avg_dtype] \
+        + STATE_BYTES[stack.exp_avg_sq_dtype]
+
+
+def _master_bytes(stack: StackSpec, dt: int) -> float:
+    """Bytes of the master copy the step reads and writes (the fp32 parameter where it is
+    the master)."""
+    return stack.master_bytes(dt) if dt < 4 and not stack.fp32_params(dt) else 4.0
 
 
 def in_flat_shard(tensors: int, ranks: int) -> float:
