@@ -240,3 +240,37 @@ def test_parse_line(line, expect):
     else:
         assert (sample["sm_mhz"], sample["power_w"], sample["temp_c"]) == expect
         assert sample["time"] != 1.0  # its own timestamp, not the arrival time
+
+
+def test_describe_names_the_sustained_clock_and_a_phase_not_measured():
+    phase = {"kernel": "8192³", "ratio": 0.9123, "burst": {"tflops": 700.0},
+             "sustained_tflops": 638.6, "sustained_windows": 30, "windows": [{}] * 60,
+             "clocks": {"sustained": {"sm_mhz": 1755.0, "power_w": 690.4}}}
+    result = {"device_name": "NVIDIA H100 80GB HBM3", "dtype": "bf16",
+              "settings": {"seconds": 60.0, "idle_s": 1.0},
+              "phases": {"gemm": phase, "attention": None}}
+    assert sustained.describe(result) == (
+        "Sustained load on NVIDIA H100 80GB HBM3 (bf16, 60 s a kernel after 1 s idle): gemm "
+        "8192³: sustained/burst 0.912 (burst 700, sustained 638.6 TFLOP/s, median of the last "
+        "30 of 60 windows; SM clock 1755 MHz, 690 W (medians)); attention: not measured.")
+
+
+def test_a_phase_with_the_sampler_tags_its_samples_by_part(tmp_path):
+    """run_phase as on a GPU, with the stand-in nvidia-smi and the CPU's clock: samples
+    come from the idle pause and the sustained run, each with its part and t_s."""
+    import torch
+
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text(FAKE_SMI)
+    exe.chmod(0o755)
+    setup = sustained_smi.smi_command(object(), exe=str(exe))
+    kernel = sustained.gemm_kernel("cpu", 32, torch.float32)
+    phase = sustained.run_phase(kernel, sustained.Clock("cpu"), 0.8, 0.4, setup.command)
+    parts = {s["part"] for s in phase["samples"]}
+    assert {"idle", "sustained"} <= parts <= {"before", "idle", "burst", "sustained", "after"}
+    clocks = phase["clocks"]
+    assert clocks["sustained"]["samples"] == sum(s["part"] == "sustained"
+                                                 for s in phase["samples"])
+    assert clocks["sustained"]["sm_mhz"] == 1755.0
+    ts = [s["t_s"] for s in phase["samples"]]
+    assert ts == sorted(ts)

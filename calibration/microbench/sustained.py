@@ -6,9 +6,9 @@ bf16 on a GPU, fp32 on a CPU) and causal ``scaled_dot_product_attention`` forwar
 backward (b 2, 16 heads, s 4096, d 128 on a GPU; b 1, 2 heads, s 128, d 32 on a CPU).
 For each, a *phase*:
 
-1. an idle pause (1 s on a GPU: the cool-down FlashAttention-3's
-   ``hopper/benchmark_attn.py`` sleeps between kernels "to avoid residual power
-   throttling", and the one CUTLASS's GEMM guidelines use between tests);
+1. an idle pause (1 s on a GPU: the sleep FlashAttention-3's ``hopper/benchmark_attn.py``,
+   commit 20b84d6, takes between kernels "to avoid residual power throttling", and the
+   cool-down CUTLASS's GEMM guidelines use between tests);
 2. the *burst*: about 5 ms of calls to warm up, then about 10 ms of back-to-back calls
    timed between two CUDA events (``perf_counter`` on a CPU): the span FA3's
    ``do_bench(warmup=5, rep=10)`` times;
@@ -24,12 +24,9 @@ GEMM; attention as a causal kernel executes it, 4·b·a·s²·d/2 forward and tw
 backward (the calibration's backward convention; FA3 counts 2.5×), so 6·b·a·s²·d a call;
 the ratio does not depend on the convention.
 
-On a GPU, ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
-clocks_event_reasons.active -lms 200`` runs in the background through each phase
-(``clocks_throttle_reasons.active`` on drivers older than the field's rename; absent
-``nvidia-smi``: no samples, recorded as null); each sample is tagged with the part of
-the phase it fell in (idle, burst, sustained) and the phase keeps the median SM clock
-and power and the hottest temperature of each part, with the raw samples.
+On a GPU, nvidia-smi samples the SM clock, power, temperature and clock-event reasons
+every 200 ms through each phase (:mod:`calibration.microbench.sustained_smi`; without it,
+null): per part (idle, burst, sustained) the median MHz and watts, and the raw samples.
 
 Why: CUTLASS's "GEMM Performance Measurement Methodology Guidelines" (NVIDIA/cutlass
 ``media/docs/cpp/gemm_performance_measurement_methodology_guidelines.md``) observed GPC
@@ -44,9 +41,8 @@ at ``--quick``: :mod:`calibration.microbench.bench_timing`). The operands here a
 ``randn`` (He's; calibration fills uniform(−1, 1), CUTLASS's choice): burst and
 sustained see the same data, so the ratio compares like with like.
 
-The JSON (written atomically after each phase, so a cut run keeps the GEMM's) is read
-by ``benchmarks/gpu_validation.sh``'s summary line (:func:`describe`). Nothing in the
-presets uses it yet. torch is imported only when measuring.
+The JSON is written atomically after each phase (a cut run keeps the GEMM's);
+``benchmarks/gpu_validation.sh`` runs it. No preset uses it yet. torch is imported lazily.
 
     python -m calibration.microbench.sustained --out sustained.json             # GPU, 60 s a kernel
     python -m calibration.microbench.sustained --out s.json --device cpu --seconds 2 --size 64
@@ -54,6 +50,7 @@ presets uses it yet. torch is imported only when measuring.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import signal
@@ -62,10 +59,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from calibration.microbench.sustained_smi import SmiSampler, smi_command, summarise
-from simulator.cli.common import OneLineParser
 from simulator.errors import Interrupted, Problem, UserError
 
 SCHEMA = "clustersim.sustained/1"
@@ -298,11 +294,11 @@ def _phase_line(name: str, p: dict[str, Any] | None) -> str:
     if p is None:
         return f"{name}: not measured"
     clocks = (p.get("clocks") or {}).get("sustained") or {}
-    clock = (f"; SM clock median {clocks['sm_mhz']:.0f} MHz, {clocks['power_w']:.0f} W"
+    clock = (f"; SM clock {clocks['sm_mhz']:.0f} MHz, {clocks['power_w']:.0f} W (medians)"
              if clocks.get("sm_mhz") is not None and clocks.get("power_w") is not None else "")
     return (f"{name} {p['kernel']}: sustained/burst {p['ratio']:.3f} (burst "
             f"{p['burst']['tflops']:.4g}, sustained {p['sustained_tflops']:.4g} TFLOP/s, median "
-            f"of the last {p['sustained_windows']} of {len(p['windows'])} windows){clock}")
+            f"of the last {p['sustained_windows']} of {len(p['windows'])} windows{clock})")
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -313,9 +309,16 @@ def describe(result: dict[str, Any]) -> str:
             f"{s['seconds']:g} s a kernel after {s['idle_s']:g} s idle): {phases}.")
 
 
-def _parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m calibration.microbench.sustained",
-                      description=__doc__.split("\n\n")[0] if __doc__ else None)
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one ``error:`` line and exit 2 (calibration does not import the CLI)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="python -m calibration.microbench.sustained",
+                description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--out", required=True, help="the JSON to write (atomically)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seconds", type=float, default=None,
