@@ -170,6 +170,7 @@ FAKE_SMI = """#!/usr/bin/env bash
 # a driver older than the rename: the new field name is refused
 case "$*" in *clocks_event_reasons*)
   echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2;; esac
+trap 'exit 0' INT  # as nvidia-smi's loop ends on SIGINT
 line() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'), 1755, $1, 61, 0x0000000000000004"; }
 case "$*" in
   *-lms*) while true; do line 690.25; sleep 0.05; done;;
