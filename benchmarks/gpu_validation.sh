@@ -18,10 +18,11 @@
 #
 # The measured runs go first (the device time they need is short and they are what a
 # later session cannot redo without a GPU), then calibration, then the sustained load
-# (about two minutes, last so that it takes no one's time); the profile and the
-# comparisons can be redone anywhere from what this leaves. Each stage has its own time limit and a failed stage
-# does not stop the rest. With GV_ARCHIVE=FILE.tgz set, OUT_DIR is packed into FILE after
-# every stage, so what finished comes back even if the machine's limit cuts the run.
+# (about two minutes; after the others, so that neither its time nor its heat touches
+# their measurements); the profile and the comparisons can be redone anywhere from what
+# this leaves. Each stage has its own time limit and a failed stage does not stop the
+# rest. With GV_ARCHIVE=FILE.tgz set, OUT_DIR is packed into FILE after every stage, so
+# what finished comes back even if the machine's limit cuts the run.
 #
 # It runs from a source checkout without installing it (PYTHONPATH); simpy and pydantic
 # must be importable (benchmarks/README.md says how to carry them as wheels).
