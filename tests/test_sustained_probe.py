@@ -173,7 +173,7 @@ case "$*" in *clocks_event_reasons*)
 trap 'exit 0' INT  # as nvidia-smi's loop ends on SIGINT
 line() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'), 1755, $1, 61, 0x0000000000000004"; }
 case "$*" in
-  *-lms*) while true; do line 690.25; sleep 0.05; done;;
+  *--loop-ms=*) while true; do line 690.25; sleep 0.05; done;;
   *) line '[N/A]';;
 esac
 """
@@ -186,7 +186,7 @@ def test_sampler_falls_back_to_the_old_field_and_collects_samples(tmp_path):
     setup = sustained_smi.smi_command(object(), exe=str(exe))  # no uuid: index 0
     assert setup.error is None and setup.gpu == "0"
     assert setup.query == ",".join(sustained_smi.LEGACY_FIELDS)
-    assert setup.command is not None and setup.command[-1] == "-lms=200"
+    assert setup.command is not None and setup.command[-1] == "--loop-ms=200"
     sampler = sustained_smi.SmiSampler(setup.command)
     sampler.start()
     t0 = time.time()

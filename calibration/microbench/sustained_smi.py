@@ -3,9 +3,9 @@ clock, power, temperature and the clock-event reasons every 200 ms, each sample 
 with the part of the phase it fell in.
 
 ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
-clocks_event_reasons.active --format=csv,noheader,nounits -lms 200`` (the reasons field
-was ``clocks_throttle_reasons.active`` before drivers renamed it: the query is tried
-with the new name, then the old). The GPU is named by its UUID where torch gives one
+clocks_event_reasons.active --format=csv,noheader,nounits --loop-ms=200`` (``-lms 200``;
+the last field was ``clocks_throttle_reasons.active`` before drivers renamed it: the
+query is tried with the new name, then the old). The GPU is named by its UUID where torch gives one
 (CUDA's order and nvidia-smi's can differ), else by index 0. Each line's own timestamp
 places it (the host's arrival time where that does not parse), so buffering in the pipe
 does not move a sample. The sampler is stopped with SIGINT (nvidia-smi's loop ends and
@@ -73,7 +73,7 @@ def smi_command(props: Any, exe: str | None = None) -> SmiSetup:
             if done.returncode == 0 and lines and parse_line(lines[0], time.time()):
                 stdbuf = shutil.which("stdbuf")
                 return SmiSetup([*([stdbuf, "-oL"] if stdbuf else []), *base,
-                                 f"-lms={SAMPLE_MS}"], query, gpu)
+                                 f"--loop-ms={SAMPLE_MS}"], query, gpu)
             error = (done.stderr.strip() or done.stdout.strip() or
                      f"exit {done.returncode}").splitlines()[-1]
     return SmiSetup(None, error=error)
