@@ -4,21 +4,25 @@
 # sizes) under FSDP2 on it (TP 1 · PP 1 · DP 1, 4 micro-batches of 2, median of 10 steps
 # after 3 of warm-up; each run's peak reserved memory), calibrate the device
 # (`clustersim calibrate --quick`, FP8 GEMMs where it has them, then `clustersim
-# host-cost`: eager PyTorch's host time per kernel) and simulate the runs from the new
-# profile and from the GPU's datasheet preset: step, compute and peak reserved memory.
-# Everything lands in OUT_DIR: gpu.txt (the device), stages.txt (each stage's status and
-# seconds), one log per stage, profile.yaml, per model measured.json, scenario.yaml and
-# compare-*.txt (`clustersim compare`), and summary.md, the table to commit under
-# docs/validation/.
+# host-cost`: eager PyTorch's host time per kernel), time a GEMM and causal attention in a
+# burst and then sustained for 50 s each (`python -m calibration.microbench.sustained`:
+# does a training-like load run them slower than short timings say?) and simulate the
+# runs from the new profile and from the GPU's datasheet preset: step, compute and peak
+# reserved memory. Everything lands in OUT_DIR: gpu.txt (the device), stages.txt (each
+# stage's status and seconds), one log per stage, profile.yaml, sustained.json, per model
+# measured.json, scenario.yaml and compare-*.txt (`clustersim compare`), and summary.md,
+# the table to commit under docs/validation/ (its last line: the sustained/burst ratios).
 #
 #   bash benchmarks/gpu_validation.sh OUT_DIR            # on the GPU machine
 #   bash benchmarks/gpu_validation.sh OUT_DIR cpu tiny   # the same steps, CPU, seconds
 #
 # The measured runs go first (the device time they need is short and they are what a
-# later session cannot redo without a GPU); the profile and the comparisons can be redone
-# anywhere from what this leaves. Each stage has its own time limit and a failed stage
-# does not stop the rest. With GV_ARCHIVE=FILE.tgz set, OUT_DIR is packed into FILE after
-# every stage, so what finished comes back even if the machine's limit cuts the run.
+# later session cannot redo without a GPU), then calibration, then the sustained load
+# (about two minutes; after the others, so that neither its time nor its heat touches
+# their measurements); the profile and the comparisons can be redone anywhere from what
+# this leaves. Each stage has its own time limit and a failed stage does not stop the
+# rest. With GV_ARCHIVE=FILE.tgz set, OUT_DIR is packed into FILE after every stage, so
+# what finished comes back even if the machine's limit cuts the run.
 #
 # It runs from a source checkout without installing it (PYTHONPATH); simpy and pydantic
 # must be importable (benchmarks/README.md says how to carry them as wheels).
@@ -92,6 +96,12 @@ done
 stage calibrate "${limits[1]}" "${sim[@]}" calibrate --device "$device" $calib \
     --out "$out/profile.yaml" --timeout 240 \
     && stage host-cost 120 "${sim[@]}" host-cost "$out/profile.yaml" --device "$device"
+# last on the device, so that it never takes the runs' or the calibration's time: a GEMM and
+# causal attention timed in a 10 ms burst after 1 s idle, then back to back (50 s each)
+if [ "$size" = tiny ]; then sustain=(--seconds 2 --idle 0.1) sustain_limit=60
+else sustain=(--seconds 50) sustain_limit=150; fi
+stage sustained "$sustain_limit" "$py" -m calibration.microbench.sustained --device "$device" \
+    "${sustain[@]}" --out "$out/sustained.json"
 sheet=$("$py" -c "
 import sys
 from simulator.system.devices import preset_for as datasheet_preset
@@ -140,6 +150,14 @@ gpu = yaml.safe_load(p.read_text())["gpu"] if p.exists() else {}
 print(f"\nCalibrated per-kernel terms: device overhead {gpu.get('kernel_overhead_us')} us, "
       f"eager host {gpu.get('host_overhead_us')} us (optimizer {gpu.get('host_optimizer_us')} "
       "us); the datasheet preset has the stack's host figure.")
+EOF
+"$py" - "$out/sustained.json" >> "$out/summary.md" <<'EOF'
+import json, sys
+from pathlib import Path
+from calibration.microbench.sustained import describe
+p = Path(sys.argv[1])
+print("\n" + (describe(json.loads(p.read_text())) if p.exists()
+              else "Sustained load: not measured (sustained.log says why)."))
 EOF
 pack
 cat "$out/stages.txt" "$out/summary.md"
