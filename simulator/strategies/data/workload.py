@@ -63,7 +63,6 @@ class DataPass(Pass):
         self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
         self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
         self.last: dict[int, bool] = dict.fromkeys(ctx.ranks, True)  # the stage's last backward
-        self._final: dict[int, dict[int, int]] = {}  # rank -> Context.last_backward's
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
@@ -78,10 +77,8 @@ class DataPass(Pass):
         if self.compressor is not None and not self.compressor.in_backward:
             return  # 1-bit Adam exchanges the momentum in the optimizer step instead
         self.flushed[rank] = False  # a backward's buckets start with the first one's cap
-        final = self._final.get(rank)
-        if final is None:  # per stage, its last backward's index (Layout.coord hashes)
-            final = self._final[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp)
-        self.last[rank] = final.get(action.stage) == index
+        self.last[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp) \
+            .get(action.stage) == index  # both memoised (Context, Layout.coord)
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
