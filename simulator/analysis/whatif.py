@@ -80,6 +80,13 @@ def step_time_with(s: Scenario, cost_class: str, factor: float, method: str,
     return simulate(workload, hw).end_time
 
 
+def elasticity(step_time: float, faster: float) -> float:
+    """``ln(step / step') / ln SPEEDUP``: the share of a step of ``step_time`` that moves
+    with a class whose :data:`SPEEDUP` gives ``faster`` (0 for a degenerate step)."""
+    return math.log(step_time / faster) / math.log(SPEEDUP) \
+        if step_time > 0 and faster > 0 else 0.0
+
+
 def what_if(s: Scenario, step_time: float, method: str, fidelity: str | None,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The ``what_if`` entry of results.json: per class, the step time with that class
@@ -93,8 +100,7 @@ def what_if(s: Scenario, step_time: float, method: str, fidelity: str | None,
         classes[name] = {
             "step_time_s": faster,
             "sensitivity": (step_time - faster) / step_time if step_time > 0 else 0.0,
-            "elasticity": math.log(step_time / faster) / math.log(SPEEDUP)
-            if step_time > 0 and faster > 0 else 0.0,
+            "elasticity": elasticity(step_time, faster),
         }
     return {"speedup": SPEEDUP, "method": method,
             "fidelity": fidelity if method == "engine" else None,

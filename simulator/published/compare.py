@@ -7,7 +7,8 @@ so a positive error reads the run faster than it was. A row that cannot be expre
 that the scenario rules refuse or that has no workload yet keeps its reason instead.
 Errors are then grouped by regime (:data:`REGIMES`): GPU, model size, sequence length,
 GPU count, tokens per micro-batch, checkpointing and dtype; each row also says what share of
-its simulated step is exposed communication (``exposed_comm``).
+its simulated step is exposed communication (``exposed_comm``) and, asked for, what share
+scales with each cost class (:mod:`simulator.published.classes`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pandas as pd
 
 from simulator.errors import UserError
 from simulator.model.transformer import param_count
+from simulator.published.classes import SHARE_COLUMNS, step_shares
 from simulator.published.mapping import Unexpressed, scenario_data
 from simulator.published.rows import Row
 from simulator.spec.rules import not_yet_simulated
@@ -66,8 +68,9 @@ def _bucket(value: float, edges: Sequence[float], unit: str) -> str:
     return f">{lo:g}{unit}"
 
 
-def compare_row(row: Row, method: str) -> dict[str, Any]:
-    """One row's table entry (module level: picklable for process and Dask workers)."""
+def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]:
+    """One row's table entry (module level: picklable for process and Dask workers); with
+    ``by_class`` its step's share per cost class too (three more simulations)."""
     from simulator.api import simulate_scenario
     from simulator.spec.load import scenario_from_dict
 
@@ -95,19 +98,23 @@ def compare_row(row: Row, method: str) -> dict[str, Any]:
     out["error"] = out["simulated"] / row.measured - 1
     out["exposed_comm"] = sum(results["exposed_comm_s"].values()) / results["step_time_s"]
     out["fits"] = bool(results["fits_in_memory"])
+    if by_class:
+        out.update(step_shares(s, method, results["step_time_s"]))
     return out
 
 
 def compare_rows(rows: Sequence[Row], method: str, executor: Executor,
-                 progress: Callable[[int], None] | None = None) -> pd.DataFrame:
-    """The table: one entry per row, in the table's order."""
-    futures = [executor.submit(compare_row, row, method) for row in rows]
+                 progress: Callable[[int], None] | None = None,
+                 by_class: bool = False) -> pd.DataFrame:
+    """The table: one entry per row, in the table's order (with ``by_class`` each row's
+    cost-class shares after the :data:`COLUMNS`)."""
+    futures = [executor.submit(compare_row, row, method, by_class) for row in rows]
     entries = []
     for future in futures:
         entries.append(future.result())
         if progress is not None:
             progress(1)
-    return pd.DataFrame(entries, columns=list(COLUMNS))
+    return pd.DataFrame(entries, columns=[*COLUMNS, *(SHARE_COLUMNS if by_class else ())])
 
 
 def regime_summary(table: pd.DataFrame) -> pd.DataFrame:

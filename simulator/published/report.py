@@ -1,7 +1,8 @@
 """What ``clustersim validate-runs`` writes and prints: the per-row table
-(``runs.csv``), the regime summary (``regimes.csv``), a Markdown page with both and the
-rows it could not express (``runs.md``), the numbers of the run (``summary.json``) and
-the scatter (``scatter.png``), each file atomically.
+(``runs.csv``), the regime summary (``regimes.csv``), with ``--by-class`` the factor per
+cost class (``classes.csv``, :mod:`simulator.published.classes`), a Markdown page with
+them and the rows it could not express (``runs.md``), the numbers of the run
+(``summary.json``) and the scatter (``scatter.png``), each file atomically.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.outputs.trace_export import atomic_output
+from simulator.published.classes import fit_line
 
 
 def totals(table: pd.DataFrame) -> dict[str, Any]:
@@ -28,7 +30,8 @@ def totals(table: pd.DataFrame) -> dict[str, Any]:
             "reasons": {str(k): int(v) for k, v in reasons.items()}}
 
 
-def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame) -> list[str]:
+def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame,
+                  fits: pd.DataFrame | None = None) -> list[str]:
     t = totals(table)
     lines = [f"{t['rows']} row(s): {t['compared']} compared, {t['not_expressed']} not "
              "expressed" + (f"; mean error {t['mean_error']:+.1%}, mean |error| "
@@ -42,6 +45,9 @@ def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame) -> list[str]:
         worst = regimes.iloc[regimes["mean_error"].abs().argmax()]
         lines.append(f"largest regime error: {worst['regime']} {worst['group']}: "
                      f"{worst['mean_error']:+.1%} over {worst['rows']} row(s)")
+    line = fit_line(fits) if fits is not None else None
+    if line:
+        lines.append(line)
     return lines
 
 
@@ -53,7 +59,26 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in cells)])
 
 
-def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any]) -> str:
+def _class_section(fits: pd.DataFrame | None) -> list[str]:
+    if fits is None:
+        return []
+    if fits.empty:
+        return ["## By cost class", "", "no group of more than four rows with a time or a "
+                "rate to fit", ""]
+    shown = fits.assign(**{c: fits[c].map("{:.3f}".format)
+                           for c in ("mean_share", "factor", "std_error")},
+                        mean_abs_error=fits["mean_abs_error"].map("{:.1%}".format),
+                        mean_abs_error_after=fits["mean_abs_error_after"].map("{:.1%}".format),
+                        condition=fits["condition"].map("{:.3g}".format))
+    return ["## By cost class", "",
+            "Measured over simulated step time per class, least squares over the rows' "
+            "shares of the simulated step (a diagnosis; `simulator/published/classes.py`): "
+            "a factor above 1, the runs spent longer in the class than simulated.", "",
+            markdown_table(shown), ""]
+
+
+def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
+              fits: pd.DataFrame | None = None) -> str:
     t = totals(table)
     head = [f"# Published runs: {meta.get('table', '')}", "",
             f"`clustersim validate-runs` with `--method {meta.get('method', '')}`: "
@@ -71,19 +96,23 @@ def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any]) 
                        params_B=done["params_B"].map("{:.3g}".format))
     skipped = table[table["error"].isna()][["name", "reason"]]
     return "\n".join([*head, "## By regime", "", markdown_table(reg), "",
-                      "## Rows", "", markdown_table(rows.drop(columns=["reason"])),
+                      *_class_section(fits), "## Rows", "",
+                      markdown_table(rows.drop(columns=["reason"])),
                       "", "## Not expressed", "",
                       markdown_table(skipped) if len(skipped) else "none", ""])
 
 
 def write_report(out: Path, table: pd.DataFrame, regimes: pd.DataFrame,
-                 meta: dict[str, Any], plots: bool = True) -> list[Path]:
+                 meta: dict[str, Any], plots: bool = True,
+                 fits: pd.DataFrame | None = None) -> list[Path]:
     from simulator.outputs.search_files import write_table
 
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(table, out / "runs.csv"), write_table(regimes, out / "regimes.csv")]
+    if fits is not None:
+        written.append(write_table(fits, out / "classes.csv"))
     with atomic_output(out / "runs.md") as tmp:
-        tmp.write_text(_markdown(table, regimes, meta), encoding="utf-8")
+        tmp.write_text(_markdown(table, regimes, meta, fits), encoding="utf-8")
     written.append(out / "runs.md")
     with atomic_output(out / "summary.json") as tmp:
         tmp.write_text(json.dumps({**meta, **totals(table)}, indent=2) + "\n", encoding="utf-8")

@@ -10,11 +10,13 @@ from pathlib import Path
 from simulator.cli.common import Subparsers, add_command, positive_int
 
 HELP = ("simulate every row of a table of measured runs and compare, by row and by "
-        "regime: runs.csv, regimes.csv, runs.md, scatter.png")
+        "regime: runs.csv, regimes.csv, runs.md, scatter.png (and by cost class: "
+        "classes.csv)")
 EXAMPLE = ("examples:\n"
            "  clustersim validate-runs docs/validation/published/llm-foundry.csv "
            "--out out/llm-foundry\n"
-           "  clustersim validate-runs my-runs.csv --method engine --rows h100 --workers 2")
+           "  clustersim validate-runs my-runs.csv --method engine --rows h100 --workers 2\n"
+           "  clustersim validate-runs my-runs.csv --by-class")
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -30,13 +32,19 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--workers", type=positive_int, default=None,
                    help="local processes (default: cores)")
     q.add_argument("--no-plots", action="store_true", help="skip scatter.png")
+    q.add_argument("--by-class", action="store_true",
+                   help="also split each simulated step by cost class (GEMM, attention, "
+                   "memory-bound, the rest; three more simulations a row) and fit the "
+                   "factor per class that best turns simulated into measured times, over all "
+                   "rows and per GPU: classes.csv")
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.progress import progress_bar
     from simulator.outputs.run_dir import check_out_dir, default_out_dir
-    from simulator.published.compare import compare_rows, regime_summary
+    from simulator.published.classes import fit_classes
+    from simulator.published.compare import REGIMES, compare_rows, regime_summary
     from simulator.published.report import summary_lines, write_report
     from simulator.published.rows import read_rows
     from simulator.search.executors import open_executor
@@ -48,10 +56,12 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(out)
     print(f"simulating {len(rows)} run(s) ({args.method}) ...", file=sys.stderr)
     with open_executor(None, args.workers) as pool, progress_bar(len(rows), "runs") as bar:
-        table = compare_rows(rows, args.method, pool, bar.update)
+        table = compare_rows(rows, args.method, pool, bar.update, by_class=args.by_class)
     regimes = regime_summary(table)
-    meta = {"table": str(args.table), "method": args.method, "rows_filter": args.rows}
-    written = write_report(out, table, regimes, meta, plots=not args.no_plots)
-    print("\n".join(summary_lines(table, regimes)))
+    fits = fit_classes(table, REGIMES["gpu"]) if args.by_class else None
+    meta = {"table": str(args.table), "method": args.method, "rows_filter": args.rows,
+            "by_class": args.by_class}
+    written = write_report(out, table, regimes, meta, plots=not args.no_plots, fits=fits)
+    print("\n".join(summary_lines(table, regimes, fits)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0

@@ -1,0 +1,130 @@
+"""Where a table's error sits, by cost class (``clustersim validate-runs --by-class``).
+
+Each compared row's simulated step is split into the shares that scale with its GEMMs,
+its attention kernels and its memory-bound kernels (the optimizer step included), each
+the elasticity ``clustersim run --what-if`` reports (:mod:`simulator.analysis.whatif`:
+the class 10% faster, ``ln(step / step') / ln 1.1``), and the rest: exposed
+communication, host time that no kernel hides, latencies and bubbles, which none of the
+three moves.
+
+Then, per group of rows (all of them, then each GPU's), the factor per class that best
+turns the simulated steps into the measured ones, by least squares without an intercept:
+
+    measured time / simulated time of row i  ≈  Σ_c f_c · share_ic
+
+A factor above 1 says the runs spent that much longer in the class than the simulation
+prices (GEMMs at 1.0 and attention at 0.8: the attention kernels run faster than their
+curves, the GEMMs as priced). Each factor comes with its standard error
+(σ² (SᵀS)⁻¹ with σ² the residual variance over n − 4 degrees of freedom) and each group
+with the condition number of its share matrix: rows whose shares move together (a set
+of one model at one sequence length) cannot tell two classes apart, and the standard
+errors say so. With the factors applied each row's figure is corrected (a throughput
+divided by Σ f_c · share_c, a time multiplied) and the group's mean |error| after it
+says how much of the error a per-class mispricing explains; what it leaves is not one
+class's speed (a mechanism that is not a kernel class's, or a class priced wrong in one
+regime only). A diagnosis to find the mechanism, never an input to the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from simulator.analysis.whatif import SPEEDUP, elasticity, step_time_with
+from simulator.spec.scenario import Scenario
+from simulator.system.costs import COMPUTE_CLASSES
+
+#: the classes a step is split into: the compute ones, then the rest
+CLASSES: tuple[str, ...] = (*COMPUTE_CLASSES, "rest")
+SHARE_COLUMNS: tuple[str, ...] = tuple(f"share_{c}" for c in CLASSES)
+LABELS = {"gemm": "GEMM", "attention": "attention", "memory": "memory-bound",
+          "rest": "the rest"}
+#: units in which a larger figure is a shorter step (throughput, or MFU at fixed FLOPs)
+THROUGHPUT_UNITS = frozenset({"tokens/s/gpu", "tokens/s", "seq/s", "mfu"})
+#: units that are the step's time
+TIME_UNITS = frozenset({"s/step", "step_time_s"})
+FIT_COLUMNS = ("group", "rows", "class", "mean_share", "factor", "std_error",
+               "mean_abs_error", "mean_abs_error_after", "condition")
+
+
+def step_shares(s: Scenario, method: str, step_time: float) -> dict[str, float]:
+    """``share_<class>`` of the step ``s`` takes (``step_time``, by ``method``): each
+    compute class's elasticity, and the rest, 1 minus their sum."""
+    shares = {f"share_{name}": elasticity(step_time, step_time_with(
+        s, name, SPEEDUP, method, s.simulation.fidelity)) for name in COMPUTE_CLASSES}
+    shares["share_rest"] = 1.0 - sum(shares.values())
+    return shares
+
+
+def time_ratio(unit: str, measured: float, simulated: float) -> float:
+    """The measured step's time over the simulated one's, from two figures in ``unit``
+    (NaN for a unit that is not a time or a rate, peak memory)."""
+    u = unit.strip().lower()
+    if not (measured > 0 and simulated > 0):
+        return math.nan
+    if u in THROUGHPUT_UNITS:
+        return simulated / measured
+    if u in TIME_UNITS:
+        return measured / simulated
+    return math.nan
+
+
+def _corrected(unit: str, simulated: float, scale: float) -> float:
+    """The simulated figure of a step ``scale`` times longer."""
+    return simulated / scale if unit.strip().lower() in THROUGHPUT_UNITS else simulated * scale
+
+
+def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
+    shares = g[list(SHARE_COLUMNS)].to_numpy(dtype=float)
+    ratio = np.array([time_ratio(u, m, s) for u, m, s in
+                      zip(g["unit"], g["measured"], g["simulated"], strict=True)])
+    n, p = shares.shape
+    factors, *_ = np.linalg.lstsq(shares, ratio, rcond=None)
+    resid = ratio - shares @ factors
+    cov = float(resid @ resid) / (n - p) * np.linalg.pinv(shares.T @ shares)
+    scale = shares @ factors
+    after = [_corrected(u, s, k) / m - 1 if k > 0 else math.nan for u, s, m, k in
+             zip(g["unit"], g["simulated"], g["measured"], scale, strict=True)]
+    common = {"group": group, "rows": n,
+              "mean_abs_error": float(g["error"].abs().mean()),
+              "mean_abs_error_after": float(np.nanmean(np.abs(after))),
+              "condition": float(np.linalg.cond(shares))}
+    return [{**common, "class": name, "mean_share": float(shares[:, i].mean()),
+             "factor": float(factors[i]), "std_error": float(math.sqrt(max(cov[i, i], 0.0)))}
+            for i, name in enumerate(CLASSES)]
+
+
+def fit_classes(table: pd.DataFrame, group_of: Any = None) -> pd.DataFrame:
+    """:data:`FIT_COLUMNS` per group and class: all rows with shares and a time ratio
+    ("all"), then each group ``group_of(row)`` gives (default: none), each only with more
+    rows than classes (fewer leave no degree of freedom)."""
+    done = table[table["error"].notna()].copy()
+    if not set(SHARE_COLUMNS) <= set(done.columns):
+        return pd.DataFrame(columns=list(FIT_COLUMNS))
+    done = done[done[list(SHARE_COLUMNS)].notna().all(axis=1)]
+    done = done[[not math.isnan(time_ratio(u, m, s)) for u, m, s in
+                 zip(done["unit"], done["measured"], done["simulated"], strict=True)]]
+    groups: list[tuple[str, pd.DataFrame]] = [("all", done)]
+    if group_of is not None and len(done):
+        keys = done.apply(group_of, axis=1)
+        groups += [(str(k), g) for k, g in done.groupby(keys, sort=True)]
+    parts = [entry for name, g in groups if len(g) > len(CLASSES)
+             for entry in _fit_group(name, g)]
+    return pd.DataFrame(parts, columns=list(FIT_COLUMNS))
+
+
+def fit_line(fits: pd.DataFrame) -> str | None:
+    """One line for the whole set: each class's factor ± its standard error, and the
+    mean |error| the factors leave."""
+    whole = fits[fits["group"] == "all"]
+    if whole.empty:
+        return None
+    parts = ", ".join(f"{LABELS[r['class']]} x{r['factor']:.2f}±{r['std_error']:.2f}"
+                      for _, r in whole.iterrows())
+    first = whole.iloc[0]
+    return (f"by cost class, measured over simulated time (least squares, {first['rows']} "
+            f"rows): {parts}; mean |error| {first['mean_abs_error']:.1%} → "
+            f"{first['mean_abs_error_after']:.1%} with them")
