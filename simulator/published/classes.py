@@ -28,6 +28,7 @@ regime only). A diagnosis to find the mechanism, never an input to the model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,8 @@ def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
             for i, name in enumerate(CLASSES)]
 
 
-def fit_classes(table: pd.DataFrame, group_of: Any = None) -> pd.DataFrame:
+def fit_classes(table: pd.DataFrame,
+                group_of: Callable[[pd.Series], str] | None = None) -> pd.DataFrame:
     """:data:`FIT_COLUMNS` per group and class: all rows with shares and a time ratio
     ("all"), then each group ``group_of(row)`` gives (default: none), each only with more
     rows than classes (fewer leave no degree of freedom)."""
