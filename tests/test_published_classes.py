@@ -1,6 +1,6 @@
 """Where a table's error sits, by cost class (``clustersim validate-runs --by-class``):
 each row's step split into the shares its GEMMs, attention and memory-bound kernels move
-(``--what-if``'s elasticities) and the rest, and the factor per class fitted by least
+(``--what-if``'s elasticities), its links and the other, and the factor per class fitted by least
 squares. Oracles: rows made from known factors give those factors back exactly; a
 share is the elasticity ``clustersim run --what-if`` reports for the same step."""
 
@@ -31,6 +31,7 @@ from simulator.published.classes import (
 from simulator.published.mapping import scenario_data
 from simulator.published.rows import COLUMNS, read_rows
 from simulator.spec.load import scenario_from_dict
+from simulator.system.costs import COMPUTE_CLASSES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV_SET = ROOT / "docs" / "validation" / "published" / "llm-foundry.csv"
@@ -58,7 +59,7 @@ def _shares(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def test_rows_made_from_known_factors_give_them_back() -> None:
     rng = np.random.default_rng(7)
-    factors = np.array([1.1, 0.8, 2.0, 3.0])
+    factors = np.array([1.1, 0.8, 2.0, 1.5, 3.0])
     units = ["tokens/s/GPU", "s/step"] * 15
     fits = fit_classes(_table(_shares(rng, 30), factors, units))
     assert list(fits.columns) == list(FIT_COLUMNS)
@@ -70,7 +71,7 @@ def test_rows_made_from_known_factors_give_them_back() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(0.2, 5.0), min_size=4, max_size=4),
+@given(st.lists(st.floats(0.2, 5.0), min_size=5, max_size=5),
        st.integers(6, 40), st.integers(0, 2**31 - 1))
 def test_exact_rows_are_fitted_exactly_whatever_the_factors(
         factors: list[float], n: int, seed: int) -> None:
@@ -84,7 +85,7 @@ def test_exact_rows_are_fitted_exactly_whatever_the_factors(
 def test_noise_shows_in_the_standard_errors_and_each_gpu_has_its_fit() -> None:
     rng = np.random.default_rng(3)
     n = 60
-    table = _table(_shares(rng, n), np.ones(4), ["tokens/s/GPU"] * n,
+    table = _table(_shares(rng, n), np.ones(5), ["tokens/s/GPU"] * n,
                    ["A100-SXM 40GB (RoCE)", "H100-80GB", "B200"] * 20)
     table["measured"] *= 1 + rng.normal(0, 0.05, n)
     table["error"] = table["simulated"] / table["measured"] - 1
@@ -98,10 +99,10 @@ def test_noise_shows_in_the_standard_errors_and_each_gpu_has_its_fit() -> None:
 
 def test_too_few_rows_or_no_shares_fit_nothing() -> None:
     rng = np.random.default_rng(1)
-    few = _table(_shares(rng, 4), np.ones(4), ["tokens/s/GPU"] * 4)
-    assert fit_classes(few).empty  # four classes need more than four rows
+    few = _table(_shares(rng, 5), np.ones(5), ["tokens/s/GPU"] * 5)
+    assert fit_classes(few).empty  # five classes need more than five rows
     assert fit_classes(few.drop(columns=list(SHARE_COLUMNS))).empty
-    memory = _table(_shares(rng, 8), np.ones(4), ["peak_memory_GB"] * 8)
+    memory = _table(_shares(rng, 8), np.ones(5), ["peak_memory_GB"] * 8)
     assert fit_classes(memory).empty  # a memory figure is not a step's time
 
 
@@ -132,8 +133,11 @@ def test_a_share_is_the_elasticity_what_if_reports() -> None:
     step = results["step_time_s"]
     shares = step_shares(s, "analytic", step)
     classes = what_if(s, step, "analytic", None)["classes"]
-    for name in CLASSES[:-1]:
+    for name in COMPUTE_CLASSES:
         assert shares[f"share_{name}"] == pytest.approx(classes[name]["elasticity"], abs=1e-12)
+    links = sum(classes[link]["elasticity"] for link in s.hardware.link_classes)
+    assert shares["share_communication"] == pytest.approx(links, abs=1e-12)
+    assert shares["share_communication"] > 0  # FSDP over the node's NVLink
     assert sum(shares.values()) == pytest.approx(1.0, abs=1e-12)
     assert all(-1e-9 <= v <= 1 for v in shares.values())
     assert shares["share_gemm"] > shares["share_memory"] > 0

@@ -3,9 +3,9 @@
 Each compared row's simulated step is split into the shares that scale with its GEMMs,
 its attention kernels and its memory-bound kernels (the optimizer step included), each
 the elasticity ``clustersim run --what-if`` reports (:mod:`simulator.analysis.whatif`:
-the class 10% faster, ``ln(step / step') / ln 1.1``), and the rest: exposed
-communication, host time that no kernel hides, latencies and bubbles, which none of the
-three moves.
+the class 10% faster, ``ln(step / step') / ln 1.1``), the share its links move (the sum
+of the fabric's link classes' elasticities: exposed communication), and the other:
+host time that no kernel hides, latencies, bubbles, which none of them moves.
 
 Then, per group of rows (all of them, then each GPU's), the factor per class that best
 turns the simulated steps into the measured ones, by least squares without an intercept:
@@ -15,7 +15,7 @@ turns the simulated steps into the measured ones, by least squares without an in
 A factor above 1 says the runs spent that much longer in the class than the simulation
 prices (GEMMs at 1.0 and attention at 0.8: the attention kernels run faster than their
 curves, the GEMMs as priced). Each factor comes with its standard error
-(σ² (SᵀS)⁻¹ with σ² the residual variance over n − 4 degrees of freedom) and each group
+(σ² (SᵀS)⁻¹ with σ² the residual variance over n − 5 degrees of freedom) and each group
 with the condition number of its share matrix: rows whose shares move together (a set
 of one model at one sequence length) cannot tell two classes apart, and the standard
 errors say so. With the factors applied each row's figure is corrected (a throughput
@@ -38,11 +38,11 @@ from simulator.analysis.whatif import SPEEDUP, elasticity, step_time_with
 from simulator.spec.scenario import Scenario
 from simulator.system.costs import COMPUTE_CLASSES
 
-#: the classes a step is split into: the compute ones, then the rest
-CLASSES: tuple[str, ...] = (*COMPUTE_CLASSES, "rest")
+#: the classes a step is split into: the compute ones, the links, then the other
+CLASSES: tuple[str, ...] = (*COMPUTE_CLASSES, "communication", "other")
 SHARE_COLUMNS: tuple[str, ...] = tuple(f"share_{c}" for c in CLASSES)
 LABELS = {"gemm": "GEMM", "attention": "attention", "memory": "memory-bound",
-          "rest": "the rest"}
+          "communication": "communication", "other": "the other"}
 #: units in which a larger figure is a shorter step (throughput, or MFU at fixed FLOPs)
 THROUGHPUT_UNITS = frozenset({"tokens/s/gpu", "tokens/s", "seq/s", "mfu"})
 #: units that are the step's time
@@ -53,10 +53,15 @@ FIT_COLUMNS = ("group", "rows", "class", "mean_share", "factor", "std_error",
 
 def step_shares(s: Scenario, method: str, step_time: float) -> dict[str, float]:
     """``share_<class>`` of the step ``s`` takes (``step_time``, by ``method``): each
-    compute class's elasticity, and the rest, 1 minus their sum."""
-    shares = {f"share_{name}": elasticity(step_time, step_time_with(
-        s, name, SPEEDUP, method, s.simulation.fidelity)) for name in COMPUTE_CLASSES}
-    shares["share_rest"] = 1.0 - sum(shares.values())
+    compute class's elasticity, the link classes' together, and the other, 1 minus
+    their sum."""
+    def moved(name: str) -> float:
+        return elasticity(step_time, step_time_with(s, name, SPEEDUP, method,
+                                                    s.simulation.fidelity))
+
+    shares = {f"share_{name}": moved(name) for name in COMPUTE_CLASSES}
+    shares["share_communication"] = sum(moved(link) for link in s.hardware.link_classes)
+    shares["share_other"] = 1.0 - sum(shares.values())
     return shares
 
 

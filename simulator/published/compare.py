@@ -70,7 +70,7 @@ def _bucket(value: float, edges: Sequence[float], unit: str) -> str:
 
 def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]:
     """One row's table entry (module level: picklable for process and Dask workers); with
-    ``by_class`` its step's share per cost class too (three more simulations)."""
+    ``by_class`` its step's share per cost class too (a simulation more per class)."""
     from simulator.api import simulate_scenario
     from simulator.spec.load import scenario_from_dict
 

@@ -34,9 +34,9 @@ def add_parser(sub: Subparsers) -> None:
     q.add_argument("--no-plots", action="store_true", help="skip scatter.png")
     q.add_argument("--by-class", action="store_true",
                    help="also split each simulated step by cost class (GEMM, attention, "
-                   "memory-bound, the rest; three more simulations a row) and fit the "
-                   "factor per class that best turns simulated into measured times, over all "
-                   "rows and per GPU: classes.csv")
+                   "memory-bound, communication, the other; one more simulation per class) "
+                   "and fit the factor per class that best turns simulated into measured "
+                   "times, over all rows and per GPU: classes.csv")
     q.set_defaults(func=run)
 
 
