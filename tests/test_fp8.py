@@ -47,7 +47,8 @@ def _scenario(system: str = "dgx-h100", **stack: Any) -> dict[str, Any]:
 
 def test_an_fp8_gemm_runs_at_the_fp8_peak_on_the_gemm_curve() -> None:
     """T·h·(q + 2kv) multiply-adds against 1979 TFLOP/s (H100 SXM's dense FP8) at the
-    GEMM curve's efficiency for that call: half the bf16 GEMM's time on the same curve."""
+    GEMM curve's efficiency for a bf16 call of the same ideal duration (half the FLOPs:
+    ``costs.curve_flops``): at most half the bf16 GEMM's time, never less."""
     hw = load_system("dgx-h100")
     cost = CostModel(hw, "bf16")
     qkv, bf16 = _ops(_stack())["qkv"], _ops(_stack("delayed").model_copy(
@@ -55,11 +56,10 @@ def test_an_fp8_gemm_runs_at_the_fp8_peak_on_the_gemm_curve() -> None:
     flops = 2.0 * 2 * 4096 * 4096 * (4096 + 2 * 1024)
     assert qkv.precision == "fp8" and qkv.flops == flops == bf16.flops
     assert qkv.gemm_call is not None  # and its tile and wave quantisation on the preset
-    want = flops / (1979e12 * hw.gpu.gemm_efficiency(flops)
+    want = flops / (1979e12 * hw.gpu.gemm_efficiency(flops * 989 / 1979)
                     * hw.gpu.gemm_shape_factor(qkv.gemm_call))
     assert cost.op_parts(qkv)[0] == pytest.approx(want, rel=1e-12)
-    assert cost.op_parts(qkv)[0] == pytest.approx(cost.op_parts(bf16)[0] * 989 / 1979,
-                                                  rel=1e-12)
+    assert cost.op_parts(qkv)[0] >= cost.op_parts(bf16)[0] * 989 / 1979
 
 
 def test_a_profile_fp8_curve_prices_the_fp8_gemms() -> None:

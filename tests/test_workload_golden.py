@@ -51,7 +51,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
      "folded"):
         ("c9571b68d3d9cf7b", 7752),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
-        ("b9861daf4e5ab610", 6248),
+        ("ea6583e575050dda", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
         ("4598c5487ca249cc", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",

@@ -10,7 +10,11 @@ profile has no curve of its own for the class; a fused attention call is priced 
 kernel's curves by sequence length and head dimension where the profile has them
 (:mod:`simulator.system.attention_kernels`); a GEMM whose shape the op carries keeps its
 tile and wave quantisation's share of its curve where the profile lists the GPU's CTA
-tiles (:mod:`simulator.system.gemm_shape`). ``scale`` is the fraction of the counted
+tiles (:mod:`simulator.system.gemm_shape`). A GPU's GEMM curve is read at the FLOPs a
+bf16 GEMM of the same ideal duration would have, ``call FLOPs × peak_bf16 / peak`` (1 for
+bf16 and fp16, a sixteenth-as-long fp32 SIMT GEMM reads the curve sixteen times further
+on, an FP8 GEMM half as far): what a GEMM loses is its fixed time (launch, prologue,
+the last wave) against its ideal one (:func:`curve_flops`). ``scale`` is the fraction of the counted
 FLOPs the kernel executes (a causal flash kernel skips the masked half; its backward
 recomputes the scores). A memory-bound kernel's compute side is its own arithmetic on
 the CUDA cores where it has some worth counting (``Op.alu_flops``, e.g. PyTorch's exact
@@ -95,6 +99,26 @@ ComputeClass = Literal["gemm", "attention", "memory"]
 COMPUTE_CLASSES: tuple[ComputeClass, ...] = ("gemm", "attention", "memory")
 
 
+def curve_flops(hw: HardwareProfile, cost_class: str, flops: float, peak: float,
+                precision: str = "") -> float:
+    """The FLOPs at which a GEMM of ``flops`` run at ``peak`` reads its GPU's GEMM curve:
+    those of a bf16 GEMM of the same ideal duration, ``flops × peak_bf16 / peak``. The
+    presets' and GPU calibration's curves are bf16 GEMMs', and what a small GEMM loses is
+    time of its own (launch, prologue, the last wave) against its ideal duration: on a
+    B200 an FP8 GEMM of F FLOPs reaches what a bf16 one of F / 2 does (XLA's published
+    table, ``sm_100_B200``: 0.038, 0.074, 0.129 and 0.317 of the FP8 peak at 1.1e9, 2.1e9,
+    4.3e9 and 1.7e10 FLOPs against the bf16 curve's 0.040, 0.073, 0.128 and 0.317 at half
+    of them), and on an A100 an fp32 GEMM of 256^3 takes 16 us where the bf16 one takes
+    10 (triton-lang/triton#2491, #7085). Unchanged: a CPU "device" (its curves are its own
+    fp32 kernels'), a profile without a bf16 peak, an FP8 GEMM on the profile's own
+    ``fp8_gemm_efficiency``, and every class but the GEMMs'."""
+    gpu = hw.gpu
+    if gpu.host_serial or not cost_class.startswith("gemm_") or "bf16" not in gpu.peak_tflops \
+            or (precision == "fp8" and gpu.fp8_gemm_efficiency is not None):
+        return flops
+    return flops * gpu.peak_flops("bf16") / peak
+
+
 @dataclass(frozen=True)
 class CostModel:
     hw: HardwareProfile
@@ -134,9 +158,9 @@ class CostModel:
         if op.kind == "memory" or op.flops <= 0:
             compute = self.alu_time(op.alu_flops)
         else:
-            eff = gpu.efficiency(cls, max(op.gemm_flops, 1.0), op.attn, op.precision,
-                                 op.gemm_call)
             peak = gpu.peak_flops("fp8") if op.precision == "fp8" else self.peak
+            size = curve_flops(self.hw, cls, op.gemm_flops, peak, op.precision)
+            eff = gpu.efficiency(cls, max(size, 1.0), op.attn, op.precision, op.gemm_call)
             compute = op.flops * op.compute_scale / (peak * eff)
         host_us = self.host_us
         step = cls == "optimizer"  # the optimizer's figures where measured apart
