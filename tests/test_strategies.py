@@ -447,14 +447,15 @@ def _check_pipeline(res: dict[str, Any], per_mb: pd.Series, m: int, slots: float
     full, so the phase is m·max t_s plus the fill/drain: ``slots`` idle slots of the
     schedule, each ``slot`` long on an inner stage (1F1B: p − 1 slots of T_F + T_B;
     interleaved: (p − 1)/v of them; ZB-H1: p − 1 of T_F + T_B − T_W). Equal stages
-    give the closed forms exactly. The imbalance ε (< 3% here: the embedding and the
-    head are a few % of a stage) bounds both the fill/drain slots' spread (phase
+    give the closed forms exactly. The imbalance ε (< 5% here: the embedding and the
+    head, their small GEMMs each at least a kernel's few microseconds, are a few % of a
+    stage) bounds both the fill/drain slots' spread (phase
     within ε·phase of that form) and the gap to the plain closed form: idle time off
     by at most m·p·(max t − min t) + p·ε·phase over all stages.
     """
     p = len(per_mb)
     eps = _imbalance(per_mb)
-    assert eps < 0.03
+    assert eps < 0.05
     p0, p1 = res["pipeline_phase_s"]
     phase = p1 - p0
     assert phase == pytest.approx(m * per_mb.max() + slots * slot, rel=eps)
