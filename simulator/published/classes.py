@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.analysis.whatif import SPEEDUP, elasticity, step_time_with
 from simulator.spec.scenario import Scenario
 from simulator.system.costs import COMPUTE_CLASSES
 
@@ -55,6 +54,8 @@ def step_shares(s: Scenario, method: str, step_time: float) -> dict[str, float]:
     """``share_<class>`` of the step ``s`` takes (``step_time``, by ``method``): each
     compute class's elasticity, the link classes' together, and the other, 1 minus
     their sum."""
+    from simulator.analysis.whatif import SPEEDUP, elasticity, step_time_with
+
     def moved(name: str) -> float:
         return elasticity(step_time, step_time_with(s, name, SPEEDUP, method,
                                                     s.simulation.fidelity))
@@ -85,8 +86,7 @@ def _corrected(unit: str, simulated: float, scale: float) -> float:
 
 def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
     shares = g[list(SHARE_COLUMNS)].to_numpy(dtype=float)
-    ratio = np.array([time_ratio(u, m, s) for u, m, s in
-                      zip(g["unit"], g["measured"], g["simulated"], strict=True)])
+    ratio = g["time_ratio"].to_numpy(dtype=float)
     n, p = shares.shape
     factors, *_ = np.linalg.lstsq(shares, ratio, rcond=None)
     resid = ratio - shares @ factors
@@ -111,9 +111,9 @@ def fit_classes(table: pd.DataFrame,
     done = table[table["error"].notna()].copy()
     if not set(SHARE_COLUMNS) <= set(done.columns):
         return pd.DataFrame(columns=list(FIT_COLUMNS))
-    done = done[done[list(SHARE_COLUMNS)].notna().all(axis=1)]
-    done = done[[not math.isnan(time_ratio(u, m, s)) for u, m, s in
-                 zip(done["unit"], done["measured"], done["simulated"], strict=True)]]
+    done["time_ratio"] = [time_ratio(u, m, s) for u, m, s in
+                          zip(done["unit"], done["measured"], done["simulated"], strict=True)]
+    done = done[done[[*SHARE_COLUMNS, "time_ratio"]].notna().all(axis=1)]
     groups: list[tuple[str, pd.DataFrame]] = [("all", done)]
     if group_of is not None and len(done):
         keys = done.apply(group_of, axis=1)
