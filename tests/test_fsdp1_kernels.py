@@ -198,10 +198,12 @@ def test_each_micro_batch_reduces_and_later_ones_add(m: int) -> None:
 
 
 def test_engine_places_each_kernel_on_its_stream() -> None:
-    """On a GPU: the concat right after its layer's backward on the compute stream; the
-    cast and pre-divide on the reduce-scatter's stream, which the reduce-scatter waits
-    for; the post-divide and add after it there; the shard cast before each gather on
-    the gathers' stream (over 4 ranks FSDP1 divides by 2 before and 2 after)."""
+    """On a GPU: the concat right after its layer's backward on the compute stream, the
+    cast and pre-divide right after it there (FSDP1 issues them on its post-backward
+    stream, but their blocks fit on no SM beside the compute's: they take their time
+    from the compute stream), which the reduce-scatter waits for; the post-divide and
+    add after it on its stream; the shard cast before each gather on the gathers'
+    stream (over 4 ranks FSDP1 divides by 2 before and 2 after)."""
     s = composer(True, system="dgx-a100-80gb", dp=4)
     w = build_workload(s)
     rank = min(w.programs)
@@ -212,14 +214,17 @@ def test_engine_places_each_kernel_on_its_stream() -> None:
     assert len(cats) == m * (layers + 1)
     assert all(compute[i - 1].kind == "backward" and not compute[i - 1].name.startswith(
         "fsdp") for i in cats)
+    pres = [compute[i + 1] for i in cats]
+    assert all(t.name.startswith("fsdp.grad_cast+predivide") for t in pres)
     dp = list(streams["dp"])
-    for i, t in enumerate(dp):
-        if t.op == "dp.reduce_scatter":
-            assert dp[i - 1].name.startswith("fsdp.grad_cast+predivide")
-            assert dp[i - 1].id in t.deps
-            first = dp[i - 1].name.endswith(" mb0")  # no add on the first micro-batch
-            assert dp[i + 1].name.startswith("fsdp.postdivide " if first
-                                             else "fsdp.postdivide+grad_accum ")
+    assert not any(t.name.startswith("fsdp.grad_cast") for t in dp)
+    reduces = [(i, t) for i, t in enumerate(dp) if t.op == "dp.reduce_scatter"]
+    assert len(reduces) == len(pres)
+    for (i, t), pre in zip(reduces, pres, strict=True):
+        assert pre.id in t.deps
+        first = pre.name.endswith(" mb0")  # no add on the first micro-batch
+        assert dp[i + 1].name.startswith("fsdp.postdivide " if first
+                                         else "fsdp.postdivide+grad_accum ")
     casts = [t for t in streams["zero"] if t.name.startswith("fsdp.shard_cast")]
     gathers = [t for t in streams["zero"] if t.op == "zero.all_gather"]
     assert len(casts) == len(gathers) == m * (2 * layers + 1)
@@ -239,3 +244,55 @@ def test_kernels_keep_fsdp_issue_order(layers: int, flat: bool) -> None:
     spans = _comm_spans(s)
     seq = ["AG" if op.endswith("all_gather") else "RS" for op in spans["op"]]
     assert seq == expected_order(layers, 1, 1)
+
+
+def _reduce_seconds(s: Scenario, part: int) -> float:
+    """One rank's step of FSDP1's reduction kernels of one part (0: the compute
+    stream's concat, 1: the cast and pre-divide before the reduce-scatter, 2: those
+    after it), every unit, every micro-batch."""
+    from simulator.model.inventory.sharding import fsdp_reduce_parts
+    cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
+    dp, dt = s.parallel.dp, dtype_bytes(s.training.dtype)
+    rdt = s.stack.reduce_bytes(dt)
+    unit, n = mdl.layer_params(s.model), layer_tensors(s.model, s.stack)
+    root = mdl.embedding_params(s.model) + mdl.head_params(s.model)
+    return sum(cost.ops_time(fsdp_reduce_parts(s.stack, e, dp, dt, rdt, k, mb > 0)[part]) * c
+               for mb in range(s.microbatches)
+               for e, k, c in ((unit, n, s.model.layers), (root, 4, 1)))
+
+
+def _gpu(flat: bool = True) -> Scenario:
+    """A 2,048-wide model on one DGX H100 under composer-fsdp1 (ZeRO-3 over 8)."""
+    s = composer(flat, system="dgx-h100", dp=8)
+    return scenario_from_dict({**s.model_dump(mode="json", exclude_none=True), "model": {
+        "layers": 4, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 2048}})
+
+
+def test_gpu_cast_and_predivide_take_the_compute_streams_time() -> None:
+    """On a GPU the cast and pre-divide run on FSDP1's post-backward stream, but their
+    blocks fit on no SM beside the compute kernels issued after them (a GEMM's or an
+    attention kernel's CTA holds its SM's registers and shared memory), so the SMs run
+    them in turn: the engine's compute stream carries them, each right after its unit's
+    concat, and the step is at least that stream's work; only the shard-sized kernels
+    after each reduce-scatter stay beside it."""
+    s = _gpu()
+    w = build_workload(s)
+    compute = list(w.programs[min(w.programs)].streams["compute"])
+    fsdp = [t for t in compute if t.name.startswith(("fsdp.grad_cat", "fsdp.grad_cast"))]
+    in_line = _reduce_seconds(s, 0) + _reduce_seconds(s, 1)
+    assert _reduce_seconds(s, 1) > 0.5 * _reduce_seconds(s, 0) > 0
+    assert sum(t.duration for t in fsdp) == pytest.approx(in_line, rel=1e-9)
+    step = simulate_scenario(s, "engine")[0]["step_time_s"]
+    assert step >= sum(t.duration for t in compute) - 1e-9
+
+
+def test_gpu_closed_form_charges_the_cast_and_predivide() -> None:
+    """The closed form charges the same kernels to the step where the collectives hide
+    behind the compute: the concat, cast and pre-divide of every unit and micro-batch,
+    and nothing of FSDP1's after a gather (its gathered buffer is the parameters')."""
+    from simulator.strategies.zero3.strategy import fsdp_copies
+    s = _gpu()
+    cost = CostModel(s.hardware, s.training.dtype, host_us=s.stack.host_us)
+    fwd, bwd = fsdp_copies(s, cost, 0, s.model.layers, True)
+    assert fwd == 0.0
+    assert bwd == pytest.approx(_reduce_seconds(s, 0) + _reduce_seconds(s, 1), rel=1e-9)

@@ -22,6 +22,11 @@ with ``fsdp_flat_param``. Each is one kernel over the unit's flat parameter or i
   second micro-batch of a step on, its add into the saved shard
   (``_accumulate_sharded_grad``: ``_saved_grad_shard += sharded_grad``; Composer reduces
   every micro-batch, its ``ddp_sync_context`` yields at once for a model that is not DDP).
+
+Where FSDP issues a kernel is not all of where it costs: the cast and pre-divide, a
+whole unit each, get SMs only as the compute stream's kernels leave them, so the engine
+runs them on the compute stream (:meth:`simulator.strategies.data.workload.DataPass.fsdp_copies`,
+docs/model.md "Kernels beside the compute").
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class DataPass(Pass):
             root = zero3 and index >= len(ctx.layers_of(stage))  # its root
             parts = ctx.zero3_parts if zero3 and not root else 1
             group = ctx.layout.shard_group(rank) if zero3 else ctx.layout.dp_group(rank)
-            pack, pre, accumulate = self.fsdp_copies(rank, size, root, after, chunk) \
+            pack, pre, accumulate = self.fsdp_copies(rank, size, root, after) \
                 if zero3 and len(group) > 1 else (None, None, ())
             # the unit's last gradient first: the post-backward hook's issue point, which
             # the communicator's order reads (simulator.strategies.zero3.communicator)
@@ -181,14 +181,20 @@ class DataPass(Pass):
             r.deps.append(t.id)
         return r or t
 
-    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task, chunk: int
+    def fsdp_copies(self, rank: int, size: float, root: bool, after: Task
                     ) -> tuple[Task | None, Task | None, tuple[Op, ...]]:
         """The stack's FSDP kernels around one unit's reduce-scatter of ``size`` bytes
         (:func:`simulator.model.inventory.sharding.fsdp_reduce_parts`): those on the compute
         stream as a task right after ``after`` (FSDP2's pack, FSDP1's gradient concat),
-        those before the reduce-scatter on its stream as a task there after it (FSDP1's
-        cast and pre-divide; each None without any), and the ops after the
-        reduce-scatter, which run after it on its stream."""
+        those the framework issues on the reduce-scatter's stream before it (FSDP1's cast
+        and pre-divide) as a task on the compute stream right after that one (each None
+        without any), and the ops after the reduce-scatter, which run after it on its
+        stream. The cast and pre-divide run on FSDP1's post-backward stream, but none of
+        their thread blocks fits on an SM beside a GEMM's or an attention kernel's (those
+        hold an SM's registers and shared memory whole), so the SMs run them in turn with
+        the compute issued after them: they take their time from the compute stream,
+        from where the post-backward hook issues them (docs/model.md, "Kernels beside the
+        compute")."""
         ctx = self.ctx
         tensors = ROOT_TENSORS if root else layer_tensors(ctx.s.model, ctx.s.stack)
         shard = len(ctx.layout.shard_group(rank))
@@ -203,10 +209,10 @@ class DataPass(Pass):
                                      cost.ops_time(compute))
             pack.weight_s = pack.duration  # gradient work: the backward's weight share
         if before:
-            pre = ctx.add(rank, self.stream, op="Z", kind="backward",
-                          name=f"fsdp.{fsdp_task_name(before)} mb{mb}",
-                          duration=cost.ops_time(before), microbatch=mb, chunk=chunk)
-            pre.deps.append((pack or after).id)
+            pre = ctx.compute_after(rank, pack or after, "Z", "backward",
+                                    f"fsdp.{fsdp_task_name(before)} mb{mb}",
+                                    cost.ops_time(before))
+            pre.weight_s = pre.duration  # gradient work: the backward's weight share
         return pack, pre, post
 
     def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:

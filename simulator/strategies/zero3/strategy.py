@@ -89,9 +89,11 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     ZeRO-3 collectives (:func:`simulator.model.inventory.sharding.fsdp_gather_parts`,
     :func:`~simulator.model.inventory.sharding.fsdp_reduce_parts`: FSDP2's copies,
     FSDP1's casts and divisions) as the engine places them: those after each gather and
-    before each reduce-scatter on the compute stream; those on the collectives' streams
-    (before a gather, around a reduce-scatter) only where those run in line
-    (``on_compute_only`` false). A stage's ``layers`` and its root unit."""
+    before each reduce-scatter on the compute stream (FSDP1's cast and pre-divide too,
+    which take their SMs from it: :meth:`simulator.strategies.data.workload.DataPass.fsdp_copies`);
+    those on the collectives' streams (before a gather, after a reduce-scatter) only
+    where those run in line (``on_compute_only`` false). A stage's ``layers`` and its
+    root unit."""
     par, spec, stack = s.parallel, s.model, s.stack
     if par.zero != 3 or par.dp * par.cp == 1 or fsdp_runtime(stack) is None:
         return 0.0, 0.0
@@ -107,7 +109,8 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
         return cost.ops_time(after if on_compute_only else (*before, *after))
 
     def reduce(elements: float, n: int) -> float:  # a step's: m reductions, m − 1 adding
-        return sum(cost.ops_time(parts[0] if on_compute_only else sum(parts, ())) * k
+        return sum(cost.ops_time(parts[0] + parts[1] if on_compute_only
+                                 else sum(parts, ())) * k
                    for parts, k in (
                        (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, False, replicas), 1),
                        (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, True, replicas),
