@@ -244,7 +244,7 @@ def _streams(s: Scenario) -> Counter[tuple[str, str]]:
 
 @pytest.mark.parametrize(("case", "variant", "extra", "want"), [
     ("tp+sp", "mlp", {}, {("compute", "tp")}),
-    ("tp+sp", "mlp", {"stack": {"tp_overlap": "pipelined"}}, {("tp", "tp")}),
+    ("tp+sp", "mlp", {"stack": {"tp_overlap": "pipelined"}}, {("tp", "tp"), ("compute", "tp")}),
     ("tp+sp", "op", {"stack": {"tp_overlap": "pipelined"}}, {("compute", "tp")}),
     ("cp p2p", "core_attn", {}, {("cp", "cp")}),
     ("cp a2a", "core_attn", {}, {("compute", "cp")}),
@@ -252,9 +252,10 @@ def _streams(s: Scenario) -> Counter[tuple[str, str]]:
 ])
 def test_reissued_collectives_run_on_the_forwards_streams(
         case: str, variant: str, extra: dict[str, Any], want: set[tuple[str, str]]) -> None:
-    """A block re-run whole overlaps as its forward does (TP overlap's ``tp`` stream, the
-    ring's ``cp`` stream, shared-expert overlap's ``ep`` stream); a lone gather runs in
-    line on the compute stream."""
+    """A block re-run whole overlaps as its forward does (TP overlap's ``tp`` stream and
+    its pipeline's last chunk's reduce-scatter in line, the ring's ``cp`` stream,
+    shared-expert overlap's ``ep`` stream); a lone gather runs in line on the compute
+    stream."""
     added = _streams(scenario(case, variant, **extra)) \
         - _streams(scenario(case, "none", like=variant, **extra))
     assert set(added) == want

@@ -12,12 +12,22 @@ from typing import Any
 import pytest
 
 from simulator.analysis.uncertainty import step_time_of
-from simulator.builder.workload import block_costs, build_workload
+from simulator.builder.workload import block_costs, build_workload, layout_of
 from simulator.errors import ScenarioError
+from simulator.model import transformer as mdl
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
-from simulator.strategies.tensor.overlap import Window, exposed, overlap_windows
+from simulator.strategies.tensor.overlap import (
+    COMM_SMS,
+    PIPELINE_SPLITS,
+    Window,
+    exposed,
+    margin,
+    overlap_windows,
+    partials_sum,
+)
+from simulator.strategies.timing import collective_time
 
 
 def _tp(mode: str, *, schedule: str = "1f1b", pp: int = 1, bandwidth: float | None = None,
@@ -48,7 +58,7 @@ def test_exposed_closed_forms() -> None:
     """Ring exchange and pipeline: t − (p − 1)·c exposed, p·c − whole added; bulk: t − W."""
     w = {(label, side, bwd): Window("g", 4.0, 1.25, 4) for label in ("attn", "mlp")
          for side in ("ag", "rs") for bwd in (False, True)}
-    w["attn", "rs", True] = w["mlp", "rs", True] = Window("g", 3.0, 3.0, 1)
+    w["attn", "rs", True] = w["mlp", "rs", True] = Window("g", 3.0, 3.0, 1, weight=True)
     # t = 5: each chunked side exposes 5 − 3·1.25 = 1.25 and adds 4·1.25 − 4 = 1
     assert exposed("pipelined", w, 5.0, False) == pytest.approx((4 * 1.25, 4 * 1.0))
     # backward: two ring sides as above, two bulk sides expose 5 − 3 = 2 and add nothing
@@ -82,7 +92,9 @@ def _pieces(s: Scenario, prefix: str) -> list[Any]:
 @pytest.mark.parametrize("mode", ["bulk", "pipelined"])
 def test_the_split_keeps_each_blocks_compute_and_weight_share(mode: str) -> None:
     """The pieces of a block add up to the block's seconds plus the split's extra, and a
-    backward block's weight-gradient share is kept (the bulk piece is all weights)."""
+    backward block's weight-gradient share is kept but for the SM margin's share of the
+    bulk piece (all weights: the weight-gradient GEMM on TE's margin takes m times as
+    long)."""
     base, s = _tp("none"), _tp(mode)
     w = block_costs(s, _cost(s)).tp_windows
     for prefix, label, bwd in (("fwd.attn L0 mb0", "attn", False),
@@ -95,7 +107,9 @@ def test_the_split_keeps_each_blocks_compute_and_weight_share(mode: str) -> None
         extra = sum(w[label, side, bwd].extra for side, on in (("ag", ag), ("rs", ag or bwd))
                     if on)
         assert sum(t.duration for t in pieces) == pytest.approx(whole.duration + extra)
-        assert sum(t.weight_s for t in pieces) == pytest.approx(whole.weight_s)
+        bulk = w[label, "rs", True]
+        margin = (bulk.slow - 1) * bulk.whole if bwd else 0.0
+        assert sum(t.weight_s for t in pieces) == pytest.approx(whole.weight_s + margin)
         if mode == "bulk" and not bwd:
             assert [t.duration for t in pieces] == [whole.duration]  # forward in line
 
@@ -105,9 +119,9 @@ def test_the_split_keeps_each_blocks_compute_and_weight_share(mode: str) -> None
 def test_engine_and_analytic_move_alike(mode: str, bandwidth: float | None,
                                         one_compute_speed: None) -> None:
     """The engine's pieces and the analytic closed form save the same seconds, with the
-    preset's NVLink and with links slow enough that nothing is fully hidden (compute at
-    one speed beside the collectives: the closed form prices no SMs held under TP
-    overlap)."""
+    preset's NVLink and with links slow enough that nothing is fully hidden (TE's
+    userbuffers hold no SMs of their own, their GEMMs' margin is priced alike; the
+    fixture keeps any NCCL collective's SMs out of both)."""
     base, s = _tp("none", bandwidth=bandwidth), _tp(mode, bandwidth=bandwidth)
     saved = {m: step_time_of(base, m, None) - step_time_of(s, m, None)
              for m in ("engine", "analytic")}
@@ -129,8 +143,14 @@ def test_limits_free_links_cost_only_the_split_slow_links_hide_every_window() ->
     s = _tp("pipelined", **slow)
     w = block_costs(s, _cost(s)).tp_windows
     hidden = sum(v.hidden - v.extra for v in w.values())  # per layer, forward + backward
+    # a pipeline's last chunk reduce-scatters on its own: its share's latency again
+    t = collective_time(s, layout_of(s), "reduce_scatter",
+                        mdl.tp_comm_bytes_per_layer(s.model, 1, "bf16"), (0, 1, 2, 3),
+                        s.hardware)
+    split = sum(t * (sum(v.shares) - 1) for v in w.values())
+    assert split > 0
     saved = step_time_of(_tp("none", **slow), "engine", None) - step_time_of(s, "engine", None)
-    assert saved == pytest.approx(layers * mbs * hidden, rel=1e-3)
+    assert saved == pytest.approx(layers * mbs * (hidden - split), rel=1e-3)
 
 
 def test_an_i_action_has_no_weight_gradient_to_hide_the_reduce_scatter() -> None:
@@ -225,3 +245,94 @@ def test_an_overlapped_all_gather_starts_with_its_block_whatever_else_precedes_i
                            for t in w.programs[0].streams["compute"])
     for t in gathers:
         assert [by_id[d].name.split(" L")[0] for d in t.deps] == ["tp.start"]
+
+
+def test_te_userbuffers_defaults() -> None:
+    """Transformer Engine's ``initialize_ub`` defaults (``get_default_config``, v1.9
+    through v2.x): a ring exchange splits in tp chunks moved by copy engines (no SM
+    margin), a pipeline in 4 chunks whatever tp is and a bulk overlap whole, both on
+    the SMs 16 communication SMs leave (``set_sm_margin``, TE 2.x): 132/116 on an H100;
+    the pipeline's last chunk's transfer after the GEMMs (1/4), nobody else's."""
+    assert (COMM_SMS, PIPELINE_SPLITS) == (16, 4)
+    for tp in (2, 4, 8):
+        s = _tp("pipelined")
+        s = s.model_copy(update={"parallel": s.parallel.model_copy(update={"tp": tp})})
+        w = overlap_windows(s, _cost(s))
+        for label in ("attn", "mlp"):
+            assert (w[label, "ag", False].parts, w[label, "ag", True].parts) == (tp, tp)
+            assert w[label, "ag", False].slow == w[label, "ag", True].slow == 1.0
+            assert w[label, "rs", False].parts == 4 and w[label, "rs", True].parts == 1
+            assert w[label, "rs", False].slow == w[label, "rs", True].slow \
+                == pytest.approx(132 / 116)
+            assert w[label, "rs", False].tail == 0.25
+            assert w[label, "rs", True].aside > 0 and w[label, "rs", False].aside == 0
+    assert margin(_tp("pipelined", system="dgx-a100-80gb")) == pytest.approx(108 / 92)
+    assert margin(_tp("pipelined", system="cpu-1thread")) == 1.0
+
+
+def test_userbuffers_collectives_hold_no_sms_of_their_own() -> None:
+    """The overlapped collectives are TE's userbuffers, not NCCL's kernels: their plans
+    hold no SMs (the margin is the GEMMs'), where an in-line one keeps NCCL's channels."""
+    w = build_workload(_tp("pipelined"))
+    tp = w.programs[0].streams["tp"]
+    assert tp and all(t.plan.sms == 0 for t in tp)
+    tails = [t for t in w.programs[0].streams["compute"] if "(last chunk)" in t.name]
+    assert tails and all(t.plan.sms == 0 for t in tails)
+    assert len(tails) == 2 * 2 * 4  # each layer's two blocks, each micro-batch's forward
+
+
+def test_pipeline_closed_form_with_margin_and_tail() -> None:
+    """pipeline: m·c + max((p − 1)·t/p, m·(p − 1)·c) + t/p, p·m·c − W added; bulk:
+    max(t, m·W) and (m − 1) times the input-gradient GEMM beside it."""
+    m = 1.5
+    pipe = Window("g", 4.0, 1.25, 4, m, tail=0.25)
+    bulk = Window("g", 3.0, 3.0, 1, m, aside=0.5, weight=True)
+    ring = Window("g", 4.0, 1.25, 4)
+    w = {(label, side, bwd): (ring if side == "ag" else bulk if bwd else pipe)
+         for label in ("attn", "mlp") for side in ("ag", "rs") for bwd in (False, True)}
+    # t = 8: a pipeline side waits 6 − 3·1.875 = 0.375 beside its chunks, then 2 after
+    comm, extra = exposed("pipelined", w, 8.0, False)
+    assert comm == pytest.approx(2 * (8 - 3 * 1.25) + 2 * (0.375 + 2.0))
+    assert extra == pytest.approx(2 * 1.0 + 2 * (4 * 1.25 * m - 4.0))
+    # backward: the bulk sides expose 8 − 4.5 and add 3·0.5 + 0.5 each
+    comm, extra = exposed("pipelined", w, 8.0, True)
+    assert comm == pytest.approx(2 * (8 - 3 * 1.25) + 2 * (8 - 4.5))
+    assert extra == pytest.approx(2 * 1.0 + 2 * (4.5 - 3.0 + 0.5))
+
+
+def test_symmetric_memory_runs_a_chunk_per_rank_and_sums_the_partials() -> None:
+    """PyTorch's async TP (torchtitan; torch/distributed/_symmetric_memory): copy
+    engines (no margin), a chunk per rank on every side, nothing of the transfer after
+    the GEMMs; each reduce-scatter ends with one kernel summing the tp partial chunks the
+    rank received (the block's output read, the shard written) and in the backward meets
+    the first projection's input-gradient GEMM, not the weight gradient's, so a
+    zero-bubble I action overlaps it too."""
+    def with_runtime(runtime: str, **par: Any) -> Scenario:
+        s = _tp("pipelined", **par)
+        stack = s.stack.model_copy(update={"tp_overlap_runtime": runtime})
+        return s.model_copy(update={"stack": stack})
+
+    sym = with_runtime("symmetric_memory")
+    w = overlap_windows(sym, _cost(sym))
+    assert margin(sym) == 1.0
+    for (_, side, _), v in w.items():
+        assert v.slow == 1.0 and v.tail == 0.0 and v.aside == 0.0 and not v.weight
+        assert v.parts == sym.parallel.tp
+        assert (v.after > 0) == (side == "rs")
+    assert w["attn", "rs", True].gemm == "qkv" and w["mlp", "rs", True].gemm == "mlp_up"
+    op = partials_sum(sym)
+    tp_bytes = mdl.tp_comm_bytes_per_layer(sym.model, 1, "bf16")
+    assert op.bytes == pytest.approx(tp_bytes * (4 + 1) / 4)
+    assert w["attn", "rs", False].after == pytest.approx(_cost(sym).op_time(op))
+    # the engine's pieces: the sum after the wait, and an I action keeps the overlap
+    tasks = build_workload(with_runtime("symmetric_memory", schedule="zb-h1", pp=2)).programs[0]
+    assert [t for t in tasks.streams["tp"] if "reduce_scatter" in t.op]
+    sums = [t for t in tasks.streams["compute"] if t.name.startswith("tp.partials_sum")]
+    assert sums and all(t.duration == pytest.approx(w["attn", "rs", False].after) for t in sums)
+    for bandwidth in (None, 20.0):
+        base = with_runtime("symmetric_memory", bandwidth=bandwidth)
+        none = base.model_copy(update={"stack": base.stack.model_copy(
+            update={"tp_overlap": "none"})})
+        saved = {m: step_time_of(none, m, None) - step_time_of(base, m, None)
+                 for m in ("engine", "analytic")}
+        assert saved["engine"] == pytest.approx(saved["analytic"], rel=1e-6)

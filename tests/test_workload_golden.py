@@ -49,7 +49,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("c9571b68d3d9cf7b", 7752),
+        ("8a219dff86db9d70", 8392),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
         ("ea6583e575050dda", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):

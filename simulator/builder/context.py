@@ -152,12 +152,7 @@ class Context:
         ``plan``: the collective's own (a library other than NCCL), else NCCL's."""
         if len(group) <= 1 or size <= 0:
             return None
-        plan = plan or self.plans.get((op, size, group))
-        if plan is None:
-            shape = GroupShape(len(group), len(group) // self.layout.domains_spanned(group))
-            plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
-                             self.s.hardware, self.s.stack.nccl_version)
-            self.plans[(op, size, group)] = plan
+        plan = plan or self.plan_of(op, size, group)
         self.holds_sms = self.holds_sms or (plan.sms > 0 and stream != "compute")
         # the n-th collective of this group *on this rank*: equal on every member
         seq = self.seq[rank]
@@ -168,6 +163,16 @@ class Context:
         self.tasks.append(t)
         self.programs[rank].streams[stream].append(t)
         return t
+
+    def plan_of(self, op: CollectiveName, size: float, group: tuple[int, ...]) -> Plan:
+        """NCCL's plan of ``op`` on ``size`` bytes over ``group`` (made once)."""
+        plan = self.plans.get((op, size, group))
+        if plan is None:
+            shape = GroupShape(len(group), len(group) // self.layout.domains_spanned(group))
+            plan = make_plan(op, size, shape, self.s.simulation.collective_algorithm,
+                             self.s.hardware, self.s.stack.nccl_version)
+            self.plans[(op, size, group)] = plan
+        return plan
 
     def count_dependents(self) -> None:
         tasks, lazy = self.tasks, self.lazy

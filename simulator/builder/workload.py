@@ -61,7 +61,8 @@ from simulator.strategies.expert.layer import (
     expert_layer,
     shared_overlapped,
 )
-from simulator.strategies.tensor.overlap import Windows, overlap_windows
+from simulator.strategies.tensor.overlap import Windows, overlap_windows, price_tails
+from simulator.strategies.timing import collective_time
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
 
@@ -209,8 +210,11 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
     windows = overlap_windows(s, cost)
     if windows:
         layout = layout_of(s)
-        link = layout.group_link(layout.tp_group(0))
+        group = layout.tp_group(0)
+        link = layout.group_link(group)
         nbytes = mdl.tp_comm_bytes_per_layer(spec, b, dt)
+        windows = price_tails(windows, lambda share: collective_time(
+            s, layout, "reduce_scatter", nbytes * share, group, s.hardware))
         base = replace(base, tp_windows=windows,  # an all-gather's and a reduce-scatter's
                        tp_issue=sum(cost.funcol_s(s.stack.dtensor, link, op, nbytes)
                                     for op in ("all_gather", "reduce_scatter")) / 2)

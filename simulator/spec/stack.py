@@ -118,9 +118,11 @@ class StackSpec(BaseModel):
     PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
     profile may have measured, ``gpu.pipeline_action_us``)."""
     tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
-    """TP collectives against the GEMMs next to them (sequence parallelism only):
-    none blocks the compute stream; bulk and pipelined as Transformer Engine's
-    userbuffers run them."""
+    """TP collectives against the GEMMs next to them (sequence parallelism only): none
+    blocks the compute stream; bulk and pipelined pair them as Transformer Engine does."""
+    tp_overlap_runtime: Literal["userbuffers", "symmetric_memory"] = "userbuffers"
+    """What runs them: TE's userbuffers (Megatron) or PyTorch's symmetric memory
+    (torchtitan's async TP): simulator/strategies/tensor/overlap.py."""
     cuda_graphs: bool = False
     """Kernels replayed from a CUDA graph: no per-kernel host cost."""
     host_overhead_us: float = Field(ge=0, le=1e4)

@@ -54,6 +54,7 @@ Installed only when tp > 1 (a group of one has no collective).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from simulator.builder.context import Context, Pass
@@ -67,6 +68,7 @@ from simulator.model.inventory.tensor_parallel import (
 )
 from simulator.strategies.tensor import overlap as tp_overlap
 from simulator.strategies.tensor.overlap import overlap_sides
+from simulator.system.collectives.plan import Plan
 from simulator.system.units import CollectiveName
 
 
@@ -92,6 +94,8 @@ class TensorPass(Pass):
         self.start: dict[int, Task] = {}  # rank -> where its next overlapped all-gather starts
         # (rank, collective, bytes) -> the cost of one functional collective
         self.issue_s: dict[tuple[int, str, float], float] = {}
+        # (collective, bytes, group) -> the plan of one TE userbuffers collective
+        self.ub_plans: dict[tuple[str, float, tuple[int, ...]], Plan] = {}
 
     def issue(self, rank: int, kind: str, op: CollectiveName, nbytes: float, mb: int = -1,
               layer: int = -1, chunk: int = 0) -> Task | None:
@@ -125,7 +129,8 @@ class TensorPass(Pass):
                 self.in_line(rank, "all_gather", 1, mb, layer, chunk, backward)
             return None
         block = self.ctx.programs[rank].streams["compute"][-1]
-        rs = rs and not (backward and block.op == "I")  # no weight gradient to hide behind
+        if rs and backward and block.op == "I":  # no weight gradient to hide behind
+            rs = not self.ctx.c_of(rank).tp_windows[label, "rs", True].weight
         end = self.split(rank, label, block, ag, rs, mb, layer, chunk, backward) \
             if ag or rs else None
         if not rs:
@@ -160,7 +165,9 @@ class TensorPass(Pass):
               layer: int, chunk: int, backward: bool) -> Task:
         """Split ``block`` (the block's task, just added) around its overlapped
         collectives: [ring chunks ‖ all-gather] → wait → rest (with the last chunk) →
-        [reduce-scatter ‖ chunks or weight GEMM] → wait. Returns the last compute piece."""
+        [reduce-scatter ‖ chunks or weight GEMM] → wait → the sum of the received partials
+        (symmetric memory) or the last chunk's reduce-scatter in line (TE's pipeline).
+        Returns the last compute piece."""
         ctx = self.ctx
         compute = ctx.programs[rank].streams["compute"]
         assert block.plan is None and block.op in ("F", "B", "I", "R"), block.name
@@ -174,37 +181,60 @@ class TensorPass(Pass):
             gather = self.side(rank, "all_gather", mb, layer, chunk)
             assert start is not None
             gather.deps.append(start.id)  # with the block (a received input gates the start)
-            block.duration, block.weight_s = (g.parts - 1) * g.chunk, 0.0
+            block.duration, block.weight_s = g.hidden, 0.0
             block.name = f"{name} {g.gemm} chunks ‖ tp.all_gather"
             self.wait(rank, block, gather, mb, layer, chunk)
-            rest += g.chunk - g.whole
+            rest += g.extra - g.hidden  # the last chunk, after the ring
             piece = ctx.compute(rank, block.op, block.kind, name, 0.0, mb, layer, chunk)
         else:
             piece = block
         if r is not None:  # the reduce-scatter starts after the first chunk (pipelined)
-            rest += (r.chunk if r.parts > 1 else 0.0) - r.whole
-            if backward:  # the bulk overlap hides a weight-gradient GEMM
+            rest += r.extra - r.hidden - r.after  # the first chunk, the margin's aside,
+            if r.weight:  # less the GEMM; the bulk overlap hides a weight-gradient GEMM
                 rest_w -= r.whole
         piece.duration, piece.weight_s = max(rest, 0.0), max(rest_w, 0.0) if backward else 0.0
         if r is None:
             return piece
         self.issue(rank, "backward" if backward else "forward", "reduce_scatter",
                    self.tp_bytes, mb, layer, chunk)
-        scatter = self.side(rank, "reduce_scatter", mb, layer, chunk)
+        scatter = self.side(rank, "reduce_scatter", mb, layer, chunk, 1 - r.tail)
         scatter.deps.append(compute[-1].id)  # after the rest (and its host issue)
-        what = f"{r.gemm} wgrad" if backward else f"{r.gemm} chunks"
+        what = f"{r.gemm} wgrad" if r.weight else f"{r.gemm} chunks"
         last = ctx.compute(rank, piece.op, piece.kind, f"{name} {what} ‖ tp.reduce_scatter",
                            r.hidden, mb, layer, chunk)
-        last.weight_s = r.hidden if backward else 0.0
+        last.weight_s = r.hidden if r.weight else 0.0
         self.wait(rank, last, scatter, mb, layer, chunk)
+        if r.after:  # symmetric memory's sum of the received partials
+            last = ctx.compute(rank, piece.op, piece.kind, f"tp.partials_sum L{layer} mb{mb}",
+                               r.after, mb, layer, chunk)
+        if r.tail:  # the last chunk's reduce-scatter, after the last GEMM chunk
+            group = ctx.layout.tp_group(rank)
+            nbytes = self.tp_bytes * r.tail
+            ctx.collective(rank, "compute", "reduce_scatter", "tp", group, nbytes,
+                           f"tp.reduce_scatter L{layer} mb{mb} (last chunk)", mb, layer, chunk,
+                           self.ub_plan("reduce_scatter", nbytes, group))
         return last
 
-    def side(self, rank: int, op: CollectiveName, mb: int, layer: int, chunk: int) -> Task:
+    def ub_plan(self, op: CollectiveName, nbytes: float, group: tuple[int, ...]) -> Plan:
+        """NCCL's plan of a collective TE's userbuffers run, holding no SMs (made once, so
+        that equal layers keep equal programs)."""
+        key = (op, nbytes, group)
+        plan = self.ub_plans.get(key)
+        if plan is None:
+            plan = self.ub_plans[key] = replace(self.ctx.plan_of(op, nbytes, group), sms=0)
+        return plan
+
+    def side(self, rank: int, op: CollectiveName, mb: int, layer: int, chunk: int,
+             share: float = 1.0) -> Task:
         """One overlapped collective on the ``tp`` stream (its host issue, under DTensor,
-        is on the compute stream before the GEMM it meets: :meth:`block`, :meth:`split`)."""
-        t = self.ctx.collective(rank, "tp", op, "tp", self.ctx.layout.tp_group(rank),
-                                self.tp_bytes, f"tp.{op} L{layer} mb{mb} (overlapped)",
-                                mb, layer, chunk)
+        is on the compute stream before the GEMM it meets: :meth:`block`, :meth:`split`).
+        TE's userbuffers move it, not NCCL's kernels: its plan holds no SMs (a ring
+        exchange runs on copy engines; the others' SMs are the GEMM's margin,
+        :func:`~simulator.strategies.tensor.overlap.margin`)."""
+        ctx, group, nbytes = self.ctx, self.ctx.layout.tp_group(rank), self.tp_bytes * share
+        t = ctx.collective(rank, "tp", op, "tp", group, nbytes,
+                           f"tp.{op} L{layer} mb{mb} (overlapped)", mb, layer, chunk,
+                           self.ub_plan(op, nbytes, group))
         assert t is not None  # tp > 1
         return t
 
