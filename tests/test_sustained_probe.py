@@ -160,8 +160,15 @@ def test_cpu_defaults_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["settings"]["seconds"] == 4.0 and data["settings"]["size"] == 128
-    assert all(len(data["phases"][n]["windows"]) >= sustained.MIN_WINDOWS - 1
-               for n in ("gemm", "attention"))
+    # a window is a fixed number of calls sized before the run (no sync per call), so on
+    # a loaded machine fewer fit the 4 s than MIN_WINDOWS: at least two, each with the
+    # calls it was sized for, and the sustained figure the median of the last half
+    for n in ("gemm", "attention"):
+        phase = data["phases"][n]
+        windows = phase["windows"]
+        assert len(windows) >= 2
+        assert len({w["calls"] for w in windows}) == 1
+        assert phase["sustained_windows"] == len(windows) - len(windows) // 2
 
 
 # ---------------------------------------------------------------- nvidia-smi sampling
