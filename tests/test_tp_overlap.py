@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.analysis.uncertainty import step_time_of
 from simulator.builder.workload import block_costs, build_workload, layout_of
@@ -336,3 +338,31 @@ def test_symmetric_memory_runs_a_chunk_per_rank_and_sums_the_partials() -> None:
         saved = {m: step_time_of(none, m, None) - step_time_of(base, m, None)
                  for m in ("engine", "analytic")}
         assert saved["engine"] == pytest.approx(saved["analytic"], rel=1e-6)
+
+
+@given(sms=st.integers(17, 400), fewer=st.integers(1, 64))
+@settings(max_examples=25, deadline=None)
+def test_userbuffers_margin_moves_time_as_te_sets_it(sms: int, fewer: int) -> None:
+    """``tp_overlap_runtime: userbuffers`` (TE's ``set_sm_margin``): the pipeline and bulk
+    GEMMs take sms / (sms − 16) as long, ring exchanges none of it, so a GPU with fewer
+    SMs pays more of it; symmetric memory pays none whatever the SM count (GEMMs priced
+    without the tiles' wave quantisation, which the SM count also moves)."""
+    from simulator.analysis.uncertainty import with_hardware
+
+    def on(n: int, runtime: str = "userbuffers") -> Scenario:
+        s = _tp("pipelined")
+        s = s.model_copy(update={"stack": s.stack.model_copy(
+            update={"tp_overlap_runtime": runtime})})
+        gpu = s.hardware.gpu.model_copy(update={"sms": n, "gemm_tiles": ()})
+        return with_hardware(s, s.hardware.model_copy(update={"gpu": gpu}))
+
+    def extra(s: Scenario) -> float:
+        return sum(w.extra for w in overlap_windows(s, _cost(s)).values())
+
+    more, less = on(sms + fewer), on(sms)
+    w = overlap_windows(less, _cost(less))
+    assert w["attn", "rs", False].slow == pytest.approx(sms / (sms - COMM_SMS))
+    assert w["attn", "ag", False].slow == w["attn", "ag", True].slow == 1.0
+    assert extra(less) > extra(more)
+    assert extra(on(sms, "symmetric_memory")) == pytest.approx(
+        extra(on(sms + fewer, "symmetric_memory")))
