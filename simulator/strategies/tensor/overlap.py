@@ -133,8 +133,8 @@ class Window:
 
     @property
     def first(self) -> float:
-        """Compute seconds before the transfer starts: the first chunk (a split pipeline),
-        else none."""
+        """Compute seconds of the chunk not beside the transfer (a pipeline's first, before
+        it starts; a ring exchange's last, after it), else none."""
         return self.chunk * self.slow if self.parts > 1 else 0.0
 
     @property

@@ -184,13 +184,13 @@ class TensorPass(Pass):
             block.duration, block.weight_s = g.hidden, 0.0
             block.name = f"{name} {g.gemm} chunks ‖ tp.all_gather"
             self.wait(rank, block, gather, mb, layer, chunk)
-            rest += g.extra - g.hidden  # the last chunk, after the ring
+            rest += g.first - g.whole  # the last chunk, after the ring
             piece = ctx.compute(rank, block.op, block.kind, name, 0.0, mb, layer, chunk)
         else:
             piece = block
         if r is not None:  # the reduce-scatter starts after the first chunk (pipelined)
-            rest += r.extra - r.hidden - r.after  # the first chunk, the margin's aside,
-            if r.weight:  # less the GEMM; the bulk overlap hides a weight-gradient GEMM
+            rest += r.first + r.aside - r.whole  # the first chunk and the margin's aside
+            if r.weight:  # the bulk overlap hides a weight-gradient GEMM
                 rest_w -= r.whole
         piece.duration, piece.weight_s = max(rest, 0.0), max(rest_w, 0.0) if backward else 0.0
         if r is None:
