@@ -6,7 +6,10 @@
 - the cost model stretches every op of an n-rank step by the factor and nothing of a
   rank alone; a workload's compute tasks grow by exactly that, its collectives not;
 - the profile: round trip with provenance and spread, a preset without it, a bad
-  value refused by name, the uncertainty draw.
+  value refused by name, the uncertainty draw;
+- a GPU population's measured excess of the slowest of n (``gpu.rank_excess``, the A100
+  presets): it replaces c · e_n, read in log n and flat beyond its counts; the presets'
+  curve against the jobs it was read from; a calibration's own spread drops it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import pytest
 from cpu_profile import profile_from
+from hypothesis import given
+from hypothesis import strategies as st
 
 from calibration.microbench.profile_build import write_profile
 from calibration.microbench.terms import rank_spread as rs
@@ -29,6 +34,7 @@ from simulator.model.inventory.ops import gemm, mem
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
 from simulator.system.costs import CostModel, expected_max_normal
+from simulator.system.curves import SpreadCurve
 from simulator.system.hardware import HardwareProfile
 from simulator.system.profiles import load_system, validate_profile
 
@@ -86,7 +92,10 @@ def test_ranks_in_step_give_no_spread() -> None:
 
 
 def _with_spread(hw: HardwareProfile, c: float) -> HardwareProfile:
-    return hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"rank_spread": c})})
+    """``hw`` with spread c and no population curve (the A100 presets carry one, which
+    would take precedence over c)."""
+    return hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"rank_spread": c,
+                                                                  "rank_excess": None})})
 
 
 def _scenario(c: float, tp: int = 2, dp: int = 2) -> Scenario:
@@ -165,3 +174,78 @@ def test_the_uncertainty_draw_scales_the_spread() -> None:
     hw = _with_spread(load_system("dgx-h100"), 0.05)
     assert perturbed(hw, {"rank_spread": 1.5}).gpu.rank_spread == pytest.approx(0.075)
     assert perturbed(hw, {"rank_spread": 100.0}).gpu.rank_spread == 1.0
+
+
+# ---------------------------------------------------------------- a population's curve
+
+#: the 64- and 256-GPU Perlmutter jobs' own slowest GPU over their mean (mean over 51 and
+#: 98 jobs of the sample the A100 presets' curve was read from), and the sample's spread
+PERLMUTTER_JOBS = {64: 0.0283, 256: 0.0484}
+PERLMUTTER_SPREAD = 0.0106
+
+
+def _with_curve(hw: HardwareProfile, points: list[tuple[float, float]]) -> HardwareProfile:
+    curve = SpreadCurve(points=tuple(points))
+    return hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"rank_excess": curve})})
+
+
+def test_a_population_curve_replaces_c_en_read_in_log_n_and_flat_beyond() -> None:
+    hw = _with_spread(load_system("dgx-h100"), 0.5)  # a spread the curve must override
+    hw = _with_curve(hw, [(2, 0.01), (8, 0.02), (128, 0.04)])
+    for ranks, want in ((1, 0.0), (2, 0.01), (4, 0.015), (8, 0.02), (32, 0.03),
+                        (128, 0.04), (4096, 0.04)):
+        assert CostModel(hw, "bf16", ranks=ranks).rank_stretch == pytest.approx(1 + want)
+    op = gemm("qkv", 2048, 4096, 12288, 2, "gemm_fwd")
+    alone = CostModel(hw, "bf16", ranks=1).op_time(op)
+    assert CostModel(hw, "bf16", ranks=32).op_time(op) == pytest.approx(alone * 1.03)
+
+
+@pytest.mark.parametrize("bad", [[(2, -0.01)], [(2, 1.5)], [(8, 0.01), (2, 0.02)]])
+def test_a_bad_curve_is_refused_by_name(bad: list[tuple[float, float]]) -> None:
+    data = load_system("dgx-h100").model_dump(mode="json")
+    data["gpu"]["rank_excess"] = {"points": [list(p) for p in bad]}
+    with pytest.raises(UserError, match="rank_excess"):
+        validate_profile(data, "p.yaml")
+
+
+def test_the_a100_presets_carry_perlmutters_heavier_than_normal_tail() -> None:
+    """The curve (each GPU's time over its job's mean, E[max of n] by order statistics)
+    agrees with the jobs it was read from, sits above a normal of the sample's own spread
+    from 64 GPUs on (the slow tail is heavier), rises with n, and is the same on both
+    A100 presets; the H100 has none (no per-GPU distribution published)."""
+    a40, a80 = load_system("dgx-a100-40gb").gpu, load_system("dgx-a100-80gb").gpu
+    assert a40.rank_excess is not None and a40.rank_excess == a80.rank_excess
+    for n, jobs in PERLMUTTER_JOBS.items():
+        assert a40.rank_excess(n) == pytest.approx(jobs, abs=0.004)
+        assert a40.rank_excess(n) > PERLMUTTER_SPREAD * expected_max_normal(n)
+    counts = [2 ** k for k in range(1, 15)]
+    values = [a40.rank_excess(n) for n in counts]
+    assert values == sorted(values) and values[-1] == values[counts.index(1024)]
+    assert load_system("dgx-h100").gpu.rank_excess is None
+
+
+@given(st.integers(1, 100_000), st.integers(1, 100_000))
+def test_more_ranks_never_wait_less_on_the_a100(a: int, b: int) -> None:
+    hw = load_system("dgx-a100-80gb")
+    lo, hi = sorted((a, b))
+    assert 1.0 <= CostModel(hw, "bf16", ranks=lo).rank_stretch \
+        <= CostModel(hw, "bf16", ranks=hi).rank_stretch <= 1.0 + 0.06425
+
+
+def test_a_calibrated_spread_drops_the_bases_population_curve() -> None:
+    """A calibration over an A100 preset that measured its own two ranks' spread keeps
+    that, not the base's population curve; one that did not keeps the base's curve."""
+    from calibration.microbench.fit_profile import fit_compute
+    from calibration.microbench.profile_build import build_profile
+
+    def built(ok: bool) -> dict[str, Any]:
+        fits = fit_compute([{**_record(ROUNDS_MS), "ok": ok}], "cpu", "fp32", 1, "test cpu",
+                           None)
+        return build_profile(fits, load_system("dgx-a100-80gb"), name="t", device="cpu",
+                             device_name="test cpu", gpus_per_node=2, memory_GB=8.0,
+                             provenance={}, datasheet=False)
+
+    measured, kept = built(True), built(False)
+    assert measured["gpu"]["rank_spread"] > 0 and "rank_excess" not in measured["gpu"]
+    assert kept["gpu"]["rank_excess"] == load_system("dgx-a100-80gb").gpu.model_dump(
+        mode="json")["rank_excess"]

@@ -36,39 +36,39 @@ CPU = ["cluster.system=cpu-1thread", "cluster.gpus_per_node=8"]
 # (scenario file, --set overrides, fidelity) -> (hash, number of tasks)
 GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
-        ("45b4f408f9179c7d", 1825),
+        ("287a5bbdacde389a", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("9be7deb3a512e538", 4482),
+        ("e12c2086186e92a2", 4482),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("4e1c681ec59edb54", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("c91773416e983f0f", 4364),
+        ("52a2005f1007c897", 4364),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("d56839c74f1fc89a", 2952),
+        ("061d01d5dbf1a61d", 2952),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):
-        ("8a219dff86db9d70", 8392),
+        ("cfc8459727b6217c", 8392),
     ("zb-h1-vs-1f1b-zbh1", (), "folded"):
         ("ea6583e575050dda", 6248),
     ("llama2-7b-8gpu-pp4-gpipe", (), "full"):
-        ("4598c5487ca249cc", 2282),
+        ("b2330cef8084b0d5", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("ac8e150931b5edbf", 8524),
+        ("da0b88f24d8c31ca", 8524),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("d5c14a4cd4fa3089", 2710),
+        ("da6113605cc6c3f1", 2710),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("70d8c6f58adfc4c9", 1648),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=1", "parallel.dp_bucket_MB=1000"), "full"):
-        ("09e459ccbbb72d89", 2260),
+        ("e7a191a0198b6576", 2260),
     ("llama2-7b-8gpu-ddp", ("parallel.dp_bucket_MB=1000",), "folded"):
-        ("efed82ad3fd4d560", 2125),
+        ("a5f210d915622c13", 2125),
     ("llama2-7b-8gpu-zero2", (), "folded"):
-        ("dd32f8a9076706c1", 2642),
+        ("6a7df87baa6ec1f1", 2642),
 }
 
 

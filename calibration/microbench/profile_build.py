@@ -189,8 +189,9 @@ def _terms_into(gpu: dict[str, Any], prof: dict[str, Any], fits: Fits, base: Har
                               **{k: {"us": sig(a * 1e6), "us_per_mib": sig(b * 1e6 * (1 << 20))}
                                  for k, (a, b) in fits.terms.funcol_host.items()}}
         gpu.pop("funcol_sync_us", None)
-    if fits.terms.rank_spread is not None:
-        gpu["rank_spread"] = sig(fits.terms.rank_spread)
+    if fits.terms.rank_spread is not None:  # this machine's own spread, not the base's
+        gpu["rank_spread"] = sig(fits.terms.rank_spread)  # population curve
+        gpu.pop("rank_excess", None)
     terms, spread = term_sources(fits, base.name)
     prof["uncertainty"] = {**prof.get("uncertainty", {}), **spread}
     return terms

@@ -34,12 +34,15 @@ Short kernels cost their launch time; long ones hide it.
 Rank spread: ranks given the same work do not finish it together, and every
 synchronisation of a step waits for the slowest. With a rank's compute time normal
 with relative spread c (``gpu.rank_spread``, calibrated by
-:mod:`calibration.microbench.rank_spread`; 0 in the presets), the slowest of n ranks
-takes ``1 + c · e_n`` times as long, e_n the expected maximum of n standard normals
+:mod:`calibration.microbench.rank_spread`), the slowest of n ranks takes ``1 + c · e_n``
+times as long, e_n the expected maximum of n standard normals
 (:func:`expected_max_normal`; Hoefler, Schneider and Lumsdaine, SC 2010, on noise
-amplified by synchronisation). A step's cost model (``ranks``: its world) stretches
-every op by that factor: the wait at each synchronisation grows with the compute
-before it. ``ranks = 1`` prices one rank alone (``clustersim ops``).
+amplified by synchronisation); where the profile has a GPU population's measured
+excess of the slowest of n (``gpu.rank_excess``: the A100 presets, from per-GPU GEMM
+times on Perlmutter, whose slow tail is heavier than a normal's), ``1 + excess(n)``. A
+step's cost model (``ranks``: its world) stretches every op by that factor: the wait at
+each synchronisation grows with the compute before it. ``ranks = 1`` prices one rank
+alone (``clustersim ops``).
 
 Nothing here knows what a transformer is: it prices :class:`simulator.model.inventory.ops.Op`
 records by kind, class, FLOPs, bytes and kernels. The kinds (``gemm``, ``attention``,
@@ -138,9 +141,14 @@ class CostModel:
     @cached_property
     def rank_stretch(self) -> float:
         """How many times longer the slowest of :attr:`ranks` takes the same compute:
+        ``1 + gpu.rank_excess(n)`` where the profile has a population's curve, else
         ``1 + gpu.rank_spread · e_n`` (1 for one rank or no spread)."""
-        c = self.hw.gpu.rank_spread
-        return 1.0 + c * expected_max_normal(self.ranks) if c and self.ranks > 1 else 1.0
+        gpu, n = self.hw.gpu, self.ranks
+        if n <= 1:
+            return 1.0
+        if gpu.rank_excess is not None:
+            return 1.0 + gpu.rank_excess(n)
+        return 1.0 + gpu.rank_spread * expected_max_normal(n) if gpu.rank_spread else 1.0
 
     @property
     def peak(self) -> float:

@@ -46,6 +46,16 @@ class LogCurve(Frozen):
         return interpolate_log(self.points, size)
 
 
+class SpreadCurve(LogCurve):
+    """How much longer the slowest of n ranks takes the same work than their mean, as a
+    relative excess over the rank count n, interpolated in log10(n), flat beyond the
+    measured counts."""
+
+    LOW: ClassVar[float] = 0.0
+    HIGH: ClassVar[float] = 1.0
+    WHAT: ClassVar[str] = "excesses"
+
+
 class HostLine(Frozen):
     """Host time of one call as a line in its bytes: ``us + us_per_mib · MiB``."""
 

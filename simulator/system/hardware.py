@@ -3,29 +3,19 @@
 A profile is the cost model's only source of numbers. Bundled presets
 (``simulator/presets/systems/*.yaml``) come from datasheets and published
 microbenchmarks, each number with its source in a comment; a calibrated profile
-(``clustersim calibrate``) has the same schema and records its provenance, so a
-scenario uses either with ``cluster.system: NAME`` or ``cluster.system: path.yaml``.
+(``clustersim calibrate``) has the same schema and records its provenance; a scenario
+names either in ``cluster.system`` (a preset's name or a path).
 
-Achievable efficiency is data too: a piecewise-linear curve over log10(problem
-size) — GEMM FLOPs for compute, bytes moved for memory-bound kernels — clamped
-at both ends. Link classes carry per-GPU bandwidth per direction, a per-step
-latency α and the fraction of line rate collectives achieve (nccl-tests busbw).
-The ``intra_node`` class joins the GPUs of one NVLink domain: a node, or where
-``nvlink_domain_gpus`` says so, several (a GB200 NVL72 rack's 18 trays).
-
-Every cost class of the op inventory (:data:`COST_CLASSES`) may carry its own curve
-in ``gpu.class_efficiency``; a class without one falls back to the generic curve of
-its kind (:meth:`GPUSpec.efficiency`); where ``gpu.gemm_tiles`` lists the CTA tiles of
-the GPU's GEMM library, a GEMM of known shape keeps its tile and wave quantisation's share
-of that (:mod:`simulator.system.gemm_shape`). ``gpu.interference`` says how much compute
-slows while a collective on a link class overlaps it, ``gpu.collective_sync_us`` what
-a collective issued after compute costs beyond its back-to-back α-β time,
-``gpu.send_sync_us`` the same for a point-to-point send (a pipeline stage's
-activations or gradients), and
-``uncertainty`` keeps the relative spread calibration measured for each fitted term
-(:data:`UNCERTAINTY_TERMS`), which ``clustersim run --uncertainty`` propagates. All
-are optional: a profile without them keeps the generic curves, no slowdown, no sync
-cost and no spread.
+Achievable efficiency is data too: a piecewise-linear curve over log10(problem size)
+(GEMM FLOPs, bytes moved), clamped at both ends, per cost class where
+``gpu.class_efficiency`` has one (:meth:`GPUSpec.efficiency`), with a GEMM's tile and wave
+quantisation where ``gpu.gemm_tiles`` lists its library's tiles
+(:mod:`simulator.system.gemm_shape`). Link classes carry per-GPU bandwidth per direction,
+a per-step latency α and the fraction of line rate collectives achieve (nccl-tests
+busbw); ``intra_node`` joins one NVLink domain's GPUs (a node, or ``nvlink_domain_gpus``).
+The optional terms (``interference``, the sync costs, the rank spread, ``uncertainty``,
+which ``clustersim run --uncertainty`` propagates) are absent in a profile that has not
+measured them: no slowdown, no sync cost, no spread.
 
 A profile file is read strictly (:func:`load_system`): every field stated (a
 profile without calibrated collectives says ``collectives: {}``, and calibrated
@@ -50,7 +40,14 @@ from pydantic import (
 
 from simulator.errors import Problem, UserError
 from simulator.system.attention_kernels import AttentionCall, AttentionKernel, selected_kernel
-from simulator.system.curves import BurstCurve, EfficiencyCurve, HostLine, SyncCurve, known_keys
+from simulator.system.curves import (
+    BurstCurve,
+    EfficiencyCurve,
+    HostLine,
+    SpreadCurve,
+    SyncCurve,
+    known_keys,
+)
 from simulator.system.gemm_shape import GemmCall, Tiles, shape_factor
 from simulator.system.link_specs import (
     AlphaBeta,
@@ -177,12 +174,13 @@ class GPUSpec(Frozen):
     # every kind, a DTensor all-reduce minus a plain one after a compute burst, its
     # ranks' skew included (absent: the one-rank funcol_overhead_us); no longer measured
     funcol_sync_us: dict[LinkName, Annotated[float, TIME_US]] = Field(default_factory=dict)
-    # the relative spread c of a rank's compute time on the same work (one device or
-    # core slower than another for a while): every synchronisation of an n-rank step
-    # waits for the slowest, so compute costs 1 + c · e_n times its time
-    # (calibration/microbench/rank_spread.py; simulator.system.costs.expected_max_normal;
-    # absent = 0)
+    # the relative spread c of a rank's compute time on the same work: every
+    # synchronisation of an n-rank step waits for the slowest, so compute costs
+    # 1 + c · e_n times its time (calibration/microbench/rank_spread.py; absent = 0)
     rank_spread: float = Field(default=0.0, ge=0, le=1)
+    # the same measured over a GPU population, the slowest of n's excess by n (heavier
+    # tailed than a normal); where present it replaces c · e_n (costs.CostModel)
+    rank_excess: SpreadCurve | None = None
     # memory beside the tensors: context, workspaces, NCCL channels (RuntimeMemory);
     # absent: a CUDA GPU's defaults, none on a CPU device (runtime_memory)
     runtime: RuntimeMemory | None = None
@@ -206,13 +204,15 @@ class GPUSpec(Frozen):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without tiles (or a depth curve) the field is left out, as a profile file leaves
-        it out: a run's echo of the hardware (and its hash) reads as before the field."""
+        """Without tiles (a depth curve, a population's spread) the field is left out, as a
+        profile file leaves it out: a run's echo of the hardware (and its hash) reads as
+        before the field."""
         out: dict[str, Any] = handler(self)
         if not self.gemm_tiles:
             out.pop("gemm_tiles", None)
-        if self.gemm_depth is None:
-            out.pop("gemm_depth", None)
+        for name in ("gemm_depth", "rank_excess"):
+            if getattr(self, name) is None:
+                out.pop(name, None)
         return out
 
     @field_validator("attention_kernels", mode="before")

@@ -32,6 +32,7 @@ OPTIONAL_FIELDS = ("description", "provenance", "power", "class_efficiency", "in
                    "host_overhead_us", "dtensor_overhead_us", "host_optimizer_us",
                    "dtensor_gemm_us", "pipeline_action_us",
                    "funcol_overhead_us", "funcol_sync_us", "funcol_host", "rank_spread",
+                   "rank_excess",
                    "attention_kernels", "compute_capability", "nvlink_domain_gpus",
                    "runtime", "fp8_recipes", "fp8_gemm_efficiency", "sms", "gemm_tiles",
                    "gemm_depth")
