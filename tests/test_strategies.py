@@ -541,7 +541,8 @@ def test_recompute_adds_the_forward(recompute: str, tp: int, pp: int, sp: bool,
     _, sb = run(base)
     _, sr = run(rec)
     assert not (sb["op"] == "R").any()
-    cost = CostModel(rec.hardware, rec.training.dtype, host_us=rec.stack.host_us)
+    cost = CostModel(rec.hardware, rec.training.dtype, host_us=rec.stack.host_us,
+                     ranks=rec.parallel.world)  # every rank at the slowest's pace
     attn = cost.ops_time(op for op in mdl.layer_ops(rec.model, 1, tp, sp, "bf16", "fwd",
                                                     stack=rec.stack)
                          if op.name in CORE_OPS)  # the unfused core: QKᵀ ... AV
