@@ -163,10 +163,12 @@ def test_korthikanti_table_2(tp: int, sp: bool, recompute: str, expected: float)
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (8, False), (8, True)])
 def test_flash_stack_keeps_no_scores_and_no_masks(tp: int, sp: bool) -> None:
     # torchtitan: flash attention (Q, K, V, O and the fp32 log-sum-exp, 4·a·s·b), no dropout:
-    # s·b·h·(8·r + 24/t) + 4·a·s·b/t with r = 1/t under sequence parallelism
+    # s·b·h·(4·r + 4 + 24/t) + 4·a·s·b/t with r = 1/t under sequence parallelism for the two
+    # norms' inputs; the QKV and MLP-up inputs are the all-gathered ones DTensor's matmuls
+    # keep (stack.sp_input_backward: saved), whole under SP too
     titan = load_stack("torchtitan")
     r = 1 / tp if sp else 1.0
-    expected = _sbh() * (8 * r + 24 / tp) + 4 * GPT3.heads * GPT3.seq_len / tp
+    expected = _sbh() * (4 * r + 4 + 24 / tp) + 4 * GPT3.heads * GPT3.seq_len / tp
     got = activation_bytes_per_layer(GPT3, 1, tp, sp, "none", stack=titan)
     assert got == pytest.approx(expected, rel=1e-12)
     assert activation_bytes_per_layer(GPT3, 1, tp, sp, "none", dtype="fp32", stack=titan) \

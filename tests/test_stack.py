@@ -147,7 +147,10 @@ def _closed_form(spec: ModelSpec, b: int, tp: int, sp: bool, stack: StackSpec,
     f = spec.ffn / tp
     heads = spec.heads / tp
     S = b * heads * s * s
-    out = (2 * rs + 2 * g) * L * h  # the two norms' and the QKV and MLP-up projections' inputs
+    # the two norms' and the QKV and MLP-up projections' inputs: under SP Megatron's
+    # projections keep the shard (and re-gather it), DTensor's matmuls the gathered whole
+    Lin = T if sp and stack.sp_input_backward == "saved" else L
+    out = 2 * rs * L * h + 2 * g * Lin * h
     out += 2 * L * h if stack.hidden_dropout > 0 else 0  # two 1-byte masks
     out += dt * T * (q + 2 * kv)  # Q, K, V
     # the out-projection's input: one copy, FP8 or DeepSeek-V3's 12-bit E5M6 (1.5 bytes)
@@ -197,6 +200,28 @@ def test_memory_and_inventory_agree_on_what_is_kept(spec: ModelSpec, b: int, tp:
                for op in mdl.layer_ops(spec, b, tp, sp, "bf16", p, stack=stack))  # type: ignore[arg-type]
 
 
+def test_sequence_parallel_projections_keep_the_shard_under_megatron_the_whole_as_dtensor(
+) -> None:
+    """Megatron keeps the QKV and MLP-up inputs as the sequence shard (and re-gathers
+    them in backward); DTensor's matmuls keep the all-gathered tensor autograd saved:
+    t times as much for those two, the rest of the layer alike."""
+    spec = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000,
+                     seq_len=512)
+    b, tp, T, h = 2, 4, 2 * 512, 256
+    kept = {name: {op.name: op.saved for op in mdl.layer_ops(spec, b, tp, True, "bf16", "fwd",
+                                                            stack=load_stack(name))}
+            for name in ("megatron-core", "torchtitan")}
+    assert kept["megatron-core"]["qkv"] == kept["megatron-core"]["mlp_up"] == 2 * T * h / tp
+    assert kept["torchtitan"]["qkv"] == kept["torchtitan"]["mlp_up"] == 2 * T * h
+    assert kept["torchtitan"]["ln1"] == kept["megatron-core"]["ln1"]  # the norm: its shard
+    titan = load_stack("torchtitan")
+    regather = StackSpec.model_validate({"preset": "torchtitan", "sp_input_backward": "regather"})
+    for sp in (True, False):  # the field moves the two projections' inputs, under SP only
+        got = activation_bytes_per_layer(spec, b, tp, sp, "none", stack=titan) \
+            - activation_bytes_per_layer(spec, b, tp, sp, "none", stack=regather)
+        assert got == pytest.approx(2 * 2 * T * h * (1 - 1 / tp) if sp else 0.0)
+
+
 moe_specs = st.builds(
     lambda heads, head_dim, experts, k, cap, shared, act, dense: ModelSpec(
         layers=4, hidden=heads * head_dim, heads=heads, kv_heads=heads, ffn_hidden=4 * heads
@@ -234,7 +259,8 @@ def test_a_moe_layers_memory_is_what_its_ops_keep(spec: ModelSpec, b: int, tp: i
     want = _closed_form(spec, b, tp, sp, stack, "none")
     if spec.is_moe_layer(layer):
         pairs = T * spec.experts_per_token * (spec.capacity_factor or 1.0)
-        want += -dt * T * dense * spec.ffn / tp + 4 * L * spec.experts \
+        routed = T if sp and stack.sp_input_backward == "saved" else L  # DTensor: the gathered
+        want += -dt * T * dense * spec.ffn / tp + 4 * routed * spec.experts \
             + pairs * dt * (h + unit * spec.expert_ffn / tp) \
             + T * dt * unit * spec.shared_experts * spec.expert_ffn / tp
     assert memory == pytest.approx(want, rel=1e-12)

@@ -210,18 +210,18 @@ class StackSpec(BaseModel):
     cp_kv_backward: Literal["regather", "saved"] = "regather"
     """what the all-gather variant of context parallelism keeps for the backward: ``regather``,
     the rank's own key/value chunk, all-gathered again in backward (Transformer Engine's
-    ``AttnFuncWithCPAndKVAllGather`` saves the local k, v and its backward calls
-    ``gather_along_first_dim`` on them again:
-    transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), or
-    ``saved``, the gathered keys and values themselves, so the backward has only the
-    gradients' reduce-scatter (an autograd all-gather whose output the attention saves, as our
-    measured CP worker's ``GatherKV``: calibration/measured/cp_worker.py), at cp times the
-    key/value memory"""
+    ``AttnFuncWithCPAndKVAllGather``: attention/dot_product_attention/context_parallel.py), or
+    ``saved``, the gathered keys and values, so the backward has only the gradients'
+    reduce-scatter (our measured CP worker's ``GatherKV``), at cp times the memory"""
+    sp_input_backward: Literal["regather", "saved"] = "regather"
+    """what the QKV and MLP-up projections keep of their input under sequence parallelism:
+    ``regather``, the rank's shard, all-gathered again in backward (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``, TE's ``LayerNormLinear``), or
+    ``saved``, the all-gathered tensor DTensor's matmul saves (torchtitan, PyTorch TP)"""
     dtensor: bool = False
     """TP and FSDP2 as DTensor (torch.distributed.tensor.parallel, fully_shard): every op on
     DTensors pays DTensor's dispatch and sharding propagation on the host (FSDP2's sharded
-    parameters are DTensors, so its optimizer step does; its forward and backward run on plain
-    unsharded tensors)"""
+    parameters are DTensors: its optimizer step does; its forward and backward do not)"""
     autocast: bool = False
     """torch.autocast over fp32 parameters (PyTorch AMP): GEMMs and attention run in the training
     dtype on operands cast per call, norms, softmax and the loss in fp32

@@ -13,7 +13,8 @@ T, widths per TP rank: q = h/t, kv = KV heads/t · head_dim, f = ffn/t):
 
 - ``ln1``, ``ln2``: a norm kernel over L·h; keeps its input.
 - ``qkv``: one GEMM, or three with separate q/k/v projections; keeps its input (the
-  sharded one under sequence parallelism, which Megatron re-gathers in backward).
+  sharded one under sequence parallelism, which Megatron re-gathers in backward; under
+  ``stack.sp_input_backward: saved``, DTensor's, the all-gathered one, T·h).
 - ``rope`` (rotary models): one fused kernel, or the eager rotate-half sequence.
 - attention: with ``flash2``/``flash3`` one ``attn_core`` kernel that keeps Q, K, V and
   the softmax statistics and, under a causal mask, executes half the counted FLOPs
@@ -68,6 +69,9 @@ def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
     h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     kb = (1 if fp8.active(x) else dt) * (pass_ == "fwd")  # bytes kept per input element
+    # the first projections' input under sequence parallelism: Megatron keeps the shard
+    # and re-gathers it in backward; DTensor's matmul keeps the all-gathered whole
+    Lin = T if x.sp and x.st.sp_input_backward == "saved" else L
 
     def make(name: str, k: float, n: float, kernels: int, kept: float) -> Op:
         if fp8.active(x):
@@ -75,10 +79,10 @@ def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
         return gemm(name, T, k, n, dt, cls, kernels, kept)
 
     return {
-        "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * L * h),
+        "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * Lin * h),
         "out_proj": make("out_proj", x.q, h, 1,
                          fp8.attn_out_bytes(x.st, dt) * (pass_ == "fwd") * T * x.q),
-        "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * L * h),
+        "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * Lin * h),
         "mlp_down": make("mlp_down", x.spec.ffn / x.tp, h, 1, kb * T * x.spec.ffn / x.tp),
     }
 

@@ -201,8 +201,11 @@ def moe_mlp(x: Shape, pass_: Pass, padded: bool) -> list[Op]:
     into, back = EAGER_ROUTING.get(pass_, (1, 1)) if eager else (1, 1)
     rows_in, rows_back = eager_routing_rows(pass_, T, routed, routed_tokens(spec, T, False)) \
         if eager else (T + routed, routed + T)
-    ops = [gemm("router", L, h, spec.experts, dt, cls, 1,
-                (dt * L * h + 4 * L * spec.experts) * keep),
+    # under SP Megatron routes the rank's shard; a DTensor MoE gathers its input first
+    # (a replicated router over every token)
+    R = T if x.sp and x.st.sp_input_backward == "saved" else L
+    ops = [gemm("router", R, h, spec.experts, dt, cls, 1,
+                (dt * R * h + 4 * R * spec.experts) * keep),
            mem("permute", rows_in * h, dt, "elementwise", into)]
     if spec.shared_experts:
         width = spec.shared_experts * f
