@@ -99,3 +99,24 @@ def test_progress_bars_only_on_a_terminal_and_after_a_delay(
         assert not bar.disable  # a terminal: a bar ...
         bar.update(10)  # ... but done at once, under the delay: never drawn
     assert tty.getvalue() == ""
+
+
+@pytest.mark.parametrize(("system", "factor"), [("dgx-a100-80gb", 1.01538), ("dgx-h100", 1.0)])
+def test_the_summary_says_how_much_the_slowest_rank_costs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], system: str, factor: float) -> None:
+    """results.json carries the rank stretch every op was charged (the A100 presets'
+    population curve at 8 GPUs, +1.538%) and its term; the summary names it where it is
+    above 1 and says nothing where the profile has no spread."""
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("dgx-a100-80gb", system))
+    out = tmp_path / "o"
+    assert main(["run", str(path), "--no-plots", "--out", str(out), "--method", "analytic"]) == 0
+    text = capsys.readouterr().out
+    stretch = json.loads((out / "results.json").read_text())["rank_stretch"]
+    assert stretch["factor"] == pytest.approx(factor) and stretch["ranks"] == 8
+    if factor > 1:
+        assert stretch["term"] == "rank_excess"
+        assert "slowest rank          every op 1.015× as long: the slowest of 8 GPUs " \
+            "(gpu.rank_excess)" in text
+    else:
+        assert stretch["term"] is None and "slowest rank" not in text

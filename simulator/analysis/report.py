@@ -37,6 +37,7 @@ from simulator.spec.recompute import flops_modes, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.compression import arithmetic as cmp
 from simulator.system.collectives.plan import busbw_factor
+from simulator.system.costs import CostModel
 
 
 def spans_frame(result: SimResult) -> pd.DataFrame:
@@ -169,7 +170,19 @@ def common_metrics(s: Scenario, step_time: float) -> dict[str, Any]:
                     "total": m.total,
                     "capacity": m.capacity} for m in stages],
         "gradient_compression": cmp.traffic(s),
+        "rank_stretch": rank_stretch(s),
     }
+
+
+def rank_stretch(s: Scenario) -> dict[str, Any]:
+    """How many times as long every op takes at the slowest of the step's ranks, and
+    from which term: the profile's population curve (``gpu.rank_excess``), its spread
+    (``gpu.rank_spread`` · e_n), or none."""
+    gpu, world = s.hardware.gpu, s.parallel.world
+    term = "rank_excess" if gpu.rank_excess is not None else \
+        "rank_spread" if gpu.rank_spread else None
+    return {"factor": CostModel(s.hardware, s.training.dtype, ranks=world).rank_stretch,
+            "ranks": world, "term": term}
 
 
 #: A category whose share of the step is at least this is named in the summary.
@@ -220,6 +233,10 @@ def summary_lines(results: dict[str, Any], wall: dict[str, float] | None = None)
                      f"{comp['method']} ({state}): {gb_wire:.3g} GB on the wire per GPU, "
                      f"{comp['saved_fraction']:.1%} less than uncompressed; kernels "
                      f"{comp['compression_compute_s'] * 1e3:.3g} ms"))
+    stretch = results.get("rank_stretch") or {}
+    if stretch.get("factor", 1.0) > 1.0:
+        rows.append(("slowest rank", f"every op {stretch['factor']:.3f}× as long: the slowest "
+                                     f"of {stretch['ranks']:,} GPUs (gpu.{stretch['term']})"))
     verdict = "fits" if results["fits_in_memory"] else "DOES NOT FIT"
     cap = results["memory"][0]["capacity"]
     rows.append(("peak memory", f"{results['memory_peak_bytes'] / gb:.1f} GB of "
