@@ -249,3 +249,9 @@ def test_a_calibrated_spread_drops_the_bases_population_curve() -> None:
     assert measured["gpu"]["rank_spread"] > 0 and "rank_excess" not in measured["gpu"]
     assert kept["gpu"]["rank_excess"] == load_system("dgx-a100-80gb").gpu.model_dump(
         mode="json")["rank_excess"]
+    # the calibration's summary says which one the profile carries
+    from calibration.microbench.report_tables import summary_text
+
+    assert "rank excess" not in summary_text(measured, [], 1.0)
+    assert "rank excess (the base's GPU population): the slowest of n 2: +0.58%, 4: +1.08%" \
+        in summary_text(kept, [], 1.0)

@@ -178,6 +178,9 @@ def _term_lines(gpu: dict[str, Any]) -> list[str]:
     if gpu.get("rank_spread"):
         lines.append(f"  rank spread: {gpu['rank_spread']} (relative spread of a rank's compute "
                      "time; each synchronisation waits for the slowest)")
+    if gpu.get("rank_excess"):  # the base preset's, kept where no spread was measured
+        points = ", ".join(f"{n:g}: +{x:.2%}" for n, x in gpu["rank_excess"]["points"])
+        lines.append(f"  rank excess (the base's GPU population): the slowest of n {points}")
     return lines
 
 
