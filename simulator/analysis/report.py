@@ -178,11 +178,8 @@ def rank_stretch(s: Scenario) -> dict[str, Any]:
     """How many times as long every op takes at the slowest of the step's ranks, and
     from which term: the profile's population curve (``gpu.rank_excess``), its spread
     (``gpu.rank_spread`` · e_n), or none."""
-    gpu, world = s.hardware.gpu, s.parallel.world
-    term = "rank_excess" if gpu.rank_excess is not None else \
-        "rank_spread" if gpu.rank_spread else None
-    return {"factor": CostModel(s.hardware, s.training.dtype, ranks=world).rank_stretch,
-            "ranks": world, "term": term}
+    cost = CostModel(s.hardware, s.training.dtype, ranks=s.parallel.world)
+    return {"factor": cost.rank_stretch, "ranks": cost.ranks, "term": cost.rank_term}
 
 
 #: A category whose share of the step is at least this is named in the summary.

@@ -143,12 +143,21 @@ class CostModel:
         """How many times longer the slowest of :attr:`ranks` takes the same compute:
         ``1 + gpu.rank_excess(n)`` where the profile has a population's curve, else
         ``1 + gpu.rank_spread · e_n`` (1 for one rank or no spread)."""
-        gpu, n = self.hw.gpu, self.ranks
-        if n <= 1:
+        gpu, n, term = self.hw.gpu, self.ranks, self.rank_term
+        if n <= 1 or term is None:
             return 1.0
-        if gpu.rank_excess is not None:
+        if term == "rank_excess":
+            assert gpu.rank_excess is not None
             return 1.0 + gpu.rank_excess(n)
-        return 1.0 + gpu.rank_spread * expected_max_normal(n) if gpu.rank_spread else 1.0
+        return 1.0 + gpu.rank_spread * expected_max_normal(n)
+
+    @property
+    def rank_term(self) -> str | None:
+        """The profile's term the rank stretch reads: a population's curve
+        (``rank_excess``) before a spread (``rank_spread``), else none."""
+        gpu = self.hw.gpu
+        return "rank_excess" if gpu.rank_excess is not None else \
+            "rank_spread" if gpu.rank_spread else None
 
     @property
     def peak(self) -> float:

@@ -66,12 +66,9 @@ def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
     """The layer's four linears; under ``stack.fp8`` FP8 GEMMs that keep their FP8 input
     (1 byte an element; the out-projection's in E5M6 under DeepSeek-V3's caching,
     :func:`simulator.model.inventory.fp8.attn_out_bytes`)."""
-    h, T, L, dt = x.spec.hidden, x.tokens, x.local, x.dt
+    h, T, dt = x.spec.hidden, x.tokens, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     kb = (1 if fp8.active(x) else dt) * (pass_ == "fwd")  # bytes kept per input element
-    # the first projections' input under sequence parallelism: Megatron keeps the shard
-    # and re-gathers it in backward; DTensor's matmul keeps the all-gathered whole
-    Lin = T if x.sp and x.st.sp_input_backward == "saved" else L
 
     def make(name: str, k: float, n: float, kernels: int, kept: float) -> Op:
         if fp8.active(x):
@@ -79,10 +76,10 @@ def layer_gemms(x: Shape, pass_: Pass) -> dict[str, Op]:
         return gemm(name, T, k, n, dt, cls, kernels, kept)
 
     return {
-        "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * Lin * h),
+        "qkv": make("qkv", h, x.q + 2 * x.kv, x.qkv_kernels, kb * x.kept_in * h),
         "out_proj": make("out_proj", x.q, h, 1,
                          fp8.attn_out_bytes(x.st, dt) * (pass_ == "fwd") * T * x.q),
-        "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * Lin * h),
+        "mlp_up": make("mlp_up", h, x.up, x.up_kernels, kb * x.kept_in * h),
         "mlp_down": make("mlp_down", x.spec.ffn / x.tp, h, 1, kb * T * x.spec.ffn / x.tp),
     }
 

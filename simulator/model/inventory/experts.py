@@ -192,7 +192,7 @@ def moe_mlp(x: Shape, pass_: Pass, padded: bool) -> list[Op]:
     permutation into the experts' buffers, the shared experts as one MLP of width
     shared · f_e (Megatron-LM's fused shared experts), the routed experts, and the
     weighted un-permutation (copies of k·T·h elements)."""
-    spec, T, L, h, dt = x.spec, x.tokens, x.local, x.spec.hidden, x.dt
+    spec, T, h, dt = x.spec, x.tokens, x.spec.hidden, x.dt
     cls = {"fwd": "gemm_fwd", "bwd_input": "gemm_dgrad", "bwd_weight": "gemm_wgrad"}[pass_]
     keep = pass_ == "fwd"
     routed = routed_tokens(spec, T, padded)
@@ -201,11 +201,9 @@ def moe_mlp(x: Shape, pass_: Pass, padded: bool) -> list[Op]:
     into, back = EAGER_ROUTING.get(pass_, (1, 1)) if eager else (1, 1)
     rows_in, rows_back = eager_routing_rows(pass_, T, routed, routed_tokens(spec, T, False)) \
         if eager else (T + routed, routed + T)
-    # under SP Megatron routes the rank's shard; a DTensor MoE gathers its input first
-    # (a replicated router over every token)
-    R = T if x.sp and x.st.sp_input_backward == "saved" else L
-    ops = [gemm("router", R, h, spec.experts, dt, cls, 1,
-                (dt * R * h + 4 * R * spec.experts) * keep),
+    rows = x.kept_in  # under SP Megatron routes its shard, a DTensor MoE the gathered tokens
+    ops = [gemm("router", rows, h, spec.experts, dt, cls, 1,
+                (dt * rows * h + 4 * rows * spec.experts) * keep),
            mem("permute", rows_in * h, dt, "elementwise", into)]
     if spec.shared_experts:
         width = spec.shared_experts * f

@@ -220,6 +220,14 @@ class Shape:
         return self.tokens / self.tp if self.sp else self.tokens
 
     @property
+    def kept_in(self) -> float:
+        """Tokens of the block input the first projections (QKV, MLP up, a MoE router)
+        keep: the rank's shard under sequence parallelism, re-gathered in backward
+        (Megatron), or the gathered whole DTensor's matmul saves
+        (``stack.sp_input_backward: saved``)."""
+        return self.tokens if self.sp and self.st.sp_input_backward == "saved" else self.local
+
+    @property
     def q(self) -> float:
         return self.spec.q_width / self.tp
 
