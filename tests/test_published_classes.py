@@ -1,8 +1,10 @@
 """Where a table's error sits, by cost class (``clustersim validate-runs --by-class``):
 each row's step split into the shares its GEMMs, attention and memory-bound kernels move
 (``--what-if``'s elasticities), its links and the other, and the factor per class fitted by least
-squares. Oracles: rows made from known factors give those factors back exactly; a
-share is the elasticity ``clustersim run --what-if`` reports for the same step."""
+squares, and the same with two classes, the attention kernels against the rest, per GPU,
+kernel and head dimension. Oracles: rows made from known factors give those factors back
+exactly; a share is the elasticity ``clustersim run --what-if`` reports for the same
+step."""
 
 from __future__ import annotations
 
@@ -24,10 +26,14 @@ from simulator.published.classes import (
     CLASSES,
     FIT_COLUMNS,
     SHARE_COLUMNS,
+    SPLIT_COLUMNS,
     fit_classes,
+    fit_split,
+    split_line,
     step_shares,
     time_ratio,
 )
+from simulator.published.compare import kernel_group
 from simulator.published.mapping import scenario_data
 from simulator.published.rows import COLUMNS, read_rows
 from simulator.spec.load import scenario_from_dict
@@ -97,6 +103,36 @@ def test_noise_shows_in_the_standard_errors_and_each_gpu_has_its_fit() -> None:
     assert (abs(whole["factor"] - 1) < 4 * whole["std_error"]).all()
 
 
+def test_the_split_gives_back_each_kernels_factor_and_the_rests() -> None:
+    """Rows whose attention took 0.8x its simulated time on one kernel and head dimension
+    and 1.0x on another, the rest 1.2x everywhere: each kernel group's split says so
+    exactly; the GPU's group, mixing the two, cannot."""
+    rng = np.random.default_rng(11)
+    n = 24
+    attention = rng.uniform(0.05, 0.9, n)
+    shares = np.zeros((n, len(CLASSES)))
+    shares[:, CLASSES.index("attention")] = attention
+    shares[:, CLASSES.index("gemm")] = 1 - attention
+    head_dim = np.array([128, 64] * (n // 2))
+    table = _table(shares, np.ones(len(CLASSES)), ["tokens/s/GPU"] * n)
+    scale = 1.2 * (1 - attention) + np.where(head_dim == 128, 0.8, 1.0) * attention
+    table["measured"] = table["simulated"] / scale
+    table["error"] = table["simulated"] / table["measured"] - 1
+    table["attention"], table["head_dim"] = "flash2", head_dim
+    split = fit_split(table, (lambda r: str(r["gpu"]), kernel_group)).set_index("group")
+    assert list(split.columns) == list(SPLIT_COLUMNS)[1:]
+    for group, attn in (("H100-80GB · flash2 · head dim 128", 0.8),
+                        ("H100-80GB · flash2 · head dim 64", 1.0)):
+        assert split.loc[group, "factor_attention"] == pytest.approx(attn, abs=1e-9)
+        assert split.loc[group, "factor_rest"] == pytest.approx(1.2, abs=1e-9)
+        assert split.loc[group, "mean_abs_error_after"] < 1e-9
+    assert split.loc["H100-80GB", "mean_abs_error_after"] > 1e-3
+    assert split.loc["all", "attention_share_min"] == pytest.approx(attention.min())
+    line = split_line(split.reset_index())
+    assert line is not None and line.startswith(
+        f"attention kernels against the rest (least squares, {n} rows)")
+
+
 def test_too_few_rows_or_no_shares_fit_nothing() -> None:
     rng = np.random.default_rng(1)
     few = _table(_shares(rng, 5), np.ones(5), ["tokens/s/GPU"] * 5)
@@ -104,6 +140,8 @@ def test_too_few_rows_or_no_shares_fit_nothing() -> None:
     assert fit_classes(few.drop(columns=list(SHARE_COLUMNS))).empty
     memory = _table(_shares(rng, 8), np.ones(5), ["peak_memory_GB"] * 8)
     assert fit_classes(memory).empty  # a memory figure is not a step's time
+    assert fit_split(few.iloc[:2]).empty  # two factors need more than two rows
+    assert fit_split(few.drop(columns=list(SHARE_COLUMNS))).empty
 
 
 @pytest.mark.parametrize(("unit", "measured", "simulated", "ratio"), [
@@ -157,14 +195,20 @@ def test_the_command_writes_the_class_fit(tmp_path: Path,
                  "--no-plots", "--by-class"]) == 0
     printed = capsys.readouterr().out
     assert "by cost class, measured over simulated time (least squares, 6 rows)" in printed
+    assert "attention kernels against the rest (least squares, 6 rows)" in printed
     runs = pd.read_csv(out / "runs.csv")
     assert np.allclose(runs[list(SHARE_COLUMNS)].sum(axis=1), 1.0)
     fits = pd.read_csv(out / "classes.csv")
     assert list(fits.columns) == list(FIT_COLUMNS) and fits["group"].iloc[0] == "all"
     assert "## By cost class" in (out / "runs.md").read_text()
+    assert "## Attention against the rest" in (out / "runs.md").read_text()
+    split = pd.read_csv(out / "split.csv")
+    gpu = str(runs["gpu"].iloc[0]).split(" (")[0]  # one GPU's 125M rows, head dim 64
+    assert list(split["group"]) == ["all", gpu, f"{gpu} · flash_triton · head dim 64"]
+    assert set(runs["attention"]) == {"flash_triton"} and set(runs["head_dim"]) == {64}
     # without the flag: no shares, no classes.csv
     plain = tmp_path / "plain"
     assert main(["validate-runs", str(table), "--out", str(plain), "--workers", "1",
                  "--no-plots"]) == 0
-    assert not (plain / "classes.csv").exists()
+    assert not (plain / "classes.csv").exists() and not (plain / "split.csv").exists()
     assert "share_gemm" not in pd.read_csv(plain / "runs.csv").columns

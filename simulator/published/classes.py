@@ -23,12 +23,24 @@ divided by Σ f_c · share_c, a time multiplied) and the group's mean |error| af
 says how much of the error a per-class mispricing explains; what it leaves is not one
 class's speed (a mechanism that is not a kernel class's, or a class priced wrong in one
 regime only). A diagnosis to find the mechanism, never an input to the model.
+
+Five classes move together across most tables (a row's GEMM and memory-bound shares both
+scale with its tokens), so the same fit is also made with two: the attention kernels
+against the rest of the step (:func:`fit_split`),
+
+    measured time / simulated time of row i  ≈  f_rest · (1 − share_attention_i)
+                                               + f_attention · share_attention_i
+
+over all rows, per GPU and per GPU, attention kernel and head dimension, where a set of
+runs of one model over several sequence lengths spans a wide range of attention shares
+and tells the two apart: the kernel's curve at that head dimension on the one side,
+everything else the step does per token on the other.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +60,9 @@ THROUGHPUT_UNITS = frozenset({"tokens/s/gpu", "tokens/s", "seq/s", "mfu"})
 TIME_UNITS = frozenset({"s/step", "step_time_s"})
 FIT_COLUMNS = ("group", "rows", "class", "mean_share", "factor", "std_error",
                "mean_abs_error", "mean_abs_error_after", "condition")
+SPLIT_COLUMNS = ("group", "rows", "attention_share_min", "attention_share_max",
+                 "factor_rest", "std_error_rest", "factor_attention", "std_error_attention",
+                 "mean_abs_error", "mean_abs_error_after")
 
 
 def step_shares(s: Scenario, method: str, step_time: float) -> dict[str, float]:
@@ -84,23 +99,68 @@ def _corrected(unit: str, simulated: float, scale: float) -> float:
     return simulated / scale if unit.strip().lower() in THROUGHPUT_UNITS else simulated * scale
 
 
-def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
-    shares = g[list(SHARE_COLUMNS)].to_numpy(dtype=float)
-    ratio = g["time_ratio"].to_numpy(dtype=float)
-    n, p = shares.shape
-    factors, *_ = np.linalg.lstsq(shares, ratio, rcond=None)
-    resid = ratio - shares @ factors
-    cov = float(resid @ resid) / (n - p) * np.linalg.pinv(shares.T @ shares)
-    scale = shares @ factors
+def _least_squares(x: np.ndarray, ratio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The factors that best turn ``x``'s columns into ``ratio`` (no intercept) and their
+    standard errors (σ² (XᵀX)⁻¹, σ² the residual variance over n − p)."""
+    n, p = x.shape
+    factors, *_ = np.linalg.lstsq(x, ratio, rcond=None)
+    resid = ratio - x @ factors
+    cov = float(resid @ resid) / (n - p) * np.linalg.pinv(x.T @ x)
+    return factors, np.sqrt(np.clip(np.diag(cov), 0.0, None))
+
+
+def _after(g: pd.DataFrame, scale: np.ndarray) -> float:
+    """The group's mean |error| once each row's simulated figure is ``scale`` times
+    corrected."""
     after = [_corrected(u, s, k) / m - 1 if k > 0 else math.nan for u, s, m, k in
              zip(g["unit"], g["simulated"], g["measured"], scale, strict=True)]
-    common = {"group": group, "rows": n,
+    return float(np.nanmean(np.abs(after)))
+
+
+def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
+    shares = g[list(SHARE_COLUMNS)].to_numpy(dtype=float)
+    factors, errors = _least_squares(shares, g["time_ratio"].to_numpy(dtype=float))
+    common = {"group": group, "rows": len(g),
               "mean_abs_error": float(g["error"].abs().mean()),
-              "mean_abs_error_after": float(np.nanmean(np.abs(after))),
+              "mean_abs_error_after": _after(g, shares @ factors),
               "condition": float(np.linalg.cond(shares))}
     return [{**common, "class": name, "mean_share": float(shares[:, i].mean()),
-             "factor": float(factors[i]), "std_error": float(math.sqrt(max(cov[i, i], 0.0)))}
+             "factor": float(factors[i]), "std_error": float(errors[i])}
             for i, name in enumerate(CLASSES)]
+
+
+def _split_group(group: str, g: pd.DataFrame) -> dict[str, Any]:
+    attention = g["share_attention"].to_numpy(dtype=float)
+    x = np.column_stack([1.0 - attention, attention])
+    factors, errors = _least_squares(x, g["time_ratio"].to_numpy(dtype=float))
+    return {"group": group, "rows": len(g), "attention_share_min": float(attention.min()),
+            "attention_share_max": float(attention.max()),
+            "factor_rest": float(factors[0]), "std_error_rest": float(errors[0]),
+            "factor_attention": float(factors[1]), "std_error_attention": float(errors[1]),
+            "mean_abs_error": float(g["error"].abs().mean()),
+            "mean_abs_error_after": _after(g, x @ factors)}
+
+
+def _timed(table: pd.DataFrame) -> pd.DataFrame | None:
+    """The compared rows with shares and a time ratio (``time_ratio``); None without
+    shares."""
+    done = table[table["error"].notna()].copy()
+    if not set(SHARE_COLUMNS) <= set(done.columns):
+        return None
+    done["time_ratio"] = [time_ratio(u, m, s) for u, m, s in
+                          zip(done["unit"], done["measured"], done["simulated"], strict=True)]
+    return done[done[[*SHARE_COLUMNS, "time_ratio"]].notna().all(axis=1)]
+
+
+def _groups(done: pd.DataFrame, group_of: Sequence[Callable[[pd.Series], str]]
+            ) -> list[tuple[str, pd.DataFrame]]:
+    """("all", every row), then each grouping's groups in turn, by name."""
+    groups: list[tuple[str, pd.DataFrame]] = [("all", done)]
+    for key in group_of:
+        if len(done):
+            keys = done.apply(key, axis=1)
+            groups += [(str(k), g) for k, g in done.groupby(keys, sort=True)]
+    return groups
 
 
 def fit_classes(table: pd.DataFrame,
@@ -108,19 +168,24 @@ def fit_classes(table: pd.DataFrame,
     """:data:`FIT_COLUMNS` per group and class: all rows with shares and a time ratio
     ("all"), then each group ``group_of(row)`` gives (default: none), each only with more
     rows than classes (fewer leave no degree of freedom)."""
-    done = table[table["error"].notna()].copy()
-    if not set(SHARE_COLUMNS) <= set(done.columns):
+    done = _timed(table)
+    if done is None:
         return pd.DataFrame(columns=list(FIT_COLUMNS))
-    done["time_ratio"] = [time_ratio(u, m, s) for u, m, s in
-                          zip(done["unit"], done["measured"], done["simulated"], strict=True)]
-    done = done[done[[*SHARE_COLUMNS, "time_ratio"]].notna().all(axis=1)]
-    groups: list[tuple[str, pd.DataFrame]] = [("all", done)]
-    if group_of is not None and len(done):
-        keys = done.apply(group_of, axis=1)
-        groups += [(str(k), g) for k, g in done.groupby(keys, sort=True)]
-    parts = [entry for name, g in groups if len(g) > len(CLASSES)
-             for entry in _fit_group(name, g)]
+    parts = [entry for name, g in _groups(done, [group_of] if group_of else [])
+             if len(g) > len(CLASSES) for entry in _fit_group(name, g)]
     return pd.DataFrame(parts, columns=list(FIT_COLUMNS))
+
+
+def fit_split(table: pd.DataFrame,
+              group_of: Sequence[Callable[[pd.Series], str]] = ()) -> pd.DataFrame:
+    """:data:`SPLIT_COLUMNS` per group: the attention kernels' factor and the rest's,
+    over all rows, then each grouping's groups (e.g. by GPU, and by GPU, kernel and head
+    dimension), each with more than two rows."""
+    done = _timed(table)
+    if done is None:
+        return pd.DataFrame(columns=list(SPLIT_COLUMNS))
+    parts = [_split_group(name, g) for name, g in _groups(done, group_of) if len(g) > 2]
+    return pd.DataFrame(parts, columns=list(SPLIT_COLUMNS))
 
 
 def fit_line(fits: pd.DataFrame) -> str | None:
@@ -135,3 +200,16 @@ def fit_line(fits: pd.DataFrame) -> str | None:
     return (f"by cost class, measured over simulated time (least squares, {first['rows']} "
             f"rows): {parts}; mean |error| {first['mean_abs_error']:.1%} → "
             f"{first['mean_abs_error_after']:.1%} with them")
+
+
+def split_line(split: pd.DataFrame) -> str | None:
+    """One line for the whole set: the attention kernels' factor and the rest's, each ±
+    its standard error, and the mean |error| they leave."""
+    whole = split[split["group"] == "all"]
+    if whole.empty:
+        return None
+    r = whole.iloc[0]
+    return (f"attention kernels against the rest (least squares, {r['rows']} rows): "
+            f"attention x{r['factor_attention']:.2f}±{r['std_error_attention']:.2f}, the rest "
+            f"x{r['factor_rest']:.2f}±{r['std_error_rest']:.2f}; mean |error| "
+            f"{r['mean_abs_error']:.1%} → {r['mean_abs_error_after']:.1%} with them")

@@ -38,8 +38,8 @@ UNITS: dict[str, Callable[[dict[str, Any], Row], float]] = {
     "peak_memory_gb": lambda r, row: r["memory_peak_bytes"] / 1e9,
 }
 COLUMNS = ("name", "gpu", "gpus", "model", "params_B", "seq_len", "micro_batch_tokens",
-           "recompute", "dtype", "unit", "measured", "simulated", "error", "exposed_comm", "fits",
-           "reason")
+           "recompute", "dtype", "attention", "head_dim", "unit", "measured", "simulated",
+           "error", "exposed_comm", "fits", "reason")
 #: regime -> how a row's table entry falls into it
 REGIMES: dict[str, Callable[[pd.Series], str]] = {
     "gpu": lambda r: str(r["gpu"]).split(" (")[0],
@@ -53,6 +53,12 @@ REGIMES: dict[str, Callable[[pd.Series], str]] = {
     "checkpointing": lambda r: str(r["recompute"]),
     "dtype": lambda r: str(r["dtype"]),
 }
+
+def kernel_group(r: pd.Series) -> str:
+    """A row's GPU, attention kernel and head dimension: the group whose rows the split
+    into attention and the rest tells apart (:func:`~simulator.published.classes.fit_split`)."""
+    return f"{REGIMES['gpu'](r)} · {r['attention']} · head dim {r['head_dim']:.0f}"
+
 
 #: the column whose values order a regime's groups (by name otherwise)
 _ORDER = {"model size": "params_B", "sequence length": "seq_len", "GPUs": "gpus",
@@ -78,7 +84,8 @@ def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]
                            "model": row.model, "params_B": math.nan, "seq_len": row.seq_len,
                            "micro_batch_tokens": row.micro_batch * row.seq_len,
                            "recompute": row.recompute or "none", "dtype": row.dtype,
-                           "unit": row.unit, "measured": row.measured, "simulated": math.nan,
+                           "attention": "", "head_dim": math.nan, "unit": row.unit,
+                           "measured": row.measured, "simulated": math.nan,
                            "error": math.nan, "exposed_comm": math.nan, "fits": None,
                            "reason": ""}
     unit = UNITS.get(row.unit.strip().lower())
@@ -87,6 +94,7 @@ def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]
             raise Unexpressed(f"unit {row.unit!r}: known units are {', '.join(UNITS)}")
         s = scenario_from_dict(scenario_data(row, method))
         out["params_B"] = param_count(s.model) / 1e9
+        out["attention"], out["head_dim"] = s.stack.attention, s.model.head_size
         problems = not_yet_simulated(s)
         if problems:
             raise Unexpressed("; ".join(map(str, problems)))

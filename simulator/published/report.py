@@ -1,6 +1,7 @@
 """What ``clustersim validate-runs`` writes and prints: the per-row table
 (``runs.csv``), the regime summary (``regimes.csv``), with ``--by-class`` the factor per
-cost class (``classes.csv``, :mod:`simulator.published.classes`), a Markdown page with
+cost class (``classes.csv``, :mod:`simulator.published.classes`) and the attention kernels'
+against the rest's (``split.csv``), a Markdown page with
 them and the rows it could not express (``runs.md``), the numbers of the run
 (``summary.json``) and the scatter (``scatter.png``), each file atomically.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from simulator.outputs.trace_export import atomic_output
-from simulator.published.classes import fit_line
+from simulator.published.classes import fit_line, split_line
 
 
 def totals(table: pd.DataFrame) -> dict[str, Any]:
@@ -31,7 +32,8 @@ def totals(table: pd.DataFrame) -> dict[str, Any]:
 
 
 def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame,
-                  fits: pd.DataFrame | None = None) -> list[str]:
+                  fits: pd.DataFrame | None = None,
+                  split: pd.DataFrame | None = None) -> list[str]:
     t = totals(table)
     lines = [f"{t['rows']} row(s): {t['compared']} compared, {t['not_expressed']} not "
              "expressed" + (f"; mean error {t['mean_error']:+.1%}, mean |error| "
@@ -45,9 +47,10 @@ def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame,
         worst = regimes.iloc[regimes["mean_error"].abs().argmax()]
         lines.append(f"largest regime error: {worst['regime']} {worst['group']}: "
                      f"{worst['mean_error']:+.1%} over {worst['rows']} row(s)")
-    line = fit_line(fits) if fits is not None else None
-    if line:
-        lines.append(line)
+    for line in (fit_line(fits) if fits is not None else None,
+                 split_line(split) if split is not None else None):
+        if line:
+            lines.append(line)
     return lines
 
 
@@ -77,8 +80,24 @@ def _class_section(fits: pd.DataFrame | None) -> list[str]:
             markdown_table(shown), ""]
 
 
+def _split_section(split: pd.DataFrame | None) -> list[str]:
+    if split is None or split.empty:
+        return []
+    shown = split.assign(**{c: split[c].map("{:.3f}".format) for c in
+                            ("attention_share_min", "attention_share_max", "factor_rest",
+                             "std_error_rest", "factor_attention", "std_error_attention")},
+                         mean_abs_error=split["mean_abs_error"].map("{:.1%}".format),
+                         mean_abs_error_after=split["mean_abs_error_after"].map("{:.1%}".format))
+    return ["## Attention against the rest", "",
+            "Measured over simulated step time, least squares over each row's attention "
+            "share of the simulated step and the rest: per GPU, and per GPU, attention "
+            "kernel and head dimension, where runs over several sequence lengths tell the "
+            "two apart (a diagnosis; `simulator/published/classes.py`).", "",
+            markdown_table(shown), ""]
+
+
 def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
-              fits: pd.DataFrame | None = None) -> str:
+              fits: pd.DataFrame | None = None, split: pd.DataFrame | None = None) -> str:
     t = totals(table)
     head = [f"# Published runs: {meta.get('table', '')}", "",
             f"`clustersim validate-runs` with `--method {meta.get('method', '')}`: "
@@ -96,7 +115,7 @@ def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
                        params_B=done["params_B"].map("{:.3g}".format))
     skipped = table[table["error"].isna()][["name", "reason"]]
     return "\n".join([*head, "## By regime", "", markdown_table(reg), "",
-                      *_class_section(fits), "## Rows", "",
+                      *_class_section(fits), *_split_section(split), "## Rows", "",
                       markdown_table(rows.drop(columns=["reason"])),
                       "", "## Not expressed", "",
                       markdown_table(skipped) if len(skipped) else "none", ""])
@@ -104,15 +123,18 @@ def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
 
 def write_report(out: Path, table: pd.DataFrame, regimes: pd.DataFrame,
                  meta: dict[str, Any], plots: bool = True,
-                 fits: pd.DataFrame | None = None) -> list[Path]:
+                 fits: pd.DataFrame | None = None,
+                 split: pd.DataFrame | None = None) -> list[Path]:
     from simulator.outputs.search_files import write_table
 
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(table, out / "runs.csv"), write_table(regimes, out / "regimes.csv")]
     if fits is not None:
         written.append(write_table(fits, out / "classes.csv"))
+    if split is not None:
+        written.append(write_table(split, out / "split.csv"))
     with atomic_output(out / "runs.md") as tmp:
-        tmp.write_text(_markdown(table, regimes, meta, fits), encoding="utf-8")
+        tmp.write_text(_markdown(table, regimes, meta, fits, split), encoding="utf-8")
     written.append(out / "runs.md")
     with atomic_output(out / "summary.json") as tmp:
         tmp.write_text(json.dumps({**meta, **totals(table)}, indent=2) + "\n", encoding="utf-8")

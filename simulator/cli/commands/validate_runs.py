@@ -11,7 +11,7 @@ from simulator.cli.common import Subparsers, add_command, positive_int
 
 HELP = ("simulate every row of a table of measured runs and compare, by row and by "
         "regime: runs.csv, regimes.csv, runs.md, scatter.png (and by cost class: "
-        "classes.csv)")
+        "classes.csv, split.csv)")
 EXAMPLE = ("examples:\n"
            "  clustersim validate-runs docs/validation/published/llm-foundry.csv "
            "--out out/llm-foundry\n"
@@ -36,15 +36,17 @@ def add_parser(sub: Subparsers) -> None:
                    help="also split each simulated step by cost class (GEMM, attention, "
                    "memory-bound, communication, the other; one more simulation per class) "
                    "and fit the factor per class that best turns simulated into measured "
-                   "times, over all rows and per GPU: classes.csv")
+                   "times, over all rows and per GPU: classes.csv; and the attention "
+                   "kernels' factor against the rest's, also per GPU, attention kernel and "
+                   "head dimension: split.csv")
     q.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from simulator.outputs.progress import progress_bar
     from simulator.outputs.run_dir import check_out_dir, default_out_dir
-    from simulator.published.classes import fit_classes
-    from simulator.published.compare import REGIMES, compare_rows, regime_summary
+    from simulator.published.classes import fit_classes, fit_split
+    from simulator.published.compare import REGIMES, compare_rows, kernel_group, regime_summary
     from simulator.published.report import summary_lines, write_report
     from simulator.published.rows import read_rows
     from simulator.search.executors import open_executor
@@ -59,9 +61,11 @@ def run(args: argparse.Namespace) -> int:
         table = compare_rows(rows, args.method, pool, bar.update, by_class=args.by_class)
     regimes = regime_summary(table)
     fits = fit_classes(table, REGIMES["gpu"]) if args.by_class else None
+    split = fit_split(table, (REGIMES["gpu"], kernel_group)) if args.by_class else None
     meta = {"table": str(args.table), "method": args.method, "rows_filter": args.rows,
             "by_class": args.by_class}
-    written = write_report(out, table, regimes, meta, plots=not args.no_plots, fits=fits)
-    print("\n".join(summary_lines(table, regimes, fits)))
+    written = write_report(out, table, regimes, meta, plots=not args.no_plots, fits=fits,
+                           split=split)
+    print("\n".join(summary_lines(table, regimes, fits, split)))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
     return 0
