@@ -1,5 +1,6 @@
 """Preset curves read from published kernel timings, each pinned to its source's numbers:
-the A100's small GEMMs (cuBLAS as triton-lang/triton#7085 publishes it) and the Blackwell
+the A100's small GEMMs (cuBLAS as triton-lang/triton#7085 publishes it), the rate its
+large ones sustain at the power limit (Perlmutter's per-GPU GEMM times) and the Blackwell
 presets' fused attention (NVIDIA/cudnn-frontend's SDPA training benchmarks on B200 and
 GB200). The oracle is the published table; the model must price each published call at
 its published speed."""
@@ -16,6 +17,14 @@ from simulator.system.profiles import load_system
 A100_CUBLAS = {256: (3.28, 3.28), 384: (10.05, 11.06), 512: (23.83, 21.85),
                640: (36.57, 39.38), 768: (58.98, 58.98), 896: (73.94, 70.25),
                1024: (99.86, 99.86), 1152: (129.83, 129.83)}
+#: hpcgroup/perf-variability-ipdps26 plot/perlmutter/gemm/gemm_data.csv (d0250462): seconds
+#: of a 32768^3 fp16 GEMM, 100 back to back, on Perlmutter's A100-SXM4-40GB, read at 11
+#: offsets spread over the file: offset -> (rows, mean seconds)
+PERLMUTTER_GEMM = {0: (730, 0.271833), 224000: (730, 0.272115), 448000: (730, 0.272011),
+                   672000: (729, 0.271959), 896000: (730, 0.272067), 1120000: (730, 0.272534),
+                   1344000: (731, 0.272173), 1568000: (731, 0.271223),
+                   1792000: (729, 0.271953), 2016000: (730, 0.272055),
+                   2240000: (731, 0.272271)}
 #: cudnn-frontend sdpa_bf16_benchmark_results_NVIDIA_B200.csv: seq -> (fwd, bwd) TFLOP/s,
 #: causal, head dim 128, by backend
 B200_SDPA = {"cudnn": {4096: (855.678, 701.265), 8192: (1171.278, 942.509),
@@ -25,6 +34,22 @@ B200_SDPA = {"cudnn": {4096: (855.678, 701.265), 8192: (1171.278, 942.509),
 #: cudnn-frontend results/llama3.1/gb200 (cuDNN 9.27): seq -> (fwd, bwd) TFLOP/s, causal
 GB200_CUDNN = {2048: (1061, 880), 4096: (1334, 1131), 8192: (1552, 1297),
                16384: (1608, 1271), 32768: (1556, 1241)}
+
+
+@pytest.mark.parametrize("system", ["dgx-a100-40gb", "dgx-a100-80gb"])
+def test_a_large_a100_gemm_runs_at_the_rate_it_sustains_at_the_power_limit(
+        system: str) -> None:
+    """From 1e12 FLOPs the curve is the mean rate of Perlmutter's 8,031 GEMM runs (0.829 of
+    312 TFLOP/s), and no GEMM is priced above it: a training step runs its GEMMs back to
+    back at the power limit, not at the burst of a short microbenchmark (~0.85)."""
+    rows = sum(n for n, _ in PERLMUTTER_GEMM.values())
+    seconds = sum(n * t for n, t in PERLMUTTER_GEMM.values()) / rows
+    sustained = 2.0 * 32768 ** 3 / seconds / 312e12
+    assert rows == 8031 and sustained == pytest.approx(0.829, abs=5e-4)
+    gpu = load_system(system).gpu
+    for flops in (1e12, 2.0 * 32768 ** 3, 1e15):
+        assert gpu.efficiency("gemm_fwd", flops) == pytest.approx(sustained, abs=5e-4)
+    assert max(e for _, e in gpu.gemm_efficiency.points) <= sustained + 5e-4
 
 
 @pytest.mark.parametrize("system", ["dgx-a100-40gb", "dgx-a100-80gb"])
