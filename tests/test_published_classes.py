@@ -141,6 +141,12 @@ def test_too_few_rows_or_no_shares_fit_nothing() -> None:
     memory = _table(_shares(rng, 8), np.ones(5), ["peak_memory_GB"] * 8)
     assert fit_classes(memory).empty  # a memory figure is not a step's time
     assert fit_split(few.iloc[:2]).empty  # two factors need more than two rows
+    same = few.copy()  # one attention share for every row: nothing to tell apart
+    same[list(SHARE_COLUMNS)] = 0.0
+    same["share_attention"], same["share_gemm"] = 0.3, 0.7
+    split = fit_split(same).iloc[0]
+    assert math.isnan(split["factor_rest"]) and math.isnan(split["factor_attention"])
+    assert split["mean_abs_error_after"] == pytest.approx(split["mean_abs_error"])
     assert fit_split(few.drop(columns=list(SHARE_COLUMNS))).empty
 
 

@@ -130,15 +130,22 @@ def _fit_group(group: str, g: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _split_group(group: str, g: pd.DataFrame) -> dict[str, Any]:
+    """One group's split; NaN factors where its rows share one attention share (the two
+    columns are then one: nothing tells attention from the rest)."""
     attention = g["share_attention"].to_numpy(dtype=float)
     x = np.column_stack([1.0 - attention, attention])
-    factors, errors = _least_squares(x, g["time_ratio"].to_numpy(dtype=float))
+    if np.linalg.matrix_rank(x) < 2:
+        factors = errors = np.full(2, math.nan)
+        scale = np.ones(len(g))
+    else:
+        factors, errors = _least_squares(x, g["time_ratio"].to_numpy(dtype=float))
+        scale = x @ factors
     return {"group": group, "rows": len(g), "attention_share_min": float(attention.min()),
             "attention_share_max": float(attention.max()),
             "factor_rest": float(factors[0]), "std_error_rest": float(errors[0]),
             "factor_attention": float(factors[1]), "std_error_attention": float(errors[1]),
             "mean_abs_error": float(g["error"].abs().mean()),
-            "mean_abs_error_after": _after(g, x @ factors)}
+            "mean_abs_error_after": _after(g, scale)}
 
 
 def _timed(table: pd.DataFrame) -> pd.DataFrame | None:
@@ -206,7 +213,7 @@ def split_line(split: pd.DataFrame) -> str | None:
     """One line for the whole set: the attention kernels' factor and the rest's, each ±
     its standard error, and the mean |error| they leave."""
     whole = split[split["group"] == "all"]
-    if whole.empty:
+    if whole.empty or whole["factor_rest"].isna().all():
         return None
     r = whole.iloc[0]
     return (f"attention kernels against the rest (least squares, {r['rows']} rows): "
