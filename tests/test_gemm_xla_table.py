@@ -16,8 +16,6 @@ each of those GEMMs at the table's speed.
 from __future__ import annotations
 
 import csv
-import itertools
-import math
 import statistics
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from simulator.system.curves import interpolate_log
 from simulator.system.gemm_shape import GemmCall
 from simulator.system.profiles import load_system
 
@@ -67,17 +66,9 @@ def _entries(key: str, floor: float = 0.0) -> list[tuple[GemmCall, float]]:
 
 def _squares_only(flops: float) -> float:
     """The B200 table's square GEMMs as a curve: achieved / 2,250 TFLOP/s at the launch's
-    FLOPs, interpolated in log10(FLOPs) and held beyond the ends (the preset before its
-    depth term)."""
-    points = sorted((_flops(b, side), v / 2.25e15) for (b, side), v in B200.items())
-    x = math.log10(flops)
-    if x <= math.log10(points[0][0]):
-        return points[0][1]
-    for (f0, e0), (f1, e1) in itertools.pairwise(points):
-        if x <= math.log10(f1):
-            w = (x - math.log10(f0)) / (math.log10(f1) - math.log10(f0))
-            return e0 + w * (e1 - e0)
-    return points[-1][1]
+    FLOPs, read as every curve is read (the preset before its depth term)."""
+    return interpolate_log(sorted((_flops(b, side), v / 2.25e15)
+                                  for (b, side), v in B200.items()), flops)
 
 
 def _kept_per_k(ratios: list[tuple[int, float]]) -> dict[int, float]:
