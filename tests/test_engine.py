@@ -457,8 +457,15 @@ def check_dp_overlap(cfg):
 #: (algorithm, protocol) pairs by their uncontended time (tuner.nccl_choice, as NCCL's
 #: ncclTopoTuneModel does), so a faster link can switch a collective to a pair that a
 #: concurrent flow then slows more (test_a_tuner_switch_under_contention_costs_little);
-#: with the algorithm pinned, more bandwidth is never slower at all.
+#: with the algorithm pinned, more bandwidth is slower only by what fair sharing moves
+#: (:data:`FAIR_SHARE`).
 TUNER_SWITCH = 1e-3
+#: What faster links may cost with the algorithm pinned: collectives that share a link
+#: divide it max-min fairly (simulator.system.network.FlowNetwork), so a faster intra-node
+#: phase can move one collective's inter-node phase into another's window and end that one
+#: later (a scheduling anomaly, not a priced cost; :data:`FAIR_SHARE_CASE`: 1.6e-6 of the
+#: step). Bounded at 1e-5 of the step.
+FAIR_SHARE = 1e-5
 
 
 def check_more_bandwidth(cfg, factor, which="both"):
@@ -471,7 +478,7 @@ def check_more_bandwidth(cfg, factor, which="both"):
         cluster["inter_node_bandwidth_GBps"] = hw.inter_node.bandwidth_GBps * factor
     fast, _ = run_engine(make_scenario(**cfg, cluster=cluster))
     auto = cfg.get("simulation", {}).get("collective_algorithm", "auto") == "auto"
-    assert fast["step_time_s"] <= base["step_time_s"] * (1 + (TUNER_SWITCH if auto else 1e-9))
+    assert fast["step_time_s"] <= base["step_time_s"] * (1 + (TUNER_SWITCH if auto else FAIR_SHARE))
 
 
 #: hypothesis's example (test_monotonic_many_examples): links 10% faster switch the DP
@@ -498,6 +505,33 @@ def test_a_tuner_switch_under_contention_costs_little(algorithm: str) -> None:
         "intra_node_bandwidth_GBps": hw.intra_node.bandwidth_GBps * 1.1,
         "inter_node_bandwidth_GBps": hw.inter_node.bandwidth_GBps * 1.1}))
     assert base["step_time_s"] < fast["step_time_s"] <= base["step_time_s"] * (1 + TUNER_SWITCH)
+
+
+#: hypothesis's example (test_more_bandwidth_never_slower, CI of 2026-12-07): with
+#: hierarchical collectives, NVLink 1.25x as fast ends stage 0's last DP reduce-scatter
+#: 56 ns sooner, which moves its inter-node phase into the window of the tied embedding's
+#: all-reduce (ranks 0 and 12, on other nodes): that ends 415 ns later, the step 7.6 ns
+FAIR_SHARE_CASE = {"tp": 1, "pp": 4, "dp": 4, "m": 4, "schedule": "interleaved", "v": 2,
+                   "gpus_per_node": 2,
+                   "model": {"layers": 8, "hidden": 128, "heads": 8, "vocab": 512,
+                             "seq_len": 64},
+                   "parallel": {"zero": 2, "sequence_parallel": False, "dp_bucket_MB": 25.0,
+                                "recompute": "none"},
+                   "simulation": {"collective_algorithm": "hierarchical"}}
+
+
+def test_fair_sharing_may_end_a_step_a_little_later_on_faster_links() -> None:
+    """The pinned case above: the faster run is later, by less than :data:`FAIR_SHARE`
+    of the step, and what ends later is the tied embedding's all-reduce."""
+    base, rb = run_engine(make_scenario(**FAIR_SHARE_CASE))
+    hw = make_scenario(**FAIR_SHARE_CASE).hardware
+    fast, rf = run_engine(make_scenario(**FAIR_SHARE_CASE, cluster={
+        "intra_node_bandwidth_GBps": hw.intra_node.bandwidth_GBps * 1.25}))
+    assert base["step_time_s"] < fast["step_time_s"] <= base["step_time_s"] * (1 + FAIR_SHARE)
+    tie = [spans_frame(r).query("name.str.contains('embedding_tie')")["end"].max()
+           for r in (rb, rf)]
+    assert tie[1] > tie[0]
+    check_more_bandwidth(FAIR_SHARE_CASE, 1.25, "intra")
 
 
 def check_more_flops(cfg, factor):
