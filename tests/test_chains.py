@@ -36,10 +36,13 @@ GPT = {"layers": 4, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64}
 
 def _scenario(parallel: dict[str, Any], gpus_per_node: int = 4, batch: int = 4,
               variability: dict[str, Any] | None = None,
-              cluster: dict[str, Any] | None = None) -> Any:
+              cluster: dict[str, Any] | None = None, tp_overlap: str = "none") -> Any:
+    """The default stack with its TP collectives in line (``tp_overlap``: Megatron's
+    ``async`` backward puts them on a stream of their own, beside the compute)."""
     world = parallel["tp"] * parallel["pp"] * parallel["dp"] * parallel.get("cp", 1)
     return scenario_from_dict({
-        "name": "chains", "model": GPT,
+        "name": "chains", "model": GPT, "stack": {"preset": "megatron-core",
+                                                  "tp_overlap": tp_overlap},
         "cluster": {"system": "dgx-a100-80gb", "nodes": max(world // gpus_per_node, 1),
                     "gpus_per_node": min(gpus_per_node, world), **(cluster or {})},
         "parallel": parallel,
@@ -97,14 +100,15 @@ VARIABILITY = st.sampled_from([
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(parallel=LAYOUTS, gpus_per_node=st.sampled_from([2, 4, 8]),
        batch=st.integers(1, 6), fidelity=st.sampled_from(["folded", "full"]),
-       variability=VARIABILITY, oversubscription=st.sampled_from([1.0, 4.0]))
+       variability=VARIABILITY, oversubscription=st.sampled_from([1.0, 4.0]),
+       tp_overlap=st.sampled_from(["none", "async"]))
 def test_chains_equal_every_step_run(parallel: dict[str, Any], gpus_per_node: int,
                                      batch: int, fidelity: str,
                                      variability: dict[str, Any] | None,
-                                     oversubscription: float) -> None:
+                                     oversubscription: float, tp_overlap: str) -> None:
     try:
         s = _scenario(parallel, gpus_per_node, batch, variability,
-                      {"oversubscription": oversubscription})
+                      {"oversubscription": oversubscription}, tp_overlap)
         w = build_workload(s, fidelity=fidelity)
     except UserError:
         assume(False)

@@ -138,9 +138,11 @@ def test_a_group_of_one_pays_nothing() -> None:
 
 
 def _tp_only(sync_us: float) -> Scenario:
-    """TP 2 on one node, nothing overlapped: every collective is on the compute stream."""
+    """TP 2 on one node, nothing overlapped (not Megatron's async backward either): every
+    collective is on the compute stream."""
     s = scenario_from_dict({
-        "name": "sync", "model": {"layers": 3, "hidden": 256, "heads": 4, "vocab": 1024,
+        "name": "sync", "stack": {"preset": "megatron-core", "tp_overlap": "none"},
+        "model": {"layers": 3, "hidden": 256, "heads": 4, "vocab": 1024,
                                   "seq_len": 128},
         "cluster": {"system": "dgx-a100-80gb", "nodes": 1, "gpus_per_node": 2},
         "parallel": {"tp": 2, "pp": 1, "dp": 1},

@@ -41,7 +41,8 @@ def make_scenario(*, tp: int = 1, pp: int = 1, dp: int = 1, m: int = 4,
                   schedule: str = "1f1b", v: int = 1, model: dict | None = None,
                   gpus_per_node: int | None = None, free: bool = False,
                   cluster: dict | None = None, parallel: dict | None = None,
-                  simulation: dict | None = None, micro_batch: int = 1) -> Scenario:
+                  simulation: dict | None = None, micro_batch: int = 1,
+                  stack: dict | None = None) -> Scenario:
     world = tp * pp * dp
     gpn = min(gpus_per_node or 8, world)
     while world % gpn:
@@ -57,6 +58,7 @@ def make_scenario(*, tp: int = 1, pp: int = 1, dp: int = 1, m: int = 4,
         "parallel": par,
         "training": {"global_batch": m * dp * micro_batch, "micro_batch": micro_batch},
         "simulation": simulation or {},
+        **({"stack": stack} if stack else {}),
     })
 
 
@@ -484,8 +486,9 @@ def check_more_bandwidth(cfg, factor, which="both"):
 #: hypothesis's example (test_monotonic_many_examples): links 10% faster switch the DP
 #: all-reduce of 147 KB over 4 ranks on two nodes from ring/LL128 to ring/LL (NCCL's
 #: model), which costs 0.04% of the step among the concurrent pipeline and TP traffic
+#: (TP in line, as it was found)
 SWITCH_CASE = {"tp": 2, "pp": 2, "dp": 4, "m": 1, "schedule": "gpipe", "v": 1,
-               "gpus_per_node": 4,
+               "gpus_per_node": 4, "stack": {"preset": "megatron-core", "tp_overlap": "none"},
                "model": {"layers": 8, "hidden": 128, "heads": 8, "vocab": 512, "seq_len": 64},
                "parallel": {"zero": 0, "sequence_parallel": False, "dp_bucket_MB": 0.05,
                             "recompute": "none"}}

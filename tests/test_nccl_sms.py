@@ -184,6 +184,7 @@ def test_chains_stay_where_no_held_sms_reach_the_compute():
     (none can start before the chain's end), and the figures are the per-step run's,
     bit for bit."""
     s = make_scenario(tp=2, pp=2, dp=2, m=4, gpus_per_node=2,
+                      stack={"preset": "megatron-core", "tp_overlap": "none"},
                       parallel={"overlap": {"dp": True}, "dp_bucket_MB": 0.05},
                       model={"layers": 8, "hidden": 512, "heads": 8, "vocab": 512,
                              "seq_len": 256})

@@ -366,3 +366,102 @@ def test_userbuffers_margin_moves_time_as_te_sets_it(sms: int, fewer: int) -> No
     assert extra(less) > extra(more)
     assert extra(on(sms, "symmetric_memory")) == pytest.approx(
         extra(on(sms + fewer, "symmetric_memory")))
+
+
+# ---------------------------------------------------------------- Megatron's async backward
+
+def test_async_closed_forms() -> None:
+    """``async``: the forward's collectives in line; in backward the gather of the output
+    gradient in line and the input gradient's collective exposing t − W beside the
+    weight-gradient GEMM (all of t in an I action); nothing added to the GEMMs."""
+    w = {(label, "rs", True): Window("g", 3.0, 3.0, 1, weight=True) for label in ("attn", "mlp")}
+    assert exposed("async", w, 5.0, False) == (20.0, 0.0)
+    assert exposed("async", w, 5.0, True) == pytest.approx((2 * (5.0 + 2.0), 0.0))
+    assert exposed("async", w, 5.0, True, weights=False) == (20.0, 0.0)
+    assert exposed("async", w, 5.0, False, sp=False) == (10.0, 0.0)  # one all-reduce each
+    assert exposed("async", w, 5.0, True, sp=False) == pytest.approx((4.0, 0.0))
+    assert exposed("async", w, 1.0, True, labels=("mlp",)) == pytest.approx((1.0, 0.0))
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_async_windows_are_the_column_parallel_weight_gradients(sp: bool) -> None:
+    s = _tp("async", sequence_parallel=sp)
+    w = overlap_windows(s, _cost(s))
+    assert set(w) == {("attn", "rs", True), ("mlp", "rs", True)}
+    assert w["attn", "rs", True].gemm == "qkv" and w["mlp", "rs", True].gemm == "mlp_up"
+    assert all(v.weight and v.slow == 1.0 and v.parts == 1 and not v.extra for v in w.values())
+    bulk = overlap_windows(_tp("bulk"), _cost(s))  # the same GEMM, without TE's margin
+    for k, v in w.items():
+        assert v.whole == bulk[k].whole and bulk[k].slow > v.slow
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_async_split_keeps_each_blocks_compute_and_weight_share(sp: bool) -> None:
+    """No chunks, no margin: a block's pieces add up to its seconds and weight share, the
+    forward is one piece, the backward's weight-gradient GEMM stands beside the
+    collective, NCCL's own (holding its channels' SMs), on the tp stream."""
+    base, s = _tp("none", sequence_parallel=sp), _tp("async", sequence_parallel=sp)
+    w = block_costs(s, _cost(s)).tp_windows
+    for prefix, label, bwd in (("fwd.attn L0 mb0", "attn", False),
+                               ("bwd.attn L0 mb1", "attn", True),
+                               ("bwd.mlp L1 mb3", "mlp", True)):
+        (whole,) = _pieces(base, prefix)
+        pieces = _pieces(s, prefix)
+        assert sum(t.duration for t in pieces) == pytest.approx(whole.duration)
+        assert sum(t.weight_s for t in pieces) == pytest.approx(whole.weight_s)
+        if bwd:
+            assert pieces[1].duration == pytest.approx(w[label, "rs", True].whole)
+            assert pieces[1].weight_s == pieces[1].duration
+        else:
+            assert len(pieces) == 1
+    side = build_workload(s).programs[0].streams["tp"]
+    assert {t.op for t in side} == {"tp.reduce_scatter" if sp else "tp.all_reduce"}
+    assert all(t.plan.sms > 0 for t in side)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+@pytest.mark.parametrize("bandwidth", [None, 20.0])
+def test_async_engine_and_analytic_move_alike(sp: bool, bandwidth: float | None,
+                                              one_compute_speed: None) -> None:
+    """Against in line, the engine and the analytic closed form save the same seconds
+    (the fixture keeps NCCL's SMs out of both), and it is a saving."""
+    base = _tp("none", bandwidth=bandwidth, sequence_parallel=sp)
+    s = _tp("async", bandwidth=bandwidth, sequence_parallel=sp)
+    saved = {m: step_time_of(base, m, None) - step_time_of(s, m, None)
+             for m in ("engine", "analytic")}
+    assert saved["engine"] > 0
+    assert saved["engine"] == pytest.approx(saved["analytic"], rel=1e-6)
+
+
+def test_async_collectives_hold_sms_that_slow_the_gemm_beside() -> None:
+    """With NCCL's kernels holding their channels' SMs the engine's step is slower than
+    the analytic form's, which has no SM term (within a few per cent)."""
+    s = _tp("async")
+    engine, analytic = step_time_of(s, "engine", None), step_time_of(s, "analytic", None)
+    assert analytic < engine < 1.05 * analytic
+
+
+def test_async_in_line_beside_context_parallelism_and_refused_under_dtensor() -> None:
+    s = _tp("async", cp=2)
+    assert not not_yet_simulated(s) and overlap_windows(s, _cost(s)) == {}
+    assert "tp" not in build_workload(s).programs[0].streams
+    with pytest.raises(ScenarioError) as err:
+        scenario_from_dict({
+            "name": "dtensor-async", "stack": {"preset": "pytorch-eager", "tp_overlap": "async"},
+            "model": {"layers": 2, "hidden": 1024, "heads": 8, "vocab": 32000,
+                      "seq_len": 1024},
+            "cluster": {"system": "dgx-h100", "nodes": 1, "gpus_per_node": 4},
+            "parallel": {"tp": 4, "dp": 1},
+            "training": {"global_batch": 4, "micro_batch": 1}})
+    assert "stack.tp_overlap" in str(err.value) and "none" in str(err.value)
+
+
+def test_megatron_stacks_run_the_async_backward_from_2022() -> None:
+    """megatron-2021 (the SC'21 code) all-reduces in line; the asynchronous backward is in
+    Megatron-LM from 2021-09 (megatron-2022) and in Transformer Engine's layers
+    (megatron-core)."""
+    from simulator.spec.stack import load_stack
+
+    assert load_stack("megatron-2021").tp_overlap == "none"
+    assert load_stack("megatron-2022").tp_overlap == "async"
+    assert load_stack("megatron-core").tp_overlap == "async"

@@ -42,10 +42,10 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("d9d8fd43f8c52c7c", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
-        ("d11eaf3004a14cfd", 4364),
+        ("a3a7fdfae08d0954", 5644),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full"), "folded"):
-        ("0cdd9cb940432386", 2952),
+        ("24396f1ad386df12", 3592),
     ("interleaved-vs-1f1b-1f1b", ("training.global_batch=4", "parallel.sequence_parallel=true",
                                   "parallel.recompute=full", "stack.tp_overlap=pipelined"),
      "folded"):

@@ -117,9 +117,9 @@ class StackSpec(BaseModel):
     """The code that runs a pipeline stage's actions: Megatron's schedules, DeepSpeed's
     PipelineEngine, or torch.distributed.pipelining (whose per-action host time a
     profile may have measured, ``gpu.pipeline_action_us``)."""
-    tp_overlap: Literal["none", "bulk", "pipelined"] = "none"
-    """TP collectives against the GEMMs next to them (sequence parallelism only): none
-    blocks the compute stream; bulk and pipelined pair them as Transformer Engine does."""
+    tp_overlap: Literal["none", "async", "bulk", "pipelined"] = "none"
+    """TP collectives against the GEMMs next to them: none blocks the compute stream; async,
+    Megatron's column-parallel backward; bulk and pipelined (SP) TE's userbuffers."""
     tp_overlap_runtime: Literal["userbuffers", "symmetric_memory"] = "userbuffers"
     """What runs them: TE's userbuffers (Megatron) or PyTorch's symmetric memory
     (torchtitan's async TP): simulator/strategies/tensor/overlap.py."""

@@ -123,12 +123,12 @@ def _tp_layer(s: Scenario, c: BlockCosts, t_tp: float, again: Reissue
         return ((t_tp * (count(BLOCKS, False) + n_again + count(BLOCKS, True)),
                  t_tp * n_again), (0.0, 0.0, 0.0))
     mode, issue = s.stack.tp_overlap, c.tp_issue
-    comm_f, split_f = exposed(mode, c.tp_windows, t_tp, False, issue=issue)
+    comm_f, split_f = exposed(mode, c.tp_windows, t_tp, False, issue=issue, sp=sp)
     comm_r, split_r = exposed(mode, c.tp_windows, t_tp, False, issue=issue,
-                              labels=again.blocks)
+                              labels=again.blocks, sp=sp)
     comm_b, split_b = exposed(mode, c.tp_windows, t_tp, True,
                               weights=not schedule_spec(par.schedule).split_backward,
-                              issue=issue)
+                              issue=issue, sp=sp)
     comm_r += t_tp * alone
     return (comm_f + comm_r + comm_b, comm_r), (split_f, split_r, split_b)
 

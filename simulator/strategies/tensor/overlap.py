@@ -37,6 +37,24 @@ part as a collective of its own in line, the closed form adds t/p.
 which is what the engine's pieces produce (:mod:`simulator.strategies.tensor.workload`) and what
 :func:`exposed` gives the analytic method.
 
+Without userbuffers Megatron still overlaps the column-parallel projections' backward
+(``async``, the megatron-2022 and megatron-core stacks): their input gradient's
+all-reduce (reduce-scatter under sequence parallelism) is issued asynchronously before
+the weight-gradient GEMM and waited for after it (Megatron-LM
+``LinearWithGradAccumulationAndAsyncCommunication.backward``, megatron/mpu/layers.py
+from 2021-09, ``--no-async-tensor-model-parallel-allreduce`` to turn the all-reduce off;
+Transformer Engine ``_LayerNormLinear.backward`` and ``_Linear.backward``:
+``reduce_scatter_along_first_dim`` or ``allreduce`` with ``async_op=True``). It is
+NCCL's own collective, holding its channels' SMs while it runs
+(:mod:`simulator.system.collectives.channels`): the bulk closed form max(t, W) with no
+margin; the forward's collectives and the row-parallel projections' stay in line. Not
+modelled beside MoE layers or context parallelism, whose blocks keep theirs in line.
+
+Under sequence parallelism both frameworks also all-gather the saved input shard again
+in the backward, beside the input-gradient GEMM (the async ``gather_along_first_dim``;
+TE's ``ub_bulk_dgrad`` under userbuffers), for the weight gradient: that transfer is not
+among the modelled collectives in any mode.
+
 How TE runs each method, from its defaults (``initialize_ub``'s ``get_default_config``,
 v1.9 through v2.x; the C++ side in ``transformer_engine/common/comm_gemm_overlap/
 comm_gemm_overlap.cpp``):
@@ -157,15 +175,19 @@ def overlap_sides(mode: str, backward: bool) -> tuple[bool, bool]:
     and its reduce-scatter (after it) overlap a GEMM, in forward or backward."""
     if mode == "pipelined":
         return True, True
-    return False, mode == "bulk" and backward
+    return False, mode in ("bulk", "async") and backward
 
 
 def active(s: Scenario) -> bool:
-    """Whether the scenario overlaps TP collectives at all (sequence parallelism, tp > 1,
-    a device that overlaps communication)."""
-    par = s.parallel
-    return (s.stack.tp_overlap != "none" and par.tp > 1 and par.sequence_parallel
-            and s.hardware.gpu.comm_overlaps_compute)
+    """Whether the scenario overlaps TP collectives at all (tp > 1, a device that
+    overlaps communication; sequence parallelism for TE's userbuffers, dense layers
+    without context parallelism for Megatron's ``async`` backward)."""
+    par, mode = s.parallel, s.stack.tp_overlap
+    if mode == "none" or par.tp == 1 or not s.hardware.gpu.comm_overlaps_compute:
+        return False
+    if mode == "async":
+        return not s.model.is_moe and par.cp == 1
+    return par.sequence_parallel
 
 
 def userbuffers(s: Scenario) -> bool:
@@ -188,6 +210,8 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
     scenario does not overlap (:func:`active`)."""
     if not active(s):
         return {}
+    if s.stack.tp_overlap == "async":
+        return async_windows(s, cost)
     tp, slow = s.parallel.tp, margin(s)
     splits, tail = (PIPELINE_SPLITS, 1 / PIPELINE_SPLITS) if userbuffers(s) else (tp, 0.0)
 
@@ -219,6 +243,20 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
     return out
 
 
+def async_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool], Window]:
+    """Megatron's asynchronous backward of each block's first (column-parallel)
+    projection: its input gradient's collective beside its whole weight-gradient GEMM,
+    on every SM."""
+    wgrad = {op.name: op for op in mdl.layer_ops(s.model, s.training.micro_batch,
+                                                 s.parallel.tp, True, s.training.dtype,
+                                                 "bwd_weight", 0, s.stack)}
+    out = {}
+    for label in ("attn", "mlp"):
+        w = cost.op_time(wgrad[FIRST_GEMM[label]])
+        out[label, "rs", True] = Window(FIRST_GEMM[label], w, w, 1, weight=True)
+    return out
+
+
 def partials_sum(s: Scenario) -> Op:
     """Symmetric memory's end of a reduce-scatter (``_fused_matmul_reduce_scatter_impl``:
     ``reduce_fn`` over the stacked partials): the tp partial chunks of the rank's shard,
@@ -240,13 +278,16 @@ def price_tails(windows: Windows, seconds: Callable[[float], float]
 
 def exposed(mode: str, windows: Windows, t_comm: float, backward: bool,
             weights: bool = True, issue: float = 0.0,
-            labels: tuple[str, ...] = ("attn", "mlp")) -> tuple[float, float]:
+            labels: tuple[str, ...] = ("attn", "mlp"), sp: bool = True
+            ) -> tuple[float, float]:
     """One layer's TP seconds in one pass under overlap ``mode``, as (exposed transfer,
     compute the split GEMMs add), for sequence parallelism's all-gather and
     reduce-scatter of ``t_comm`` each around the blocks ``labels`` (both, or those a
     recomputation re-runs); ``weights``: whether the backward computes weight gradients
     (an I action does not); ``issue``: of ``t_comm``, the host time of issuing it, which
     no GEMM hides."""
+    if mode == "async":
+        return exposed_async(windows, t_comm, backward, weights, labels, sp), 0.0
     comm = extra = 0.0
     ag, rs = overlap_sides(mode, backward)
     for label in labels:
@@ -260,3 +301,19 @@ def exposed(mode: str, windows: Windows, t_comm: float, backward: bool,
                 + (t_comm - issue) * after
             extra += w.extra
     return comm, extra
+
+
+def exposed_async(windows: Windows, t_comm: float, backward: bool, weights: bool,
+                  labels: tuple[str, ...], sp: bool) -> float:
+    """:func:`exposed` under Megatron's ``async`` backward: the forward's collectives
+    (all-gather and reduce-scatter under sequence parallelism, else an all-reduce) and
+    the backward's gather of the output gradient in line; the backward's input-gradient
+    collective beside the weight-gradient GEMM (in line without one: an I action)."""
+    comm = 0.0
+    for label in labels:
+        if not backward:
+            comm += t_comm * (2 if sp else 1)
+            continue
+        rs = windows[label, "rs", True]
+        comm += (max(t_comm - rs.whole, 0.0) if weights else t_comm) + (t_comm if sp else 0.0)
+    return comm

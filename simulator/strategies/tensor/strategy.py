@@ -112,11 +112,17 @@ class TensorParallel(Strategy):
 
     def problems(self, s: Scenario) -> list[Problem]:
         par, mdl_, out = s.parallel, s.model, []
-        if s.stack.tp_overlap != "none" and par.tp > 1 and not par.sequence_parallel:
+        if s.stack.tp_overlap in ("bulk", "pipelined") and par.tp > 1 \
+                and not par.sequence_parallel:
             out.append(Problem("stack.tp_overlap", s.stack.tp_overlap, "needs sequence "
                                "parallelism (Megatron-LM's arguments.py: TP communication "
                                "overlap only with --sequence-parallel); set "
-                               "parallel.sequence_parallel: true or tp_overlap: none"))
+                               "parallel.sequence_parallel: true or tp_overlap: async"))
+        if s.stack.tp_overlap == "async" and s.stack.dtensor and par.tp > 1:
+            out.append(Problem("stack.tp_overlap", "async", "is Megatron's asynchronous "
+                               "backward of its column-parallel layers; TP as DTensor "
+                               "(stack.dtensor: true) runs its collectives in line: set "
+                               "tp_overlap: none"))
         if mdl_.heads % par.tp:
             out.append(Problem("parallel.tp", par.tp, f"model.heads ({mdl_.heads}) is not "
                                f"divisible by tp; use one of {divisors_text(mdl_.heads)}"))
@@ -132,7 +138,8 @@ class TensorParallel(Strategy):
 
     def unsupported(self, s: Scenario) -> list[Problem]:
         par, mdl_ = s.parallel, s.model
-        if s.stack.tp_overlap == "none" or par.tp == 1 or not (mdl_.is_moe or par.cp > 1):
+        if s.stack.tp_overlap in ("none", "async") or par.tp == 1 \
+                or not (mdl_.is_moe or par.cp > 1):
             return []
         field, value = ("model.experts", mdl_.experts) if mdl_.is_moe else ("parallel.cp", par.cp)
         return [Problem(field, value, f"not yet simulated with stack.tp_overlap "

@@ -117,7 +117,10 @@ class TensorPass(Pass):
         piece returned)."""
         if before and not self.sp:
             return None
+        windows = self.ctx.c_of(rank).tp_windows  # none priced (given costs): in line
         ag, rs = overlap_sides(self.mode, backward)
+        ag = ag and (label, "ag", backward) in windows
+        rs = rs and (label, "rs", backward) in windows
         if before:
             if ag:  # where the overlapped all-gather starts: its host issue, or a mark
                 kind = "backward" if backward else "forward"
@@ -130,7 +133,7 @@ class TensorPass(Pass):
             return None
         block = self.ctx.programs[rank].streams["compute"][-1]
         if rs and backward and block.op == "I":  # no weight gradient to hide behind
-            rs = not self.ctx.c_of(rank).tp_windows[label, "rs", True].weight
+            rs = not windows[label, "rs", True].weight
         end = self.split(rank, label, block, ag, rs, mb, layer, chunk, backward) \
             if ag or rs else None
         if not rs:
@@ -165,9 +168,10 @@ class TensorPass(Pass):
               layer: int, chunk: int, backward: bool) -> Task:
         """Split ``block`` (the block's task, just added) around its overlapped
         collectives: [ring chunks ‖ all-gather] → wait → rest (with the last chunk) →
-        [reduce-scatter ‖ chunks or weight GEMM] → wait → the sum of the received partials
-        (symmetric memory) or the last chunk's reduce-scatter in line (TE's pipeline).
-        Returns the last compute piece."""
+        [reduce-scatter (Megatron's async backward without SP: all-reduce) ‖ chunks or
+        weight GEMM] → wait → the sum of the received partials (symmetric memory) or the
+        last chunk's reduce-scatter in line (TE's pipeline). Returns the last compute
+        piece."""
         ctx = self.ctx
         compute = ctx.programs[rank].streams["compute"]
         assert block.plan is None and block.op in ("F", "B", "I", "R"), block.name
@@ -195,12 +199,13 @@ class TensorPass(Pass):
         piece.duration, piece.weight_s = max(rest, 0.0), max(rest_w, 0.0) if backward else 0.0
         if r is None:
             return piece
-        self.issue(rank, "backward" if backward else "forward", "reduce_scatter",
-                   self.tp_bytes, mb, layer, chunk)
-        scatter = self.side(rank, "reduce_scatter", mb, layer, chunk, 1 - r.tail)
+        op: CollectiveName = "all_reduce" if not self.sp else "reduce_scatter"
+        self.issue(rank, "backward" if backward else "forward", op, self.tp_bytes, mb, layer,
+                   chunk)
+        scatter = self.side(rank, op, mb, layer, chunk, 1 - r.tail)
         scatter.deps.append(compute[-1].id)  # after the rest (and its host issue)
         what = f"{r.gemm} wgrad" if r.weight else f"{r.gemm} chunks"
-        last = ctx.compute(rank, piece.op, piece.kind, f"{name} {what} ‖ tp.reduce_scatter",
+        last = ctx.compute(rank, piece.op, piece.kind, f"{name} {what} ‖ tp.{op}",
                            r.hidden, mb, layer, chunk)
         last.weight_s = r.hidden if r.weight else 0.0
         self.wait(rank, last, scatter, mb, layer, chunk)
@@ -230,11 +235,12 @@ class TensorPass(Pass):
         is on the compute stream before the GEMM it meets: :meth:`block`, :meth:`split`).
         TE's userbuffers move it, not NCCL's kernels: its plan holds no SMs (a ring
         exchange runs on copy engines; the others' SMs are the GEMM's margin,
-        :func:`~simulator.strategies.tensor.overlap.margin`)."""
+        :func:`~simulator.strategies.tensor.overlap.margin`). Megatron's ``async``
+        backward issues NCCL's own, which holds its channels' SMs."""
         ctx, group, nbytes = self.ctx, self.ctx.layout.tp_group(rank), self.tp_bytes * share
+        plan = None if self.mode == "async" else self.ub_plan(op, nbytes, group)
         t = ctx.collective(rank, "tp", op, "tp", group, nbytes,
-                           f"tp.{op} L{layer} mb{mb} (overlapped)", mb, layer, chunk,
-                           self.ub_plan(op, nbytes, group))
+                           f"tp.{op} L{layer} mb{mb} (overlapped)", mb, layer, chunk, plan)
         assert t is not None  # tp > 1
         return t
 
