@@ -84,11 +84,11 @@ def tasks_per_layer(s: Scenario) -> int:
         n += 3 * zero3_collectives(s.model, s.stack) if par.zero == 3 else 1
         if par.zero == 3 and zero3_collectives(s.model, s.stack) > 1:
             n += 2  # module units: the MLP block's zero3.wait, forward and backward
-    if tp_overlap.active(s) and s.stack.tp_overlap == "async":  # per backward block: the
-        # weight-gradient piece and the wait (the collective moves to the tp stream)
-        n += 2 * 2
-    elif tp_overlap.active(s):  # per block and pass, the split pieces, side collectives, waits
-        n += 2 * 5 * (3 if par.recompute == "full" else 2)
+    if tp_overlap.active(s):  # per block and pass, the split pieces, side collectives, waits
+        # (Megatron's async backward: per backward block the weight-gradient piece and the
+        # wait, the collective moved off the compute stream)
+        n += 2 * 2 if s.stack.tp_overlap == "async" else \
+            2 * 5 * (3 if par.recompute == "full" else 2)
     if s.model.is_moe:  # per MoE layer and pass: all-to-all, experts, all-to-all (+ gather,
         # scatter with expert TP), averaged over the layers
         per_pass = 3 + (2 if par.etp > 1 else 0)

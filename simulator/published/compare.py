@@ -54,6 +54,7 @@ REGIMES: dict[str, Callable[[pd.Series], str]] = {
     "dtype": lambda r: str(r["dtype"]),
 }
 
+
 def kernel_group(r: pd.Series) -> str:
     """A row's GPU, attention kernel and head dimension: the group whose rows the split
     into attention and the rest tells apart (:func:`~simulator.published.classes.fit_split`)."""

@@ -210,9 +210,8 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
     scenario does not overlap (:func:`active`)."""
     if not active(s):
         return {}
-    if s.stack.tp_overlap == "async":
-        return async_windows(s, cost)
-    tp, slow = s.parallel.tp, margin(s)
+    asynchronous = s.stack.tp_overlap == "async"  # NCCL's own, no TE margin, backward only
+    tp, slow = s.parallel.tp, 1.0 if asynchronous else margin(s)
     splits, tail = (PIPELINE_SPLITS, 1 / PIPELINE_SPLITS) if userbuffers(s) else (tp, 0.0)
 
     def ops(pass_: Pass) -> dict[str, Op]:
@@ -220,6 +219,16 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
                                                     s.training.dtype, pass_, 0, s.stack)}
 
     fwd, dgrad, wgrad = ops("fwd"), ops("bwd_input"), ops("bwd_weight")
+
+    def bulk(first: str) -> Window:
+        """The first projection's input-gradient collective beside its whole
+        weight-gradient GEMM (TE's bulk method, or Megatron's async backward)."""
+        w = cost.op_time(wgrad[first])
+        return Window(first, w, w, 1, slow, cost.op_time(dgrad[first]) * (slow - 1),
+                      weight=True)
+
+    if asynchronous:
+        return {(label, "rs", True): bulk(FIRST_GEMM[label]) for label in ("attn", "mlp")}
 
     def split(op: Op, parts: int, factor: float = 1.0, tail: float = 0.0,
               after: float = 0.0) -> Window:
@@ -237,23 +246,7 @@ def overlap_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool],
             out[label, "rs", True] = split(dgrad[first], tp, after=reduce)
             continue
         out[label, "rs", False] = split(fwd[last], splits, slow, tail)  # pipeline
-        w = cost.op_time(wgrad[first])  # bulk: beside the whole weight-gradient GEMM
-        out[label, "rs", True] = Window(first, w, w, 1, slow,
-                                        cost.op_time(dgrad[first]) * (slow - 1), weight=True)
-    return out
-
-
-def async_windows(s: Scenario, cost: CostModel) -> dict[tuple[str, str, bool], Window]:
-    """Megatron's asynchronous backward of each block's first (column-parallel)
-    projection: its input gradient's collective beside its whole weight-gradient GEMM,
-    on every SM."""
-    wgrad = {op.name: op for op in mdl.layer_ops(s.model, s.training.micro_batch,
-                                                 s.parallel.tp, True, s.training.dtype,
-                                                 "bwd_weight", 0, s.stack)}
-    out = {}
-    for label in ("attn", "mlp"):
-        w = cost.op_time(wgrad[FIRST_GEMM[label]])
-        out[label, "rs", True] = Window(FIRST_GEMM[label], w, w, 1, weight=True)
+        out[label, "rs", True] = bulk(first)
     return out
 
 
@@ -285,13 +278,13 @@ def exposed(mode: str, windows: Windows, t_comm: float, backward: bool,
     reduce-scatter of ``t_comm`` each around the blocks ``labels`` (both, or those a
     recomputation re-runs); ``weights``: whether the backward computes weight gradients
     (an I action does not); ``issue``: of ``t_comm``, the host time of issuing it, which
-    no GEMM hides."""
-    if mode == "async":
-        return exposed_async(windows, t_comm, backward, weights, labels, sp), 0.0
+    no GEMM hides; ``sp``: without sequence parallelism (Megatron's ``async`` backward)
+    a block has no collective before it, only the all-reduce after it."""
     comm = extra = 0.0
     ag, rs = overlap_sides(mode, backward)
+    sides = (("ag", ag), ("rs", rs)) if sp else (("rs", rs),)
     for label in labels:
-        for side, on in (("ag", ag), ("rs", rs)):
+        for side, on in sides:
             w = windows[label, side, backward] if on else None
             if w is None or (w.weight and not weights):
                 comm += t_comm
@@ -301,19 +294,3 @@ def exposed(mode: str, windows: Windows, t_comm: float, backward: bool,
                 + (t_comm - issue) * after
             extra += w.extra
     return comm, extra
-
-
-def exposed_async(windows: Windows, t_comm: float, backward: bool, weights: bool,
-                  labels: tuple[str, ...], sp: bool) -> float:
-    """:func:`exposed` under Megatron's ``async`` backward: the forward's collectives
-    (all-gather and reduce-scatter under sequence parallelism, else an all-reduce) and
-    the backward's gather of the output gradient in line; the backward's input-gradient
-    collective beside the weight-gradient GEMM (in line without one: an I action)."""
-    comm = 0.0
-    for label in labels:
-        if not backward:
-            comm += t_comm * (2 if sp else 1)
-            continue
-        rs = windows[label, "rs", True]
-        comm += (max(t_comm - rs.whole, 0.0) if weights else t_comm) + (t_comm if sp else 0.0)
-    return comm
