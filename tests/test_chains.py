@@ -137,6 +137,27 @@ def test_full_fidelity_lockstep_groups_chain_too() -> None:
     _identical(s, ea, a, eb, b)
 
 
+def test_in_line_tp_collectives_chain_beside_the_async_tp_stream() -> None:
+    """Megatron's async backward puts each block's input-gradient reduce-scatter on a tp
+    stream, whose NCCL kernels hold SMs (so it is gated) and which shares the NVLink port
+    with the forward's all-gathers and reduce-scatters on the compute stream. Those chain
+    while the tp stream is calm (waiting for a compute event, no flow running): the same
+    spans, to the bit, as every step run on its own, in fewer events than when the
+    shared port kept them step by step."""
+    s = _scenario({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True}, gpus_per_node=2,
+                  batch=4, tp_overlap="async")
+    w = build_workload(s, fidelity="folded")
+    ea, a, eb, b = _runs(w, s.hardware)
+    assert ea.gates and all("tp" in g for g in ea.gates.values())
+    compute = [i for i, name in enumerate(ea.instances[0].template.stream_names)
+               if name == "compute"]
+    chained = set(ea.instances[0].chain or {})  # id(phases) of each collective it prices
+    assert any(sid in compute and id(phases) in chained
+               for sid, _, phases in ea.instances[0].template.flows)
+    assert a.merged_events > 0 and a.events < 0.6 * b.events  # 398 of 761 (681 when the
+    _identical(s, ea, a, eb, b)                                  # port kept them apart)
+
+
 def test_a_link_another_stream_uses_keeps_every_step() -> None:
     """DP and PP on the same NVLink ports as TP (eight GPUs a node): the DP stream's
     flows may overlap a TP all-reduce's, so no collective is priced in closed form."""

@@ -3,7 +3,9 @@
 A compute run holds its stream for its durations summed in order; a collective of one
 simulated member whose single flow crosses only links that no other stream of any
 simulated rank ever uses (*private* links: a folded or lock-step rank's NVLink port
-under its TP all-reduces) runs alone on them, at the rate
+under its TP all-reduces; for the compute stream, links that only its rank's gated
+streams share with it too, below: it chains only while they are calm, no flow of theirs
+running or able to start) runs alone on them, at the rate
 ``min over links of capacity / load`` it gets on empty links, and ends ``α`` after its
 bytes have crossed. Nothing outside the stream can see such a step between its start
 and its end, so where consecutive steps are of these two kinds, none but the first
@@ -43,22 +45,21 @@ if TYPE_CHECKING:
     from simulator.engine.blocks import Block
     from simulator.engine.engine import Engine
 
-_SHARED = (-1, -1)  # a link more than one (instance, stream) puts flows on
-
 
 def plan_chains(e: Engine) -> None:
     """Give each instance its collectives a chain may price: id(phases) -> [template
     group, links, alpha, bytes, weight, its link objects and its duration alone once
     its links are registered, whether they are]."""
-    users: dict[Any, tuple[int, int]] = {}
+    users: dict[Any, set[tuple[int, int]]] = {}
     e.gates = _gates(e)
     for k, inst in enumerate(e.instances):
         for s, links in _flows_of(e, inst):
             for link in links:
-                if users.setdefault(link, (k, s)) != (k, s):
-                    users[link] = _SHARED
+                users.setdefault(link, set()).add((k, s))
     for k, inst in enumerate(e.instances):
         chain: dict[int, list[Any]] = {}
+        names = inst.template.stream_names
+        gated = e.gates.get(inst.rank, {})
         for s, g, phases in inst.template.flows:
             grp = inst.groups[g]
             if len(phases) != 1 or len(phases[0][0]) != 1 or e.size[grp] != 1:
@@ -66,7 +67,12 @@ def plan_chains(e: Engine) -> None:
             legs, alpha = phases[0]
             link_class, nbytes = legs[0]
             links = e.group_links(grp, link_class)
-            if all(users[link] == (k, s) for link in links):
+            # the compute stream chains only while its rank's gated streams are calm (no
+            # flow of theirs running, none able to start before the chain ends): links it
+            # shares with them alone are its own for a chain
+            mine = {(k, s)} | ({(k, t) for t, name in enumerate(names) if name in gated}
+                               if names[s] == "compute" else set())
+            if all(users[link] <= mine for link in links):
                 chain[id(phases)] = [g, links, max(alpha + 0.0, 0.0), nbytes,
                                      e.group_weight(grp), None, None, False]
         inst.chain = chain or None
