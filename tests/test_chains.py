@@ -87,6 +87,7 @@ LAYOUTS = st.sampled_from([
     {"tp": 2, "pp": 1, "dp": 2, "cp": 2, "cp_comm_type": "allgather"},
     {"tp": 1, "pp": 4, "dp": 2, "schedule": "gpipe"},
     {"tp": 4, "pp": 1, "dp": 2, "overlap": {"dp": True}},
+    {"tp": 4, "pp": 1, "dp": 2, "sequence_parallel": True, "overlap": {"dp": True}},
 ])
 VARIABILITY = st.sampled_from([
     None,
@@ -101,7 +102,7 @@ VARIABILITY = st.sampled_from([
 @given(parallel=LAYOUTS, gpus_per_node=st.sampled_from([2, 4, 8]),
        batch=st.integers(1, 6), fidelity=st.sampled_from(["folded", "full"]),
        variability=VARIABILITY, oversubscription=st.sampled_from([1.0, 4.0]),
-       tp_overlap=st.sampled_from(["none", "async"]))
+       tp_overlap=st.sampled_from(["none", "async", "bulk", "pipelined"]))
 def test_chains_equal_every_step_run(parallel: dict[str, Any], gpus_per_node: int,
                                      batch: int, fidelity: str,
                                      variability: dict[str, Any] | None,
@@ -156,6 +157,24 @@ def test_in_line_tp_collectives_chain_beside_the_async_tp_stream() -> None:
                for sid, _, phases in ea.instances[0].template.flows)
     assert a.merged_events > 0 and a.events < 0.6 * b.events  # 398 of 761 (681 when the
     _identical(s, ea, a, eb, b)                                  # port kept them apart)
+
+
+def test_in_line_tp_collectives_chain_beside_a_userbuffers_tp_stream() -> None:
+    """Under TE's userbuffers (``bulk``) the tp stream's collectives hold no SMs, so it is
+    not gated; it is a sharer of the compute stream's NVLink port (the forward's
+    all-gathers and reduce-scatters stay in line): those chain while it is calm, the
+    compute stream's runs whatever it does. The same spans, to the bit, in fewer events."""
+    s = _scenario({"tp": 4, "pp": 1, "dp": 2, "sequence_parallel": True,
+                   "overlap": {"dp": True}}, gpus_per_node=8, batch=3, tp_overlap="bulk")
+    w = build_workload(s, fidelity="folded")
+    ea, a, eb, b = _runs(w, s.hardware)
+    assert all(set(g) == {"tp"} for g in ea.sharers.values()) and ea.sharers
+    assert all("tp" not in g for g in ea.gates.values())
+    shared = [entry for inst in ea.instances for entry in (inst.chain or {}).values()
+              if entry[8]]
+    assert shared  # collectives over the tp stream's links, priced while it is calm
+    assert a.merged_events > 0 and a.events < 0.5 * b.events  # 188 of 486
+    _identical(s, ea, a, eb, b)
 
 
 def test_a_link_another_stream_uses_keeps_every_step() -> None:

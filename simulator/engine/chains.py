@@ -5,7 +5,9 @@ simulated member whose single flow crosses only links that no other stream of an
 simulated rank ever uses (*private* links: a folded or lock-step rank's NVLink port
 under its TP all-reduces; for the compute stream, links that only its rank's gated
 streams share with it too, below: it chains only while they are calm, no flow of theirs
-running or able to start) runs alone on them, at the rate
+running or able to start; and links only its rank's *sharers* share with it, streams
+whose collectives hold no SMs, while those are calm as well, :func:`_sharers`) runs alone
+on them, at the rate
 ``min over links of capacity / load`` it gets on empty links, and ends ``α`` after its
 bytes have crossed. Nothing outside the stream can see such a step between its start
 and its end, so where consecutive steps are of these two kinds, none but the first
@@ -49,17 +51,20 @@ if TYPE_CHECKING:
 def plan_chains(e: Engine) -> None:
     """Give each instance its collectives a chain may price: id(phases) -> [template
     group, links, alpha, bytes, weight, its link objects and its duration alone once
-    its links are registered, whether they are]."""
+    its links are registered, whether they are, whether a sharer (:func:`_sharers`)
+    uses one of its links]."""
     users: dict[Any, set[tuple[int, int]]] = {}
     e.gates = _gates(e)
     for k, inst in enumerate(e.instances):
         for s, links in _flows_of(e, inst):
             for link in links:
                 users.setdefault(link, set()).add((k, s))
+    e.sharers = _sharers(e, users)
     for k, inst in enumerate(e.instances):
         chain: dict[int, list[Any]] = {}
         names = inst.template.stream_names
-        gated = e.gates.get(inst.rank, {})
+        gated, sharing = e.gates.get(inst.rank, {}), e.sharers.get(inst.rank, {})
+        beside = {(k, t) for t, name in enumerate(names) if name in sharing}
         for s, g, phases in inst.template.flows:
             grp = inst.groups[g]
             if len(phases) != 1 or len(phases[0][0]) != 1 or e.size[grp] != 1:
@@ -68,14 +73,39 @@ def plan_chains(e: Engine) -> None:
             link_class, nbytes = legs[0]
             links = e.group_links(grp, link_class)
             # the compute stream chains only while its rank's gated streams are calm (no
-            # flow of theirs running, none able to start before the chain ends): links it
-            # shares with them alone are its own for a chain
+            # flow of theirs running, none able to start before the chain ends), and over
+            # a sharer's link only while the sharers are calm too: links it shares with
+            # them alone are its own for such a chain
             mine = {(k, s)} | ({(k, t) for t, name in enumerate(names) if name in gated}
-                               if names[s] == "compute" else set())
+                               | beside if names[s] == "compute" else set())
             if all(users[link] <= mine for link in links):
                 chain[id(phases)] = [g, links, max(alpha + 0.0, 0.0), nbytes,
-                                     e.group_weight(grp), None, None, False]
+                                     e.group_weight(grp), None, None, False,
+                                     names[s] == "compute"
+                                     and any(users[link] & beside for link in links)]
         inst.chain = chain or None
+
+
+def _sharers(e: Engine, users: dict[Any, set[tuple[int, int]]]) -> dict[int, dict[str, Any]]:
+    """Per rank, the streams of its own, not gated, that alone share a link with its
+    compute stream's flows (a TP stream beside the compute under TE's userbuffers, whose
+    collectives hold no SMs): each one's gate (:func:`calm`), at first None. The compute
+    stream's collectives over those links chain while they are calm; its runs whatever
+    they do."""
+    out: dict[int, dict[str, Any]] = {}
+    for k, inst in enumerate(e.instances):
+        names, gated = inst.template.stream_names, e.gates.get(inst.rank, {})
+        found: set[str] = set()
+        for s, links in _flows_of(e, inst):
+            if names[s] != "compute":
+                continue
+            for link in links:
+                if all(kk == k for kk, _ in users[link]):
+                    found |= {names[t] for _, t in users[link]}
+        found -= {"compute", *gated}
+        if found:
+            out[inst.rank] = dict.fromkeys(sorted(found))
+    return out
 
 
 def _gates(e: Engine) -> dict[int, dict[str, Any]]:
@@ -139,7 +169,7 @@ def _flows_of(e: Engine, inst: Instance) -> list[tuple[int, Any]]:
 def _alone(e: Engine, entry: list[Any]) -> bool:
     """Whether the entry's flow can be priced: no flow, or its links registered (its
     duration then computed as the network's ``transfer`` computes a flow alone)."""
-    _, links, _, nbytes, weight, _, _, _ = entry
+    _, links, _, nbytes, weight, _, _, _, _ = entry
     if nbytes <= 0 or not links:
         entry[7] = True
         return True
@@ -158,30 +188,35 @@ def _alone(e: Engine, entry: list[Any]) -> bool:
 
 
 def _priced(e: Engine, chain: dict[int, list[Any]], kind: int, phases: Any,
-            g: int) -> tuple[float, tuple[Any, ...], float | None, Any] | None:
+            g: int, shared: bool) -> tuple[float, tuple[Any, ...], float | None, Any] | None:
     """How a chain prices a step of collective ``phases`` over template group ``g``:
     its α, its links' objects, its flow's duration alone (None: no flow) and its one
-    link where it has one; None where the step does not chain."""
+    link where it has one; None where the step does not chain (``shared``: whether it
+    may cross a sharer's link, the sharers being calm)."""
     entry = chain.get(id(phases)) if kind == COLL else None
-    if entry is None or entry[0] != g or not (entry[7] or _alone(e, entry)):
+    if entry is None or entry[0] != g or (entry[8] and not shared) \
+            or not (entry[7] or _alone(e, entry)):
         return None
-    _, _, alpha, _, _, objs, alone, _ = entry
+    _, _, alpha, _, _, objs, alone, _, _ = entry
     return alpha, objs, alone, objs[0] if alone is not None and len(objs) == 1 else None
 
 
 def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             offsets: tuple[list[int], list[int]], i: int,
-            laid: dict[int, Block] | None = None) -> tuple[int, Event | None]:
+            laid: dict[int, Block] | None = None,
+            shared: bool = True) -> tuple[int, Event | None]:
     """Run steps ``i``, ``i + 1``, … of a stream in closed form while they chain: the index
     after the last and the one event at its end if the per-step path would have waited
     (``i`` back, nothing done, where step ``i`` does not chain); ``e.merged`` counts the
     events the per-step path would have scheduled beyond it. Where step ``i`` starts a
     laid copy (``laid``: :class:`simulator.engine.blocks.Block`), its steps are priced
-    in one loop (:func:`_block`), the same operations in the same order."""
+    in one loop (:func:`_block`), the same operations in the same order. ``shared``:
+    whether its collectives may cross a link a sharer of the rank uses (the sharers are
+    calm, :func:`_sharers`)."""
     t, count, flows, k, n = e.env._now, 0, 0, i, len(steps)
     while k < n:
         blk = laid.get(k) if laid else None
-        got = _block(e, inst, blk, offsets, k, t) \
+        got = _block(e, inst, blk, offsets, k, t, shared) \
             if blk is not None and (k == i or not steps[k][1]) else None
         if got is not None:
             t, count, flows = got[0], count + got[1], flows + got[2]
@@ -191,7 +226,8 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             if steps[k - 1][6] or k == n or steps[k][0] == SEND or steps[k][1]:
                 break
             continue
-        k, t, count, flows, on = _walk(e, inst, steps, offsets, i, k, t, count, flows, laid)
+        k, t, count, flows, on = _walk(e, inst, steps, offsets, i, k, t, count, flows, laid,
+                                       shared)
         if not on:
             break
     e.net.flows_started += flows
@@ -203,7 +239,8 @@ def forward(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
 
 def _walk(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
           offsets: tuple[list[int], list[int]], i: int, k: int, t: float, count: int,
-          flows: int, laid: dict[int, Block] | None) -> tuple[int, float, int, int, bool]:
+          flows: int, laid: dict[int, Block] | None,
+          shared: bool) -> tuple[int, float, int, int, bool]:
     """:func:`forward`'s steps one by one from step ``k`` at time ``t`` (the chain began
     at step ``i``): the index after the last, the time at its end, the events and flows
     counted so far and whether the chain goes on at a laid copy (``laid``) reached
@@ -234,7 +271,7 @@ def _walk(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
                 break
             continue
         if b is not phases or g != group:
-            priced = _priced(e, chain, kind, b, g)
+            priced = _priced(e, chain, kind, b, g, shared)
             if priced is None:
                 break
             phases, group, (alpha, objs, alone, link) = b, g, priced
@@ -260,7 +297,7 @@ def _walk(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
 
 
 def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list[int]],
-           i: int, t: float) -> tuple[float, int, int] | None:
+           i: int, t: float, shared: bool) -> tuple[float, int, int] | None:
     """The steps of the laid copy whose first step is ``i``, priced from time ``t`` as
     :func:`_walk` prices them (a run's end, the wait for it, the flow alone on its one
     private link, its α), its link's busy seconds added flow by flow: the time at their
@@ -268,9 +305,10 @@ def _block(e: Engine, inst: Instance, blk: Block, offsets: tuple[list[int], list
     Their spans are written after the run, from the start and end kept in ``e.priced``
     (:func:`simulator.engine.laid.settle`)."""
     entry = inst.chain.get(id(blk.phases)) if inst.chain else None
-    if entry is None or entry[0] != blk.g or not (entry[7] or _alone(e, entry)):
+    if entry is None or entry[0] != blk.g or (entry[8] and not shared) \
+            or not (entry[7] or _alone(e, entry)):
         return None
-    _, _, alpha, _, _, objs, alone, _ = entry
+    _, _, alpha, _, _, objs, alone, _, _ = entry
     if alone is None or len(objs) != 1:
         return None
     link = objs[0]

@@ -118,6 +118,7 @@ class Engine:
         self.chains = chains and alone and not self._slowing and not self.bursts
         self.merged, self.priced = 0, []  # events the chains saved; laid copies they priced
         self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
+        self.sharers: dict[int, dict[str, Any]] = {}  # the same, for streams sharing links
         if self.chains:
             plan_chains(self)
         self.interference = Interference(

@@ -78,9 +78,12 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     slowing, rank, groups = e.interference is not None, inst.rank, inst.groups
     counts, busy, _ = e.burst_counters(rank, name)  # compute bursts (a sync cost)
     # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
-    # while the gated streams are calm, each gated stream's gate while it waits
+    # while the gated streams are calm, each gated stream's gate while it waits; its
+    # collectives over a link a sharer uses (``e.sharers``) only while those are calm
     gates = e.gates.get(rank) if e.chains else None
-    gated = gates is not None and name in gates
+    sharers = e.sharers.get(rank) if e.chains else None
+    own = gates if gates is not None and name in gates else \
+        sharers if sharers is not None and name in sharers else None  # its gate's table
     chained = e.chains and (gates is None or name == "compute")
     (i, n), (po, ro) = (0, len(steps)), offsets
     laid = inst.template.laid[inst.template.stream_names.index(name)] or None
@@ -93,12 +96,13 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             a, lead = a + po[i], (lead + ro[i] if lead >= 0 else lead)
         if deps and (pending := [w for d in deps if not (w := got(d) or event_of(d)).triggered]
                      if by_id else waits(e, inst, deps)):  # :func:`waits`, inline
-            if gated:  # what it waits for shown to the compute stream's chains
-                yield from wait_for(e, inst, deps, pending, gates, name)  # type: ignore[arg-type]
+            if own is not None:  # what it waits for shown to the compute stream's chains
+                yield from wait_for(e, inst, deps, pending, own, name)
             else:
                 yield joined(env, pending)
         if chained and kind != SEND and (gates is None or calm(gates)):  # one event
-            j, ev = forward(e, inst, steps, offsets, i, laid)
+            j, ev = forward(e, inst, steps, offsets, i, laid,
+                            sharers is None or calm(sharers))
             if j > i:
                 if ev is not None:
                     yield ev
@@ -127,8 +131,8 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
         starts[gid], ends[gid] = t0, env._now
         if dependents:
             event_of(gid).succeed()
-    if gated:
-        gates[name] = DONE  # type: ignore[index]
+    if own is not None:
+        own[name] = DONE
 
 
 def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[simpy.Event],
