@@ -65,6 +65,7 @@ def plan_chains(e: Engine) -> None:
         names = inst.template.stream_names
         gated, sharing = e.gates.get(inst.rank, {}), e.sharers.get(inst.rank, {})
         beside = {(k, t) for t, name in enumerate(names) if name in sharing}
+        calmed = {(k, t) for t, name in enumerate(names) if name in gated} | beside
         for s, g, phases in inst.template.flows:
             grp = inst.groups[g]
             if len(phases) != 1 or len(phases[0][0]) != 1 or e.size[grp] != 1:
@@ -76,8 +77,7 @@ def plan_chains(e: Engine) -> None:
             # flow of theirs running, none able to start before the chain ends), and over
             # a sharer's link only while the sharers are calm too: links it shares with
             # them alone are its own for such a chain
-            mine = {(k, s)} | ({(k, t) for t, name in enumerate(names) if name in gated}
-                               | beside if names[s] == "compute" else set())
+            mine = {(k, s)} | calmed if names[s] == "compute" else {(k, s)}
             if all(users[link] <= mine for link in links):
                 chain[id(phases)] = [g, links, max(alpha + 0.0, 0.0), nbytes,
                                      e.group_weight(grp), None, None, False,
