@@ -69,6 +69,10 @@ class Engine:
 
     #: laid copies chains priced at once, whose spans :func:`settle` writes after the run
     priced: list[tuple[Any, ...]]
+    #: rank -> stream -> gate (:func:`simulator.engine.chains.calm`): its streams whose
+    #: collectives hold SMs beside the compute, and its sharers of the compute's links
+    gates: dict[int, dict[str, Any]]
+    sharers: dict[int, dict[str, Any]]
 
     def __init__(self, workload: Workload, hw: HardwareProfile,
                  env: simpy.Environment | None = None, topo: Topology | None = None,
@@ -117,8 +121,7 @@ class Engine:
         # the ranks :func:`plan_chains` finds) or its compute bursts reach into a step
         self.chains = chains and alone and not self._slowing and not self.bursts
         self.merged, self.priced = 0, []  # events the chains saved; laid copies they priced
-        self.gates: dict[int, dict[str, Any]] = {}  # rank -> stream -> gate (chains.calm)
-        self.sharers: dict[int, dict[str, Any]] = {}  # the same, for streams sharing links
+        self.gates, self.sharers = {}, {}  # their gates (:mod:`simulator.engine.chains`)
         if self.chains:
             plan_chains(self)
         self.interference = Interference(

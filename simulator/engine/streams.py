@@ -77,13 +77,7 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
     starts, ends, base, event_of, got = e.start, e.end, inst.run_base, e.event_of, e.events.get
     slowing, rank, groups = e.interference is not None, inst.rank, inst.groups
     counts, busy, _ = e.burst_counters(rank, name)  # compute bursts (a sync cost)
-    # chains; under SMs held beside the compute (``e.gates``): the compute stream's only
-    # while the gated streams are calm, each gated stream's gate while it waits; its
-    # collectives over a link a sharer uses (``e.sharers``) only while those are calm
-    gates = e.gates.get(rank) if e.chains else None
-    sharers = e.sharers.get(rank) if e.chains else None
-    own = gates if gates is not None and name in gates else \
-        sharers if sharers is not None and name in sharers else None  # its gate's table
+    gates, sharers, own = gating(e, rank, name)
     chained = e.chains and (gates is None or name == "compute")
     (i, n), (po, ro) = (0, len(steps)), offsets
     laid = inst.template.laid[inst.template.stream_names.index(name)] or None
@@ -133,6 +127,18 @@ def stream(e: Engine, inst: Instance, steps: list[tuple[Any, ...]],
             event_of(gid).succeed()
     if own is not None:
         own[name] = DONE
+
+
+def gating(e: Engine, rank: int, name: str) -> tuple[dict[str, Any] | None, ...]:
+    """For chains, the rank's gated streams' gates (``e.gates``: under SMs held beside
+    the compute, the compute stream chains only while they are calm), its sharers'
+    (``e.sharers``: its collectives over a link they use only while those are calm too),
+    and the table holding this stream's own gate, which it sets while it waits."""
+    gates = e.gates.get(rank) if e.chains else None
+    sharers = e.sharers.get(rank) if e.chains else None
+    own = gates if gates is not None and name in gates else \
+        sharers if sharers is not None and name in sharers else None
+    return gates, sharers, own
 
 
 def wait_for(e: Engine, inst: Instance, deps: tuple[Any, ...], pending: list[simpy.Event],
