@@ -23,7 +23,15 @@ from simulator.builder.workload import build_workload
 from simulator.cli.main import main
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
-from simulator.spec.variability import JitterSpec, VariabilitySpec, classes, jitter_factors, resolve
+from simulator.spec.variability import (
+    JitterSpec,
+    VariabilitySpec,
+    classes,
+    jitter_factors,
+    odd_tp_indices,
+    resolve,
+)
+from simulator.strategies.tensor.overlap import backward_resyncs
 from simulator.system.layout import Layout
 
 FREE = {"intra_node_bandwidth_GBps": 1e12, "inter_node_bandwidth_GBps": 1e12,
@@ -117,17 +125,19 @@ ASYMMETRIC = [
 
 
 IN_LINE = {"preset": "megatron-core", "tp_overlap": "none"}
-#: Megatron's async backward puts a TP collective beside the compute on a stream of its
-#: own: with sequence parallelism folding holds; without it (an all-reduce beside the
-#: weight-gradient GEMM) a straggler in an interleaved pipeline moves a few microseconds
-#: between one simulated rank's dp_wait and tail against the full run (the step time
-#: equal), as TE's pipelined overlap already did: a known gap of folding, not of the
-#: step
-ASYNC = [
-    pytest.param(ASYMMETRIC[3][0], ASYMMETRIC[3][1], id="sp-async"),
-    pytest.param(ASYMMETRIC[5][0], ASYMMETRIC[5][1], id="interleaved-async",
-                 marks=pytest.mark.xfail(strict=True, reason="folding moves dp_wait/tail "
-                                         "beside a TP side stream")),
+INTERLEAVED_SP = {**ASYMMETRIC[5][0], "sequence_parallel": True}
+#: TP collectives beside the compute: folding holds where each backward block keeps one
+#: on the compute stream (async with sequence parallelism, bulk: the output gradient's
+#: all-gather) and, where none is (async without it, pipelined), because the straggler's
+#: TP index is then odd on every stage (each of these failed before: a few microseconds
+#: between one simulated rank's dp_wait and tail against the full run)
+OVERLAPPED = [
+    pytest.param(ASYMMETRIC[3][0], ASYMMETRIC[3][1], "async", id="sp-async"),
+    pytest.param(ASYMMETRIC[5][0], ASYMMETRIC[5][1], "async", id="interleaved-async"),
+    pytest.param(INTERLEAVED_SP, ASYMMETRIC[5][1], "async", id="interleaved-sp-async"),
+    pytest.param(INTERLEAVED_SP, ASYMMETRIC[5][1], "bulk", id="interleaved-bulk"),
+    pytest.param(INTERLEAVED_SP, ASYMMETRIC[5][1], "pipelined", id="interleaved-pipelined"),
+    pytest.param(ASYMMETRIC[3][0], ASYMMETRIC[3][1], "pipelined", id="sp-pipelined"),
 ]
 
 
@@ -154,22 +164,47 @@ def test_folded_equals_full_on_asymmetric_scenarios(par: dict[str, Any], var: di
                 assert e[c] == pytest.approx(v, rel=REL, abs=1e-15)
 
 
-@pytest.mark.parametrize(("par", "var"), ASYNC)
-def test_folded_equals_full_under_the_async_tp_backward(par: dict[str, Any],
-                                                        var: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("par", "var", "mode"), OVERLAPPED)
+def test_folded_equals_full_beside_overlapped_tp(par: dict[str, Any], var: dict[str, Any],
+                                                 mode: str) -> None:
     test_folded_equals_full_on_asymmetric_scenarios(
-        par, var, False, {"preset": "megatron-core", "tp_overlap": "async"})
+        par, var, False, {"preset": "megatron-core", "tp_overlap": mode})
+
+
+@pytest.mark.parametrize(("mode", "sp", "resyncs"), [
+    ("none", False, True), ("async", True, True), ("async", False, False),
+    ("bulk", True, True), ("pipelined", True, False)])
+def test_which_overlaps_resynchronise_the_backward(mode: str, sp: bool, resyncs: bool) -> None:
+    """A backward block keeps a TP collective on the compute stream (which every TP rank
+    leaves together) in line, under bulk and under async with sequence parallelism."""
+    s = make(None, m=4, stack={"preset": "megatron-core", "tp_overlap": mode}, tp=2, pp=2,
+             dp=2, sequence_parallel=sp)
+    assert backward_resyncs(s) is resyncs
+
+
+def test_an_unsynchronised_backward_splits_the_index_on_every_stage() -> None:
+    """Without a re-synchronising backward the straggler's TP index is odd on every
+    stage, not only on its own and its neighbours'."""
+    layout = Layout(2, 6, 2, 8)
+    attrs = resolve(VariabilitySpec.model_validate(slow([layout.rank(2, 1, 1)], 1.3)),
+                    layout.world)
+    assert odd_tp_indices(layout, attrs) == {0: set(), 1: {1}, 2: {1}, 3: {1}, 4: set(),
+                                             5: set()}
+    assert odd_tp_indices(layout, attrs, resync=False) == {p: {1} for p in range(6)}
+    assert sum(classes(layout, attrs, resync=False).values()) == layout.world
+    assert len(classes(layout, attrs, resync=False)) > len(classes(layout, attrs))
 
 
 @settings(max_examples=60, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4, 8]), pp=st.integers(1, 6), dp=st.integers(1, 9),
-       odd=st.lists(st.integers(0, 10**6), max_size=4))
-def test_classes_partition_the_cluster(tp: int, pp: int, dp: int, odd: list[int]) -> None:
+       odd=st.lists(st.integers(0, 10**6), max_size=4), resync=st.booleans())
+def test_classes_partition_the_cluster(tp: int, pp: int, dp: int, odd: list[int],
+                                       resync: bool) -> None:
     layout = Layout(tp, pp, dp, 8)
     ranks = sorted({r % layout.world for r in odd})
     attrs = resolve(VariabilitySpec.model_validate(slow(ranks, 1.5) if ranks else {}),
                     layout.world)
-    reps = classes(layout, attrs)
+    reps = classes(layout, attrs, resync=resync)
     assert sum(reps.values()) == layout.world
     for r in attrs.asymmetric:  # an asymmetric rank is its own class, simulated
         assert reps[r] == 1

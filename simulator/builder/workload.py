@@ -61,7 +61,12 @@ from simulator.strategies.expert.layer import (
     expert_layer,
     shared_overlapped,
 )
-from simulator.strategies.tensor.overlap import Windows, overlap_windows, price_tails
+from simulator.strategies.tensor.overlap import (
+    Windows,
+    backward_resyncs,
+    overlap_windows,
+    price_tails,
+)
 from simulator.strategies.timing import collective_time
 from simulator.system.costs import CostModel
 from simulator.system.layout import Layout
@@ -257,7 +262,7 @@ def simulated_ranks(s: Scenario, fidelity: str) -> dict[int, int]:
         return dict.fromkeys(range(layout.world), 1)
     # a regridded stage (ep need not divide dp) folds only when symmetric: one class
     split = par.ep if s.model.is_moe and not _regridded(s) else 1
-    return classes(layout, resolve(s.variability, layout.world), split)
+    return classes(layout, resolve(s.variability, layout.world), split, backward_resyncs(s))
 
 
 def simulated_count(s: Scenario, fidelity: str) -> int:
@@ -318,7 +323,7 @@ def _build(s: Scenario, layout: Layout, cost: CostModel, costs: BlockCosts,
     if stamp and folded and eligible(ctx):
         ctx.lazy = Copies(ctx.tasks, ctx.programs)
     if folded and attrs.asymmetric:
-        ctx.clean_tp = clean_tp_index(layout, attrs)
+        ctx.clean_tp = clean_tp_index(layout, attrs, backward_resyncs(s))
     for stage, hw in s.stage_hardware.items():  # a mixed-generation cluster
         ctx.stage_cost[stage] = replace(cost, hw=hw)
         ctx.stage_c[stage] = block_costs(s, ctx.stage_cost[stage])

@@ -27,7 +27,10 @@ representative's own: the engine's rendezvous over simulated members stays
 exact. The TP index is split only on the stages where it can matter
 (:func:`odd_tp_indices`): a stage sends to the next only after a TP collective,
 which every TP rank leaves together, so an asymmetric rank's index is odd on its
-own stage and its neighbours (which receive from it) only. A rank whose sender
+own stage and its neighbours (which receive from it) only; where the backward runs
+every TP collective beside the compute (Megatron's async backward without sequence
+parallelism, TE's pipelined overlap) nothing re-synchronises it and the index is odd on
+every stage. A rank whose sender
 is not simulated receives from the clean index's representative
 (:func:`clean_tp_index`). One slow GPU thus adds one class per stage (its
 replica) and two more on its stage and its neighbours, never a fall back to full
@@ -214,18 +217,23 @@ def _draw(rng: np.random.Generator, world: int, k: int) -> tuple[int, ...]:
     return tuple(seen)
 
 
-def odd_tp_indices(layout: Layout, attrs: Attributes) -> dict[int, set[int]]:
+def odd_tp_indices(layout: Layout, attrs: Attributes,
+                   resync: bool = True) -> dict[int, set[int]]:
     """Per stage, the TP indices whose ranks may differ from their TP peers there: an
     asymmetric rank's, on its own stage and on the neighbouring ones. Its TP peers
     leave every TP collective with it, and a stage sends only after one, but its
     port carries its data-parallel flows at other times than theirs, so what it
     sends (or receives over a degraded port) can arrive at another time; two stages
     away the difference is gone (every TP group re-synchronises first). The first
-    and last stage split alike: they meet in the tied embedding's all-reduce."""
+    and last stage split alike: they meet in the tied embedding's all-reduce.
+    ``resync`` False: the backward's TP collectives all run beside the compute (a
+    side collective ends together, the compute beside it does not), so nothing
+    re-synchronises a TP group there and the index is odd on every stage."""
     odd: dict[int, set[int]] = {p: set() for p in range(layout.pp)}
     for r in attrs.asymmetric:
         c = layout.coord(r)
-        for p in (c.pp - 1, c.pp, c.pp + 1):
+        near = (c.pp - 1, c.pp, c.pp + 1) if resync else range(layout.pp)
+        for p in near:
             odd[p % layout.pp].add(c.tp)
     # the first and last stage share a group (the tied embedding's all-reduce)
     ends = odd[0] | odd[layout.pp - 1]
@@ -233,10 +241,10 @@ def odd_tp_indices(layout: Layout, attrs: Attributes) -> dict[int, set[int]]:
     return odd
 
 
-def clean_tp_index(layout: Layout, attrs: Attributes) -> int | None:
+def clean_tp_index(layout: Layout, attrs: Attributes, resync: bool = True) -> int | None:
     """The TP index that stands for the clean indices on every stage (the lowest one no
     stage finds odd), or None when every index is odd somewhere."""
-    odd = set().union(*odd_tp_indices(layout, attrs).values())
+    odd = set().union(*odd_tp_indices(layout, attrs, resync).values())
     return next((t for t in range(layout.tp) if t not in odd), None)
 
 
@@ -261,14 +269,16 @@ def replica_classes(layout: Layout, attrs: Attributes, ep: int = 1) -> list[tupl
     return [(a * ep + j, na * nj) for a, na in outer for j, nj in inner]
 
 
-def classes(layout: Layout, attrs: Attributes, ep: int = 1) -> dict[int, int]:
+def classes(layout: Layout, attrs: Attributes, ep: int = 1,
+            resync: bool = True) -> dict[int, int]:
     """Representative rank -> how many ranks its class holds (see the module notes);
-    ``ep``: the expert-parallel degree when the experts' TP is the dense TP. Context-
-    parallel peers are folded only when the cluster is symmetric (callers keep every
-    rank otherwise)."""
+    ``ep``: the expert-parallel degree when the experts' TP is the dense TP; ``resync``:
+    whether a TP collective on the compute stream re-synchronises each backward block
+    (:func:`odd_tp_indices`). Context-parallel peers are folded only when the cluster is
+    symmetric (callers keep every rank otherwise)."""
     dp_classes = replica_classes(layout, attrs, ep)
-    odd_tp = odd_tp_indices(layout, attrs)
-    clean = clean_tp_index(layout, attrs)
+    odd_tp = odd_tp_indices(layout, attrs, resync)
+    clean = clean_tp_index(layout, attrs, resync)
     if clean is None:  # no common stand-in: split every stage alike
         every = set().union(*odd_tp.values())
         odd_tp = dict.fromkeys(odd_tp, every)

@@ -190,6 +190,21 @@ def active(s: Scenario) -> bool:
     return par.sequence_parallel
 
 
+def backward_resyncs(s: Scenario) -> bool:
+    """Whether each backward block holds a TP collective on the compute stream, which
+    every TP rank leaves together (asymmetric folding relies on it,
+    :func:`simulator.spec.variability.odd_tp_indices`): yes in line, under ``bulk`` (the
+    output gradient's all-gather) and under ``async`` with sequence parallelism (the
+    same); no under ``async`` without it (its all-reduce beside the weight-gradient GEMM
+    is the block's only one) nor under ``pipelined`` (ring exchange and bulk, both beside
+    the GEMMs). A side collective ends together on every rank, the compute beside it
+    does not."""
+    if not active(s):
+        return True
+    mode = s.stack.tp_overlap
+    return mode == "bulk" or (mode == "async" and s.parallel.sequence_parallel)
+
+
 def userbuffers(s: Scenario) -> bool:
     """Whether Transformer Engine's userbuffers run the overlap (``stack.tp_overlap_runtime``);
     PyTorch's symmetric memory moves a chunk per rank by copy engines: no SM margin, no
