@@ -33,7 +33,8 @@ parallelism, TE's pipelined overlap) nothing re-synchronises it and the index is
 every stage. A rank whose sender
 is not simulated receives from the clean index's representative
 (:func:`clean_tp_index`). One slow GPU thus adds one class per stage (its
-replica) and two more on its stage and its neighbours, never a fall back to full
+replica) and two more on its stage and its neighbours (on every stage where nothing
+re-synchronises), never a fall back to full
 fidelity; tests check folded against full to 1e-9. Expert parallelism splits a
 replica index into (expert-data index, position in the EP group), each split on
 its own (:func:`replica_classes`); experts with a TP degree of their own regrid a
