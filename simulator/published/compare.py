@@ -38,8 +38,8 @@ UNITS: dict[str, Callable[[dict[str, Any], Row], float]] = {
     "peak_memory_gb": lambda r, row: r["memory_peak_bytes"] / 1e9,
 }
 COLUMNS = ("name", "gpu", "gpus", "model", "params_B", "seq_len", "micro_batch_tokens",
-           "recompute", "dtype", "attention", "head_dim", "unit", "measured", "simulated",
-           "error", "exposed_comm", "fits", "reason")
+           "replica_sequences", "sharding", "recompute", "dtype", "attention", "head_dim",
+           "unit", "measured", "simulated", "error", "exposed_comm", "fits", "reason")
 #: regime -> how a row's table entry falls into it
 REGIMES: dict[str, Callable[[pd.Series], str]] = {
     "gpu": lambda r: str(r["gpu"]).split(" (")[0],
@@ -75,6 +75,14 @@ def _bucket(value: float, edges: Sequence[float], unit: str) -> str:
     return f">{lo:g}{unit}"
 
 
+def _replica_sequences(row: Row) -> float:
+    """Sequences a data-parallel replica runs a step (micro-batch × accumulation): what a
+    weak-scaling series keeps (:mod:`simulator.published.scaling`)."""
+    cp = max(row.cp or 1, 1)
+    dp = row.dp or max(row.gpus // max((row.tp or 1) * (row.pp or 1) * cp, 1), 1)
+    return row.global_batch / dp
+
+
 def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]:
     """One row's table entry (module level: picklable for process and Dask workers); with
     ``by_class`` its step's share per cost class too (a simulation more per class)."""
@@ -84,7 +92,9 @@ def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]
     out: dict[str, Any] = {"name": row.name, "gpu": row.gpu, "gpus": row.gpus,
                            "model": row.model, "params_B": math.nan, "seq_len": row.seq_len,
                            "micro_batch_tokens": row.micro_batch * row.seq_len,
-                           "recompute": row.recompute or "none", "dtype": row.dtype,
+                           "replica_sequences": _replica_sequences(row),
+                           "sharding": row.zero_or_fsdp, "recompute": row.recompute or "none",
+                           "dtype": row.dtype,
                            "attention": "", "head_dim": math.nan, "unit": row.unit,
                            "measured": row.measured, "simulated": math.nan,
                            "error": math.nan, "exposed_comm": math.nan, "fits": None,

@@ -1,7 +1,8 @@
 """What ``clustersim validate-runs`` writes and prints: the per-row table
 (``runs.csv``), the regime summary (``regimes.csv``), with ``--by-class`` the factor per
 cost class (``classes.csv``, :mod:`simulator.published.classes`) and the attention kernels'
-against the rest's (``split.csv``), a Markdown page with
+against the rest's (``split.csv``), weak scaling (``scaling.csv``,
+:mod:`simulator.published.scaling`), a Markdown page with
 them and the rows it could not express (``runs.md``), the numbers of the run
 (``summary.json``) and the scatter (``scatter.png``), each file atomically.
 """
@@ -17,6 +18,7 @@ import pandas as pd
 
 from simulator.outputs.trace_export import atomic_output
 from simulator.published.classes import fit_line, split_line
+from simulator.published.scaling import scaling_line, weak_scaling
 
 
 def totals(table: pd.DataFrame) -> dict[str, Any]:
@@ -47,7 +49,8 @@ def summary_lines(table: pd.DataFrame, regimes: pd.DataFrame,
         worst = regimes.iloc[regimes["mean_error"].abs().argmax()]
         lines.append(f"largest regime error: {worst['regime']} {worst['group']}: "
                      f"{worst['mean_error']:+.1%} over {worst['rows']} row(s)")
-    for line in (fit_line(fits) if fits is not None else None,
+    for line in (scaling_line(weak_scaling(table)),
+                 fit_line(fits) if fits is not None else None,
                  split_line(split) if split is not None else None):
         if line:
             lines.append(line)
@@ -96,6 +99,19 @@ def _split_section(split: pd.DataFrame | None) -> list[str]:
             markdown_table(shown), ""]
 
 
+def _scaling_section(scaling: pd.DataFrame) -> list[str]:
+    if scaling.empty:
+        return []
+    shown = scaling.assign(**{c: scaling[c].map("{:.3f}".format)
+                              for c in ("measured_ratio", "simulated_ratio")},
+                           gap=scaling["gap"].map("{:+.1%}".format))
+    return ["## Weak scaling", "",
+            "Rows that differ only in their GPU count: the per-GPU rate at each count over "
+            "the series' smallest, measured and simulated; a positive gap, the simulation "
+            "loses less going out than the runs did (`simulator/published/scaling.py`).", "",
+            markdown_table(shown), ""]
+
+
 def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
               fits: pd.DataFrame | None = None, split: pd.DataFrame | None = None) -> str:
     t = totals(table)
@@ -115,6 +131,7 @@ def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
                        params_B=done["params_B"].map("{:.3g}".format))
     skipped = table[table["error"].isna()][["name", "reason"]]
     return "\n".join([*head, "## By regime", "", markdown_table(reg), "",
+                      *_scaling_section(weak_scaling(table)),
                       *_class_section(fits), *_split_section(split), "## Rows", "",
                       markdown_table(rows.drop(columns=["reason"])),
                       "", "## Not expressed", "",
@@ -129,6 +146,9 @@ def write_report(out: Path, table: pd.DataFrame, regimes: pd.DataFrame,
 
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(table, out / "runs.csv"), write_table(regimes, out / "regimes.csv")]
+    scaling = weak_scaling(table)
+    if not scaling.empty:
+        written.append(write_table(scaling, out / "scaling.csv"))
     if fits is not None:
         written.append(write_table(fits, out / "classes.csv"))
     if split is not None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from simulator.cli.common import Subparsers, add_command, positive_int
 
 HELP = ("simulate every row of a table of measured runs and compare, by row and by "
-        "regime: runs.csv, regimes.csv, runs.md, scatter.png (and by cost class: "
-        "classes.csv, split.csv)")
+        "regime: runs.csv, regimes.csv, runs.md, scatter.png, weak scaling where rows "
+        "differ only in GPU count: scaling.csv (and by cost class: classes.csv, split.csv)")
 EXAMPLE = ("examples:\n"
            "  clustersim validate-runs docs/validation/published/llm-foundry.csv "
            "--out out/llm-foundry\n"
