@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_published import _write
 
 from simulator.cli.main import main
 from simulator.published.compare import COLUMNS as TABLE_COLUMNS
-from simulator.published.rows import COLUMNS, read_rows
+from simulator.published.rows import read_rows
 from simulator.published.scaling import COLUMNS as SCALING_COLUMNS
 from simulator.published.scaling import per_gpu, scaling_line, weak_scaling
 
@@ -78,11 +79,7 @@ def test_the_command_writes_the_scaling_table(tmp_path: Path,
     series = [r for r in rows if r["name"].startswith("llmfoundry_h100_bf16_mpt1b_seq2048_")
               and r["gpus"] in ("16", "32", "64")]
     assert len(series) == 3
-    path = tmp_path / "runs.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
-        writer.writeheader()
-        writer.writerows(series)
+    path = _write(tmp_path / "runs.csv", series)
     out = tmp_path / "out"
     assert main(["validate-runs", str(path), "--out", str(out), "--workers", "1",
                  "--no-plots"]) == 0

@@ -65,6 +65,11 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in cells)])
 
 
+def _section(title: str, intro: str, shown: pd.DataFrame) -> list[str]:
+    """A ``runs.md`` section: its heading, what it shows, its table."""
+    return [f"## {title}", "", intro, "", markdown_table(shown), ""]
+
+
 def _class_section(fits: pd.DataFrame | None) -> list[str]:
     if fits is None:
         return []
@@ -76,11 +81,11 @@ def _class_section(fits: pd.DataFrame | None) -> list[str]:
                         mean_abs_error=fits["mean_abs_error"].map("{:.1%}".format),
                         mean_abs_error_after=fits["mean_abs_error_after"].map("{:.1%}".format),
                         condition=fits["condition"].map("{:.3g}".format))
-    return ["## By cost class", "",
-            "Measured over simulated step time per class, least squares over the rows' "
-            "shares of the simulated step (a diagnosis; `simulator/published/classes.py`): "
-            "a factor above 1, the runs spent longer in the class than simulated.", "",
-            markdown_table(shown), ""]
+    return _section("By cost class",
+                    "Measured over simulated step time per class, least squares over the "
+                    "rows' shares of the simulated step (a diagnosis; "
+                    "`simulator/published/classes.py`): a factor above 1, the runs spent "
+                    "longer in the class than simulated.", shown)
 
 
 def _split_section(split: pd.DataFrame | None) -> list[str]:
@@ -91,12 +96,12 @@ def _split_section(split: pd.DataFrame | None) -> list[str]:
                              "std_error_rest", "factor_attention", "std_error_attention")},
                          mean_abs_error=split["mean_abs_error"].map("{:.1%}".format),
                          mean_abs_error_after=split["mean_abs_error_after"].map("{:.1%}".format))
-    return ["## Attention against the rest", "",
-            "Measured over simulated step time, least squares over each row's attention "
-            "share of the simulated step and the rest: per GPU, and per GPU, attention "
-            "kernel and head dimension, where runs over several sequence lengths tell the "
-            "two apart (a diagnosis; `simulator/published/classes.py`).", "",
-            markdown_table(shown), ""]
+    return _section("Attention against the rest",
+                    "Measured over simulated step time, least squares over each row's "
+                    "attention share of the simulated step and the rest: per GPU, and per "
+                    "GPU, attention kernel and head dimension, where runs over several "
+                    "sequence lengths tell the two apart (a diagnosis; "
+                    "`simulator/published/classes.py`).", shown)
 
 
 def _scaling_section(scaling: pd.DataFrame) -> list[str]:
@@ -105,11 +110,11 @@ def _scaling_section(scaling: pd.DataFrame) -> list[str]:
     shown = scaling.assign(**{c: scaling[c].map("{:.3f}".format)
                               for c in ("measured_ratio", "simulated_ratio")},
                            gap=scaling["gap"].map("{:+.1%}".format))
-    return ["## Weak scaling", "",
-            "Rows that differ only in their GPU count: the per-GPU rate at each count over "
-            "the series' smallest, measured and simulated; a positive gap, the simulation "
-            "loses less going out than the runs did (`simulator/published/scaling.py`).", "",
-            markdown_table(shown), ""]
+    return _section("Weak scaling",
+                    "Rows that differ only in their GPU count: the per-GPU rate at each "
+                    "count over the series' smallest, measured and simulated; a positive "
+                    "gap, the simulation loses less going out than the runs did "
+                    "(`simulator/published/scaling.py`).", shown)
 
 
 def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
