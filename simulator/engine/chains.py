@@ -55,11 +55,12 @@ def plan_chains(e: Engine) -> None:
     uses one of its links]."""
     users: dict[Any, set[tuple[int, int]]] = {}
     e.gates = _gates(e)
-    for k, inst in enumerate(e.instances):
-        for s, links in _flows_of(e, inst):
+    flows = [_flows_of(e, inst) for inst in e.instances]
+    for k, of_k in enumerate(flows):
+        for s, links in of_k:
             for link in links:
                 users.setdefault(link, set()).add((k, s))
-    e.sharers = _sharers(e, users)
+    e.sharers = _sharers(e, users, flows)
     for k, inst in enumerate(e.instances):
         chain: dict[int, list[Any]] = {}
         names = inst.template.stream_names
@@ -86,17 +87,18 @@ def plan_chains(e: Engine) -> None:
         inst.chain = chain or None
 
 
-def _sharers(e: Engine, users: dict[Any, set[tuple[int, int]]]) -> dict[int, dict[str, Any]]:
+def _sharers(e: Engine, users: dict[Any, set[tuple[int, int]]],
+             flows: list[list[tuple[int, Any]]]) -> dict[int, dict[str, Any]]:
     """Per rank, the streams of its own, not gated, that alone share a link with its
     compute stream's flows (a TP stream beside the compute under TE's userbuffers, whose
     collectives hold no SMs): each one's gate (:func:`calm`), at first None. The compute
     stream's collectives over those links chain while they are calm; its runs whatever
-    they do."""
+    they do. ``flows``: each instance's (:func:`_flows_of`)."""
     out: dict[int, dict[str, Any]] = {}
     for k, inst in enumerate(e.instances):
         names, gated = inst.template.stream_names, e.gates.get(inst.rank, {})
         found: set[str] = set()
-        for s, links in _flows_of(e, inst):
+        for s, links in flows[k]:
             if names[s] != "compute":
                 continue
             for link in links:

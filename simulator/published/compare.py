@@ -23,7 +23,7 @@ import pandas as pd
 from simulator.errors import UserError
 from simulator.model.transformer import param_count
 from simulator.published.classes import SHARE_COLUMNS, step_shares
-from simulator.published.mapping import Unexpressed, scenario_data
+from simulator.published.mapping import Unexpressed, replicas, scenario_data
 from simulator.published.rows import Row
 from simulator.spec.rules import not_yet_simulated
 
@@ -78,9 +78,7 @@ def _bucket(value: float, edges: Sequence[float], unit: str) -> str:
 def _replica_sequences(row: Row) -> float:
     """Sequences a data-parallel replica runs a step (micro-batch × accumulation): what a
     weak-scaling series keeps (:mod:`simulator.published.scaling`)."""
-    cp = max(row.cp or 1, 1)
-    dp = row.dp or max(row.gpus // max((row.tp or 1) * (row.pp or 1) * cp, 1), 1)
-    return row.global_batch / dp
+    return row.global_batch / max(replicas(row), 1)
 
 
 def compare_row(row: Row, method: str, by_class: bool = False) -> dict[str, Any]:

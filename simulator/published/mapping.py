@@ -188,9 +188,15 @@ def _cluster(row: Row) -> dict[str, Any]:
     return {"system": system, "nodes": row.gpus // per_node, "gpus_per_node": per_node}
 
 
+def replicas(row: Row) -> int:
+    """The data-parallel replicas a row runs: its ``dp``, or the GPUs the model-parallel
+    groups leave when blank."""
+    return row.dp or row.gpus // ((row.tp or 1) * (row.pp or 1) * (row.cp or 1))
+
+
 def _parallel(row: Row) -> dict[str, Any]:
     tp, pp, cp, ep = (row.tp or 1), (row.pp or 1), (row.cp or 1), (row.ep or 1)
-    dp = row.dp or row.gpus // (tp * pp * cp)
+    dp = replicas(row)
     vpp = row.vpp or 1
     sp = row.sequence_parallel.strip().lower()
     if sp not in ("", "false", "no", "none", "0", "true", "yes", "1"):

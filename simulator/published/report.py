@@ -65,6 +65,11 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in cells)])
 
 
+def _formatted(frame: pd.DataFrame, **formats: str) -> pd.DataFrame:
+    """``frame`` with each named column as text in its format (``"{:.3f}"``)."""
+    return frame.assign(**{c: frame[c].map(f.format) for c, f in formats.items()})
+
+
 def _section(title: str, intro: str, shown: pd.DataFrame) -> list[str]:
     """A ``runs.md`` section: its heading, what it shows, its table."""
     return [f"## {title}", "", intro, "", markdown_table(shown), ""]
@@ -76,11 +81,9 @@ def _class_section(fits: pd.DataFrame | None) -> list[str]:
     if fits.empty:
         return ["## By cost class", "", "no group of more than four rows with a time or a "
                 "rate to fit", ""]
-    shown = fits.assign(**{c: fits[c].map("{:.3f}".format)
-                           for c in ("mean_share", "factor", "std_error")},
-                        mean_abs_error=fits["mean_abs_error"].map("{:.1%}".format),
-                        mean_abs_error_after=fits["mean_abs_error_after"].map("{:.1%}".format),
-                        condition=fits["condition"].map("{:.3g}".format))
+    shown = _formatted(fits, **dict.fromkeys(("mean_share", "factor", "std_error"), "{:.3f}"),
+                       mean_abs_error="{:.1%}", mean_abs_error_after="{:.1%}",
+                       condition="{:.3g}")
     return _section("By cost class",
                     "Measured over simulated step time per class, least squares over the "
                     "rows' shares of the simulated step (a diagnosis; "
@@ -91,11 +94,10 @@ def _class_section(fits: pd.DataFrame | None) -> list[str]:
 def _split_section(split: pd.DataFrame | None) -> list[str]:
     if split is None or split.empty:
         return []
-    shown = split.assign(**{c: split[c].map("{:.3f}".format) for c in
-                            ("attention_share_min", "attention_share_max", "factor_rest",
-                             "std_error_rest", "factor_attention", "std_error_attention")},
-                         mean_abs_error=split["mean_abs_error"].map("{:.1%}".format),
-                         mean_abs_error_after=split["mean_abs_error_after"].map("{:.1%}".format))
+    shown = _formatted(split, **dict.fromkeys(
+        ("attention_share_min", "attention_share_max", "factor_rest", "std_error_rest",
+         "factor_attention", "std_error_attention"), "{:.3f}"),
+        mean_abs_error="{:.1%}", mean_abs_error_after="{:.1%}")
     return _section("Attention against the rest",
                     "Measured over simulated step time, least squares over each row's "
                     "attention share of the simulated step and the rest: per GPU, and per "
@@ -107,9 +109,8 @@ def _split_section(split: pd.DataFrame | None) -> list[str]:
 def _scaling_section(scaling: pd.DataFrame) -> list[str]:
     if scaling.empty:
         return []
-    shown = scaling.assign(**{c: scaling[c].map("{:.3f}".format)
-                              for c in ("measured_ratio", "simulated_ratio")},
-                           gap=scaling["gap"].map("{:+.1%}".format))
+    shown = _formatted(scaling, measured_ratio="{:.3f}", simulated_ratio="{:.3f}",
+                       gap="{:+.1%}")
     return _section("Weak scaling",
                     "Rows that differ only in their GPU count: the per-GPU rate at each "
                     "count over the series' smallest, measured and simulated; a positive "
@@ -127,13 +128,9 @@ def _markdown(table: pd.DataFrame, regimes: pd.DataFrame, meta: dict[str, Any],
     if t["compared"]:
         head += [f"Mean error {t['mean_error']:+.1%} (simulated / measured − 1: positive "
                  f"reads faster than measured), mean |error| {t['mean_abs_error']:.1%}.", ""]
-    reg = regimes.assign(mean_error=regimes["mean_error"].map("{:+.1%}".format),
-                         mean_abs_error=regimes["mean_abs_error"].map("{:.1%}".format),
-                         worst=regimes["worst"].map("{:+.1%}".format))
+    reg = _formatted(regimes, mean_error="{:+.1%}", mean_abs_error="{:.1%}", worst="{:+.1%}")
     done = table[table["error"].notna()]
-    rows = done.assign(error=done["error"].map("{:+.1%}".format),
-                       simulated=done["simulated"].map("{:.4g}".format),
-                       params_B=done["params_B"].map("{:.3g}".format))
+    rows = _formatted(done, error="{:+.1%}", simulated="{:.4g}", params_B="{:.3g}")
     skipped = table[table["error"].isna()][["name", "reason"]]
     return "\n".join([*head, "## By regime", "", markdown_table(reg), "",
                       *_scaling_section(weak_scaling(table)),
