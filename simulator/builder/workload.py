@@ -99,6 +99,9 @@ class BlockCosts:
     mtp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     #: its input side's forward again before the backward under full recomputation
     mtp_recompute: float = 0.0
+    #: the trainer's metric updates on a micro-batch's logits after its backward, on the
+    #: last stage (:func:`simulator.model.transformer.train_metric_ops`)
+    metrics: float = 0.0
     #: host seconds the pipeline runtime adds to each F and each B action of a stage
     #: (:meth:`simulator.system.costs.CostModel.pipeline_action_s`; 0 without pipelining)
     action: float = 0.0
@@ -205,7 +208,8 @@ def block_costs(s: Scenario, cost: CostModel) -> BlockCosts:
 
     embed, head = three(mdl.embedding_ops), three(mdl.head_ops)
     kinds = moe.layer_kinds(spec)
-    base = _layer_costs(s, cost, kinds[0][0], embed, head)
+    base = replace(_layer_costs(s, cost, kinds[0][0], embed, head), metrics=cost.ops_time(
+        mdl.train_metric_ops(spec, b, tp, sp, dt, s.stack)))
     if spec.mtp_layers:
         again = mtp_in_ops(spec, b, tp, sp, dt, "fwd", s.stack) \
             if s.parallel.recompute == "full" else ()

@@ -47,6 +47,7 @@ from simulator.model.inventory.dense import dense_layer_ops
 from simulator.model.inventory.experts import expert_tensors
 from simulator.model.inventory.fp8 import step_weight_cast
 from simulator.model.inventory.layer import fp8_expert_weights, fp8_weights, layer_tensors
+from simulator.model.inventory.loss import loss_op, metric_ops
 from simulator.model.inventory.ops import (
     Op,
     Pass,
@@ -196,13 +197,25 @@ def head_ops(
                              + (8 - dt) * spec.hidden * spec.vocab / tp)
         return (logits,)
     flash = st.loss == "flash"  # a custom kernel on the GEMM's 16-bit logits: no cast
-    loss = _loss(st, tokens * spec.vocab / tp, dt if flash else wide, pass_)
+    loss = loss_op(st, tokens * spec.vocab / tp, dt if flash else wide, pass_)
     casts = ((mem("amp_cast_head", tokens * spec.hidden, 4 + dt, "copy"),),
              () if flash else (mem("amp_cast_logits", tokens * spec.vocab / tp, 4 + dt,
                                    "copy"),)) if amp else ((), ())
     ops = (mem("final_norm", norm_elements(spec, local, pass_), wide, st.norm_classes[0]),
            *casts[0], logits, *casts[1], loss)
     return ops if pass_ == "fwd" else ops[::-1]
+
+
+def train_metric_ops(
+    spec: ModelSpec, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+    dtype: str = "bf16", stack: StackSpec | None = None,
+) -> tuple[Op, ...]:
+    """The trainer's metric updates on one micro-batch's logits after its backward, on
+    the stage with the output layer (:func:`simulator.model.inventory.loss.metric_ops`)."""
+    del sequence_parallel  # the logits are every token's
+    tokens = micro_batch * spec.seq_len
+    return metric_ops(stack or default_stack(), tokens, tokens * spec.vocab / tp,
+                      dtype_bytes(dtype))
 
 
 def mtp_end_ops(
@@ -218,29 +231,6 @@ def mtp_end_ops(
     ops = (*embedding_ops(*args), *mtp.mtp_in_ops(*args)) if pass_ == "fwd" else \
         (*mtp.mtp_in_ops(*args), *embedding_ops(*args))
     return (*ops, *head_ops(*args)) if pass_ == "fwd" else (*head_ops(*args), *ops)
-
-
-def _loss(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
-    """The cross-entropy over ``elements`` logits of ``wide`` bytes. Fused: one kernel
-    each way, the logits read and an fp32 softmax written (or read back). Megatron's
-    vocab-parallel form: about four fp32 passes in six kernels each way. PyTorch's
-    ``F.cross_entropy``: forward log_softmax (logits read, fp32 log-probabilities
-    written) and nll_loss's gather; backward nll_loss's zero-filled gradient and its
-    scatter, then log_softmax's backward (gradient and log-probabilities read, the
-    logits' gradient written). flash-attn's (``flash``): forward reads the logits and
-    writes a loss and log-sum-exp per row; backward reads the logits again and writes
-    their gradient, one kernel each way."""
-    cls = "cross_entropy"  # vocabulary-wide rows: their own curve, not the softmax's
-    if st.loss == "flash":  # forward reads the logits; backward reads them, writes the grad
-        return Op("loss", "memory", 0.0, elements * wide * (1 if pass_ == "fwd" else 2), 0.0,
-                  cls, 1)
-    if st.fused("cross_entropy"):
-        return Op("loss", "memory", 0.0, elements * (wide + 4), 0.0, cls, 1)
-    if st.loss == "torch":
-        fwd = pass_ == "fwd"
-        return Op("loss", "memory", 0.0, elements * (wide + 4 if fwd else 4 + 8 + wide), 0.0,
-                  cls, 2 if fwd else 3)
-    return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, cls, 6)
 
 
 def layer_recompute_ops(

@@ -5,8 +5,9 @@ on one TP rank for one micro-batch: pass (forward, backward input, backward weig
 recompute), cost class, kernels, GFLOP (counted), MB moved, what it keeps for backward,
 its time on the scenario's hardware (:class:`simulator.system.costs.CostModel`), what bounds it
 (compute, memory, or overhead: launch or host) and its share of the layer. Then the
-ends (embedding, head and loss) and the optimizer step of the first stage's shard, which
-are not part of the layer's share; under ZeRO-3 with a stack that has FSDP2's copies,
+ends (embedding, head and loss), the trainer's metric updates after each backward
+(``trainer``, where the stack has them) and the optimizer step of the first stage's
+shard, which are not part of the layer's share; under ZeRO-3 with a stack that has FSDP2's copies,
 the copies around one layer's all-gather and reduce-scatter (``fsdp unit``, the
 accumulate as on a micro-batch after the first); under DDP with a stack that has torch
 DDP's bucket copies, one layer's gradients into their bucket and back (``ddp layer``).
@@ -82,6 +83,8 @@ def op_rows(s: Scenario) -> list[dict[str, Any]]:
         for p in mdl.PASSES:
             rows += [_row(cost, part, _PASS_NAMES[p], op)
                      for op in fn(spec, b, tp, sp, dt, p, s.stack)]
+    rows += [_row(cost, "trainer", "after backward", op)  # its metrics on the logits
+             for op in mdl.train_metric_ops(spec, b, tp, sp, dt, s.stack)]
     par = s.parallel
     if par.zero == 3 and par.dp * par.cp > 1:  # FSDP's kernels around one layer's collectives
         unit, n, dp = mdl.layer_params(s.model) / tp, layer_tensors(s.model, s.stack), \

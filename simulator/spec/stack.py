@@ -100,15 +100,15 @@ class StackSpec(BaseModel):
     """How AdamW launches its kernels: one fused kernel, foreach (a few per group of
     tensors) or per tensor."""
     optimizer_loop: Literal["torch", "composer"] = "torch"
-    """Whose op-by-op AdamW runs where ``optimizer`` is not fused (each op a pass over the
-    tensors: :func:`simulator.model.inventory.optimizer.unfused_bytes`): torch.optim.AdamW's
-    (torch/optim/adam.py ``_single_tensor_adam``, ``_multi_tensor_adam``: the weight decay's
-    pass, the first moment by ``lerp_``, the step count a CPU tensor) or Composer's
-    DecoupledAdamW (composer/optim/decoupled_weight_decay.py, v0.16.0: the first moment by
-    ``mul_`` then ``add_``, no weight-decay pass at llm-foundry's ``weight_decay: 0.0``, and
-    each parameter's step count a CUDA tensor read back by ``state_steps[i].item()`` before
-    its update, so the host waits for the device at every tensor: the step's host and
-    device time add)."""
+    """Whose op-by-op AdamW runs where ``optimizer`` is not fused (:func:`simulator.model.
+    inventory.optimizer.unfused_bytes`): torch.optim.AdamW's, or Composer's DecoupledAdamW,
+    which reads each step count back (``.item()``): the step's host and device time add."""
+    train_metrics: int = Field(default=0, ge=0, le=16)
+    """Cross-entropy metrics the trainer computes from each micro-batch's logits after its
+    backward (Composer's ``_eval_train_metrics``: llm-foundry's LanguageCrossEntropy and
+    LanguagePerplexity), forward only, in fp32 (autocast's cross_entropy), or in the
+    logits' dtype under FP8 (Composer's amp_fp8 enters no torch.autocast):
+    :func:`simulator.model.inventory.loss.metric_ops`."""
     grad_clip: bool = True
     """Global-norm gradient clipping before the step (reads and scales the gradients)."""
     pipeline_send: Literal["blocking", "async"]

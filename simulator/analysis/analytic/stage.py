@@ -161,6 +161,8 @@ def _ends(s: Scenario, c: BlockCosts, first: bool, last: bool, ends: Ends,
             out["backward_input"] += end[1]
             out["backward_weight"] += end[2]
             out["tp_transfer"] += sum(tp)
+    if last:  # the trainer's metric updates after the backward: forward work on the logits
+        out["forward"] += c.metrics
     spec, par = s.model, s.parallel
     if last and spec.mtp_layers:  # each MTP module's ends: an embedding and a head again
         n = spec.mtp_layers

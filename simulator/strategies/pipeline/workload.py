@@ -1,23 +1,21 @@
 """Pipeline pass: the schedule's actions as compute tasks and point-to-point sends.
 
-It walks each simulated rank's actions from :mod:`simulator.schedules.action` and
-calls the other passes' hooks (:class:`~simulator.builder.context.Pass`) where
-their tasks belong. An F, B or I of a virtual stage expands to per-layer
-blocks (attention, MLP) of the layers :mod:`simulator.spec.placement` gives it (a
-stage with none, nor the embedding or head, relays: one zero-second task) on
-the compute stream, with the embedding's on the
-first stage and the output layer's on the last; B carries the weight
-gradients as well (its task records that share in ``weight_s``), I only the
-input gradients, and W (ZB-H1, Qi et al. 2024) one weight-gradient task per
-layer. Recomputation runs before each layer's backward: the attention core
-only (``selective``) or the layer's whole forward (``full``, with its TP
-collectives).
+It walks each simulated rank's actions from :mod:`simulator.schedules.action` and calls
+the other passes' hooks (:class:`~simulator.builder.context.Pass`) where their tasks
+belong. An F, B or I of a virtual stage expands to per-layer blocks (attention, MLP) of
+the layers :mod:`simulator.spec.placement` gives it (a stage with none, nor the embedding
+or head, relays: one zero-second task) on the compute stream, with the embedding's on the
+first stage and the output layer's on the last; B carries the weight gradients as well
+(its task records that share in ``weight_s``), I only the input gradients, and W (ZB-H1,
+Qi et al. 2024) one weight-gradient task per layer. Recomputation runs before each
+layer's backward: the attention core only (``selective``) or the layer's whole forward
+(``full``, with its TP collectives).
 
-Activations after an F and input gradients after a B or I (b·s·h bytes per TP
-rank, b·s·h/t with sequence parallelism, Megatron-core's p2p shapes) go out
-on the ``pp`` stream as soon as they are produced (on the compute stream
-without ``overlap.pp``); the receiver's first compute of that action waits for
-the transfer. Sends are matched to receivers once every rank is built.
+Activations after an F and input gradients after a B or I (b·s·h bytes per TP rank,
+b·s·h/t with sequence parallelism, Megatron-core's p2p shapes) go out on the ``pp``
+stream as soon as they are produced (on the compute stream without ``overlap.pp``); the
+receiver's first compute of that action waits for the transfer. Sends are matched to
+receivers once every rank is built.
 
 Under ``torch.distributed.pipelining`` (a stack with ``pipeline_runtime: torch``) each F
 and B (or I) action ends with the runtime's own host time where the profile measured it
@@ -26,17 +24,17 @@ cost, as DTensor's), on the compute stream before the action's send: the stage's
 around the action (its receive and send ops, the chunk's autograd call) runs there.
 
 Multi-token prediction modules (``model.mtp_layers``) are layers of the last stage;
-each one's ends (the shifted tokens' embedding, norms and projection, its output
-layer and loss) follow the output layer's loss forward and precede the layers
-backward, with their TP collectives.
+each one's ends (the shifted tokens' embedding, norms and projection, its output layer
+and loss) follow the output layer's loss forward and precede the layers backward, with
+their TP collectives. A trainer's metric updates on the logits (``BlockCosts.metrics``)
+follow each backward of the last stage, after its send.
 
 At the end of the step, the word embedding's gradient is all-reduced, where the last
-stage keeps a copy (a tied output layer, multi-token prediction),
-between the first and the last stage (Megatron's embedding group; kind
-``embedding_tie``), after the data pass's last buckets and before the
-optimizer step; under DualPipe, whose ranks r and pp − 1 − r hold the same two model
-stages, each rank's reduced gradients are all-reduced with the other copy's there too
-(kind ``dp``).
+stage keeps a copy (a tied output layer, multi-token prediction), between the first and
+the last stage (Megatron's embedding group; kind ``embedding_tie``), after the data
+pass's last buckets and before the optimizer step; under DualPipe, whose ranks r and
+pp − 1 − r hold the same two model stages, each rank's reduced gradients are all-reduced
+with the other copy's there too (kind ``dp``).
 """
 
 from __future__ import annotations
@@ -97,6 +95,9 @@ class PipelinePass:
                 self.runtime(rank, a, chunk)
                 if not sched.is_first(a.stage):
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
+                if sched.is_last(a.stage) and ctx.c_of(rank).metrics:
+                    ctx.compute(rank, "F", "forward", f"metrics mb{a.microbatch}",
+                                ctx.c_of(rank).metrics, a.microbatch, -1, chunk)
                 if a.kind == "I":
                     continue
             for weight_grads in hooks.weight_grads:
@@ -280,9 +281,9 @@ class PipelinePass:
         on the compute stream before the action's send."""
         seconds = self.ctx.c_of(rank).action
         if seconds:
-            kind = "forward" if a.kind == "F" else "backward"
-            self.ctx.compute(rank, a.kind, kind, f"pp.runtime {a.kind} mb{a.microbatch}",
-                             seconds, a.microbatch, -1, chunk)
+            self.ctx.compute(rank, a.kind, "forward" if a.kind == "F" else "backward",
+                             f"pp.runtime {a.kind} mb{a.microbatch}", seconds, a.microbatch,
+                             -1, chunk)
 
     def relay(self, rank: int, op: str, mb: int, chunk: int) -> Task:
         """A zero-second task of a stage that holds no layers (a Megatron-LM identity
@@ -309,8 +310,7 @@ class PipelinePass:
         """Selective or per-op recomputation: the attention block's recomputed ops, then a
         finer policy's MLP-block ones (:mod:`simulator.model.inventory.recompute_policy`),
         each between the ``recompute_block`` hooks that issue again the collectives the
-        policy's checkpointed function holds
-        (:func:`simulator.model.inventory.recompute_comm.reissued`)."""
+        policy's checkpointed function holds (:func:`~.recompute_comm.reissued`)."""
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
         s = ctx.s
         again = reissued(layer_mode(s.parallel, s.model.layers, layer),
