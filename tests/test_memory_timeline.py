@@ -430,7 +430,8 @@ def test_component_sizes_match_memory_py() -> None:
     s = make(tp=2, pp=2, dp=2, sequence_parallel=True, recompute="selective")
     assert component_bytes(s) == {"activation_layer": sizes(s)["layer"],
                                   **{k: sizes(s)[k] for k in ("embed", "head", "dlogits",
-                                                              "unit")}}
+                                                              "unit")},
+                                  "metrics": 0.0}  # Megatron's stack: no trainer metrics
 
 
 def test_plot_draws_the_curves() -> None:
@@ -444,3 +445,24 @@ def test_plot_draws_the_curves() -> None:
                "memory_timeline": {e["rank"]: e["points"] for e in tl}}
     fig = memory_figure(results)
     assert len(fig.axes) >= 2
+
+
+def test_the_loss_components_are_memory_pys_per_cp_rank_and_under_flash_attns_loss() -> None:
+    """The head's and the loss gradient's allocations are memory.py's loss tensors: under
+    context parallelism a rank's chunk of the sequence (it held the whole sequence's fp32
+    logits on every CP rank), under flash-attn's fused loss the 16-bit logits with a
+    per-token log-sum-exp and a 16-bit gradient (it held fp32 ones)."""
+    from simulator.model.memory import loss_tensors
+
+    cp = scenario_from_dict({**make(dp=2).to_dict(),
+                             "cluster": {"system": "dgx-a100-80gb", "nodes": 1,
+                                         "gpus_per_node": 4},
+                             "parallel": {"dp": 2, "cp": 2}})
+    flash = scenario_from_dict({**make(dp=2).to_dict(), "stack": {"preset": "composer-fsdp1"}})
+    assert flash.stack.loss == "flash"
+    for s in (cp, flash):
+        saved, gradients = loss_tensors(s)
+        tok = sizes(s)["tok"]
+        got = component_bytes(s)
+        assert (got["head"], got["dlogits"]) == (4 * tok + saved, gradients)
+    assert component_bytes(cp)["dlogits"] == sizes(cp)["dlogits"] / 2

@@ -171,3 +171,82 @@ def test_the_development_sets_rows_run_composers_two_metrics() -> None:
     without = s.model_copy(update={"stack": s.stack.model_copy(update={"train_metrics": 0})})
     with_them, plain = (simulate_scenario(x, "analytic")[0]["step_time_s"] for x in (s, without))
     assert with_them > 1.05 * plain
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _long(stack: dict[str, Any], **kw: Any) -> Any:
+    """A long-sequence, fully recomputed run: few activations, large logits."""
+    hidden = kw.get("hidden", 1024)
+    return scenario_from_dict({
+        "name": "t",
+        "model": {"preset": "gpt3-175b", "layers": kw.get("layers", 4), "hidden": hidden,
+                  "heads": hidden // 128, "ffn_hidden": 4 * hidden,
+                  "seq_len": kw.get("seq_len", 16384), "vocab": VOCAB, "position": "learned"},
+        "cluster": {"system": "dgx-h100", "nodes": 1, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "zero": 3, "recompute": kw.get("recompute", "full")},
+        "training": {"global_batch": 16 * kw.get("micro_batch", 1),
+                     "micro_batch": kw.get("micro_batch", 1)},
+        "stack": stack})
+
+
+def test_after_the_backward_the_metrics_hold_the_logits_and_two_fp32_copies() -> None:
+    """With few activations the peak is the metrics' moment: the micro-batch's bf16
+    logits (kept by the trainer's outputs), autocast's fp32 copy and log_softmax's fp32
+    output at once, every FSDP gradient shard made, no unit gathered, no activations
+    (one micro-batch in flight)."""
+    from simulator.analysis.memory import stage_breakdown, states
+
+    s = _long({"preset": "composer-fsdp1"})
+    quiet = _long({"preset": "composer-fsdp1", "train_metrics": 0})
+    m, before = stage_breakdown(s, 0), stage_breakdown(quiet, 0)
+    elements = 16384 * VOCAB
+    assert m.moment == "metrics" and before.moment == ""
+    assert m.logits == (2 + 4 + 4) * elements
+    assert (m.activations, m.comm_buffers) == (0.0, 0.0)
+    assert m.gradients == states(s, 0)[1]
+    assert (m.weights, m.optimizer, m.device) == (before.weights, before.optimizer,
+                                                  before.device)
+    assert m.total > before.total
+
+
+def test_where_activations_dominate_the_backwards_peak_stands() -> None:
+    """No recomputation, four 2K sequences a micro-batch of a 4096-wide model: the
+    backward's start holds more than the metrics' moment, and the breakdown is the one
+    without metrics."""
+    from simulator.analysis.memory import stage_breakdown
+
+    shape = {"recompute": "none", "micro_batch": 4, "layers": 16, "hidden": 4096,
+             "seq_len": 2048}
+    s = _long({"preset": "composer-fsdp1"}, **shape)
+    quiet = _long({"preset": "composer-fsdp1", "train_metrics": 0}, **shape)
+    assert stage_breakdown(s, 0) == stage_breakdown(quiet, 0)
+
+
+def test_an_fp8_stacks_metrics_hold_no_fp32_copy() -> None:
+    from simulator.model.memory import metric_tensors
+
+    s = _long({"preset": "composer-fsdp1", "fp8": "delayed"})
+    assert metric_tensors(s) == (2 + 2) * 16384 * VOCAB
+    assert metric_tensors(_long({"preset": "megatron-core"})) == 0.0
+
+
+def test_the_memory_timeline_rises_by_the_metrics_while_they_run() -> None:
+    """On the replayed timeline each metrics span holds metric_tensors more than the
+    moment before it."""
+    from simulator.analysis.memory_timeline import memory_timeline
+    from simulator.engine.engine import simulate
+    from simulator.model.memory import metric_tensors
+
+    s = _long({"preset": "composer-fsdp1"})
+    result = simulate(build_workload(s), s.hardware)
+    [curve] = memory_timeline(s, result, max_points=10**6)[:1]
+    points = curve["points"]
+    spans = [(start, end) for tid, start, end in result.spans
+             if result.workload.tasks[tid].name.startswith("metrics")
+             and result.workload.tasks[tid].rank == curve["rank"]]
+    assert len(spans) == s.microbatches
+    for start, _ in spans:
+        at = max(i for i, (t, _) in enumerate(points) if t <= start)
+        assert points[at][1] - points[at - 1][1] == pytest.approx(metric_tensors(s))

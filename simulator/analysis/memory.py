@@ -23,7 +23,9 @@ from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.memory import (
     MemoryBreakdown,
     activations,
+    in_flight_microbatches,
     logits,
+    metric_logits,
     rank_params,
     stage_expert_params,
     stage_params,
@@ -91,7 +93,27 @@ def stage_breakdown(scenario: Scenario, stage: int, price: Price = direct) -> Me
         device=tuple((t.name, price(t.name, stage, functools.partial(t.bytes, scenario, stage)))
                      for t in DEVICE_TERMS),
     )
-    return _extended(scenario, stage, out)
+    after = after_backward(scenario, stage, out, gradients, buffers + comm)
+    out, after = _extended(scenario, stage, out), _extended(scenario, stage, after)
+    return after if after.total > out.total else out
+
+
+def after_backward(s: Scenario, stage: int, peak: MemoryBreakdown, gradients: float,
+                   buffers: float) -> MemoryBreakdown:
+    """The moment after a micro-batch's backward on the stage with the output layer while
+    the trainer computes its first training metric (``stack.train_metrics``; the loss's
+    tensors then: :func:`~simulator.model.memory.metric_logits`): every gradient made (all
+    of FSDP's shards), no ZeRO-3 unit gathered (FSDP reshards the root unit in its
+    post-backward), DDP's and ZeRO-1/2's buckets, and the activations of the other
+    micro-batches in flight. ``peak`` itself where the stage has no such moment."""
+    held = metric_logits(s, stage)
+    if not held:
+        return peak
+    par = s.parallel
+    n = in_flight_microbatches(par.schedule, par.pp, s.microbatches, par.virtual_stages, stage)
+    return replace(peak, gradients=gradients, activations=peak.activations * (n - 1) / n,
+                   logits=held, comm_buffers=buffers if par.zero <= 2 else 0.0,
+                   moment="metrics")
 
 
 def states(scenario: Scenario, stage: int) -> tuple[float, float, float]:
@@ -192,6 +214,19 @@ TENSOR_SOURCES: dict[str, tuple[str, str]] = {
 }
 
 
+#: The sources that differ at the moment after a backward (:func:`after_backward`)
+AFTER_BACKWARD: dict[str, tuple[str, str]] = {
+    "gradients": ("grads", "stack.main_grad_bytes per parameter, all of them made after a "
+                           "backward (the trainer's metrics' moment)"),
+    "activations": ("activations", "the other in-flight micro-batches' saved tensors, after "
+                                   "a backward (the trainer's metrics' moment)"),
+    "logits": ("logits", "after a backward: its 16-bit logits kept for the trainer's metrics, "
+                         "autocast's fp32 copy and log_softmax's output (metric_logits)"),
+    "comm_buffers": ("buffers", "DDP or ZeRO-1/2 buckets; no ZeRO-3 unit gathered after a "
+                                "backward (after_backward)"),
+}
+
+
 def optimizer_source(s: Scenario) -> str:
     """The optimizer item's source under ``s``'s stack: AdamW's bytes per parameter, the
     master copy's and each moment's dtype, as the distributed optimizer shards them."""
@@ -211,9 +246,11 @@ def memory_items(m: MemoryBreakdown, s: Scenario | None = None) -> list[tuple[st
     the optimizer's source names its state's dtypes (:func:`optimizer_source`)."""
     sources = {term.name: term.source for term in DEVICE_TERMS}
     tensors = dict(TENSOR_SOURCES)
+    if m.moment == "metrics":  # after a backward, as the trainer's metrics run
+        tensors.update(AFTER_BACKWARD)
     if s is not None:
         tensors["optimizer"] = ("optimizer", optimizer_source(s))
-        if s.parallel.zero == 3 and s.parallel.dp > 1:
+        if s.parallel.zero == 3 and s.parallel.dp > 1 and m.moment != "metrics":
             moment = MOMENTS[zero3_peak(s, m.stage).name]
             tensors["comm_buffers"] = ("buffers", "ZeRO-3's gathered units and unsharded "
                                        f"gradients at the peak's moment, {moment} (zero3_peak)")

@@ -4,43 +4,44 @@
 this module puts the same quantities on the simulated timeline, so a rank's curve shows
 *when* its memory is held. The bytes are memory.py's, the times are the spans':
 
-- **static** (held all step): the stage's weights, gradients, optimizer states and
-  device terms (:mod:`simulator.model.device_memory`) exactly as
+- **static** (held all step): the stage's weights, gradients, optimizer states and device
+  terms (:mod:`simulator.model.device_memory`) exactly as
   :func:`~simulator.analysis.memory.stage_breakdown` counts them, and with DDP / ZeRO-1/2
   (dp > 1) its two gradient-bucket buffers (allocated when DDP wraps the model).
 - **activations**: one layer of one micro-batch,
   :func:`~simulator.model.memory.activation_bytes_per_layer` (recompute and sequence
   parallelism included), allocated when that layer's forward ends and freed when its
-  backward for the micro-batch ends: B, or I for ZB-H1 — the same choice as memory.py
-  and :meth:`Schedule.peak_in_flight` (what W still needs, the weight-gradient inputs,
-  is not counted by either). The first virtual stage adds the embedding dropout mask
-  (b·s·h bytes in 16-bit, divided by t with sequence parallelism) from the embedding's
-  forward to its backward; the last adds 4 b·s·h (final-norm and logits-GEMM inputs) and
-  the fp32 logits (4 b·s·V / t) from the head's forward to its backward, plus the second
-  fp32 copy for the loss gradient while the head's backward runs.
-- **ZeRO-3 / FSDP** (dp > 1): a layer's gathered 16-bit parameters (layer_params / t ×
-  dtype bytes) are allocated when an all-gather of that layer starts and freed after the
-  forward that used it when ``reshard_after_forward`` (else after the micro-batch's
-  backward of the layer), or after the backward that used a backward gather. Buffers are
-  per layer: a layer gathered again while still resident (forward and prefetched
-  backward gather of the same layer) is held once. One layer's unsharded gradient is
-  held while its weight gradient is computed (the B blocks, or W), and for the
-  micro-batch whose backward triggers the layer's reduce-scatter, until that
-  reduce-scatter ends. The stage's root unit
-  (:func:`~simulator.strategies.zero3.buffers.zero3_root_bytes`: embedding, head) is
-  held from its gather's start to the end of the micro-batch's backward (FSDP2 keeps its
-  root gathered for the backward, reshards it after), once however many micro-batches
-  overlap; on the last stage the output layer's unsharded gradient from the end of the
-  head's B (the loss's copies freed first, as memory.py's moments have it) or the start
-  of its W until the root's reduce-scatter ends. The embedding's gradient, made at the
-  backward's end, is not counted (nor by memory.py).
+  backward for the micro-batch ends: B, or I for ZB-H1 — the same choice as memory.py and
+  :meth:`Schedule.peak_in_flight` (what W still needs, the weight-gradient inputs, is not
+  counted by either). The first virtual stage adds the embedding dropout mask (b·s·h bytes
+  in 16-bit, divided by t with sequence parallelism) from the embedding's forward to its
+  backward; the last adds 4 b·s·h (final-norm and logits-GEMM inputs) and what the loss
+  saves (:func:`~simulator.model.memory.loss_tensors`: the fp32 logits, 4 b·s·V / t, or
+  flash-attn's 16-bit ones) from the head's forward to its backward, its gradient copies
+  while the head's backward runs, and a trainer's metrics' logits and temporaries while they
+  run (:func:`~simulator.model.memory.metric_tensors`).
+- **ZeRO-3 / FSDP** (dp > 1): a layer's gathered 16-bit parameters (layer_params / t × dtype
+  bytes) are allocated when an all-gather of that layer starts and freed after the forward
+  that used it when ``reshard_after_forward`` (else after the micro-batch's backward of the
+  layer), or after the backward that used a backward gather. Buffers are per layer: a layer
+  gathered again while still resident (forward and prefetched backward gather of the same
+  layer) is held once. One layer's unsharded gradient is held while its weight gradient is
+  computed (the B blocks, or W), and for the micro-batch whose backward triggers the layer's
+  reduce-scatter, until that reduce-scatter ends. The stage's root unit
+  (:func:`~simulator.strategies.zero3.buffers.zero3_root_bytes`: embedding, head) is held
+  from its gather's start to the end of the micro-batch's backward (FSDP2 keeps its root
+  gathered for the backward, reshards it after), once however many micro-batches overlap; on
+  the last stage the output layer's unsharded gradient from the end of the head's B (the
+  loss's copies freed first, as memory.py's moments have it) or the start of its W until the
+  root's reduce-scatter ends. The embedding's gradient, made at the backward's end, is not
+  counted (nor by memory.py).
 
 At one timestamp the allocations made by work that ended there are applied first and the
-curve records that value, then the frees and the allocations made by work starting there
-(a forward's activations exist before FSDP reshards the unit it used; a prefetch is
-issued after the previous unit was freed). What is not modelled, as in memory.py: the
-working set of a recomputed layer, autograd temporaries, optimizer-step temporaries, the
-allocator's fragmentation.
+curve records that value, then the frees and the allocations made by work starting there (a
+forward's activations exist before FSDP reshards the unit it used; a prefetch is issued
+after the previous unit was freed). What is not modelled, as in memory.py: the working set
+of a recomputed layer, autograd temporaries, optimizer-step temporaries, the allocator's
+fragmentation.
 
 Agreement with memory.py (tests/test_memory_timeline.py): docs/memory.md.
 """
@@ -55,6 +56,7 @@ from typing import Any
 
 import pandas as pd
 
+from simulator.analysis.curves import MAX_POINTS, Point, downsample
 from simulator.analysis.memory import stage_breakdown
 from simulator.builder.tasks import Task
 from simulator.engine.result import SimResult
@@ -67,16 +69,14 @@ from simulator.spec.recompute import keeps, layer_mode, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.buffers import zero3_root_bytes
 
-MAX_POINTS = 2000
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
 # (then one component per distinct size of a layer's activations, :func:`layer_components`)
-_EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD = range(7)
+_EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _METRICS = range(8)
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
-Point = list[float]
 Curve = list[dict[str, Any]]
 
 
@@ -85,19 +85,18 @@ def component_bytes(s: Scenario) -> dict[str, float]:
     spec, par, trn = s.model, s.parallel, s.training
     b, t, sp, dt = trn.micro_batch, par.tp, par.sequence_parallel, trn.dtype
     tokens_h = b * spec.seq_len * spec.hidden * dtype_bytes(dt) / 2 / (t if sp else 1)
-    logits = 4.0 * b * spec.seq_len * spec.vocab / t
+    saved, gradients = mem.loss_tensors(s)
     return {
         "activation_layer": mem.activation_bytes_per_layer(spec, b, t, sp, policy(par), dt,
                                                           stack=s.stack),
         # embedding dropout mask (first virtual stage), when the stack drops out
         "embed": tokens_h if s.stack.hidden_dropout > 0 else 0.0,
-        # final-norm + logits-GEMM inputs, fp32 logits (last), again per MTP module with
-        # its norms' and projection's inputs
-        "head": (4 * tokens_h + logits) * (1 + spec.mtp_layers)
+        # final-norm + logits-GEMM inputs, the loss's saved tensors (last), again per MTP
+        # module with its norms' and projection's inputs
+        "head": (4 * tokens_h + saved) * (1 + spec.mtp_layers)
         + spec.mtp_layers * mtp_kept(spec, b, t, sp, dt, s.stack, par.recompute),
-        # the loss gradient's copy while the head's backward runs (two under PyTorch's
-        # F.cross_entropy: nll_loss's and log_softmax's, memory.py's logits)
-        "dlogits": logits * (2 if s.stack.loss == "torch" else 1),
+        "dlogits": gradients,  # the loss gradient's copies while the head's backward runs
+        "metrics": mem.metric_tensors(s),  # the trainer's metrics' logits and temporaries
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
         / zero3_collectives(spec, s.stack),
@@ -125,6 +124,7 @@ class _Marks:
     embed_b: dict[int, float] = field(default_factory=dict)
     head_f: dict[int, float] = field(default_factory=dict)
     head_b: dict[int, tuple[float, float]] = field(default_factory=dict)
+    metrics: dict[int, tuple[float, float]] = field(default_factory=dict)  # the trainer's
     wgrad: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [start, end]
     # task producing a layer's weight grads
     wgrad_ids: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -154,6 +154,8 @@ def _passes(m: _Marks, t: Task, start: float, end: float) -> None:
             m.embed_f[mb] = end
         elif t.name.startswith("head"):
             m.head_f[mb] = end
+        elif t.name.startswith("metrics"):
+            m.metrics[mb] = (start, end)
     elif op in ("B", "I"):
         if layer >= 0:
             m.bwd_end[layer, mb] = max(m.bwd_end.get((layer, mb), end), end)
@@ -255,6 +257,8 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
         hold(_HEAD, mb, t0, _END_ALLOC, m.head_b.get(mb, (t0, t0))[1])
     for mb, (t0, t1) in m.head_b.items():
         hold(_DLOGITS, mb, t0, _START_ALLOC, t1)
+    for mb, (t0, t1) in m.metrics.items():
+        hold(_METRICS, mb, t0, _START_ALLOC, t1)
     if s.parallel.zero == 3 and s.parallel.dp > 1:
         _zero3_holds(s, m, hold)
     # the engine adds durations along a run of compute tasks, so one task's end and the
@@ -302,33 +306,6 @@ def _curve(static: float, sizes: Sequence[float], events: list[tuple[float, int,
     return points
 
 
-def downsample(points: Sequence[Sequence[float]], max_points: int = MAX_POINTS) -> list[Point]:
-    """At most ``max_points`` points: equal-time bins, each kept as its maximum (at the
-    bin's first change) and its last value (at the bin's last change). The result is
-    an upper envelope of the curve with the same peak and the same final value."""
-    pts = [[float(t), float(v)] for t, v in points]
-    if len(pts) <= max_points:
-        return pts
-    if max_points < 4:
-        raise ValueError(f"max_points must be >= 4; got {max_points}")
-    bins = (max_points - 1) // 2
-    t0, t1 = pts[1][0], pts[-1][0]
-    width = (t1 - t0) / bins or 1.0
-    out = [pts[0]]
-    i, n = 1, len(pts)
-    while i < n:
-        k = min(int((pts[i][0] - t0) / width), bins - 1)
-        j = i
-        while j + 1 < n and min(int((pts[j + 1][0] - t0) / width), bins - 1) == k:
-            j += 1
-        top = max(v for _, v in pts[i:j + 1])
-        out.append([pts[i][0], top])
-        if j > i and pts[j][1] != top:
-            out.append([pts[j][0], pts[j][1]])
-        i = j + 1
-    return out
-
-
 def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS,
                     ranks: Iterable[int] | None = None, spans: pd.DataFrame | None = None,
                     ) -> Curve:
@@ -362,7 +339,7 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
     roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
     extra: list[float] = []  # each layer's activations, by distinct size
-    act = layer_components(s, extra, _ROOT_GRAD + 1)
+    act = layer_components(s, extra, _METRICS + 1)
     out: Curve = []
     for rank in sorted(wanted):
         stage = layout.coord(rank).pp
@@ -370,7 +347,8 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
             statics[stage] = static_bytes(s, stage)
             roots[stage] = zero3_root_bytes(s, stage)
         events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time, act)
-        points = _curve(statics[stage], (*sizes, *roots[stage], *extra), events)
+        points = _curve(statics[stage], (*sizes, *roots[stage], size["metrics"], *extra),
+                        events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
     return out
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from simulator.model import moe
 from simulator.model.inventory.attention import cp_a2a_bytes, cp_kv_bytes
 from simulator.model.inventory.layer import kept_for_backward, latent_kept
+from simulator.model.inventory.loss import metric_bytes
 from simulator.model.inventory.mtp import mtp_kept
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.transformer import (
@@ -89,6 +90,9 @@ class MemoryBreakdown:
     capacity: float  # GPU HBM, 1e9 × memory_GB
     # memory beside the tensors, by named term (simulator.model.device_memory.DEVICE_TERMS)
     device: tuple[tuple[str, float], ...] = ()
+    # the moment of the step it is: "" the backward's peak, "metrics" after a backward
+    # while the trainer's metrics run (simulator.analysis.memory.after_backward)
+    moment: str = ""
 
     @property
     def runtime(self) -> float:
@@ -292,43 +296,68 @@ def activations(scenario: Scenario, stage: int) -> float:
     return total * in_flight
 
 
-def logits(scenario: Scenario, stage: int) -> float:
-    """What the loss holds on the last stage: per micro-batch whose backward has not
-    run, the fp32 softmax (Megatron's vocab-parallel loss, PyTorch's log_softmax), plus
-    one more copy for the logits' gradient (Megatron's loss writes it in place of the
-    softmax); under PyTorch's ``F.cross_entropy`` (``stack.loss: torch``) two more: while
-    ``log_softmax_backward_data`` writes its own gradient (aten/src/ATen/native/SoftMax.cpp)
-    the fp32 gradient ``nll_loss_backward`` made of the log-probabilities
-    (aten/src/ATen/native/LossNLL.cpp, a zeroed tensor of the input's shape) is still held,
-    as FSDPMemTracker counts it (docs/memory.md); under flash-attn's fused loss
-    (``stack.loss: flash``) the 16-bit logits and a per-token fp32 log-sum-exp instead,
-    and a 16-bit gradient. Each multi-token prediction module's loss holds as much again
-    (one gradient serves them all: the losses' backward runs one after another)."""
-    par = scenario.parallel
-    if not holds_head(par, stage):
-        return 0.0
+def loss_tensors(scenario: Scenario) -> tuple[float, float]:
+    """(saved, gradients) bytes of one micro-batch's loss on one rank of the last stage:
+    what it keeps for its backward, the fp32 softmax (Megatron's vocab-parallel loss,
+    PyTorch's log_softmax; under flash-attn's fused loss, ``stack.loss: flash``, the
+    16-bit logits and a per-token fp32 log-sum-exp), and the gradient copies its backward
+    holds besides: one (Megatron's loss writes it in place of the softmax; flash's a
+    16-bit one), two under PyTorch's ``F.cross_entropy`` (``stack.loss: torch``: while
+    ``log_softmax_backward_data`` writes its own gradient, aten/src/ATen/native/SoftMax.cpp,
+    the fp32 gradient ``nll_loss_backward`` made of the log-probabilities,
+    aten/src/ATen/native/LossNLL.cpp, a zeroed tensor of the input's shape, is still held,
+    as FSDPMemTracker counts it: docs/memory.md)."""
     tokens, elements = _loss_elements(scenario)
-    held = _logits_held(scenario)
     if scenario.stack.loss == "flash":
         dt = dtype_bytes(scenario.training.dtype)
-        return (dt * elements + 4.0 * tokens) * held + dt * elements
-    gradients = 2 if scenario.stack.loss == "torch" else 1
-    return 4.0 * elements * (held + gradients)
+        return dt * elements + 4.0 * tokens, dt * elements
+    return 4.0 * elements, 4.0 * elements * (2 if scenario.stack.loss == "torch" else 1)
+
+
+def logits(scenario: Scenario, stage: int) -> float:
+    """What the loss holds on the last stage: the saved tensors of every micro-batch
+    whose backward has not run and one backward's gradient copies (:func:`loss_tensors`).
+    Each multi-token prediction module's loss holds as much again (one gradient serves
+    them all: the losses' backward runs one after another)."""
+    if not holds_head(scenario.parallel, stage):
+        return 0.0
+    saved, gradients = loss_tensors(scenario)
+    return saved * _logits_held(scenario) + gradients
 
 
 def logits_after_head(scenario: Scenario, stage: int) -> float:
     """What the loss still holds on the last stage once the first backward has run
-    through the output layer: the saved softmax (or flash's logits and log-sum-exp) of
-    the other micro-batches whose backward has not run (GPipe's m − 1, none where each
-    backward follows its forward), no gradient copy (:func:`logits` less the running
-    micro-batch's)."""
+    through the output layer: the saved tensors of the other micro-batches whose backward
+    has not run (GPipe's m − 1, none where each backward follows its forward), no gradient
+    copy (:func:`logits` less the running micro-batch's)."""
     if not holds_head(scenario.parallel, stage):
         return 0.0
-    tokens, elements = _loss_elements(scenario)
-    others = _logits_held(scenario) - (1 + scenario.model.mtp_layers)
-    if scenario.stack.loss == "flash":
-        return (dtype_bytes(scenario.training.dtype) * elements + 4.0 * tokens) * others
-    return 4.0 * elements * others
+    return loss_tensors(scenario)[0] * (_logits_held(scenario) - 1 - scenario.model.mtp_layers)
+
+
+def metric_tensors(scenario: Scenario) -> float:
+    """Bytes one micro-batch's training metrics hold on a rank of the last stage while the
+    first runs (``stack.train_metrics``, :func:`simulator.model.inventory.loss.metric_ops`):
+    its 16-bit logits, which the trainer keeps for them (Composer's ``state.outputs``), the
+    fp32 copy autocast casts and log_softmax's output (under FP8 only the output, in the
+    logits' dtype); 0 without metrics."""
+    if not scenario.stack.train_metrics:
+        return 0.0
+    elements = _loss_elements(scenario)[1]
+    dt = dtype_bytes(scenario.training.dtype)
+    wide = metric_bytes(scenario.stack, dt)
+    return dt * elements + wide * elements * (2 if wide != dt else 1)
+
+
+def metric_logits(scenario: Scenario, stage: int) -> float:
+    """What the loss's tensors hold on the last stage after a micro-batch's backward while
+    the trainer computes its first training metric: :func:`metric_tensors` and the saved
+    tensors of the micro-batches whose backward has not run (:func:`logits_after_head`); 0
+    without metrics or the output layer."""
+    held = metric_tensors(scenario)
+    if not held or not holds_head(scenario.parallel, stage):
+        return 0.0
+    return held + logits_after_head(scenario, stage)
 
 
 def _loss_elements(scenario: Scenario) -> tuple[float, float]:

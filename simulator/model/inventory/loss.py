@@ -52,6 +52,13 @@ def loss_op(st: StackSpec, elements: float, wide: int, pass_: Pass) -> Op:
     return Op("loss", "memory", 0.0, elements * (wide + 16), 0.0, CROSS_ENTROPY, 6)
 
 
+def metric_bytes(st: StackSpec, dt: int) -> int:
+    """Bytes of an element of a training metric's cross-entropy over ``dt``-byte logits:
+    fp32 under autocast's amp_bf16 (:func:`metric_ops`), the logits' own under an FP8
+    stack (Composer's amp_fp8 enters no torch.autocast)."""
+    return dt if st.fp8 != "none" else 4
+
+
 def metric_ops(st: StackSpec, tokens: float, elements: float, dt: int) -> tuple[Op, ...]:
     """What a trainer runs on one micro-batch's ``elements`` logits of ``dt`` bytes (over
     ``tokens`` tokens) after its backward to update ``stack.train_metrics`` cross-entropy
@@ -72,7 +79,7 @@ def metric_ops(st: StackSpec, tokens: float, elements: float, dt: int) -> tuple[
     logits' dtype."""
     if not st.train_metrics:
         return ()
-    wide = dt if st.fp8 != "none" else 4
+    wide = metric_bytes(st, dt)
     cast = (mem("metric_cast", elements, wide + dt, "copy"),) if wide != dt else ()
     # log_softmax reads and writes its dtype, nll_loss gathers a value a row
     update = Op("metric_update", "memory", 0.0, 2 * wide * elements, 0.0, CROSS_ENTROPY,
