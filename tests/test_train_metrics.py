@@ -234,7 +234,10 @@ def test_an_fp8_stacks_metrics_hold_no_fp32_copy() -> None:
 
 def test_the_memory_timeline_rises_by_the_metrics_while_they_run() -> None:
     """On the replayed timeline each metrics span holds metric_tensors more than the
-    moment before it."""
+    moment before it, and the rank's peak is memory.py's metrics moment (the root unit's
+    gradient freed: the compute stream waited for its reduce-scatter after the
+    backward, tests/test_zero3_reduce_wait.py)."""
+    from simulator.analysis.memory import stage_breakdown
     from simulator.analysis.memory_timeline import memory_timeline
     from simulator.engine.engine import simulate
     from simulator.model.memory import metric_tensors
@@ -250,3 +253,4 @@ def test_the_memory_timeline_rises_by_the_metrics_while_they_run() -> None:
     for start, _ in spans:
         at = max(i for i, (t, _) in enumerate(points) if t <= start)
         assert points[at][1] - points[at - 1][1] == pytest.approx(metric_tensors(s))
+    assert max(v for _, v in points) == pytest.approx(stage_breakdown(s, 0).total, rel=1e-9)

@@ -162,9 +162,10 @@ def test_module_units_keep_their_streams() -> None:
 def test_engine_step_never_shorter_in_one_communicator(layers: int, m: int,
                                                        nodes: int) -> None:
     """Ordering a communicator's collectives only adds waits: the engine's step is at
-    least as long as with the gathers and reduce-scatters side by side, and longer
-    where micro-batches follow one another (the next one's gathers wait for the
-    backward's last reduce-scatters)."""
+    least as long as with the gathers and reduce-scatters side by side. (Where
+    micro-batches follow one another the next one's gathers come after the backward's
+    last reduce-scatters either way: the compute stream that issues them waits for those
+    after every backward, tests/test_zero3_reduce_wait.py.)"""
     from simulator.strategies.zero3 import workload
 
     s = fsdp1(layers, m, nodes)
@@ -173,5 +174,3 @@ def test_engine_step_never_shorter_in_one_communicator(layers: int, m: int,
         mp.setattr(workload, "one_communicator", lambda *a: None)
         side_by_side = simulate_scenario(s)[0]["step_time_s"]
     assert serial >= side_by_side - 1e-12
-    if m > 1:
-        assert serial > side_by_side

@@ -53,9 +53,11 @@ from simulator.analysis.priced import Price, direct
 from simulator.builder.workload import BlockCosts, block_costs, layout_of, local_scenario
 from simulator.model import transformer as mdl
 from simulator.model.inventory.ops import dtype_bytes
+from simulator.model.inventory.sharding import ROOT_TENSORS, fsdp_reduce_parts
 from simulator.model.memory import stage_params
 from simulator.spec.placement import (
     head_rank,
+    holds_embedding,
     holds_head,
     stage_ends,
     stage_layer_count,
@@ -75,6 +77,7 @@ from simulator.strategies.offload import cpu_adam_s, offload_step_s
 from simulator.strategies.pipeline.strategy import pipeline_sends
 from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
 from simulator.strategies.timing import collective_time, interference, stretch
+from simulator.strategies.zero3.buffers import zero3_root_bytes
 from simulator.strategies.zero3.strategy import Zero3Step, zero3_reduction, zero3_step
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
@@ -111,6 +114,9 @@ class _Grads:
     dp_op: CollectiveName
     t_dp: float
     t_dp_early: float  # a micro-batch's before the last (hybrid sharding may all-reduce once)
+    #: ZeRO-3: what each backward issues at its end (its last unit's and the root's), which
+    #: the compute stream waits for (the last micro-batch's, the earlier ones'; the root's)
+    t_tail: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -180,16 +186,20 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     param_bytes = params / par.tp * dtype_bytes(trn.dtype)
     dp_op: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
     t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
-    t_early = t_dp
+    t_early, tail = t_dp, (0.0, 0.0, 0.0)
     if par.zero == 3 and par.dp * par.cp > 1:  # per layer (module), root
-        t_dp = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op)
-        t_early = zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op, last=False)
+
+        def reduction(last: bool, tail: int | None = None) -> float:
+            return zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op, last, tail)
+
+        t_dp, t_early = reduction(True), reduction(False)
+        tail = reduction(True, 1), reduction(False, 1), reduction(True, 0)
     if expert_params:  # the expert data-parallel group: dp · cp ranks of a dense model
         group = edp_group(layout, 0, par.etp, par.ep)
         t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
         t_early = t_dp
     return _Grads(busiest, layers, params, expert_params, grad_bytes, param_bytes, dp_op, t_dp,
-                  t_early)
+                  t_early, tail)
 
 
 def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,
@@ -210,21 +220,42 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     f = interference(s, layout, g.dp_op, g.grad_bytes, layout.dp_group(0), hw)
     slow = stretch(g.t_dp, hidden, f)
     waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
-    exposed_dp = max(0.0, g.t_dp - hidden - waits - slow)
+    tails = [max(g.t_tail[2], t - _before_root(s, cost, pipe, g)) if hidden else 0.0
+             for t in g.t_tail[:2]]  # ZeRO-3: the reductions issued at each backward's end
+    exposed_dp = max(tails[0], g.t_dp - hidden - waits - slow)
     if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work
         # (that work slowed while they are in flight: max(t − window, stretch), as a layer
-        # behind a ZeRO-3 gather)
+        # behind a ZeRO-3 gather); under ZeRO-3 beside their own backward only, which the
+        # compute stream waits for them after (DataPass.reduce_wait)
         window = sum(pipe.stages[pipe.slowest]) + z.fwd + z.bwd if hidden else 0.0
-        exposed_dp += (m - 1) * max(0.0, g.t_dp_early - window,
+        if par.zero == 3 and hidden:
+            window = hidden + waits
+        exposed_dp += (m - 1) * max(tails[1], g.t_dp_early - window,
                                     stretch(g.t_dp_early, window, f))
     if effective_method(s) != "none":
         slow = 0.0
         exposed_dp, t_comp = compressed_reduction(s, layout, hw, cost, hidden, g.busiest)
     t_exch, t_exch_comp = momentum_exchange(s, layout, hw, cost, g.busiest)
     return exposed_dp, t_comp, slow, t_exch, t_exch_comp
+
+
+def _before_root(s: Scenario, cost: CostModel, pipe: _Pipe, g: _Grads) -> float:
+    """ZeRO-3: the compute between the backward's last layer's reduce-scatter and the root
+    unit's, which the former runs beside: the embedding's backward and the stack's FSDP
+    kernels before the root's reduce-scatter (FSDP1's cast and pre-divide); after the
+    root's, the compute stream waits for both (:meth:`~simulator.strategies.data.
+    workload.DataPass.reduce_wait`)."""
+    par = s.parallel
+    dt = dtype_bytes(s.training.dtype)
+    elements = zero3_root_bytes(s, g.busiest)[0] / dt
+    compute, before, _ = fsdp_reduce_parts(
+        s.stack, elements, par.shard, dt, s.stack.reduce_bytes(dt), ROOT_TENSORS,
+        s.microbatches > 1, par.dp * par.cp // par.shard)
+    embed = sum(pipe.c.embed[1:]) if holds_embedding(par, g.busiest) else 0.0
+    return embed + cost.ops_time((*compute, *before))
 
 
 def _optimizer(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile,

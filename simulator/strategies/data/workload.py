@@ -63,6 +63,7 @@ class DataPass(Pass):
         self.caps = bucket_caps(ctx.s)  # (the first bucket's of a backward, the others')
         self.flushed: dict[int, bool] = dict.fromkeys(ctx.ranks, False)  # in this backward
         self.last: dict[int, bool] = dict.fromkeys(ctx.ranks, True)  # the stage's last backward
+        self.issued: dict[int, list[Task]] = {r: [] for r in ctx.ranks}  # this backward's
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
         # gradient compression (training.gradient_compression) reduces the buckets instead
@@ -80,8 +81,11 @@ class DataPass(Pass):
         self.last[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp) \
             .get(action.stage) == index  # both memoised (Context, Layout.coord)
         if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+            self.issued[rank] = []
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
+            if par.zero == 3:
+                self.reduce_wait(rank, action, chunk)
         elif self.last[rank]:  # accumulated: reduce once
             self.bucket(rank, action.stage, done, chunk, pending)
 
@@ -156,8 +160,29 @@ class DataPass(Pass):
                             name=f"fsdp.{fsdp_task_name(accumulate)} mb{after.microbatch}",
                             duration=ctx.cost_of(rank).ops_time(accumulate),
                             microbatch=after.microbatch, chunk=chunk)
+            if t is not None:
+                self.issued[rank].append(t)
         for bucket_reduced in ctx.hooks.bucket_reduced:
             bucket_reduced(rank, size, t or after, chunk)
+
+    def reduce_wait(self, rank: int, action: Action, chunk: int) -> None:
+        """ZeRO-3: the compute stream waits for the backward's reductions before anything
+        after the backward runs: FSDP1's root post-backward callback
+        (torch/distributed/fsdp/_runtime_utils.py ``_post_backward_final_callback``:
+        ``current_stream.wait_stream(root_state._post_backward_stream)``, and the
+        all-reduce stream's under hybrid sharding), FSDP2's ``finalize_backward``
+        (_fsdp_param_group.py ``_wait_for_post_backward``: ``wait_event(
+        self._post_reduce_event)``), DeepSpeed's ZeRO-3 epilogue (runtime/zero/stage3.py
+        ``independent_gradient_partition_epilogue``: ``reduce_and_partition_stream.
+        synchronize()``); after every micro-batch's backward, each reducing. A zero-second
+        compute task that waits for the last reduction on each stream."""
+        issued = self.issued[rank]
+        if self.stream == "compute" or not issued:  # in line: nothing to wait for
+            return
+        last = {t.stream: t.id for t in issued}
+        w = self.ctx.compute(rank, "Z", "backward", f"zero3.reduce_wait mb{action.microbatch}",
+                             0.0, action.microbatch, -1, chunk)
+        w.deps.extend(last.values())
 
     def replicate(self, rank: int, size: float, shard: tuple[int, ...], t: Task | None,
                   chunk: int) -> Task | None:

@@ -39,6 +39,7 @@ from simulator.builder.tasks import Task
 from simulator.schedules.dualpipe import overlapped_pairs
 from simulator.schedules.registry import schedule_spec
 from simulator.spec.scenario import Scenario
+from simulator.strategies.pipeline.strategy import copies_bytes
 
 
 def overlaps(s: Scenario) -> bool:
@@ -125,3 +126,22 @@ def interleave(ctx: Context, rank: int, begin: int, middle: int,
             if i < len(chunk):
                 chunk[i].stream = "ep"
                 ep.append(chunk[i])
+
+
+def copies_sum(ctx: Context, rank: int) -> None:
+    """DualPipe: rank r and pp − 1 − r hold the same two model stages; each copy's
+    gradients are summed with the other's (the DualPipe example's exchange) once the
+    data-parallel reductions have run: an all-reduce of :func:`copies_bytes` (the
+    reduced shard under ZeRO) between the two."""
+    par = ctx.s.parallel
+    if ctx.sched.directions != 2:
+        return
+    c = ctx.layout.coord(rank)
+    group = tuple(sorted((rank, ctx.layout.rank(par.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
+    t = ctx.collective(rank, "compute", "all_reduce", "dp", group,
+                       copies_bytes(ctx.s, c.pp),
+                       "dp.all_reduce gradients with the other copy (DualPipe)")
+    if t is not None:
+        streams = ctx.programs[rank].streams
+        t.deps.extend(d[-1].id for name in ("dp", "zero", "replicate")
+                      for d in [streams.get(name, ())] if d)

@@ -27,7 +27,7 @@ Multi-token prediction modules (``model.mtp_layers``) are layers of the last sta
 each one's ends (the shifted tokens' embedding, norms and projection, its output layer
 and loss) follow the output layer's loss forward and precede the layers backward, with
 their TP collectives. A trainer's metric updates on the logits (``BlockCosts.metrics``)
-follow each backward of the last stage, after its send.
+follow each backward of the last stage, after its send and its gradients' reductions.
 
 At the end of the step, the word embedding's gradient is all-reduced, where the last
 stage keeps a copy (a tied output layer, multi-token prediction), between the first and
@@ -49,7 +49,6 @@ from simulator.model.inventory.recompute_comm import reissued
 from simulator.schedules.action import Action
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.pipeline import pairs
-from simulator.strategies.pipeline.strategy import copies_bytes
 
 
 class PipelinePass:
@@ -95,19 +94,19 @@ class PipelinePass:
                 self.runtime(rank, a, chunk)
                 if not sched.is_first(a.stage):
                     self.send(rank, "grad", a, compute[-1], a.stage - 1, chunk)
-                if sched.is_last(a.stage) and ctx.c_of(rank).metrics:
-                    ctx.compute(rank, "F", "forward", f"metrics mb{a.microbatch}",
-                                ctx.c_of(rank).metrics, a.microbatch, -1, chunk)
                 if a.kind == "I":
+                    self.metrics(rank, a, chunk)
                     continue
             for weight_grads in hooks.weight_grads:
                 weight_grads(rank, i, a, done, chunk)
+            if a.kind == "B":
+                self.metrics(rank, a, chunk)
             if i - 1 in opens:
                 pairs.interleave(ctx, rank, begins[i - 1], begins[i], sides)
         for sync_end in hooks.sync_end:
             sync_end(rank)
         self.embedding_tie(rank)
-        self.copies_sum(rank)
+        pairs.copies_sum(self.ctx, rank)
         for step in hooks.step:
             step(rank)
         for after_step in hooks.after_step:
@@ -285,6 +284,16 @@ class PipelinePass:
                              f"pp.runtime {a.kind} mb{a.microbatch}", seconds, a.microbatch,
                              -1, chunk)
 
+    def metrics(self, rank: int, a: Action, chunk: int) -> None:
+        """The trainer's metric updates on the logits after a backward (B or I) of the last
+        stage (``BlockCosts.metrics``), once ``loss.backward()`` has returned: after its
+        send and what the other passes issue for it (the gradients' reductions, and the
+        compute stream's wait for them where the sharding makes it wait)."""
+        seconds = self.ctx.c_of(rank).metrics
+        if seconds and self.ctx.sched.is_last(a.stage):
+            self.ctx.compute(rank, "F", "forward", f"metrics mb{a.microbatch}", seconds,
+                             a.microbatch, -1, chunk)
+
     def relay(self, rank: int, op: str, mb: int, chunk: int) -> Task:
         """A zero-second task of a stage that holds no layers (a Megatron-LM identity
         stage): what the received transfer feeds and the next send follows."""
@@ -374,24 +383,6 @@ class PipelinePass:
         size = ctx.tied_copy_params() / par.tp * ctx.dt_bytes
         ctx.collective(rank, "compute", "all_reduce", "embedding_tie", group, size,
                        "embedding_tie.all_reduce tied embedding grads")
-
-    def copies_sum(self, rank: int) -> None:
-        """DualPipe: rank r and pp − 1 − r hold the same two model stages; each copy's
-        gradients are summed with the other's (the DualPipe example's exchange) once the
-        data-parallel reductions have run: an all-reduce of :func:`copies_bytes` (the
-        reduced shard under ZeRO) between the two."""
-        ctx, par = self.ctx, self.ctx.s.parallel
-        if ctx.sched.directions != 2:
-            return
-        c = ctx.layout.coord(rank)
-        group = tuple(sorted((rank, ctx.layout.rank(par.pp - 1 - c.pp, c.dp, c.tp, c.cp))))
-        t = ctx.collective(rank, "compute", "all_reduce", "dp", group,
-                           copies_bytes(ctx.s, c.pp),
-                           "dp.all_reduce gradients with the other copy (DualPipe)")
-        if t is not None:
-            streams = ctx.programs[rank].streams
-            t.deps.extend(d[-1].id for name in ("dp", "zero", "replicate")
-                          for d in [streams.get(name, ())] if d)
 
 
 def _first_from(compute: list[Task], begin: int, fallback: Task) -> Task:

@@ -211,26 +211,31 @@ def layer_unit_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, t_ag: f
 
 
 def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
-                    dp_op: CollectiveName, last: bool = True) -> float:
+                    dp_op: CollectiveName, last: bool = True, tail: int | None = None) -> float:
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
     ``layers`` layers (one collective per module with module units) and its root unit,
     over the shard group; under hybrid sharding each then all-reduces its 1/shard of
     the gradients across the replicas (:func:`hybrid_all_reduce`), on a stream of its
     own where the reduction has one (:func:`two_streams`), else in line after it; not
-    before the ``last`` micro-batch under ``stack.hsdp_all_reduce: last``."""
+    before the ``last`` micro-batch under ``stack.hsdp_all_reduce: last``. With ``tail``
+    only what the backward issues at its end, its last ``tail`` units' (1, or 0) and the
+    root's: what the compute stream waits for after every backward however early the
+    others ran (:meth:`simulator.strategies.data.workload.DataPass.reduce_wait`)."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
     units = layers * parts
     roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units \
         - stage_expert_units(s, stage)
+    units = units if tail is None else min(units, tail)
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
     group = layout.shard_group(0)
     rs = collective_time(s, layout, dp_op, unit, group, hw), \
         collective_time(s, layout, dp_op, root, group, hw)
     if spec.is_moe:  # each layer's dense unit by its kind (no hybrid sharding with experts)
-        return moe_dense_reduction(s, layout, hw, stage) + roots * rs[1]
+        return (0.0 if tail is not None else moe_dense_reduction(s, layout, hw, stage)) \
+            + roots * rs[1]
     if len(layout.replicate_group(0)) == 1 or (not last and s.stack.hsdp_all_reduce == "last"):
         return units * rs[0] + roots * rs[1]
     ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
