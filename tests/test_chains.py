@@ -279,13 +279,15 @@ def test_cycles_made_under_a_pause_are_still_collected() -> None:
 
 def test_objects_someone_froze_stay_frozen() -> None:
     """A program that froze its objects (``gc.freeze`` before a fork) keeps them
-    frozen: the pause promotes nothing then."""
+    frozen: the pause promotes nothing then (the frozen count does not grow; it may
+    shrink, as frozen objects that die leave the permanent generation: in a full test
+    run something frees a couple of them during the block now and then)."""
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         with tasks.gc_paused():
             made = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == frozen and len(made) == 1000
+        assert gc.get_freeze_count() <= frozen and len(made) == 1000
     finally:
         gc.unfreeze()
 

@@ -38,7 +38,7 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
     ("gpt-10b-8xa100-40gb-zero0", ("training.global_batch=8",), "folded"):
         ("81fa3303da5ce7a5", 1825),
     ("gpt-10b-8xa100-40gb-zero3", ("training.global_batch=8",), "folded"):
-        ("7b028f10627a8a14", 4482),
+        ("b52711387b8b80ba", 4490),
     ("llama2-7b-1gpu-offload", (), "folded"):
         ("d9d8fd43f8c52c7c", 232),
     ("interleaved-vs-1f1b-interleaved", ("training.global_batch=8",), "folded"):
@@ -56,10 +56,10 @@ GOLDEN: dict[tuple[str, tuple[str, ...], str], tuple[str, int]] = {
         ("05aaeab61ee13276", 2282),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.schedule=zb-h1", "parallel.zero=3",
                                  "parallel.recompute=full"), "full"):
-        ("e94f7740c79d5e1e", 8524),
+        ("551aab1524539c62", 8588),
     ("llama2-7b-8gpu-pp4-1f1b", ("parallel.zero=3", "parallel.reshard_after_forward=false",
                                  "parallel.overlap.zero3_prefetch=false"), "folded"):
-        ("972849a24dfec9ee", 2710),
+        ("e7484f8910f18347", 2742),
     ("llama2-7b-8gpu-pp4-1f1b", (*CPU, "parallel.zero=2", "parallel.zero_offload=true"),
      "folded"):
         ("70d8c6f58adfc4c9", 1648),
