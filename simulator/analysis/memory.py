@@ -94,8 +94,11 @@ def stage_breakdown(scenario: Scenario, stage: int, price: Price = direct) -> Me
                      for t in DEVICE_TERMS),
     )
     after = after_backward(scenario, stage, out, gradients, buffers + comm)
-    out, after = _extended(scenario, stage, out), _extended(scenario, stage, after)
-    return after if after.total > out.total else out
+    out = _extended(scenario, stage, out)
+    if after.moment:  # the stage has the metrics' moment: the larger of the two
+        after = _extended(scenario, stage, after)
+        return after if after.total > out.total else out
+    return out
 
 
 def after_backward(s: Scenario, stage: int, peak: MemoryBreakdown, gradients: float,

@@ -78,7 +78,7 @@ from simulator.strategies.pipeline.strategy import pipeline_sends
 from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
 from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
-from simulator.strategies.zero3.strategy import Zero3Step, zero3_reduction, zero3_step
+from simulator.strategies.zero3.strategy import Zero3Step, zero3_reductions, zero3_step
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
@@ -188,12 +188,8 @@ def _gradients(s: Scenario, layout: Layout, hw: HardwareProfile) -> _Grads:
     t_dp = collective_time(s, layout, dp_op, grad_bytes, layout.dp_group(0), hw)
     t_early, tail = t_dp, (0.0, 0.0, 0.0)
     if par.zero == 3 and par.dp * par.cp > 1:  # per layer (module), root
-
-        def reduction(last: bool, tail: int | None = None) -> float:
-            return zero3_reduction(s, layout, hw, busiest, layers[busiest], dp_op, last, tail)
-
-        t_dp, t_early = reduction(True), reduction(False)
-        tail = reduction(True, 1), reduction(False, 1), reduction(True, 0)
+        r = zero3_reductions(s, layout, hw, busiest, layers[busiest], dp_op)
+        t_dp, t_early, tail = r.last, r.early, (r.tail, r.tail_early, r.root)
     if expert_params:  # the expert data-parallel group: dp · cp ranks of a dense model
         group = edp_group(layout, 0, par.etp, par.ep)
         t_dp += sum(collective_time(s, layout, dp_op, e * rdt, group, hw) for e in expert_params)
@@ -220,7 +216,8 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     f = interference(s, layout, g.dp_op, g.grad_bytes, layout.dp_group(0), hw)
     slow = stretch(g.t_dp, hidden, f)
     waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
-    tails = [max(g.t_tail[2], t - _before_root(s, cost, pipe, g)) if hidden else 0.0
+    beside = _before_root(s, cost, pipe, g) if hidden and g.t_tail[0] else 0.0
+    tails = [max(g.t_tail[2], t - beside) if hidden else 0.0
              for t in g.t_tail[:2]]  # ZeRO-3: the reductions issued at each backward's end
     exposed_dp = max(tails[0], g.t_dp - hidden - waits - slow)
     if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:

@@ -319,7 +319,8 @@ class PipelinePass:
         """Selective or per-op recomputation: the attention block's recomputed ops, then a
         finer policy's MLP-block ones (:mod:`simulator.model.inventory.recompute_policy`),
         each between the ``recompute_block`` hooks that issue again the collectives the
-        policy's checkpointed function holds (:func:`~.recompute_comm.reissued`)."""
+        policy's checkpointed function holds
+        (:func:`simulator.model.inventory.recompute_comm.reissued`)."""
         ctx, c = self.ctx, self.ctx.c_of(rank).layer(layer)
         s = ctx.s
         again = reissued(layer_mode(s.parallel, s.model.layers, layer),

@@ -201,7 +201,7 @@ def layer_unit_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, t_ag: f
     communicator: each gather after the reduce-scatter issued before it
     (simulator.strategies.zero3.communicator), a layer's gather and reduce-scatter one
     after the other behind its backward; the reduce-scatters' own excess is the
-    reduction's (zero3_reduction)."""
+    reduction's (zero3_reductions)."""
     out_f = max(t_ag - fwd, stretch(t_ag, fwd, f))
     out_b = max(t_ag - bwd, stretch(t_ag, bwd, f))
     r = serial_reductions(s, layout, hw)[0]
@@ -210,38 +210,57 @@ def layer_unit_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, t_ag: f
     return out_f, out_b
 
 
-def zero3_reduction(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, layers: int,
-                    dp_op: CollectiveName, last: bool = True, tail: int | None = None) -> float:
+class Reductions(NamedTuple):
+    """A stage's ZeRO-3 reductions per micro-batch (:func:`zero3_reductions`), seconds."""
+
+    last: float  # the last micro-batch's, every unit's and the root's
+    early: float  # an earlier micro-batch's
+    tail: float  # the last's issued at the backward's end: its last unit's and the root's
+    tail_early: float  # an earlier micro-batch's
+    root: float  # the root unit's alone
+
+
+def zero3_reductions(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int,
+                     layers: int, dp_op: CollectiveName) -> Reductions:
     """The reduction of ``stage``'s gradients per micro-batch, unit by unit: each of its
     ``layers`` layers (one collective per module with module units) and its root unit,
     over the shard group; under hybrid sharding each then all-reduces its 1/shard of
     the gradients across the replicas (:func:`hybrid_all_reduce`), on a stream of its
     own where the reduction has one (:func:`two_streams`), else in line after it; not
-    before the ``last`` micro-batch under ``stack.hsdp_all_reduce: last``. With ``tail``
-    only what the backward issues at its end, its last ``tail`` units' (1, or 0) and the
-    root's: what the compute stream waits for after every backward however early the
-    others ran (:meth:`simulator.strategies.data.workload.DataPass.reduce_wait`)."""
+    before the last micro-batch under ``stack.hsdp_all_reduce: last``. The tails are
+    what the backward issues at its end, its last unit's and the root's: what the compute
+    stream waits for after every backward however early the others ran
+    (:meth:`simulator.strategies.data.workload.DataPass.reduce_wait`). Each collective's
+    time is computed once."""
     par, spec, trn = s.parallel, s.model, s.training
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
     units = layers * parts
     roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units \
         - stage_expert_units(s, stage)
-    units = units if tail is None else min(units, tail)
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
     group = layout.shard_group(0)
     rs = collective_time(s, layout, dp_op, unit, group, hw), \
         collective_time(s, layout, dp_op, root, group, hw)
     if spec.is_moe:  # each layer's dense unit by its kind (no hybrid sharding with experts)
-        return (0.0 if tail is not None else moe_dense_reduction(s, layout, hw, stage)) \
-            + roots * rs[1]
-    if len(layout.replicate_group(0)) == 1 or (not last and s.stack.hsdp_all_reduce == "last"):
-        return units * rs[0] + roots * rs[1]
-    ar = hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)
-    if not (s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute):
-        return units * (rs[0] + ar[0]) + roots * (rs[1] + ar[1])
-    return two_streams([(rs[0], ar[0])] * units + [(rs[1], ar[1])] * roots)
+        full = moe_dense_reduction(s, layout, hw, stage) + roots * rs[1]
+        return Reductions(full, full, roots * rs[1], roots * rs[1], roots * rs[1])
+    hybrid = len(layout.replicate_group(0)) > 1
+    ar = (hybrid_all_reduce(s, layout, hw, unit), hybrid_all_reduce(s, layout, hw, root)) \
+        if hybrid else (0.0, 0.0)
+    side = s.stack.overlap(par.overlap).dp and hw.gpu.comm_overlaps_compute
+
+    def chain(n: int, last: bool) -> float:
+        if not hybrid or (not last and s.stack.hsdp_all_reduce == "last"):
+            return n * rs[0] + roots * rs[1]
+        if not side:
+            return n * (rs[0] + ar[0]) + roots * (rs[1] + ar[1])
+        return two_streams([(rs[0], ar[0])] * n + [(rs[1], ar[1])] * roots)
+
+    end = min(units, 1)
+    return Reductions(chain(units, True), chain(units, False), chain(end, True),
+                      chain(end, False), chain(0, True))
 
 
 def two_streams(steps: list[tuple[float, float]]) -> float:
