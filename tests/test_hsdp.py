@@ -25,7 +25,8 @@ from simulator.model.device_memory import communicators
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.rules import not_yet_simulated
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.strategy import two_streams, zero3_collective_counts
+from simulator.strategies.zero3.counts import zero3_collective_counts
+from simulator.strategies.zero3.strategy import two_streams
 from simulator.system.layout import Layout
 from simulator.system.profiles import SYSTEMS_DIR
 

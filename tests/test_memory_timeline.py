@@ -31,8 +31,12 @@ from simulator.model.memory import activation_bytes_per_layer
 from simulator.model.transformer import layer_params
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.buffers import zero3_moments, zero3_peak
-from simulator.strategies.zero3.strategy import zero3_root_bytes
+from simulator.strategies.zero3.buffers import (
+    zero3_layer_bytes,
+    zero3_moments,
+    zero3_peak,
+    zero3_root_bytes,
+)
 
 EXACT = 1e-12
 # 8 layers, h 128, a 8, V 512, s 64: a gathered layer (0.40 MB) is larger than the
@@ -431,7 +435,10 @@ def test_component_sizes_match_memory_py() -> None:
     assert component_bytes(s) == {"activation_layer": sizes(s)["layer"],
                                   **{k: sizes(s)[k] for k in ("embed", "head", "dlogits",
                                                               "unit")},
-                                  "metrics": 0.0}  # Megatron's stack: no trainer metrics
+                                  "metrics": 0.0,  # Megatron's stack: no trainer metrics
+                                  # deferred ZeRO-3's per layer (buffers.accumulated_grads)
+                                  "accumulated": zero3_layer_bytes(s) / 2
+                                  * s.stack.reduce_bytes(2)}
 
 
 def test_plot_draws_the_curves() -> None:

@@ -134,7 +134,7 @@ def test_fsdp_shard_grad_op_is_zero3_kept_gathered_through_the_backward() -> Non
     full = scenario_from_dict(scenario_data(row.model_copy(
         update={"zero_or_fsdp": "FSDP FULL_SHARD (mixed precision mode DEFAULT)"})))
     assert (full.parallel.zero, full.parallel.reshard_after_forward) == (3, True)
-    from simulator.strategies.zero3.strategy import zero3_collective_counts
+    from simulator.strategies.zero3.counts import zero3_collective_counts
     assert zero3_collective_counts(s, 0)["all_gather"] == s.model.layers + 1
 
 

@@ -26,7 +26,7 @@ from simulator.api import simulate_scenario
 from simulator.builder.workload import layout_of
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.strategy import zero3_collective_counts
+from simulator.strategies.zero3.counts import zero3_collective_counts
 
 
 def fsdp2(layers: int, m: int, pp: int = 1, dp: int = 2, stack: str = "pytorch-eager",

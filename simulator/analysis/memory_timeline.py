@@ -51,13 +51,13 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from simulator.analysis.curves import MAX_POINTS, Point, downsample
 from simulator.analysis.memory import stage_breakdown
+from simulator.analysis.timeline_marks import Marks, scan
 from simulator.builder.tasks import Task
 from simulator.engine.result import SimResult
 from simulator.model import memory as mem
@@ -68,12 +68,13 @@ from simulator.model.inventory.sharding import zero3_collectives
 from simulator.spec.recompute import keeps, layer_mode, policy
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.buffers import zero3_root_bytes
+from simulator.strategies.zero3.deferred import deferred
 
 TIME_TOL = 1e-9  # of the step time: events closer than this are simultaneous
 
 # what each allocation is made of; the curve's value is sum(count × bytes) + static
 # (then one component per distinct size of a layer's activations, :func:`layer_components`)
-_EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _METRICS = range(8)
+_EMBED, _HEAD, _DLOGITS, _UNIT, _GRAD, _ROOT, _ROOT_GRAD, _METRICS, _ACC, _ROOT_ACC = range(10)
 # at one timestamp: allocations by ending work, then frees, then allocations by starting work
 _END_ALLOC, _FREE, _START_ALLOC = range(3)
 
@@ -100,6 +101,8 @@ def component_bytes(s: Scenario) -> dict[str, float]:
         # a ZeRO-3 gathered layer, or one of its modules' parts (the stack's ZeRO-3 unit)
         "unit": mdl.layer_params(spec) / t * dtype_bytes(dt)
         / zero3_collectives(spec, s.stack),
+        # a layer's gradients accumulated unsharded in the reduce dtype (deferred ZeRO-3)
+        "accumulated": mdl.layer_params(spec) / t * s.stack.reduce_bytes(dtype_bytes(dt)),
     }
 
 
@@ -113,106 +116,53 @@ def static_bytes(s: Scenario, stage: int) -> float:
     return total
 
 
-@dataclass
-class _Marks:
-    """What one rank's spans say about when each allocation starts and ends, keyed by
-    (layer, micro-batch), micro-batch or (chunk, micro-batch)."""
-
-    fwd_end: dict[tuple[int, int], float] = field(default_factory=dict)
-    bwd_end: dict[tuple[int, int], float] = field(default_factory=dict)
-    embed_f: dict[int, float] = field(default_factory=dict)
-    embed_b: dict[int, float] = field(default_factory=dict)
-    head_f: dict[int, float] = field(default_factory=dict)
-    head_b: dict[int, tuple[float, float]] = field(default_factory=dict)
-    metrics: dict[int, tuple[float, float]] = field(default_factory=dict)  # the trainer's
-    wgrad: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [start, end]
-    # task producing a layer's weight grads
-    wgrad_ids: dict[int, tuple[int, int]] = field(default_factory=dict)
-    gathers: dict[tuple[int, int], list[tuple[int, float]]] = field(
-        default_factory=lambda: defaultdict(list))
-    # producing task id -> end of the RS that waits on it
-    reduce_end: dict[int, float] = field(default_factory=dict)
-    root_gather: dict[tuple[int, int], float] = field(default_factory=dict)  # gather start
-    root_grad: dict[tuple[int, int], float] = field(default_factory=dict)  # head's bwd start
-    root_reduce: dict[tuple[int, int], float] = field(default_factory=dict)  # root's RS end
-    bwd_last: dict[tuple[int, int], float] = field(default_factory=dict)  # chunk's bwd end
-
-
-def _passes(m: _Marks, t: Task, start: float, end: float) -> None:
-    """A compute span's marks: forward and backward ends, the model's ends."""
-    op, layer, mb = t.op, t.layer, t.microbatch
-    if op in ("B", "I", "W"):
-        key = (t.chunk, mb)
-        m.bwd_last[key] = max(m.bwd_last.get(key, end), end)
-        if layer < 0 and op != "I" and t.name.startswith("head"):
-            # the output layer's gradient: at B's end (the loss's copies freed), or as W starts
-            m.root_grad[t.chunk, mb] = end if op == "B" else start
-    if op == "F":
-        if layer >= 0:
-            m.fwd_end[layer, mb] = max(m.fwd_end.get((layer, mb), end), end)
-        elif t.name.startswith("embed"):
-            m.embed_f[mb] = end
-        elif t.name.startswith("head"):
-            m.head_f[mb] = end
-        elif t.name.startswith("metrics"):
-            m.metrics[mb] = (start, end)
-    elif op in ("B", "I"):
-        if layer >= 0:
-            m.bwd_end[layer, mb] = max(m.bwd_end.get((layer, mb), end), end)
-        elif t.name.startswith("head"):
-            m.head_b[mb] = (start, end)
-        elif t.name.startswith("embed"):
-            m.embed_b[mb] = end
-
-
-def _scan(spans: Iterable[tuple[Task, float, float]]) -> _Marks:
-    m = _Marks()
-    for t, start, end in spans:
-        op, layer, mb = t.op, t.layer, t.microbatch
-        _passes(m, t, start, end)
-        if op in ("B", "W") and layer >= 0:
-            w = m.wgrad.setdefault((layer, mb), [start, end])
-            w[0], w[1] = min(w[0], start), max(w[1], end)
-            m.wgrad_ids[t.id] = (layer, mb)
-        elif op == "zero.all_gather" and layer < 0:
-            m.root_gather[t.chunk, mb] = start
-        elif op == "zero.all_gather":
-            m.gathers[layer, mb].append((t.id, start))
-        elif t.kind == "dp" and op.endswith("reduce_scatter") and " root " in t.name:
-            m.root_reduce[t.chunk, mb] = end
-        elif t.kind == "dp" and op.endswith("reduce_scatter"):
-            for d in t.deps:
-                m.reduce_end[d] = max(m.reduce_end.get(d, end), end)
-    return m
-
-
 Hold = Callable[[int, Any, float, int, float], None]
 
 
-def _zero3_holds(s: Scenario, m: _Marks, hold: Hold) -> None:
+def _zero3_holds(s: Scenario, m: Marks, hold: Hold) -> None:
     """ZeRO-3's gathered units, unsharded gradients and the root unit's."""
-    par = s.parallel
+    par, defer = s.parallel, deferred(s)
     for (layer, mb), items in m.gathers.items():
         items.sort()  # creation order: the forward's gather, then the backward's
         parts = zero3_collectives(s.model, s.stack)
         for i, (_, t0) in enumerate(items):
-            forward = i < parts
+            forward = t0 < m.fwd_end.get((layer, mb), t0) if defer else i < parts
             if forward and par.reshard_after_forward:
                 t1 = m.fwd_end.get((layer, mb), t0)
+            elif defer:  # resharded by the stage's reductions after its last backward
+                t1 = m.unit_reduce.get(layer, t0)
             else:
                 t1 = m.bwd_end.get((layer, mb), m.fwd_end.get((layer, mb), t0))
             hold(_UNIT, layer, t0, _START_ALLOC, t1)
+    if defer:
+        _accumulated(m, hold)
     ends: dict[tuple[int, int], float] = {}
     for tid, key in m.wgrad_ids.items():
-        if tid in m.reduce_end:
+        if tid in m.reduce_end and not defer:  # deferred: accumulated, then freed
             ends[key] = max(ends.get(key, 0.0), m.reduce_end[tid])
     for key, (t0, t1) in m.wgrad.items():
         hold(_GRAD, key, t0, _START_ALLOC, max(t1, ends.get(key, t1)))
     for (chunk, mb), t0 in m.root_gather.items():
-        hold(_ROOT, chunk, t0, _START_ALLOC, m.bwd_last.get((chunk, mb), t0))
+        t1 = max((e for (c, _), e in m.root_reduce.items() if c == chunk), default=t0) \
+            if defer else m.bwd_last.get((chunk, mb), t0)
+        hold(_ROOT, chunk, t0, _START_ALLOC, t1)
     for (chunk, mb), t0 in m.root_grad.items():
         t1 = m.bwd_last.get((chunk, mb), t0)
         hold(_ROOT_GRAD, chunk, t0, _START_ALLOC, max(t1, m.root_reduce.get((chunk, mb), t1)))
+
+
+def _accumulated(m: Marks, hold: Hold) -> None:
+    """Under ``torch.distributed.pipelining`` (:mod:`simulator.strategies.zero3.deferred`)
+    each unit's accumulated gradients, from its first weight gradients to its reduction
+    after the stage's last backward; the root's from its chunk's first backward end."""
+    first: dict[int, float] = {}
+    for (layer, _), (_, end) in m.wgrad.items():
+        first[layer] = min(first.get(layer, end), end)
+    for layer, t0 in first.items():
+        hold(_ACC, layer, t0, _END_ALLOC, max(t0, m.unit_reduce.get(layer, t0)))
+    for (chunk, _), t1 in m.root_reduce.items():
+        t0 = min((e for (c, _), e in m.bwd_last.items() if c == chunk), default=t1)
+        hold(_ROOT_ACC, chunk, t0, _END_ALLOC, max(t0, t1))
 
 
 def layer_components(s: Scenario, sizes: list[float], base: int) -> Callable[[int], int]:
@@ -240,7 +190,7 @@ def _rank_events(s: Scenario, spans: Iterable[tuple[Task, float, float]], tol: f
                  act: Callable[[int], int]) -> list[tuple[float, int, int, Any, int]]:
     """(time, phase, component, key, +1/-1) for one rank's spans; ``act``: each layer's
     activation component (:func:`layer_components`)."""
-    m = _scan(spans)
+    m = scan(spans)
     ev: list[tuple[float, int, int, Any, int]] = []
 
     def hold(comp: int, key: Any, t0: float, p0: int, t1: float) -> None:
@@ -339,7 +289,8 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
     roots: dict[int, tuple[float, float]] = {}
     statics: dict[int, float] = {}
     extra: list[float] = []  # each layer's activations, by distinct size
-    act = layer_components(s, extra, _METRICS + 1)
+    act = layer_components(s, extra, _ROOT_ACC + 1)
+    rdt = s.stack.reduce_bytes(dtype_bytes(s.training.dtype)) / dtype_bytes(s.training.dtype)
     out: Curve = []
     for rank in sorted(wanted):
         stage = layout.coord(rank).pp
@@ -347,7 +298,8 @@ def memory_timeline(s: Scenario, result: SimResult, max_points: int = MAX_POINTS
             statics[stage] = static_bytes(s, stage)
             roots[stage] = zero3_root_bytes(s, stage)
         events = _rank_events(s, per_rank.get(rank, []), TIME_TOL * result.end_time, act)
-        points = _curve(statics[stage], (*sizes, *roots[stage], size["metrics"], *extra),
+        points = _curve(statics[stage], (*sizes, *roots[stage], size["metrics"],
+                                         size["accumulated"], roots[stage][0] * rdt, *extra),
                         events)
         out.append({"rank": rank, "stage": stage, "points": downsample(points, max_points)})
     return out

@@ -78,6 +78,7 @@ from simulator.strategies.pipeline.strategy import pipeline_sends
 from simulator.strategies.tensor.strategy import Ends, tp_ends, tp_optimizer, tp_time
 from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
+from simulator.strategies.zero3.deferred import deferred, deferred_exposed
 from simulator.strategies.zero3.strategy import Zero3Step, zero3_reductions, zero3_step
 from simulator.system.costs import CostModel
 from simulator.system.hardware import HardwareProfile
@@ -220,7 +221,10 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     tails = [max(g.t_tail[2], t - beside) if hidden else 0.0
              for t in g.t_tail[:2]]  # ZeRO-3: the reductions issued at each backward's end
     exposed_dp = max(tails[0], g.t_dp - hidden - waits - slow)
-    if par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
+    if deferred(s):  # torch.distributed.pipelining: after each stage's last backward
+        slow, exposed_dp = 0.0, deferred_exposed(g.t_dp, b + w, par.virtual_stages,
+                                                 bool(hidden))
+    elif par.zero >= 2 and par.dp * par.cp > 1 and m > 1:
         # sharded gradients reduce after every micro-batch (the engine's data pass, FSDP2,
         # DeepSpeed's stage 2): the earlier micro-batches' reductions in line where
         # communication does not overlap compute, else beside the next micro-batch's work

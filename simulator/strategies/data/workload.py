@@ -51,6 +51,7 @@ from simulator.schedules.action import Action
 from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
 from simulator.strategies.compression.workload import Compressor, Unit
 from simulator.strategies.data.grad_norm import GRAD_NORM_BYTES, grad_norm_reduced
+from simulator.strategies.zero3.deferred import accumulate_ops, deferred
 from simulator.strategies.zero3.experts import dense_unit
 from simulator.system.units import CollectiveName
 
@@ -69,6 +70,9 @@ class DataPass(Pass):
         # gradient compression (training.gradient_compression) reduces the buckets instead
         self.compressor = Compressor(ctx, self.stream) \
             if effective_method(ctx.s) != "none" else None
+        self.deferred = deferred(ctx.s)  # reductions at each stage's last backward only
+        self.backwards: dict[tuple[int, int], int] = {}  # (rank, stage) -> backwards run
+        self.copied: dict[int, Task] = {}  # the last FSDP copy a deferred reduction placed
 
     def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
                      chunk: int) -> None:
@@ -80,7 +84,9 @@ class DataPass(Pass):
         self.flushed[rank] = False  # a backward's buckets start with the first one's cap
         self.last[rank] = self.ctx.last_backward(self.ctx.layout.coord(rank).pp) \
             .get(action.stage) == index  # both memoised (Context, Layout.coord)
-        if par.zero >= 2:  # sharded gradients: reduce after every micro-batch
+        if self.deferred:
+            self.deferred_grads(rank, action, done, chunk, pending)
+        elif par.zero >= 2:  # sharded gradients: reduce after every micro-batch
             self.issued[rank] = []
             self.bucket(rank, action.stage, done, chunk, pending)
             self.flush(rank, pending, chunk)
@@ -88,6 +94,42 @@ class DataPass(Pass):
                 self.reduce_wait(rank, action, chunk)
         elif self.last[rank]:  # accumulated: reduce once
             self.bucket(rank, action.stage, done, chunk, pending)
+
+    def deferred_grads(self, rank: int, action: Action, done: list[Task], chunk: int,
+                       pending: list[tuple[float, Task, Unit]]) -> None:
+        """ZeRO-3 under ``torch.distributed.pipelining``
+        (:mod:`simulator.strategies.zero3.deferred`): each backward accumulates the
+        units' unsharded gradients (a kernel per unit on the compute stream as its
+        gradients complete); after the stage's last backward every unit is
+        reduce-scattered, the root first, then the blocks in order (``REDUCE_GRAD``'s
+        ``post_backward`` calls), and the compute stream waits for them."""
+        ctx, key = self.ctx, (rank, action.stage)
+        fresh = self.backwards.get(key, 0) == 0
+        self.backwards[key] = self.backwards.get(key, 0) + 1
+        cost = ctx.cost_of(rank)
+        for size, task in self.zero3_units(action.stage, done):
+            ops = accumulate_ops(ctx.s, size / ctx.grad_dt, fresh)
+            if ops:
+                acc = ctx.compute_after(rank, task, "Z", "backward",
+                                        f"fsdp.{fsdp_task_name(ops)} mb{action.microbatch}",
+                                        cost.ops_time(ops))
+                acc.weight_s = acc.duration  # gradient work: the backward's weight share
+        if not self.last[rank] or not done:
+            return
+        self.issued[rank] = []
+        layers = len(ctx.layers_of(action.stage))
+        units = list(enumerate(self.zero3_units(action.stage, done)))
+        self.copied[rank] = done[-1]
+        ids = ctx.layers_of(action.stage)
+        for i, (size, _) in [u for u in units if u[0] >= layers] \
+                + [u for u in reversed(units) if u[0] < layers]:  # the root, then blocks
+            pending.append((size, self.copied[rank], (action.stage, i)))
+            start = len(ctx.tasks)
+            self.flush(rank, pending, chunk)
+            for t in ctx.tasks[start:]:  # each block's by its layer (the memory timeline's)
+                if t.kind == "dp" and i < layers:
+                    t.layer = ids[layers - 1 - i]
+        self.reduce_wait(rank, action, chunk)
 
     def bucket(self, rank: int, stage: int, done: list[Task], chunk: int,
                pending: list[tuple[float, Task, Unit]]) -> None:
@@ -225,7 +267,7 @@ class DataPass(Pass):
         shard = len(ctx.layout.shard_group(rank))
         compute, before, post = fsdp_reduce_parts(
             ctx.s.stack, size / ctx.grad_dt, shard, ctx.dt_bytes, ctx.grad_dt, tensors,
-            after.microbatch > 0, len(ctx.layout.replicate_group(rank)))
+            after.microbatch > 0 and not self.deferred, len(ctx.layout.replicate_group(rank)))
         cost, mb = ctx.cost_of(rank), after.microbatch
         pack = pre = None
         if compute:
@@ -238,6 +280,8 @@ class DataPass(Pass):
                                     f"fsdp.{fsdp_task_name(before)} mb{mb}",
                                     cost.ops_time(before))
             pre.weight_s = pre.duration  # gradient work: the backward's weight share
+        if self.deferred:  # the next unit's copies run after these
+            self.copied[rank] = pre or pack or after
         return pack, pre, post
 
     def ddp_pack(self, rank: int, units: list[Unit], after: Task) -> Task:

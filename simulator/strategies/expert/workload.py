@@ -52,6 +52,7 @@ from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert import dispatcher
 from simulator.strategies.expert import layer as epar
 from simulator.strategies.expert.dispatcher import Exchange, GroupName
+from simulator.strategies.zero3.deferred import deferred
 from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.units import CollectiveName
 
@@ -79,6 +80,7 @@ class ExpertPass(Pass):
                 prog.streams.setdefault("ep", [])
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
+        self.deferred = deferred(ctx.s)  # FSDP under torch.distributed.pipelining
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
 
     # ------------------------------------------------------------ per layer
@@ -183,16 +185,16 @@ class ExpertPass(Pass):
         group = epar.edp_group(ctx.layout, rank, self.etp, self.ep)
         if len(group) == 1:
             return
-        if par.zero < 2 and ctx.last_backward(ctx.layout.coord(rank).pp).get(action.stage) \
-                != index:
+        once = par.zero < 2 or self.deferred
+        if once and ctx.last_backward(ctx.layout.coord(rank).pp).get(action.stage) != index:
             return  # gradients accumulate until the stage's last backward
         for layer, task in zip(reversed(ctx.layers_of(action.stage)), done, strict=False):
             size = epar.expert_grad_bytes(ctx.s, layer)
             t = ctx.collective(rank, self.stream, self.reduce, "dp", group, size,
                                f"dp.{self.reduce} experts L{layer}", chunk=chunk) \
                 if size else None
-            if t is not None:
-                t.deps.append(task.id)
+            if t is not None:  # under pipelining's REDUCE_GRAD after the whole backward
+                t.deps.append((done[-1] if self.deferred else task).id)
                 self.reduced[rank].append(t)
 
     def layers(self, rank: int) -> list[range]:

@@ -35,11 +35,12 @@ from simulator.model.memory import logits, logits_after_head, rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
 from simulator.spec.placement import holds_embedding, holds_head, stage_layer_count, tied_copy
 from simulator.spec.scenario import Scenario
+from simulator.strategies.zero3.deferred import deferred
 
 #: the moments of :func:`zero3_moments`, in words (``clustersim memory``'s buffers item)
 MOMENTS = {"loss": "the loss's backward (the root and the running unit gathered)",
            "block": "the first block's backward (running and prefetched units, the "
-                    "unsharded gradients)"}
+                    "unsharded gradients; under pipelining every unit's, accumulated)"}
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,28 @@ def gathered_layers(scenario: Scenario, stage: int, units: int) -> float:
     (Zero3Pass: attention and MLP blocks alternate), the largest ``units`` consecutive
     blocks; every layer of the stage without ``reshard_after_forward``."""
     spec, par = scenario.model, scenario.parallel
-    if not par.reshard_after_forward:  # every layer of the stage stays gathered
+    if not par.reshard_after_forward or deferred(scenario):  # every layer stays gathered
         return float(stage_layer_count(spec.layers, par, stage, spec.mtp_layers))
     if scenario.stack.zero3_unit == "module" and not spec.is_moe:
         blocks = zero3_blocks(spec, scenario.stack, par.tp, 1.0)
         seq = [sum(blocks["attn"]), sum(blocks["mlp"])]
         return max(sum(seq[(start + i) % 2] for i in range(units)) for start in (0, 1))
     return float(units)
+
+
+def accumulated_grads(scenario: Scenario, stage: int) -> float:
+    """Bytes of the unsharded gradients a stage accumulates under ``torch.distributed.
+    pipelining`` (:mod:`simulator.strategies.zero3.deferred`): every unit's, the root's
+    included, in the reduce dtype, held from the first backward to the reductions after
+    the last, so by every later micro-batch's backward; none with one micro-batch (its
+    backward's moments precede them) or where the reductions are not deferred."""
+    if not deferred(scenario) or scenario.microbatches == 1:
+        return 0.0
+    spec, par = scenario.model, scenario.parallel
+    dt = dtype_bytes(scenario.training.dtype)
+    layers = stage_layer_count(spec.layers, par, stage, spec.mtp_layers)
+    params = zero3_layer_bytes(scenario) * layers + zero3_root_bytes(scenario, stage)[0]
+    return params / dt * scenario.stack.reduce_bytes(dt)
 
 
 def zero3_moments(scenario: Scenario, stage: int) -> tuple[Moment, Moment]:
@@ -106,11 +122,12 @@ def zero3_moments(scenario: Scenario, stage: int) -> tuple[Moment, Moment]:
     prefetched = par.fsdp_prefetch if ahead else 0
     layer = zero3_layer_bytes(scenario)
     root, head_grad = zero3_root_bytes(scenario, stage)
-    loss = Moment("loss", root + layer * gathered_layers(scenario, stage, 1),
+    held = accumulated_grads(scenario, stage)
+    loss = Moment("loss", root + layer * gathered_layers(scenario, stage, 1) + held,
                   logits(scenario, stage))
     # the running block and those prefetched, its unsharded gradient, the root unit's
     block = Moment("block", layer * gathered_layers(scenario, stage, 1 + prefetched) + layer
-                   + (root + head_grad), logits_after_head(scenario, stage))
+                   + (root + head_grad) + held, logits_after_head(scenario, stage))
     return loss, block
 
 

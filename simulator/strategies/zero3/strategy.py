@@ -19,19 +19,20 @@ from simulator.model.inventory.sharding import (
     zero3_blocks,
     zero3_collectives,
 )
-from simulator.spec.placement import (
-    head_rank,
-    holds_embedding,
-    holds_head,
-    stage_layer_count,
-)
+from simulator.spec.placement import head_rank
 from simulator.spec.recompute import partial, recomputed_share
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
-from simulator.strategies.data.grad_norm import grad_norm_reduced
 from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
+from simulator.strategies.zero3.counts import zero3_collective_counts
+from simulator.strategies.zero3.deferred import (
+    accumulate_ops,
+    deferred,
+    first_stage,
+    stage_gathers,
+)
 from simulator.strategies.zero3.experts import (
     expert_unit_tensors,
     expert_units_sharded,
@@ -49,38 +50,6 @@ from simulator.system.units import CollectiveName
 if TYPE_CHECKING:
     from simulator.builder.context import Context, Pass
     from simulator.builder.workload import BlockCosts
-
-
-def zero3_collective_counts(s: Scenario, stage: int) -> dict[str, int]:
-    """ZeRO-3's collectives per step on one rank of pipeline ``stage``, as the engine's
-    workload issues them: per micro-batch, each layer's gathers (before its forward
-    and, with ``reshard_after_forward``, before its backward) and reduce-scatter, one
-    per part (:func:`simulator.model.inventory.sharding.zero3_collectives`), and the root unit's
-    gather
-    and reduce-scatter on a stage holding the embedding or the head (FSDP2 keeps the
-    root gathered from its forward to its backward). A step of FSDP2 with L layers on
-    one stage: m(1 + 2L) all-gathers, m(1 + L) reduce-scatters. Under hybrid sharding
-    (:attr:`~simulator.spec.scenario.ParallelSpec.dp_shard`) each reduce-scatter is
-    followed by an all-reduce of its shard across the replicas. A mixture of experts
-    adds each MoE layer's experts unit (:mod:`simulator.strategies.zero3.experts`),
-    gathered like its layer and reduce-scattered over edp every micro-batch. With
-    ``stack.grad_clip`` the step all-reduces the clipping norm over the shard group once
-    (:mod:`simulator.strategies.data.grad_norm`)."""
-    par = s.parallel
-    if par.zero != 3 or par.dp * par.cp == 1:
-        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    parts = zero3_collectives(s.model, s.stack)
-    layers = stage_layer_count(s.model.layers, par, stage, s.model.mtp_layers) * parts
-    experts = stage_expert_units(s, stage)
-    root = 1 if holds_embedding(par, stage) or holds_head(par, stage) else 0
-    gathers = (2 if par.reshard_after_forward else 1) * (layers + experts) + root
-    reduces = s.microbatches * (layers + root)
-    once = s.stack.hsdp_all_reduce == "last"  # the last micro-batch's reduce-scatters only
-    norm = 1 if grad_norm_reduced(s) and par.shard > 1 else 0  # the clipping norm's
-    return {"all_gather": s.microbatches * gathers,
-            "reduce_scatter": reduces + s.microbatches * experts,
-            "all_reduce": norm + ((layers + root if once else reduces)
-                                  if par.shard < par.dp * par.cp else 0)}
 
 
 def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
@@ -103,18 +72,26 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
     tensors = layer_tensors(spec, stack)
     unit = mdl.layer_params(spec) / par.tp
     root = zero3_root_bytes(s, stage)[0] / dt
+    defer = deferred(s)
+    fc, bc = (stage_gathers(s, first_stage(par, stage)) if defer
+              else (m, m if par.reshard_after_forward else 0))  # each unit's gathers a step
 
     def gather(elements: float, n: int, over: int = dp) -> float:
         before, after = fsdp_gather_parts(stack, elements, over, dt, n)
         return cost.ops_time(after if on_compute_only else (*before, *after))
 
-    def reduce(elements: float, n: int) -> float:  # a step's: m reductions, m − 1 adding
-        return sum(cost.ops_time(parts[0] + parts[1] if on_compute_only
-                                 else sum(parts, ())) * k
-                   for parts, k in (
-                       (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, False, replicas), 1),
-                       (fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, True, replicas),
-                        m - 1)))
+    later = 0 if defer else m - 1  # reductions after the first (adding to .grad)
+
+    def reduce(elements: float, n: int) -> float:  # a step's reductions and accumulations
+        def kernels(accumulate: bool) -> float:
+            parts = fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, accumulate, replicas)
+            return cost.ops_time(parts[0] + parts[1] if on_compute_only else sum(parts, ()))
+
+        seconds = kernels(False) + later * kernels(True)
+        if defer:  # every backward accumulates the unit's unsharded gradients
+            seconds += cost.ops_time(accumulate_ops(s, elements, True)) \
+                + (m - 1) * cost.ops_time(accumulate_ops(s, elements, False))
+        return seconds
 
     if spec.is_moe:  # each layer's dense unit by its kind, and its experts' gather
         sharded = expert_units_sharded(s)
@@ -122,13 +99,12 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
             u.experts, expert_unit_tensors(s), par.edp) if u.experts and sharded else 0.0),
             reduce(u.dense, tensors)) for u in stage_units(s, stage)]
         gathers = sum(n * g for n, g, _ in units)
-        fwd = m * (gathers + gather(root, ROOT_TENSORS))
-        bwd = m * (gathers if par.reshard_after_forward else 0.0) \
-            + sum(n * r for n, _, r in units) + reduce(root, ROOT_TENSORS)
+        fwd = fc * gathers + (1 if defer else m) * gather(root, ROOT_TENSORS)
+        bwd = bc * gathers + sum(n * r for n, _, r in units) + reduce(root, ROOT_TENSORS)
         return fwd, bwd
-    fwd = m * (layers * gather(unit, tensors) + gather(root, ROOT_TENSORS))
-    bwd = m * layers * (gather(unit, tensors) if par.reshard_after_forward else 0.0) \
-        + layers * reduce(unit, tensors) + reduce(root, ROOT_TENSORS)
+    fwd = fc * layers * gather(unit, tensors) + (1 if defer else m) * gather(root, ROOT_TENSORS)
+    bwd = bc * layers * gather(unit, tensors) + layers * reduce(unit, tensors) \
+        + reduce(root, ROOT_TENSORS)
     return fwd, bwd
 
 
@@ -236,7 +212,8 @@ def zero3_reductions(s: Scenario, layout: Layout, hw: HardwareProfile, stage: in
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
     units = layers * parts
-    roots = zero3_collective_counts(s, stage)["reduce_scatter"] // s.microbatches - units \
+    per_step = zero3_collective_counts(s, stage)["reduce_scatter"]
+    roots = (per_step if deferred(s) else per_step // s.microbatches) - units \
         - stage_expert_units(s, stage)
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
@@ -288,10 +265,11 @@ def serial_reductions(s: Scenario, layout: Layout, hw: HardwareProfile) -> tuple
     """(a layer unit's reduce-scatter, the largest root unit's) where a dense model's
     layer-unit gathers, prefetched, and reduce-scatters, overlapped, run in one
     communicator's order (:mod:`simulator.strategies.zero3.communicator`); (0, 0)
-    elsewhere (module units, experts, either in line: as before)."""
+    elsewhere (module units, experts, either in line: as before; reductions deferred to
+    the stage's last backward, after every gather)."""
     par, spec = s.parallel, s.model
     overlaps = hw.gpu.comm_overlaps_compute
-    if spec.is_moe or len(zero3_blocks(spec, s.stack, par.tp, 1.0)) > 1 \
+    if spec.is_moe or len(zero3_blocks(spec, s.stack, par.tp, 1.0)) > 1 or deferred(s) \
             or not (par.overlap.zero3_prefetch and par.fsdp_prefetch > 0 and overlaps
                     and s.stack.overlap(par.overlap).dp):
         return 0.0, 0.0
@@ -329,6 +307,9 @@ def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     t_zero = (fwd + bwd + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
     if par.zero == 3:  # the next micro-batch's gathers wait for the backward's last
         t_zero += (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
+    if deferred(s):  # each unit gathered when not held, the root once
+        fc, bc = stage_gathers(s, first_stage(par, slowest))
+        t_zero = fc * fwd + bc * bwd + zero3_root(s, layout, hw)
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd

@@ -19,6 +19,7 @@ from simulator.model.inventory.sharding import (
 from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert.layer import edp_group
 from simulator.strategies.zero3.communicator import Gather, one_communicator
+from simulator.strategies.zero3.deferred import deferred
 from simulator.strategies.zero3.experts import (
     dense_unit,
     expert_unit,
@@ -80,9 +81,29 @@ class Zero3Pass(Pass):
         self.gathers: dict[int, list[Gather]] = {r: [] for r in ctx.ranks}
         self.serial = not self.by_block and not self.moe
         self.ahead = par.fsdp_prefetch if self.stream == "zero" else 0
+        # under torch.distributed.pipelining the units a rank holds gathered, none
+        # resharded after a backward (simulator.strategies.zero3.deferred)
+        self.held: dict[int, set[object]] | None = \
+            {r: set() for r in ctx.ranks} if deferred(ctx.s) else None
+
+    def needs_gather(self, rank: int, unit: object, forward: bool, reshards: bool) -> bool:
+        """Whether a pass of ``unit`` gathers it: always, unless the stage's reductions
+        are deferred (:func:`simulator.strategies.zero3.deferred.gathers`): then only
+        when not held, a forward resharding it after when ``reshards``."""
+        if self.held is None:
+            return True
+        held = self.held[rank]
+        need = unit not in held
+        if forward and reshards:
+            held.discard(unit)
+        else:
+            held.add(unit)
+        return need
 
     def forward_start(self, rank: int, stage: int, mb: int, chunk: int) -> Task | None:
         ctx = self.ctx
+        if not self.needs_gather(rank, ("root", stage), True, False):
+            return None  # FSDP2 keeps the root gathered after its forward
         size = ctx.root_params(stage) * ctx.dt_bytes
         compute = ctx.programs[rank].streams["compute"]
         before, first = compute[-1] if compute else None, len(ctx.tasks)
@@ -127,7 +148,10 @@ class Zero3Pass(Pass):
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:
-        if not forward and not self.ctx.s.parallel.reshard_after_forward:
+        reshards = self.ctx.s.parallel.reshard_after_forward
+        if not forward and not reshards and self.held is None:
+            return None
+        if not self.needs_gather(rank, layer, forward, reshards):
             return None
         if not self.by_block:
             return self.gather(rank, "attn", forward, mb, layer, chunk)
