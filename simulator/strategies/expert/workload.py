@@ -52,7 +52,7 @@ from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert import dispatcher
 from simulator.strategies.expert import layer as epar
 from simulator.strategies.expert.dispatcher import Exchange, GroupName
-from simulator.strategies.zero3.deferred import deferred
+from simulator.strategies.zero3.deferred import accumulate_ops, deferred
 from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.units import CollectiveName
 
@@ -81,6 +81,7 @@ class ExpertPass(Pass):
         self.reduced: dict[int, list[Task]] = {r: [] for r in ctx.ranks}
         self.reduce: CollectiveName = "all_reduce" if par.zero == 0 else "reduce_scatter"
         self.deferred = deferred(ctx.s)  # FSDP under torch.distributed.pipelining
+        self.backwards: set[tuple[int, int]] = set()  # (rank, stage) that ran a backward
         self.stream: Stream = "dp" if ctx.overlap.dp else "compute"
 
     # ------------------------------------------------------------ per layer
@@ -185,6 +186,8 @@ class ExpertPass(Pass):
         group = epar.edp_group(ctx.layout, rank, self.etp, self.ep)
         if len(group) == 1:
             return
+        if self.deferred:
+            self.accumulate(rank, action, done)
         once = par.zero < 2 or self.deferred
         if once and ctx.last_backward(ctx.layout.coord(rank).pp).get(action.stage) != index:
             return  # gradients accumulate until the stage's last backward
@@ -196,6 +199,24 @@ class ExpertPass(Pass):
             if t is not None:  # under pipelining's REDUCE_GRAD after the whole backward
                 t.deps.append((done[-1] if self.deferred else task).id)
                 self.reduced[rank].append(t)
+
+    def accumulate(self, rank: int, action: Action, done: list[Task]) -> None:
+        """Deferred ZeRO-3 (:mod:`simulator.strategies.zero3.deferred`): each MoE layer's
+        expert unit accumulates its unsharded gradients after every backward, a kernel
+        on the compute stream after the layer's gradients (a cast on the stage's first
+        backward, an add on the later ones)."""
+        ctx, key = self.ctx, (rank, action.stage)
+        fresh = key not in self.backwards
+        self.backwards.add(key)
+        for layer, task in zip(reversed(ctx.layers_of(action.stage)), done, strict=False):
+            ops = accumulate_ops(ctx.s, epar.expert_grad_bytes(ctx.s, layer) / ctx.grad_dt,
+                                 fresh)
+            if ops and epar.expert_grad_bytes(ctx.s, layer):
+                acc = ctx.compute_after(rank, task, "Z", "backward",
+                                        f"fsdp.experts_{ops[0].name.split('_', 1)[1]} "
+                                        f"L{layer} mb{action.microbatch}",
+                                        ctx.cost_of(rank).ops_time(ops))
+                acc.weight_s = acc.duration  # gradient work: the backward's weight share
 
     def layers(self, rank: int) -> list[range]:
         """The layer runs ``rank`` holds, one per chunk."""

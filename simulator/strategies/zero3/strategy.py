@@ -87,17 +87,18 @@ def fsdp_copies(s: Scenario, cost: CostModel, stage: int, layers: int,
             parts = fsdp_reduce_parts(stack, elements, dp, dt, rdt, n, accumulate, replicas)
             return cost.ops_time(parts[0] + parts[1] if on_compute_only else sum(parts, ()))
 
-        seconds = kernels(False) + later * kernels(True)
-        if defer:  # every backward accumulates the unit's unsharded gradients
-            seconds += cost.ops_time(accumulate_ops(s, elements, True)) \
-                + (m - 1) * cost.ops_time(accumulate_ops(s, elements, False))
-        return seconds
+        return kernels(False) + later * kernels(True) + accumulate(elements)
+
+    def accumulate(elements: float) -> float:  # deferred: every backward accumulates
+        return cost.ops_time(accumulate_ops(s, elements, True)) \
+            + (m - 1) * cost.ops_time(accumulate_ops(s, elements, False)) if defer else 0.0
 
     if spec.is_moe:  # each layer's dense unit by its kind, and its experts' gather
         sharded = expert_units_sharded(s)
         units = [(u.count, gather(u.dense, tensors) + (gather(
             u.experts, expert_unit_tensors(s), par.edp) if u.experts and sharded else 0.0),
-            reduce(u.dense, tensors)) for u in stage_units(s, stage)]
+            reduce(u.dense, tensors) + (accumulate(u.experts) if sharded else 0.0))
+            for u in stage_units(s, stage)]
         gathers = sum(n * g for n, g, _ in units)
         fwd = fc * gathers + (1 if defer else m) * gather(root, ROOT_TENSORS)
         bwd = bc * gathers + sum(n * r for n, _, r in units) + reduce(root, ROOT_TENSORS)
