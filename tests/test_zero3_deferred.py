@@ -90,6 +90,7 @@ def test_gathers_worked_examples() -> None:
     pytest.param({"schedule": "interleaved", "virtual_stages": 2}, id="interleaved"),
     pytest.param({"schedule": "interleaved", "virtual_stages": 2,
                   "reshard_after_forward": True}, id="interleaved-reshard"),
+    pytest.param({"schedule": "zbv", "virtual_stages": 2}, id="zbv"),  # two roots on rank 0
 ])
 def test_counts_are_the_engines(case: dict[str, Any]) -> None:
     """zero3_collective_counts gives what the engine issues on every simulated rank:
@@ -103,6 +104,25 @@ def test_counts_are_the_engines(case: dict[str, Any]) -> None:
                "reduce_scatter": int(g["op"].str.endswith(".reduce_scatter").sum()),
                "all_reduce": int((g["op"] == "dp.all_reduce").sum())}
         assert got == zero3_collective_counts(s, stage), (rank, case)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipe"])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_counts_without_deferral_on_two_stage_ranks(schedule: str, reshard: bool) -> None:
+    """Reducing every micro-batch (a Megatron pipeline runtime), the counts still follow
+    the engine where a rank holds two stages: under ZBV's V placement rank 0 holds the
+    embedding's stage and the head's, two FSDP2 roots; a DualPipe rank runs each
+    micro-batch through one of its two stages (DeepSeek's two directions, which torch's
+    pipelining does not run: no deferral)."""
+    s = titan(pp=4, m=8, schedule=schedule, virtual_stages=2, reshard_after_forward=reshard,
+              stack={"preset": "torchtitan", "pipeline_runtime": "megatron"})
+    assert not deferred(s)
+    if schedule == "dualpipe":
+        assert not deferred(titan(pp=4, m=8, schedule=schedule, virtual_stages=2))
+    for rank, g in spans_of(s).groupby("rank"):
+        want = zero3_collective_counts(s, layout_of(s).coord(int(rank)).pp)
+        assert int(g["op"].str.endswith(".all_gather").sum()) == want["all_gather"]
+        assert int(g["op"].str.endswith(".reduce_scatter").sum()) == want["reduce_scatter"]
 
 
 @settings(max_examples=25, deadline=None)

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from simulator.model.inventory.ops import Op, dtype_bytes, mem
 from simulator.model.inventory.sharding import fsdp_runtime
 from simulator.schedules.action import Action, stage_rank
-from simulator.schedules.registry import build_schedule
+from simulator.schedules.registry import build_schedule, schedule_spec
 from simulator.spec.placement import rank_virtual_stages
 from simulator.spec.scenario import ParallelSpec, Scenario
 
@@ -41,11 +41,12 @@ def deferred(s: Scenario) -> bool:
     """Whether ``s`` runs FSDP2 (ZeRO-3 by layer units, the stack's FSDP runtime
     FSDP2's) under ``torch.distributed.pipelining``, which defers its reductions to each
     stage's last backward. FSDP1's module is not an ``FSDPModule``: the stage runs its
-    backward as it is, reducing every micro-batch."""
+    backward as it is, reducing every micro-batch. DeepSeek's two-direction DualPipe is
+    not one of torch's schedules (its ``ScheduleDualPipeV`` is the V placement: ``zbv``)."""
     par = s.parallel
     return par.zero == 3 and par.pp > 1 and par.dp * par.cp > 1 \
         and s.stack.pipeline_runtime == "torch" and s.stack.zero3_unit == "layer" \
-        and fsdp_runtime(s.stack) == "fsdp2"
+        and fsdp_runtime(s.stack) == "fsdp2" and schedule_spec(par.schedule).directions == 1
 
 
 def gathers(kinds: Iterable[str], reshard_after_forward: bool) -> tuple[int, int]:

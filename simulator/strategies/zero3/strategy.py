@@ -26,7 +26,7 @@ from simulator.strategies.base import Strategy
 from simulator.strategies.compression.arithmetic import effective_method
 from simulator.strategies.timing import collective_time, interference, stretch
 from simulator.strategies.zero3.buffers import zero3_root_bytes
-from simulator.strategies.zero3.counts import zero3_collective_counts
+from simulator.strategies.zero3.counts import root_units
 from simulator.strategies.zero3.deferred import (
     accumulate_ops,
     deferred,
@@ -38,7 +38,6 @@ from simulator.strategies.zero3.experts import (
     expert_units_sharded,
     moe_dense_reduction,
     moe_exposed,
-    stage_expert_units,
     stage_units,
 )
 from simulator.strategies.zero3.workload import Zero3Pass
@@ -213,9 +212,7 @@ def zero3_reductions(s: Scenario, layout: Layout, hw: HardwareProfile, stage: in
     rdt = s.stack.reduce_bytes(dtype_bytes(trn.dtype))
     parts = zero3_collectives(spec, s.stack)
     units = layers * parts
-    per_step = zero3_collective_counts(s, stage)["reduce_scatter"]
-    roots = (per_step if deferred(s) else per_step // s.microbatches) - units \
-        - stage_expert_units(s, stage)
+    roots = root_units(par, stage)
     unit = mdl.layer_params(spec) / par.tp * rdt / parts
     root = zero3_root_bytes(s, stage)[0] / dtype_bytes(trn.dtype) * rdt
     group = layout.shard_group(0)
