@@ -26,7 +26,11 @@ from simulator.builder.workload import build_workload, layout_of
 from simulator.engine.engine import simulate
 from simulator.spec.load import scenario_from_dict
 from simulator.spec.scenario import Scenario
-from simulator.strategies.zero3.buffers import accumulated_grads, zero3_layer_bytes
+from simulator.strategies.zero3.buffers import (
+    accumulated_grads,
+    moment_words,
+    zero3_layer_bytes,
+)
 from simulator.strategies.zero3.counts import zero3_collective_counts
 from simulator.strategies.zero3.deferred import accumulate_ops, deferred, gathers
 
@@ -233,6 +237,10 @@ def test_memory_holds_the_accumulated_gradients_and_every_gathered_unit() -> Non
         assert m.comm_buffers >= e.comm_buffers + held - 1e-6
     assert accumulated_grads(titan(m=1), 0) == 0.0  # one backward: nothing accumulates
     assert accumulated_grads(eager, 0) == 0.0
+    # `clustersim memory` says so in the buffers' item
+    assert "accumulated" in moment_words(s, 0) and "every unit" in moment_words(s, 0)
+    assert "accumulated" not in moment_words(titan(m=1), 0)
+    assert "pipelining" not in moment_words(eager, 0)
 
 
 @pytest.mark.parametrize("m", [4, 8])

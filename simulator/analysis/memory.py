@@ -38,7 +38,7 @@ from simulator.strategies import registry
 from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
 from simulator.strategies.offload import offloaded
-from simulator.strategies.zero3.buffers import MOMENTS, zero3_peak
+from simulator.strategies.zero3.buffers import moment_words, zero3_peak
 
 
 def loss_and_buffers(s: Scenario, stage: int) -> tuple[float, float]:
@@ -254,7 +254,7 @@ def memory_items(m: MemoryBreakdown, s: Scenario | None = None) -> list[tuple[st
     if s is not None:
         tensors["optimizer"] = ("optimizer", optimizer_source(s))
         if s.parallel.zero == 3 and s.parallel.dp > 1 and m.moment != "metrics":
-            moment = MOMENTS[zero3_peak(s, m.stage).name]
+            moment = moment_words(s, m.stage)
             tensors["comm_buffers"] = ("buffers", "ZeRO-3's gathered units and unsharded "
                                        f"gradients at the peak's moment, {moment} (zero3_peak)")
     return [*((name, getattr(m, field), source)

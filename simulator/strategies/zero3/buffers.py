@@ -40,7 +40,19 @@ from simulator.strategies.zero3.deferred import deferred
 #: the moments of :func:`zero3_moments`, in words (``clustersim memory``'s buffers item)
 MOMENTS = {"loss": "the loss's backward (the root and the running unit gathered)",
            "block": "the first block's backward (running and prefetched units, the "
-                    "unsharded gradients; under pipelining every unit's, accumulated)"}
+                    "unsharded gradients)"}
+
+
+def moment_words(scenario: Scenario, stage: int) -> str:
+    """The peak's moment of ``stage`` in words (:data:`MOMENTS`), and under deferred
+    reductions what every moment holds beside it."""
+    name = zero3_peak(scenario, stage).name
+    if not deferred(scenario):
+        return MOMENTS[name]
+    held = ", their gradients accumulated unsharded" \
+        if accumulated_grads(scenario, stage) else ""
+    return MOMENTS[name].split(" (")[0] + " (torch.distributed.pipelining: every unit of " \
+        f"the stage gathered{held})"
 
 
 @dataclass(frozen=True)
