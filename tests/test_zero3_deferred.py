@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.analysis.memory import memory_report
+from simulator.analysis.memory import memory_report, states
 from simulator.analysis.memory_timeline import memory_timeline, stage_peaks
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload, layout_of
@@ -235,6 +235,10 @@ def test_memory_holds_the_accumulated_gradients_and_every_gathered_unit() -> Non
         held = accumulated_grads(s, stage)
         assert held > 4 * zero3_layer_bytes(s)  # 4 layers at fp32 / bf16 = 2x each, and root
         assert m.comm_buffers >= e.comm_buffers + held - 1e-6
+        # the sharded gradients are made after the last backward, the activations gone:
+        # only what exceeds them counts at the peak (all of them reducing every backward)
+        assert e.gradients == pytest.approx(states(s, stage)[1], rel=1e-12)
+        assert m.gradients <= max(e.gradients - m.activations, 0.0) + 1e-6
     assert accumulated_grads(titan(m=1), 0) == 0.0  # one backward: nothing accumulates
     assert accumulated_grads(eager, 0) == 0.0
     # `clustersim memory` says so in the buffers' item

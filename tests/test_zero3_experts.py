@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_accounting import assert_partition
 from test_expert_parallel import COMPOSED, TINY_MOE
 
-from simulator.analysis.memory import memory_report
+from simulator.analysis.memory import memory_report, states
 from simulator.api import simulate_scenario
 from simulator.builder.workload import build_workload, layout_of
 from simulator.engine.lockstep import lockstep_size
@@ -167,7 +167,11 @@ def test_memory_divides_every_state_by_the_stage_ranks() -> None:
         params = stage_params(s.model, par.pp, stage)
         w, g, o = (4.0, 4.0, 8.0)  # torchtitan: fp32 parameters are the master (FSDP2 MP)
         assert m.weights == pytest.approx(w * params / ranks, rel=1e-12)
-        assert m.gradients == pytest.approx(g * params / ranks, rel=1e-12)
+        assert states(s, stage)[1] == pytest.approx(g * params / ranks, rel=1e-12)
+        # under torchtitan's pipelining the sharded gradients are made after the last
+        # backward (strategies.zero3.deferred): at the peak only what exceeds the
+        # activations then (fsdp_grads_at_peak)
+        assert m.gradients <= max(g * params / ranks - m.activations, 0.0) + 1e-6
         assert m.optimizer == pytest.approx(o * params / ranks, rel=1e-12)
     layer = (moe.layer_params(s.model, 0) - moe.expert_params(s.model, 0)) / par.tp \
         + moe.expert_params(s.model, 0) / (par.etp * par.ep)

@@ -39,6 +39,7 @@ from simulator.strategies.compression.arithmetic import memory_extra
 from simulator.strategies.data.strategy import bucket_buffers
 from simulator.strategies.offload import offloaded
 from simulator.strategies.zero3.buffers import moment_words, zero3_peak
+from simulator.strategies.zero3.deferred import deferred
 
 
 def loss_and_buffers(s: Scenario, stage: int) -> tuple[float, float]:
@@ -161,9 +162,12 @@ def fsdp_grads_at_peak(s: Scenario, gradients: float, saved: float) -> float:
     where the saved tensors peak, holds none of them, and each layer's gradient is made as
     that layer's saved tensors are freed: the step holds max(saved, gradients) of the two,
     so only what the gradients exceed the saved tensors by is added. With more micro-batches
-    the first one's gradients are there for the second's backward: all of them."""
+    the first one's gradients are there for the second's backward: all of them; but not
+    where the reductions wait for the stage's last backward
+    (:mod:`simulator.strategies.zero3.deferred`), whose backwards accumulate unsharded
+    gradients instead (the ZeRO-3 buffers) and make the sharded ones after the last."""
     fsdp = s.parallel.zero == 3 and s.stack.master_weights == "parameters"
-    if not fsdp or s.microbatches > 1:
+    if not fsdp or (s.microbatches > 1 and not deferred(s)):
         return gradients
     return max(gradients - saved, 0.0)
 
