@@ -49,6 +49,7 @@ from simulator.spec.placement import stage_layers
 from simulator.spec.scenario import Scenario
 from simulator.strategies.expert.layer import edp_group
 from simulator.strategies.timing import collective_time
+from simulator.strategies.zero3.deferred import deferred
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
 
@@ -150,9 +151,13 @@ def moe_exposed(s: Scenario, layout: Layout, hw: HardwareProfile, stage: int, t_
     # within the micro-batch's compute, so the gathers wait for whatever part of the
     # window the reductions fill (a reduction beyond the window is the reduction's own
     # exposed time, counted with the gradients).
-    window = t_f + t_b
-    total = sum(n * g for n, g in gathers) * (2 if par.reshard_after_forward else 1)
-    links = total - max(0.0, window - stage_reduction(s, layout, hw, stage))
+    # Deferred to the stage's last backward (zero3.deferred), no reduction runs within a
+    # micro-batch, and a unit is gathered at most once a micro-batch.
+    window, defer = t_f + t_b, deferred(s)
+    total = sum(n * g for n, g in gathers) * (2 if par.reshard_after_forward and not defer
+                                              else 1)
+    reduction = 0.0 if defer else stage_reduction(s, layout, hw, stage)
+    links = total - max(0.0, window - reduction)
     return fwd, max(bwd, links - fwd)
 
 
