@@ -71,7 +71,7 @@ class DataPass(Pass):
         self.compressor = Compressor(ctx, self.stream) \
             if effective_method(ctx.s) != "none" else None
         self.deferred = deferred(ctx.s)  # reductions at each stage's last backward only
-        self.backwards: dict[tuple[int, int], int] = {}  # (rank, stage) -> backwards run
+        self.backwards: set[tuple[int, int]] = set()  # (rank, stage) that ran a backward
         self.copied: dict[int, Task] = {}  # the last FSDP copy a deferred reduction placed
 
     def weight_grads(self, rank: int, index: int, action: Action, done: list[Task],
@@ -104,10 +104,11 @@ class DataPass(Pass):
         reduce-scattered, the root first, then the blocks in order (``REDUCE_GRAD``'s
         ``post_backward`` calls), and the compute stream waits for them."""
         ctx, key = self.ctx, (rank, action.stage)
-        fresh = self.backwards.get(key, 0) == 0
-        self.backwards[key] = self.backwards.get(key, 0) + 1
+        fresh = key not in self.backwards
+        self.backwards.add(key)
         cost = ctx.cost_of(rank)
-        for size, task in self.zero3_units(action.stage, done):
+        units = list(enumerate(self.zero3_units(action.stage, done)))
+        for _, (size, task) in units:
             ops = accumulate_ops(ctx.s, size / ctx.grad_dt, fresh)
             if ops:
                 acc = ctx.compute_after(rank, task, "Z", "backward",
@@ -117,10 +118,9 @@ class DataPass(Pass):
         if not self.last[rank] or not done:
             return
         self.issued[rank] = []
-        layers = len(ctx.layers_of(action.stage))
-        units = list(enumerate(self.zero3_units(action.stage, done)))
-        self.copied[rank] = done[-1]
         ids = ctx.layers_of(action.stage)
+        layers = len(ids)
+        self.copied[rank] = done[-1]
         for i, (size, _) in [u for u in units if u[0] >= layers] \
                 + [u for u in reversed(units) if u[0] < layers]:  # the root, then blocks
             pending.append((size, self.copied[rank], (action.stage, i)))
