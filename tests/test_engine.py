@@ -378,6 +378,30 @@ def test_analytic_equals_engine_single_stage(tied):
     assert ana["step_time_s"] == pytest.approx(met["step_time_s"], rel=EXACT)
 
 
+@pytest.mark.parametrize(("tied", "schedule", "v"), [(True, "1f1b", 1), (False, "1f1b", 1),
+                                                     (True, "interleaved", 2),
+                                                     (True, "zbv", 2)])
+def test_closed_form_charges_the_tied_embeddings_all_reduce(tied, schedule, v):
+    """Megatron's all-reduce of the word embedding's gradient between the first stage and
+    the last stage's copy, on the compute stream before the optimizer step: the closed
+    form charges the engine's exposed figure where nothing else is in flight (dp 1),
+    at most it beside the data-parallel reductions (the engine's links shared: the
+    closed form leaves contention out); none untied, none under ZBV (both ends on rank
+    0, no copy)."""
+    for dp in (1, 2):
+        s = make_scenario(pp=2, dp=dp, m=4, schedule=schedule, v=v,
+                          model={"layers": 8, "hidden": 1024, "heads": 8, "vocab": 32000,
+                                 "seq_len": 256, "tied_embeddings": tied})
+        met, _ = run_engine(s)
+        charged = analytic_estimate(s)["step_breakdown_s"]["embedding_tie_transfer"]
+        tie = met["step_breakdown_s"]["embedding_tie_transfer"]
+        assert (tie > 0) == (tied and schedule != "zbv")
+        if dp == 1:
+            assert charged == pytest.approx(tie, rel=1e-9)
+        else:
+            assert 0 < charged <= tie * (1 + 1e-9) or charged == tie == 0
+
+
 G13 = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 51200, "seq_len": 2048}
 REALISTIC = [
     # name, model, nodes, tp, pp, dp, schedule, m, extra parallel

@@ -19,12 +19,31 @@ from simulator.model.memory import stage_expert_params, stage_params
 from simulator.schedules import registry
 from simulator.schedules.registry import requirements, schedule_spec
 from simulator.spec.base import divisor_list
-from simulator.spec.placement import head_rank, placement_problems, stage_ends, stage_layers
+from simulator.spec.placement import (
+    head_rank,
+    placement_problems,
+    stage_ends,
+    stage_layers,
+    tied_copy,
+)
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import AnalyticView, Dimension, Strategy
 from simulator.strategies.timing import collective_time
 from simulator.system.hardware import HardwareProfile
 from simulator.system.layout import Layout
+
+
+def tie_seconds(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
+    """The all-reduce of the word embedding's gradient between the first stage and the
+    last stage's copy (Megatron-LM ``_allreduce_word_embedding_grads``), where the last
+    stage keeps one (:func:`simulator.spec.placement.tied_copy`), as the pipeline pass
+    issues it at the step's end; 0 elsewhere."""
+    spec, par = s.model, s.parallel
+    if not (spec.head_needs_embedding and tied_copy(par)):
+        return 0.0
+    size = spec.vocab * spec.hidden / par.tp * dtype_bytes(s.training.dtype)
+    group = (layout.rank(0, 0, 0, 0), layout.rank(head_rank(par), 0, 0, 0))
+    return collective_time(s, layout, "all_reduce", size, group, hw)
 
 
 def schedule_problems(s: Scenario, per_step: int) -> list[Problem]:
@@ -105,16 +124,20 @@ class PipelineParallel(Strategy):
     def analytic_terms(self, view: AnalyticView) -> dict[str, float]:
         """DualPipe's sum of the two copies' gradients (:func:`copies_bytes`), an
         all-reduce between rank r and pp − 1 − r after the data-parallel reductions, at
-        the busiest rank's size."""
+        the busiest rank's size; and the tied word embedding's gradient all-reduced
+        between the first and the last stage before the optimizer step, on the compute
+        stream (:func:`tie_seconds`)."""
         s, lay = view.s, view.layout
         pp = s.parallel.pp
+        tie = tie_seconds(s, lay, view.hw)
         if schedule_spec(s.parallel.schedule).directions != 2:
-            return {}
+            return {"embedding_tie_transfer": tie} if tie else {}
         rank = max(range(pp), key=lambda r: copies_bytes(s, r))
         group = (lay.rank(min(rank, pp - 1 - rank), 0, 0, 0),
                  lay.rank(max(rank, pp - 1 - rank), 0, 0, 0))
-        return {"dp_transfer": collective_time(s, lay, "all_reduce", copies_bytes(s, rank),
-                                               group, view.hw)}
+        out = {"dp_transfer": collective_time(s, lay, "all_reduce", copies_bytes(s, rank),
+                                              group, view.hw)}
+        return {**out, "embedding_tie_transfer": tie} if tie else out
 
     def dimensions(self) -> tuple[Dimension, ...]:
         return (Dimension(("pp",), ("parallel.pp",), 30, _stage_counts),
