@@ -22,7 +22,9 @@ optimizer step. Pipeline transfers on the fill and drain (2(p − 1) of them, ea
 with the profile's send sync cost ``gpu.send_sync_us``, as the engine's sends) are
 exposed; DP gradient all-reduce is exposed beyond what the last backward hides (all of
 it without overlap; the backward as the step has it, ZeRO-3's exposed gathers in it);
-then the optimizer step and, under ZeRO-1/2, the parameter all-gather. ZeRO-3 adds
+then the tied word embedding's all-reduce between the first and the last stage (the
+pipeline strategy's term), the optimizer step and, under ZeRO-1/2, the parameter
+all-gather. ZeRO-3 adds
 each layer's gathers beyond what the neighbouring layer's compute hides and, per
 micro-batch, the root unit's gather (embedding, head), which waits for the compute
 before it (FSDP2's root pre-forward); with experts each MoE layer's expert unit too,
