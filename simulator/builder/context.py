@@ -32,7 +32,7 @@ from simulator.model.inventory.mtp import mtp_end_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, zero3_collectives
 from simulator.schedules.action import Action, Schedule
-from simulator.spec.placement import chunk_layers, tied_copy
+from simulator.spec.placement import chunk_layers, embedding_copy_params
 from simulator.spec.scenario import OverlapSpec, Scenario
 from simulator.system.collectives.choice import make_plan
 from simulator.system.collectives.plan import GroupShape, Plan
@@ -195,9 +195,7 @@ class Context:
         """Megatron keeps a copy of the word embedding on the last stage, when that stage
         needs it (a tied output layer, multi-token prediction) and its rank is not the
         first's (pp > 1 and no V placement)."""
-        spec = self.s.model
-        return spec.vocab * spec.hidden \
-            if spec.head_needs_embedding and tied_copy(self.s.parallel) else 0
+        return embedding_copy_params(self.s.model, self.s.parallel)
 
     def grad_bytes(self, stage: int) -> list[float]:
         """Gradient bytes (in the stack's reduction dtype) each 'done' task of a backward

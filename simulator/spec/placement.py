@@ -48,6 +48,7 @@ from simulator.schedules.action import rank_stages, stage_rank
 from simulator.schedules.registry import schedule_spec
 
 if TYPE_CHECKING:
+    from simulator.spec.model_spec import ModelSpec
     from simulator.spec.scenario import ParallelSpec
 
 FIELD = "parallel.layers_per_stage"
@@ -116,6 +117,13 @@ def tied_copy(par: ParallelSpec) -> bool:
     """Whether a tied word embedding needs Megatron's copy on the output layer's rank
     (the embedding and the output layer on different ranks)."""
     return head_rank(par) != 0
+
+
+def embedding_copy_params(spec: ModelSpec, par: ParallelSpec) -> int:
+    """Parameters of Megatron's word-embedding copy on the output layer's rank: the
+    embedding's where that rank uses it (a tied output layer, multi-token prediction)
+    and is not the first's (:func:`tied_copy`); 0 otherwise."""
+    return spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
 
 
 #: :func:`stage_layers` by the fields it reads: a planner asks it of every stage of every

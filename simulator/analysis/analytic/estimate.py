@@ -219,11 +219,12 @@ def _reduction(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     f = interference(s, layout, g.dp_op, g.grad_bytes, layout.dp_group(0), hw)
     slow = stretch(g.t_dp, hidden, f)
     waits = z.bwd / par.virtual_stages if hidden else 0.0  # no compute to slow there
-    beside = _before_root(s, cost, pipe, g) if hidden and g.t_tail[0] else 0.0
+    defer = deferred(s)  # torch.distributed.pipelining: after each stage's last backward
+    beside = _before_root(s, cost, pipe, g) if hidden and g.t_tail[0] and not defer else 0.0
     tails = [max(g.t_tail[2], t - beside) if hidden else 0.0
              for t in g.t_tail[:2]]  # ZeRO-3: the reductions issued at each backward's end
     exposed_dp = max(tails[0], g.t_dp - hidden - waits - slow)
-    if deferred(s):  # torch.distributed.pipelining: after each stage's last backward
+    if defer:
         slow, exposed_dp = 0.0, deferred_exposed(g.t_dp, b + w, par.virtual_stages,
                                                  bool(hidden))
     elif par.zero >= 2 and par.dp * par.cp > 1 and m > 1:

@@ -15,7 +15,7 @@ from simulator.model.inventory.layer import layer_tensors
 from simulator.model.inventory.mtp import mtp_end_tensors
 from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import END_TENSORS, ddp_copy_ops
-from simulator.spec.placement import holds_embedding, holds_head, tied_copy
+from simulator.spec.placement import embedding_copy_params, holds_embedding, holds_head
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import Dimension, Strategy
 from simulator.strategies.compression import arithmetic as cmp
@@ -44,7 +44,7 @@ def ddp_copies(s: Scenario, cost: CostModel, stage: int, layers: int) -> float:
     dt = stack.reduce_bytes(dtype_bytes(s.training.dtype))
     units = [(mdl.layer_params(spec) / par.tp, layer_tensors(spec, stack))] * layers
     if holds_head(par, stage):
-        tied = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
+        tied = embedding_copy_params(spec, par)
         head = (mdl.head_params(spec) + tied) / par.tp
         end = END_TENSORS + mtp_end_tensors(spec)
         units = [(units[0][0] + head, units[0][1] + end), *units[1:]] if units \

@@ -51,7 +51,7 @@ from simulator.schedules.action import Action
 from simulator.strategies.compression.arithmetic import bucket_caps, effective_method
 from simulator.strategies.compression.workload import Compressor, Unit
 from simulator.strategies.data.grad_norm import GRAD_NORM_BYTES, grad_norm_reduced
-from simulator.strategies.zero3.deferred import accumulate_ops, deferred
+from simulator.strategies.zero3.deferred import accumulate_after, deferred
 from simulator.strategies.zero3.experts import dense_unit
 from simulator.system.units import CollectiveName
 
@@ -106,15 +106,9 @@ class DataPass(Pass):
         ctx, key = self.ctx, (rank, action.stage)
         fresh = key not in self.backwards
         self.backwards.add(key)
-        cost = ctx.cost_of(rank)
         units = list(enumerate(self.zero3_units(action.stage, done)))
         for _, (size, task) in units:
-            ops = accumulate_ops(ctx.s, size / ctx.grad_dt, fresh)
-            if ops:
-                acc = ctx.compute_after(rank, task, "Z", "backward",
-                                        f"fsdp.{fsdp_task_name(ops)} mb{action.microbatch}",
-                                        cost.ops_time(ops))
-                acc.weight_s = acc.duration  # gradient work: the backward's weight share
+            accumulate_after(ctx, rank, task, size / ctx.grad_dt, fresh, action.microbatch)
         if not self.last[rank] or not done:
             return
         self.issued[rank] = []

@@ -52,7 +52,7 @@ from simulator.spec.recompute import layer_mode
 from simulator.strategies.expert import dispatcher
 from simulator.strategies.expert import layer as epar
 from simulator.strategies.expert.dispatcher import Exchange, GroupName
-from simulator.strategies.zero3.deferred import accumulate_ops, deferred
+from simulator.strategies.zero3.deferred import accumulate_after, deferred
 from simulator.system.collectives.plan import GroupShape, Plan
 from simulator.system.units import CollectiveName
 
@@ -209,14 +209,8 @@ class ExpertPass(Pass):
         fresh = key not in self.backwards
         self.backwards.add(key)
         for layer, task in zip(reversed(ctx.layers_of(action.stage)), done, strict=False):
-            ops = accumulate_ops(ctx.s, epar.expert_grad_bytes(ctx.s, layer) / ctx.grad_dt,
-                                 fresh)
-            if ops and epar.expert_grad_bytes(ctx.s, layer):
-                acc = ctx.compute_after(rank, task, "Z", "backward",
-                                        f"fsdp.experts_{ops[0].name.split('_', 1)[1]} "
-                                        f"L{layer} mb{action.microbatch}",
-                                        ctx.cost_of(rank).ops_time(ops))
-                acc.weight_s = acc.duration  # gradient work: the backward's weight share
+            accumulate_after(ctx, rank, task, epar.expert_grad_bytes(ctx.s, layer)
+                             / ctx.grad_dt, fresh, action.microbatch, "experts_", f" L{layer}")
 
     def layers(self, rank: int) -> list[range]:
         """The layer runs ``rank`` holds, one per chunk."""

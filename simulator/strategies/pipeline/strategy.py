@@ -20,11 +20,11 @@ from simulator.schedules import registry
 from simulator.schedules.registry import requirements, schedule_spec
 from simulator.spec.base import divisor_list
 from simulator.spec.placement import (
+    embedding_copy_params,
     head_rank,
     placement_problems,
     stage_ends,
     stage_layers,
-    tied_copy,
 )
 from simulator.spec.scenario import Scenario
 from simulator.strategies.base import AnalyticView, Dimension, Strategy
@@ -36,12 +36,13 @@ from simulator.system.layout import Layout
 def tie_seconds(s: Scenario, layout: Layout, hw: HardwareProfile) -> float:
     """The all-reduce of the word embedding's gradient between the first stage and the
     last stage's copy (Megatron-LM ``_allreduce_word_embedding_grads``), where the last
-    stage keeps one (:func:`simulator.spec.placement.tied_copy`), as the pipeline pass
+    stage keeps one (:func:`simulator.spec.placement.embedding_copy_params`), as the pipeline pass
     issues it at the step's end; 0 elsewhere."""
-    spec, par = s.model, s.parallel
-    if not (spec.head_needs_embedding and tied_copy(par)):
+    par = s.parallel
+    copy = embedding_copy_params(s.model, par)
+    if not copy:
         return 0.0
-    size = spec.vocab * spec.hidden / par.tp * dtype_bytes(s.training.dtype)
+    size = copy / par.tp * dtype_bytes(s.training.dtype)
     group = (layout.rank(0, 0, 0, 0), layout.rank(head_rank(par), 0, 0, 0))
     return collective_time(s, layout, "all_reduce", size, group, hw)
 

@@ -33,7 +33,12 @@ from simulator.model.inventory.ops import dtype_bytes
 from simulator.model.inventory.sharding import zero3_blocks
 from simulator.model.memory import logits, logits_after_head, rank_params
 from simulator.model.transformer import embedding_params, head_params, layer_params
-from simulator.spec.placement import holds_embedding, holds_head, stage_layer_count, tied_copy
+from simulator.spec.placement import (
+    embedding_copy_params,
+    holds_embedding,
+    holds_head,
+    stage_layer_count,
+)
 from simulator.spec.scenario import Scenario
 from simulator.strategies.zero3.deferred import deferred
 
@@ -80,7 +85,7 @@ def zero3_root_bytes(scenario: Scenario, stage: int) -> tuple[float, float]:
     gathered = embedding_params(spec) if holds_embedding(par, stage) else 0.0
     grad = 0.0
     if holds_head(par, stage):
-        copy = spec.vocab * spec.hidden if spec.head_needs_embedding and tied_copy(par) else 0
+        copy = embedding_copy_params(spec, par)
         gathered += head_params(spec) + copy
         grad = head_params(spec) + max(tied, copy)
     return gathered * dt, grad * dt

@@ -27,14 +27,20 @@ So on a stage:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from simulator.model.inventory.ops import Op, dtype_bytes, mem
-from simulator.model.inventory.sharding import fsdp_runtime
+from simulator.model.inventory.sharding import fsdp_runtime, fsdp_task_name
 from simulator.schedules.action import Action, stage_rank
 from simulator.schedules.registry import build_schedule, schedule_spec
 from simulator.spec.placement import rank_virtual_stages
 from simulator.spec.scenario import ParallelSpec, Scenario
+
+if TYPE_CHECKING:
+    from simulator.builder.context import Context
+    from simulator.builder.tasks import Task
 
 
 def deferred(s: Scenario) -> bool:
@@ -67,9 +73,15 @@ def gathers(kinds: Iterable[str], reshard_after_forward: bool) -> tuple[int, int
 def stage_actions(s: Scenario, stage: int) -> list[Action]:
     """Virtual ``stage``'s actions in its rank's order."""
     par = s.parallel
-    sched = build_schedule(par.schedule, par.pp, s.microbatches, par.virtual_stages)
-    rank = stage_rank(sched.placement, par.pp, par.virtual_stages, stage)
-    return [a for a in sched.actions[rank] if a.stage == stage]
+    return list(_stage_actions(par.schedule, par.pp, s.microbatches, par.virtual_stages,
+                               stage))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_actions(schedule: str, p: int, m: int, v: int, stage: int) -> tuple[Action, ...]:
+    sched = build_schedule(schedule, p, m, v)
+    rank = stage_rank(sched.placement, p, v, stage)
+    return tuple(a for a in sched.actions[rank] if a.stage == stage)
 
 
 def first_stage(par: ParallelSpec, rank: int) -> int:
@@ -79,9 +91,11 @@ def first_stage(par: ParallelSpec, rank: int) -> int:
 
 def stage_gathers(s: Scenario, stage: int) -> tuple[int, int]:
     """(forward, backward) all-gathers per step of each layer unit of virtual
-    ``stage`` (:func:`gathers` over its actions)."""
-    kinds = [a.kind for a in stage_actions(s, stage)]
-    return gathers(kinds, s.parallel.reshard_after_forward)
+    ``stage`` (:func:`gathers` over its actions): one, before the stage's first action (a
+    forward), where no forward reshards; else by the walk (the schedule built once)."""
+    if not s.parallel.reshard_after_forward:
+        return 1, 0
+    return gathers([a.kind for a in stage_actions(s, stage)], True)
 
 
 def accumulate_ops(s: Scenario, elements: float, first: bool) -> tuple[Op, ...]:
@@ -95,6 +109,21 @@ def accumulate_ops(s: Scenario, elements: float, first: bool) -> tuple[Op, ...]:
         return (mem("fsdp_grad_to_reduce_dtype", elements, dt + rdt, "copy"),) \
             if rdt != dt else ()
     return (mem("fsdp_grad_accumulate", elements, dt + 2 * rdt, "elementwise"),)
+
+
+def accumulate_after(ctx: Context, rank: int, after: Task, elements: float, fresh: bool,
+                     mb: int, unit: str = "", where: str = "") -> None:
+    """One backward's accumulation of a unit's ``elements`` unsharded gradients
+    (:func:`accumulate_ops`; the stage's ``fresh`` first backward casts), a task on the
+    compute stream right after ``after``, the task that completes them, named
+    ``fsdp.{unit}{kernel}{where} mb{mb}``; none where nothing runs."""
+    ops = accumulate_ops(ctx.s, elements, fresh)
+    if not ops or elements <= 0:
+        return
+    t = ctx.compute_after(rank, after, "Z", "backward",
+                          f"fsdp.{unit}{fsdp_task_name(ops)}{where} mb{mb}",
+                          ctx.cost_of(rank).ops_time(ops))
+    t.weight_s = t.duration  # gradient work: the backward's weight share
 
 
 def deferred_exposed(t_dp: float, backward: float, v: int, overlapped: bool) -> float:

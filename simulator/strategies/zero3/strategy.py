@@ -302,12 +302,14 @@ def zero3_step(s: Scenario, layout: Layout, cost: CostModel, hw: HardwareProfile
     overlaps = hw.gpu.comm_overlaps_compute
     fwd, bwd = zero3_exposed(s, layout, t_f, t_b, hw, layers_slowest, c, slowest) \
         if par.zero == 3 else (0.0, 0.0)
-    t_zero = (fwd + bwd + zero3_root(s, layout, hw)) * m if par.zero == 3 else 0.0
-    if par.zero == 3:  # the next micro-batch's gathers wait for the backward's last
-        t_zero += (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
     if deferred(s):  # each unit gathered when not held, the root once
         fc, bc = stage_gathers(s, first_stage(par, slowest))
         t_zero = fc * fwd + bc * bwd + zero3_root(s, layout, hw)
+    elif par.zero == 3:  # and the next micro-batch's gathers wait for the backward's last
+        t_zero = (fwd + bwd + zero3_root(s, layout, hw)) * m \
+            + (m - 1) * sum(serial_reductions(s, layout, hw))  # reduce-scatters
+    else:
+        t_zero = 0.0
     fsdp_fwd, fsdp_bwd = fsdp_copies(s, cost, busiest, layers_busiest,
                                      par.overlap.zero3_prefetch and overlaps)
     t_zero += fsdp_fwd + fsdp_bwd

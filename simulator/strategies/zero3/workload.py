@@ -87,11 +87,12 @@ class Zero3Pass(Pass):
             {r: set() for r in ctx.ranks} if deferred(ctx.s) else None
 
     def needs_gather(self, rank: int, unit: object, forward: bool, reshards: bool) -> bool:
-        """Whether a pass of ``unit`` gathers it: always, unless the stage's reductions
-        are deferred (:func:`simulator.strategies.zero3.deferred.gathers`): then only
-        when not held, a forward resharding it after when ``reshards``."""
+        """Whether a pass of ``unit`` gathers it: a forward always, a backward where the
+        forward resharded it; where the stage's reductions are deferred
+        (:func:`simulator.strategies.zero3.deferred.gathers`) only when not held, a forward
+        resharding it after when ``reshards``."""
         if self.held is None:
-            return True
+            return forward or reshards
         held = self.held[rank]
         need = unit not in held
         if forward and reshards:
@@ -148,10 +149,7 @@ class Zero3Pass(Pass):
 
     def layer_start(self, rank: int, forward: bool, mb: int, layer: int,
                     chunk: int) -> Task | None:
-        reshards = self.ctx.s.parallel.reshard_after_forward
-        if not forward and not reshards and self.held is None:
-            return None
-        if not self.needs_gather(rank, layer, forward, reshards):
+        if not self.needs_gather(rank, layer, forward, self.ctx.s.parallel.reshard_after_forward):
             return None
         if not self.by_block:
             return self.gather(rank, "attn", forward, mb, layer, chunk)
